@@ -1,1 +1,25 @@
-//! Placeholder; filled in by its issue.
+//! The wire protocol between Tessera's interposer, arbiter and admin tools.
+//!
+//! Modules:
+//! - [`frame`]: length-prefixed frames with a size limit, blocking I/O and an incremental
+//!   decoder for partial input (used by the async arbiter).
+//! - [`message`]: every message, for both sockets, and the version handshake.
+//! - [`client`]: small blocking clients (tenant and admin) over a Unix socket; the interposer
+//!   has no async runtime, and the CLI and device plugin reuse the admin one.
+//!
+//! A connection opens with a [`message::Hello`] from the client, answered by
+//! [`message::Welcome`] or an error; every later frame is one request or one reply.
+//! Encoding is `postcard` (stable, documented wire format).
+
+pub mod client;
+pub mod frame;
+pub mod message;
+
+pub use frame::{FrameDecoder, FrameError, MAX_FRAME_LEN};
+pub use message::*;
+
+/// Protocol version spoken by this build. Peers with a different major version are refused.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// First bytes of every `Hello`, so a stray client on the socket is told apart from a peer.
+pub const MAGIC: u32 = 0x5445_5353; // "TESS"

@@ -1,0 +1,156 @@
+//! Blocking clients over a Unix socket: [`TenantClient`] for the interposer and
+//! [`AdminClient`] for the CLI and the device plugin.
+
+use std::io;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use crate::frame::{self, FrameError};
+use crate::message::*;
+
+/// Errors of the blocking clients.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// Could not connect to the socket.
+    #[error("cannot connect to {path}: {source}")]
+    Connect {
+        /// Socket path.
+        path: String,
+        /// Cause.
+        source: io::Error,
+    },
+    /// Framing or transport failure.
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    /// The server refused the handshake.
+    #[error("refused by arbiter: {0}")]
+    Refused(String),
+    /// The server answered something that does not fit the request.
+    #[error("unexpected reply from arbiter: {0}")]
+    Unexpected(String),
+    /// The admin API reported an error.
+    #[error("{message}")]
+    Admin {
+        /// Class of failure.
+        kind: AdminErrorKind,
+        /// Reason.
+        message: String,
+    },
+}
+
+fn connect(path: &Path, role: Role) -> Result<(UnixStream, ServerHello), ClientError> {
+    let mut stream = UnixStream::connect(path)
+        .map_err(|source| ClientError::Connect { path: path.display().to_string(), source })?;
+    frame::write_frame(&mut stream, &Hello::new(role))?;
+    let hello: ServerHello = frame::read_frame(&mut stream)?;
+    Ok((stream, hello))
+}
+
+/// A tenant's connection (one per process).
+#[derive(Debug)]
+pub struct TenantClient {
+    stream: UnixStream,
+    allocation: AllocationView,
+}
+
+impl TenantClient {
+    /// Connects and performs the handshake with `token`.
+    pub fn connect(path: &Path, token: &str) -> Result<Self, ClientError> {
+        let (stream, hello) = connect(path, Role::Tenant { token: token.to_owned() })?;
+        match hello {
+            ServerHello::Welcome { allocation: Some(allocation), .. } => {
+                Ok(Self { stream, allocation })
+            }
+            ServerHello::Welcome { allocation: None, .. } => {
+                Err(ClientError::Unexpected("welcome without allocation".into()))
+            }
+            ServerHello::Refused { reason } => Err(ClientError::Refused(reason)),
+        }
+    }
+
+    /// The allocation this token belongs to.
+    pub fn allocation(&self) -> &AllocationView {
+        &self.allocation
+    }
+
+    /// The underlying socket (e.g. to set timeouts or close on fork).
+    pub fn stream(&self) -> &UnixStream {
+        &self.stream
+    }
+
+    /// Sends a request and waits for its reply.
+    pub fn call(&mut self, req: &TenantRequest) -> Result<TenantReply, ClientError> {
+        frame::write_frame(&mut self.stream, req)?;
+        Ok(frame::read_frame(&mut self.stream)?)
+    }
+
+    /// Sends a one-way request (`Release`, `LeaseRelease`).
+    pub fn send(&mut self, req: &TenantRequest) -> Result<(), ClientError> {
+        Ok(frame::write_frame(&mut self.stream, req)?)
+    }
+}
+
+/// An admin connection.
+#[derive(Debug)]
+pub struct AdminClient {
+    stream: UnixStream,
+}
+
+impl AdminClient {
+    /// Connects to the admin socket.
+    pub fn connect(path: &Path) -> Result<Self, ClientError> {
+        let (stream, hello) = connect(path, Role::Admin)?;
+        // A wedged arbiter must not hang the CLI or the device plugin forever.
+        let timeout = Some(Duration::from_secs(30));
+        let _ = stream.set_read_timeout(timeout);
+        let _ = stream.set_write_timeout(timeout);
+        match hello {
+            ServerHello::Welcome { .. } => Ok(Self { stream }),
+            ServerHello::Refused { reason } => Err(ClientError::Refused(reason)),
+        }
+    }
+
+    fn call(&mut self, req: &AdminRequest) -> Result<AdminReply, ClientError> {
+        frame::write_frame(&mut self.stream, req)?;
+        match frame::read_frame(&mut self.stream)? {
+            AdminReply::Error { kind, message } => Err(ClientError::Admin { kind, message }),
+            reply => Ok(reply),
+        }
+    }
+
+    /// The node's GPUs.
+    pub fn gpus(&mut self) -> Result<Vec<GpuInfo>, ClientError> {
+        match self.call(&AdminRequest::ListGpus)? {
+            AdminReply::Gpus(g) => Ok(g),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Creates an allocation; returns its token and status.
+    pub fn create(
+        &mut self,
+        req: CreateAllocation,
+    ) -> Result<(String, AllocationStatus), ClientError> {
+        match self.call(&AdminRequest::Create(req))? {
+            AdminReply::Created { token, allocation } => Ok((token, allocation)),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Every allocation with its use.
+    pub fn list(&mut self) -> Result<Vec<AllocationStatus>, ClientError> {
+        match self.call(&AdminRequest::List)? {
+            AdminReply::Allocations(a) => Ok(a),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Deletes an allocation by id.
+    pub fn delete(&mut self, id: &str) -> Result<(), ClientError> {
+        match self.call(&AdminRequest::Delete { id: id.to_owned() })? {
+            AdminReply::Deleted => Ok(()),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+}

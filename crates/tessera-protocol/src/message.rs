@@ -1,0 +1,271 @@
+//! Every message on Tessera's two sockets.
+//!
+//! The tenant socket (mounted into containers) carries [`TenantRequest`]/[`TenantReply`];
+//! the admin socket (never mounted into containers) carries [`AdminRequest`]/[`AdminReply`].
+//! Both open with [`Hello`] -> [`ServerHello`]. New variants are only ever appended, so
+//! postcard's variant indices stay stable within a protocol version.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Who is connecting.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Role {
+    /// A process running under the interposer, identified by its allocation token.
+    /// Its pid is taken from `SO_PEERCRED`, never from the message.
+    Tenant {
+        /// The allocation token handed out by the admin API.
+        token: String,
+    },
+    /// An admin tool (CLI, device plugin) on the admin socket.
+    Admin,
+}
+
+/// First frame of every connection, client to server.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// Must be [`crate::MAGIC`].
+    pub magic: u32,
+    /// The client's [`crate::PROTOCOL_VERSION`].
+    pub version: u32,
+    /// What the client is.
+    pub role: Role,
+}
+
+impl Hello {
+    /// A hello for this build's version.
+    pub fn new(role: Role) -> Self {
+        Self { magic: crate::MAGIC, version: crate::PROTOCOL_VERSION, role }
+    }
+}
+
+/// The server's answer to [`Hello`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ServerHello {
+    /// Accepted; for tenants, the allocation's limits.
+    Welcome {
+        /// The server's protocol version.
+        version: u32,
+        /// The tenant's allocation (`None` for admin connections).
+        allocation: Option<AllocationView>,
+    },
+    /// Refused; the server closes the connection after this frame.
+    Refused {
+        /// Why, for the log and the user.
+        reason: String,
+    },
+}
+
+/// What a tenant learns about its own allocation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocationView {
+    /// Public allocation id (not the token).
+    pub id: String,
+    /// GPU index on the node.
+    pub gpu_index: u32,
+    /// GPU UUID, `GPU-...`.
+    pub gpu_uuid: String,
+    /// Bytes the whole allocation may hold at once.
+    pub memory_limit: u64,
+    /// Compute weight, 1..=100.
+    pub share: u32,
+    /// Hard ceiling on the fraction of GPU time, percent, if any.
+    pub cap: Option<u32>,
+}
+
+/// Requests on the tenant socket.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TenantRequest {
+    /// Reserve `bytes` before an allocation; answered by `Reserved` or `Denied`.
+    /// Reservation is atomic across all processes of the allocation.
+    Reserve {
+        /// Bytes to reserve.
+        bytes: u64,
+    },
+    /// Return `bytes` after a free (or a failed driver allocation). One-way: no reply, so a
+    /// free costs no round trip; frames on one connection are handled in order.
+    Release {
+        /// Bytes to release.
+        bytes: u64,
+    },
+    /// After a reconnect: the process declares what it already holds. Always accepted (the
+    /// memory is live); answered by `Reserved`.
+    Redeclare {
+        /// Bytes this process holds.
+        bytes: u64,
+    },
+    /// Ask for the allocation's limit and use; answered by `MemInfo`.
+    MemInfo,
+    /// Liveness check; answered by `Pong`.
+    Ping,
+    /// Compute sharing: ask for a time-slice lease on the allocation's GPU; answered by
+    /// `LeaseGranted` once the arbiter grants it (the reply may wait).
+    LeaseAcquire,
+    /// Compute sharing: the lease is over (or handed back early); reports the GPU time the
+    /// process's work really used during it, overrun included. One-way.
+    LeaseRelease {
+        /// Lease being returned.
+        lease_id: u64,
+        /// Measured GPU busy time charged to this lease, ns.
+        busy_ns: u64,
+        /// True when handed back before its deadline because the queue drained.
+        early: bool,
+    },
+}
+
+/// Replies on the tenant socket.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TenantReply {
+    /// Reservation (or redeclaration) accepted.
+    Reserved {
+        /// Allocation-wide bytes in use after it.
+        in_use: u64,
+    },
+    /// Reservation refused: it would pass the limit.
+    Denied {
+        /// The allocation's limit.
+        limit: u64,
+        /// Allocation-wide bytes in use.
+        in_use: u64,
+    },
+    /// Answer to `MemInfo`.
+    MemInfo {
+        /// The allocation's limit.
+        limit: u64,
+        /// Allocation-wide bytes in use.
+        in_use: u64,
+    },
+    /// Answer to `Ping`.
+    Pong,
+    /// A lease: the holder may launch work until `duration_ns` after it received this.
+    LeaseGranted {
+        /// Lease id, echoed in `LeaseRelease`.
+        lease_id: u64,
+        /// Lease length, ns.
+        duration_ns: u64,
+    },
+    /// The request could not be served.
+    Error {
+        /// Why.
+        message: String,
+    },
+}
+
+/// Which GPU an allocation lives on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GpuSelector {
+    /// Node-wide GPU index (NVML order).
+    Index(u32),
+    /// GPU UUID, `GPU-...`.
+    Uuid(String),
+}
+
+/// A new allocation's parameters.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreateAllocation {
+    /// The GPU.
+    pub gpu: GpuSelector,
+    /// Memory limit in bytes (at most the GPU's memory).
+    pub memory_limit: u64,
+    /// Compute weight, 1..=100.
+    pub share: u32,
+    /// Hard ceiling on the fraction of GPU time, percent 1..=100.
+    pub cap: Option<u32>,
+    /// Free-form labels kept with the allocation (the device plugin stores its unit ids here).
+    pub labels: BTreeMap<String, String>,
+}
+
+/// Requests on the admin socket.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AdminRequest {
+    /// List the node's GPUs; answered by `Gpus`.
+    ListGpus,
+    /// Create an allocation; answered by `Created`.
+    Create(CreateAllocation),
+    /// List allocations with their use; answered by `Allocations`.
+    List,
+    /// Delete an allocation by id; answered by `Deleted`.
+    Delete {
+        /// The allocation's public id.
+        id: String,
+    },
+}
+
+/// One GPU of the node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuInfo {
+    /// NVML index.
+    pub index: u32,
+    /// UUID, `GPU-...`.
+    pub uuid: String,
+    /// Product name.
+    pub name: String,
+    /// Total memory, bytes.
+    pub memory_total: u64,
+}
+
+/// An allocation as the admin API reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocationStatus {
+    /// Public id.
+    pub id: String,
+    /// GPU index.
+    pub gpu_index: u32,
+    /// GPU UUID.
+    pub gpu_uuid: String,
+    /// Memory limit, bytes.
+    pub memory_limit: u64,
+    /// Bytes in use across all its processes.
+    pub memory_used: u64,
+    /// Connected processes.
+    pub processes: u32,
+    /// Compute weight.
+    pub share: u32,
+    /// Compute cap, percent.
+    pub cap: Option<u32>,
+    /// GPU time used over the last 10 s, ns.
+    pub gpu_time_10s_ns: u64,
+    /// Labels given at creation.
+    pub labels: BTreeMap<String, String>,
+    /// Creation time, seconds since the Unix epoch.
+    pub created_unix: u64,
+}
+
+/// Classes of admin errors, so tools can map them to exit codes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AdminErrorKind {
+    /// Bad parameters (unknown GPU, limit above the card, share out of range).
+    InvalidArgument,
+    /// No such allocation.
+    NotFound,
+    /// The GPU cannot take it (e.g. shares or memory already promised).
+    Exhausted,
+    /// The arbiter failed (e.g. could not persist).
+    Internal,
+}
+
+/// Replies on the admin socket.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AdminReply {
+    /// Answer to `ListGpus`.
+    Gpus(Vec<GpuInfo>),
+    /// Answer to `Create`: the secret token for tenants, and the allocation.
+    Created {
+        /// Secret handed to the tenant (at least 128 random bits, hex).
+        token: String,
+        /// The new allocation.
+        allocation: AllocationStatus,
+    },
+    /// Answer to `List`.
+    Allocations(Vec<AllocationStatus>),
+    /// Answer to `Delete`.
+    Deleted,
+    /// The request failed.
+    Error {
+        /// Class of failure.
+        kind: AdminErrorKind,
+        /// Human-readable reason.
+        message: String,
+    },
+}
