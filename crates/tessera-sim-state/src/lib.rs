@@ -1,1 +1,45 @@
-//! Placeholder; filled in by its issue.
+//! Cross-process state of Tessera's simulated GPUs, shared by the simulated `libcuda.so.1`,
+//! the simulated `libnvidia-ml.so.1`, the `tessera sim` command and tests.
+//!
+//! Everything lives in one state folder (`TESSERA_SIM_DIR`, default [`default_state_dir`]):
+//! - `procs/<pid>`: one record per process using the simulated GPUs (memory in use and engine
+//!   busy time per device), OFD-locked by its owner so readers can tell dead records.
+//! - `mem.lock`: serialises allocation check-and-add across processes.
+//! - `engine<N>`: the execution engine of device N (flock held while a kernel runs) and its
+//!   busy-time counters.
+//! - `events`: injected XID events.
+//! - `lib/`: symlinks `libcuda.so.1` etc. to the built simulated libraries.
+//!
+//! Modules:
+//! - [`spec`]: `TESSERA_SIM_GPUS` parsing and per-GPU identity (UUID, name, PCI bus id).
+//! - [`dirs`]: state folder and library folder layout.
+//! - [`ledger`]: per-process records; global memory accounting; usage readers.
+//! - [`engine`]: the per-device execution engine and its busy-time history.
+//! - [`events`]: XID event injection and reading.
+//! - [`clock`]: the machine-wide monotonic clock every process stamps with.
+
+pub mod clock;
+pub mod dirs;
+pub mod engine;
+pub mod events;
+pub mod ledger;
+pub mod spec;
+
+pub use dirs::{
+    DirsError, default_state_dir, find_built_lib_dir, prepare_lib_dir, state_dir_from_env,
+};
+pub use engine::{Engine, EngineError, device_busy_ns, device_utilization};
+pub use events::{EventsError, XidEvent, inject_xid, read_xid_events};
+pub use ledger::{Ledger, LedgerError, ProcessUsage, device_memory_used, read_processes};
+pub use spec::{GpuInfo, SimSpec, SpecError};
+
+/// Environment variable naming the GPUs to simulate, e.g. `2x80GiB` or `1x16GiB,1x24GiB`.
+pub const ENV_GPUS: &str = "TESSERA_SIM_GPUS";
+/// Environment variable naming the shared state folder.
+pub const ENV_DIR: &str = "TESSERA_SIM_DIR";
+/// Environment variable naming the folder holding the built simulated libraries.
+pub const ENV_LIB_DIR: &str = "TESSERA_SIM_LIB_DIR";
+/// The GPUs simulated when `TESSERA_SIM_GPUS` is unset.
+pub const DEFAULT_GPUS: &str = "1x80GiB";
+/// Most devices one simulated machine can have (fixed so records have a fixed layout).
+pub const MAX_GPUS: usize = 16;

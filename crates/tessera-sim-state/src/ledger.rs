@@ -1,0 +1,478 @@
+//! Per-process records and global memory accounting.
+//!
+//! Each process using the simulated GPUs owns `procs/<pid>`: a fixed array of u64 words (memory
+//! in use, engine busy ns and context count per device), mapped shared so updates are plain
+//! atomic adds. The owner holds an open-file-description (OFD) write lock on it for its whole
+//! life; the kernel drops it when the process dies (SIGKILL included), so a reader that finds the
+//! lock free knows the record is dead. OFD locks (unlike classic `fcntl` locks) are not released
+//! when another descriptor of the same file is closed, so any reader, in any library of the same
+//! process, may open the file. A fork child closes its inherited descriptor (see `atfork_child`)
+//! so a parent's death stays visible, and makes its own record on first use.
+//!
+//! Allocation check-and-add runs under `flock(mem.lock)` plus an in-process mutex, so the card is
+//! never overcommitted; a holder killed inside loses the flock with its life, so no deadlock.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+
+use crate::MAX_GPUS;
+
+const MAGIC: u64 = 0x5445_5353_5245_4331; // "TESSREC1"
+const HEADER_WORDS: usize = 2;
+const GPU_WORDS: usize = 4;
+const RECORD_WORDS: usize = HEADER_WORDS + MAX_GPUS * GPU_WORDS;
+const RECORD_BYTES: usize = RECORD_WORDS * 8;
+const W_MEM: usize = 0;
+const W_BUSY: usize = 1;
+const W_CTX: usize = 2;
+
+/// Errors of the ledger.
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    #[error("out of memory on GPU {gpu}: requested {requested} bytes, {free} free")]
+    OutOfMemory { gpu: u32, requested: u64, free: u64 },
+    #[error("GPU {0} does not exist")]
+    NoSuchGpu(u32),
+    #[error("state folder I/O on {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> LedgerError + '_ {
+    move |source| LedgerError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// What one live process holds, as read from its record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessUsage {
+    pub pid: u32,
+    /// Device memory in use, bytes, per device ordinal.
+    pub mem_bytes: [u64; MAX_GPUS],
+    /// Cumulative engine busy time of this process's kernels, ns, per device ordinal.
+    pub busy_ns: [u64; MAX_GPUS],
+    /// Number of contexts this process holds per device.
+    pub contexts: [u64; MAX_GPUS],
+}
+
+impl ProcessUsage {
+    /// Whether this process uses device `gpu` at all (memory or a context).
+    pub fn uses(&self, gpu: u32) -> bool {
+        let g = gpu as usize;
+        g < MAX_GPUS && (self.mem_bytes[g] > 0 || self.contexts[g] > 0)
+    }
+}
+
+/// Descriptors of live records, closed in fork children (lock-free: runs in `atfork`).
+static RECORD_FDS: [AtomicI32; 8] = [const { AtomicI32::new(-1) }; 8];
+
+extern "C" fn atfork_child() {
+    for slot in &RECORD_FDS {
+        let fd = slot.swap(-1, Ordering::SeqCst);
+        if fd >= 0 {
+            // SAFETY: fd was a record descriptor this process owned; after fork the child closes
+            // its copy so the parent's OFD lock dies with the parent.
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
+fn register_atfork() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: registering a plain extern "C" handler with no captured state.
+        unsafe { libc::pthread_atfork(None, None, Some(atfork_child)) };
+    });
+}
+
+struct Mine {
+    pid: u32,
+    fd: RawFd,
+    words: *const AtomicU64,
+}
+
+// SAFETY: `words` points into a MAP_SHARED mapping that lives as long as the process (never
+// unmapped), and is only accessed through atomics.
+unsafe impl Send for Mine {}
+
+impl Mine {
+    fn word(&self, idx: usize) -> &AtomicU64 {
+        debug_assert!(idx < RECORD_WORDS);
+        // SAFETY: idx < RECORD_WORDS and the mapping is RECORD_BYTES long and never unmapped.
+        unsafe { &*self.words.add(idx) }
+    }
+}
+
+/// This process's view of the shared memory ledger of one state folder.
+pub struct Ledger {
+    dir: PathBuf,
+    totals: Vec<u64>,
+    mine: Mutex<Option<Mine>>,
+    mem_lock: File,
+}
+
+impl std::fmt::Debug for Ledger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ledger").field("dir", &self.dir).finish()
+    }
+}
+
+struct FlockGuard<'a>(&'a File);
+
+impl<'a> FlockGuard<'a> {
+    fn lock(f: &'a File) -> FlockGuard<'a> {
+        loop {
+            // SAFETY: flock on a descriptor we own.
+            let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
+            if rc == 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted
+            {
+                break;
+            }
+        }
+        FlockGuard(f)
+    }
+}
+
+impl Drop for FlockGuard<'_> {
+    fn drop(&mut self) {
+        // SAFETY: unlocking a descriptor we own.
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+fn pid() -> u32 {
+    std::process::id()
+}
+
+impl Ledger {
+    /// Opens the ledger of `dir` for devices of the given sizes (bytes, by ordinal). Creates the
+    /// folder; the process record itself is made on first use.
+    pub fn open(dir: &Path, totals: Vec<u64>) -> Result<Ledger, LedgerError> {
+        crate::dirs::ensure_state_dir(dir).map_err(|e| LedgerError::Io {
+            path: dir.to_path_buf(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let lock_path = dir.join("mem.lock");
+        let mem_lock = OpenOptions::new()
+            .create(true)
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&lock_path)
+            .map_err(io(&lock_path))?;
+        register_atfork();
+        Ok(Ledger {
+            dir: dir.to_path_buf(),
+            totals,
+            mine: Mutex::new(None),
+            mem_lock,
+        })
+    }
+
+    /// The state folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn total(&self, gpu: u32) -> Result<u64, LedgerError> {
+        self.totals
+            .get(gpu as usize)
+            .copied()
+            .ok_or(LedgerError::NoSuchGpu(gpu))
+    }
+
+    /// Creates this process's record (caller holds the mutex and the mem.lock flock, so a reader
+    /// deleting dead records never races the rename).
+    fn create_record(&self) -> Result<Mine, LedgerError> {
+        let procs = self.dir.join("procs");
+        let me = pid();
+        let tmp = procs.join(format!(".new-{me}"));
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&tmp)
+            .map_err(io(&tmp))?;
+        file.set_len(RECORD_BYTES as u64).map_err(io(&tmp))?;
+        let mut lk = whole_file_lock(libc::F_WRLCK as i16);
+        // SAFETY: F_OFD_SETLK with a valid, zero-pid flock struct on our own descriptor.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut lk) } != 0 {
+            return Err(io(&tmp)(std::io::Error::last_os_error()));
+        }
+        let mut header = [0u8; 16];
+        header[..8].copy_from_slice(&MAGIC.to_ne_bytes());
+        header[8..].copy_from_slice(&u64::from(me).to_ne_bytes());
+        file.write_all_at(&header, 0).map_err(io(&tmp))?;
+        // SAFETY: mapping RECORD_BYTES of a file we just sized to RECORD_BYTES, shared.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                RECORD_BYTES,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if map == libc::MAP_FAILED {
+            return Err(io(&tmp)(std::io::Error::last_os_error()));
+        }
+        let dest = procs.join(me.to_string());
+        std::fs::rename(&tmp, &dest).map_err(io(&dest))?;
+        let fd = file.into_raw_fd();
+        for slot in &RECORD_FDS {
+            if slot
+                .compare_exchange(-1, fd, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                break;
+            }
+        }
+        Ok(Mine {
+            pid: me,
+            fd,
+            words: map as *const AtomicU64,
+        })
+    }
+
+    /// Runs `f` on this process's record, creating it if needed (again after a fork).
+    fn with_mine<T>(&self, f: impl FnOnce(&Mine) -> T) -> Result<T, LedgerError> {
+        let mut guard = self.mine.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.as_ref().is_none_or(|m| m.pid != pid()) {
+            let _flock = FlockGuard::lock(&self.mem_lock);
+            *guard = Some(self.create_record()?);
+        }
+        Ok(f(guard.as_ref().expect("record just made")))
+    }
+
+    /// Reserves `bytes` of device memory on `gpu` if the card has room (counting every live
+    /// process), else [`LedgerError::OutOfMemory`].
+    pub fn try_alloc(&self, gpu: u32, bytes: u64) -> Result<(), LedgerError> {
+        let total = self.total(gpu)?;
+        let mut guard = self.mine.lock().unwrap_or_else(|e| e.into_inner());
+        let _flock = FlockGuard::lock(&self.mem_lock);
+        if guard.as_ref().is_none_or(|m| m.pid != pid()) {
+            *guard = Some(self.create_record()?);
+        }
+        let used: u64 = scan(&self.dir, true)?
+            .iter()
+            .map(|p| p.mem_bytes[gpu as usize])
+            .sum();
+        let free = total.saturating_sub(used);
+        if bytes > free {
+            return Err(LedgerError::OutOfMemory {
+                gpu,
+                requested: bytes,
+                free,
+            });
+        }
+        let mine = guard.as_ref().expect("record just made");
+        mine.word(HEADER_WORDS + gpu as usize * GPU_WORDS + W_MEM)
+            .fetch_add(bytes, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Returns `bytes` of device memory on `gpu` (no-op in a fork child that never allocated).
+    pub fn free(&self, gpu: u32, bytes: u64) {
+        if gpu as usize >= MAX_GPUS {
+            return;
+        }
+        let guard = self.mine.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = guard.as_ref().filter(|m| m.pid == pid()) {
+            let w = m.word(HEADER_WORDS + gpu as usize * GPU_WORDS + W_MEM);
+            let _ = w.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
+                Some(v.saturating_sub(bytes))
+            });
+        }
+    }
+
+    /// Adds engine busy time of this process's kernels on `gpu`.
+    pub fn add_busy(&self, gpu: u32, ns: u64) -> Result<(), LedgerError> {
+        if gpu as usize >= MAX_GPUS {
+            return Err(LedgerError::NoSuchGpu(gpu));
+        }
+        self.with_mine(|m| {
+            m.word(HEADER_WORDS + gpu as usize * GPU_WORDS + W_BUSY)
+                .fetch_add(ns, Ordering::Relaxed);
+        })
+    }
+
+    /// Counts a context of this process on `gpu` opening (`true`) or closing (`false`), so NVML
+    /// lists processes that hold a context but no memory.
+    pub fn context_changed(&self, gpu: u32, opened: bool) -> Result<(), LedgerError> {
+        if gpu as usize >= MAX_GPUS {
+            return Err(LedgerError::NoSuchGpu(gpu));
+        }
+        self.with_mine(|m| {
+            let w = m.word(HEADER_WORDS + gpu as usize * GPU_WORDS + W_CTX);
+            let _ = w.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
+                Some(if opened { v + 1 } else { v.saturating_sub(1) })
+            });
+        })
+    }
+
+    /// Bytes this process holds on `gpu`.
+    pub fn my_mem(&self, gpu: u32) -> u64 {
+        let guard = self.mine.lock().unwrap_or_else(|e| e.into_inner());
+        match guard.as_ref().filter(|m| m.pid == pid()) {
+            Some(m) if (gpu as usize) < MAX_GPUS => m
+                .word(HEADER_WORDS + gpu as usize * GPU_WORDS + W_MEM)
+                .load(Ordering::SeqCst),
+            _ => 0,
+        }
+    }
+}
+
+impl Drop for Ledger {
+    fn drop(&mut self) {
+        let guard = self.mine.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = guard.as_ref().filter(|m| m.pid == pid()) {
+            for slot in &RECORD_FDS {
+                let _ = slot.compare_exchange(m.fd, -1, Ordering::SeqCst, Ordering::SeqCst);
+            }
+            let _ = std::fs::remove_file(self.dir.join("procs").join(m.pid.to_string()));
+            // SAFETY: closing our own record descriptor; the mapping stays (never unmapped).
+            unsafe { libc::close(m.fd) };
+        }
+    }
+}
+
+fn whole_file_lock(kind: i16) -> libc::flock {
+    // SAFETY: flock is a plain C struct; all-zero is valid (whole file, pid 0 as OFD requires).
+    let mut lk: libc::flock = unsafe { std::mem::zeroed() };
+    lk.l_type = kind;
+    lk.l_whence = libc::SEEK_SET as i16;
+    lk
+}
+
+/// Whether the record behind `file` still has a live owner.
+fn is_alive(file: &File) -> bool {
+    let mut lk = whole_file_lock(libc::F_WRLCK as i16);
+    // SAFETY: F_OFD_GETLK with a valid, zero-pid flock struct on an open descriptor.
+    let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut lk) };
+    rc == 0 && lk.l_type != libc::F_UNLCK as i16
+}
+
+/// Reads the records of live processes; with `delete_dead`, removes dead ones (only callers
+/// holding the mem.lock flock may delete, so a new record's rename cannot be lost).
+fn scan(dir: &Path, delete_dead: bool) -> Result<Vec<ProcessUsage>, LedgerError> {
+    let procs = dir.join("procs");
+    let entries = match std::fs::read_dir(&procs) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io(&procs)(e)),
+    };
+    let mut out = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let path = entry.path();
+        let Ok(file) = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+        else {
+            continue;
+        };
+        if !is_alive(&file) {
+            if delete_dead {
+                let _ = std::fs::remove_file(&path);
+            }
+            continue;
+        }
+        let mut buf = [0u8; RECORD_BYTES];
+        if file.read_exact_at(&mut buf, 0).is_err() {
+            continue;
+        }
+        let word = |i: usize| u64::from_ne_bytes(buf[i * 8..i * 8 + 8].try_into().unwrap());
+        if word(0) != MAGIC {
+            continue;
+        }
+        let mut u = ProcessUsage {
+            pid,
+            mem_bytes: [0; MAX_GPUS],
+            busy_ns: [0; MAX_GPUS],
+            contexts: [0; MAX_GPUS],
+        };
+        for g in 0..MAX_GPUS {
+            let base = HEADER_WORDS + g * GPU_WORDS;
+            u.mem_bytes[g] = word(base + W_MEM);
+            u.busy_ns[g] = word(base + W_BUSY);
+            u.contexts[g] = word(base + W_CTX);
+        }
+        out.push(u);
+    }
+    out.sort_by_key(|u| u.pid);
+    Ok(out)
+}
+
+/// Every live process using the simulated GPUs of `dir`, with its memory and busy time.
+pub fn read_processes(dir: &Path) -> Result<Vec<ProcessUsage>, LedgerError> {
+    scan(dir, false)
+}
+
+/// Device memory in use on `gpu`, bytes, summed over live processes.
+pub fn device_memory_used(dir: &Path, gpu: u32) -> Result<u64, LedgerError> {
+    if gpu as usize >= MAX_GPUS {
+        return Err(LedgerError::NoSuchGpu(gpu));
+    }
+    Ok(scan(dir, false)?
+        .iter()
+        .map(|p| p.mem_bytes[gpu as usize])
+        .sum())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alloc_free_and_oom() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = Ledger::open(dir.path(), vec![1000, 50]).unwrap();
+        l.try_alloc(0, 600).unwrap();
+        assert_eq!(device_memory_used(dir.path(), 0).unwrap(), 600);
+        let err = l.try_alloc(0, 401).unwrap_err();
+        assert!(matches!(err, LedgerError::OutOfMemory { free: 400, .. }));
+        l.try_alloc(0, 400).unwrap();
+        l.free(0, 1000);
+        assert_eq!(device_memory_used(dir.path(), 0).unwrap(), 0);
+        l.try_alloc(1, 50).unwrap();
+        assert!(l.try_alloc(2, 1).is_err());
+        l.add_busy(1, 77).unwrap();
+        let procs = read_processes(dir.path()).unwrap();
+        assert_eq!(procs.len(), 1);
+        assert_eq!(procs[0].pid, std::process::id());
+        assert_eq!(procs[0].busy_ns[1], 77);
+        assert_eq!(procs[0].mem_bytes[1], 50);
+    }
+
+    #[test]
+    fn dead_record_is_ignored_and_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        crate::dirs::ensure_state_dir(dir.path()).unwrap();
+        // A record nobody holds a lock on: what a SIGKILLed process leaves.
+        let mut buf = vec![0u8; RECORD_BYTES];
+        buf[..8].copy_from_slice(&MAGIC.to_ne_bytes());
+        buf[16..24].copy_from_slice(&999u64.to_ne_bytes());
+        let stale = dir.path().join("procs").join("4000000");
+        std::fs::write(&stale, &buf).unwrap();
+        assert_eq!(device_memory_used(dir.path(), 0).unwrap(), 0);
+        let l = Ledger::open(dir.path(), vec![1000]).unwrap();
+        l.try_alloc(0, 1000).unwrap();
+        assert!(!stale.exists());
+    }
+}

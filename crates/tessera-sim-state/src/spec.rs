@@ -1,0 +1,220 @@
+//! `TESSERA_SIM_GPUS` parsing and the identity of each simulated GPU.
+
+use crate::{DEFAULT_GPUS, ENV_GPUS, MAX_GPUS};
+
+/// Errors of [`SimSpec::parse`].
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SpecError {
+    #[error("empty GPU spec: expected e.g. 2x80GiB or 1x16GiB,1x24GiB")]
+    Empty,
+    #[error("bad GPU spec item {0:?}: expected COUNTxSIZE such as 2x80GiB")]
+    BadItem(String),
+    #[error("bad memory size {0:?}: expected a number with a unit (GiB, MiB, KiB, GB, MB, KB or B)")]
+    BadSize(String),
+    #[error("{0} GPUs requested; at most {MAX_GPUS} are supported")]
+    TooMany(usize),
+}
+
+/// One simulated GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// Device ordinal (CUDA and NVML index).
+    pub index: u32,
+    /// Memory size in bytes.
+    pub total_bytes: u64,
+    /// The 16 raw UUID bytes (as `cuDeviceGetUuid` returns them).
+    pub uuid_bytes: [u8; 16],
+    /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as NVML reports it.
+    pub uuid: String,
+    /// Marketing name, e.g. `Tessera Sim GPU 80GiB`.
+    pub name: String,
+    /// PCI bus number (the `0N` in `00000000:0N:00.0`).
+    pub pci_bus: u32,
+}
+
+impl GpuInfo {
+    fn new(index: u32, total_bytes: u64) -> GpuInfo {
+        let uuid_bytes = uuid_for(index, total_bytes);
+        GpuInfo {
+            index,
+            total_bytes,
+            uuid: format_uuid(&uuid_bytes),
+            uuid_bytes,
+            name: format!("Tessera Sim GPU {}", format_size(total_bytes)),
+            pci_bus: index + 1,
+        }
+    }
+
+    /// NVML style bus id: `00000000:01:00.0`.
+    pub fn pci_bus_id_nvml(&self) -> String {
+        format!("00000000:{:02X}:00.0", self.pci_bus)
+    }
+
+    /// CUDA style bus id (`cuDeviceGetPCIBusId`): `0000:01:00.0`.
+    pub fn pci_bus_id_cuda(&self) -> String {
+        format!("0000:{:02X}:00.0", self.pci_bus)
+    }
+}
+
+/// The simulated machine: its GPUs in ordinal order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SimSpec {
+    pub gpus: Vec<GpuInfo>,
+}
+
+impl SimSpec {
+    /// Parses `2x80GiB`, `1x16GiB,1x24GiB` or `80GiB` (one GPU).
+    pub fn parse(text: &str) -> Result<SimSpec, SpecError> {
+        let text = text.trim();
+        if text.is_empty() {
+            return Err(SpecError::Empty);
+        }
+        let mut gpus = Vec::new();
+        for item in text.split(',') {
+            let item = item.trim();
+            let (count, size) = match item.split_once(['x', 'X']) {
+                Some((c, s)) => {
+                    let count: usize = c
+                        .trim()
+                        .parse()
+                        .map_err(|_| SpecError::BadItem(item.to_string()))?;
+                    (count, s)
+                }
+                None => (1, item),
+            };
+            if count == 0 {
+                return Err(SpecError::BadItem(item.to_string()));
+            }
+            let bytes = parse_size(size)?;
+            if gpus.len() + count > MAX_GPUS {
+                return Err(SpecError::TooMany(gpus.len() + count));
+            }
+            for _ in 0..count {
+                gpus.push(GpuInfo::new(gpus.len() as u32, bytes));
+            }
+        }
+        Ok(SimSpec { gpus })
+    }
+
+    /// The spec from `TESSERA_SIM_GPUS`, or [`DEFAULT_GPUS`] when unset or empty.
+    pub fn from_env() -> Result<SimSpec, SpecError> {
+        match std::env::var(ENV_GPUS) {
+            Ok(v) if !v.trim().is_empty() => SimSpec::parse(&v),
+            _ => SimSpec::parse(DEFAULT_GPUS),
+        }
+    }
+
+    /// Number of devices.
+    pub fn count(&self) -> usize {
+        self.gpus.len()
+    }
+}
+
+/// Parses `80GiB`, `512MiB`, `1.5GiB`, `16GB`, `4096` (bytes).
+pub fn parse_size(text: &str) -> Result<u64, SpecError> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "t" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        _ => return Err(SpecError::BadSize(text.to_string())),
+    };
+    let value: f64 = num.parse().map_err(|_| SpecError::BadSize(text.to_string()))?;
+    let bytes = value * mult as f64;
+    if !(bytes >= 1.0 && bytes < (1u64 << 50) as f64) {
+        return Err(SpecError::BadSize(text.to_string()));
+    }
+    Ok(bytes as u64)
+}
+
+fn format_size(bytes: u64) -> String {
+    if bytes % (1 << 30) == 0 {
+        format!("{}GiB", bytes >> 30)
+    } else if bytes % (1 << 20) == 0 {
+        format!("{}MiB", bytes >> 20)
+    } else {
+        format!("{bytes}B")
+    }
+}
+
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// Deterministic (index, size) -> UUID, so every process and run agrees; RFC 4122 v4 layout.
+fn uuid_for(index: u32, total_bytes: u64) -> [u8; 16] {
+    let a = splitmix(0x7E55_E8A0_0000_0000 ^ u64::from(index));
+    let b = splitmix(a ^ total_bytes);
+    let mut out = [0u8; 16];
+    out[..8].copy_from_slice(&a.to_be_bytes());
+    out[8..].copy_from_slice(&b.to_be_bytes());
+    out[6] = (out[6] & 0x0F) | 0x40;
+    out[8] = (out[8] & 0x3F) | 0x80;
+    out
+}
+
+fn format_uuid(b: &[u8; 16]) -> String {
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_counts_and_mixed_sizes() {
+        let s = SimSpec::parse("2x80GiB").unwrap();
+        assert_eq!(s.count(), 2);
+        assert_eq!(s.gpus[1].total_bytes, 80 << 30);
+        assert_eq!(s.gpus[1].index, 1);
+        let s = SimSpec::parse("1x16GiB, 1x24GiB").unwrap();
+        assert_eq!(s.gpus[0].total_bytes, 16 << 30);
+        assert_eq!(s.gpus[1].total_bytes, 24 << 30);
+        assert_eq!(SimSpec::parse("512MiB").unwrap().gpus[0].total_bytes, 512 << 20);
+    }
+
+    #[test]
+    fn rejects_bad_specs() {
+        assert_eq!(SimSpec::parse(""), Err(SpecError::Empty));
+        assert!(matches!(SimSpec::parse("0x80GiB"), Err(SpecError::BadItem(_))));
+        assert!(matches!(SimSpec::parse("2x80Zib"), Err(SpecError::BadSize(_))));
+        assert!(matches!(SimSpec::parse("axGiB"), Err(SpecError::BadItem(_))));
+        assert!(matches!(SimSpec::parse("17x1GiB"), Err(SpecError::TooMany(17))));
+    }
+
+    #[test]
+    fn uuids_are_stable_distinct_and_well_formed() {
+        let a = SimSpec::parse("2x80GiB").unwrap();
+        let b = SimSpec::parse("2x80GiB").unwrap();
+        assert_eq!(a, b);
+        assert_ne!(a.gpus[0].uuid, a.gpus[1].uuid);
+        let u = &a.gpus[0].uuid;
+        assert_eq!(u.len(), 4 + 36);
+        assert!(u.starts_with("GPU-"));
+        let parts: Vec<usize> = u[4..].split('-').map(str::len).collect();
+        assert_eq!(parts, vec![8, 4, 4, 4, 12]);
+        assert_ne!(SimSpec::parse("1x16GiB").unwrap().gpus[0].uuid, a.gpus[0].uuid);
+        assert_eq!(a.gpus[1].pci_bus_id_nvml(), "00000000:02:00.0");
+    }
+}
