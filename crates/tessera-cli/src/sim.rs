@@ -1,10 +1,85 @@
-//! `tessera sim` (placeholder until its issue lands).
+//! `tessera sim`: run any command on the simulated GPUs.
+//!
+//! Makes `<state>/lib/` with `libcuda.so.1` and `libnvidia-ml.so.1` links to the built simulated
+//! libraries, prepends it to `LD_LIBRARY_PATH`, exports `TESSERA_SIM_GPUS` / `TESSERA_SIM_DIR`
+//! and runs the command, passing its exit code through (128 + signal when killed).
+
+use std::ffi::OsString;
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use tessera_sim_state::{ENV_DIR, ENV_GPUS, SimSpec};
 
 /// Arguments of `tessera sim`.
 #[derive(Debug, clap::Args)]
-pub struct SimArgs {}
+pub struct SimArgs {
+    /// GPUs to simulate, e.g. `2x80GiB` or `1x16GiB,1x24GiB` [env: TESSERA_SIM_GPUS, default 1x80GiB].
+    #[arg(long, value_name = "SPEC")]
+    pub gpus: Option<String>,
+    /// Shared state folder [env: TESSERA_SIM_DIR, default /tmp/tessera-sim-<uid>].
+    #[arg(long, value_name = "DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Folder with the built libtessera_sim_*.so [env: TESSERA_SIM_LIB_DIR, default: next to tessera].
+    #[arg(long, value_name = "DIR")]
+    pub lib_dir: Option<PathBuf>,
+    /// Inject an XID error event on a GPU (e.g. `0:79`), then exit without running a command.
+    #[arg(long, value_name = "GPU:CODE")]
+    pub inject_xid: Option<String>,
+    /// The command to run, after `--`.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "COMMAND")]
+    pub command: Vec<OsString>,
+}
 
 /// Runs `tessera sim`; returns the process exit code.
-pub fn main(_args: SimArgs) -> anyhow::Result<u8> {
-    anyhow::bail!("tessera sim is not built yet")
+pub fn main(args: SimArgs) -> anyhow::Result<u8> {
+    let gpus = match &args.gpus {
+        Some(g) => g.clone(),
+        None => std::env::var(ENV_GPUS)
+            .ok()
+            .filter(|v| !v.trim().is_empty())
+            .unwrap_or_else(|| tessera_sim_state::DEFAULT_GPUS.to_string()),
+    };
+    let spec = SimSpec::parse(&gpus).with_context(|| format!("invalid GPU spec {gpus:?}"))?;
+    let state_dir = match &args.state_dir {
+        Some(d) => d.clone(),
+        None => tessera_sim_state::state_dir_from_env(),
+    };
+    if let Some(xid) = &args.inject_xid {
+        if !args.command.is_empty() {
+            bail!("--inject-xid does not run a command; drop the command or the flag");
+        }
+        let (gpu, code) = xid
+            .split_once(':')
+            .and_then(|(g, c)| Some((g.trim().parse::<u32>().ok()?, c.trim().parse::<u64>().ok()?)))
+            .with_context(|| format!("--inject-xid {xid:?}: expected GPU:CODE, e.g. 0:79"))?;
+        if gpu as usize >= spec.count() {
+            bail!("--inject-xid: GPU {gpu} does not exist ({} simulated)", spec.count());
+        }
+        tessera_sim_state::inject_xid(&state_dir, gpu, code)?;
+        eprintln!("tessera sim: injected XID {code} on GPU {gpu}");
+        return Ok(0);
+    }
+    let Some((program, rest)) = args.command.split_first() else {
+        bail!("no command given: use `tessera sim [OPTIONS] -- COMMAND ARGS...`");
+    };
+    let built = tessera_sim_state::find_built_lib_dir(args.lib_dir.as_deref())?;
+    let lib = tessera_sim_state::prepare_lib_dir(&state_dir, &built)?;
+    let mut ld = OsString::from(lib.as_os_str());
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH").filter(|v| !v.is_empty()) {
+        ld.push(":");
+        ld.push(old);
+    }
+    let status = std::process::Command::new(program)
+        .args(rest)
+        .env("LD_LIBRARY_PATH", ld)
+        .env(ENV_GPUS, &gpus)
+        .env(ENV_DIR, &state_dir)
+        .status()
+        .with_context(|| format!("cannot run {}", program.to_string_lossy()))?;
+    Ok(match (status.code(), status.signal()) {
+        (Some(c), _) => c as u8,
+        (None, Some(sig)) => (128 + sig) as u8,
+        _ => 1,
+    })
 }

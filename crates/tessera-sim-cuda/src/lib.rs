@@ -1,1 +1,28 @@
-//! Placeholder; filled in by its issue.
+//! The simulated CUDA driver: built as `libtessera_sim_cuda.so` and loaded as `libcuda.so.1`.
+//!
+//! Devices, memory and engine time are shared between processes through `tessera-sim-state`
+//! (folder `TESSERA_SIM_DIR`, GPUs `TESSERA_SIM_GPUS`). Kernels do no work: the first kernel
+//! parameter, read as a u64, is the nanoseconds of engine time a launch occupies.
+//!
+//! Modules:
+//! - [`ffi`]: C types, constants and struct layouts of `cuda.h`.
+//! - [`runtime`]: process-wide state after `cuInit`, handle registries, the panic guard.
+//! - [`errors`]: `cuGetErrorName` / `cuGetErrorString`.
+//! - [`device`]: device queries and attributes.
+//! - [`context`]: primary and explicit contexts, the per-thread context stack.
+//! - [`stream`]: streams (a worker thread each), events, the engine hand-off.
+//! - [`memory`]: allocations, copies, memsets, pools, VMM, arrays, pointer attributes.
+//! - [`module`]: PTX modules, functions and kernel launches.
+//! - [`graph`]: CUDA graphs with kernel nodes and stream capture.
+//! - [`proc_address`]: the name table behind `cuGetProcAddress(_v2)`.
+
+pub mod context;
+pub mod device;
+pub mod errors;
+pub mod ffi;
+pub mod graph;
+pub mod memory;
+pub mod module;
+pub mod proc_address;
+pub mod runtime;
+pub mod stream;

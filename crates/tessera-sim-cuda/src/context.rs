@@ -1,0 +1,485 @@
+//! Primary and explicit contexts and the per-thread current-context stack.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use crate::ffi::*;
+use crate::runtime::{Registry, Res, gpu, guard, next_handle, put, rt};
+use crate::stream::{Stream, StreamKind};
+
+/// One context: a device, its legacy default stream and the streams made in it.
+pub struct Context {
+    pub id: usize,
+    pub device: u32,
+    pub primary: bool,
+    pub flags: AtomicU32,
+    pub alive: AtomicBool,
+    pub legacy: Arc<Stream>,
+    pub streams: Mutex<Vec<Weak<Stream>>>,
+}
+
+impl Context {
+    fn new(device: u32, primary: bool, flags: u32) -> Arc<Context> {
+        let id = next_handle();
+        Arc::new_cyclic(|weak| Context {
+            id,
+            device,
+            primary,
+            flags: AtomicU32::new(flags),
+            alive: AtomicBool::new(true),
+            legacy: Stream::new(weak.clone(), device, StreamKind::Legacy, 0, 0),
+            streams: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Makes a stream in this context and remembers it for implicit synchronisation.
+    pub fn new_stream(self: &Arc<Self>, kind: StreamKind, flags: u32, priority: i32) -> Arc<Stream> {
+        let s = Stream::new(Arc::downgrade(self), self.device, kind, flags, priority);
+        let mut list = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        list.retain(|w| w.strong_count() > 0);
+        list.push(Arc::downgrade(&s));
+        s
+    }
+
+    /// Live streams of this context other than the legacy one.
+    pub fn other_streams(&self) -> Vec<Arc<Stream>> {
+        self.streams
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter_map(Weak::upgrade)
+            .collect()
+    }
+
+    /// Waits for all work submitted in this context.
+    pub fn synchronize(&self) {
+        self.legacy.synchronize();
+        for s in self.other_streams() {
+            s.synchronize();
+        }
+    }
+
+    fn close(&self) {
+        self.alive.store(false, Ordering::SeqCst);
+        self.synchronize();
+        self.legacy.close();
+        for s in self.other_streams() {
+            crate::stream::forget_stream(s.id);
+            s.close();
+        }
+        crate::memory::free_all_of_ctx(self.id);
+        if let Ok(rt) = rt() {
+            let _ = rt.ledger.context_changed(self.device, false);
+        }
+    }
+}
+
+pub static CONTEXTS: Registry<Context> = Registry::new();
+
+struct Primary {
+    ctx: Option<Arc<Context>>,
+    refs: u32,
+    flags: u32,
+}
+
+fn primaries() -> &'static Vec<Mutex<Primary>> {
+    static P: OnceLock<Vec<Mutex<Primary>>> = OnceLock::new();
+    P.get_or_init(|| {
+        (0..tessera_sim_state::MAX_GPUS)
+            .map(|_| {
+                Mutex::new(Primary {
+                    ctx: None,
+                    refs: 0,
+                    flags: 0,
+                })
+            })
+            .collect()
+    })
+}
+
+thread_local! {
+    static STACK: RefCell<Vec<Arc<Context>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The calling thread's current context, or `CUDA_ERROR_INVALID_CONTEXT`.
+pub fn current() -> Result<Arc<Context>, CUresult> {
+    rt()?;
+    STACK
+        .with(|s| s.borrow().last().cloned())
+        .filter(|c| c.alive.load(Ordering::Relaxed))
+        .ok_or(CUDA_ERROR_INVALID_CONTEXT)
+}
+
+fn lookup(h: Handle) -> Result<Arc<Context>, CUresult> {
+    rt()?;
+    CONTEXTS
+        .get(h as usize)
+        .filter(|c| c.alive.load(Ordering::Relaxed))
+        .ok_or(CUDA_ERROR_INVALID_CONTEXT)
+}
+
+/// A context handle argument, or the current context when null.
+pub fn ctx_or_current(h: Handle) -> Result<Arc<Context>, CUresult> {
+    if h.is_null() { current() } else { lookup(h) }
+}
+
+fn primary_retain(dev: CUdevice) -> Result<Arc<Context>, CUresult> {
+    let g = gpu(dev)?;
+    let mut p = primaries()[g.index as usize]
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let ctx = match &p.ctx {
+        Some(c) if c.alive.load(Ordering::Relaxed) => c.clone(),
+        _ => {
+            let c = Context::new(g.index, true, p.flags);
+            CONTEXTS.insert(c.id, c.clone());
+            p.ctx = Some(c.clone());
+            c
+        }
+    };
+    if p.refs == 0 {
+        rt()?
+            .ledger
+            .context_changed(g.index, true)
+            .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
+    }
+    p.refs += 1;
+    Ok(ctx)
+}
+
+fn primary_release(dev: CUdevice, all: bool) -> Res {
+    let g = gpu(dev)?;
+    let mut p = primaries()[g.index as usize]
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if all {
+        if let Some(c) = p.ctx.take() {
+            CONTEXTS.remove(c.id);
+            if p.refs > 0 {
+                c.close();
+            } else {
+                c.alive.store(false, Ordering::SeqCst);
+            }
+        }
+        p.refs = 0;
+        return Ok(());
+    }
+    if p.refs == 0 {
+        return Err(CUDA_ERROR_INVALID_CONTEXT);
+    }
+    p.refs -= 1;
+    if p.refs == 0
+        && let Some(c) = p.ctx.take()
+    {
+        CONTEXTS.remove(c.id);
+        c.close();
+    }
+    Ok(())
+}
+
+/// `cuDevicePrimaryCtxRetain`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut Handle, dev: CUdevice) -> CUresult {
+    guard(|| {
+        if pctx.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let c = primary_retain(dev)?;
+        // SAFETY: non-null out-pointer from the caller.
+        unsafe { put(pctx, c.id as Handle) }
+    })
+}
+
+/// `cuDevicePrimaryCtxRelease` (and `_v2`).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: CUdevice) -> CUresult {
+    guard(|| primary_release(dev, false))
+}
+
+/// `cuDevicePrimaryCtxReset` (and `_v2`): destroys the primary context and its allocations.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuDevicePrimaryCtxReset_v2(dev: CUdevice) -> CUresult {
+    guard(|| primary_release(dev, true))
+}
+
+/// `cuDevicePrimaryCtxGetState`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(dev: CUdevice, flags: *mut u32, active: *mut i32) -> CUresult {
+    guard(|| {
+        let g = gpu(dev)?;
+        let p = primaries()[g.index as usize]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        // SAFETY: caller's out-pointers, null-checked by put.
+        unsafe {
+            put(flags, p.flags)?;
+            put(active, i32::from(p.refs > 0))
+        }
+    })
+}
+
+/// `cuDevicePrimaryCtxSetFlags` (and `_v2`).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuDevicePrimaryCtxSetFlags_v2(dev: CUdevice, flags: u32) -> CUresult {
+    guard(|| {
+        let g = gpu(dev)?;
+        let mut p = primaries()[g.index as usize]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        p.flags = flags;
+        if let Some(c) = &p.ctx {
+            c.flags.store(flags, Ordering::Relaxed);
+        }
+        Ok(())
+    })
+}
+
+fn create(pctx: *mut Handle, flags: u32, dev: CUdevice) -> Res {
+    if pctx.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let g = gpu(dev)?;
+    rt()?
+        .ledger
+        .context_changed(g.index, true)
+        .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
+    let c = Context::new(g.index, false, flags);
+    CONTEXTS.insert(c.id, c.clone());
+    STACK.with(|s| s.borrow_mut().push(c.clone()));
+    // SAFETY: non-null out-pointer from the caller.
+    unsafe { put(pctx, c.id as Handle) }
+}
+
+/// `cuCtxCreate_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxCreate_v2(pctx: *mut Handle, flags: u32, dev: CUdevice) -> CUresult {
+    guard(|| create(pctx, flags, dev))
+}
+
+/// `cuCtxCreate_v4` (CUDA 12.5+): the create-params are accepted and ignored.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxCreate_v4(
+    pctx: *mut Handle,
+    _params: *mut std::ffi::c_void,
+    flags: u32,
+    dev: CUdevice,
+) -> CUresult {
+    guard(|| create(pctx, flags, dev))
+}
+
+/// `cuCtxDestroy_v2`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuCtxDestroy_v2(ctx: Handle) -> CUresult {
+    guard(|| {
+        let c = lookup(ctx)?;
+        if c.primary {
+            return Err(CUDA_ERROR_INVALID_CONTEXT);
+        }
+        CONTEXTS.remove(c.id);
+        STACK.with(|s| s.borrow_mut().retain(|x| x.id != c.id));
+        c.close();
+        Ok(())
+    })
+}
+
+/// `cuCtxPushCurrent_v2`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuCtxPushCurrent_v2(ctx: Handle) -> CUresult {
+    guard(|| {
+        let c = lookup(ctx)?;
+        STACK.with(|s| s.borrow_mut().push(c));
+        Ok(())
+    })
+}
+
+/// `cuCtxPopCurrent_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxPopCurrent_v2(pctx: *mut Handle) -> CUresult {
+    guard(|| {
+        rt()?;
+        let c = STACK
+            .with(|s| s.borrow_mut().pop())
+            .ok_or(CUDA_ERROR_INVALID_CONTEXT)?;
+        if !pctx.is_null() {
+            // SAFETY: non-null out-pointer from the caller.
+            unsafe { put(pctx, c.id as Handle) }?;
+        }
+        Ok(())
+    })
+}
+
+/// `cuCtxSetCurrent`: replaces the top of the stack; null unbinds it.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuCtxSetCurrent(ctx: Handle) -> CUresult {
+    guard(|| {
+        rt()?;
+        if ctx.is_null() {
+            STACK.with(|s| s.borrow_mut().pop());
+            return Ok(());
+        }
+        let c = lookup(ctx)?;
+        STACK.with(|s| {
+            let mut s = s.borrow_mut();
+            s.pop();
+            s.push(c);
+        });
+        Ok(())
+    })
+}
+
+/// `cuCtxGetCurrent`: null when no context is bound.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut Handle) -> CUresult {
+    guard(|| {
+        rt()?;
+        let h = STACK
+            .with(|s| s.borrow().last().map(|c| c.id))
+            .unwrap_or(0);
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe { put(pctx, h as Handle) }
+    })
+}
+
+/// `cuCtxGetDevice`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetDevice(dev: *mut CUdevice) -> CUresult {
+    guard(|| {
+        let c = current()?;
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe { put(dev, c.device as CUdevice) }
+    })
+}
+
+/// `cuCtxGetDevice_v2` (CUDA 13): the device of `ctx`, or of the current context when null.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetDevice_v2(dev: *mut CUdevice, ctx: Handle) -> CUresult {
+    guard(|| {
+        let c = ctx_or_current(ctx)?;
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe { put(dev, c.device as CUdevice) }
+    })
+}
+
+/// `cuCtxSynchronize`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuCtxSynchronize() -> CUresult {
+    guard(|| {
+        current()?.synchronize();
+        Ok(())
+    })
+}
+
+/// `cuCtxSynchronize_v2` (CUDA 13).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuCtxSynchronize_v2(ctx: Handle) -> CUresult {
+    guard(|| {
+        ctx_or_current(ctx)?.synchronize();
+        Ok(())
+    })
+}
+
+/// `cuCtxGetFlags`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetFlags(flags: *mut u32) -> CUresult {
+    guard(|| {
+        let c = current()?;
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe { put(flags, c.flags.load(Ordering::Relaxed)) }
+    })
+}
+
+/// `cuCtxSetFlags`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuCtxSetFlags(flags: u32) -> CUresult {
+    guard(|| {
+        current()?.flags.store(flags, Ordering::Relaxed);
+        Ok(())
+    })
+}
+
+/// `cuCtxGetApiVersion`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetApiVersion(ctx: Handle, version: *mut u32) -> CUresult {
+    guard(|| {
+        ctx_or_current(ctx)?;
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe { put(version, 3020) }
+    })
+}
+
+/// `cuCtxGetId`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetId(ctx: Handle, id: *mut u64) -> CUresult {
+    guard(|| {
+        let c = ctx_or_current(ctx)?;
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe { put(id, c.id as u64) }
+    })
+}
+
+/// `cuCtxGetStreamPriorityRange`: priorities 0 (least) to -5 (greatest), as on Hopper.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetStreamPriorityRange(least: *mut i32, greatest: *mut i32) -> CUresult {
+    guard(|| {
+        current()?;
+        // SAFETY: optional out-pointers from the caller, checked for null.
+        unsafe {
+            if !least.is_null() {
+                put(least, 0)?;
+            }
+            if !greatest.is_null() {
+                put(greatest, -5)?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// `cuCtxGetLimit`: fixed defaults of the simulated part.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetLimit(value: *mut usize, limit: u32) -> CUresult {
+    guard(|| {
+        current()?;
+        let v = match limit {
+            0 => 1024,
+            1 => 1 << 20,
+            2 => 8 << 20,
+            3 => 2,
+            4 => 2048,
+            5 => 32,
+            6 => 0,
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        };
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe { put(value, v) }
+    })
+}
+
+/// `cuCtxSetLimit`: accepted (nothing to size in the simulation).
+#[unsafe(no_mangle)]
+pub extern "C" fn cuCtxSetLimit(limit: u32, _value: usize) -> CUresult {
+    guard(|| {
+        current()?;
+        if limit > 6 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        Ok(())
+    })
+}
+
+/// `cuCtxGetCacheConfig`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxGetCacheConfig(cfg: *mut u32) -> CUresult {
+    guard(|| {
+        current()?;
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe { put(cfg, 0) }
+    })
+}
+
+/// `cuCtxSetCacheConfig`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuCtxSetCacheConfig(_cfg: u32) -> CUresult {
+    guard(|| current().map(|_| ()))
+}

@@ -1,0 +1,238 @@
+//! CUDA graphs with kernel nodes, and stream capture into them.
+//!
+//! A graph is a list of kernel nodes in insertion order (dependencies always point backwards, so
+//! that order is topological); launching an executable graph enqueues its kernels on the stream.
+
+use std::sync::{Arc, Mutex};
+
+use crate::ffi::*;
+use crate::module::check_launch;
+use crate::runtime::{Registry, guard, next_handle, put, rt};
+use crate::stream::{Op, StreamKind, resolve};
+
+/// A graph under construction.
+pub struct Graph {
+    pub id: usize,
+    kernels: Mutex<Vec<u64>>,
+}
+
+/// An instantiated graph.
+pub struct GraphExec {
+    pub id: usize,
+    kernels: Vec<u64>,
+}
+
+/// A stream capture in progress.
+pub struct Capture {
+    graph: Arc<Graph>,
+}
+
+impl Capture {
+    /// Records a kernel launch into the captured graph.
+    pub fn add_kernel(&self, ns: u64) {
+        self.graph
+            .kernels
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(ns);
+    }
+}
+
+pub static GRAPHS: Registry<Graph> = Registry::new();
+pub static EXECS: Registry<GraphExec> = Registry::new();
+
+fn new_graph() -> Arc<Graph> {
+    let g = Arc::new(Graph {
+        id: next_handle(),
+        kernels: Mutex::new(Vec::new()),
+    });
+    GRAPHS.insert(g.id, g.clone());
+    g
+}
+
+/// `cuGraphCreate`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphCreate(pg: *mut Handle, flags: u32) -> CUresult {
+    guard(|| {
+        rt()?;
+        if pg.is_null() || flags != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let g = new_graph();
+        // SAFETY: non-null out-pointer from the caller.
+        unsafe { put(pg, g.id as Handle) }
+    })
+}
+
+/// `cuGraphDestroy`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphDestroy(g: Handle) -> CUresult {
+    guard(|| {
+        rt()?;
+        GRAPHS
+            .remove(g as usize)
+            .map(|_| ())
+            .ok_or(CUDA_ERROR_INVALID_VALUE)
+    })
+}
+
+/// `cuGraphAddKernelNode_v2` (and v1, whose params struct is a prefix of v2's).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphAddKernelNode_v2(
+    node: *mut Handle,
+    g: Handle,
+    deps: *const Handle,
+    ndeps: usize,
+    params: *const CudaKernelNodeParams,
+) -> CUresult {
+    guard(|| {
+        rt()?;
+        if node.is_null() || params.is_null() || (ndeps > 0 && deps.is_null()) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let g = GRAPHS.get(g as usize).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        // SAFETY: non-null params struct from the caller.
+        let p = unsafe { &*params };
+        // SAFETY: kernel params follow the cuLaunchKernel conventions.
+        let ns = unsafe {
+            check_launch(
+                p.func,
+                [p.grid_dim_x, p.grid_dim_y, p.grid_dim_z],
+                [p.block_dim_x, p.block_dim_y, p.block_dim_z],
+                p.kernel_params,
+                p.extra,
+            )
+        }?;
+        g.kernels.lock().unwrap_or_else(|e| e.into_inner()).push(ns);
+        // SAFETY: non-null out-pointer from the caller.
+        unsafe { put(node, next_handle() as Handle) }
+    })
+}
+
+/// `cuGraphInstantiateWithFlags`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphInstantiateWithFlags(pe: *mut Handle, g: Handle, _flags: u64) -> CUresult {
+    guard(|| {
+        rt()?;
+        if pe.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let g = GRAPHS.get(g as usize).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let e = Arc::new(GraphExec {
+            id: next_handle(),
+            kernels: g.kernels.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+        });
+        EXECS.insert(e.id, e.clone());
+        // SAFETY: non-null out-pointer from the caller.
+        unsafe { put(pe, e.id as Handle) }
+    })
+}
+
+/// `cuGraphExecDestroy`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphExecDestroy(e: Handle) -> CUresult {
+    guard(|| {
+        rt()?;
+        EXECS
+            .remove(e as usize)
+            .map(|_| ())
+            .ok_or(CUDA_ERROR_INVALID_VALUE)
+    })
+}
+
+fn graph_launch(e: Handle, h: Handle, ptds: bool) -> CUresult {
+    guard(|| {
+        rt()?;
+        let e = EXECS.get(e as usize).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let s = resolve(h, ptds)?;
+        for &ns in &e.kernels {
+            s.enqueue(Op::Kernel(ns));
+        }
+        Ok(())
+    })
+}
+
+/// `cuGraphLaunch`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphLaunch(e: Handle, h: Handle) -> CUresult {
+    graph_launch(e, h, false)
+}
+
+/// `cuGraphLaunch_ptsz`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGraphLaunch_ptsz(e: Handle, h: Handle) -> CUresult {
+    graph_launch(e, h, true)
+}
+
+fn begin_capture(h: Handle, ptds: bool) -> CUresult {
+    guard(|| {
+        let s = resolve(h, ptds)?;
+        if s.kind == StreamKind::Legacy {
+            return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+        }
+        if s.capture().is_some() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let g = new_graph();
+        s.set_capture(Some(Arc::new(Capture { graph: g })));
+        Ok(())
+    })
+}
+
+/// `cuStreamBeginCapture_v2`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamBeginCapture_v2(h: Handle, _mode: u32) -> CUresult {
+    begin_capture(h, false)
+}
+
+/// `cuStreamBeginCapture_v2_ptsz`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamBeginCapture_v2_ptsz(h: Handle, _mode: u32) -> CUresult {
+    begin_capture(h, true)
+}
+
+fn end_capture(h: Handle, pg: *mut Handle, ptds: bool) -> CUresult {
+    guard(|| {
+        if pg.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let s = resolve(h, ptds)?;
+        let c = s.capture().ok_or(CUDA_ERROR_STREAM_CAPTURE_UNMATCHED)?;
+        s.set_capture(None);
+        // SAFETY: non-null out-pointer from the caller.
+        unsafe { put(pg, c.graph.id as Handle) }
+    })
+}
+
+/// `cuStreamEndCapture`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamEndCapture(h: Handle, pg: *mut Handle) -> CUresult {
+    end_capture(h, pg, false)
+}
+
+/// `cuStreamEndCapture_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamEndCapture_ptsz(h: Handle, pg: *mut Handle) -> CUresult {
+    end_capture(h, pg, true)
+}
+
+fn is_capturing(h: Handle, out: *mut u32, ptds: bool) -> CUresult {
+    guard(|| {
+        let s = resolve(h, ptds)?;
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe { put(out, u32::from(s.capture().is_some())) }
+    })
+}
+
+/// `cuStreamIsCapturing`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamIsCapturing(h: Handle, out: *mut u32) -> CUresult {
+    is_capturing(h, out, false)
+}
+
+/// `cuStreamIsCapturing_ptsz`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamIsCapturing_ptsz(h: Handle, out: *mut u32) -> CUresult {
+    is_capturing(h, out, true)
+}
+
