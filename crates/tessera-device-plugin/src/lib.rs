@@ -1,1 +1,29 @@
-//! Placeholder; filled in by its issue.
+//! Tessera's Kubernetes device plugin: advertises each GPU as `--shares-per-gpu` units of an
+//! extended resource (default `tessera.dev/gpu-shares`, 100 per GPU), keeps a request on one
+//! GPU, and turns the kubelet's `Allocate` into an arbiter allocation plus the container
+//! wiring (token, tenant socket, preloaded interposer).
+//!
+//! Modules:
+//! - [`proto`]: generated gRPC code for the kubelet's device plugin `v1beta1` and PodResources
+//!   `v1` APIs (from `proto/`, by `build.rs`).
+//! - [`units`]: pure rules: unit ids, best-fit placement, whole-GPU requests, allocation
+//!   labels, memory and share for a number of units.
+//! - [`health`]: the node's GPUs from NVML (XID events, vanished devices) or the arbiter.
+//! - [`install`]: versioned, never-overwritten installation of the interposer on the host.
+//! - [`kubelet`]: gRPC over Unix sockets, registration, socket identities (restart watch).
+//! - [`arbiter`]: blocking admin calls from async code.
+//! - [`server`]: the `DevicePlugin` service (ListAndWatch, preferred allocation, Allocate).
+//! - [`podresources`]: stale allocation clean-up through the PodResources `List`.
+//! - [`plugin`]: configuration and the serve / register / re-register life cycle.
+
+pub mod arbiter;
+pub mod health;
+pub mod install;
+pub mod kubelet;
+pub mod plugin;
+pub mod podresources;
+pub mod proto;
+pub mod server;
+pub mod units;
+
+pub use plugin::{Config, PluginError, SourceKind, run};

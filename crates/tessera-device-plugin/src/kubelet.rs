@@ -1,0 +1,150 @@
+//! Talking to the kubelet: gRPC channels over Unix sockets, registration, and the socket
+//! identities that reveal a kubelet restart.
+//!
+//! A restarting kubelet deletes every socket in the device-plugins folder and creates a new
+//! `kubelet.sock`. The plugin remembers the (device, inode) of `kubelet.sock` and of its own
+//! socket when it registers; if either changes or disappears, it serves and registers again.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+use crate::proto::deviceplugin::registration_client::RegistrationClient;
+use crate::proto::deviceplugin::{DevicePluginOptions, RegisterRequest};
+use crate::proto::DEVICE_PLUGIN_VERSION;
+
+/// Errors talking to the kubelet.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeletError {
+    /// Could not reach the socket (absent, nobody listening, timed out).
+    #[error("cannot reach {path}: {message}")]
+    Unreachable {
+        /// Socket path.
+        path: PathBuf,
+        /// Cause.
+        message: String,
+    },
+    /// The kubelet answered and refused.
+    #[error("kubelet refused registration: {0}")]
+    Refused(String),
+    /// The kubelet did not answer in time.
+    #[error("kubelet at {0} did not answer within the timeout")]
+    Timeout(PathBuf),
+}
+
+/// Connects a gRPC channel to a Unix socket, with a deadline on the connection.
+pub async fn connect_unix(path: &Path, timeout: Duration) -> Result<Channel, KubeletError> {
+    let owned = path.to_path_buf();
+    // The URI is required by the API but unused: the connector ignores it.
+    let endpoint = Endpoint::from_static("http://localhost").connect_timeout(timeout);
+    let connect = endpoint.connect_with_connector(tower::service_fn(move |_: Uri| {
+        let p = owned.clone();
+        async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(p).await?)) }
+    }));
+    match tokio::time::timeout(timeout, connect).await {
+        Ok(Ok(ch)) => Ok(ch),
+        Ok(Err(e)) => Err(KubeletError::Unreachable {
+            path: path.to_path_buf(),
+            message: error_chain(&e),
+        }),
+        Err(_) => Err(KubeletError::Timeout(path.to_path_buf())),
+    }
+}
+
+/// An error with its sources, on one line (tonic's top-level message is terse).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// Registers the plugin served at `<folder of kubelet_socket>/<endpoint>`.
+pub async fn register(
+    kubelet_socket: &Path,
+    endpoint: &str,
+    resource_name: &str,
+    timeout: Duration,
+) -> Result<(), KubeletError> {
+    let channel = connect_unix(kubelet_socket, timeout).await?;
+    let mut client = RegistrationClient::new(channel);
+    let req = RegisterRequest {
+        version: DEVICE_PLUGIN_VERSION.to_owned(),
+        endpoint: endpoint.to_owned(),
+        resource_name: resource_name.to_owned(),
+        options: Some(DevicePluginOptions {
+            pre_start_required: false,
+            get_preferred_allocation_available: true,
+        }),
+    };
+    match tokio::time::timeout(timeout, client.register(req)).await {
+        Ok(Ok(_)) => Ok(()),
+        // Transport failures (the kubelet went away mid-call) are worth a retry; a status
+        // the kubelet chose to send is its verdict.
+        Ok(Err(status)) if status.code() == tonic::Code::Unavailable => {
+            Err(KubeletError::Unreachable {
+                path: kubelet_socket.to_path_buf(),
+                message: status.message().to_owned(),
+            })
+        }
+        Ok(Err(status)) => Err(KubeletError::Refused(format!(
+            "{:?}: {}",
+            status.code(),
+            status.message()
+        ))),
+        Err(_) => Err(KubeletError::Timeout(kubelet_socket.to_path_buf())),
+    }
+}
+
+/// Identity of a file: it changes when the file is deleted and created again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileId {
+    dev: u64,
+    ino: u64,
+}
+
+/// The identity of `path`, or `None` if it does not exist.
+pub fn file_id(path: &Path) -> Option<FileId> {
+    std::fs::symlink_metadata(path).ok().map(|m| FileId { dev: m.dev(), ino: m.ino() })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_id_changes_on_recreate() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("kubelet.sock");
+        assert_eq!(file_id(&p), None);
+        std::fs::write(&p, b"").unwrap();
+        let a = file_id(&p).unwrap();
+        // Keep the old inode alive so the new file cannot reuse its number.
+        let keep = dir.path().join("old");
+        std::fs::rename(&p, &keep).unwrap();
+        std::fs::write(&p, b"").unwrap();
+        assert_ne!(file_id(&p).unwrap(), a);
+    }
+
+    #[tokio::test]
+    async fn unreachable_kubelet_is_a_clear_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = register(
+            &dir.path().join("kubelet.sock"),
+            "x.sock",
+            "tessera.dev/gpu-shares",
+            Duration::from_secs(2),
+        )
+        .await
+        .unwrap_err();
+        assert!(matches!(err, KubeletError::Unreachable { .. }), "{err}");
+        assert!(err.to_string().contains("kubelet.sock"), "{err}");
+    }
+}

@@ -1,0 +1,163 @@
+//! `tessera-device-plugin`: the kubelet device plugin for Tessera GPU shares.
+//!
+//! Exit codes: 0 stopped by SIGTERM/SIGINT (or `--install-only` done); 1 unexpected failure;
+//! 2 bad flags; 3 the interposer could not be found or installed; 4 the kubelet refused the
+//! registration; 5 no way to list the GPUs (`--gpu-source nvml` and NVML failed).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use tessera_device_plugin::{Config, PluginError, SourceKind};
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Source {
+    Auto,
+    Nvml,
+    Arbiter,
+}
+
+/// Kubernetes device plugin advertising Tessera GPU shares.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// The kubelet's device-plugins folder (kubelet.sock and our socket).
+    #[arg(long, default_value = "/var/lib/kubelet/device-plugins")]
+    kubelet_dir: PathBuf,
+    /// Our socket's file name in the kubelet folder.
+    #[arg(long, default_value = "tessera.sock")]
+    endpoint: String,
+    /// The kubelet's PodResources socket (for stale allocation clean-up).
+    #[arg(long, default_value = "/var/lib/kubelet/pod-resources/kubelet.sock")]
+    pod_resources_socket: PathBuf,
+    /// Turn stale allocation clean-up off.
+    #[arg(long)]
+    no_stale_cleanup: bool,
+    /// The arbiter's admin socket.
+    #[arg(long, env = "TESSERA_ADMIN_SOCKET", default_value = "/run/tessera/admin.sock")]
+    admin_socket: PathBuf,
+    /// The arbiter's tenant socket on the host; its folder is mounted into containers.
+    #[arg(long, default_value = "/run/tessera/tenant/tessera.sock")]
+    tenant_socket: PathBuf,
+    /// Where the tenant socket's folder appears inside containers.
+    #[arg(long, default_value = "/run/tessera")]
+    container_socket_dir: PathBuf,
+    /// Host folder for the versioned interposer copies.
+    #[arg(long, default_value = "/var/lib/tessera/lib")]
+    host_lib_dir: PathBuf,
+    /// The interposer library to install (default: next to this executable).
+    #[arg(long)]
+    interposer: Option<PathBuf>,
+    /// Path of the interposer inside containers.
+    #[arg(long, default_value = "/usr/lib/tessera/libtessera_interpose.so")]
+    container_lib_path: PathBuf,
+    /// Units each GPU is advertised as.
+    #[arg(long, default_value_t = 100)]
+    shares_per_gpu: u32,
+    /// Extended resource name.
+    #[arg(long, default_value = "tessera.dev/gpu-shares")]
+    resource_name: String,
+    /// Where the GPU list and health come from (auto: NVML, else the arbiter).
+    #[arg(long, value_enum, default_value = "auto")]
+    gpu_source: Source,
+    /// NVML library to load.
+    #[arg(long, env = "TESSERA_NVML_LIB", default_value = "libnvidia-ml.so.1")]
+    nvml_lib: PathBuf,
+    /// Seconds an allocation no container holds is kept before deletion.
+    #[arg(long, default_value_t = 60.0)]
+    stale_grace: f64,
+    /// Seconds between stale allocation checks.
+    #[arg(long, default_value_t = 10.0)]
+    stale_interval: f64,
+    /// Milliseconds between socket and GPU checks.
+    #[arg(long, default_value_t = 500)]
+    poll_ms: u64,
+    /// Install the interposer into --host-lib-dir and exit (for an init container).
+    #[arg(long)]
+    install_only: bool,
+}
+
+fn secs(name: &str, v: f64) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(v).map_err(|_| format!("--{name} must be a non-negative number"))
+}
+
+fn config(a: Args) -> Result<(Config, bool), String> {
+    let cfg = Config {
+        kubelet_dir: a.kubelet_dir,
+        endpoint: a.endpoint,
+        pod_resources_socket: (!a.no_stale_cleanup).then_some(a.pod_resources_socket),
+        admin_socket: a.admin_socket,
+        tenant_socket: a.tenant_socket,
+        container_socket_dir: a.container_socket_dir,
+        host_lib_dir: a.host_lib_dir,
+        interposer: a.interposer,
+        container_lib_path: a.container_lib_path,
+        shares_per_gpu: a.shares_per_gpu,
+        resource_name: a.resource_name,
+        gpu_source: match a.gpu_source {
+            Source::Auto => SourceKind::Auto,
+            Source::Nvml => SourceKind::Nvml,
+            Source::Arbiter => SourceKind::Arbiter,
+        },
+        nvml_lib: a.nvml_lib,
+        stale_grace: secs("stale-grace", a.stale_grace)?,
+        stale_interval: secs("stale-interval", a.stale_interval)?.max(Duration::from_millis(50)),
+        poll: Duration::from_millis(a.poll_ms.clamp(10, 10_000)),
+    };
+    Ok((cfg, a.install_only))
+}
+
+fn exit_code(e: &PluginError) -> u8 {
+    match e {
+        PluginError::Config(_) => 2,
+        PluginError::Install(_) => 3,
+        PluginError::Registration(_) => 4,
+        PluginError::Gpus(_) => 5,
+        PluginError::Bind { .. } => 1,
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+    eprintln!("tessera-device-plugin: shutting down");
+}
+
+fn main() -> ExitCode {
+    let (cfg, install_only) = match config(Args::parse()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("tessera-device-plugin: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let result: anyhow::Result<()> = (|| {
+        if install_only {
+            cfg.validate()?;
+            tessera_device_plugin::plugin::install_interposer(&cfg)?;
+            return Ok(());
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        rt.block_on(tessera_device_plugin::run(cfg, shutdown_signal()))?;
+        Ok(())
+    })();
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tessera-device-plugin: {e:#}");
+            let code = e.downcast_ref::<PluginError>().map(exit_code).unwrap_or(1);
+            ExitCode::from(code)
+        }
+    }
+}

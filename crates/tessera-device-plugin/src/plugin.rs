@@ -1,0 +1,390 @@
+//! The plugin's life: install the interposer, watch the GPUs, then serve and register with the
+//! kubelet, again every time the kubelet restarts, until shut down.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::UnixListener;
+use tokio::sync::watch;
+
+use crate::health::{self, GpuSource, HealthError, Snapshot};
+use crate::install::{self, InstallError};
+use crate::kubelet::{self, KubeletError, file_id};
+use crate::podresources::{self, StaleConfig};
+use crate::server::{AllocContext, Mounts, PluginService};
+use crate::units;
+
+/// File name of the kubelet's registration socket in the device-plugins folder.
+pub const KUBELET_SOCKET: &str = "kubelet.sock";
+
+/// Errors that stop the plugin. Each maps to an exit code of the binary.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    /// Flags that cannot work together.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// The interposer could not be installed.
+    #[error(transparent)]
+    Install(#[from] InstallError),
+    /// No way to learn the node's GPUs.
+    #[error(transparent)]
+    Gpus(#[from] HealthError),
+    /// The kubelet refused the registration.
+    #[error(transparent)]
+    Registration(KubeletError),
+    /// The plugin socket could not be created.
+    #[error("cannot serve on {path}: {source}")]
+    Bind {
+        /// Socket path.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+}
+
+/// How the plugin learns the GPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceKind {
+    /// NVML, falling back to the arbiter if NVML cannot be loaded.
+    Auto,
+    /// NVML only.
+    Nvml,
+    /// The arbiter only (no health events).
+    Arbiter,
+}
+
+/// Everything the plugin needs; every path is a parameter so tests run in temp folders.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The kubelet's device-plugins folder (holds `kubelet.sock` and our socket).
+    pub kubelet_dir: PathBuf,
+    /// Our socket's file name in that folder.
+    pub endpoint: String,
+    /// The kubelet's PodResources socket (`None`: no stale clean-up).
+    pub pod_resources_socket: Option<PathBuf>,
+    /// The arbiter's admin socket (never mounted into containers).
+    pub admin_socket: PathBuf,
+    /// The arbiter's tenant socket on the host; its folder is mounted into containers.
+    pub tenant_socket: PathBuf,
+    /// Where that folder appears in containers.
+    pub container_socket_dir: PathBuf,
+    /// Host folder for the versioned interposer copies.
+    pub host_lib_dir: PathBuf,
+    /// The interposer to install (`None`: next to the executable).
+    pub interposer: Option<PathBuf>,
+    /// Path of the interposer inside containers.
+    pub container_lib_path: PathBuf,
+    /// Units per GPU.
+    pub shares_per_gpu: u32,
+    /// Extended resource name.
+    pub resource_name: String,
+    /// GPU source.
+    pub gpu_source: SourceKind,
+    /// NVML library name or path.
+    pub nvml_lib: PathBuf,
+    /// How long an orphaned allocation lives before deletion.
+    pub stale_grace: Duration,
+    /// How often to look for orphaned allocations.
+    pub stale_interval: Duration,
+    /// How often to check the kubelet's and our sockets, and re-enumerate GPUs.
+    pub poll: Duration,
+}
+
+impl Config {
+    /// Checks the flags make sense together.
+    pub fn validate(&self) -> Result<(), PluginError> {
+        let bad = |m: String| Err(PluginError::Config(m));
+        if !(1..=1000).contains(&self.shares_per_gpu) {
+            return bad(format!("--shares-per-gpu must be 1..=1000, got {}", self.shares_per_gpu));
+        }
+        if self.endpoint.is_empty() || self.endpoint.contains('/') || self.endpoint == KUBELET_SOCKET {
+            return bad(format!("--endpoint must be a plain file name other than {KUBELET_SOCKET}"));
+        }
+        if !valid_resource_name(&self.resource_name) {
+            return bad(format!(
+                "--resource-name {:?} must be <domain>/<name>, e.g. tessera.dev/gpu-shares",
+                self.resource_name
+            ));
+        }
+        // The tenant socket's folder is mounted into every container: the admin socket must
+        // not be reachable through it.
+        let tenant_dir = self.tenant_socket.parent().unwrap_or(Path::new("/"));
+        if self.admin_socket.starts_with(tenant_dir) {
+            return bad(format!(
+                "the admin socket {} lies in the tenant socket's folder {}, which containers mount",
+                self.admin_socket.display(),
+                tenant_dir.display()
+            ));
+        }
+        if self.tenant_socket.file_name().is_none() || !self.container_socket_dir.is_absolute() {
+            return bad("--tenant-socket needs a file name and --container-socket-dir an absolute path".into());
+        }
+        Ok(())
+    }
+}
+
+/// An extended resource name: `<DNS subdomain>/<name>` with simple characters.
+fn valid_resource_name(name: &str) -> bool {
+    let Some((domain, n)) = name.split_once('/') else { return false };
+    let ok = |s: &str| {
+        !s.is_empty()
+            && s.len() <= 63
+            && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
+    };
+    domain.contains('.') && ok(domain) && ok(n) && !n.contains('/')
+}
+
+fn start_gpus(cfg: &Config) -> Result<watch::Receiver<Snapshot>, PluginError> {
+    let nvml = GpuSource::Nvml { lib: cfg.nvml_lib.clone() };
+    let arbiter = GpuSource::Arbiter { admin_socket: cfg.admin_socket.clone() };
+    Ok(match cfg.gpu_source {
+        SourceKind::Nvml => health::start(nvml, cfg.poll)?,
+        SourceKind::Arbiter => health::start(arbiter, cfg.poll)?,
+        SourceKind::Auto => match health::start(nvml, cfg.poll) {
+            Ok(rx) => rx,
+            Err(e) => {
+                eprintln!("tessera-device-plugin: {e}; taking the GPU list from the arbiter (no XID health)");
+                health::start(arbiter, cfg.poll)?
+            }
+        },
+    })
+}
+
+/// Logs the GPU list whenever it changes, and GPUs whose ids the kubelet would reject.
+fn log_gpus(mut rx: watch::Receiver<Snapshot>, per_gpu: u32) {
+    tokio::spawn(async move {
+        loop {
+            let snap = rx.borrow_and_update().clone();
+            for g in snap.iter() {
+                if let Err(e) = units::check_id_len(&g.uuid, per_gpu) {
+                    eprintln!("tessera-device-plugin: not advertising GPU {}: {e}", g.index);
+                }
+            }
+            let names: Vec<String> = snap
+                .iter()
+                .map(|g| match &g.unhealthy {
+                    Some(why) => format!("{} (unhealthy: {why})", g.uuid),
+                    None => g.uuid.clone(),
+                })
+                .collect();
+            eprintln!("tessera-device-plugin: GPUs: [{}]", names.join(", "));
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+}
+
+/// Installs the interposer as the init container does, and returns what was installed.
+pub fn install_interposer(cfg: &Config) -> Result<install::Installed, PluginError> {
+    let src = install::find_interposer(cfg.interposer.as_deref())?;
+    let inst =
+        install::install(&src, &cfg.host_lib_dir, env!("CARGO_PKG_VERSION"), &cfg.container_lib_path)?;
+    eprintln!(
+        "tessera-device-plugin: interposer {} at {}",
+        if inst.wrote_lib { "installed" } else { "already installed" },
+        inst.lib_path.display()
+    );
+    Ok(inst)
+}
+
+/// Runs the plugin until `shutdown` completes (Ok) or a fatal error.
+pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), PluginError> {
+    cfg.validate()?;
+    let installed = install_interposer(&cfg)?;
+    let gpus = start_gpus(&cfg)?;
+    log_gpus(gpus.clone(), cfg.shares_per_gpu);
+
+    let (stop_all_tx, stop_all) = watch::channel(false);
+    if let Some(sock) = &cfg.pod_resources_socket {
+        tokio::spawn(podresources::run(
+            StaleConfig {
+                socket: sock.clone(),
+                admin_socket: cfg.admin_socket.clone(),
+                resource_name: cfg.resource_name.clone(),
+                grace: cfg.stale_grace,
+                interval: cfg.stale_interval,
+            },
+            stop_all.clone(),
+        ));
+    }
+    let ctx = Arc::new(AllocContext {
+        per_gpu: cfg.shares_per_gpu,
+        resource_name: cfg.resource_name.clone(),
+        admin_socket: cfg.admin_socket.clone(),
+        mounts: Mounts {
+            tenant_socket: cfg.tenant_socket.clone(),
+            container_socket_dir: cfg.container_socket_dir.clone(),
+            installed,
+            container_lib_path: cfg.container_lib_path.clone(),
+        },
+    });
+
+    let res = generations(&cfg, ctx, gpus, shutdown).await;
+    let _ = stop_all_tx.send(true);
+    res
+}
+
+/// Why a generation ended.
+enum End {
+    Shutdown,
+    Restart(&'static str),
+}
+
+/// One server generation per kubelet incarnation.
+async fn generations(
+    cfg: &Config,
+    ctx: Arc<AllocContext>,
+    gpus: watch::Receiver<Snapshot>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), PluginError> {
+    tokio::pin!(shutdown);
+    let kubelet_sock = cfg.kubelet_dir.join(KUBELET_SOCKET);
+    let own_sock = cfg.kubelet_dir.join(&cfg.endpoint);
+    loop {
+        // Wait for a kubelet to serve registrations.
+        let mut waited = false;
+        while file_id(&kubelet_sock).is_none() {
+            if !waited {
+                eprintln!("tessera-device-plugin: waiting for {}", kubelet_sock.display());
+                waited = true;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(cfg.poll) => {}
+                () = &mut shutdown => return Ok(()),
+            }
+        }
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let _ = std::fs::remove_file(&own_sock);
+        let listener = UnixListener::bind(&own_sock)
+            .map_err(|source| PluginError::Bind { path: own_sock.clone(), source })?;
+        let own_id = file_id(&own_sock);
+        let service = PluginService::new(ctx.clone(), gpus.clone(), stop_rx.clone());
+        let mut server = tokio::spawn(crate::server::serve(listener, service, stop_rx));
+
+        let end = serve_generation(cfg, &kubelet_sock, &own_sock, own_id, &mut server, &mut shutdown).await;
+        let _ = stop_tx.send(true);
+        // Streams end on `stop`; bound the wait anyway so a stuck peer cannot hold us.
+        // (A finished handle was already awaited and must not be polled again.)
+        if !server.is_finished()
+            && tokio::time::timeout(Duration::from_secs(3), &mut server).await.is_err()
+        {
+            server.abort();
+        }
+        match end? {
+            End::Shutdown => {
+                if file_id(&own_sock) == own_id {
+                    let _ = std::fs::remove_file(&own_sock);
+                }
+                return Ok(());
+            }
+            End::Restart(why) => eprintln!("tessera-device-plugin: {why}: serving and registering again"),
+        }
+    }
+}
+
+/// Registers, then watches the sockets until the kubelet restarts or we are shut down.
+async fn serve_generation(
+    cfg: &Config,
+    kubelet_sock: &Path,
+    own_sock: &Path,
+    own_id: Option<kubelet::FileId>,
+    server: &mut tokio::task::JoinHandle<Result<(), crate::server::ServerError>>,
+    shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
+) -> Result<End, PluginError> {
+    let mut registered = None;
+    let mut last_err = String::new();
+    loop {
+        if registered.is_none() {
+            let kid = file_id(kubelet_sock);
+            match kubelet::register(kubelet_sock, &cfg.endpoint, &cfg.resource_name, Duration::from_secs(5)).await {
+                Ok(()) => {
+                    eprintln!(
+                        "tessera-device-plugin: registered {} ({} units per GPU) at {}",
+                        cfg.resource_name,
+                        cfg.shares_per_gpu,
+                        own_sock.display()
+                    );
+                    registered = kid;
+                }
+                Err(e @ KubeletError::Refused(_)) => return Err(PluginError::Registration(e)),
+                Err(e) => {
+                    // The kubelet is (re)starting: retry until it listens.
+                    let msg = e.to_string();
+                    if msg != last_err {
+                        eprintln!("tessera-device-plugin: registration failed, retrying: {msg}");
+                        last_err = msg;
+                    }
+                }
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(cfg.poll) => {}
+            () = &mut *shutdown => return Ok(End::Shutdown),
+            r = &mut *server => {
+                let why = match r {
+                    Ok(Ok(())) => "server stopped".to_string(),
+                    Ok(Err(e)) => e.to_string(),
+                    Err(e) => format!("server task failed: {e}"),
+                };
+                eprintln!("tessera-device-plugin: {why}");
+                return Ok(End::Restart("the gRPC server ended"));
+            }
+        }
+        if file_id(own_sock) != own_id {
+            return Ok(End::Restart("our socket was removed (kubelet restart?)"));
+        }
+        if let Some(kid) = registered {
+            if file_id(kubelet_sock) != Some(kid) {
+                return Ok(End::Restart("kubelet.sock was re-created (kubelet restart)"));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> Config {
+        Config {
+            kubelet_dir: "/var/lib/kubelet/device-plugins".into(),
+            endpoint: "tessera.sock".into(),
+            pod_resources_socket: None,
+            admin_socket: "/run/tessera/admin.sock".into(),
+            tenant_socket: "/run/tessera/tenant/tessera.sock".into(),
+            container_socket_dir: "/run/tessera".into(),
+            host_lib_dir: "/var/lib/tessera/lib".into(),
+            interposer: None,
+            container_lib_path: "/usr/lib/tessera/libtessera_interpose.so".into(),
+            shares_per_gpu: 100,
+            resource_name: "tessera.dev/gpu-shares".into(),
+            gpu_source: SourceKind::Auto,
+            nvml_lib: "libnvidia-ml.so.1".into(),
+            stale_grace: Duration::from_secs(60),
+            stale_interval: Duration::from_secs(10),
+            poll: Duration::from_millis(500),
+        }
+    }
+
+    #[test]
+    fn defaults_are_valid_and_bad_combinations_are_refused() {
+        cfg().validate().unwrap();
+        let mut c = cfg();
+        c.admin_socket = "/run/tessera/tenant/admin.sock".into();
+        assert!(c.validate().unwrap_err().to_string().contains("admin socket"));
+        let mut c = cfg();
+        c.shares_per_gpu = 0;
+        assert!(c.validate().is_err());
+        let mut c = cfg();
+        c.endpoint = "kubelet.sock".into();
+        assert!(c.validate().is_err());
+        for bad in ["gpu-shares", "tessera/x", "tessera.dev/", "a.b/c/d", "tessera.dev/g pu"] {
+            let mut c = cfg();
+            c.resource_name = bad.into();
+            assert!(c.validate().is_err(), "{bad}");
+        }
+    }
+}
