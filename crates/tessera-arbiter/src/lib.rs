@@ -1,1 +1,36 @@
-//! Placeholder; filled in by its issue.
+//! Tessera's per-node arbiter: the authority on GPU memory limits and compute shares.
+//!
+//! Modules:
+//! - [`config`]: command-line and environment configuration.
+//! - [`gpus`]: GPU discovery (NVML through `nvml-wrapper`, or a fixed list for tests).
+//! - [`ledger`]: the memory ledger (pure): atomic reserve, release, redeclare, connection drop.
+//! - [`store`]: persistence of allocations (atomic JSON file), ids and tokens.
+//! - [`scheduler`]: compute sharing: per-GPU lease scheduling (WFQ, caps, revocation).
+//! - [`state`]: the shared state tying GPUs, allocations, ledger and schedulers together;
+//!   admin operations (create, list, delete).
+//! - [`wire`]: async framing helpers shared by the socket servers.
+//! - [`tenant`]: the tenant socket server (one task per connection).
+//! - [`admin`]: the admin socket server.
+//! - [`server`]: start-up and shutdown wiring.
+//!
+//! The daemon (`src/main.rs`) parses a [`config::Config`], discovers GPUs and runs a
+//! [`server::Server`] until SIGTERM or SIGINT.
+
+pub mod admin;
+pub mod config;
+pub mod gpus;
+pub mod ledger;
+pub mod scheduler;
+pub mod server;
+pub mod state;
+pub mod store;
+pub mod tenant;
+pub mod wire;
+
+/// Logs one line to stderr, prefixed with the daemon's name.
+#[macro_export]
+macro_rules! log {
+    ($($arg:tt)*) => {
+        eprintln!("tessera-arbiter: {}", format_args!($($arg)*))
+    };
+}

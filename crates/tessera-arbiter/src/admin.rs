@@ -1,0 +1,118 @@
+//! The admin socket (mode 0600, never mounted into containers): one task per connection,
+//! one reply per request, in order.
+
+use std::sync::Arc;
+
+use tessera_protocol::{AdminReply, AdminRequest, FrameDecoder, Role, ServerHello};
+use tokio::io::AsyncWriteExt;
+use tokio::net::UnixStream;
+
+use crate::state::Arbiter;
+use crate::wire::{self, WireError};
+
+/// Errors of admin connections (each closes that connection only).
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    /// Framing, handshake or transport failure.
+    #[error(transparent)]
+    Wire(#[from] WireError),
+}
+
+/// Serves one admin connection to its end.
+pub async fn serve(arb: Arc<Arbiter>, mut stream: UnixStream) {
+    let pid = stream.peer_cred().ok().and_then(|c| c.pid());
+    let who = match pid {
+        Some(p) => format!("admin client pid {p}"),
+        None => "admin client".to_owned(),
+    };
+    match serve_inner(&arb, &mut stream).await {
+        Ok(()) | Err(AdminError::Wire(WireError::Closed)) => {}
+        Err(e) => crate::log!("{who}: closed: {e}"),
+    }
+}
+
+async fn send<T: serde::Serialize>(stream: &mut UnixStream, msg: &T) -> Result<(), AdminError> {
+    let mut out = Vec::new();
+    wire::push_frame(&mut out, msg).map_err(WireError::from)?;
+    stream
+        .write_all(&out)
+        .await
+        .map_err(|e| WireError::Frame(e.into()))?;
+    Ok(())
+}
+
+async fn serve_inner(arb: &Arbiter, stream: &mut UnixStream) -> Result<(), AdminError> {
+    let mut dec = FrameDecoder::new();
+    match wire::read_hello(stream, &mut dec).await {
+        Ok(Role::Admin) => {}
+        Ok(Role::Tenant { .. }) => {
+            let reason = "tenants use the tenant socket";
+            send(
+                stream,
+                &ServerHello::Refused {
+                    reason: reason.into(),
+                },
+            )
+            .await?;
+            return Err(WireError::WrongRole(reason).into());
+        }
+        Err(e @ WireError::BadVersion(_)) => {
+            send(
+                stream,
+                &ServerHello::Refused {
+                    reason: e.to_string(),
+                },
+            )
+            .await?;
+            return Err(e.into());
+        }
+        Err(e) => return Err(e.into()),
+    }
+    let welcome = ServerHello::Welcome {
+        version: tessera_protocol::PROTOCOL_VERSION,
+        allocation: None,
+    };
+    send(stream, &welcome).await?;
+    loop {
+        let req: AdminRequest = wire::read_msg(stream, &mut dec).await?;
+        let reply = handle(arb, req).await;
+        send(stream, &reply).await?;
+    }
+}
+
+async fn handle(arb: &Arbiter, req: AdminRequest) -> AdminReply {
+    match req {
+        AdminRequest::ListGpus => AdminReply::Gpus(arb.gpus().to_vec()),
+        AdminRequest::Create(c) => {
+            let (gpu, limit, share, cap) = (c.gpu.clone(), c.memory_limit, c.share, c.cap);
+            match arb.create(c).await {
+                Ok((token, allocation)) => {
+                    crate::log!(
+                        "created allocation {} on GPU {} ({limit} bytes, share {share}, cap {cap:?})",
+                        allocation.id,
+                        allocation.gpu_index
+                    );
+                    AdminReply::Created { token, allocation }
+                }
+                Err(e) => {
+                    crate::log!("refused to create an allocation on {gpu:?}: {e}");
+                    AdminReply::Error {
+                        kind: e.kind(),
+                        message: e.to_string(),
+                    }
+                }
+            }
+        }
+        AdminRequest::List => AdminReply::Allocations(arb.list().await),
+        AdminRequest::Delete { id } => match arb.delete(&id).await {
+            Ok(()) => {
+                crate::log!("deleted allocation {id}");
+                AdminReply::Deleted
+            }
+            Err(e) => AdminReply::Error {
+                kind: e.kind(),
+                message: e.to_string(),
+            },
+        },
+    }
+}

@@ -1,0 +1,29 @@
+//! Command-line and environment configuration of the daemon.
+
+use std::path::PathBuf;
+
+/// Default tenant socket (mounted into containers).
+pub const DEFAULT_SOCKET: &str = "/run/tessera/tessera.sock";
+/// Default admin socket (never mounted into containers).
+pub const DEFAULT_ADMIN_SOCKET: &str = "/run/tessera/admin.sock";
+/// Default state directory.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/tessera";
+
+/// `tessera-arbiter`: the per-node daemon that enforces Tessera's GPU memory limits and
+/// compute shares.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "tessera-arbiter", version, about)]
+pub struct Config {
+    /// Tenant socket (mode 0666: the allocation token is the authority).
+    #[arg(long, env = "TESSERA_SOCKET", default_value = DEFAULT_SOCKET)]
+    pub socket: PathBuf,
+    /// Admin socket (mode 0600).
+    #[arg(long, env = "TESSERA_ADMIN_SOCKET", default_value = DEFAULT_ADMIN_SOCKET)]
+    pub admin_socket: PathBuf,
+    /// Directory of the persisted allocations (created with mode 0700).
+    #[arg(long, default_value = DEFAULT_STATE_DIR)]
+    pub state_dir: PathBuf,
+    /// NVML library to load instead of `libnvidia-ml.so.1` from the loader's search path.
+    #[arg(long, value_name = "PATH")]
+    pub nvml_lib: Option<PathBuf>,
+}

@@ -1,0 +1,476 @@
+//! The memory ledger: bytes held per allocation and per connection.
+//!
+//! Pure data, no I/O: the arbiter keeps one [`Ledger`] behind a mutex, so every operation
+//! (check-and-add included) is one critical section and therefore atomic across all processes
+//! of an allocation. Connections are tracked individually so that a process that dies (its
+//! socket closes) gives back exactly what it held.
+
+use std::collections::HashMap;
+
+/// Internal key of an allocation in the ledger (not its public id).
+pub type AccountKey = u64;
+/// Arbiter-wide connection number.
+pub type ConnId = u64;
+
+/// Errors of ledger operations; all are arbiter bugs or races with deletion, never tenant input.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LedgerError {
+    /// The account does not exist (never opened, or closed and drained).
+    #[error("no ledger account {0}")]
+    UnknownAccount(AccountKey),
+    /// The account was closed (allocation deleted): it takes no new connections.
+    #[error("ledger account {0} is closed")]
+    Closed(AccountKey),
+    /// The connection is not attached to the account.
+    #[error("connection {conn} is not attached to account {key}")]
+    UnknownConnection {
+        /// Account.
+        key: AccountKey,
+        /// Connection.
+        conn: ConnId,
+    },
+}
+
+/// Outcome of a reservation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reservation {
+    /// Granted; allocation-wide bytes in use after it.
+    Granted {
+        /// Bytes in use after the reservation.
+        in_use: u64,
+    },
+    /// Refused; nothing changed.
+    Denied {
+        /// The account's limit.
+        limit: u64,
+        /// Bytes in use.
+        in_use: u64,
+    },
+}
+
+/// Outcome of a release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Released {
+    /// Bytes actually subtracted (at most what the connection held).
+    pub freed: u64,
+    /// Allocation-wide bytes in use after it.
+    pub in_use: u64,
+    /// Bytes asked for beyond what the connection held (a tenant accounting bug), if any.
+    pub excess: u64,
+}
+
+/// What the admin API reports about one account.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    /// Limit, bytes.
+    pub limit: u64,
+    /// Bytes in use across all connections.
+    pub in_use: u64,
+    /// Attached connections.
+    pub connections: u32,
+    /// Closed (deleted) but still draining.
+    pub closed: bool,
+}
+
+#[derive(Debug)]
+struct Account {
+    limit: u64,
+    in_use: u64,
+    closed: bool,
+    /// Bytes held per connection. Few entries (one per process), so a small map is fine.
+    conns: HashMap<ConnId, u64>,
+}
+
+/// Bytes held per allocation and connection.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    accounts: HashMap<AccountKey, Account>,
+}
+
+impl Ledger {
+    /// An empty ledger.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Opens an account with `limit` bytes. Reopening an existing key replaces its limit.
+    pub fn open(&mut self, key: AccountKey, limit: u64) {
+        self.accounts
+            .entry(key)
+            .and_modify(|a| {
+                a.limit = limit;
+                a.closed = false;
+            })
+            .or_insert(Account {
+                limit,
+                in_use: 0,
+                closed: false,
+                conns: HashMap::new(),
+            });
+    }
+
+    /// Closes an account: further reservations are denied and no connection may attach, but
+    /// releases are still served. The account disappears once its last connection detaches.
+    /// Returns true when it disappeared now (no connection was attached).
+    pub fn close(&mut self, key: AccountKey) -> Result<bool, LedgerError> {
+        let acct = self
+            .accounts
+            .get_mut(&key)
+            .ok_or(LedgerError::UnknownAccount(key))?;
+        acct.closed = true;
+        if acct.conns.is_empty() {
+            self.accounts.remove(&key);
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Attaches a new connection holding nothing.
+    pub fn attach(&mut self, key: AccountKey, conn: ConnId) -> Result<(), LedgerError> {
+        let acct = self
+            .accounts
+            .get_mut(&key)
+            .ok_or(LedgerError::UnknownAccount(key))?;
+        if acct.closed {
+            return Err(LedgerError::Closed(key));
+        }
+        acct.conns.entry(conn).or_insert(0);
+        Ok(())
+    }
+
+    fn account(&mut self, key: AccountKey, conn: ConnId) -> Result<&mut Account, LedgerError> {
+        let acct = self
+            .accounts
+            .get_mut(&key)
+            .ok_or(LedgerError::UnknownAccount(key))?;
+        if !acct.conns.contains_key(&conn) {
+            return Err(LedgerError::UnknownConnection { key, conn });
+        }
+        Ok(acct)
+    }
+
+    /// Reserves `bytes` for `conn` if the whole account stays within its limit: check and add
+    /// happen together, so racing connections can never pass the limit. A closed account
+    /// denies everything.
+    pub fn reserve(
+        &mut self,
+        key: AccountKey,
+        conn: ConnId,
+        bytes: u64,
+    ) -> Result<Reservation, LedgerError> {
+        let acct = self.account(key, conn)?;
+        let fits = acct
+            .in_use
+            .checked_add(bytes)
+            .is_some_and(|total| total <= acct.limit);
+        if acct.closed || !fits {
+            return Ok(Reservation::Denied {
+                limit: acct.limit,
+                in_use: acct.in_use,
+            });
+        }
+        acct.in_use += bytes;
+        *acct.conns.get_mut(&conn).expect("checked above") += bytes;
+        Ok(Reservation::Granted {
+            in_use: acct.in_use,
+        })
+    }
+
+    /// Releases up to `bytes` held by `conn`. Asking for more than it holds frees what it
+    /// holds and reports the excess, so a buggy tenant cannot free another process's bytes.
+    pub fn release(
+        &mut self,
+        key: AccountKey,
+        conn: ConnId,
+        bytes: u64,
+    ) -> Result<Released, LedgerError> {
+        let acct = self.account(key, conn)?;
+        let held = acct.conns.get_mut(&conn).expect("checked above");
+        let freed = bytes.min(*held);
+        *held -= freed;
+        acct.in_use -= freed;
+        Ok(Released {
+            freed,
+            in_use: acct.in_use,
+            excess: bytes - freed,
+        })
+    }
+
+    /// Sets what `conn` holds to `bytes` (after an arbiter restart the process declares its
+    /// live memory). Always accepted, even past the limit: the memory exists. Idempotent.
+    pub fn redeclare(
+        &mut self,
+        key: AccountKey,
+        conn: ConnId,
+        bytes: u64,
+    ) -> Result<u64, LedgerError> {
+        let acct = self.account(key, conn)?;
+        let held = acct.conns.get_mut(&conn).expect("checked above");
+        let before = *held;
+        *held = bytes;
+        acct.in_use = acct.in_use - before + bytes;
+        Ok(acct.in_use)
+    }
+
+    /// Detaches `conn` (its process exited or its socket closed) and frees all it held.
+    /// Returns the bytes freed. Drops a closed account once its last connection is gone.
+    pub fn detach(&mut self, key: AccountKey, conn: ConnId) -> Result<u64, LedgerError> {
+        let acct = self
+            .accounts
+            .get_mut(&key)
+            .ok_or(LedgerError::UnknownAccount(key))?;
+        let held = acct
+            .conns
+            .remove(&conn)
+            .ok_or(LedgerError::UnknownConnection { key, conn })?;
+        acct.in_use -= held;
+        if acct.closed && acct.conns.is_empty() {
+            self.accounts.remove(&key);
+        }
+        Ok(held)
+    }
+
+    /// Limit and use of an account.
+    pub fn usage(&self, key: AccountKey) -> Option<Usage> {
+        self.accounts.get(&key).map(|a| Usage {
+            limit: a.limit,
+            in_use: a.in_use,
+            connections: a.conns.len() as u32,
+            closed: a.closed,
+        })
+    }
+
+    /// Bytes `conn` holds in account `key`.
+    pub fn held(&self, key: AccountKey, conn: ConnId) -> Option<u64> {
+        self.accounts
+            .get(&key)
+            .and_then(|a| a.conns.get(&conn).copied())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn reserve_within_limit_and_deny_past_it() {
+        let mut l = Ledger::new();
+        l.open(1, 100 * MIB);
+        l.attach(1, 10).unwrap();
+        assert_eq!(
+            l.reserve(1, 10, 60 * MIB).unwrap(),
+            Reservation::Granted { in_use: 60 * MIB }
+        );
+        assert_eq!(
+            l.reserve(1, 10, 41 * MIB).unwrap(),
+            Reservation::Denied {
+                limit: 100 * MIB,
+                in_use: 60 * MIB
+            }
+        );
+        assert_eq!(
+            l.reserve(1, 10, 40 * MIB).unwrap(),
+            Reservation::Granted { in_use: 100 * MIB }
+        );
+        assert_eq!(l.usage(1).unwrap().in_use, 100 * MIB);
+    }
+
+    #[test]
+    fn reserve_never_overflows() {
+        let mut l = Ledger::new();
+        l.open(1, u64::MAX);
+        l.attach(1, 1).unwrap();
+        assert!(matches!(
+            l.reserve(1, 1, u64::MAX - 1).unwrap(),
+            Reservation::Granted { .. }
+        ));
+        assert!(matches!(
+            l.reserve(1, 1, 2).unwrap(),
+            Reservation::Denied { .. }
+        ));
+        assert_eq!(l.usage(1).unwrap().in_use, u64::MAX - 1);
+    }
+
+    #[test]
+    fn limit_is_shared_by_all_connections_of_an_account() {
+        let mut l = Ledger::new();
+        l.open(7, 10);
+        l.attach(7, 1).unwrap();
+        l.attach(7, 2).unwrap();
+        assert!(matches!(
+            l.reserve(7, 1, 6).unwrap(),
+            Reservation::Granted { in_use: 6 }
+        ));
+        assert_eq!(
+            l.reserve(7, 2, 5).unwrap(),
+            Reservation::Denied {
+                limit: 10,
+                in_use: 6
+            }
+        );
+        assert!(matches!(
+            l.reserve(7, 2, 4).unwrap(),
+            Reservation::Granted { in_use: 10 }
+        ));
+        // Another account is independent.
+        l.open(8, 10);
+        l.attach(8, 3).unwrap();
+        assert!(matches!(
+            l.reserve(8, 3, 10).unwrap(),
+            Reservation::Granted { in_use: 10 }
+        ));
+    }
+
+    #[test]
+    fn racing_reservations_from_threads_never_pass_the_limit() {
+        let limit = 1000u64;
+        let ledger = Arc::new(Mutex::new(Ledger::new()));
+        {
+            let mut l = ledger.lock().unwrap();
+            l.open(1, limit);
+            for conn in 0..8 {
+                l.attach(1, conn).unwrap();
+            }
+        }
+        let handles: Vec<_> = (0..8u64)
+            .map(|conn| {
+                let ledger = Arc::clone(&ledger);
+                std::thread::spawn(move || {
+                    let mut granted = 0u64;
+                    for i in 0..1000u64 {
+                        let bytes = 1 + (i + conn) % 7;
+                        let r = ledger.lock().unwrap().reserve(1, conn, bytes).unwrap();
+                        match r {
+                            Reservation::Granted { in_use } => {
+                                assert!(in_use <= limit);
+                                granted += bytes;
+                                if i % 3 == 0 {
+                                    ledger.lock().unwrap().release(1, conn, bytes).unwrap();
+                                    granted -= bytes;
+                                }
+                            }
+                            Reservation::Denied { in_use, .. } => assert!(in_use <= limit),
+                        }
+                    }
+                    granted
+                })
+            })
+            .collect();
+        let total: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
+        let mut l = ledger.lock().unwrap();
+        let usage = l.usage(1).unwrap();
+        assert_eq!(
+            usage.in_use, total,
+            "ledger equals the sum of what threads hold"
+        );
+        assert!(usage.in_use <= limit);
+        for conn in 0..8 {
+            l.detach(1, conn).unwrap();
+        }
+        assert_eq!(l.usage(1).unwrap().in_use, 0);
+    }
+
+    #[test]
+    fn release_is_saturating_per_connection() {
+        let mut l = Ledger::new();
+        l.open(1, 100);
+        l.attach(1, 1).unwrap();
+        l.attach(1, 2).unwrap();
+        l.reserve(1, 1, 30).unwrap();
+        l.reserve(1, 2, 50).unwrap();
+        assert_eq!(
+            l.release(1, 1, 10).unwrap(),
+            Released {
+                freed: 10,
+                in_use: 70,
+                excess: 0
+            }
+        );
+        // Connection 1 holds 20: releasing 45 frees 20 and never touches connection 2's bytes.
+        assert_eq!(
+            l.release(1, 1, 45).unwrap(),
+            Released {
+                freed: 20,
+                in_use: 50,
+                excess: 25
+            }
+        );
+        assert_eq!(l.held(1, 2), Some(50));
+        assert_eq!(l.held(1, 1), Some(0));
+    }
+
+    #[test]
+    fn redeclare_may_pass_the_limit_and_blocks_reserves_until_below() {
+        let mut l = Ledger::new();
+        l.open(1, 100);
+        l.attach(1, 1).unwrap();
+        l.attach(1, 2).unwrap();
+        assert_eq!(l.redeclare(1, 1, 80).unwrap(), 80);
+        assert_eq!(l.redeclare(1, 2, 40).unwrap(), 120);
+        // Idempotent: declaring again sets, never adds.
+        assert_eq!(l.redeclare(1, 2, 40).unwrap(), 120);
+        assert_eq!(
+            l.reserve(1, 1, 1).unwrap(),
+            Reservation::Denied {
+                limit: 100,
+                in_use: 120
+            }
+        );
+        l.release(1, 2, 30).unwrap();
+        assert_eq!(l.usage(1).unwrap().in_use, 90);
+        assert!(matches!(
+            l.reserve(1, 1, 10).unwrap(),
+            Reservation::Granted { in_use: 100 }
+        ));
+    }
+
+    #[test]
+    fn detach_frees_everything_the_connection_held() {
+        let mut l = Ledger::new();
+        l.open(1, 100);
+        l.attach(1, 1).unwrap();
+        l.attach(1, 2).unwrap();
+        l.reserve(1, 1, 30).unwrap();
+        l.reserve(1, 2, 50).unwrap();
+        assert_eq!(l.detach(1, 2).unwrap(), 50);
+        let u = l.usage(1).unwrap();
+        assert_eq!((u.in_use, u.connections), (30, 1));
+        assert_eq!(
+            l.reserve(1, 2, 1).unwrap_err(),
+            LedgerError::UnknownConnection { key: 1, conn: 2 }
+        );
+        assert!(matches!(
+            l.reserve(1, 1, 70).unwrap(),
+            Reservation::Granted { in_use: 100 }
+        ));
+    }
+
+    #[test]
+    fn closed_account_denies_reserves_serves_releases_and_drains() {
+        let mut l = Ledger::new();
+        l.open(1, 100);
+        l.attach(1, 1).unwrap();
+        l.reserve(1, 1, 40).unwrap();
+        assert!(!l.close(1).unwrap(), "a connection is still attached");
+        assert_eq!(
+            l.reserve(1, 1, 1).unwrap(),
+            Reservation::Denied {
+                limit: 100,
+                in_use: 40
+            }
+        );
+        assert_eq!(l.attach(1, 2).unwrap_err(), LedgerError::Closed(1));
+        assert_eq!(l.release(1, 1, 40).unwrap().in_use, 0);
+        assert!(l.usage(1).unwrap().closed);
+        l.detach(1, 1).unwrap();
+        assert!(l.usage(1).is_none(), "drained account is gone");
+        // Closing an idle account removes it at once.
+        l.open(2, 5);
+        assert!(l.close(2).unwrap());
+        assert_eq!(l.close(2).unwrap_err(), LedgerError::UnknownAccount(2));
+    }
+}

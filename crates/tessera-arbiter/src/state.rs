@@ -1,0 +1,447 @@
+//! The arbiter's shared state: GPUs, allocations, the memory ledger and the schedulers.
+//!
+//! Two locks, never held together across an await:
+//! - `admin` (async): the persisted allocation list; it serialises Create and Delete so that
+//!   validation, the disk write and the in-memory change happen in order, and the disk write
+//!   happens outside the hot lock.
+//! - `live` (sync, short): tokens, the ledger and the per-GPU bookkeeping used by every
+//!   tenant request; held only for a few map operations, never across I/O.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use tessera_protocol::{
+    AdminErrorKind, AllocationStatus, AllocationView, CreateAllocation, GpuInfo, GpuSelector,
+};
+
+use crate::ledger::{AccountKey, ConnId, Ledger, LedgerError};
+use crate::scheduler::{SchedulerHandle, SchedulerParams};
+use crate::store::{self, AllocationRecord, Store, StoreError};
+
+/// Errors of admin operations, each mapped to an [`AdminErrorKind`] for the wire.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    /// Bad parameters.
+    #[error("{0}")]
+    Invalid(String),
+    /// No such allocation.
+    #[error("no allocation {0}")]
+    NotFound(String),
+    /// The GPU cannot take the allocation.
+    #[error("{0}")]
+    Exhausted(String),
+    /// Persisting failed; nothing changed.
+    #[error("cannot persist allocations: {0}")]
+    Store(#[from] StoreError),
+    /// A background task failed.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl StateError {
+    /// The wire class of this error.
+    pub fn kind(&self) -> AdminErrorKind {
+        match self {
+            StateError::Invalid(_) => AdminErrorKind::InvalidArgument,
+            StateError::NotFound(_) => AdminErrorKind::NotFound,
+            StateError::Exhausted(_) => AdminErrorKind::Exhausted,
+            StateError::Store(_) | StateError::Internal(_) => AdminErrorKind::Internal,
+        }
+    }
+}
+
+/// What a tenant connection learns at its handshake.
+#[derive(Debug, Clone)]
+pub struct TenantBinding {
+    /// Ledger account of its allocation.
+    pub key: AccountKey,
+    /// The allocation, as told to the tenant.
+    pub view: AllocationView,
+    /// The scheduler of its GPU.
+    pub scheduler: SchedulerHandle,
+}
+
+#[derive(Debug)]
+struct LiveAlloc {
+    key: AccountKey,
+    record: AllocationRecord,
+    scheduler: SchedulerHandle,
+}
+
+#[derive(Debug, Default)]
+struct Live {
+    /// Allocations by public id (deleted ones are removed here; their ledger account drains).
+    by_id: HashMap<String, LiveAlloc>,
+    /// Token to public id.
+    tokens: HashMap<String, String>,
+    ledger: Ledger,
+    /// Connections per process per account (a process may open several connections).
+    procs: HashMap<AccountKey, HashMap<i64, u32>>,
+    next_key: AccountKey,
+}
+
+/// Identifies the process behind a connection: its pid, or the connection when the kernel
+/// gave no pid.
+fn proc_key(pid: Option<i32>, conn: ConnId) -> i64 {
+    pid.map(i64::from).unwrap_or(-(conn as i64))
+}
+
+/// Shared state of one arbiter.
+#[derive(Debug)]
+pub struct Arbiter {
+    gpus: Vec<GpuInfo>,
+    store: Store,
+    admin: tokio::sync::Mutex<Vec<AllocationRecord>>,
+    live: Mutex<Live>,
+    /// One scheduler per GPU UUID (plus any UUID of a persisted allocation whose GPU vanished).
+    schedulers: Mutex<HashMap<String, SchedulerHandle>>,
+    sched_params: SchedulerParams,
+    next_conn: AtomicU64,
+    epoch: Instant,
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn view(record: &AllocationRecord) -> AllocationView {
+    AllocationView {
+        id: record.id.clone(),
+        gpu_index: record.gpu_index,
+        gpu_uuid: record.gpu_uuid.clone(),
+        memory_limit: record.memory_limit,
+        share: record.share,
+        cap: record.cap,
+    }
+}
+
+impl Arbiter {
+    /// Builds the state from the discovered GPUs and the persisted allocations. Persisted
+    /// allocations are matched to GPUs by UUID (indexes may change between boots); one whose
+    /// GPU is gone is kept, logged, and keeps its last known index.
+    pub fn new(
+        gpus: Vec<GpuInfo>,
+        store: Store,
+        sched_params: SchedulerParams,
+    ) -> Result<Arc<Self>, StateError> {
+        let mut records = store.load()?;
+        for r in &mut records {
+            match gpus.iter().find(|g| g.uuid == r.gpu_uuid) {
+                Some(g) => r.gpu_index = g.index,
+                None => eprintln!(
+                    "tessera-arbiter: allocation {} is on GPU {} which is not present; kept",
+                    r.id, r.gpu_uuid
+                ),
+            }
+        }
+        let arb = Arc::new(Self {
+            gpus,
+            store,
+            admin: tokio::sync::Mutex::new(records.clone()),
+            live: Mutex::new(Live::default()),
+            schedulers: Mutex::new(HashMap::new()),
+            sched_params,
+            next_conn: AtomicU64::new(1),
+            epoch: Instant::now(),
+        });
+        for g in &arb.gpus {
+            arb.scheduler_for(&g.uuid);
+        }
+        for r in records {
+            arb.insert_live(r);
+        }
+        Ok(arb)
+    }
+
+    /// Origin of the schedulers' clock.
+    pub fn epoch(&self) -> Instant {
+        self.epoch
+    }
+
+    /// Nanoseconds since this arbiter started (the schedulers' clock).
+    pub fn now_ns(&self) -> u64 {
+        self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// The node's GPUs.
+    pub fn gpus(&self) -> &[GpuInfo] {
+        &self.gpus
+    }
+
+    /// Every scheduler (the server starts a timer task for each).
+    pub fn schedulers(&self) -> Vec<SchedulerHandle> {
+        self.schedulers.lock().unwrap().values().cloned().collect()
+    }
+
+    fn scheduler_for(&self, uuid: &str) -> SchedulerHandle {
+        self.schedulers
+            .lock()
+            .unwrap()
+            .entry(uuid.to_owned())
+            .or_insert_with(|| SchedulerHandle::new(uuid.to_owned(), self.sched_params))
+            .clone()
+    }
+
+    fn live(&self) -> MutexGuard<'_, Live> {
+        // A panic while holding the lock would be a bug; the data (plain maps) stays usable.
+        self.live.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn insert_live(&self, record: AllocationRecord) {
+        let scheduler = self.scheduler_for(&record.gpu_uuid);
+        let mut live = self.live();
+        live.next_key += 1;
+        let key = live.next_key;
+        live.ledger.open(key, record.memory_limit);
+        scheduler.add_allocation(key, record.share, record.cap, self.now_ns());
+        live.tokens.insert(record.token.clone(), record.id.clone());
+        live.by_id.insert(
+            record.id.clone(),
+            LiveAlloc {
+                key,
+                record,
+                scheduler,
+            },
+        );
+    }
+
+    /// A new connection number.
+    pub fn next_conn(&self) -> ConnId {
+        self.next_conn.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Handshake of a tenant: finds the allocation of `token` and attaches `conn` to it.
+    pub fn attach_tenant(
+        &self,
+        token: &str,
+        conn: ConnId,
+        pid: Option<i32>,
+    ) -> Option<TenantBinding> {
+        let mut live = self.live();
+        let id = live.tokens.get(token)?.clone();
+        let (key, view, scheduler) = {
+            let a = live.by_id.get(&id)?;
+            (a.key, view(&a.record), a.scheduler.clone())
+        };
+        live.ledger.attach(key, conn).ok()?;
+        *live
+            .procs
+            .entry(key)
+            .or_default()
+            .entry(proc_key(pid, conn))
+            .or_insert(0) += 1;
+        Some(TenantBinding {
+            key,
+            view,
+            scheduler,
+        })
+    }
+
+    /// Runs `f` on the ledger under the live lock (the tenant hot path).
+    pub fn with_ledger<R>(&self, f: impl FnOnce(&mut Ledger) -> R) -> R {
+        f(&mut self.live().ledger)
+    }
+
+    /// A tenant connection closed: frees what it held. Returns the bytes freed.
+    pub fn detach_tenant(
+        &self,
+        binding: &TenantBinding,
+        conn: ConnId,
+        pid: Option<i32>,
+    ) -> Result<u64, LedgerError> {
+        let (freed, gone) = {
+            let mut live = self.live();
+            let freed = live.ledger.detach(binding.key, conn)?;
+            if let Some(procs) = live.procs.get_mut(&binding.key) {
+                let pk = proc_key(pid, conn);
+                if let Some(n) = procs.get_mut(&pk) {
+                    *n -= 1;
+                    if *n == 0 {
+                        procs.remove(&pk);
+                    }
+                }
+            }
+            let gone = live.ledger.usage(binding.key).is_none();
+            if gone {
+                live.procs.remove(&binding.key);
+            }
+            (freed, gone)
+        };
+        binding.scheduler.connection_closed(conn, self.now_ns());
+        // The scheduler forgets a deleted allocation once its last process is gone.
+        if gone {
+            binding
+                .scheduler
+                .remove_allocation(binding.key, self.now_ns());
+        }
+        Ok(freed)
+    }
+
+    fn resolve_gpu(&self, sel: &GpuSelector) -> Result<&GpuInfo, StateError> {
+        match sel {
+            GpuSelector::Index(i) => self.gpus.iter().find(|g| g.index == *i).ok_or_else(|| {
+                StateError::Invalid(format!(
+                    "no GPU with index {i} (this node has {} GPU(s))",
+                    self.gpus.len()
+                ))
+            }),
+            GpuSelector::Uuid(u) => self
+                .gpus
+                .iter()
+                .find(|g| g.uuid.eq_ignore_ascii_case(u))
+                .ok_or_else(|| StateError::Invalid(format!("no GPU with UUID {u}"))),
+        }
+    }
+
+    /// Creates and persists an allocation.
+    pub async fn create(
+        &self,
+        req: CreateAllocation,
+    ) -> Result<(String, AllocationStatus), StateError> {
+        let mut records = self.admin.lock().await;
+        let gpu = self.resolve_gpu(&req.gpu)?.clone();
+        if !(1..=100).contains(&req.share) {
+            return Err(StateError::Invalid(format!(
+                "share {} is not in 1..=100",
+                req.share
+            )));
+        }
+        if let Some(cap) = req.cap
+            && !(1..=100).contains(&cap)
+        {
+            return Err(StateError::Invalid(format!("cap {cap} is not in 1..=100")));
+        }
+        if req.memory_limit == 0 {
+            return Err(StateError::Invalid(
+                "memory limit must be above 0 bytes".into(),
+            ));
+        }
+        if req.memory_limit > gpu.memory_total {
+            return Err(StateError::Invalid(format!(
+                "memory limit {} bytes exceeds GPU {}'s {} bytes",
+                req.memory_limit, gpu.index, gpu.memory_total
+            )));
+        }
+        let on_gpu = records.iter().filter(|r| r.gpu_uuid == gpu.uuid);
+        let (shares, memory) =
+            on_gpu.fold((0u32, 0u64), |(s, m), r| (s + r.share, m + r.memory_limit));
+        if shares + req.share > 100 {
+            return Err(StateError::Exhausted(format!(
+                "GPU {} has {} of 100 shares left, {} asked",
+                gpu.index,
+                100u32.saturating_sub(shares),
+                req.share
+            )));
+        }
+        if memory + req.memory_limit > gpu.memory_total {
+            return Err(StateError::Exhausted(format!(
+                "GPU {} has {} of {} bytes not yet promised, {} asked",
+                gpu.index,
+                gpu.memory_total.saturating_sub(memory),
+                gpu.memory_total,
+                req.memory_limit
+            )));
+        }
+        let mut id = store::new_id()?;
+        while records.iter().any(|r| r.id == id) {
+            id = store::new_id()?;
+        }
+        let record = AllocationRecord {
+            id,
+            token: store::new_token()?,
+            gpu_index: gpu.index,
+            gpu_uuid: gpu.uuid.clone(),
+            memory_limit: req.memory_limit,
+            share: req.share,
+            cap: req.cap,
+            labels: req.labels,
+            created_unix: now_unix(),
+        };
+        let mut next = records.clone();
+        next.push(record.clone());
+        self.persist(next.clone()).await?;
+        *records = next;
+        let token = record.token.clone();
+        let id = record.id.clone();
+        self.insert_live(record);
+        let status = self
+            .status_of(&id)
+            .ok_or_else(|| StateError::NotFound(id.clone()))?;
+        Ok((token, status))
+    }
+
+    /// Deletes and persists. Live processes of the allocation keep their connection: their
+    /// Reserves are denied from now on, Releases are still served, and the memory is counted
+    /// until they exit.
+    pub async fn delete(&self, id: &str) -> Result<(), StateError> {
+        let mut records = self.admin.lock().await;
+        let next: Vec<_> = records.iter().filter(|r| r.id != id).cloned().collect();
+        if next.len() == records.len() {
+            return Err(StateError::NotFound(id.to_owned()));
+        }
+        self.persist(next.clone()).await?;
+        *records = next;
+        let mut live = self.live();
+        if let Some(a) = live.by_id.remove(id) {
+            live.tokens.remove(&a.record.token);
+            // Ok(true): no process attached, the account is gone now.
+            if live.ledger.close(a.key).unwrap_or(true) {
+                drop(live);
+                a.scheduler.remove_allocation(a.key, self.now_ns());
+            }
+        }
+        Ok(())
+    }
+
+    async fn persist(&self, records: Vec<AllocationRecord>) -> Result<(), StateError> {
+        let store = self.store.clone();
+        tokio::task::spawn_blocking(move || store.save(&records))
+            .await
+            .map_err(|e| StateError::Internal(e.to_string()))??;
+        Ok(())
+    }
+
+    /// Writes the current allocations again (at shutdown).
+    pub async fn persist_all(&self) -> Result<(), StateError> {
+        let records = self.admin.lock().await;
+        self.persist(records.clone()).await
+    }
+
+    fn status_of(&self, id: &str) -> Option<AllocationStatus> {
+        let live = self.live();
+        let a = live.by_id.get(id)?;
+        let usage = live.ledger.usage(a.key)?;
+        let r = &a.record;
+        let gpu_time_10s_ns = a.scheduler.gpu_time_10s(a.key, self.now_ns());
+        Some(AllocationStatus {
+            id: r.id.clone(),
+            gpu_index: r.gpu_index,
+            gpu_uuid: r.gpu_uuid.clone(),
+            memory_limit: r.memory_limit,
+            memory_used: usage.in_use,
+            processes: live.procs.get(&a.key).map_or(0, |p| p.len() as u32),
+            share: r.share,
+            cap: r.cap,
+            gpu_time_10s_ns,
+            labels: r.labels.clone(),
+            created_unix: r.created_unix,
+        })
+    }
+
+    /// Every allocation with its use, ordered by GPU then creation.
+    pub async fn list(&self) -> Vec<AllocationStatus> {
+        let records = self.admin.lock().await;
+        let mut out: Vec<_> = records
+            .iter()
+            .filter_map(|r| self.status_of(&r.id))
+            .collect();
+        // Stable: records are kept in creation order.
+        out.sort_by_key(|a| a.gpu_index);
+        out
+    }
+}

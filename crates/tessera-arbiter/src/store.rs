@@ -1,0 +1,250 @@
+//! Persistence of allocations, and the random ids and tokens they carry.
+//!
+//! The state directory holds one file, `allocations.json`, rewritten whole on every Create
+//! and Delete: written to a temporary file (mode 0600), fsynced, renamed over the old one and
+//! the directory fsynced, so a crash leaves either the old or the new file, never a torn one.
+//! Reserve and Release never touch the disk.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Name of the state file inside the state directory.
+pub const STATE_FILE: &str = "allocations.json";
+/// Format version of the state file.
+pub const STATE_VERSION: u32 = 1;
+
+/// Errors of the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The state directory could not be created or used.
+    #[error("state directory {path}: {source}")]
+    Dir {
+        /// Directory.
+        path: PathBuf,
+        /// Cause.
+        source: io::Error,
+    },
+    /// Reading or writing the state file failed.
+    #[error("state file {path}: {source}")]
+    Io {
+        /// File.
+        path: PathBuf,
+        /// Cause.
+        source: io::Error,
+    },
+    /// The state file exists but cannot be understood; it is left untouched.
+    #[error("state file {path} is corrupt ({reason}); fix or move it away, it is not overwritten")]
+    Corrupt {
+        /// File.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The system's random source failed.
+    #[error("random source failed: {0}")]
+    Random(String),
+}
+
+/// One allocation as persisted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocationRecord {
+    /// Public id (8 hex digits).
+    pub id: String,
+    /// Secret tenant token (64 hex digits).
+    pub token: String,
+    /// GPU index when created.
+    pub gpu_index: u32,
+    /// GPU UUID (authoritative: indexes can change between boots).
+    pub gpu_uuid: String,
+    /// Memory limit, bytes.
+    pub memory_limit: u64,
+    /// Compute weight 1..=100.
+    pub share: u32,
+    /// Compute cap, percent.
+    pub cap: Option<u32>,
+    /// Labels.
+    pub labels: BTreeMap<String, String>,
+    /// Creation time, Unix seconds.
+    pub created_unix: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct StateFile {
+    version: u32,
+    allocations: Vec<AllocationRecord>,
+}
+
+/// The allocations file in a state directory.
+#[derive(Debug, Clone)]
+pub struct Store {
+    dir: PathBuf,
+}
+
+impl Store {
+    /// Opens (creating with mode 0700 if needed) the state directory.
+    pub fn open(dir: &Path) -> Result<Self, StoreError> {
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|source| StoreError::Dir {
+                path: dir.to_owned(),
+                source,
+            })?;
+        Ok(Self {
+            dir: dir.to_owned(),
+        })
+    }
+
+    /// Path of the state file.
+    pub fn path(&self) -> PathBuf {
+        self.dir.join(STATE_FILE)
+    }
+
+    /// Loads every persisted allocation; an absent file means none.
+    pub fn load(&self) -> Result<Vec<AllocationRecord>, StoreError> {
+        let path = self.path();
+        let text = match fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(source) => return Err(StoreError::Io { path, source }),
+        };
+        let file: StateFile = serde_json::from_str(&text).map_err(|e| StoreError::Corrupt {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        if file.version != STATE_VERSION {
+            return Err(StoreError::Corrupt {
+                path,
+                reason: format!(
+                    "version {} (this arbiter reads {STATE_VERSION})",
+                    file.version
+                ),
+            });
+        }
+        Ok(file.allocations)
+    }
+
+    /// Replaces the persisted allocations atomically.
+    pub fn save(&self, allocations: &[AllocationRecord]) -> Result<(), StoreError> {
+        let path = self.path();
+        let tmp = self.dir.join(format!(".{STATE_FILE}.tmp"));
+        let io_err = |source| StoreError::Io {
+            path: path.clone(),
+            source,
+        };
+        let body = serde_json::to_vec_pretty(&StateFile {
+            version: STATE_VERSION,
+            allocations: allocations.to_vec(),
+        })
+        .map_err(|e| io_err(io::Error::other(e)))?;
+        {
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(io_err)?;
+            // A leftover temp file from an older run may have other permissions.
+            f.set_permissions(fs::Permissions::from_mode(0o600))
+                .map_err(io_err)?;
+            f.write_all(&body).map_err(io_err)?;
+            f.write_all(b"\n").map_err(io_err)?;
+            f.sync_all().map_err(io_err)?;
+        }
+        fs::rename(&tmp, &path).map_err(io_err)?;
+        // The rename is durable only once the directory entry is.
+        File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io_err)?;
+        Ok(())
+    }
+}
+
+fn random_hex(bytes: usize) -> Result<String, StoreError> {
+    let mut buf = vec![0u8; bytes];
+    getrandom::fill(&mut buf).map_err(|e| StoreError::Random(e.to_string()))?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// A new secret token: 256 random bits, 64 hex digits.
+pub fn new_token() -> Result<String, StoreError> {
+    random_hex(32)
+}
+
+/// A new public id: 32 random bits, 8 hex digits (callers re-draw on a collision).
+pub fn new_id() -> Result<String, StoreError> {
+    random_hex(4)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(id: &str) -> AllocationRecord {
+        AllocationRecord {
+            id: id.into(),
+            token: new_token().unwrap(),
+            gpu_index: 0,
+            gpu_uuid: "GPU-0".into(),
+            memory_limit: 1 << 30,
+            share: 30,
+            cap: Some(30),
+            labels: BTreeMap::from([("k".into(), "v".into())]),
+            created_unix: 1,
+        }
+    }
+
+    #[test]
+    fn save_then_load_round_trips_with_private_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("state")).unwrap();
+        assert!(store.load().unwrap().is_empty());
+        let recs = vec![record("aaaa0001"), record("aaaa0002")];
+        store.save(&recs).unwrap();
+        assert_eq!(store.load().unwrap(), recs);
+        let mode = fs::metadata(store.path()).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let dmode = fs::metadata(dir.path().join("state"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(dmode, 0o700);
+        store.save(&recs[..1]).unwrap();
+        assert_eq!(store.load().unwrap(), recs[..1]);
+        // No temp file is left behind.
+        let names: Vec<_> = fs::read_dir(dir.path().join("state")).unwrap().collect();
+        assert_eq!(names.len(), 1);
+    }
+
+    #[test]
+    fn corrupt_file_is_reported_and_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        fs::write(store.path(), b"{ not json").unwrap();
+        let err = store.load().unwrap_err();
+        assert!(matches!(err, StoreError::Corrupt { .. }), "{err}");
+        assert_eq!(fs::read(store.path()).unwrap(), b"{ not json");
+        fs::write(store.path(), br#"{"version": 99, "allocations": []}"#).unwrap();
+        assert!(store.load().unwrap_err().to_string().contains("version 99"));
+    }
+
+    #[test]
+    fn tokens_and_ids_are_random_hex_of_the_right_length() {
+        let a = new_token().unwrap();
+        let b = new_token().unwrap();
+        assert_eq!(a.len(), 64);
+        assert_ne!(a, b);
+        assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
+        let id = new_id().unwrap();
+        assert_eq!(id.len(), 8);
+        assert!(id.chars().all(|c| c.is_ascii_hexdigit()));
+    }
+}
