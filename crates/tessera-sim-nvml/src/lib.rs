@@ -1,1 +1,12 @@
-//! Placeholder; filled in by its issue.
+//! The simulated NVML: built as `libtessera_sim_nvml.so`, loaded as `libnvidia-ml.so.1`.
+//!
+//! Reads the same shared state as the simulated driver (`TESSERA_SIM_DIR`, `TESSERA_SIM_GPUS`):
+//! memory in use and running processes from the ledger, utilization from the engines' busy
+//! history, XID events from the injected event file.
+//!
+//! Modules:
+//! - [`ffi`]: NVML return codes and struct layouts (`nvml.h`).
+//! - [`api`]: the exported `nvml*` entry points.
+
+pub mod api;
+pub mod ffi;

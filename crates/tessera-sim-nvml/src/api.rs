@@ -1,0 +1,591 @@
+//! The exported `nvml*` entry points.
+//!
+//! Device handles are addresses inside a static table (one slot per possible GPU), so a handle is
+//! validated by range. Every entry point catches panics and answers an NVML error code.
+
+use std::collections::VecDeque;
+use std::ffi::{CStr, c_char};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use tessera_sim_state::{GpuInfo, MAX_GPUS, SimSpec, XidEvent};
+
+use crate::ffi::*;
+
+type Res = Result<(), nvmlReturn_t>;
+
+fn guard(f: impl FnOnce() -> Res) -> nvmlReturn_t {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok(())) => NVML_SUCCESS,
+        Ok(Err(e)) => e,
+        Err(_) => NVML_ERROR_UNKNOWN,
+    }
+}
+
+/// Writes through an out-pointer, `INVALID_ARGUMENT` when null.
+///
+/// # Safety
+/// `p` must be null or valid for writing a `T`.
+unsafe fn put<T>(p: *mut T, v: T) -> Res {
+    if p.is_null() {
+        return Err(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    // SAFETY: non-null; the caller promises it is writable.
+    unsafe { p.write_unaligned(v) };
+    Ok(())
+}
+
+struct State {
+    spec: SimSpec,
+    dir: PathBuf,
+}
+
+static STATE: OnceLock<State> = OnceLock::new();
+static INIT_COUNT: AtomicU32 = AtomicU32::new(0);
+static HANDLES: [u8; MAX_GPUS] = [0; MAX_GPUS];
+
+fn state() -> Result<&'static State, nvmlReturn_t> {
+    if INIT_COUNT.load(Ordering::SeqCst) == 0 {
+        return Err(NVML_ERROR_UNINITIALIZED);
+    }
+    STATE.get().ok_or(NVML_ERROR_UNINITIALIZED)
+}
+
+fn handle_of(index: u32) -> nvmlDevice_t {
+    &HANDLES[index as usize] as *const u8 as nvmlDevice_t
+}
+
+fn device(h: nvmlDevice_t) -> Result<&'static GpuInfo, nvmlReturn_t> {
+    let st = state()?;
+    let base = HANDLES.as_ptr() as usize;
+    let off = (h as usize).wrapping_sub(base);
+    st.spec
+        .gpus
+        .get(off)
+        .filter(|_| off < MAX_GPUS)
+        .ok_or(NVML_ERROR_INVALID_ARGUMENT)
+}
+
+/// Copies a string into a C buffer; `INSUFFICIENT_SIZE` when it does not fit.
+///
+/// # Safety
+/// `buf` must be null or valid for `len` bytes.
+unsafe fn copy_str(s: &str, buf: *mut c_char, len: u32) -> Res {
+    if buf.is_null() {
+        return Err(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    if s.len() + 1 > len as usize {
+        return Err(NVML_ERROR_INSUFFICIENT_SIZE);
+    }
+    // SAFETY: buf holds len >= s.len() + 1 bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(s.as_ptr(), buf as *mut u8, s.len());
+        *buf.add(s.len()) = 0;
+    }
+    Ok(())
+}
+
+fn init() -> Res {
+    if STATE.get().is_none() {
+        let spec = SimSpec::from_env().map_err(|e| {
+            eprintln!("tessera-sim-nvml: {e}");
+            NVML_ERROR_UNKNOWN
+        })?;
+        let dir = tessera_sim_state::state_dir_from_env();
+        let _ = STATE.set(State { spec, dir });
+    }
+    INIT_COUNT.fetch_add(1, Ordering::SeqCst);
+    Ok(())
+}
+
+/// `nvmlInit_v2`.
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
+    guard(init)
+}
+
+/// `nvmlInit` (v1).
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlInit() -> nvmlReturn_t {
+    guard(init)
+}
+
+/// `nvmlInitWithFlags`.
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlInitWithFlags(_flags: u32) -> nvmlReturn_t {
+    guard(init)
+}
+
+/// `nvmlShutdown`.
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlShutdown() -> nvmlReturn_t {
+    guard(|| {
+        INIT_COUNT
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .map(|_| ())
+            .map_err(|_| NVML_ERROR_UNINITIALIZED)
+    })
+}
+
+/// `nvmlErrorString`.
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlErrorString(r: nvmlReturn_t) -> *const c_char {
+    let s: &CStr = match r {
+        0 => c"Success",
+        1 => c"Uninitialized",
+        2 => c"Invalid Argument",
+        3 => c"Not Supported",
+        6 => c"Not Found",
+        7 => c"Insufficient Size",
+        10 => c"Timeout",
+        25 => c"Argument version mismatch",
+        _ => c"Unknown Error",
+    };
+    s.as_ptr()
+}
+
+/// `nvmlSystemGetDriverVersion`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlSystemGetDriverVersion(buf: *mut c_char, len: u32) -> nvmlReturn_t {
+    guard(|| {
+        state()?;
+        // SAFETY: caller's buffer of `len` bytes.
+        unsafe { copy_str("580.00.00-tessera-sim", buf, len) }
+    })
+}
+
+/// `nvmlSystemGetNVMLVersion`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlSystemGetNVMLVersion(buf: *mut c_char, len: u32) -> nvmlReturn_t {
+    guard(|| {
+        state()?;
+        // SAFETY: caller's buffer of `len` bytes.
+        unsafe { copy_str("13.580.00", buf, len) }
+    })
+}
+
+/// `nvmlSystemGetCudaDriverVersion` and `_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion_v2(v: *mut i32) -> nvmlReturn_t {
+    guard(|| {
+        state()?;
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe { put(v, 13000) }
+    })
+}
+
+/// `nvmlSystemGetCudaDriverVersion`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlSystemGetCudaDriverVersion(v: *mut i32) -> nvmlReturn_t {
+    // SAFETY: same contract.
+    unsafe { nvmlSystemGetCudaDriverVersion_v2(v) }
+}
+
+/// `nvmlDeviceGetCount_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetCount_v2(n: *mut u32) -> nvmlReturn_t {
+    guard(|| {
+        let c = state()?.spec.count() as u32;
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe { put(n, c) }
+    })
+}
+
+/// `nvmlDeviceGetCount`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetCount(n: *mut u32) -> nvmlReturn_t {
+    // SAFETY: same contract.
+    unsafe { nvmlDeviceGetCount_v2(n) }
+}
+
+/// `nvmlDeviceGetHandleByIndex_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(i: u32, h: *mut nvmlDevice_t) -> nvmlReturn_t {
+    guard(|| {
+        if i as usize >= state()?.spec.count() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe { put(h, handle_of(i)) }
+    })
+}
+
+/// `nvmlDeviceGetHandleByIndex`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex(i: u32, h: *mut nvmlDevice_t) -> nvmlReturn_t {
+    // SAFETY: same contract.
+    unsafe { nvmlDeviceGetHandleByIndex_v2(i, h) }
+}
+
+fn by_string(s: *const c_char, h: *mut nvmlDevice_t, pick: fn(&GpuInfo, &str) -> bool) -> nvmlReturn_t {
+    guard(|| {
+        let st = state()?;
+        if s.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        // SAFETY: non-null C string from the caller.
+        let s = unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned();
+        let g = st.spec.gpus.iter().find(|g| pick(g, &s)).ok_or(NVML_ERROR_NOT_FOUND)?;
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe { put(h, handle_of(g.index)) }
+    })
+}
+
+/// `nvmlDeviceGetHandleByUUID`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(uuid: *const c_char, h: *mut nvmlDevice_t) -> nvmlReturn_t {
+    by_string(uuid, h, |g, s| g.uuid.eq_ignore_ascii_case(s))
+}
+
+/// `nvmlDeviceGetHandleByPciBusId_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(id: *const c_char, h: *mut nvmlDevice_t) -> nvmlReturn_t {
+    by_string(id, h, |g, s| {
+        g.pci_bus_id_nvml().eq_ignore_ascii_case(s) || g.pci_bus_id_cuda().eq_ignore_ascii_case(s)
+    })
+}
+
+/// `nvmlDeviceGetName`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetName(h: nvmlDevice_t, buf: *mut c_char, len: u32) -> nvmlReturn_t {
+    guard(|| {
+        let g = device(h)?;
+        // SAFETY: caller's buffer of `len` bytes.
+        unsafe { copy_str(&g.name, buf, len) }
+    })
+}
+
+/// `nvmlDeviceGetUUID`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetUUID(h: nvmlDevice_t, buf: *mut c_char, len: u32) -> nvmlReturn_t {
+    guard(|| {
+        let g = device(h)?;
+        // SAFETY: caller's buffer of `len` bytes.
+        unsafe { copy_str(&g.uuid, buf, len) }
+    })
+}
+
+/// `nvmlDeviceGetIndex`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetIndex(h: nvmlDevice_t, i: *mut u32) -> nvmlReturn_t {
+    guard(|| {
+        let g = device(h)?;
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe { put(i, g.index) }
+    })
+}
+
+/// `nvmlDeviceGetMinorNumber`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMinorNumber(h: nvmlDevice_t, i: *mut u32) -> nvmlReturn_t {
+    // SAFETY: same contract as nvmlDeviceGetIndex.
+    unsafe { nvmlDeviceGetIndex(h, i) }
+}
+
+/// `nvmlDeviceGetCudaComputeCapability`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(h: nvmlDevice_t, major: *mut i32, minor: *mut i32) -> nvmlReturn_t {
+    guard(|| {
+        device(h)?;
+        // SAFETY: caller's out-pointers, null-checked by put.
+        unsafe {
+            put(major, 9)?;
+            put(minor, 0)
+        }
+    })
+}
+
+fn used(g: &GpuInfo) -> Result<u64, nvmlReturn_t> {
+    tessera_sim_state::device_memory_used(&state()?.dir, g.index)
+        .map(|u| u.min(g.total_bytes))
+        .map_err(|_| NVML_ERROR_UNKNOWN)
+}
+
+/// `nvmlDeviceGetMemoryInfo`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(h: nvmlDevice_t, m: *mut nvmlMemory_t) -> nvmlReturn_t {
+    guard(|| {
+        let g = device(h)?;
+        let u = used(g)?;
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe {
+            put(
+                m,
+                nvmlMemory_t {
+                    total: g.total_bytes,
+                    free: g.total_bytes - u,
+                    used: u,
+                },
+            )
+        }
+    })
+}
+
+/// `nvmlDeviceGetMemoryInfo_v2`: the caller sets `version` to `NVML_STRUCT_VERSION(Memory, 2)`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(h: nvmlDevice_t, m: *mut nvmlMemory_v2_t) -> nvmlReturn_t {
+    guard(|| {
+        let g = device(h)?;
+        if m.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        // SAFETY: non-null struct from the caller.
+        let version = unsafe { std::ptr::addr_of!((*m).version).read_unaligned() };
+        if version != NVML_MEMORY_V2 {
+            return Err(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
+        }
+        let u = used(g)?;
+        // SAFETY: non-null struct from the caller.
+        unsafe {
+            put(
+                m,
+                nvmlMemory_v2_t {
+                    version,
+                    total: g.total_bytes,
+                    reserved: 0,
+                    free: g.total_bytes - u,
+                    used: u,
+                },
+            )
+        }
+    })
+}
+
+/// `nvmlDeviceGetUtilizationRates`: gpu = engine busy share of the last second; memory = share
+/// of the card in use.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(h: nvmlDevice_t, u: *mut nvmlUtilization_t) -> nvmlReturn_t {
+    guard(|| {
+        let g = device(h)?;
+        let busy = tessera_sim_state::device_utilization(&state()?.dir, g.index, Duration::from_secs(1));
+        let mem = used(g)? as f64 / g.total_bytes as f64;
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe {
+            put(
+                u,
+                nvmlUtilization_t {
+                    gpu: (busy * 100.0).round() as u32,
+                    memory: (mem * 100.0).round() as u32,
+                },
+            )
+        }
+    })
+}
+
+fn processes(h: nvmlDevice_t, count: *mut u32, infos: *mut nvmlProcessInfo_t, graphics: bool) -> nvmlReturn_t {
+    guard(|| {
+        let g = device(h)?;
+        if count.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        let list: Vec<nvmlProcessInfo_t> = if graphics {
+            Vec::new()
+        } else {
+            tessera_sim_state::read_processes(&state()?.dir)
+                .map_err(|_| NVML_ERROR_UNKNOWN)?
+                .into_iter()
+                .filter(|p| p.uses(g.index))
+                .map(|p| nvmlProcessInfo_t {
+                    pid: p.pid,
+                    used_gpu_memory: p.mem_bytes[g.index as usize],
+                    gpu_instance_id: u32::MAX,
+                    compute_instance_id: u32::MAX,
+                })
+                .collect()
+        };
+        // SAFETY: non-null count from the caller.
+        let cap = unsafe { count.read_unaligned() } as usize;
+        // SAFETY: non-null count from the caller.
+        unsafe { put(count, list.len() as u32) }?;
+        if list.is_empty() {
+            return Ok(());
+        }
+        if cap < list.len() || infos.is_null() {
+            return Err(NVML_ERROR_INSUFFICIENT_SIZE);
+        }
+        for (i, p) in list.into_iter().enumerate() {
+            // SAFETY: the caller's array holds `cap` >= list.len() entries.
+            unsafe { infos.add(i).write_unaligned(p) };
+        }
+        Ok(())
+    })
+}
+
+/// `nvmlDeviceGetComputeRunningProcesses_v3`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(h: nvmlDevice_t, c: *mut u32, i: *mut nvmlProcessInfo_t) -> nvmlReturn_t {
+    processes(h, c, i, false)
+}
+
+/// `nvmlDeviceGetComputeRunningProcesses_v2` (same struct layout).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v2(h: nvmlDevice_t, c: *mut u32, i: *mut nvmlProcessInfo_t) -> nvmlReturn_t {
+    processes(h, c, i, false)
+}
+
+/// `nvmlDeviceGetGraphicsRunningProcesses_v3`: none on a compute-only simulation.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v3(h: nvmlDevice_t, c: *mut u32, i: *mut nvmlProcessInfo_t) -> nvmlReturn_t {
+    processes(h, c, i, true)
+}
+
+fn pci_info(h: nvmlDevice_t, p: *mut nvmlPciInfo_t) -> nvmlReturn_t {
+    guard(|| {
+        let g = device(h)?;
+        let mut legacy = [0u8; 16];
+        let mut full = [0u8; 32];
+        let l = g.pci_bus_id_cuda();
+        let f = g.pci_bus_id_nvml();
+        legacy[..l.len()].copy_from_slice(l.as_bytes());
+        full[..f.len()].copy_from_slice(f.as_bytes());
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe {
+            put(
+                p,
+                nvmlPciInfo_t {
+                    bus_id_legacy: legacy,
+                    domain: 0,
+                    bus: g.pci_bus,
+                    device: 0,
+                    pci_device_id: 0x2330_10DE,
+                    pci_sub_system_id: 0x16C1_10DE,
+                    bus_id: full,
+                },
+            )
+        }
+    })
+}
+
+/// `nvmlDeviceGetPciInfo_v3`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(h: nvmlDevice_t, p: *mut nvmlPciInfo_t) -> nvmlReturn_t {
+    pci_info(h, p)
+}
+
+/// `nvmlDeviceGetPciInfo_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v2(h: nvmlDevice_t, p: *mut nvmlPciInfo_t) -> nvmlReturn_t {
+    pci_info(h, p)
+}
+
+// ---- events ----
+
+struct EventSet {
+    registered: Vec<u32>,
+    offset: u64,
+    pending: VecDeque<XidEvent>,
+}
+
+/// `nvmlEventSetCreate`: the set sees events injected from now on.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlEventSetCreate(set: *mut nvmlEventSet_t) -> nvmlReturn_t {
+    guard(|| {
+        let st = state()?;
+        let (_, offset) = tessera_sim_state::read_xid_events(&st.dir, u64::MAX);
+        let b = Box::new(Mutex::new(EventSet {
+            registered: Vec::new(),
+            offset,
+            pending: VecDeque::new(),
+        }));
+        // SAFETY: caller's out-pointer, null-checked by put (the box is leaked into the handle).
+        unsafe { put(set, Box::into_raw(b) as nvmlEventSet_t) }
+    })
+}
+
+/// # Safety
+/// `set` must be a handle from `nvmlEventSetCreate` not yet freed.
+unsafe fn event_set<'a>(set: nvmlEventSet_t) -> Result<&'a Mutex<EventSet>, nvmlReturn_t> {
+    if set.is_null() {
+        return Err(NVML_ERROR_INVALID_ARGUMENT);
+    }
+    // SAFETY: per the contract, `set` came from Box::into_raw in nvmlEventSetCreate.
+    Ok(unsafe { &*(set as *const Mutex<EventSet>) })
+}
+
+/// `nvmlDeviceGetSupportedEventTypes`: XID critical errors.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(h: nvmlDevice_t, types: *mut u64) -> nvmlReturn_t {
+    guard(|| {
+        device(h)?;
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe { put(types, NVML_EVENT_TYPE_XID_CRITICAL_ERROR) }
+    })
+}
+
+/// `nvmlDeviceRegisterEvents`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceRegisterEvents(h: nvmlDevice_t, types: u64, set: nvmlEventSet_t) -> nvmlReturn_t {
+    guard(|| {
+        let g = device(h)?;
+        if types & !NVML_EVENT_TYPE_XID_CRITICAL_ERROR != 0 {
+            return Err(NVML_ERROR_NOT_SUPPORTED);
+        }
+        // SAFETY: the caller passes a live event set.
+        let set = unsafe { event_set(set) }?;
+        let mut s = set.lock().unwrap_or_else(|e| e.into_inner());
+        if types != 0 && !s.registered.contains(&g.index) {
+            s.registered.push(g.index);
+        }
+        Ok(())
+    })
+}
+
+/// `nvmlEventSetWait_v2`: waits up to `timeout_ms` for an XID on a registered device.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlEventSetWait_v2(set: nvmlEventSet_t, data: *mut nvmlEventData_t, timeout_ms: u32) -> nvmlReturn_t {
+    guard(|| {
+        let st = state()?;
+        if data.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        // SAFETY: the caller passes a live event set.
+        let set = unsafe { event_set(set) }?;
+        let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
+        loop {
+            {
+                let mut s = set.lock().unwrap_or_else(|e| e.into_inner());
+                let (events, next) = tessera_sim_state::read_xid_events(&st.dir, s.offset);
+                s.offset = next;
+                let regs = s.registered.clone();
+                s.pending.extend(events.into_iter().filter(|e| regs.contains(&e.gpu)));
+                if let Some(e) = s.pending.pop_front() {
+                    // SAFETY: non-null out-struct from the caller.
+                    return unsafe {
+                        put(
+                            data,
+                            nvmlEventData_t {
+                                device: handle_of(e.gpu),
+                                event_type: NVML_EVENT_TYPE_XID_CRITICAL_ERROR,
+                                event_data: e.code,
+                                gpu_instance_id: u32::MAX,
+                                compute_instance_id: u32::MAX,
+                            },
+                        )
+                    };
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(NVML_ERROR_TIMEOUT);
+            }
+            std::thread::sleep((deadline - now).min(Duration::from_millis(10)));
+        }
+    })
+}
+
+/// `nvmlEventSetFree`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlEventSetFree(set: nvmlEventSet_t) -> nvmlReturn_t {
+    guard(|| {
+        state()?;
+        if set.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        // SAFETY: `set` came from Box::into_raw in nvmlEventSetCreate and is freed once.
+        drop(unsafe { Box::from_raw(set as *mut Mutex<EventSet>) });
+        Ok(())
+    })
+}
+
