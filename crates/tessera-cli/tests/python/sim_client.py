@@ -38,7 +38,11 @@ def launch(fn, stream, ns):
 
 def main():
     gib = 1 << 30
+    err, _ = cu.cuDeviceGetCount()
+    assert err == cu.CUresult.CUDA_ERROR_NOT_INITIALIZED, err
     ok(cu.cuInit(0))
+    err, _ = cu.cuMemAlloc(1024)
+    assert err == cu.CUresult.CUDA_ERROR_INVALID_CONTEXT, err
     version = ok(cu.cuDriverGetVersion())
     count = ok(cu.cuDeviceGetCount())
     devices = []
@@ -66,6 +70,17 @@ def main():
     ok(cu.cuMemFree(dptr))
     free2, _ = ok(cu.cuMemGetInfo())
     assert free2 == free0, (free0, free2)
+
+    # A nearly full 80 GiB card works on a small host: memory is only reserved, never touched.
+    big = ok(cu.cuMemAlloc(total0 - gib))
+    ok(cu.cuMemsetD32(big, 0xABCD, 1024))
+    ok(cu.cuMemcpyDtoH(dst, big, 4096))
+    assert bytes(dst[:4]) == (0xABCD).to_bytes(4, "little")
+    err, _ = cu.cuMemAlloc(2 * gib)
+    assert err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY, err
+    ok(cu.cuMemFree(big))
+    err, = cu.cuMemFree(big)
+    assert err == cu.CUresult.CUDA_ERROR_INVALID_VALUE, err
 
     # Bad use answers error codes, not crashes.
     err, _ = cu.cuMemAlloc(total0 + 1)
@@ -97,6 +112,17 @@ def main():
     wall_s = time.monotonic() - t0
     ms1 = ok(cu.cuEventElapsedTime(events[0], events[1]))
     ms2 = ok(cu.cuEventElapsedTime(events[2], events[3]))
+    # One engine: the two streams' kernels ran one after the other.
+    assert wall_s >= (ns1 + ns2) / 1e9 * 0.95, wall_s
+    assert ms1 >= ns1 / 1e6 * 0.99 and ms2 >= ns2 / 1e6 * 0.99, (ms1, ms2)
+    # Alone on the engine, events time a kernel at its requested length.
+    ns3 = 200_000_000
+    ok(cu.cuEventRecord(events[0], s1))
+    launch(spin, s1, ns3)
+    ok(cu.cuEventRecord(events[1], s1))
+    ok(cu.cuEventSynchronize(events[1]))
+    ms3 = ok(cu.cuEventElapsedTime(events[0], events[1]))
+    assert ns3 / 1e6 <= ms3 <= ns3 / 1e6 + 40, ms3
     ok(cu.cuCtxSynchronize())
     for ev in events:
         ok(cu.cuEventDestroy(ev))
@@ -111,8 +137,8 @@ def main():
         "total": total0,
         "submit_s": submit_s,
         "wall_s": wall_s,
-        "kernel_ms": [ms1, ms2],
-        "expected_ms": [ns1 / 1e6, ns2 / 1e6],
+        "kernel_ms": [ms1, ms2, ms3],
+        "expected_ms": [ns1 / 1e6, ns2 / 1e6, ns3 / 1e6],
     }))
 
 

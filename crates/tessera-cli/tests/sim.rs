@@ -1,0 +1,160 @@
+//! Integration tests of `tessera sim` with real, unmodified CUDA clients (NVIDIA's
+//! `cuda-bindings`). Each test uses its own state folder so tests run in parallel.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("TESSERA_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
+    assert!(
+        p.exists(),
+        "Python with cuda-bindings not found at {} (set TESSERA_PYTHON or create the venv: \
+         python3 -m venv .venv && .venv/bin/pip install 'cuda-bindings==13.*')",
+        p.display()
+    );
+    p
+}
+
+fn script(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python").join(name)
+}
+
+fn sim(state: &Path) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tessera"));
+    c.arg("sim").arg("--state-dir").arg(state);
+    c
+}
+
+#[test]
+fn cuda_bindings_client_runs_on_simulated_gpus() {
+    let state = tempfile::tempdir().unwrap();
+    let out = sim(state.path())
+        .args(["--gpus", "2x80GiB", "--"])
+        .arg(python())
+        .arg(script("sim_client.py"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "client failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(v["devices"].as_array().unwrap().len(), 2);
+    assert_eq!(v["total"].as_u64().unwrap(), 80 << 30);
+    assert_eq!(v["driver_version"].as_i64().unwrap(), 13000);
+    let ms: Vec<f64> = v["kernel_ms"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    // Launches return at once; the kernels' time shows on the events.
+    assert!(v["submit_s"].as_f64().unwrap() < 0.1);
+    assert!((200.0..240.0).contains(&ms[2]), "alone, a 200 ms kernel measured {}", ms[2]);
+}
+
+struct Worker {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Worker {
+    fn start(state: &Path, args: &[&str]) -> Worker {
+        let mut child = sim(state)
+            .arg("--")
+            .arg(python())
+            .arg(script("sim_worker.py"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        Worker { child, lines: rx }
+    }
+
+    fn expect(&self, prefix: &str) -> String {
+        let line = self
+            .lines
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("worker never printed {prefix}"));
+        assert!(line.starts_with(prefix), "expected {prefix}, got {line}");
+        line[prefix.len()..].trim().to_string()
+    }
+}
+
+#[test]
+fn two_processes_share_memory_and_serialise_kernels() {
+    let state = tempfile::tempdir().unwrap();
+    let gib = (1u64 << 30).to_string();
+    let both = (2u64 << 30).to_string();
+    let t0 = Instant::now();
+    // Each allocates 1 GiB, waits until it sees 2 GiB in use (the other's too), then runs 1 s
+    // of kernels (4 x 250 ms).
+    let a = Worker::start(state.path(), &[&gib, "250000000", "4", &both]);
+    let b = Worker::start(state.path(), &[&gib, "250000000", "4", &both]);
+    a.expect("ready");
+    b.expect("ready");
+    a.expect("done");
+    b.expect("done");
+    let wall = t0.elapsed();
+    for mut w in [a, b] {
+        assert!(w.child.wait().unwrap().success());
+    }
+    assert!(wall >= Duration::from_millis(1800), "kernels overlapped: {wall:?}");
+    assert!(wall < Duration::from_secs(20), "too slow: {wall:?}");
+    let busy = tessera_sim_state::device_busy_ns(state.path(), 0);
+    assert!((2_000_000_000..2_400_000_000).contains(&busy), "engine busy {busy} ns");
+    assert_eq!(tessera_sim_state::device_memory_used(state.path(), 0).unwrap(), 0);
+}
+
+#[test]
+fn sigkilled_process_leaves_no_memory_behind() {
+    let state = tempfile::tempdir().unwrap();
+    let five = (5u64 << 30).to_string();
+    let mut w = Worker::start(state.path(), &[&five, "0", "0", "0", "hold"]);
+    let pid: i32 = w.expect("ready").parse().unwrap();
+    w.expect("done");
+    assert_eq!(tessera_sim_state::device_memory_used(state.path(), 0).unwrap(), 5 << 30);
+    let procs = tessera_sim_state::read_processes(state.path()).unwrap();
+    assert_eq!(procs.len(), 1);
+    assert_eq!(procs[0].pid, pid as u32);
+    // SAFETY: kill(2) on the worker's pid, which we just read from it and which is alive.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+    let status = w.child.wait().unwrap();
+    assert_eq!(status.code(), Some(128 + libc::SIGKILL), "exit code passes through");
+    assert_eq!(tessera_sim_state::device_memory_used(state.path(), 0).unwrap(), 0);
+    assert!(tessera_sim_state::read_processes(state.path()).unwrap().is_empty());
+}
+
+#[test]
+fn exit_codes_and_bad_arguments() {
+    let state = tempfile::tempdir().unwrap();
+    let st = sim(state.path()).args(["--", "sh", "-c", "exit 7"]).status().unwrap();
+    assert_eq!(st.code(), Some(7));
+    let out = sim(state.path())
+        .args(["--", "sh", "-c", "echo $TESSERA_SIM_GPUS $TESSERA_SIM_DIR; ls $(echo $LD_LIBRARY_PATH | cut -d: -f1)"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with(&format!("1x80GiB {}", state.path().display())), "{text}");
+    assert!(text.contains("libcuda.so.1") && text.contains("libnvidia-ml.so.1"), "{text}");
+    let bad = sim(state.path()).args(["--gpus", "2xlots", "--", "true"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("invalid GPU spec"));
+    let none = sim(state.path()).output().unwrap();
+    assert_eq!(none.status.code(), Some(1));
+    let xid = sim(state.path()).args(["--inject-xid", "3:79"]).output().unwrap();
+    assert_eq!(xid.status.code(), Some(1), "GPU 3 does not exist on 1x80GiB");
+    let xid = sim(state.path()).args(["--inject-xid", "0:79"]).status().unwrap();
+    assert!(xid.success());
+    let (events, _) = tessera_sim_state::read_xid_events(state.path(), 0);
+    assert_eq!(events, vec![tessera_sim_state::XidEvent { gpu: 0, code: 79 }]);
+}
