@@ -190,7 +190,7 @@ pub unsafe extern "C" fn cuFuncGetAttribute(pi: *mut i32, attr: u32, f: Handle) 
             4 => 32,
             5 | 6 => 90,
             7 => 0,
-            8 => 232_448 - 0,
+            8 => 232_448,
             9 => -1,
             _ => 0,
         };
