@@ -237,25 +237,23 @@ fn resolve_symbol(symbol: &str, version: i32, flags: u64) -> Result<usize, i32> 
             .ok_or(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND);
     }
     rows.retain(|e| e.version <= version);
-    let best = rows.iter().map(|e| e.version).max();
+    let best = rows.iter().filter(|e| !e.per_thread).max_by_key(|e| e.version);
     let Some(best) = best else {
         return Err(CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT);
     };
-    // The newest ABI wins; among rows of that ABI prefer the per-thread variant if asked.
-    let newest: Vec<&&Entry> = rows
+    // A per-thread variant serves only if it is of the newest ABI (not older than `best`).
+    let pt = rows
         .iter()
-        .filter(|e| {
-            e.version == best || (e.per_thread && rows.iter().any(|b| b.version == best && !b.per_thread && b.func != 0))
-        })
-        .collect();
-    let pick = newest
-        .iter()
-        .filter(|e| e.per_thread == per_thread)
-        .max_by_key(|e| e.version)
-        .or_else(|| newest.iter().filter(|e| !e.per_thread).max_by_key(|e| e.version));
-    match pick {
-        Some(e) if e.func != 0 => Ok(e.func),
-        _ => Err(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND),
+        .filter(|e| e.per_thread && e.version >= best.version)
+        .max_by_key(|e| e.version);
+    let pick = match pt {
+        Some(e) if per_thread => e,
+        _ => best,
+    };
+    if pick.func != 0 {
+        Ok(pick.func)
+    } else {
+        Err(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND)
     }
 }
 
@@ -322,6 +320,8 @@ mod tests {
         assert_eq!(resolve_symbol("cuCtxCreate", 12080, 0), Ok(cuCtxCreate_v4 as *const () as usize));
         assert_eq!(resolve_symbol("cuCtxGetDevice", 12000, 0), Ok(cuCtxGetDevice as *const () as usize));
         assert_eq!(resolve_symbol("cuCtxGetDevice", 13000, 0), Ok(cuCtxGetDevice_v2 as *const () as usize));
+        assert_eq!(resolve_symbol("cuStreamGetCtx", 13000, 2), Err(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND));
+        assert_eq!(resolve_symbol("cuStreamGetCtx", 9020, 2), Ok(cuStreamGetCtx_ptsz as *const () as usize));
         assert_eq!(resolve_symbol("cuNoSuchThing", 13000, 0), Err(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND));
     }
 }
