@@ -1,0 +1,589 @@
+//! End-to-end: a fake kubelet written here (a `Registration` server and a `PodResources`
+//! server on temporary sockets) drives the real `tessera-device-plugin` binary the way the
+//! kubelet would, with the real `tessera-arbiter` behind it and the simulated NVML
+//! (`TESSERA_SIM_GPUS=2x80GiB`) on `LD_LIBRARY_PATH`.
+//!
+//! Needs the built artifacts next to the test executable (`<target>/debug/`): build with
+//! `cargo build -p tessera-arbiter -p tessera-cli -p tessera-sim-nvml -p tessera-sim-cuda
+//! -p tessera-interpose -p tessera-device-plugin`.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tessera_device_plugin::kubelet::connect_unix;
+use tessera_device_plugin::proto::deviceplugin::device_plugin_client::DevicePluginClient;
+use tessera_device_plugin::proto::deviceplugin::registration_server::{
+    Registration, RegistrationServer,
+};
+use tessera_device_plugin::proto::deviceplugin::{
+    AllocateRequest, ContainerAllocateRequest, ContainerAllocateResponse,
+    ContainerPreferredAllocationRequest, Empty, ListAndWatchResponse, PreferredAllocationRequest,
+    RegisterRequest,
+};
+use tessera_device_plugin::proto::podresources::pod_resources_lister_server::{
+    PodResourcesLister, PodResourcesListerServer,
+};
+use tessera_device_plugin::proto::podresources::{
+    AllocatableResourcesRequest, AllocatableResourcesResponse, ContainerDevices,
+    ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse,
+    ListPodResourcesRequest, ListPodResourcesResponse, PodResources,
+};
+use tessera_protocol::client::{AdminClient, TenantClient};
+use tessera_protocol::{AllocationStatus, GpuInfo};
+use tokio::net::UnixListener;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status, Streaming};
+
+const RESOURCE: &str = "tessera.dev/gpu-shares";
+const ENDPOINT: &str = "tessera.sock";
+const GIB: u64 = 1 << 30;
+const CONTAINER_LIB: &str = "/usr/lib/tessera/libtessera_interpose.so";
+
+/// Every await in these tests is bounded, so a failure never hangs CI.
+async fn within<T>(secs: u64, what: &str, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(Duration::from_secs(secs), fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("timed out after {secs}s: {what}"),
+    }
+}
+
+fn built_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().to_path_buf()
+}
+
+fn built(name: &str) -> PathBuf {
+    let p = built_dir().join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo build -p tessera-arbiter -p tessera-sim-nvml -p tessera-sim-cuda \
+         -p tessera-interpose -p tessera-device-plugin` first",
+        p.display()
+    );
+    p
+}
+
+// ---- the fake kubelet ----
+
+struct FakeRegistration {
+    tx: mpsc::UnboundedSender<RegisterRequest>,
+}
+
+#[tonic::async_trait]
+impl Registration for FakeRegistration {
+    async fn register(&self, req: Request<RegisterRequest>) -> Result<Response<Empty>, Status> {
+        let _ = self.tx.send(req.into_inner());
+        Ok(Response::new(Empty {}))
+    }
+}
+
+/// A kubelet registration server on `<dir>/kubelet.sock`.
+struct FakeKubelet {
+    stop: watch::Sender<bool>,
+    task: tokio::task::JoinHandle<()>,
+    registrations: mpsc::UnboundedReceiver<RegisterRequest>,
+}
+
+impl FakeKubelet {
+    fn start(dir: &Path) -> Self {
+        let sock = dir.join("kubelet.sock");
+        let _ = std::fs::remove_file(&sock);
+        let listener = UnixListener::bind(&sock).unwrap();
+        let (tx, registrations) = mpsc::unbounded_channel();
+        let (stop, mut stop_rx) = watch::channel(false);
+        let task = tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(RegistrationServer::new(FakeRegistration { tx }))
+                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async move {
+                    let _ = stop_rx.wait_for(|s| *s).await;
+                })
+                .await;
+        });
+        Self { stop, task, registrations }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(true);
+        let mut task = self.task;
+        if tokio::time::timeout(Duration::from_secs(3), &mut task).await.is_err() {
+            task.abort();
+        }
+    }
+}
+
+/// The PodResources `List` answer, set by the test.
+#[derive(Clone, Default)]
+struct FakePodResources {
+    pods: Arc<Mutex<Vec<PodResources>>>,
+}
+
+impl FakePodResources {
+    fn set_holding(&self, pod: &str, ids: &[String]) {
+        let mut pods = self.pods.lock().unwrap();
+        pods.retain(|p| p.name != pod);
+        if !ids.is_empty() {
+            pods.push(PodResources {
+                name: pod.into(),
+                namespace: "default".into(),
+                containers: vec![ContainerResources {
+                    name: "main".into(),
+                    devices: vec![ContainerDevices {
+                        resource_name: RESOURCE.into(),
+                        device_ids: ids.to_vec(),
+                        topology: None,
+                    }],
+                    ..Default::default()
+                }],
+            });
+        }
+    }
+
+    fn serve(&self, sock: &Path) {
+        let listener = UnixListener::bind(sock).unwrap();
+        let svc = self.clone();
+        tokio::spawn(async move {
+            let _ = tonic::transport::Server::builder()
+                .add_service(PodResourcesListerServer::new(svc))
+                .serve_with_incoming(UnixListenerStream::new(listener))
+                .await;
+        });
+    }
+}
+
+#[tonic::async_trait]
+impl PodResourcesLister for FakePodResources {
+    async fn list(
+        &self,
+        _: Request<ListPodResourcesRequest>,
+    ) -> Result<Response<ListPodResourcesResponse>, Status> {
+        let pod_resources = self.pods.lock().unwrap().clone();
+        Ok(Response::new(ListPodResourcesResponse { pod_resources }))
+    }
+
+    async fn get_allocatable_resources(
+        &self,
+        _: Request<AllocatableResourcesRequest>,
+    ) -> Result<Response<AllocatableResourcesResponse>, Status> {
+        Err(Status::unimplemented("not used by the plugin"))
+    }
+
+    async fn get(
+        &self,
+        _: Request<GetPodResourcesRequest>,
+    ) -> Result<Response<GetPodResourcesResponse>, Status> {
+        Err(Status::unimplemented("not used by the plugin"))
+    }
+}
+
+// ---- the node: simulated GPUs, arbiter, plugin ----
+
+struct Node {
+    dir: tempfile::TempDir,
+    sim_dir: PathBuf,
+    lib_dir: PathBuf,
+    arbiter: Child,
+    plugin: Option<Child>,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        for c in self.plugin.iter_mut().chain(std::iter::once(&mut self.arbiter)) {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if std::thread::panicking() || std::env::var_os("TESSERA_TEST_LOGS").is_some() {
+            for name in ["arbiter.log", "plugin.log"] {
+                let log = std::fs::read_to_string(self.dir.path().join(name)).unwrap_or_default();
+                eprintln!("---- {name} ----\n{log}");
+            }
+        }
+    }
+}
+
+impl Node {
+    fn kubelet_dir(&self) -> PathBuf {
+        self.dir.path().join("device-plugins")
+    }
+    fn admin(&self) -> PathBuf {
+        self.dir.path().join("run/admin.sock")
+    }
+    fn tenant(&self) -> PathBuf {
+        self.dir.path().join("run/tenant/tessera.sock")
+    }
+    fn podres(&self) -> PathBuf {
+        self.dir.path().join("pod-resources/kubelet.sock")
+    }
+    fn host_lib(&self) -> PathBuf {
+        self.dir.path().join("host-lib")
+    }
+
+    fn sim_env(&self, cmd: &mut Command) {
+        cmd.env("LD_LIBRARY_PATH", &self.lib_dir)
+            .env("TESSERA_SIM_DIR", &self.sim_dir)
+            .env("TESSERA_SIM_GPUS", "2x80GiB");
+    }
+
+    /// Starts the simulated machine and the arbiter; waits for its admin socket.
+    async fn start() -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        let sim_dir = dir.path().join("sim");
+        let found = tessera_sim_state::find_built_lib_dir(Some(&built_dir())).unwrap();
+        let lib_dir = tessera_sim_state::prepare_lib_dir(&sim_dir, &found).unwrap();
+        for sub in ["device-plugins", "run/tenant", "pod-resources", "state"] {
+            std::fs::create_dir_all(dir.path().join(sub)).unwrap();
+        }
+        let log = std::fs::File::create(dir.path().join("arbiter.log")).unwrap();
+        let mut cmd = Command::new(built("tessera-arbiter"));
+        cmd.arg("--socket")
+            .arg(dir.path().join("run/tenant/tessera.sock"))
+            .arg("--admin-socket")
+            .arg(dir.path().join("run/admin.sock"))
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .stdout(Stdio::null())
+            .stderr(log);
+        let mut node = Node {
+            arbiter: {
+                cmd.env("LD_LIBRARY_PATH", &lib_dir)
+                    .env("TESSERA_SIM_DIR", &sim_dir)
+                    .env("TESSERA_SIM_GPUS", "2x80GiB");
+                cmd.spawn().unwrap()
+            },
+            dir,
+            sim_dir,
+            lib_dir,
+            plugin: None,
+        };
+        let admin = node.admin();
+        within(15, "arbiter admin socket", async {
+            while AdminClient::connect(&admin).is_err() {
+                if let Ok(Some(st)) = node.arbiter.try_wait() {
+                    panic!("arbiter exited early: {st}");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+        node
+    }
+
+    fn plugin_command(&self) -> Command {
+        let mut cmd = Command::new(built("tessera-device-plugin"));
+        cmd.arg("--kubelet-dir")
+            .arg(self.kubelet_dir())
+            .arg("--pod-resources-socket")
+            .arg(self.podres())
+            .arg("--admin-socket")
+            .arg(self.admin())
+            .arg("--tenant-socket")
+            .arg(self.tenant())
+            .arg("--host-lib-dir")
+            .arg(self.host_lib())
+            .args(["--gpu-source", "nvml", "--stale-grace", "1", "--stale-interval", "0.2"])
+            .stdout(Stdio::null());
+        self.sim_env(&mut cmd);
+        cmd
+    }
+
+    /// Starts the plugin; the interposer is found next to the binary (no --interposer).
+    fn start_plugin(&mut self) {
+        let log = std::fs::File::create(self.dir.path().join("plugin.log")).unwrap();
+        self.plugin = Some(self.plugin_command().stderr(log).spawn().unwrap());
+    }
+
+    fn admin_client(&self) -> AdminClient {
+        AdminClient::connect(&self.admin()).unwrap()
+    }
+
+    fn gpus(&self) -> Vec<GpuInfo> {
+        self.admin_client().gpus().unwrap()
+    }
+
+    fn allocations(&self) -> Vec<AllocationStatus> {
+        self.admin_client().list().unwrap()
+    }
+
+    async fn plugin_client(&self) -> DevicePluginClient<Channel> {
+        let ch = connect_unix(&self.kubelet_dir().join(ENDPOINT), Duration::from_secs(5)).await.unwrap();
+        DevicePluginClient::new(ch)
+    }
+}
+
+fn unit_ids(uuid: &str, range: std::ops::Range<u32>) -> Vec<String> {
+    range.map(|n| format!("{uuid}-{n}")).collect()
+}
+
+async fn next_list(stream: &mut Streaming<ListAndWatchResponse>, what: &str) -> ListAndWatchResponse {
+    within(10, what, stream.message()).await.unwrap().expect("stream open")
+}
+
+async fn allocate(
+    client: &mut DevicePluginClient<Channel>,
+    ids: Vec<String>,
+) -> Result<ContainerAllocateResponse, Status> {
+    let req = AllocateRequest { container_requests: vec![ContainerAllocateRequest { devices_ids: ids }] };
+    let resp = within(15, "Allocate", client.allocate(req)).await?;
+    Ok(resp.into_inner().container_responses.into_iter().next().expect("one container"))
+}
+
+async fn preferred(
+    client: &mut DevicePluginClient<Channel>,
+    available: Vec<String>,
+    size: i32,
+) -> Result<Vec<String>, Status> {
+    let req = PreferredAllocationRequest {
+        container_requests: vec![ContainerPreferredAllocationRequest {
+            available_device_i_ds: available,
+            must_include_device_i_ds: vec![],
+            allocation_size: size,
+        }],
+    };
+    let resp = within(10, "GetPreferredAllocation", client.get_preferred_allocation(req)).await?;
+    Ok(resp.into_inner().container_responses.remove(0).device_i_ds)
+}
+
+/// Waits (bounded) until `cond` holds on the arbiter's allocation list.
+async fn wait_allocations(node: &Node, secs: u64, what: &str, cond: impl Fn(&[AllocationStatus]) -> bool) {
+    within(secs, what, async {
+        loop {
+            if cond(&node.allocations()) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn register_list_prefer_allocate_and_clean_up() {
+    let mut node = Node::start().await;
+    let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
+    let podres = FakePodResources::default();
+    podres.serve(&node.podres());
+    node.start_plugin();
+
+    // Registration: version, bare endpoint, resource, options.
+    let reg = within(15, "registration", kubelet.registrations.recv()).await.unwrap();
+    assert_eq!(reg.version, "v1beta1");
+    assert_eq!(reg.endpoint, ENDPOINT);
+    assert_eq!(reg.resource_name, RESOURCE);
+    let opts = reg.options.unwrap();
+    assert!(opts.get_preferred_allocation_available);
+    assert!(!opts.pre_start_required);
+
+    let mut client = node.plugin_client().await;
+    let o = within(5, "options", client.get_device_plugin_options(Empty {})).await.unwrap();
+    assert!(o.into_inner().get_preferred_allocation_available);
+
+    // Device list: two 80 GiB GPUs, 100 units each, all healthy, ids within 63 characters.
+    let gpus = node.gpus();
+    assert_eq!(gpus.len(), 2);
+    let (g0, g1) = (gpus[0].uuid.clone(), gpus[1].uuid.clone());
+    assert_eq!(gpus[0].memory_total, 80 * GIB);
+    let mut stream = within(5, "ListAndWatch", client.list_and_watch(Empty {})).await.unwrap().into_inner();
+    let list = next_list(&mut stream, "first device list").await;
+    assert_eq!(list.devices.len(), 200);
+    assert!(list.devices.iter().all(|d| d.health == "Healthy" && d.id.len() <= 63));
+    let ids: Vec<&str> = list.devices.iter().map(|d| d.id.as_str()).collect();
+    assert!(ids.contains(&format!("{g0}-0").as_str()) && ids.contains(&format!("{g1}-99").as_str()));
+
+    // Preferred allocation: GPU 0 has 50 units in use, so 30 go on GPU 0 (best fit).
+    let mut available = unit_ids(&g0, 50..100);
+    available.extend(unit_ids(&g1, 0..100));
+    let pick = preferred(&mut client, available.clone(), 30).await.unwrap();
+    assert_eq!(pick, unit_ids(&g0, 50..80));
+    let pick60 = preferred(&mut client, available.clone(), 60).await.unwrap();
+    assert_eq!(pick60, unit_ids(&g1, 0..60), "60 does not fit GPU 0's 50 free units");
+    let err = preferred(&mut client, available, 150).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("whole GPUs"), "{}", err.message());
+
+    // Allocate refuses a fraction spread over two GPUs, clearly.
+    let mut spread = unit_ids(&g0, 0..20);
+    spread.extend(unit_ids(&g1, 0..10));
+    let err = allocate(&mut client, spread).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("spread over 2 GPUs"), "{}", err.message());
+    assert!(node.allocations().is_empty(), "a refused Allocate creates nothing");
+
+    // Allocate 30 units: an arbiter allocation of 30% of GPU 0, and the container wiring.
+    // (The kubelet lists a container's devices from the moment it allocates them.)
+    podres.set_holding("p1", &pick);
+    let resp = allocate(&mut client, pick.clone()).await.unwrap();
+    let token = resp.envs["TESSERA_TOKEN"].clone();
+    assert!(token.len() >= 32, "token {token:?}");
+    assert_eq!(resp.envs["TESSERA_SOCKET"], "/run/tessera/tessera.sock");
+    assert_eq!(resp.envs["NVIDIA_VISIBLE_DEVICES"], g0);
+    let mounts: HashMap<&str, _> = resp.mounts.iter().map(|m| (m.container_path.as_str(), m)).collect();
+    assert!(resp.mounts.iter().all(|m| m.read_only));
+    let lib = mounts[CONTAINER_LIB];
+    let lib_name = Path::new(&lib.host_path).file_name().unwrap().to_str().unwrap().to_owned();
+    assert!(lib_name.starts_with(&format!("libtessera_interpose-{}-", env!("CARGO_PKG_VERSION"))), "{lib_name}");
+    assert!(Path::new(&lib.host_path).starts_with(node.host_lib()));
+    assert_eq!(std::fs::read(&lib.host_path).unwrap(), std::fs::read(built("libtessera_interpose.so")).unwrap());
+    let preload = mounts["/etc/ld.so.preload"];
+    assert_eq!(std::fs::read_to_string(&preload.host_path).unwrap(), format!("{CONTAINER_LIB}\n"));
+    assert_eq!(Path::new(&mounts["/run/tessera"].host_path), node.tenant().parent().unwrap());
+
+    // The token works: the tenant socket accepts it and reports the allocation's limits.
+    let tenant = TenantClient::connect(&node.tenant(), &token).unwrap();
+    let view = tenant.allocation().clone();
+    assert_eq!(view.gpu_uuid, g0);
+    assert_eq!(view.memory_limit, 24 * GIB);
+    assert_eq!(view.share, 30);
+    assert_eq!(view.id, resp.envs["TESSERA_ALLOCATION_ID"]);
+    drop(tenant);
+    let allocs = node.allocations();
+    assert_eq!(allocs.len(), 1);
+    assert_eq!(allocs[0].labels["tessera.dev/units"], "50-79");
+    assert_eq!(allocs[0].labels["tessera.dev/owner"], "device-plugin");
+
+    // Stale clean-up: kept while a container holds the units (well past the 1 s grace) ...
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(node.allocations().len(), 1, "a held allocation must not be cleaned up");
+    // ... and deleted once none does.
+    podres.set_holding("p1", &[]);
+    wait_allocations(&node, 10, "stale allocation deleted", |a| a.is_empty()).await;
+
+    // Whole GPUs: 200 units = both GPUs, one full allocation each, no interposer.
+    let mut all = unit_ids(&g0, 0..100);
+    all.extend(unit_ids(&g1, 0..100));
+    podres.set_holding("big", &all);
+    let resp = allocate(&mut client, all.clone()).await.unwrap();
+    assert_eq!(resp.envs["NVIDIA_VISIBLE_DEVICES"], format!("{g0},{g1}"));
+    assert!(!resp.envs.contains_key("TESSERA_TOKEN"));
+    assert!(resp.mounts.is_empty());
+    let allocs = node.allocations();
+    assert_eq!(allocs.len(), 2);
+    assert!(allocs.iter().all(|a| a.share == 100 && a.memory_limit == 80 * GIB));
+
+    // Units handed out again mean their old holder is gone: its allocation is replaced.
+    podres.set_holding("big", &[]);
+    let again = unit_ids(&g1, 0..10);
+    podres.set_holding("p2", &again);
+    let resp = allocate(&mut client, again).await.unwrap();
+    assert_eq!(resp.envs["NVIDIA_VISIBLE_DEVICES"], g1);
+    let allocs = node.allocations();
+    assert!(allocs.iter().all(|a| a.gpu_uuid != g1 || a.share == 10), "{allocs:?}");
+    // The GPU 0 whole allocation is orphaned and goes; the held one stays.
+    wait_allocations(&node, 10, "orphaned whole-GPU allocation deleted", |a| {
+        a.len() == 1 && a[0].gpu_uuid == g1
+    })
+    .await;
+
+    kubelet.registrations.close();
+    kubelet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn xid_health_and_kubelet_restart() {
+    let mut node = Node::start().await;
+    let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
+    FakePodResources::default().serve(&node.podres());
+    node.start_plugin();
+    within(15, "registration", kubelet.registrations.recv()).await.unwrap();
+    let gpus = node.gpus();
+    let (g0, g1) = (gpus[0].uuid.clone(), gpus[1].uuid.clone());
+    let mut client = node.plugin_client().await;
+    let mut stream = within(5, "ListAndWatch", client.list_and_watch(Empty {})).await.unwrap().into_inner();
+    assert_eq!(next_list(&mut stream, "first list").await.devices.len(), 200);
+
+    // A running pod's allocation, which must survive the kubelet restart.
+    let held = unit_ids(&g0, 0..10);
+    let resp = allocate(&mut client, held).await.unwrap();
+    let alloc_id = resp.envs["TESSERA_ALLOCATION_ID"].clone();
+
+    // XID 13 (an application's fault) is ignored; XID 79 (fell off the bus) is not. The next
+    // update must show GPU 0 healthy and GPU 1 unhealthy.
+    tessera_sim_state::inject_xid(&node.sim_dir, 0, 13).unwrap();
+    tessera_sim_state::inject_xid(&node.sim_dir, 1, 79).unwrap();
+    let list = next_list(&mut stream, "update after XID 79").await;
+    assert_eq!(list.devices.len(), 200);
+    for d in &list.devices {
+        let want = if d.id.starts_with(&g1) { "Unhealthy" } else { "Healthy" };
+        assert_eq!(d.health, want, "{}", d.id);
+    }
+    let err = allocate(&mut client, unit_ids(&g1, 0..5)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{}", err.message());
+
+    // Kubelet restart: it stops, deletes every socket in the folder, and comes back.
+    kubelet.stop().await;
+    let restarted = Instant::now();
+    for e in std::fs::read_dir(node.kubelet_dir()).unwrap().flatten() {
+        std::fs::remove_file(e.path()).unwrap();
+    }
+    let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
+    let reg = within(10, "re-registration", kubelet.registrations.recv()).await.unwrap();
+    let took = restarted.elapsed();
+    assert!(took < Duration::from_secs(5), "re-registered after {took:?}");
+    eprintln!("re-registration after kubelet restart took {took:?}");
+    assert_eq!(reg.endpoint, ENDPOINT);
+
+    // The old stream ended with the old server; the new socket serves the same state.
+    let ended = within(10, "old ListAndWatch stream ends", stream.message()).await;
+    assert!(!matches!(ended, Ok(Some(_))), "old stream still delivering: {ended:?}");
+    let mut client = node.plugin_client().await;
+    let mut stream = within(5, "ListAndWatch again", client.list_and_watch(Empty {})).await.unwrap().into_inner();
+    let list = next_list(&mut stream, "list after restart").await;
+    assert_eq!(list.devices.iter().filter(|d| d.health == "Unhealthy").count(), 100);
+    assert!(node.allocations().iter().any(|a| a.id == alloc_id), "allocation lost in the restart");
+
+    // SIGTERM: clean exit, socket removed.
+    let mut plugin = node.plugin.take().unwrap();
+    // SAFETY: kill has no memory preconditions; the pid is our own live child.
+    unsafe { libc::kill(plugin.id() as i32, libc::SIGTERM) };
+    let status = within(10, "plugin exit", async {
+        loop {
+            if let Some(st) = plugin.try_wait().unwrap() {
+                return st;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert_eq!(status.code(), Some(0));
+    assert!(!node.kubelet_dir().join(ENDPOINT).exists());
+    kubelet.stop().await;
+}
+
+#[tokio::test]
+async fn bad_flags_and_missing_interposer_exit_with_documented_codes() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |extra: &[&str]| {
+        Command::new(built("tessera-device-plugin"))
+            .arg("--kubelet-dir")
+            .arg(dir.path())
+            .arg("--host-lib-dir")
+            .arg(dir.path().join("lib"))
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap()
+    };
+    let out = run(&["--shares-per-gpu", "0"]);
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = run(&["--no-such-flag"]);
+    assert_eq!(out.status.code(), Some(2));
+    let out = run(&["--interposer", "/nonexistent/libtessera_interpose.so"]);
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("interposer"));
+    // --install-only installs and exits 0.
+    let out = run(&["--install-only"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let names: Vec<String> = std::fs::read_dir(dir.path().join("lib"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert!(names.iter().any(|n| n.starts_with("libtessera_interpose-") && n.ends_with(".so")));
+    assert!(names.iter().any(|n| n.starts_with("ld.so.preload-")));
+}
