@@ -1,1 +1,51 @@
-//! Placeholder; filled in by its issue.
+//! `libtessera_interpose.so`: the `LD_PRELOAD` library that enforces a Tessera allocation's
+//! GPU memory limit (and, with `launch`, its compute share) inside a CUDA process.
+//!
+//! Modules:
+//! - [`ffi`]: raw C declarations (loader, CUDA driver and NVML types).
+//! - [`config`]: the four environment variables it reads; limits never come from there.
+//! - [`log`]: leveled, allocation-free logging to stderr (`TESSERA_LOG`).
+//! - [`guard`]: the per-thread re-entry guard and the panic barrier at the C boundary.
+//! - [`table`]: every hooked variant, its version range, wrapper and real-function slot.
+//! - [`driver`]: the real `dlsym`, the real driver and NVML, never resolved through ourselves.
+//! - [`dlsym`]: our `dlsym` (with an exact `RTLD_NEXT` trampoline) and `cuGetProcAddress` mapping.
+//! - [`conn`]: one blocking, `SIGPIPE`-free connection to the arbiter's tenant socket.
+//! - [`session`]: reserve / release / re-declare, reconnection, behaviour while the arbiter is down.
+//! - [`ledger`]: live objects and their charged sizes.
+//! - [`state`]: the per-process state and its reset in a forked child.
+//! - [`memory`]: the accounting logic behind each allocation, free and memory query.
+//! - [`hooks`]: the exported `extern "C"` shims.
+//!
+//! Without `TESSERA_TOKEN` every hook passes straight through and `dlsym` hands out the real
+//! functions, so an unconfigured process pays one atomic load per intercepted call at most.
+
+pub mod config;
+pub mod conn;
+pub mod dlsym;
+pub mod driver;
+pub mod ffi;
+pub mod guard;
+pub mod hooks;
+pub mod ledger;
+pub mod log;
+pub mod memory;
+#[cfg(test)]
+mod mock_arbiter;
+pub mod session;
+pub mod state;
+pub mod table;
+
+/// Library constructor: reads the environment and registers the fork handler. Nothing else
+/// (no socket, no driver loading): start-up stays in the microseconds.
+extern "C" fn tessera_init() {
+    guard::no_unwind((), || {
+        let _ = log::enabled(log::Level::Error);
+        if config::get().enforcing() {
+            state::register_atfork();
+        }
+    });
+}
+
+#[used]
+#[unsafe(link_section = ".init_array")]
+static INIT: extern "C" fn() = tessera_init;

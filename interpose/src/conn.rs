@@ -1,0 +1,214 @@
+//! One blocking connection to the arbiter's tenant socket.
+//!
+//! This is the protocol crate's framing (`u32` little-endian length + postcard), written over
+//! `send(MSG_NOSIGNAL)` rather than `write(2)`: a write to a dead arbiter must not raise
+//! `SIGPIPE` in the application (whose signal handlers we never touch). Frames are encoded on
+//! the stack, and a reply usually arrives in a single `recv`. Sockets are `SOCK_CLOEXEC` (the
+//! standard library opens them that way), so an `exec`ed child never inherits the connection.
+
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tessera_protocol::frame::HEADER_LEN;
+use tessera_protocol::{
+    AllocationView, Hello, MAX_FRAME_LEN, Role, ServerHello, TenantReply, TenantRequest,
+};
+
+/// Errors of the arbiter connection.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnError {
+    /// The socket could not be reached.
+    #[error("cannot connect to {path}: {source}")]
+    Connect {
+        /// Socket path.
+        path: String,
+        /// Cause.
+        source: io::Error,
+    },
+    /// The socket failed, timed out or closed.
+    #[error("arbiter connection: {0}")]
+    Io(#[from] io::Error),
+    /// The arbiter closed the connection.
+    #[error("arbiter closed the connection")]
+    Closed,
+    /// A frame could not be encoded or decoded.
+    #[error("bad frame: {0}")]
+    Frame(String),
+    /// The arbiter refused the handshake (bad token, deleted allocation, version).
+    #[error("arbiter refused: {0}")]
+    Refused(String),
+    /// A one-way send could not complete without blocking.
+    #[error("send would block")]
+    WouldBlock,
+}
+
+const SEND_BUF: usize = 1024;
+
+/// A connected, handshaken tenant connection.
+#[derive(Debug)]
+pub struct Conn {
+    stream: UnixStream,
+    rbuf: Vec<u8>,
+    rlen: usize,
+}
+
+impl Conn {
+    /// Connects, sends `Hello` with `token`, and returns the connection and the allocation.
+    /// `timeout` bounds every later send and receive on this connection (`None`: none).
+    pub fn connect(
+        path: &Path,
+        token: &str,
+        timeout: Option<Duration>,
+    ) -> Result<(Self, AllocationView), ConnError> {
+        let stream = UnixStream::connect(path)
+            .map_err(|source| ConnError::Connect { path: path.display().to_string(), source })?;
+        // The handshake is always bounded, whatever the caller wants later.
+        let hs = Some(timeout.unwrap_or(Duration::from_secs(5)));
+        stream.set_read_timeout(hs)?;
+        stream.set_write_timeout(hs)?;
+        let mut conn = Self { stream, rbuf: vec![0; 1024], rlen: 0 };
+        conn.send_blocking(&Hello::new(Role::Tenant { token: token.to_owned() }))?;
+        let hello: ServerHello = conn.recv()?;
+        conn.stream.set_read_timeout(timeout)?;
+        conn.stream.set_write_timeout(timeout)?;
+        match hello {
+            ServerHello::Welcome { allocation: Some(a), .. } => Ok((conn, a)),
+            ServerHello::Welcome { allocation: None, .. } => {
+                Err(ConnError::Frame("welcome without allocation".into()))
+            }
+            ServerHello::Refused { reason } => Err(ConnError::Refused(reason)),
+        }
+    }
+
+    /// The socket's file descriptor (closed by hand in a forked child).
+    pub fn fd(&self) -> RawFd {
+        self.stream.as_raw_fd()
+    }
+
+    /// Sends a request and waits for its reply.
+    pub fn call(&mut self, req: &TenantRequest) -> Result<TenantReply, ConnError> {
+        self.send_blocking(req)?;
+        self.recv()
+    }
+
+    /// Sends a one-way request without ever blocking: if the socket buffer is full (a wedged
+    /// arbiter), the caller drops the connection and re-declares after reconnecting.
+    pub fn send_nowait(&mut self, req: &TenantRequest) -> Result<(), ConnError> {
+        let (buf, len) = encode(req)?;
+        // SAFETY: `buf` is valid for `len` bytes and the fd is open for the life of `self`.
+        let n = unsafe {
+            libc::send(self.fd(), buf.as_ptr().cast(), len, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
+        };
+        if n == len as isize {
+            return Ok(());
+        }
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            return Err(if e.kind() == io::ErrorKind::WouldBlock {
+                ConnError::WouldBlock
+            } else {
+                ConnError::Io(e)
+            });
+        }
+        // A partial frame poisons the stream; the caller must drop the connection.
+        Err(ConnError::WouldBlock)
+    }
+
+    fn send_blocking<T: Serialize>(&mut self, msg: &T) -> Result<(), ConnError> {
+        let (buf, len) = encode(msg)?;
+        let mut off = 0;
+        while off < len {
+            // SAFETY: `buf[off..len]` is valid and the fd is open for the life of `self`.
+            let n = unsafe {
+                libc::send(self.fd(), buf[off..].as_ptr().cast(), len - off, libc::MSG_NOSIGNAL)
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e.into());
+            }
+            off += n as usize;
+        }
+        Ok(())
+    }
+
+    /// Receives one frame. Bytes past it (there should be none: one request is outstanding at
+    /// a time) stay buffered for the next call.
+    fn recv<T: DeserializeOwned>(&mut self) -> Result<T, ConnError> {
+        loop {
+            if self.rlen >= HEADER_LEN {
+                let len = u32::from_le_bytes(self.rbuf[..HEADER_LEN].try_into().expect("4 bytes"))
+                    as usize;
+                if len > MAX_FRAME_LEN {
+                    return Err(ConnError::Frame(format!("frame of {len} bytes")));
+                }
+                let total = HEADER_LEN + len;
+                if self.rbuf.len() < total {
+                    self.rbuf.resize(total, 0);
+                }
+                if self.rlen >= total {
+                    let msg = postcard::from_bytes(&self.rbuf[HEADER_LEN..total])
+                        .map_err(|e| ConnError::Frame(e.to_string()));
+                    self.rbuf.copy_within(total..self.rlen, 0);
+                    self.rlen -= total;
+                    return msg;
+                }
+            }
+            let room = &mut self.rbuf[self.rlen..];
+            // SAFETY: `room` is valid writable memory of its length; the fd is open.
+            let n = unsafe { libc::recv(self.stream.as_raw_fd(), room.as_mut_ptr().cast(), room.len(), 0) };
+            if n == 0 {
+                return Err(ConnError::Closed);
+            }
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e.into());
+            }
+            self.rlen += n as usize;
+        }
+    }
+}
+
+/// Encodes one frame on the stack.
+fn encode<T: Serialize>(msg: &T) -> Result<([u8; SEND_BUF], usize), ConnError> {
+    let mut buf = [0u8; SEND_BUF];
+    let len = postcard::to_slice(msg, &mut buf[HEADER_LEN..])
+        .map_err(|e| ConnError::Frame(e.to_string()))?
+        .len();
+    buf[..HEADER_LEN].copy_from_slice(&(len as u32).to_le_bytes());
+    Ok((buf, HEADER_LEN + len))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_protocol::frame;
+
+    #[test]
+    fn encoding_matches_the_protocol_crate() {
+        for req in [
+            TenantRequest::Reserve { bytes: 600 << 20 },
+            TenantRequest::Release { bytes: 1 },
+            TenantRequest::LeaseRelease { lease_id: 9, busy_ns: 12345, early: true },
+        ] {
+            let (buf, len) = encode(&req).unwrap();
+            assert_eq!(&buf[..len], &frame::encode(&req).unwrap()[..]);
+        }
+    }
+
+    #[test]
+    fn oversized_messages_are_an_error_not_a_crash() {
+        let hello = Hello::new(Role::Tenant { token: "x".repeat(4000) });
+        assert!(matches!(encode(&hello), Err(ConnError::Frame(_))));
+    }
+}

@@ -1,0 +1,715 @@
+//! The `extern "C"` entry points: thin shims that decode C arguments and hand over to the safe
+//! logic in `memory` (and `launch`). They are exported under the driver's names for programs
+//! linked against `libcuda`, and handed out by our `dlsym` and `cuGetProcAddress`.
+//!
+//! Every shim: finds the real function (loading the real library on first use), takes the
+//! re-entry guard (a nested call passes straight through), passes through when no token is
+//! set, and never lets a panic unwind into C.
+
+#![allow(non_snake_case)]
+
+use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+
+use crate::dlsym::resolve_proc;
+use crate::driver;
+use crate::ffi::*;
+use crate::guard;
+use crate::ledger::Kind;
+use crate::memory::{self, Outcome};
+use crate::state::{self, Process};
+use crate::table::HookId;
+
+/// The common frame of every hook.
+///
+/// # Safety
+/// `F` must be the C signature of `id`'s entry point.
+#[inline(always)]
+unsafe fn run<F: Copy>(
+    id: HookId,
+    missing: c_int,
+    panicked: c_int,
+    pass: impl FnOnce(F) -> c_int,
+    logic: impl FnOnce(F, &'static Process) -> Outcome<c_int>,
+) -> c_int {
+    // SAFETY: the caller guarantees `F` matches `id`.
+    let Some(real) = (unsafe { driver::real::<F>(id) }) else {
+        return missing;
+    };
+    let Some(_g) = guard::enter() else {
+        return pass(real);
+    };
+    guard::no_unwind(panicked, || match state::process() {
+        None => pass(real),
+        Some(p) => match logic(real, p) {
+            Outcome::Handled(r) => r,
+            Outcome::PassThrough => pass(real),
+        },
+    })
+}
+
+/// [`run`] for CUDA driver entry points.
+///
+/// # Safety
+/// As [`run`].
+#[inline(always)]
+unsafe fn cuda<F: Copy>(
+    id: HookId,
+    pass: impl FnOnce(F) -> CUresult,
+    logic: impl FnOnce(F, &'static Process) -> Outcome<CUresult>,
+) -> CUresult {
+    // SAFETY: forwarded contract.
+    unsafe { run(id, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_UNKNOWN, pass, logic) }
+}
+
+/// Reads an out-parameter the driver has just written, only when it succeeded.
+///
+/// # Safety
+/// `p` is non-null and points to a `T` the driver initialised when `r` is success.
+#[inline(always)]
+unsafe fn written<T: Copy + Default>(r: CUresult, p: *const T) -> T {
+    // SAFETY: per the contract.
+    if r == CUDA_SUCCESS { unsafe { *p } } else { T::default() }
+}
+
+// ---- allocation ---------------------------------------------------------------------------
+
+/// `cuMemAlloc_v2`: counted.
+///
+/// # Safety
+/// C contract of `cuMemAlloc_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
+    // SAFETY: the type is this entry point's signature; arguments are forwarded unchanged.
+    unsafe {
+        cuda::<cuMemAlloc_v2_t>(HookId::MemAlloc_v2, |real| real(dptr, bytesize), |real, p| {
+            if dptr.is_null() {
+                return Outcome::PassThrough;
+            }
+            memory::allocate(p, Kind::Ptr, bytesize as u64, || {
+                let r = real(dptr, bytesize);
+                (r, written(r, dptr))
+            })
+        })
+    }
+}
+
+/// `cuMemAllocManaged`: counted against the device.
+///
+/// # Safety
+/// C contract of `cuMemAllocManaged`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut CUdeviceptr, bytesize: usize, flags: c_uint) -> CUresult {
+    // SAFETY: as for cuMemAlloc_v2.
+    unsafe {
+        cuda::<cuMemAllocManaged_t>(HookId::MemAllocManaged, |real| real(dptr, bytesize, flags), |real, p| {
+            if dptr.is_null() {
+                return Outcome::PassThrough;
+            }
+            memory::allocate(p, Kind::Ptr, bytesize as u64, || {
+                let r = real(dptr, bytesize, flags);
+                (r, written(r, dptr))
+            })
+        })
+    }
+}
+
+/// `cuMemAllocPitch_v2`: an estimate is reserved, then corrected to `pitch * height`.
+///
+/// # Safety
+/// C contract of `cuMemAllocPitch_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAllocPitch_v2(
+    dptr: *mut CUdeviceptr,
+    pitch: *mut usize,
+    width: usize,
+    height: usize,
+    elem: c_uint,
+) -> CUresult {
+    // SAFETY: as for cuMemAlloc_v2; the undo frees what the driver just returned.
+    unsafe {
+        cuda::<cuMemAllocPitch_v2_t>(
+            HookId::MemAllocPitch_v2,
+            |real| real(dptr, pitch, width, height, elem),
+            |real, p| {
+                if dptr.is_null() || pitch.is_null() {
+                    return Outcome::PassThrough;
+                }
+                memory::allocate_pitch(
+                    p,
+                    width as u64,
+                    height as u64,
+                    || {
+                        let r = real(dptr, pitch, width, height, elem);
+                        (r, written(r, dptr), written(r, pitch) as u64)
+                    },
+                    |ptr| {
+                        if let Some(free) = driver::real::<cuMemFree_v2_t>(HookId::MemFree_v2) {
+                            let _ = free(ptr);
+                        }
+                    },
+                )
+            },
+        )
+    }
+}
+
+macro_rules! alloc_async {
+    ($name:ident, $id:ident) => {
+        /// `cuMemAllocAsync` (or its `_ptsz` twin): counted when enqueued.
+        ///
+        /// # Safety
+        /// C contract of `cuMemAllocAsync`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(dptr: *mut CUdeviceptr, bytesize: usize, stream: CUstream) -> CUresult {
+            // SAFETY: as for cuMemAlloc_v2.
+            unsafe {
+                cuda::<cuMemAllocAsync_t>(HookId::$id, |real| real(dptr, bytesize, stream), |real, p| {
+                    if dptr.is_null() {
+                        return Outcome::PassThrough;
+                    }
+                    memory::allocate(p, Kind::Ptr, bytesize as u64, || {
+                        let r = real(dptr, bytesize, stream);
+                        (r, written(r, dptr))
+                    })
+                })
+            }
+        }
+    };
+}
+alloc_async!(cuMemAllocAsync, MemAllocAsync);
+alloc_async!(cuMemAllocAsync_ptsz, MemAllocAsync_ptsz);
+
+macro_rules! alloc_pool {
+    ($name:ident, $id:ident) => {
+        /// `cuMemAllocFromPoolAsync` (or its `_ptsz` twin): counted when enqueued.
+        ///
+        /// # Safety
+        /// C contract of `cuMemAllocFromPoolAsync`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(
+            dptr: *mut CUdeviceptr,
+            bytesize: usize,
+            pool: CUmemoryPool,
+            stream: CUstream,
+        ) -> CUresult {
+            // SAFETY: as for cuMemAlloc_v2.
+            unsafe {
+                cuda::<cuMemAllocFromPoolAsync_t>(
+                    HookId::$id,
+                    |real| real(dptr, bytesize, pool, stream),
+                    |real, p| {
+                        if dptr.is_null() {
+                            return Outcome::PassThrough;
+                        }
+                        memory::allocate(p, Kind::Ptr, bytesize as u64, || {
+                            let r = real(dptr, bytesize, pool, stream);
+                            (r, written(r, dptr))
+                        })
+                    },
+                )
+            }
+        }
+    };
+}
+alloc_pool!(cuMemAllocFromPoolAsync, MemAllocFromPoolAsync);
+alloc_pool!(cuMemAllocFromPoolAsync_ptsz, MemAllocFromPoolAsync_ptsz);
+
+/// `cuMemCreate`: counted unless the memory is placed on the host.
+///
+/// # Safety
+/// C contract of `cuMemCreate`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemCreate(
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    flags: u64,
+) -> CUresult {
+    // SAFETY: as for cuMemAlloc_v2; `prop` is read only when non-null.
+    unsafe {
+        cuda::<cuMemCreate_t>(HookId::MemCreate, |real| real(handle, size, prop, flags), |real, p| {
+            if handle.is_null() || prop.is_null() {
+                return Outcome::PassThrough;
+            }
+            let location = (*prop).location.type_;
+            if matches!(
+                location,
+                CU_MEM_LOCATION_TYPE_HOST | CU_MEM_LOCATION_TYPE_HOST_NUMA | CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT
+            ) {
+                return Outcome::PassThrough;
+            }
+            memory::allocate(p, Kind::Handle, size as u64, || {
+                let r = real(handle, size, prop, flags);
+                (r, written(r, handle))
+            })
+        })
+    }
+}
+
+/// `cuArrayCreate_v2`: counted from the descriptor.
+///
+/// # Safety
+/// C contract of `cuArrayCreate_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArrayCreate_v2(array: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) -> CUresult {
+    // SAFETY: as for cuMemAlloc_v2; `desc` is read only when non-null.
+    unsafe {
+        cuda::<cuArrayCreate_v2_t>(HookId::ArrayCreate_v2, |real| real(array, desc), |real, p| {
+            if array.is_null() || desc.is_null() {
+                return Outcome::PassThrough;
+            }
+            let d = *desc;
+            let bytes = memory::array_bytes(d.Width as u64, d.Height as u64, 0, d.Format, d.NumChannels);
+            memory::allocate(p, Kind::Array, bytes, || {
+                let r = real(array, desc);
+                (r, written(r, array) as u64)
+            })
+        })
+    }
+}
+
+/// `cuArray3DCreate_v2`: counted from the descriptor.
+///
+/// # Safety
+/// C contract of `cuArray3DCreate_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArray3DCreate_v2(array: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) -> CUresult {
+    // SAFETY: as for cuArrayCreate_v2.
+    unsafe {
+        cuda::<cuArray3DCreate_v2_t>(HookId::Array3DCreate_v2, |real| real(array, desc), |real, p| {
+            if array.is_null() || desc.is_null() {
+                return Outcome::PassThrough;
+            }
+            let d = *desc;
+            let bytes =
+                memory::array_bytes(d.Width as u64, d.Height as u64, d.Depth as u64, d.Format, d.NumChannels);
+            memory::allocate(p, Kind::Array, bytes, || {
+                let r = real(array, desc);
+                (r, written(r, array) as u64)
+            })
+        })
+    }
+}
+
+/// `cuMipmappedArrayCreate`: counted over all levels.
+///
+/// # Safety
+/// C contract of `cuMipmappedArrayCreate`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMipmappedArrayCreate(
+    array: *mut CUmipmappedArray,
+    desc: *const CUDA_ARRAY3D_DESCRIPTOR,
+    levels: c_uint,
+) -> CUresult {
+    // SAFETY: as for cuArrayCreate_v2.
+    unsafe {
+        cuda::<cuMipmappedArrayCreate_t>(HookId::MipmappedArrayCreate, |real| real(array, desc, levels), |real, p| {
+            if array.is_null() || desc.is_null() {
+                return Outcome::PassThrough;
+            }
+            let d = *desc;
+            let bytes = memory::mipmap_bytes(
+                d.Width as u64,
+                d.Height as u64,
+                d.Depth as u64,
+                d.Format,
+                d.NumChannels,
+                d.Flags,
+                levels,
+            );
+            memory::allocate(p, Kind::Mipmap, bytes, || {
+                let r = real(array, desc, levels);
+                (r, written(r, array) as u64)
+            })
+        })
+    }
+}
+
+// ---- frees ------------------------------------------------------------------------------
+
+/// `cuMemFree_v2`: releases what was counted.
+///
+/// # Safety
+/// C contract of `cuMemFree_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
+    // SAFETY: the type is this entry point's signature; arguments are forwarded unchanged.
+    unsafe {
+        cuda::<cuMemFree_v2_t>(HookId::MemFree_v2, |real| real(dptr), |real, p| {
+            memory::free(p, Kind::Ptr, dptr, || real(dptr))
+        })
+    }
+}
+
+macro_rules! free_async {
+    ($name:ident, $id:ident) => {
+        /// `cuMemFreeAsync` (or its `_ptsz` twin): released once the free is enqueued.
+        ///
+        /// # Safety
+        /// C contract of `cuMemFreeAsync`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(dptr: CUdeviceptr, stream: CUstream) -> CUresult {
+            // SAFETY: as for cuMemFree_v2.
+            unsafe {
+                cuda::<cuMemFreeAsync_t>(HookId::$id, |real| real(dptr, stream), |real, p| {
+                    memory::free(p, Kind::Ptr, dptr, || real(dptr, stream))
+                })
+            }
+        }
+    };
+}
+free_async!(cuMemFreeAsync, MemFreeAsync);
+free_async!(cuMemFreeAsync_ptsz, MemFreeAsync_ptsz);
+
+/// `cuMemRelease`: releases a counted `cuMemCreate` handle.
+///
+/// # Safety
+/// C contract of `cuMemRelease`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
+    // SAFETY: as for cuMemFree_v2.
+    unsafe {
+        cuda::<cuMemRelease_t>(HookId::MemRelease, |real| real(handle), |real, p| {
+            memory::free(p, Kind::Handle, handle, || real(handle))
+        })
+    }
+}
+
+/// `cuArrayDestroy`.
+///
+/// # Safety
+/// C contract of `cuArrayDestroy`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuArrayDestroy(array: CUarray) -> CUresult {
+    // SAFETY: as for cuMemFree_v2.
+    unsafe {
+        cuda::<cuArrayDestroy_t>(HookId::ArrayDestroy, |real| real(array), |real, p| {
+            memory::free(p, Kind::Array, array as u64, || real(array))
+        })
+    }
+}
+
+/// `cuMipmappedArrayDestroy`.
+///
+/// # Safety
+/// C contract of `cuMipmappedArrayDestroy`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMipmappedArrayDestroy(array: CUmipmappedArray) -> CUresult {
+    // SAFETY: as for cuMemFree_v2.
+    unsafe {
+        cuda::<cuMipmappedArrayDestroy_t>(HookId::MipmappedArrayDestroy, |real| real(array), |real, p| {
+            memory::free(p, Kind::Mipmap, array as u64, || real(array))
+        })
+    }
+}
+
+// ---- virtualised queries ------------------------------------------------------------------
+
+/// `cuMemGetInfo_v2`: total = the allocation's limit, free = what is left of it.
+///
+/// # Safety
+/// C contract of `cuMemGetInfo_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
+    // SAFETY: the driver validates the context and writes the out-parameters first; we only
+    // overwrite the non-null ones after it succeeded.
+    unsafe {
+        cuda::<cuMemGetInfo_v2_t>(HookId::MemGetInfo_v2, |real| real(free, total), |real, p| {
+            if free.is_null() || total.is_null() {
+                return Outcome::PassThrough;
+            }
+            let (mut f, mut t) = (0usize, 0usize);
+            let r = real(&mut f, &mut t);
+            if r != CUDA_SUCCESS {
+                return Outcome::Handled(r);
+            }
+            let Some((vf, vt)) = memory::virtual_mem_info(p, f as u64) else {
+                return Outcome::Handled(CUDA_ERROR_OPERATING_SYSTEM);
+            };
+            *free = vf as usize;
+            *total = vt as usize;
+            Outcome::Handled(CUDA_SUCCESS)
+        })
+    }
+}
+
+/// `cuDeviceTotalMem_v2`: the allocation's limit.
+///
+/// # Safety
+/// C contract of `cuDeviceTotalMem_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -> CUresult {
+    // SAFETY: as for cuMemGetInfo_v2.
+    unsafe {
+        cuda::<cuDeviceTotalMem_v2_t>(HookId::DeviceTotalMem_v2, |real| real(bytes, dev), |real, p| {
+            if bytes.is_null() {
+                return Outcome::PassThrough;
+            }
+            let r = real(bytes, dev);
+            if r != CUDA_SUCCESS {
+                return Outcome::Handled(r);
+            }
+            match p.session.limit() {
+                Some(limit) => {
+                    *bytes = limit as usize;
+                    Outcome::Handled(CUDA_SUCCESS)
+                }
+                None => Outcome::Handled(CUDA_ERROR_OPERATING_SYSTEM),
+            }
+        })
+    }
+}
+
+/// `nvmlDeviceGetMemoryInfo`: total = limit, used = the allocation's use.
+///
+/// # Safety
+/// C contract of `nvmlDeviceGetMemoryInfo`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: nvmlDevice_t, memory: *mut nvmlMemory_t) -> nvmlReturn_t {
+    // SAFETY: the type is this entry point's signature; `memory` is written by the real call
+    // and then overwritten only on success.
+    unsafe {
+        run::<nvmlDeviceGetMemoryInfo_t>(
+            HookId::NvmlMemoryInfo,
+            NVML_ERROR_UNINITIALIZED,
+            NVML_ERROR_UNKNOWN,
+            |real| real(device, memory),
+            |real, p| {
+                if memory.is_null() {
+                    return Outcome::PassThrough;
+                }
+                let r = real(device, memory);
+                if r != NVML_SUCCESS {
+                    return Outcome::Handled(r);
+                }
+                let Some((free, total)) = memory::virtual_mem_info(p, (*memory).free) else {
+                    return Outcome::Handled(NVML_ERROR_UNKNOWN);
+                };
+                (*memory).total = total;
+                (*memory).free = free;
+                (*memory).used = total - free;
+                Outcome::Handled(NVML_SUCCESS)
+            },
+        )
+    }
+}
+
+/// `nvmlDeviceGetMemoryInfo_v2`: as v1; `reserved` is reported as 0.
+///
+/// # Safety
+/// C contract of `nvmlDeviceGetMemoryInfo_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
+    device: nvmlDevice_t,
+    memory: *mut nvmlMemory_v2_t,
+) -> nvmlReturn_t {
+    // SAFETY: as for nvmlDeviceGetMemoryInfo.
+    unsafe {
+        run::<nvmlDeviceGetMemoryInfo_v2_t>(
+            HookId::NvmlMemoryInfo_v2,
+            NVML_ERROR_UNINITIALIZED,
+            NVML_ERROR_UNKNOWN,
+            |real| real(device, memory),
+            |real, p| {
+                if memory.is_null() {
+                    return Outcome::PassThrough;
+                }
+                let r = real(device, memory);
+                if r != NVML_SUCCESS {
+                    return Outcome::Handled(r);
+                }
+                let Some((free, total)) = memory::virtual_mem_info(p, (*memory).free) else {
+                    return Outcome::Handled(NVML_ERROR_UNKNOWN);
+                };
+                (*memory).total = total;
+                (*memory).free = free;
+                (*memory).reserved = 0;
+                (*memory).used = total - free;
+                Outcome::Handled(NVML_SUCCESS)
+            },
+        )
+    }
+}
+
+// ---- cuGetProcAddress ---------------------------------------------------------------------
+
+/// Rewrites `*pfn` after a successful real `cuGetProcAddress`.
+///
+/// # Safety
+/// `symbol` is NUL-terminated and `pfn` valid (both checked non-null by the caller).
+unsafe fn after_proc(r: CUresult, symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64) {
+    if r != CUDA_SUCCESS || symbol.is_null() || pfn.is_null() {
+        return;
+    }
+    if !crate::config::get().enforcing() {
+        return;
+    }
+    // SAFETY: per the contract.
+    unsafe {
+        let name = CStr::from_ptr(symbol).to_bytes();
+        *pfn = resolve_proc(name, version, flags, *pfn);
+    }
+}
+
+/// `cuGetProcAddress` (CUDA 11.3 signature).
+///
+/// # Safety
+/// C contract of `cuGetProcAddress`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: u64,
+) -> CUresult {
+    // SAFETY: the type is this entry point's signature; arguments are forwarded unchanged.
+    let Some(real) = (unsafe { driver::real::<cuGetProcAddress_t>(HookId::GetProcAddress) }) else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: forwarding unchanged.
+    let r = unsafe { real(symbol, pfn, version, flags) };
+    if let Some(_g) = guard::enter() {
+        // SAFETY: pointers are checked inside; the driver just answered for them.
+        guard::no_unwind((), || unsafe { after_proc(r, symbol, pfn, version, flags) });
+    }
+    r
+}
+
+/// `cuGetProcAddress_v2` (CUDA 12 signature, with the symbol status).
+///
+/// # Safety
+/// C contract of `cuGetProcAddress_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress_v2(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: u64,
+    status: *mut c_int,
+) -> CUresult {
+    // SAFETY: as for cuGetProcAddress.
+    let Some(real) = (unsafe { driver::real::<cuGetProcAddress_v2_t>(HookId::GetProcAddress_v2) }) else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: forwarding unchanged.
+    let r = unsafe { real(symbol, pfn, version, flags, status) };
+    if let Some(_g) = guard::enter() {
+        // SAFETY: as for cuGetProcAddress.
+        guard::no_unwind((), || unsafe { after_proc(r, symbol, pfn, version, flags) });
+    }
+    r
+}
+
+// ---- launches (gated by `launch`) ---------------------------------------------------------
+
+macro_rules! launch_kernel {
+    ($name:ident, $id:ident) => {
+        /// `cuLaunchKernel` (or its `_ptsz` twin).
+        ///
+        /// # Safety
+        /// C contract of `cuLaunchKernel`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(
+            f: CUfunction,
+            gx: c_uint,
+            gy: c_uint,
+            gz: c_uint,
+            bx: c_uint,
+            by: c_uint,
+            bz: c_uint,
+            shared: c_uint,
+            stream: CUstream,
+            params: *mut *mut c_void,
+            extra: *mut *mut c_void,
+        ) -> CUresult {
+            // SAFETY: the type is this entry point's signature; arguments forwarded unchanged.
+            unsafe {
+                cuda::<cuLaunchKernel_t>(
+                    HookId::$id,
+                    |real| real(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra),
+                    |_, _| Outcome::PassThrough,
+                )
+            }
+        }
+    };
+}
+launch_kernel!(cuLaunchKernel, LaunchKernel);
+launch_kernel!(cuLaunchKernel_ptsz, LaunchKernel_ptsz);
+
+macro_rules! launch_kernel_ex {
+    ($name:ident, $id:ident) => {
+        /// `cuLaunchKernelEx` (or its `_ptsz` twin).
+        ///
+        /// # Safety
+        /// C contract of `cuLaunchKernelEx`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(
+            config: *const CUlaunchConfig,
+            f: CUfunction,
+            params: *mut *mut c_void,
+            extra: *mut *mut c_void,
+        ) -> CUresult {
+            // SAFETY: as for cuLaunchKernel.
+            unsafe {
+                cuda::<cuLaunchKernelEx_t>(
+                    HookId::$id,
+                    |real| real(config, f, params, extra),
+                    |_, _| Outcome::PassThrough,
+                )
+            }
+        }
+    };
+}
+launch_kernel_ex!(cuLaunchKernelEx, LaunchKernelEx);
+launch_kernel_ex!(cuLaunchKernelEx_ptsz, LaunchKernelEx_ptsz);
+
+macro_rules! launch_coop {
+    ($name:ident, $id:ident) => {
+        /// `cuLaunchCooperativeKernel` (or its `_ptsz` twin).
+        ///
+        /// # Safety
+        /// C contract of `cuLaunchCooperativeKernel`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(
+            f: CUfunction,
+            gx: c_uint,
+            gy: c_uint,
+            gz: c_uint,
+            bx: c_uint,
+            by: c_uint,
+            bz: c_uint,
+            shared: c_uint,
+            stream: CUstream,
+            params: *mut *mut c_void,
+        ) -> CUresult {
+            // SAFETY: as for cuLaunchKernel.
+            unsafe {
+                cuda::<cuLaunchCooperativeKernel_t>(
+                    HookId::$id,
+                    |real| real(f, gx, gy, gz, bx, by, bz, shared, stream, params),
+                    |_, _| Outcome::PassThrough,
+                )
+            }
+        }
+    };
+}
+launch_coop!(cuLaunchCooperativeKernel, LaunchCooperativeKernel);
+launch_coop!(cuLaunchCooperativeKernel_ptsz, LaunchCooperativeKernel_ptsz);
+
+macro_rules! graph_launch {
+    ($name:ident, $id:ident) => {
+        /// `cuGraphLaunch` (or its `_ptsz` twin).
+        ///
+        /// # Safety
+        /// C contract of `cuGraphLaunch`.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(exec: CUgraphExec, stream: CUstream) -> CUresult {
+            // SAFETY: as for cuLaunchKernel.
+            unsafe {
+                cuda::<cuGraphLaunch_t>(HookId::$id, |real| real(exec, stream), |_, _| Outcome::PassThrough)
+            }
+        }
+    };
+}
+graph_launch!(cuGraphLaunch, GraphLaunch);
+graph_launch!(cuGraphLaunch_ptsz, GraphLaunch_ptsz);

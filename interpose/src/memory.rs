@@ -1,0 +1,219 @@
+//! Memory accounting logic, free of raw pointers: the `extern "C"` shims in `hooks` decode the
+//! arguments, and these functions decide, reserve, call the driver through a closure, and book.
+//!
+//! Every allocation reserves at the arbiter *before* the driver call (one round trip) and
+//! releases if the driver fails; every free of a known object releases after the driver
+//! succeeds (one-way, no round trip). A refused reservation is `CUDA_ERROR_OUT_OF_MEMORY`.
+
+use crate::ffi::{CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CUresult};
+use crate::ledger::Kind;
+use crate::state::Process;
+use crate::tlog;
+
+/// What a hook's logic decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome<T> {
+    /// The call was handled; return this.
+    Handled(T),
+    /// Not ours to account (null out-pointer, host memory, ...): call the real function as is.
+    PassThrough,
+}
+
+/// Assumed pitch alignment when estimating a pitched allocation before the driver answers.
+/// Real GPUs align rows to 512 bytes or less; a larger real pitch is corrected afterwards.
+pub const PITCH_ALIGN: u64 = 512;
+
+/// Reserves `bytes`, runs `driver` (which returns its result and the new object's key), and
+/// books the object. `bytes == 0` is left to the driver (which rejects it) untracked.
+pub fn allocate(
+    p: &'static Process,
+    kind: Kind,
+    bytes: u64,
+    driver: impl FnOnce() -> (CUresult, u64),
+) -> Outcome<CUresult> {
+    if bytes == 0 {
+        return Outcome::PassThrough;
+    }
+    if let Err(e) = p.session.reserve(bytes) {
+        tlog!(Debug, "allocation of {bytes} bytes refused: {e}");
+        return Outcome::Handled(CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    let (r, key) = driver();
+    if r != CUDA_SUCCESS {
+        p.session.release(bytes);
+        return Outcome::Handled(r);
+    }
+    book(p, kind, key, bytes);
+    Outcome::Handled(r)
+}
+
+/// Books a live object; an entry it replaces was freed behind our back and is released.
+fn book(p: &'static Process, kind: Kind, key: u64, bytes: u64) {
+    let replaced = p.ledger().insert(kind, key, bytes);
+    if let Some(old) = replaced {
+        p.session.release(old);
+    }
+}
+
+/// A pitched allocation: reserves an estimate, then corrects it to `pitch * height` once the
+/// driver has chosen the pitch. If the real size needs more than the limit allows, the
+/// allocation is undone with `undo` and refused.
+pub fn allocate_pitch(
+    p: &'static Process,
+    width: u64,
+    height: u64,
+    driver: impl FnOnce() -> (CUresult, u64, u64),
+    undo: impl FnOnce(u64),
+) -> Outcome<CUresult> {
+    let estimate = pitch_estimate(width, height);
+    if estimate == 0 {
+        return Outcome::PassThrough;
+    }
+    if let Err(e) = p.session.reserve(estimate) {
+        tlog!(Debug, "pitched allocation of ~{estimate} bytes refused: {e}");
+        return Outcome::Handled(CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    let (r, ptr, pitch) = driver();
+    if r != CUDA_SUCCESS {
+        p.session.release(estimate);
+        return Outcome::Handled(r);
+    }
+    let actual = pitch.saturating_mul(height);
+    if actual > estimate {
+        if let Err(e) = p.session.reserve(actual - estimate) {
+            tlog!(Debug, "pitched allocation of {actual} bytes refused after the fact: {e}");
+            undo(ptr);
+            p.session.release(estimate);
+            return Outcome::Handled(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+    } else {
+        p.session.release(estimate - actual);
+    }
+    book(p, Kind::Ptr, ptr, actual);
+    Outcome::Handled(r)
+}
+
+/// Conservative size of a pitched allocation before the driver answers.
+pub fn pitch_estimate(width: u64, height: u64) -> u64 {
+    width.div_ceil(PITCH_ALIGN).saturating_mul(PITCH_ALIGN).saturating_mul(height)
+}
+
+/// Frees a known object: forgets it, calls the driver, releases on success (restores the
+/// entry if the driver failed). Unknown objects pass through untouched.
+pub fn free(p: &'static Process, kind: Kind, key: u64, driver: impl FnOnce() -> CUresult) -> Outcome<CUresult> {
+    let Some(bytes) = p.ledger().remove(kind, key) else {
+        return Outcome::PassThrough;
+    };
+    let r = driver();
+    if r == CUDA_SUCCESS {
+        p.session.release(bytes);
+    } else {
+        book(p, kind, key, bytes);
+    }
+    Outcome::Handled(r)
+}
+
+/// The virtual `(free, total)` of the device: total = the allocation's limit, free = what is
+/// left of it (never more than the card really has free). `None`: no arbiter answer and no
+/// limit known.
+pub fn virtual_mem_info(p: &'static Process, real_free: u64) -> Option<(u64, u64)> {
+    let (limit, in_use) = p.session.mem_info()?;
+    Some((limit.saturating_sub(in_use).min(real_free), limit))
+}
+
+/// Bytes per element of a `CUarray_format` times `channels`; unknown formats count 16 bytes
+/// per element (the widest), so nothing is under-counted.
+pub fn element_bytes(format: u32, channels: u32) -> u64 {
+    let per_channel: u64 = match format {
+        0x01 | 0x08 => 1,                      // (UN)SIGNED_INT8
+        0x02 | 0x09 | 0x10 => 2,               // (UN)SIGNED_INT16, HALF
+        0x03 | 0x0a | 0x20 => 4,               // (UN)SIGNED_INT32, FLOAT
+        0xb0 => 2,                             // NV12 (1.5 bytes per pixel, rounded up)
+        0xc0 | 0xc6 => 1,                      // UNORM/SNORM_INT8X1
+        0xc1 | 0xc7 | 0xc3 | 0xc9 => 2,        // INT8X2, INT16X1
+        0xc2 | 0xc8 | 0xc4 | 0xca => 4,        // INT8X4, INT16X2
+        0xc5 | 0xcb => 8,                      // INT16X4
+        _ => 16,
+    };
+    // Packed formats (0xc0..) carry their channel count in the format; the descriptor says 1.
+    per_channel.saturating_mul(u64::from(channels.max(1)))
+}
+
+/// Bytes of a (layered, 3D or 2D) CUDA array.
+pub fn array_bytes(width: u64, height: u64, depth: u64, format: u32, channels: u32) -> u64 {
+    width
+        .max(1)
+        .saturating_mul(height.max(1))
+        .saturating_mul(depth.max(1))
+        .saturating_mul(element_bytes(format, channels))
+}
+
+/// Bytes of a mipmapped array: the sum of its levels, each halving every non-zero extent.
+/// Layered arrays (flag bit 0) and cubemaps (bit 2) keep their depth at every level.
+pub fn mipmap_bytes(
+    width: u64,
+    height: u64,
+    depth: u64,
+    format: u32,
+    channels: u32,
+    flags: u32,
+    levels: u32,
+) -> u64 {
+    const LAYERED: u32 = 0x01;
+    const CUBEMAP: u32 = 0x04;
+    let keep_depth = flags & (LAYERED | CUBEMAP) != 0;
+    let (mut w, mut h, mut d) = (width.max(1), height, depth);
+    let mut total = 0u64;
+    for _ in 0..levels.clamp(1, 64) {
+        total = total.saturating_add(array_bytes(w, h, d, format, channels));
+        w = (w / 2).max(1);
+        if h > 0 {
+            h = (h / 2).max(1);
+        }
+        if d > 0 && !keep_depth {
+            d = (d / 2).max(1);
+        }
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pitch_estimate_rounds_rows_up() {
+        assert_eq!(pitch_estimate(1, 1), 512);
+        assert_eq!(pitch_estimate(512, 10), 5120);
+        assert_eq!(pitch_estimate(513, 2), 2048);
+        assert_eq!(pitch_estimate(0, 100), 0);
+        assert_eq!(pitch_estimate(u64::MAX, 2), u64::MAX, "saturates, never wraps");
+    }
+
+    #[test]
+    fn array_sizes() {
+        // 1024x1024 float4 = 16 MiB.
+        assert_eq!(array_bytes(1024, 1024, 0, 0x20, 4), 16 << 20);
+        // 1D array: height 0 counts as 1.
+        assert_eq!(array_bytes(100, 0, 0, 0x01, 1), 100);
+        // 3D 64^3 half2.
+        assert_eq!(array_bytes(64, 64, 64, 0x10, 2), 64 * 64 * 64 * 4);
+        // Unknown format: 16 bytes per element.
+        assert_eq!(array_bytes(10, 1, 1, 0x77, 1), 160);
+        assert_eq!(array_bytes(u64::MAX, 2, 2, 0x20, 4), u64::MAX);
+    }
+
+    #[test]
+    fn mipmap_sizes() {
+        // 4x4 RGBA8: 64 + 16 + 4 = 84 bytes over three levels.
+        assert_eq!(mipmap_bytes(4, 4, 0, 0x01, 4, 0, 3), 64 + 16 + 4);
+        // Extra levels past 1x1 stay at 1x1.
+        assert_eq!(mipmap_bytes(2, 2, 0, 0x01, 1, 0, 4), 4 + 1 + 1 + 1);
+        // Layered: depth (layers) kept at every level.
+        assert_eq!(mipmap_bytes(4, 4, 3, 0x01, 1, 0x01, 2), 48 + 12);
+        // 3D: depth halves too.
+        assert_eq!(mipmap_bytes(4, 4, 4, 0x01, 1, 0, 2), 64 + 8);
+        // Zero levels counts one.
+        assert_eq!(mipmap_bytes(4, 4, 0, 0x01, 1, 0, 0), 16);
+    }
+}

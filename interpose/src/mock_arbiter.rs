@@ -1,0 +1,174 @@
+//! A small arbiter stand-in for unit tests of the session logic: real Unix socket, real
+//! frames, one ledger per connection released when the connection closes. It can be killed
+//! (every connection shut down, socket removed) to test outages. The real arbiter is tested
+//! against the interposer by the integration tests.
+
+use std::collections::HashMap;
+use std::io::ErrorKind;
+use std::net::Shutdown;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tessera_protocol::frame::{read_frame, write_frame};
+use tessera_protocol::{AllocationView, Hello, Role, ServerHello, TenantReply, TenantRequest};
+
+/// Shared ledger of the mock.
+#[derive(Debug, Default)]
+pub struct Books {
+    /// Bytes per open connection.
+    pub per_conn: HashMap<u64, u64>,
+    /// Requests seen, in order.
+    pub log: Vec<TenantRequest>,
+}
+
+/// A running mock arbiter.
+#[derive(Debug)]
+pub struct MockArbiter {
+    path: PathBuf,
+    stop: Arc<AtomicBool>,
+    books: Arc<Mutex<Books>>,
+    streams: Arc<Mutex<Vec<UnixStream>>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// The token the mock accepts.
+pub const TOKEN: &str = "good-token";
+
+impl MockArbiter {
+    /// Listens on `path` with an allocation limit of `limit` bytes.
+    pub fn start(path: &Path, limit: u64) -> Self {
+        let _ = std::fs::remove_file(path);
+        let listener = UnixListener::bind(path).expect("bind mock socket");
+        listener.set_nonblocking(true).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let books = Arc::new(Mutex::new(Books::default()));
+        let streams = Arc::new(Mutex::new(Vec::new()));
+        let (s, b, st) = (stop.clone(), books.clone(), streams.clone());
+        let thread = std::thread::spawn(move || {
+            let mut next_id = 0u64;
+            while !s.load(Ordering::Acquire) {
+                match listener.accept() {
+                    Ok((stream, _)) => {
+                        stream.set_nonblocking(false).unwrap();
+                        st.lock().unwrap().push(stream.try_clone().unwrap());
+                        next_id += 1;
+                        let (b, id) = (b.clone(), next_id);
+                        std::thread::spawn(move || serve(stream, id, limit, b));
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                        std::thread::sleep(Duration::from_millis(2))
+                    }
+                    Err(_) => return,
+                }
+            }
+        });
+        Self { path: path.to_owned(), stop, books, streams, thread: Some(thread) }
+    }
+
+    /// Bytes in use across all connections.
+    pub fn in_use(&self) -> u64 {
+        self.books.lock().unwrap().per_conn.values().sum()
+    }
+
+    /// Open connections.
+    pub fn connections(&self) -> usize {
+        self.books.lock().unwrap().per_conn.len()
+    }
+
+    /// Requests seen so far.
+    pub fn log(&self) -> Vec<TenantRequest> {
+        self.books.lock().unwrap().log.clone()
+    }
+
+    /// Waits until `f` holds (or panics after 5 s).
+    pub fn wait_for(&self, what: &str, f: impl Fn(&Self) -> bool) {
+        let end = Instant::now() + Duration::from_secs(5);
+        while !f(self) {
+            assert!(Instant::now() < end, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Simulates a crash: stops accepting, shuts every connection, removes the socket.
+    pub fn kill(mut self) {
+        self.stop_now();
+    }
+
+    fn stop_now(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        for s in self.streams.lock().unwrap().drain(..) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl Drop for MockArbiter {
+    fn drop(&mut self) {
+        self.stop_now();
+    }
+}
+
+fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) {
+    let Ok(hello) = read_frame::<_, Hello>(&mut stream) else { return };
+    let ok = matches!(&hello.role, Role::Tenant { token } if token == TOKEN);
+    if !ok {
+        let _ = write_frame(&mut stream, &ServerHello::Refused { reason: "unknown token".into() });
+        return;
+    }
+    let view = AllocationView {
+        id: "alloc-1".into(),
+        gpu_index: 0,
+        gpu_uuid: "GPU-00000000-0000-0000-0000-000000000000".into(),
+        memory_limit: limit,
+        share: 50,
+        cap: None,
+    };
+    books.lock().unwrap().per_conn.insert(id, 0);
+    if write_frame(&mut stream, &ServerHello::Welcome { version: 1, allocation: Some(view) }).is_err() {
+        books.lock().unwrap().per_conn.remove(&id);
+        return;
+    }
+    while let Ok(req) = read_frame::<_, TenantRequest>(&mut stream) {
+        let reply = {
+            let mut b = books.lock().unwrap();
+            b.log.push(req.clone());
+            let total: u64 = b.per_conn.values().sum();
+            let mine = b.per_conn.get_mut(&id).expect("own entry");
+            match req {
+                TenantRequest::Reserve { bytes } => {
+                    if total + bytes <= limit {
+                        *mine += bytes;
+                        Some(TenantReply::Reserved { in_use: total + bytes })
+                    } else {
+                        Some(TenantReply::Denied { limit, in_use: total })
+                    }
+                }
+                TenantRequest::Release { bytes } => {
+                    *mine = mine.saturating_sub(bytes);
+                    None
+                }
+                TenantRequest::Redeclare { bytes } => {
+                    *mine = bytes;
+                    Some(TenantReply::Reserved { in_use: total + bytes })
+                }
+                TenantRequest::MemInfo => Some(TenantReply::MemInfo { limit, in_use: total }),
+                TenantRequest::Ping => Some(TenantReply::Pong),
+                other => Some(TenantReply::Error { message: format!("mock does not serve {other:?}") }),
+            }
+        };
+        if let Some(r) = reply
+            && write_frame(&mut stream, &r).is_err()
+        {
+            break;
+        }
+    }
+    books.lock().unwrap().per_conn.remove(&id);
+}

@@ -1,0 +1,628 @@
+//! The process's session with the arbiter: lazy connection, reservations, one-way releases,
+//! reconnection with `Redeclare`, and the policy while the arbiter is down.
+//!
+//! Behaviour while the arbiter is unreachable (documented in docs/interposer.md):
+//! - an allocation waits up to [`Policy::outage_wait`] (5 s) for the arbiter to come back,
+//!   retrying with backoff, then fails with `CUDA_ERROR_OUT_OF_MEMORY`;
+//! - a free never waits: it is applied locally, and the `Redeclare` sent on reconnection
+//!   carries the bytes this process still holds, so the new arbiter's ledger is exact;
+//! - a background watcher notices the arbiter closing the socket (restart, crash) and
+//!   reconnects on its own, so an idle process's memory is re-declared too;
+//! - memory queries answer from the last known limit and use without waiting; with no limit
+//!   known yet they wait like an allocation, then fail.
+//! - an arbiter that refuses the token fails allocations at once (no waiting) and is retried
+//!   after a pause.
+//!
+//! Locking: `held` changes only under the link lock, which also serialises frames on the
+//! socket. Frees never take the lock for long: they add to `pending_release`, and whoever holds
+//! (or next takes) the lock flushes it as one `Release` frame.
+
+use std::os::fd::RawFd;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, TryLockError};
+use std::time::{Duration, Instant};
+
+use tessera_protocol::{TenantReply, TenantRequest};
+
+use crate::conn::{Conn, ConnError};
+use crate::tlog;
+
+/// Timing of the session.
+#[derive(Debug, Clone, Copy)]
+pub struct Policy {
+    /// How long an allocation waits for an unreachable arbiter before failing.
+    pub outage_wait: Duration,
+    /// Bound on one request/reply exchange; past it the connection is dropped.
+    pub rpc_timeout: Duration,
+    /// First pause between connection attempts.
+    pub backoff_min: Duration,
+    /// Longest pause between connection attempts.
+    pub backoff_max: Duration,
+    /// Pause before retrying after the arbiter refused the token.
+    pub refused_pause: Duration,
+    /// Start a watcher thread that reconnects after the arbiter closes the socket.
+    pub watch: bool,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            outage_wait: Duration::from_secs(5),
+            rpc_timeout: Duration::from_secs(3),
+            backoff_min: Duration::from_millis(5),
+            backoff_max: Duration::from_millis(200),
+            refused_pause: Duration::from_secs(1),
+            watch: true,
+        }
+    }
+}
+
+/// Why a reservation was not granted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SessionError {
+    /// The arbiter refused: the allocation's limit would be passed.
+    #[error("limit reached: {in_use} of {limit} bytes in use")]
+    Denied {
+        /// The allocation's limit.
+        limit: u64,
+        /// Bytes in use across the allocation.
+        in_use: u64,
+    },
+    /// No arbiter answered in time, or it refused this process.
+    #[error("arbiter unavailable")]
+    Unavailable,
+}
+
+struct Link {
+    conn: Option<Conn>,
+    /// Bytes this process holds as the arbiter should see them.
+    held: u64,
+    next_attempt: Instant,
+    backoff: Duration,
+    refused: bool,
+    ever_connected: bool,
+    /// Incremented on every new connection, so the watcher can tell them apart.
+    generation: u64,
+    warned_down: bool,
+    watcher_started: bool,
+}
+
+/// The process's arbiter session. One per process; a forked child gets a fresh one.
+pub struct Session {
+    socket: Option<PathBuf>,
+    token: String,
+    policy: Policy,
+    link: Mutex<Link>,
+    pending_release: AtomicU64,
+    conn_fd: AtomicI32,
+    limit: AtomicU64,
+    limit_known: AtomicBool,
+    last_in_use: AtomicU64,
+    held_view: AtomicU64,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session").field("socket", &self.socket).finish_non_exhaustive()
+    }
+}
+
+/// What one locked step of a request decided.
+enum Step<R> {
+    Done(R),
+    Fail(SessionError),
+    Wait(Instant),
+}
+
+impl Session {
+    /// A session that will connect to `socket` with `token` on first use.
+    pub fn new(socket: Option<PathBuf>, token: String, policy: Policy) -> Self {
+        Self {
+            socket,
+            token,
+            policy,
+            link: Mutex::new(Link {
+                conn: None,
+                held: 0,
+                next_attempt: Instant::now(),
+                backoff: policy.backoff_min,
+                refused: false,
+                ever_connected: false,
+                generation: 0,
+                warned_down: false,
+                watcher_started: false,
+            }),
+            pending_release: AtomicU64::new(0),
+            conn_fd: AtomicI32::new(-1),
+            limit: AtomicU64::new(0),
+            limit_known: AtomicBool::new(false),
+            last_in_use: AtomicU64::new(0),
+            held_view: AtomicU64::new(0),
+        }
+    }
+
+    /// Bytes this process holds (reserved and not yet released).
+    pub fn held(&self) -> u64 {
+        self.held_view.load(Ordering::Acquire)
+            .saturating_sub(self.pending_release.load(Ordering::Acquire))
+    }
+
+    /// The allocation's limit, if a `Welcome` was ever received.
+    pub fn known_limit(&self) -> Option<u64> {
+        self.limit_known.load(Ordering::Acquire).then(|| self.limit.load(Ordering::Acquire))
+    }
+
+    /// True while a connection is open.
+    pub fn connected(&self) -> bool {
+        self.conn_fd.load(Ordering::Acquire) >= 0
+    }
+
+    /// Reserves `bytes` at the arbiter (one round trip). Waits for an unreachable arbiter up
+    /// to the outage bound.
+    pub fn reserve(&'static self, bytes: u64) -> Result<u64, SessionError> {
+        self.request(true, |s, link| {
+            let conn = link.conn.as_mut().expect("connected");
+            match conn.call(&TenantRequest::Reserve { bytes }) {
+                Ok(TenantReply::Reserved { in_use }) => {
+                    link.held = link.held.saturating_add(bytes);
+                    s.held_view.store(link.held, Ordering::Release);
+                    s.last_in_use.store(in_use, Ordering::Release);
+                    Some(Ok(in_use))
+                }
+                Ok(TenantReply::Denied { limit, in_use }) => {
+                    s.last_in_use.store(in_use, Ordering::Release);
+                    Some(Err(SessionError::Denied { limit, in_use }))
+                }
+                Ok(TenantReply::Error { message }) => {
+                    tlog!(Warn, "arbiter could not reserve {bytes} bytes: {message}");
+                    Some(Err(SessionError::Unavailable))
+                }
+                Ok(other) => {
+                    tlog!(Warn, "unexpected reply to Reserve: {other:?}");
+                    None
+                }
+                Err(e) => {
+                    tlog!(Info, "arbiter connection lost during Reserve: {e}");
+                    None
+                }
+            }
+        })?
+    }
+
+    /// Returns `bytes` to the arbiter: one-way, never waits, never fails. While disconnected it
+    /// is applied locally and the reconnection's `Redeclare` reflects it.
+    pub fn release(&'static self, bytes: u64) {
+        if bytes == 0 {
+            return;
+        }
+        self.pending_release.fetch_add(bytes, Ordering::SeqCst);
+        self.try_flush();
+    }
+
+    /// The allocation's `(limit, in_use)`. Asks the arbiter when connected; otherwise answers
+    /// from the last known values without waiting; waits only while no limit is known yet.
+    pub fn mem_info(&'static self) -> Option<(u64, u64)> {
+        let asked = self.request(false, |s, link| {
+            let conn = link.conn.as_mut().expect("connected");
+            match conn.call(&TenantRequest::MemInfo) {
+                Ok(TenantReply::MemInfo { limit, in_use }) => {
+                    s.limit.store(limit, Ordering::Release);
+                    s.limit_known.store(true, Ordering::Release);
+                    s.last_in_use.store(in_use, Ordering::Release);
+                    Some((limit, in_use))
+                }
+                Ok(other) => {
+                    tlog!(Warn, "unexpected reply to MemInfo: {other:?}");
+                    None
+                }
+                Err(e) => {
+                    tlog!(Info, "arbiter connection lost during MemInfo: {e}");
+                    None
+                }
+            }
+        });
+        if let Ok(v) = asked {
+            return Some(v);
+        }
+        if let Some(limit) = self.known_limit() {
+            let in_use = self.last_in_use.load(Ordering::Acquire).max(self.held());
+            return Some((limit, in_use));
+        }
+        // Nothing known yet: wait like an allocation would.
+        self.limit().map(|l| (l, self.last_in_use.load(Ordering::Acquire).max(self.held())))
+    }
+
+    /// The allocation's limit; connects (waiting up to the outage bound) if none is known.
+    pub fn limit(&'static self) -> Option<u64> {
+        if let Some(l) = self.known_limit() {
+            return Some(l);
+        }
+        self.request(true, |_, _| Some(())).ok()?;
+        self.known_limit()
+    }
+
+    /// Runs `op` on a connected link, reconnecting as needed. `op` returns `None` when the
+    /// connection broke (it is dropped and the request retried). With `wait`, an unreachable
+    /// arbiter is waited for up to the outage bound; without, one attempt is made.
+    fn request<R>(
+        &'static self,
+        wait: bool,
+        mut op: impl FnMut(&'static Self, &mut Link) -> Option<R>,
+    ) -> Result<R, SessionError> {
+        let deadline = Instant::now() + self.policy.outage_wait;
+        loop {
+            let step = self.with_link(|link| {
+                let now = Instant::now();
+                if !self.ensure_connected(link, now) {
+                    if link.refused {
+                        return Step::Fail(SessionError::Unavailable);
+                    }
+                    return Step::Wait(link.next_attempt);
+                }
+                match op(self, link) {
+                    Some(r) => Step::Done(r),
+                    None => {
+                        self.drop_conn(link);
+                        Step::Wait(link.next_attempt)
+                    }
+                }
+            });
+            match step {
+                Step::Done(r) => return Ok(r),
+                Step::Fail(e) => return Err(e),
+                Step::Wait(at) => {
+                    let now = Instant::now();
+                    if !wait || now >= deadline {
+                        return Err(SessionError::Unavailable);
+                    }
+                    let until = at.min(deadline);
+                    std::thread::sleep(until.saturating_duration_since(now).max(Duration::from_millis(1)));
+                }
+            }
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Link> {
+        // A panic inside the lock leaves consistent data (every update is a single store).
+        self.link.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs `f` under the link lock, flushing pending releases before and after.
+    fn with_link<R>(&'static self, f: impl FnOnce(&mut Link) -> R) -> R {
+        let mut link = self.lock();
+        self.flush_locked(&mut link);
+        let r = f(&mut link);
+        self.flush_locked(&mut link);
+        drop(link);
+        self.try_flush();
+        r
+    }
+
+    /// Flushes pending releases if the lock is free; otherwise its holder will.
+    fn try_flush(&'static self) {
+        while self.pending_release.load(Ordering::SeqCst) != 0 {
+            let mut link = match self.link.try_lock() {
+                Ok(l) => l,
+                Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(TryLockError::WouldBlock) => return,
+            };
+            self.flush_locked(&mut link);
+        }
+    }
+
+    fn flush_locked(&'static self, link: &mut Link) {
+        let bytes = self.pending_release.swap(0, Ordering::SeqCst);
+        if bytes == 0 {
+            return;
+        }
+        link.held = link.held.saturating_sub(bytes);
+        self.held_view.store(link.held, Ordering::Release);
+        if let Some(conn) = link.conn.as_mut()
+            && let Err(e) = conn.send_nowait(&TenantRequest::Release { bytes })
+        {
+            tlog!(Info, "arbiter connection lost during Release: {e}");
+            self.drop_conn(link);
+        }
+    }
+
+    fn drop_conn(&self, link: &mut Link) {
+        // Closing is all the arbiter needs to release this connection's ledger.
+        link.conn = None;
+        self.conn_fd.store(-1, Ordering::Release);
+        let now = Instant::now();
+        link.next_attempt = now + link.backoff.min(self.policy.backoff_min);
+    }
+
+    /// Connects if needed (respecting the backoff); on a new connection re-declares `held`.
+    fn ensure_connected(&'static self, link: &mut Link, now: Instant) -> bool {
+        if link.conn.is_some() {
+            return true;
+        }
+        if now < link.next_attempt {
+            return false;
+        }
+        let Some(path) = self.socket.as_deref() else {
+            if !link.refused {
+                tlog!(Error, "TESSERA_TOKEN is set but TESSERA_SOCKET is not: every allocation is refused");
+            }
+            link.refused = true;
+            link.next_attempt = now + self.policy.refused_pause;
+            return false;
+        };
+        let attempt = Conn::connect(path, &self.token, Some(self.policy.rpc_timeout)).and_then(
+            |(mut conn, view)| {
+                if link.held > 0 {
+                    match conn.call(&TenantRequest::Redeclare { bytes: link.held })? {
+                        TenantReply::Reserved { in_use } => {
+                            self.last_in_use.store(in_use, Ordering::Release)
+                        }
+                        other => return Err(ConnError::Frame(format!("Redeclare answered {other:?}"))),
+                    }
+                }
+                Ok((conn, view))
+            },
+        );
+        match attempt {
+            Ok((conn, view)) => {
+                self.limit.store(view.memory_limit, Ordering::Release);
+                self.limit_known.store(true, Ordering::Release);
+                self.conn_fd.store(conn.fd(), Ordering::Release);
+                if link.ever_connected {
+                    tlog!(Info, "reconnected to the arbiter; re-declared {} bytes", link.held);
+                } else {
+                    tlog!(Debug, "connected to the arbiter: allocation {} limit {}", view.id, view.memory_limit);
+                }
+                link.conn = Some(conn);
+                link.generation += 1;
+                link.backoff = self.policy.backoff_min;
+                link.refused = false;
+                link.warned_down = false;
+                link.ever_connected = true;
+                if self.policy.watch && !link.watcher_started {
+                    link.watcher_started = self.start_watcher();
+                }
+                true
+            }
+            Err(ConnError::Refused(reason)) => {
+                tlog!(Error, "arbiter refused this process: {reason}");
+                link.refused = true;
+                link.next_attempt = now + self.policy.refused_pause;
+                false
+            }
+            Err(e) => {
+                if !link.warned_down {
+                    tlog!(Warn, "arbiter unreachable ({e}); retrying");
+                    link.warned_down = true;
+                }
+                link.refused = false;
+                link.next_attempt = now + link.backoff;
+                link.backoff = (link.backoff * 2).min(self.policy.backoff_max);
+                false
+            }
+        }
+    }
+
+    /// One round of the watcher thread: waits up to `tick` for the arbiter to close the
+    /// socket, then reconnects (and re-declares) if this process was ever connected.
+    pub fn watch_once(&'static self, tick: Duration) {
+        let (fd, generation) = {
+            let link = self.lock();
+            (self.conn_fd.load(Ordering::Acquire), link.generation)
+        };
+        if fd >= 0 {
+            if !wait_for_hangup(fd, tick) {
+                return;
+            }
+            self.with_link(|link| {
+                if link.generation == generation && link.conn.is_some() {
+                    tlog!(Info, "arbiter closed the connection");
+                    self.drop_conn(link);
+                }
+            });
+        }
+        let reconnected = self.with_link(|link| {
+            if !link.ever_connected || link.conn.is_some() {
+                return true;
+            }
+            self.ensure_connected(link, Instant::now())
+        });
+        if !reconnected {
+            std::thread::sleep(tick.min(self.policy.backoff_max));
+        }
+    }
+
+    /// Starts the thread that notices the arbiter closing the socket and reconnects, so an
+    /// idle process's memory is re-declared after an arbiter restart.
+    fn start_watcher(&'static self) -> bool {
+        let spawned = std::thread::Builder::new()
+            .name("tessera-watch".into())
+            .stack_size(64 * 1024)
+            .spawn(move || {
+                loop {
+                    self.watch_once(Duration::from_millis(250));
+                }
+            });
+        if spawned.is_err() {
+            tlog!(Warn, "cannot start the watcher thread; reconnection waits for the next call");
+        }
+        spawned.is_ok()
+    }
+
+    /// In a forked child: close the inherited socket without sending anything on it, so the
+    /// parent's connection (and ledger) is left untouched.
+    pub fn abandon_in_child(&self) {
+        let fd = self.conn_fd.swap(-1, Ordering::AcqRel);
+        if fd >= 0 {
+            // SAFETY: `fd` is this session's socket, inherited through fork; the parent keeps
+            // its own copy. The `Conn` owning the number is leaked, never used again.
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
+/// Waits up to `tick` for the peer to close `fd`; true when it did.
+fn wait_for_hangup(fd: RawFd, tick: Duration) -> bool {
+    let mut pfd = libc::pollfd { fd, events: libc::POLLRDHUP, revents: 0 };
+    let ms = tick.as_millis().min(i32::MAX as u128) as i32;
+    // SAFETY: `pfd` is a valid pollfd array of length 1. A stale fd number at worst reports
+    // another file's state; the caller re-checks the connection generation under the lock.
+    let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+    n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mock_arbiter::{MockArbiter, TOKEN};
+
+    fn policy(outage_ms: u64, watch: bool) -> Policy {
+        Policy {
+            outage_wait: Duration::from_millis(outage_ms),
+            rpc_timeout: Duration::from_secs(2),
+            backoff_min: Duration::from_millis(2),
+            backoff_max: Duration::from_millis(20),
+            refused_pause: Duration::from_millis(200),
+            watch,
+        }
+    }
+
+    fn session(path: &std::path::Path, token: &str, p: Policy) -> &'static Session {
+        Box::leak(Box::new(Session::new(Some(path.to_owned()), token.to_owned(), p)))
+    }
+
+    #[test]
+    fn reserve_deny_release() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("t.sock");
+        let arb = MockArbiter::start(&sock, 1000);
+        let s = session(&sock, TOKEN, policy(500, false));
+        assert!(!s.connected(), "lazy: nothing before the first call");
+        assert_eq!(arb.connections(), 0);
+        assert_eq!(s.reserve(600), Ok(600));
+        assert_eq!(s.known_limit(), Some(1000));
+        assert_eq!(s.reserve(600), Err(SessionError::Denied { limit: 1000, in_use: 600 }));
+        assert_eq!(s.held(), 600);
+        s.release(600);
+        assert_eq!(s.held(), 0);
+        arb.wait_for("release", |a| a.in_use() == 0);
+        assert_eq!(s.reserve(600), Ok(600));
+        assert_eq!(s.mem_info(), Some((1000, 600)));
+        // One connection for all of it, and frees were one-way frames.
+        assert_eq!(arb.connections(), 1);
+        let log = arb.log();
+        assert!(log.contains(&TenantRequest::Release { bytes: 600 }));
+        assert_eq!(log.iter().filter(|r| matches!(r, TenantRequest::Reserve { .. })).count(), 3);
+    }
+
+    #[test]
+    fn outage_waits_then_redeclares() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("t.sock");
+        let arb = MockArbiter::start(&sock, 1000);
+        let s = session(&sock, TOKEN, policy(3000, false));
+        s.reserve(300).unwrap();
+        s.reserve(200).unwrap();
+        arb.kill();
+        // A free while the arbiter is down never waits.
+        let t = Instant::now();
+        s.release(200);
+        assert!(t.elapsed() < Duration::from_millis(100), "free waited {:?}", t.elapsed());
+        assert_eq!(s.held(), 300);
+        // The arbiter comes back after 300 ms; the allocation waits for it.
+        let sock2 = sock.clone();
+        let back = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            MockArbiter::start(&sock2, 1000)
+        });
+        let t = Instant::now();
+        assert_eq!(s.reserve(100), Ok(400));
+        let waited = t.elapsed();
+        assert!(waited >= Duration::from_millis(250), "did not wait: {waited:?}");
+        let arb2 = back.join().unwrap();
+        // The new arbiter's ledger is exact: 300 re-declared + 100 new.
+        assert_eq!(arb2.in_use(), 400);
+        assert_eq!(arb2.log()[0], TenantRequest::Redeclare { bytes: 300 });
+    }
+
+    #[test]
+    fn outage_past_the_bound_fails() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("none.sock");
+        let s = session(&sock, TOKEN, policy(300, false));
+        let t = Instant::now();
+        assert_eq!(s.reserve(1), Err(SessionError::Unavailable));
+        let waited = t.elapsed();
+        assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(2), "{waited:?}");
+        assert_eq!(s.mem_info(), None);
+        assert_eq!(s.held(), 0);
+    }
+
+    #[test]
+    fn refused_token_fails_fast() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("t.sock");
+        let _arb = MockArbiter::start(&sock, 1000);
+        let s = session(&sock, "wrong", policy(3000, false));
+        let t = Instant::now();
+        assert_eq!(s.reserve(1), Err(SessionError::Unavailable));
+        assert_eq!(s.reserve(1), Err(SessionError::Unavailable));
+        assert!(t.elapsed() < Duration::from_millis(500), "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn token_without_socket_refuses_everything() {
+        let s: &'static Session = Box::leak(Box::new(Session::new(None, TOKEN.into(), policy(3000, false))));
+        let t = Instant::now();
+        assert_eq!(s.reserve(1), Err(SessionError::Unavailable));
+        assert!(t.elapsed() < Duration::from_millis(500));
+        assert_eq!(s.limit(), None);
+    }
+
+    #[test]
+    fn watcher_redeclares_for_an_idle_process() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("t.sock");
+        let arb = MockArbiter::start(&sock, 1000);
+        let s = session(&sock, TOKEN, policy(3000, true));
+        s.reserve(700).unwrap();
+        arb.kill();
+        let arb2 = MockArbiter::start(&sock, 1000);
+        // No call from the process: the watcher reconnects and re-declares on its own.
+        arb2.wait_for("redeclare", |a| a.in_use() == 700);
+        assert_eq!(arb2.connections(), 1);
+        assert!(s.connected());
+        // Known use survives; a new reservation is counted on top.
+        assert_eq!(s.reserve(300), Ok(1000));
+        assert_eq!(s.reserve(1), Err(SessionError::Denied { limit: 1000, in_use: 1000 }));
+    }
+
+    #[test]
+    fn concurrent_frees_and_reserves_stay_exact() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("t.sock");
+        let arb = MockArbiter::start(&sock, 1 << 40);
+        let s = session(&sock, TOKEN, policy(3000, false));
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                std::thread::spawn(move || {
+                    for _ in 0..500 {
+                        s.reserve(10).unwrap();
+                        s.release(10);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(s.held(), 0);
+        arb.wait_for("all releases", |a| a.in_use() == 0);
+        let released: u64 = arb
+            .log()
+            .iter()
+            .map(|r| if let TenantRequest::Release { bytes } = r { *bytes } else { 0 })
+            .sum();
+        assert_eq!(released, 8 * 500 * 10);
+    }
+}

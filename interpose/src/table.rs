@@ -1,0 +1,248 @@
+//! The table of hooked entry points: one row per exact variant (`cuMemAllocAsync` and
+//! `cuMemAllocAsync_ptsz` are two rows), with the base name and CUDA version range under which
+//! `cuGetProcAddress` hands it out, our wrapper, and the slot holding the real function.
+//!
+//! Version thresholds mirror `cuda.h` / `cudaTypedefs.h` (CUDA 13): e.g. `cuMemAlloc` at
+//! version >= 3020 is `cuMemAlloc_v2`; `cuGetProcAddress` at >= 12000 is `cuGetProcAddress_v2`.
+
+use std::ffi::{CStr, c_void};
+use std::sync::atomic::{AtomicPtr, Ordering};
+
+use crate::ffi::CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
+use crate::hooks as h;
+
+/// Which library a hooked symbol belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lib {
+    /// `libcuda.so.1`.
+    Cuda,
+    /// `libnvidia-ml.so.1`.
+    Nvml,
+}
+
+/// Address of one of our wrappers (a plain code address, shareable between threads).
+#[derive(Debug, Clone, Copy)]
+pub struct Wrapper(pub *const c_void);
+
+// SAFETY: a code address is immutable and valid for the life of the process.
+unsafe impl Sync for Wrapper {}
+// SAFETY: as above.
+unsafe impl Send for Wrapper {}
+
+/// One hooked variant.
+#[derive(Debug)]
+pub struct Hook {
+    /// Exact exported name, e.g. `cuMemAllocAsync_ptsz`.
+    pub name: &'static CStr,
+    /// Name callers pass to `cuGetProcAddress`, e.g. `cuMemAllocAsync`.
+    pub base: &'static str,
+    /// First CUDA version (`cudaVersion` argument) that resolves `base` to this variant.
+    pub since: i32,
+    /// First version that resolves `base` to a newer variant (`i32::MAX`: none).
+    pub until: i32,
+    /// True for the per-thread default stream variant (`_ptsz`), chosen by flag 2.
+    pub per_thread: bool,
+    /// Owning library.
+    pub lib: Lib,
+    /// Our replacement.
+    pub wrapper: Wrapper,
+    /// The real function, once known.
+    pub real: AtomicPtr<c_void>,
+}
+
+impl Hook {
+    /// The real function pointer, or null.
+    #[inline]
+    pub fn real_ptr(&self) -> *mut c_void {
+        self.real.load(Ordering::Acquire)
+    }
+
+    /// Records `p` as the real function unless one is already known. Our own wrapper is never
+    /// recorded (it would make the hook call itself).
+    pub fn adopt(&self, p: *mut c_void) {
+        if p.is_null() || is_wrapper(p) {
+            return;
+        }
+        let _ = self.real.compare_exchange(
+            std::ptr::null_mut(),
+            p,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+}
+
+const MAX: i32 = i32::MAX;
+
+macro_rules! hook_table {
+    ($( $id:ident: $lib:ident $name:literal, $base:literal, $since:expr, $until:expr, $pt:expr, $wrapper:path; )*) => {
+        /// Index of each hooked variant in [`HOOKS`].
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        #[repr(usize)]
+        #[allow(non_camel_case_types)]
+        pub enum HookId { $($id),* }
+
+        /// Every hooked variant.
+        pub static HOOKS: [Hook; [$(stringify!($id)),*].len()] = [$(
+            Hook {
+                name: $name,
+                base: $base,
+                since: $since,
+                until: $until,
+                per_thread: $pt,
+                lib: Lib::$lib,
+                wrapper: Wrapper($wrapper as *const c_void),
+                real: AtomicPtr::new(std::ptr::null_mut()),
+            }
+        ),*];
+    };
+}
+
+hook_table! {
+    GetProcAddress: Cuda c"cuGetProcAddress", "cuGetProcAddress", 11030, 12000, false, h::cuGetProcAddress;
+    GetProcAddress_v2: Cuda c"cuGetProcAddress_v2", "cuGetProcAddress", 12000, MAX, false, h::cuGetProcAddress_v2;
+    MemAlloc_v2: Cuda c"cuMemAlloc_v2", "cuMemAlloc", 3020, MAX, false, h::cuMemAlloc_v2;
+    MemAllocPitch_v2: Cuda c"cuMemAllocPitch_v2", "cuMemAllocPitch", 3020, MAX, false, h::cuMemAllocPitch_v2;
+    MemAllocManaged: Cuda c"cuMemAllocManaged", "cuMemAllocManaged", 6000, MAX, false, h::cuMemAllocManaged;
+    MemAllocAsync: Cuda c"cuMemAllocAsync", "cuMemAllocAsync", 11020, MAX, false, h::cuMemAllocAsync;
+    MemAllocAsync_ptsz: Cuda c"cuMemAllocAsync_ptsz", "cuMemAllocAsync", 11020, MAX, true, h::cuMemAllocAsync_ptsz;
+    MemAllocFromPoolAsync: Cuda c"cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync", 11020, MAX, false, h::cuMemAllocFromPoolAsync;
+    MemAllocFromPoolAsync_ptsz: Cuda c"cuMemAllocFromPoolAsync_ptsz", "cuMemAllocFromPoolAsync", 11020, MAX, true, h::cuMemAllocFromPoolAsync_ptsz;
+    MemCreate: Cuda c"cuMemCreate", "cuMemCreate", 10020, MAX, false, h::cuMemCreate;
+    MemRelease: Cuda c"cuMemRelease", "cuMemRelease", 10020, MAX, false, h::cuMemRelease;
+    ArrayCreate_v2: Cuda c"cuArrayCreate_v2", "cuArrayCreate", 3020, MAX, false, h::cuArrayCreate_v2;
+    Array3DCreate_v2: Cuda c"cuArray3DCreate_v2", "cuArray3DCreate", 3020, MAX, false, h::cuArray3DCreate_v2;
+    MipmappedArrayCreate: Cuda c"cuMipmappedArrayCreate", "cuMipmappedArrayCreate", 5000, MAX, false, h::cuMipmappedArrayCreate;
+    MemFree_v2: Cuda c"cuMemFree_v2", "cuMemFree", 3020, MAX, false, h::cuMemFree_v2;
+    MemFreeAsync: Cuda c"cuMemFreeAsync", "cuMemFreeAsync", 11020, MAX, false, h::cuMemFreeAsync;
+    MemFreeAsync_ptsz: Cuda c"cuMemFreeAsync_ptsz", "cuMemFreeAsync", 11020, MAX, true, h::cuMemFreeAsync_ptsz;
+    ArrayDestroy: Cuda c"cuArrayDestroy", "cuArrayDestroy", 2000, MAX, false, h::cuArrayDestroy;
+    MipmappedArrayDestroy: Cuda c"cuMipmappedArrayDestroy", "cuMipmappedArrayDestroy", 5000, MAX, false, h::cuMipmappedArrayDestroy;
+    MemGetInfo_v2: Cuda c"cuMemGetInfo_v2", "cuMemGetInfo", 3020, MAX, false, h::cuMemGetInfo_v2;
+    DeviceTotalMem_v2: Cuda c"cuDeviceTotalMem_v2", "cuDeviceTotalMem", 3020, MAX, false, h::cuDeviceTotalMem_v2;
+    LaunchKernel: Cuda c"cuLaunchKernel", "cuLaunchKernel", 4000, MAX, false, h::cuLaunchKernel;
+    LaunchKernel_ptsz: Cuda c"cuLaunchKernel_ptsz", "cuLaunchKernel", 4000, MAX, true, h::cuLaunchKernel_ptsz;
+    LaunchKernelEx: Cuda c"cuLaunchKernelEx", "cuLaunchKernelEx", 11060, MAX, false, h::cuLaunchKernelEx;
+    LaunchKernelEx_ptsz: Cuda c"cuLaunchKernelEx_ptsz", "cuLaunchKernelEx", 11060, MAX, true, h::cuLaunchKernelEx_ptsz;
+    LaunchCooperativeKernel: Cuda c"cuLaunchCooperativeKernel", "cuLaunchCooperativeKernel", 9000, MAX, false, h::cuLaunchCooperativeKernel;
+    LaunchCooperativeKernel_ptsz: Cuda c"cuLaunchCooperativeKernel_ptsz", "cuLaunchCooperativeKernel", 9000, MAX, true, h::cuLaunchCooperativeKernel_ptsz;
+    GraphLaunch: Cuda c"cuGraphLaunch", "cuGraphLaunch", 10000, MAX, false, h::cuGraphLaunch;
+    GraphLaunch_ptsz: Cuda c"cuGraphLaunch_ptsz", "cuGraphLaunch", 10000, MAX, true, h::cuGraphLaunch_ptsz;
+    NvmlMemoryInfo: Nvml c"nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo", 0, MAX, false, h::nvmlDeviceGetMemoryInfo;
+    NvmlMemoryInfo_v2: Nvml c"nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetMemoryInfo_v2", 0, MAX, false, h::nvmlDeviceGetMemoryInfo_v2;
+}
+
+impl HookId {
+    /// The row of this id.
+    #[inline]
+    pub fn hook(self) -> &'static Hook {
+        &HOOKS[self as usize]
+    }
+}
+
+/// The hook exported under exactly `name`, if any.
+pub fn by_name(name: &[u8]) -> Option<&'static Hook> {
+    // Cheap reject first: every hooked name starts with "cu" or "nvml".
+    if !(name.starts_with(b"cu") || name.starts_with(b"nvml")) {
+        return None;
+    }
+    HOOKS.iter().find(|h| h.name.to_bytes() == name)
+}
+
+/// The variant `cuGetProcAddress(base, .., version, flags)` resolves to, if it is hooked.
+pub fn by_base(base: &[u8], version: i32, flags: u64) -> Option<&'static Hook> {
+    let per_thread = flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0;
+    let mut legacy = None;
+    for h in HOOKS.iter().filter(|h| h.lib == Lib::Cuda && h.base.as_bytes() == base) {
+        if version < h.since || version >= h.until {
+            continue;
+        }
+        if h.per_thread == per_thread {
+            return Some(h);
+        }
+        if !h.per_thread {
+            legacy = Some(h);
+        }
+    }
+    // Functions without a `_ptsz` twin resolve to the plain variant under flag 2 too.
+    legacy
+}
+
+/// The hook whose real function is `p` (catches aliases and names we do not map by version).
+pub fn by_real(p: *mut c_void) -> Option<&'static Hook> {
+    if p.is_null() {
+        return None;
+    }
+    HOOKS.iter().find(|h| h.real_ptr() == p)
+}
+
+/// True when `p` is one of our wrappers.
+pub fn is_wrapper(p: *const c_void) -> bool {
+    HOOKS.iter().any(|h| h.wrapper.0 == p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_consistent() {
+        for (i, a) in HOOKS.iter().enumerate() {
+            for b in &HOOKS[i + 1..] {
+                assert_ne!(a.name, b.name);
+                assert_ne!(a.wrapper.0, b.wrapper.0, "{:?} and {:?} share a wrapper", a.name, b.name);
+            }
+            let name = a.name.to_str().unwrap();
+            assert!(name.starts_with(a.base), "{name} does not extend {}", a.base);
+            assert_eq!(a.per_thread, name.ends_with("_ptsz"), "{name}");
+            assert!(a.since < a.until);
+        }
+        assert_eq!(HookId::MemAlloc_v2.hook().name, c"cuMemAlloc_v2");
+        assert_eq!(HookId::NvmlMemoryInfo_v2.hook().name, c"nvmlDeviceGetMemoryInfo_v2");
+    }
+
+    #[test]
+    fn exact_names_resolve() {
+        assert_eq!(by_name(b"cuMemAlloc_v2").unwrap().name, c"cuMemAlloc_v2");
+        assert_eq!(by_name(b"cuLaunchKernel_ptsz").unwrap().name, c"cuLaunchKernel_ptsz");
+        assert_eq!(by_name(b"nvmlDeviceGetMemoryInfo").unwrap().name, c"nvmlDeviceGetMemoryInfo");
+        assert!(by_name(b"cuMemAlloc").is_none(), "the 32-bit v1 entry point is not this hook");
+        assert!(by_name(b"cuCtxCreate_v2").is_none());
+        assert!(by_name(b"malloc").is_none());
+        assert!(by_name(b"").is_none());
+    }
+
+    #[test]
+    fn versions_select_variants() {
+        let name = |b: &[u8], v, f| by_base(b, v, f).map(|h| h.name.to_str().unwrap());
+        assert_eq!(name(b"cuMemAlloc", 13000, 0), Some("cuMemAlloc_v2"));
+        assert_eq!(name(b"cuMemAlloc", 3020, 0), Some("cuMemAlloc_v2"));
+        assert_eq!(name(b"cuMemAlloc", 2000, 0), None, "v1 is not hooked");
+        // Flag 2 = per-thread default stream.
+        assert_eq!(name(b"cuMemAllocAsync", 12000, 2), Some("cuMemAllocAsync_ptsz"));
+        assert_eq!(name(b"cuMemAllocAsync", 12000, 1), Some("cuMemAllocAsync"));
+        assert_eq!(name(b"cuMemAllocAsync", 12000, 0), Some("cuMemAllocAsync"));
+        assert_eq!(name(b"cuLaunchKernel", 12000, 2), Some("cuLaunchKernel_ptsz"));
+        assert_eq!(name(b"cuGraphLaunch", 10000, 2), Some("cuGraphLaunch_ptsz"));
+        // No _ptsz twin: flag 2 still gets the plain variant.
+        assert_eq!(name(b"cuMemAlloc", 12000, 2), Some("cuMemAlloc_v2"));
+        assert_eq!(name(b"cuMemCreate", 10020, 2), Some("cuMemCreate"));
+        // cuGetProcAddress itself changed signature at 12000.
+        assert_eq!(name(b"cuGetProcAddress", 11080, 0), Some("cuGetProcAddress"));
+        assert_eq!(name(b"cuGetProcAddress", 12000, 0), Some("cuGetProcAddress_v2"));
+        assert_eq!(name(b"cuGetProcAddress", 13000, 2), Some("cuGetProcAddress_v2"));
+        assert_eq!(name(b"cuMemAllocAsync", 11000, 0), None, "before the API existed");
+        // NVML is never resolved through cuGetProcAddress.
+        assert_eq!(name(b"nvmlDeviceGetMemoryInfo", 13000, 0), None);
+    }
+
+    #[test]
+    fn wrappers_are_recognised_and_never_adopted() {
+        let h = HookId::MemFree_v2.hook();
+        assert!(is_wrapper(h.wrapper.0));
+        assert!(!is_wrapper(std::ptr::null()));
+        h.adopt(h.wrapper.0 as *mut c_void);
+        assert!(!std::ptr::eq(h.real_ptr(), h.wrapper.0));
+        assert!(by_real(std::ptr::null_mut()).is_none());
+    }
+}
