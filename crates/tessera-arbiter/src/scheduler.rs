@@ -28,7 +28,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{Notify, oneshot};
+use tokio::sync::Notify;
 
 use crate::ledger::{AccountKey, ConnId};
 
@@ -384,11 +384,43 @@ fn prune(history: &mut VecDeque<(u64, u64)>, now: u64, window: u64) {
     }
 }
 
-#[derive(Debug)]
+/// Where a grant goes: the waiting connection. Called with the scheduler locked, so it must
+/// not block (the tenant connection writes the reply with a non-blocking send).
+pub trait GrantSink: Send + Sync {
+    /// Delivers the grant; false when the connection cannot take it (it is then treated as
+    /// closed and its lease given to the next waiter).
+    fn grant(&self, grant: Grant) -> bool;
+}
+
 struct Inner {
     sched: GpuScheduler,
     /// Connections waiting for a grant.
-    pending: HashMap<ConnId, oneshot::Sender<Grant>>,
+    pending: HashMap<ConnId, Arc<dyn GrantSink>>,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inner")
+            .field("sched", &self.sched)
+            .field("pending", &self.pending.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl Inner {
+    /// Hands out grants; a connection that cannot take one is closed in the scheduler, which
+    /// may grant the next waiter.
+    fn deliver(&mut self, mut grants: Vec<Grant>, now: u64) {
+        while let Some(g) = grants.pop() {
+            let delivered = self
+                .pending
+                .remove(&g.conn)
+                .is_some_and(|sink| sink.grant(g));
+            if !delivered {
+                grants.extend(self.sched.connection_closed(g.conn, now));
+            }
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -425,14 +457,11 @@ impl SchedulerHandle {
         self.0.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn deliver(&self, inner: &mut Inner, grants: Vec<Grant>) {
-        for g in grants {
-            // A receiver that is gone belongs to a closing connection, whose close
-            // releases the lease.
-            if let Some(tx) = inner.pending.remove(&g.conn) {
-                let _ = tx.send(g);
-            }
-        }
+    fn apply(&self, now: u64, f: impl FnOnce(&mut GpuScheduler) -> Vec<Grant>) {
+        let mut inner = self.lock();
+        let grants = f(&mut inner.sched);
+        inner.deliver(grants, now);
+        drop(inner);
         self.0.changed.notify_one();
     }
 
@@ -443,25 +472,25 @@ impl SchedulerHandle {
 
     /// Forgets an allocation.
     pub fn remove_allocation(&self, key: AccountKey, now: u64) {
-        let mut inner = self.lock();
-        let grants = inner.sched.remove_allocation(key, now);
-        self.deliver(&mut inner, grants);
+        self.apply(now, |s| s.remove_allocation(key, now));
     }
 
-    /// Asks for a lease; the receiver resolves when it is granted.
+    /// Asks for a lease; `sink` receives it when granted (possibly before this returns).
     pub fn acquire(
         &self,
         key: AccountKey,
         conn: ConnId,
         now: u64,
-    ) -> Result<oneshot::Receiver<Grant>, SchedulerError> {
-        let (tx, rx) = oneshot::channel();
+        sink: Arc<dyn GrantSink>,
+    ) -> Result<(), SchedulerError> {
         let mut inner = self.lock();
-        inner.pending.insert(conn, tx);
+        inner.pending.insert(conn, sink);
         match inner.sched.acquire(key, conn, now) {
             Ok(grants) => {
-                self.deliver(&mut inner, grants);
-                Ok(rx)
+                inner.deliver(grants, now);
+                drop(inner);
+                self.0.changed.notify_one();
+                Ok(())
             }
             Err(e) => {
                 inner.pending.remove(&conn);
@@ -472,9 +501,7 @@ impl SchedulerHandle {
 
     /// Returns a lease.
     pub fn release(&self, conn: ConnId, lease_id: u64, busy_ns: u64, early: bool, now: u64) {
-        let mut inner = self.lock();
-        let grants = inner.sched.release(conn, lease_id, busy_ns, early, now);
-        self.deliver(&mut inner, grants);
+        self.apply(now, |s| s.release(conn, lease_id, busy_ns, early, now));
     }
 
     /// A connection closed.
@@ -482,7 +509,9 @@ impl SchedulerHandle {
         let mut inner = self.lock();
         inner.pending.remove(&conn);
         let grants = inner.sched.connection_closed(conn, now);
-        self.deliver(&mut inner, grants);
+        inner.deliver(grants, now);
+        drop(inner);
+        self.0.changed.notify_one();
     }
 
     /// GPU time charged to `key` over the last 10 s, ns.
@@ -498,16 +527,13 @@ impl SchedulerHandle {
             let wake = {
                 let mut inner = self.lock();
                 let grants = inner.sched.tick(now);
-                for g in grants {
-                    if let Some(tx) = inner.pending.remove(&g.conn) {
-                        let _ = tx.send(g);
-                    }
-                }
+                inner.deliver(grants, now);
                 inner.sched.next_wakeup(now)
             };
             match wake {
                 Some(at) => {
-                    let deadline = epoch + Duration::from_nanos(at);
+                    // One extra microsecond so float rounding cannot make a busy loop.
+                    let deadline = epoch + Duration::from_nanos(at + 1_000);
                     tokio::select! {
                         _ = tokio::time::sleep_until(deadline.into()) => {}
                         _ = self.0.changed.notified() => {}

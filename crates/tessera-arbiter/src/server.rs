@@ -84,17 +84,14 @@ fn bind(path: &Path, mode: u32) -> Result<UnixListener, ServerError> {
     Ok(listener)
 }
 
-fn accept_loop<F, Fut>(listener: UnixListener, arb: Arc<Arbiter>, serve: F) -> JoinHandle<()>
+fn accept_loop<F>(listener: UnixListener, arb: Arc<Arbiter>, serve: F) -> JoinHandle<()>
 where
-    F: Fn(Arc<Arbiter>, tokio::net::UnixStream) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
+    F: Fn(Arc<Arbiter>, tokio::net::UnixStream) + Send + 'static,
 {
     tokio::spawn(async move {
         loop {
             match listener.accept().await {
-                Ok((stream, _)) => {
-                    tokio::spawn(serve(Arc::clone(&arb), stream));
-                }
+                Ok((stream, _)) => serve(Arc::clone(&arb), stream),
                 Err(e) => {
                     // E.g. out of file descriptors: keep serving the open connections.
                     crate::log!("accept failed: {e}");
@@ -124,8 +121,14 @@ impl Server {
             }
         };
         let mut tasks = vec![
-            accept_loop(tenant_listener, Arc::clone(&arbiter), tenant::serve),
-            accept_loop(admin_listener, Arc::clone(&arbiter), admin::serve),
+            accept_loop(tenant_listener, Arc::clone(&arbiter), |arb, stream| {
+                if let Err(e) = tenant::spawn(arb, stream) {
+                    crate::log!("tenant connection dropped: {e}");
+                }
+            }),
+            accept_loop(admin_listener, Arc::clone(&arbiter), |arb, stream| {
+                tokio::spawn(admin::serve(arb, stream));
+            }),
         ];
         let epoch = arbiter.epoch();
         for s in arbiter.schedulers() {

@@ -8,8 +8,10 @@ use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use std::io::Read;
 use tessera_protocol::frame::HEADER_LEN;
 use tessera_protocol::{FrameDecoder, FrameError, Hello, MAGIC, PROTOCOL_VERSION, Role};
+
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// How long a new connection may take to send its `Hello`.
@@ -39,9 +41,6 @@ pub enum WireError {
     /// The peer's role does not belong on this socket.
     #[error("{0}")]
     WrongRole(&'static str),
-    /// The peer sent more than it may buffer while its previous request waits.
-    #[error("peer flooded {0} bytes while a request was pending")]
-    Flood(usize),
 }
 
 /// Reads into `dec` until one whole message is decoded.
@@ -67,6 +66,53 @@ where
     }
 }
 
+/// Blocking twin of [`read_msg`] (tenant connections run on their own threads). A read
+/// timeout set on the socket surfaces as [`WireError::Timeout`].
+pub fn read_msg_blocking<R: Read, T: DeserializeOwned>(
+    r: &mut R,
+    dec: &mut FrameDecoder,
+    timeout: Duration,
+) -> Result<T, WireError> {
+    let mut buf = [0u8; READ_CHUNK];
+    loop {
+        if let Some(msg) = dec.next()? {
+            return Ok(msg);
+        }
+        let n = match r.read(&mut buf) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(WireError::Timeout(timeout));
+            }
+            Err(e) => return Err(FrameError::Io(e).into()),
+        };
+        if n == 0 {
+            return Err(if dec.buffered() == 0 {
+                WireError::Closed
+            } else {
+                FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()).into()
+            });
+        }
+        dec.extend(&buf[..n]);
+    }
+}
+
+/// Checks a `Hello`'s magic and version.
+pub fn check_hello(hello: Hello) -> Result<Role, WireError> {
+    if hello.magic != MAGIC {
+        return Err(WireError::BadMagic(hello.magic));
+    }
+    if hello.version != PROTOCOL_VERSION {
+        return Err(WireError::BadVersion(hello.version));
+    }
+    Ok(hello.role)
+}
+
 /// Reads and checks the `Hello` (magic, version), with a timeout.
 pub async fn read_hello<R: AsyncRead + Unpin>(
     r: &mut R,
@@ -75,13 +121,7 @@ pub async fn read_hello<R: AsyncRead + Unpin>(
     let hello: Hello = tokio::time::timeout(HANDSHAKE_TIMEOUT, read_msg(r, dec))
         .await
         .map_err(|_| WireError::Timeout(HANDSHAKE_TIMEOUT))??;
-    if hello.magic != MAGIC {
-        return Err(WireError::BadMagic(hello.magic));
-    }
-    if hello.version != PROTOCOL_VERSION {
-        return Err(WireError::BadVersion(hello.version));
-    }
-    Ok(hello.role)
+    check_hello(hello)
 }
 
 /// Appends `msg` as one frame to `out`.
