@@ -26,7 +26,10 @@ impl ArbiterError {
     /// The admin error class, if the arbiter answered with one.
     pub fn admin_kind(&self) -> Option<tessera_protocol::AdminErrorKind> {
         match self {
-            ArbiterError::Client { source: ClientError::Admin { kind, .. }, .. } => Some(*kind),
+            ArbiterError::Client {
+                source: ClientError::Admin { kind, .. },
+                ..
+            } => Some(*kind),
             _ => None,
         }
     }
@@ -45,5 +48,8 @@ where
     })
     .await
     .map_err(|e| ArbiterError::Task(e.to_string()))?;
-    res.map_err(|source| ArbiterError::Client { path: path.to_path_buf(), source })
+    res.map_err(|source| ArbiterError::Client {
+        path: path.to_path_buf(),
+        source,
+    })
 }

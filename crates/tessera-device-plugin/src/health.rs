@@ -104,7 +104,9 @@ fn start_nvml(lib: PathBuf, poll: Duration) -> Result<watch::Receiver<Snapshot>,
     // The thread owns NVML (its handles borrow it); it reports the first snapshot or why not.
     match init_rx.recv() {
         Ok(res) => res,
-        Err(_) => Err(HealthError::Thread(std::io::Error::other("NVML watcher exited"))),
+        Err(_) => Err(HealthError::Thread(std::io::Error::other(
+            "NVML watcher exited",
+        ))),
     }
 }
 
@@ -113,8 +115,12 @@ fn enumerate(nvml: &Nvml) -> Result<Vec<(u32, String, u64)>, NvmlError> {
     let count = nvml.device_count()?;
     let mut out = Vec::new();
     for index in 0..count {
-        let Ok(dev) = nvml.device_by_index(index) else { continue };
-        let (Ok(uuid), Ok(mem)) = (dev.uuid(), dev.memory_info()) else { continue };
+        let Ok(dev) = nvml.device_by_index(index) else {
+            continue;
+        };
+        let (Ok(uuid), Ok(mem)) = (dev.uuid(), dev.memory_info()) else {
+            continue;
+        };
         out.push((index, uuid, mem.total));
     }
     Ok(out)
@@ -144,13 +150,17 @@ fn register_events<'n>(
         if registered.contains(uuid) {
             continue;
         }
-        let Ok(dev) = nvml.device_by_index(*index) else { continue };
+        let Ok(dev) = nvml.device_by_index(*index) else {
+            continue;
+        };
         let current = match set.take() {
             Some(s) => s,
             None => match nvml.create_event_set() {
                 Ok(s) => s,
                 Err(e) => {
-                    eprintln!("tessera-device-plugin: NVML events unavailable ({e}); health by polling only");
+                    eprintln!(
+                        "tessera-device-plugin: NVML events unavailable ({e}); health by polling only"
+                    );
                     return None;
                 }
             },
@@ -162,7 +172,10 @@ fn register_events<'n>(
             }
             Err(e) => {
                 // The set is released on failure; later devices start a new one.
-                eprintln!("tessera-device-plugin: cannot watch XID events of {uuid}: {}", e.error);
+                eprintln!(
+                    "tessera-device-plugin: cannot watch XID events of {uuid}: {}",
+                    e.error
+                );
             }
         }
     }
@@ -178,7 +191,10 @@ fn nvml_thread(
     let nvml = match Nvml::builder().lib_path(lib_os).init() {
         Ok(n) => n,
         Err(source) => {
-            let _ = init_tx.send(Err(HealthError::NvmlInit { lib: lib.display().to_string(), source }));
+            let _ = init_tx.send(Err(HealthError::NvmlInit {
+                lib: lib.display().to_string(),
+                source,
+            }));
             return;
         }
     };
@@ -211,13 +227,17 @@ fn nvml_thread(
                     let uuid = ev.device.uuid().ok();
                     match (code, uuid) {
                         (Some(code), Some(uuid)) if is_fatal_xid(code) => {
-                            eprintln!("tessera-device-plugin: XID {code} on {uuid}: marking it unhealthy");
+                            eprintln!(
+                                "tessera-device-plugin: XID {code} on {uuid}: marking it unhealthy"
+                            );
                             bad.entry(uuid).or_insert_with(|| format!("XID {code}"));
                             changed = true;
                         }
                         (Some(code), uuid) => {
                             let who = uuid.unwrap_or_else(|| "a GPU".into());
-                            eprintln!("tessera-device-plugin: XID {code} on {who} (application-caused; ignored)");
+                            eprintln!(
+                                "tessera-device-plugin: XID {code} on {who} (application-caused; ignored)"
+                            );
                         }
                         _ => {}
                     }
@@ -235,7 +255,10 @@ fn nvml_thread(
             if let Ok(now) = enumerate(&nvml) {
                 if now != devs {
                     for gone in devs.iter().filter(|d| !now.iter().any(|n| n.1 == d.1)) {
-                        eprintln!("tessera-device-plugin: GPU {} vanished: withdrawing its units", gone.1);
+                        eprintln!(
+                            "tessera-device-plugin: GPU {} vanished: withdrawing its units",
+                            gone.1
+                        );
                     }
                     devs = now;
                     events = register_events(&nvml, events, &devs, &mut registered);
@@ -257,8 +280,10 @@ fn start_arbiter(admin_socket: PathBuf, poll: Duration) -> watch::Receiver<Snaps
             match crate::arbiter::with_admin(&admin_socket, |c| c.gpus()).await {
                 Ok(gpus) => {
                     warned = false;
-                    let devs: Vec<(u32, String, u64)> =
-                        gpus.into_iter().map(|g| (g.index, g.uuid, g.memory_total)).collect();
+                    let devs: Vec<(u32, String, u64)> = gpus
+                        .into_iter()
+                        .map(|g| (g.index, g.uuid, g.memory_total))
+                        .collect();
                     let snap = snapshot(&devs, &BTreeMap::new());
                     tx.send_if_modified(|cur| {
                         if **cur == *snap {
@@ -308,7 +333,9 @@ mod tests {
     #[test]
     fn missing_nvml_is_reported_not_fatal() {
         let err = start(
-            GpuSource::Nvml { lib: PathBuf::from("/nonexistent/libnvidia-ml.so.1") },
+            GpuSource::Nvml {
+                lib: PathBuf::from("/nonexistent/libnvidia-ml.so.1"),
+            },
             Duration::from_millis(100),
         )
         .unwrap_err();

@@ -65,7 +65,11 @@ pub fn find_interposer(explicit: Option<&Path>) -> Result<PathBuf, InstallError>
             exe.parent().unwrap_or(Path::new("/")).join(INTERPOSER_FILE)
         }
     };
-    if path.is_file() { Ok(path) } else { Err(InstallError::NotFound(path)) }
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(InstallError::NotFound(path))
+    }
 }
 
 /// First 8 hex digits of the SHA-256 of `bytes`.
@@ -82,10 +86,14 @@ pub fn install(
     version: &str,
     container_lib_path: &Path,
 ) -> Result<Installed, InstallError> {
-    let bytes =
-        std::fs::read(src).map_err(|source| InstallError::Read { path: src.to_path_buf(), source })?;
-    std::fs::create_dir_all(host_lib_dir)
-        .map_err(|source| InstallError::Write { path: host_lib_dir.to_path_buf(), source })?;
+    let bytes = std::fs::read(src).map_err(|source| InstallError::Read {
+        path: src.to_path_buf(),
+        source,
+    })?;
+    std::fs::create_dir_all(host_lib_dir).map_err(|source| InstallError::Write {
+        path: host_lib_dir.to_path_buf(),
+        source,
+    })?;
     remove_stale_temps(host_lib_dir);
     let tag = format!("{version}-{}", hash8(&bytes));
     let lib_path = host_lib_dir.join(format!("libtessera_interpose-{tag}.so"));
@@ -94,7 +102,12 @@ pub fn install(
     let wrote_lib = place(&lib_path, &bytes, 0o755)?;
     let preload = format!("{}\n", container_lib_path.display());
     place(&preload_path, preload.as_bytes(), 0o644)?;
-    Ok(Installed { lib_path, preload_path, tag, wrote_lib })
+    Ok(Installed {
+        lib_path,
+        preload_path,
+        tag,
+        wrote_lib,
+    })
 }
 
 /// Puts `bytes` at `dest` unless an identical file is there; returns whether it wrote.
@@ -105,12 +118,21 @@ fn place(dest: &Path, bytes: &[u8], mode: u32) -> Result<bool, InstallError> {
         }
         // Same name, other bytes: a damaged copy (the name carries the hash). Replacing it by
         // rename leaves any container that mounted the old inode untouched.
-        eprintln!("tessera-device-plugin: {} differs from its name's content; replacing it", dest.display());
+        eprintln!(
+            "tessera-device-plugin: {} differs from its name's content; replacing it",
+            dest.display()
+        );
     }
     let dir = dest.parent().unwrap_or(Path::new("."));
-    let name = dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = dest
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let tmp = dir.join(format!(".tmp-{}-{name}", std::process::id()));
-    let werr = |source| InstallError::Write { path: dest.to_path_buf(), source };
+    let werr = |source| InstallError::Write {
+        path: dest.to_path_buf(),
+        source,
+    };
     let write = || -> std::io::Result<()> {
         use std::os::unix::fs::OpenOptionsExt;
         let mut f = std::fs::OpenOptions::new()
@@ -133,10 +155,14 @@ fn place(dest: &Path, bytes: &[u8], mode: u32) -> Result<bool, InstallError> {
 /// Removes temporaries left by an install that died; they were never renamed into place, so
 /// no container can have them mounted.
 fn remove_stale_temps(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(rest) = name.strip_prefix(".tmp-") else { continue };
+        let Some(rest) = name.strip_prefix(".tmp-") else {
+            continue;
+        };
         let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
         // Leave a temporary of a live installer alone (an init container racing the plugin).
         if let Some(pid) = pid {
@@ -165,15 +191,27 @@ mod tests {
         let a = install(&src, &dir, "0.1.0", Path::new(CONTAINER)).unwrap();
         assert!(a.wrote_lib);
         let name = a.lib_path.file_name().unwrap().to_str().unwrap();
-        assert_eq!(name, format!("libtessera_interpose-0.1.0-{}.so", hash8(b"build one")));
+        assert_eq!(
+            name,
+            format!("libtessera_interpose-0.1.0-{}.so", hash8(b"build one"))
+        );
         assert_eq!(std::fs::read(&a.lib_path).unwrap(), b"build one");
-        assert_eq!(std::fs::read_to_string(&a.preload_path).unwrap(), format!("{CONTAINER}\n"));
+        assert_eq!(
+            std::fs::read_to_string(&a.preload_path).unwrap(),
+            format!("{CONTAINER}\n")
+        );
 
         // Same build again: the file (same inode) is left alone.
         let ino = std::fs::metadata(&a.lib_path).unwrap().ino();
         let again = install(&src, &dir, "0.1.0", Path::new(CONTAINER)).unwrap();
         assert!(!again.wrote_lib);
-        assert_eq!(again, Installed { wrote_lib: false, ..a.clone() });
+        assert_eq!(
+            again,
+            Installed {
+                wrote_lib: false,
+                ..a.clone()
+            }
+        );
         assert_eq!(std::fs::metadata(&a.lib_path).unwrap().ino(), ino);
 
         // A new build gets a new name; the old one stays for containers still using it.

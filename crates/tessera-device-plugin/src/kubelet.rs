@@ -12,9 +12,9 @@ use std::time::Duration;
 use hyper_util::rt::TokioIo;
 use tonic::transport::{Channel, Endpoint, Uri};
 
+use crate::proto::DEVICE_PLUGIN_VERSION;
 use crate::proto::deviceplugin::registration_client::RegistrationClient;
 use crate::proto::deviceplugin::{DevicePluginOptions, RegisterRequest};
-use crate::proto::DEVICE_PLUGIN_VERSION;
 
 /// Errors talking to the kubelet.
 #[derive(Debug, thiserror::Error)]
@@ -40,10 +40,13 @@ pub async fn connect_unix(path: &Path, timeout: Duration) -> Result<Channel, Kub
     let owned = path.to_path_buf();
     // The URI is required by the API but unused: the connector ignores it.
     let endpoint = Endpoint::from_static("http://localhost").connect_timeout(timeout);
-    let connect = endpoint.connect_with_connector(tower::service_fn(move |_: Uri| {
-        let p = owned.clone();
-        async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(p).await?)) }
-    }));
+    let connect =
+        endpoint.connect_with_connector(tower::service_fn(move |_: Uri| {
+            let p = owned.clone();
+            async move {
+                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(p).await?))
+            }
+        }));
     match tokio::time::timeout(timeout, connect).await {
         Ok(Ok(ch)) => Ok(ch),
         Ok(Err(e)) => Err(KubeletError::Unreachable {
@@ -112,7 +115,10 @@ pub struct FileId {
 
 /// The identity of `path`, or `None` if it does not exist.
 pub fn file_id(path: &Path) -> Option<FileId> {
-    std::fs::symlink_metadata(path).ok().map(|m| FileId { dev: m.dev(), ino: m.ino() })
+    std::fs::symlink_metadata(path).ok().map(|m| FileId {
+        dev: m.dev(),
+        ino: m.ino(),
+    })
 }
 
 #[cfg(test)]

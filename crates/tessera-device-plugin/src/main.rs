@@ -35,7 +35,11 @@ struct Args {
     #[arg(long)]
     no_stale_cleanup: bool,
     /// The arbiter's admin socket.
-    #[arg(long, env = "TESSERA_ADMIN_SOCKET", default_value = "/run/tessera/admin.sock")]
+    #[arg(
+        long,
+        env = "TESSERA_ADMIN_SOCKET",
+        default_value = "/run/tessera/admin.sock"
+    )]
     admin_socket: PathBuf,
     /// The arbiter's tenant socket on the host; its folder is mounted into containers.
     #[arg(long, default_value = "/run/tessera/tenant/tessera.sock")]
@@ -148,7 +152,10 @@ fn main() -> ExitCode {
             tessera_device_plugin::plugin::install_interposer(&cfg)?;
             return Ok(());
         }
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
         rt.block_on(tessera_device_plugin::run(cfg, shutdown_signal()))?;
         Ok(())
     })();

@@ -97,10 +97,18 @@ impl Config {
     pub fn validate(&self) -> Result<(), PluginError> {
         let bad = |m: String| Err(PluginError::Config(m));
         if !(1..=1000).contains(&self.shares_per_gpu) {
-            return bad(format!("--shares-per-gpu must be 1..=1000, got {}", self.shares_per_gpu));
+            return bad(format!(
+                "--shares-per-gpu must be 1..=1000, got {}",
+                self.shares_per_gpu
+            ));
         }
-        if self.endpoint.is_empty() || self.endpoint.contains('/') || self.endpoint == KUBELET_SOCKET {
-            return bad(format!("--endpoint must be a plain file name other than {KUBELET_SOCKET}"));
+        if self.endpoint.is_empty()
+            || self.endpoint.contains('/')
+            || self.endpoint == KUBELET_SOCKET
+        {
+            return bad(format!(
+                "--endpoint must be a plain file name other than {KUBELET_SOCKET}"
+            ));
         }
         if !valid_resource_name(&self.resource_name) {
             return bad(format!(
@@ -119,7 +127,10 @@ impl Config {
             ));
         }
         if self.tenant_socket.file_name().is_none() || !self.container_socket_dir.is_absolute() {
-            return bad("--tenant-socket needs a file name and --container-socket-dir an absolute path".into());
+            return bad(
+                "--tenant-socket needs a file name and --container-socket-dir an absolute path"
+                    .into(),
+            );
         }
         Ok(())
     }
@@ -127,25 +138,34 @@ impl Config {
 
 /// An extended resource name: `<DNS subdomain>/<name>` with simple characters.
 fn valid_resource_name(name: &str) -> bool {
-    let Some((domain, n)) = name.split_once('/') else { return false };
+    let Some((domain, n)) = name.split_once('/') else {
+        return false;
+    };
     let ok = |s: &str| {
         !s.is_empty()
             && s.len() <= 63
-            && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
     };
     domain.contains('.') && ok(domain) && ok(n) && !n.contains('/')
 }
 
 fn start_gpus(cfg: &Config) -> Result<watch::Receiver<Snapshot>, PluginError> {
-    let nvml = GpuSource::Nvml { lib: cfg.nvml_lib.clone() };
-    let arbiter = GpuSource::Arbiter { admin_socket: cfg.admin_socket.clone() };
+    let nvml = GpuSource::Nvml {
+        lib: cfg.nvml_lib.clone(),
+    };
+    let arbiter = GpuSource::Arbiter {
+        admin_socket: cfg.admin_socket.clone(),
+    };
     Ok(match cfg.gpu_source {
         SourceKind::Nvml => health::start(nvml, cfg.poll)?,
         SourceKind::Arbiter => health::start(arbiter, cfg.poll)?,
         SourceKind::Auto => match health::start(nvml, cfg.poll) {
             Ok(rx) => rx,
             Err(e) => {
-                eprintln!("tessera-device-plugin: {e}; taking the GPU list from the arbiter (no XID health)");
+                eprintln!(
+                    "tessera-device-plugin: {e}; taking the GPU list from the arbiter (no XID health)"
+                );
                 health::start(arbiter, cfg.poll)?
             }
         },
@@ -159,7 +179,10 @@ fn log_gpus(mut rx: watch::Receiver<Snapshot>, per_gpu: u32) {
             let snap = rx.borrow_and_update().clone();
             for g in snap.iter() {
                 if let Err(e) = units::check_id_len(&g.uuid, per_gpu) {
-                    eprintln!("tessera-device-plugin: not advertising GPU {}: {e}", g.index);
+                    eprintln!(
+                        "tessera-device-plugin: not advertising GPU {}: {e}",
+                        g.index
+                    );
                 }
             }
             let names: Vec<String> = snap
@@ -180,11 +203,19 @@ fn log_gpus(mut rx: watch::Receiver<Snapshot>, per_gpu: u32) {
 /// Installs the interposer as the init container does, and returns what was installed.
 pub fn install_interposer(cfg: &Config) -> Result<install::Installed, PluginError> {
     let src = install::find_interposer(cfg.interposer.as_deref())?;
-    let inst =
-        install::install(&src, &cfg.host_lib_dir, env!("CARGO_PKG_VERSION"), &cfg.container_lib_path)?;
+    let inst = install::install(
+        &src,
+        &cfg.host_lib_dir,
+        env!("CARGO_PKG_VERSION"),
+        &cfg.container_lib_path,
+    )?;
     eprintln!(
         "tessera-device-plugin: interposer {} at {}",
-        if inst.wrote_lib { "installed" } else { "already installed" },
+        if inst.wrote_lib {
+            "installed"
+        } else {
+            "already installed"
+        },
         inst.lib_path.display()
     );
     Ok(inst)
@@ -248,7 +279,10 @@ async fn generations(
         let mut waited = false;
         while file_id(&kubelet_sock).is_none() {
             if !waited {
-                eprintln!("tessera-device-plugin: waiting for {}", kubelet_sock.display());
+                eprintln!(
+                    "tessera-device-plugin: waiting for {}",
+                    kubelet_sock.display()
+                );
                 waited = true;
             }
             tokio::select! {
@@ -258,18 +292,30 @@ async fn generations(
         }
         let (stop_tx, stop_rx) = watch::channel(false);
         let _ = std::fs::remove_file(&own_sock);
-        let listener = UnixListener::bind(&own_sock)
-            .map_err(|source| PluginError::Bind { path: own_sock.clone(), source })?;
+        let listener = UnixListener::bind(&own_sock).map_err(|source| PluginError::Bind {
+            path: own_sock.clone(),
+            source,
+        })?;
         let own_id = file_id(&own_sock);
         let service = PluginService::new(ctx.clone(), gpus.clone(), stop_rx.clone());
         let mut server = tokio::spawn(crate::server::serve(listener, service, stop_rx));
 
-        let end = serve_generation(cfg, &kubelet_sock, &own_sock, own_id, &mut server, &mut shutdown).await;
+        let end = serve_generation(
+            cfg,
+            &kubelet_sock,
+            &own_sock,
+            own_id,
+            &mut server,
+            &mut shutdown,
+        )
+        .await;
         let _ = stop_tx.send(true);
         // Streams end on `stop`; bound the wait anyway so a stuck peer cannot hold us.
         // (A finished handle was already awaited and must not be polled again.)
         if !server.is_finished()
-            && tokio::time::timeout(Duration::from_secs(3), &mut server).await.is_err()
+            && tokio::time::timeout(Duration::from_secs(3), &mut server)
+                .await
+                .is_err()
         {
             server.abort();
         }
@@ -280,7 +326,9 @@ async fn generations(
                 }
                 return Ok(());
             }
-            End::Restart(why) => eprintln!("tessera-device-plugin: {why}: serving and registering again"),
+            End::Restart(why) => {
+                eprintln!("tessera-device-plugin: {why}: serving and registering again")
+            }
         }
     }
 }
@@ -299,7 +347,14 @@ async fn serve_generation(
     loop {
         if registered.is_none() {
             let kid = file_id(kubelet_sock);
-            match kubelet::register(kubelet_sock, &cfg.endpoint, &cfg.resource_name, Duration::from_secs(5)).await {
+            match kubelet::register(
+                kubelet_sock,
+                &cfg.endpoint,
+                &cfg.resource_name,
+                Duration::from_secs(5),
+            )
+            .await
+            {
                 Ok(()) => {
                     eprintln!(
                         "tessera-device-plugin: registered {} ({} units per GPU) at {}",
@@ -338,7 +393,9 @@ async fn serve_generation(
         }
         if let Some(kid) = registered {
             if file_id(kubelet_sock) != Some(kid) {
-                return Ok(End::Restart("kubelet.sock was re-created (kubelet restart)"));
+                return Ok(End::Restart(
+                    "kubelet.sock was re-created (kubelet restart)",
+                ));
             }
         }
     }
@@ -374,14 +431,25 @@ mod tests {
         cfg().validate().unwrap();
         let mut c = cfg();
         c.admin_socket = "/run/tessera/tenant/admin.sock".into();
-        assert!(c.validate().unwrap_err().to_string().contains("admin socket"));
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("admin socket")
+        );
         let mut c = cfg();
         c.shares_per_gpu = 0;
         assert!(c.validate().is_err());
         let mut c = cfg();
         c.endpoint = "kubelet.sock".into();
         assert!(c.validate().is_err());
-        for bad in ["gpu-shares", "tessera/x", "tessera.dev/", "a.b/c/d", "tessera.dev/g pu"] {
+        for bad in [
+            "gpu-shares",
+            "tessera/x",
+            "tessera.dev/",
+            "a.b/c/d",
+            "tessera.dev/g pu",
+        ] {
             let mut c = cfg();
             c.resource_name = bad.into();
             assert!(c.validate().is_err(), "{bad}");

@@ -64,7 +64,11 @@ pub async fn held_units(
     let mut held = HashSet::new();
     for pod in resp.into_inner().pod_resources {
         for c in pod.containers {
-            for d in c.devices.into_iter().filter(|d| d.resource_name == resource) {
+            for d in c
+                .devices
+                .into_iter()
+                .filter(|d| d.resource_name == resource)
+            {
                 held.extend(d.device_ids);
             }
         }
@@ -91,7 +95,9 @@ impl StaleTracker {
         let mut seen = HashSet::new();
         let mut doomed = Vec::new();
         for a in allocations {
-            let Some(ids) = units::units_from_labels(&a.labels, resource) else { continue };
+            let Some(ids) = units::units_from_labels(&a.labels, resource) else {
+                continue;
+            };
             seen.insert(a.id.clone());
             if ids.iter().any(|id| held.contains(id)) {
                 self.orphan_since.remove(&a.id);
@@ -114,13 +120,21 @@ pub async fn sweep(
 ) -> Result<Vec<String>, PodResourcesError> {
     let held = held_units(&cfg.socket, &cfg.resource_name, Duration::from_secs(5)).await?;
     let allocations = with_admin(&cfg.admin_socket, |c| c.list()).await?;
-    let doomed = tracker.review(&allocations, &held, &cfg.resource_name, cfg.grace, Instant::now());
+    let doomed = tracker.review(
+        &allocations,
+        &held,
+        &cfg.resource_name,
+        cfg.grace,
+        Instant::now(),
+    );
     let mut deleted = Vec::new();
     for id in doomed {
         let del = id.clone();
         match with_admin(&cfg.admin_socket, move |c| c.delete(&del)).await {
             Ok(()) => {
-                eprintln!("tessera-device-plugin: deleted stale allocation {id} (no container holds its units)");
+                eprintln!(
+                    "tessera-device-plugin: deleted stale allocation {id} (no container holds its units)"
+                );
                 deleted.push(id);
             }
             Err(e) if e.admin_kind() == Some(tessera_protocol::AdminErrorKind::NotFound) => {}
@@ -182,18 +196,37 @@ mod tests {
         let mut t = StaleTracker::default();
         let mut foreign = alloc("x", "GPU-a", &[9]);
         foreign.labels.clear(); // made by the CLI: never ours to delete
-        let allocs = vec![alloc("a", "GPU-a", &[0, 1]), alloc("b", "GPU-a", &[2]), foreign];
+        let allocs = vec![
+            alloc("a", "GPU-a", &[0, 1]),
+            alloc("b", "GPU-a", &[2]),
+            foreign,
+        ];
         let held: HashSet<String> = ["GPU-a-1".to_string()].into();
         let grace = Duration::from_secs(10);
         let t0 = Instant::now();
         assert!(t.review(&allocs, &held, R, grace, t0).is_empty());
-        assert!(t.review(&allocs, &held, R, grace, t0 + Duration::from_secs(5)).is_empty());
-        assert_eq!(t.review(&allocs, &held, R, grace, t0 + Duration::from_secs(10)), vec!["b"]);
+        assert!(
+            t.review(&allocs, &held, R, grace, t0 + Duration::from_secs(5))
+                .is_empty()
+        );
+        assert_eq!(
+            t.review(&allocs, &held, R, grace, t0 + Duration::from_secs(10)),
+            vec!["b"]
+        );
         // Held again: the clock restarts.
         let held_b: HashSet<String> = ["GPU-a-1".to_string(), "GPU-a-2".to_string()].into();
-        assert!(t.review(&allocs, &held_b, R, grace, t0 + Duration::from_secs(11)).is_empty());
-        assert!(t.review(&allocs, &held, R, grace, t0 + Duration::from_secs(12)).is_empty());
-        assert_eq!(t.review(&allocs, &held, R, grace, t0 + Duration::from_secs(22)), vec!["b"]);
+        assert!(
+            t.review(&allocs, &held_b, R, grace, t0 + Duration::from_secs(11))
+                .is_empty()
+        );
+        assert!(
+            t.review(&allocs, &held, R, grace, t0 + Duration::from_secs(12))
+                .is_empty()
+        );
+        assert_eq!(
+            t.review(&allocs, &held, R, grace, t0 + Duration::from_secs(22)),
+            vec!["b"]
+        );
         // Allocations that went away are forgotten.
         t.review(&[], &held, R, grace, t0);
         assert!(t.orphan_since.is_empty());

@@ -23,9 +23,9 @@ use crate::install::Installed;
 use crate::proto::deviceplugin::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use crate::proto::deviceplugin::{
     AllocateRequest, AllocateResponse, ContainerAllocateResponse,
-    ContainerPreferredAllocationResponse, Device, DevicePluginOptions, Empty,
-    ListAndWatchResponse, Mount, PreStartContainerRequest, PreStartContainerResponse,
-    PreferredAllocationRequest, PreferredAllocationResponse,
+    ContainerPreferredAllocationResponse, Device, DevicePluginOptions, Empty, ListAndWatchResponse,
+    Mount, PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationRequest,
+    PreferredAllocationResponse,
 };
 use crate::proto::{HEALTHY, UNHEALTHY};
 use crate::units::{self, Claim, UnitsError};
@@ -102,12 +102,20 @@ pub fn device_list(snapshot: &Snapshot, per_gpu: u32) -> Vec<Device> {
         if units::check_id_len(&gpu.uuid, per_gpu).is_err() {
             continue;
         }
-        let health = if gpu.unhealthy.is_some() { UNHEALTHY } else { HEALTHY };
-        out.extend(units::unit_ids(&gpu.uuid, per_gpu).into_iter().map(|id| Device {
-            id,
-            health: health.to_owned(),
-            topology: None,
-        }));
+        let health = if gpu.unhealthy.is_some() {
+            UNHEALTHY
+        } else {
+            HEALTHY
+        };
+        out.extend(
+            units::unit_ids(&gpu.uuid, per_gpu)
+                .into_iter()
+                .map(|id| Device {
+                    id,
+                    health: health.to_owned(),
+                    topology: None,
+                }),
+        );
     }
     out
 }
@@ -151,11 +159,20 @@ fn create_all(
         .flat_map(|p| p.units.iter().map(move |n| format!("{}-{n}", p.uuid)))
         .collect();
     for a in c.list()? {
-        let Some(ids) = units::units_from_labels(&a.labels, resource) else { continue };
+        let Some(ids) = units::units_from_labels(&a.labels, resource) else {
+            continue;
+        };
         if ids.iter().any(|id| wanted.contains(id)) {
-            eprintln!("tessera-device-plugin: deleting allocation {} (its units are being reassigned)", a.id);
+            eprintln!(
+                "tessera-device-plugin: deleting allocation {} (its units are being reassigned)",
+                a.id
+            );
             match c.delete(&a.id) {
-                Ok(()) | Err(ClientError::Admin { kind: AdminErrorKind::NotFound, .. }) => {}
+                Ok(())
+                | Err(ClientError::Admin {
+                    kind: AdminErrorKind::NotFound,
+                    ..
+                }) => {}
                 Err(e) => return Err(e),
             }
         }
@@ -205,11 +222,18 @@ fn mount(container: &Path, host: &Path) -> Mount {
 
 /// The container wiring for a fraction: token, socket, preload of the interposer.
 fn fraction_response(m: &Mounts, uuid: &str, token: &str, id: &str) -> ContainerAllocateResponse {
-    let sock_name = m.tenant_socket.file_name().map(Path::new).unwrap_or(Path::new("tessera.sock"));
+    let sock_name = m
+        .tenant_socket
+        .file_name()
+        .map(Path::new)
+        .unwrap_or(Path::new("tessera.sock"));
     let host_sock_dir = m.tenant_socket.parent().unwrap_or(Path::new("/"));
     let envs = BTreeMap::from([
         (ENV_TOKEN.to_owned(), token.to_owned()),
-        (ENV_SOCKET.to_owned(), m.container_socket_dir.join(sock_name).display().to_string()),
+        (
+            ENV_SOCKET.to_owned(),
+            m.container_socket_dir.join(sock_name).display().to_string(),
+        ),
         (ENV_VISIBLE.to_owned(), uuid.to_owned()),
         (ENV_ALLOCATION.to_owned(), id.to_owned()),
     ]);
@@ -278,7 +302,9 @@ impl DevicePlugin for PluginService {
             .map_err(invalid)?;
             container_responses.push(ContainerPreferredAllocationResponse { device_i_ds: ids });
         }
-        Ok(Response::new(PreferredAllocationResponse { container_responses }))
+        Ok(Response::new(PreferredAllocationResponse {
+            container_responses,
+        }))
     }
 
     async fn allocate(
@@ -298,7 +324,11 @@ impl DevicePlugin for PluginService {
             };
             for u in &uuids {
                 match snapshot.iter().find(|g| &g.uuid == u) {
-                    None => return Err(Status::failed_precondition(format!("GPU {u} is not on this node"))),
+                    None => {
+                        return Err(Status::failed_precondition(format!(
+                            "GPU {u} is not on this node"
+                        )));
+                    }
                     Some(g) if g.unhealthy.is_some() => {
                         return Err(Status::failed_precondition(format!(
                             "GPU {u} is unhealthy ({})",
@@ -309,9 +339,11 @@ impl DevicePlugin for PluginService {
                 }
             }
             match claim {
-                Claim::Fraction { uuid, units } => {
-                    plans.push(Planned { container: i, uuid, units: units.into_iter().collect() })
-                }
+                Claim::Fraction { uuid, units } => plans.push(Planned {
+                    container: i,
+                    uuid,
+                    units: units.into_iter().collect(),
+                }),
                 Claim::WholeGpus { uuids } => {
                     for uuid in &uuids {
                         plans.push(Planned {
@@ -326,14 +358,19 @@ impl DevicePlugin for PluginService {
         }
         let (per_gpu, resource) = (ctx.per_gpu, ctx.resource_name.clone());
         let plans2 = plans.clone();
-        let made = with_admin(&ctx.admin_socket, move |c| create_all(c, &plans2, per_gpu, &resource))
-            .await
-            .map_err(arbiter_status)?;
+        let made = with_admin(&ctx.admin_socket, move |c| {
+            create_all(c, &plans2, per_gpu, &resource)
+        })
+        .await
+        .map_err(arbiter_status)?;
 
         let mut container_responses = Vec::new();
         for i in 0..requests.len() {
-            let mine: Vec<(&Planned, &(String, AllocationStatus))> =
-                plans.iter().zip(&made).filter(|(p, _)| p.container == i).collect();
+            let mine: Vec<(&Planned, &(String, AllocationStatus))> = plans
+                .iter()
+                .zip(&made)
+                .filter(|(p, _)| p.container == i)
+                .collect();
             let ids: Vec<&str> = mine.iter().map(|(_, (_, a))| a.id.as_str()).collect();
             if let Some(uuids) = whole.get(&i) {
                 // Whole GPUs: the container has the cards to itself; no interposer, no token.
@@ -356,7 +393,9 @@ impl DevicePlugin for PluginService {
                 container_responses.push(fraction_response(&ctx.mounts, &p.uuid, token, &a.id));
             }
         }
-        Ok(Response::new(AllocateResponse { container_responses }))
+        Ok(Response::new(AllocateResponse {
+            container_responses,
+        }))
     }
 
     async fn pre_start_container(
@@ -391,15 +430,34 @@ mod tests {
     #[test]
     fn device_list_marks_unhealthy_and_skips_long_ids() {
         let snap: Snapshot = Arc::new(vec![
-            GpuState { index: 0, uuid: "GPU-a".into(), memory_total: 1, unhealthy: None },
-            GpuState { index: 1, uuid: "GPU-b".into(), memory_total: 1, unhealthy: Some("XID 79".into()) },
-            GpuState { index: 2, uuid: format!("MIG-{}", "x".repeat(60)), memory_total: 1, unhealthy: None },
+            GpuState {
+                index: 0,
+                uuid: "GPU-a".into(),
+                memory_total: 1,
+                unhealthy: None,
+            },
+            GpuState {
+                index: 1,
+                uuid: "GPU-b".into(),
+                memory_total: 1,
+                unhealthy: Some("XID 79".into()),
+            },
+            GpuState {
+                index: 2,
+                uuid: format!("MIG-{}", "x".repeat(60)),
+                memory_total: 1,
+                unhealthy: None,
+            },
         ]);
         let list = device_list(&snap, 4);
         assert_eq!(list.len(), 8);
         assert_eq!(list[0].id, "GPU-a-0");
         assert!(list[..4].iter().all(|d| d.health == HEALTHY));
-        assert!(list[4..].iter().all(|d| d.health == UNHEALTHY && d.id.starts_with("GPU-b-")));
+        assert!(
+            list[4..]
+                .iter()
+                .all(|d| d.health == UNHEALTHY && d.id.starts_with("GPU-b-"))
+        );
     }
 
     #[test]

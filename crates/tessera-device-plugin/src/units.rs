@@ -125,13 +125,20 @@ impl UnitId {
             return Err(bad());
         }
         let index = n.parse().map_err(|_| bad())?;
-        Ok(Self { uuid: uuid.to_owned(), index })
+        Ok(Self {
+            uuid: uuid.to_owned(),
+            index,
+        })
     }
 
     fn parse_checked(id: &str, per_gpu: u32) -> Result<Self, UnitsError> {
         let u = Self::parse(id)?;
         if u.index >= per_gpu {
-            return Err(UnitsError::OutOfRange { id: id.to_owned(), index: u.index, per_gpu });
+            return Err(UnitsError::OutOfRange {
+                id: id.to_owned(),
+                index: u.index,
+                per_gpu,
+            });
         }
         Ok(u)
     }
@@ -195,7 +202,10 @@ pub fn classify(ids: &[String], per_gpu: u32) -> Result<Claim, UnitsError> {
     let by_gpu = group(ids, per_gpu)?;
     if by_gpu.len() == 1 {
         let (uuid, units) = by_gpu.into_iter().next().expect("one group");
-        return Ok(Claim::Fraction { uuid, units: units.into_iter().collect() });
+        return Ok(Claim::Fraction {
+            uuid,
+            units: units.into_iter().collect(),
+        });
     }
     if by_gpu.values().any(|u| u.len() != per_gpu as usize) {
         let detail = by_gpu
@@ -203,9 +213,15 @@ pub fn classify(ids: &[String], per_gpu: u32) -> Result<Claim, UnitsError> {
             .map(|(g, u)| format!("{g}: {} units", u.len()))
             .collect::<Vec<_>>()
             .join(", ");
-        return Err(UnitsError::SpreadNotWhole { gpus: by_gpu.len(), detail, per_gpu });
+        return Err(UnitsError::SpreadNotWhole {
+            gpus: by_gpu.len(),
+            detail,
+            per_gpu,
+        });
     }
-    Ok(Claim::WholeGpus { uuids: by_gpu.into_keys().collect() })
+    Ok(Claim::WholeGpus {
+        uuids: by_gpu.into_keys().collect(),
+    })
 }
 
 /// Picks `size` units from `available` the way this plugin wants them placed:
@@ -237,7 +253,9 @@ pub fn preferred(
     }
     let must_count: usize = must.values().map(BTreeSet::len).sum();
     if must_count > size as usize {
-        return Err(UnitsError::MustInclude(format!("{must_count} units for a request of {size}")));
+        return Err(UnitsError::MustInclude(format!(
+            "{must_count} units for a request of {size}"
+        )));
     }
 
     if size <= per_gpu {
@@ -253,7 +271,10 @@ pub fn preferred(
             .min();
         let Some((_, uuid)) = best else {
             let most = free.values().map(BTreeSet::len).max().unwrap_or(0);
-            return Err(UnitsError::NoFit { size, best: most as u32 });
+            return Err(UnitsError::NoFit {
+                size,
+                best: most as u32,
+            });
         };
         let wanted = must.get(uuid).cloned().unwrap_or_default();
         let rest = free[uuid].iter().filter(|n| !wanted.contains(n)).copied();
@@ -267,20 +288,35 @@ pub fn preferred(
         return Err(UnitsError::NotWholeGpus { size, per_gpu });
     }
     let needed = size / per_gpu;
-    let whole: Vec<&String> =
-        free.iter().filter(|(_, u)| u.len() == per_gpu as usize).map(|(g, _)| g).collect();
+    let whole: Vec<&String> = free
+        .iter()
+        .filter(|(_, u)| u.len() == per_gpu as usize)
+        .map(|(g, _)| g)
+        .collect();
     if let Some(g) = must.keys().find(|g| !whole.contains(g)) {
-        return Err(UnitsError::MustInclude(format!("{g} is not completely free")));
+        return Err(UnitsError::MustInclude(format!(
+            "{g} is not completely free"
+        )));
     }
     if (whole.len() as u32) < needed {
-        return Err(UnitsError::NotEnoughWholeGpus { needed, free: whole.len() as u32 });
+        return Err(UnitsError::NotEnoughWholeGpus {
+            needed,
+            free: whole.len() as u32,
+        });
     }
     // GPUs holding must-include units first, then the rest in UUID order.
-    let mut chosen: Vec<&String> = whole.iter().copied().filter(|g| must.contains_key(*g)).collect();
+    let mut chosen: Vec<&String> = whole
+        .iter()
+        .copied()
+        .filter(|g| must.contains_key(*g))
+        .collect();
     chosen.extend(whole.iter().copied().filter(|g| !must.contains_key(*g)));
     chosen.truncate(needed as usize);
     chosen.sort();
-    Ok(chosen.into_iter().flat_map(|g| unit_ids(g, per_gpu)).collect())
+    Ok(chosen
+        .into_iter()
+        .flat_map(|g| unit_ids(g, per_gpu))
+        .collect())
 }
 
 /// Compact text for a set of unit numbers: `0-29,40,42-43`. Keeps labels small (the admin
@@ -294,7 +330,11 @@ pub fn encode_units(units: &BTreeSet<u32>) -> String {
             end += 1;
             iter.next();
         }
-        parts.push(if start == end { start.to_string() } else { format!("{start}-{end}") });
+        parts.push(if start == end {
+            start.to_string()
+        } else {
+            format!("{start}-{end}")
+        });
     }
     parts.join(",")
 }
@@ -320,7 +360,11 @@ pub fn decode_units(text: &str) -> Result<BTreeSet<u32>, UnitsError> {
 }
 
 /// Labels for an allocation holding `units` of GPU `uuid` for resource `resource`.
-pub fn allocation_labels(resource: &str, uuid: &str, units: &BTreeSet<u32>) -> BTreeMap<String, String> {
+pub fn allocation_labels(
+    resource: &str,
+    uuid: &str,
+    units: &BTreeSet<u32>,
+) -> BTreeMap<String, String> {
     BTreeMap::from([
         (LABEL_OWNER.to_owned(), OWNER_VALUE.to_owned()),
         (LABEL_RESOURCE.to_owned(), resource.to_owned()),
@@ -373,7 +417,15 @@ mod tests {
         assert_eq!(u.uuid, A);
         assert_eq!(u.index, 42);
         assert_eq!(u.to_string(), format!("{A}-42"));
-        for bad in ["", "nodash", "GPU-x-", "-3", "GPU-x-1a", "GPU-x-01", "GPU-x-99999999999"] {
+        for bad in [
+            "",
+            "nodash",
+            "GPU-x-",
+            "-3",
+            "GPU-x-1a",
+            "GPU-x-01",
+            "GPU-x-99999999999",
+        ] {
             assert!(UnitId::parse(bad).is_err(), "{bad:?} accepted");
         }
         assert!(matches!(
@@ -388,8 +440,14 @@ mod tests {
         assert!(check_id_len(A, 100).is_ok());
         assert_eq!(format!("{A}-99").len(), 43);
         let long = format!("MIG-{}", "x".repeat(57));
-        assert!(matches!(check_id_len(&long, 100), Err(UnitsError::TooLong { .. })));
-        assert_eq!(unit_ids(A, 3), vec![format!("{A}-0"), format!("{A}-1"), format!("{A}-2")]);
+        assert!(matches!(
+            check_id_len(&long, 100),
+            Err(UnitsError::TooLong { .. })
+        ));
+        assert_eq!(
+            unit_ids(A, 3),
+            vec![format!("{A}-0"), format!("{A}-1"), format!("{A}-2")]
+        );
     }
 
     #[test]
@@ -426,9 +484,15 @@ mod tests {
         assert!(got.iter().all(|g| g.starts_with(A)));
         // Must-include units on two GPUs cannot make a fraction.
         let must2 = vec![format!("{A}-7"), format!("{B}-60")];
-        assert!(matches!(preferred(&avail, &must2, 10, 100), Err(UnitsError::MustInclude(_))));
+        assert!(matches!(
+            preferred(&avail, &must2, 10, 100),
+            Err(UnitsError::MustInclude(_))
+        ));
         // More must-include units than the size.
-        assert!(matches!(preferred(&avail, &must2, 1, 100), Err(UnitsError::MustInclude(_))));
+        assert!(matches!(
+            preferred(&avail, &must2, 1, 100),
+            Err(UnitsError::MustInclude(_))
+        ));
     }
 
     #[test]
@@ -442,7 +506,10 @@ mod tests {
         assert_eq!(got, want);
         assert_eq!(
             preferred(&avail, &[], 150, 100).unwrap_err(),
-            UnitsError::NotWholeGpus { size: 150, per_gpu: 100 }
+            UnitsError::NotWholeGpus {
+                size: 150,
+                per_gpu: 100
+            }
         );
         assert_eq!(
             preferred(&avail, &[], 300, 100).unwrap_err(),
@@ -459,13 +526,18 @@ mod tests {
     fn classify_fraction_whole_and_spread() {
         assert_eq!(
             classify(&ids(A, 5..35), 100).unwrap(),
-            Claim::Fraction { uuid: A.into(), units: (5..35).collect() }
+            Claim::Fraction {
+                uuid: A.into(),
+                units: (5..35).collect()
+            }
         );
         let mut two = ids(B, 0..100);
         two.extend(ids(A, 0..100));
         assert_eq!(
             classify(&two, 100).unwrap(),
-            Claim::WholeGpus { uuids: vec![A.into(), B.into()] }
+            Claim::WholeGpus {
+                uuids: vec![A.into(), B.into()]
+            }
         );
         let mut spread = ids(A, 0..20);
         spread.extend(ids(B, 0..10));

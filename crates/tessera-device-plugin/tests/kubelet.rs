@@ -5,7 +5,8 @@
 //!
 //! Needs the built artifacts next to the test executable (`<target>/debug/`): build with
 //! `cargo build -p tessera-arbiter -p tessera-cli -p tessera-sim-nvml -p tessera-sim-cuda
-//! -p tessera-interpose -p tessera-device-plugin`.
+//! -p tessera-interpose -p tessera-examples -p tessera-device-plugin`. The container test
+//! needs root and `unshare` (as a container runtime does); it fails, never skips, without.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -29,8 +30,8 @@ use tessera_device_plugin::proto::podresources::pod_resources_lister_server::{
 };
 use tessera_device_plugin::proto::podresources::{
     AllocatableResourcesRequest, AllocatableResourcesResponse, ContainerDevices,
-    ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse,
-    ListPodResourcesRequest, ListPodResourcesResponse, PodResources,
+    ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse, ListPodResourcesRequest,
+    ListPodResourcesResponse, PodResources,
 };
 use tessera_protocol::client::{AdminClient, TenantClient};
 use tessera_protocol::{AllocationStatus, GpuInfo};
@@ -63,7 +64,7 @@ fn built(name: &str) -> PathBuf {
     assert!(
         p.exists(),
         "{} is missing: run `cargo build -p tessera-arbiter -p tessera-sim-nvml -p tessera-sim-cuda \
-         -p tessera-interpose -p tessera-device-plugin` first",
+         -p tessera-interpose -p tessera-examples -p tessera-device-plugin` first",
         p.display()
     );
     p
@@ -105,13 +106,20 @@ impl FakeKubelet {
                 })
                 .await;
         });
-        Self { stop, task, registrations }
+        Self {
+            stop,
+            task,
+            registrations,
+        }
     }
 
     async fn stop(self) {
         let _ = self.stop.send(true);
         let mut task = self.task;
-        if tokio::time::timeout(Duration::from_secs(3), &mut task).await.is_err() {
+        if tokio::time::timeout(Duration::from_secs(3), &mut task)
+            .await
+            .is_err()
+        {
             task.abort();
         }
     }
@@ -193,7 +201,11 @@ struct Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
-        for c in self.plugin.iter_mut().chain(std::iter::once(&mut self.arbiter)) {
+        for c in self
+            .plugin
+            .iter_mut()
+            .chain(std::iter::once(&mut self.arbiter))
+        {
             let _ = c.kill();
             let _ = c.wait();
         }
@@ -285,7 +297,14 @@ impl Node {
             .arg(self.tenant())
             .arg("--host-lib-dir")
             .arg(self.host_lib())
-            .args(["--gpu-source", "nvml", "--stale-grace", "1", "--stale-interval", "0.2"])
+            .args([
+                "--gpu-source",
+                "nvml",
+                "--stale-grace",
+                "1",
+                "--stale-interval",
+                "0.2",
+            ])
             .stdout(Stdio::null());
         self.sim_env(&mut cmd);
         cmd
@@ -293,8 +312,18 @@ impl Node {
 
     /// Starts the plugin; the interposer is found next to the binary (no --interposer).
     fn start_plugin(&mut self) {
+        self.start_plugin_with(&[]);
+    }
+
+    fn start_plugin_with(&mut self, extra: &[&str]) {
         let log = std::fs::File::create(self.dir.path().join("plugin.log")).unwrap();
-        self.plugin = Some(self.plugin_command().stderr(log).spawn().unwrap());
+        self.plugin = Some(
+            self.plugin_command()
+                .args(extra)
+                .stderr(log)
+                .spawn()
+                .unwrap(),
+        );
     }
 
     fn admin_client(&self) -> AdminClient {
@@ -310,7 +339,9 @@ impl Node {
     }
 
     async fn plugin_client(&self) -> DevicePluginClient<Channel> {
-        let ch = connect_unix(&self.kubelet_dir().join(ENDPOINT), Duration::from_secs(5)).await.unwrap();
+        let ch = connect_unix(&self.kubelet_dir().join(ENDPOINT), Duration::from_secs(5))
+            .await
+            .unwrap();
         DevicePluginClient::new(ch)
     }
 }
@@ -319,17 +350,30 @@ fn unit_ids(uuid: &str, range: std::ops::Range<u32>) -> Vec<String> {
     range.map(|n| format!("{uuid}-{n}")).collect()
 }
 
-async fn next_list(stream: &mut Streaming<ListAndWatchResponse>, what: &str) -> ListAndWatchResponse {
-    within(10, what, stream.message()).await.unwrap().expect("stream open")
+async fn next_list(
+    stream: &mut Streaming<ListAndWatchResponse>,
+    what: &str,
+) -> ListAndWatchResponse {
+    within(10, what, stream.message())
+        .await
+        .unwrap()
+        .expect("stream open")
 }
 
 async fn allocate(
     client: &mut DevicePluginClient<Channel>,
     ids: Vec<String>,
 ) -> Result<ContainerAllocateResponse, Status> {
-    let req = AllocateRequest { container_requests: vec![ContainerAllocateRequest { devices_ids: ids }] };
+    let req = AllocateRequest {
+        container_requests: vec![ContainerAllocateRequest { devices_ids: ids }],
+    };
     let resp = within(15, "Allocate", client.allocate(req)).await?;
-    Ok(resp.into_inner().container_responses.into_iter().next().expect("one container"))
+    Ok(resp
+        .into_inner()
+        .container_responses
+        .into_iter()
+        .next()
+        .expect("one container"))
 }
 
 async fn preferred(
@@ -344,12 +388,22 @@ async fn preferred(
             allocation_size: size,
         }],
     };
-    let resp = within(10, "GetPreferredAllocation", client.get_preferred_allocation(req)).await?;
+    let resp = within(
+        10,
+        "GetPreferredAllocation",
+        client.get_preferred_allocation(req),
+    )
+    .await?;
     Ok(resp.into_inner().container_responses.remove(0).device_i_ds)
 }
 
 /// Waits (bounded) until `cond` holds on the arbiter's allocation list.
-async fn wait_allocations(node: &Node, secs: u64, what: &str, cond: impl Fn(&[AllocationStatus]) -> bool) {
+async fn wait_allocations(
+    node: &Node,
+    secs: u64,
+    what: &str,
+    cond: impl Fn(&[AllocationStatus]) -> bool,
+) {
     within(secs, what, async {
         loop {
             if cond(&node.allocations()) {
@@ -370,7 +424,9 @@ async fn register_list_prefer_allocate_and_clean_up() {
     node.start_plugin();
 
     // Registration: version, bare endpoint, resource, options.
-    let reg = within(15, "registration", kubelet.registrations.recv()).await.unwrap();
+    let reg = within(15, "registration", kubelet.registrations.recv())
+        .await
+        .unwrap();
     assert_eq!(reg.version, "v1beta1");
     assert_eq!(reg.endpoint, ENDPOINT);
     assert_eq!(reg.resource_name, RESOURCE);
@@ -379,7 +435,9 @@ async fn register_list_prefer_allocate_and_clean_up() {
     assert!(!opts.pre_start_required);
 
     let mut client = node.plugin_client().await;
-    let o = within(5, "options", client.get_device_plugin_options(Empty {})).await.unwrap();
+    let o = within(5, "options", client.get_device_plugin_options(Empty {}))
+        .await
+        .unwrap();
     assert!(o.into_inner().get_preferred_allocation_available);
 
     // Device list: two 80 GiB GPUs, 100 units each, all healthy, ids within 63 characters.
@@ -387,12 +445,21 @@ async fn register_list_prefer_allocate_and_clean_up() {
     assert_eq!(gpus.len(), 2);
     let (g0, g1) = (gpus[0].uuid.clone(), gpus[1].uuid.clone());
     assert_eq!(gpus[0].memory_total, 80 * GIB);
-    let mut stream = within(5, "ListAndWatch", client.list_and_watch(Empty {})).await.unwrap().into_inner();
+    let mut stream = within(5, "ListAndWatch", client.list_and_watch(Empty {}))
+        .await
+        .unwrap()
+        .into_inner();
     let list = next_list(&mut stream, "first device list").await;
     assert_eq!(list.devices.len(), 200);
-    assert!(list.devices.iter().all(|d| d.health == "Healthy" && d.id.len() <= 63));
+    assert!(
+        list.devices
+            .iter()
+            .all(|d| d.health == "Healthy" && d.id.len() <= 63)
+    );
     let ids: Vec<&str> = list.devices.iter().map(|d| d.id.as_str()).collect();
-    assert!(ids.contains(&format!("{g0}-0").as_str()) && ids.contains(&format!("{g1}-99").as_str()));
+    assert!(
+        ids.contains(&format!("{g0}-0").as_str()) && ids.contains(&format!("{g1}-99").as_str())
+    );
 
     // Preferred allocation: GPU 0 has 50 units in use, so 30 go on GPU 0 (best fit).
     let mut available = unit_ids(&g0, 50..100);
@@ -400,7 +467,11 @@ async fn register_list_prefer_allocate_and_clean_up() {
     let pick = preferred(&mut client, available.clone(), 30).await.unwrap();
     assert_eq!(pick, unit_ids(&g0, 50..80));
     let pick60 = preferred(&mut client, available.clone(), 60).await.unwrap();
-    assert_eq!(pick60, unit_ids(&g1, 0..60), "60 does not fit GPU 0's 50 free units");
+    assert_eq!(
+        pick60,
+        unit_ids(&g1, 0..60),
+        "60 does not fit GPU 0's 50 free units"
+    );
     let err = preferred(&mut client, available, 150).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
     assert!(err.message().contains("whole GPUs"), "{}", err.message());
@@ -410,8 +481,15 @@ async fn register_list_prefer_allocate_and_clean_up() {
     spread.extend(unit_ids(&g1, 0..10));
     let err = allocate(&mut client, spread).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
-    assert!(err.message().contains("spread over 2 GPUs"), "{}", err.message());
-    assert!(node.allocations().is_empty(), "a refused Allocate creates nothing");
+    assert!(
+        err.message().contains("spread over 2 GPUs"),
+        "{}",
+        err.message()
+    );
+    assert!(
+        node.allocations().is_empty(),
+        "a refused Allocate creates nothing"
+    );
 
     // Allocate 30 units: an arbiter allocation of 30% of GPU 0, and the container wiring.
     // (The kubelet lists a container's devices from the moment it allocates them.)
@@ -421,16 +499,40 @@ async fn register_list_prefer_allocate_and_clean_up() {
     assert!(token.len() >= 32, "token {token:?}");
     assert_eq!(resp.envs["TESSERA_SOCKET"], "/run/tessera/tessera.sock");
     assert_eq!(resp.envs["NVIDIA_VISIBLE_DEVICES"], g0);
-    let mounts: HashMap<&str, _> = resp.mounts.iter().map(|m| (m.container_path.as_str(), m)).collect();
+    let mounts: HashMap<&str, _> = resp
+        .mounts
+        .iter()
+        .map(|m| (m.container_path.as_str(), m))
+        .collect();
     assert!(resp.mounts.iter().all(|m| m.read_only));
     let lib = mounts[CONTAINER_LIB];
-    let lib_name = Path::new(&lib.host_path).file_name().unwrap().to_str().unwrap().to_owned();
-    assert!(lib_name.starts_with(&format!("libtessera_interpose-{}-", env!("CARGO_PKG_VERSION"))), "{lib_name}");
+    let lib_name = Path::new(&lib.host_path)
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        lib_name.starts_with(&format!(
+            "libtessera_interpose-{}-",
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{lib_name}"
+    );
     assert!(Path::new(&lib.host_path).starts_with(node.host_lib()));
-    assert_eq!(std::fs::read(&lib.host_path).unwrap(), std::fs::read(built("libtessera_interpose.so")).unwrap());
+    assert_eq!(
+        std::fs::read(&lib.host_path).unwrap(),
+        std::fs::read(built("libtessera_interpose.so")).unwrap()
+    );
     let preload = mounts["/etc/ld.so.preload"];
-    assert_eq!(std::fs::read_to_string(&preload.host_path).unwrap(), format!("{CONTAINER_LIB}\n"));
-    assert_eq!(Path::new(&mounts["/run/tessera"].host_path), node.tenant().parent().unwrap());
+    assert_eq!(
+        std::fs::read_to_string(&preload.host_path).unwrap(),
+        format!("{CONTAINER_LIB}\n")
+    );
+    assert_eq!(
+        Path::new(&mounts["/run/tessera"].host_path),
+        node.tenant().parent().unwrap()
+    );
 
     // The token works: the tenant socket accepts it and reports the allocation's limits.
     let tenant = TenantClient::connect(&node.tenant(), &token).unwrap();
@@ -447,7 +549,11 @@ async fn register_list_prefer_allocate_and_clean_up() {
 
     // Stale clean-up: kept while a container holds the units (well past the 1 s grace) ...
     tokio::time::sleep(Duration::from_millis(2500)).await;
-    assert_eq!(node.allocations().len(), 1, "a held allocation must not be cleaned up");
+    assert_eq!(
+        node.allocations().len(),
+        1,
+        "a held allocation must not be cleaned up"
+    );
     // ... and deleted once none does.
     podres.set_holding("p1", &[]);
     wait_allocations(&node, 10, "stale allocation deleted", |a| a.is_empty()).await;
@@ -462,7 +568,11 @@ async fn register_list_prefer_allocate_and_clean_up() {
     assert!(resp.mounts.is_empty());
     let allocs = node.allocations();
     assert_eq!(allocs.len(), 2);
-    assert!(allocs.iter().all(|a| a.share == 100 && a.memory_limit == 80 * GIB));
+    assert!(
+        allocs
+            .iter()
+            .all(|a| a.share == 100 && a.memory_limit == 80 * GIB)
+    );
 
     // Units handed out again mean their old holder is gone: its allocation is replaced.
     podres.set_holding("big", &[]);
@@ -471,7 +581,10 @@ async fn register_list_prefer_allocate_and_clean_up() {
     let resp = allocate(&mut client, again).await.unwrap();
     assert_eq!(resp.envs["NVIDIA_VISIBLE_DEVICES"], g1);
     let allocs = node.allocations();
-    assert!(allocs.iter().all(|a| a.gpu_uuid != g1 || a.share == 10), "{allocs:?}");
+    assert!(
+        allocs.iter().all(|a| a.gpu_uuid != g1 || a.share == 10),
+        "{allocs:?}"
+    );
     // The GPU 0 whole allocation is orphaned and goes; the held one stays.
     wait_allocations(&node, 10, "orphaned whole-GPU allocation deleted", |a| {
         a.len() == 1 && a[0].gpu_uuid == g1
@@ -488,12 +601,20 @@ async fn xid_health_and_kubelet_restart() {
     let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
     FakePodResources::default().serve(&node.podres());
     node.start_plugin();
-    within(15, "registration", kubelet.registrations.recv()).await.unwrap();
+    within(15, "registration", kubelet.registrations.recv())
+        .await
+        .unwrap();
     let gpus = node.gpus();
     let (g0, g1) = (gpus[0].uuid.clone(), gpus[1].uuid.clone());
     let mut client = node.plugin_client().await;
-    let mut stream = within(5, "ListAndWatch", client.list_and_watch(Empty {})).await.unwrap().into_inner();
-    assert_eq!(next_list(&mut stream, "first list").await.devices.len(), 200);
+    let mut stream = within(5, "ListAndWatch", client.list_and_watch(Empty {}))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        next_list(&mut stream, "first list").await.devices.len(),
+        200
+    );
 
     // A running pod's allocation, which must survive the kubelet restart.
     let held = unit_ids(&g0, 0..10);
@@ -507,11 +628,22 @@ async fn xid_health_and_kubelet_restart() {
     let list = next_list(&mut stream, "update after XID 79").await;
     assert_eq!(list.devices.len(), 200);
     for d in &list.devices {
-        let want = if d.id.starts_with(&g1) { "Unhealthy" } else { "Healthy" };
+        let want = if d.id.starts_with(&g1) {
+            "Unhealthy"
+        } else {
+            "Healthy"
+        };
         assert_eq!(d.health, want, "{}", d.id);
     }
-    let err = allocate(&mut client, unit_ids(&g1, 0..5)).await.unwrap_err();
-    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{}", err.message());
+    let err = allocate(&mut client, unit_ids(&g1, 0..5))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code(),
+        tonic::Code::FailedPrecondition,
+        "{}",
+        err.message()
+    );
 
     // Kubelet restart: it stops, deletes every socket in the folder, and comes back.
     kubelet.stop().await;
@@ -520,20 +652,40 @@ async fn xid_health_and_kubelet_restart() {
         std::fs::remove_file(e.path()).unwrap();
     }
     let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
-    let reg = within(10, "re-registration", kubelet.registrations.recv()).await.unwrap();
+    let reg = within(10, "re-registration", kubelet.registrations.recv())
+        .await
+        .unwrap();
     let took = restarted.elapsed();
-    assert!(took < Duration::from_secs(5), "re-registered after {took:?}");
+    assert!(
+        took < Duration::from_secs(5),
+        "re-registered after {took:?}"
+    );
     eprintln!("re-registration after kubelet restart took {took:?}");
     assert_eq!(reg.endpoint, ENDPOINT);
 
     // The old stream ended with the old server; the new socket serves the same state.
     let ended = within(10, "old ListAndWatch stream ends", stream.message()).await;
-    assert!(!matches!(ended, Ok(Some(_))), "old stream still delivering: {ended:?}");
+    assert!(
+        !matches!(ended, Ok(Some(_))),
+        "old stream still delivering: {ended:?}"
+    );
     let mut client = node.plugin_client().await;
-    let mut stream = within(5, "ListAndWatch again", client.list_and_watch(Empty {})).await.unwrap().into_inner();
+    let mut stream = within(5, "ListAndWatch again", client.list_and_watch(Empty {}))
+        .await
+        .unwrap()
+        .into_inner();
     let list = next_list(&mut stream, "list after restart").await;
-    assert_eq!(list.devices.iter().filter(|d| d.health == "Unhealthy").count(), 100);
-    assert!(node.allocations().iter().any(|a| a.id == alloc_id), "allocation lost in the restart");
+    assert_eq!(
+        list.devices
+            .iter()
+            .filter(|d| d.health == "Unhealthy")
+            .count(),
+        100
+    );
+    assert!(
+        node.allocations().iter().any(|a| a.id == alloc_id),
+        "allocation lost in the restart"
+    );
 
     // SIGTERM: clean exit, socket removed.
     let mut plugin = node.plugin.take().unwrap();
@@ -569,7 +721,12 @@ async fn bad_flags_and_missing_interposer_exit_with_documented_codes() {
             .unwrap()
     };
     let out = run(&["--shares-per-gpu", "0"]);
-    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = run(&["--no-such-flag"]);
     assert_eq!(out.status.code(), Some(2));
     let out = run(&["--interposer", "/nonexistent/libtessera_interpose.so"]);
@@ -577,13 +734,180 @@ async fn bad_flags_and_missing_interposer_exit_with_documented_codes() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("interposer"));
     // --install-only installs and exits 0.
     let out = run(&["--install-only"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let names: Vec<String> = std::fs::read_dir(dir.path().join("lib"))
         .unwrap()
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
     assert_eq!(names.len(), 2, "{names:?}");
-    assert!(names.iter().any(|n| n.starts_with("libtessera_interpose-") && n.ends_with(".so")));
+    assert!(
+        names
+            .iter()
+            .any(|n| n.starts_with("libtessera_interpose-") && n.ends_with(".so"))
+    );
     assert!(names.iter().any(|n| n.starts_with("ld.so.preload-")));
+}
+
+/// Runs `program` the way a container runtime would start it from an `Allocate` answer: in a
+/// private mount namespace and a chroot whose `/usr` is the host's, with the answer's mounts
+/// bound (read-only where asked) at their container paths and only the answer's environment
+/// plus `env`. `shared` paths are bound at the same place (the built binaries, the simulated
+/// machine's state). Needs root, as the kubelet's runtime does.
+fn run_in_container(
+    resp: &ContainerAllocateResponse,
+    root: &Path,
+    shared: &[&Path],
+    env: &[(&str, String)],
+    program: &Path,
+) -> std::process::Output {
+    // Paths go into a shell script unquoted: allow only plain characters.
+    let safe = |p: &Path| {
+        let t = p.display().to_string();
+        assert!(
+            t.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"/._-".contains(&b)),
+            "unexpected characters in {t}"
+        );
+        t
+    };
+    let r = safe(root);
+    let mut s = String::from("set -e\n");
+    s += &format!("mkdir -p {r}/usr {r}/proc {r}/dev {r}/etc {r}/tmp\n");
+    for link in ["lib", "lib64", "bin", "sbin"] {
+        let host = Path::new("/").join(link);
+        match std::fs::read_link(&host) {
+            Ok(target) => s += &format!("ln -s {} {r}/{link}\n", safe(&target)),
+            Err(_) if host.is_dir() => {
+                s += &format!("mkdir -p {r}/{link}\nmount --rbind /{link} {r}/{link}\n")
+            }
+            Err(_) => {}
+        }
+    }
+    s += &format!(
+        "mount --rbind /usr {r}/usr\nmount --rbind /proc {r}/proc\nmount --rbind /dev {r}/dev\n"
+    );
+    s += &format!("cp /etc/ld.so.cache {r}/etc/ 2>/dev/null || true\n");
+    for p in shared {
+        let p = safe(p);
+        s += &format!("mkdir -p {r}{p}\nmount --bind {p} {r}{p}\n");
+    }
+    for m in &resp.mounts {
+        let host = Path::new(&m.host_path);
+        let (h, c) = (safe(host), safe(Path::new(&m.container_path)));
+        assert!(
+            !c.starts_with("/usr/"),
+            "{c}: this emulation shares the host's /usr"
+        );
+        if host.is_dir() {
+            s += &format!("mkdir -p {r}{c}\n");
+        } else {
+            let parent = safe(Path::new(&m.container_path).parent().unwrap());
+            s += &format!("mkdir -p {r}{parent}\ntouch {r}{c}\n");
+        }
+        s += &format!("mount --bind {h} {r}{c}\n");
+        if m.read_only {
+            s += &format!("mount -o remount,bind,ro {r}{c}\n");
+        }
+    }
+    let mut vars: Vec<String> = resp
+        .envs
+        .iter()
+        .map(|(k, v)| format!("{k}={}", safe(Path::new(v))))
+        .collect();
+    vars.extend(
+        env.iter()
+            .map(|(k, v)| format!("{k}={}", safe(Path::new(v)))),
+    );
+    s += &format!(
+        "exec chroot {r} /usr/bin/env -i {} {}\n",
+        vars.join(" "),
+        safe(program)
+    );
+    Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c", &s])
+        .output()
+        .expect("unshare (util-linux) is needed to emulate a container")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_gets_the_interposer_and_its_limit() {
+    let mut node = Node::start().await;
+    let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
+    let podres = FakePodResources::default();
+    podres.serve(&node.podres());
+    // The emulated container shares the host's /usr, so the library goes under /opt here.
+    node.start_plugin_with(&[
+        "--container-lib-path",
+        "/opt/tessera/libtessera_interpose.so",
+    ]);
+    within(15, "registration", kubelet.registrations.recv())
+        .await
+        .unwrap();
+    let g0 = node.gpus()[0].uuid.clone();
+    let mut client = node.plugin_client().await;
+    let units = unit_ids(&g0, 0..30);
+    podres.set_holding("p", &units);
+    let resp = allocate(&mut client, units).await.unwrap();
+
+    let hello = built("hello_gpu");
+    let target = built_dir();
+    let sim_env = vec![
+        ("LD_LIBRARY_PATH", node.lib_dir.display().to_string()),
+        ("TESSERA_SIM_DIR", node.sim_dir.display().to_string()),
+        ("TESSERA_SIM_GPUS", "2x80GiB".to_string()),
+    ];
+    let root = tempfile::tempdir().unwrap();
+    let out = tokio::task::block_in_place(|| {
+        run_in_container(
+            &resp,
+            root.path(),
+            &[&target, node.dir.path()],
+            &sim_env,
+            &hello,
+        )
+    });
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let shown = format!("container stdout:\n{stdout}\ncontainer stderr:\n{stderr}");
+    // Preloaded through /etc/ld.so.preload (no LD_PRELOAD in the environment), the interposer
+    // reached the arbiter with the token: the card shows the allocation's 24 GiB, and the
+    // program's 40 GiB allocation is refused with CUDA_ERROR_OUT_OF_MEMORY (2).
+    assert!(
+        stdout.contains("GPU 0: Tessera Sim GPU 80GiB, 24 GiB"),
+        "{shown}"
+    );
+    assert!(
+        stderr.contains("cuMemAlloc failed with CUresult 2"),
+        "{shown}"
+    );
+    assert!(!out.status.success(), "{shown}");
+
+    // Control: the same container without the preload file sees the whole card.
+    let mut bare = resp.clone();
+    bare.mounts
+        .retain(|m| m.container_path != "/etc/ld.so.preload");
+    let root = tempfile::tempdir().unwrap();
+    let out = tokio::task::block_in_place(|| {
+        run_in_container(
+            &bare,
+            root.path(),
+            &[&target, node.dir.path()],
+            &sim_env,
+            &hello,
+        )
+    });
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let shown = format!("{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        stdout.contains("GPU 0: Tessera Sim GPU 80GiB, 80 GiB"),
+        "{shown}"
+    );
+    assert!(stdout.contains("allocated 40 GiB"), "{shown}");
+    kubelet.stop().await;
 }

@@ -31,7 +31,11 @@ fn first_difference(path: &str, want: &Value, got: &Value) -> Option<String> {
             for (k, va) in a {
                 let p = format!("{path}.{k}");
                 match b.get(k) {
-                    None => return Some(format!("{p}: unknown or misspelled field (dropped by the schema)")),
+                    None => {
+                        return Some(format!(
+                            "{p}: unknown or misspelled field (dropped by the schema)"
+                        ));
+                    }
                     Some(vb) => {
                         if let Some(d) = first_difference(&p, va, vb) {
                             return Some(d);
@@ -39,13 +43,18 @@ fn first_difference(path: &str, want: &Value, got: &Value) -> Option<String> {
                     }
                 }
             }
-            b.keys().find(|k| !a.contains_key(*k)).map(|k| format!("{path}.{k}: added by the schema"))
+            b.keys()
+                .find(|k| !a.contains_key(*k))
+                .map(|k| format!("{path}.{k}: added by the schema"))
         }
         (Value::Array(a), Value::Array(b)) => {
             if a.len() != b.len() {
                 return Some(format!("{path}: {} items became {}", a.len(), b.len()));
             }
-            a.iter().zip(b).enumerate().find_map(|(i, (x, y))| first_difference(&format!("{path}[{i}]"), x, y))
+            a.iter()
+                .zip(b)
+                .enumerate()
+                .find_map(|(i, (x, y))| first_difference(&format!("{path}[{i}]"), x, y))
         }
         _ if want == got => None,
         _ => Some(format!("{path}: {want} became {got}")),
@@ -63,14 +72,19 @@ fn strict<T: DeserializeOwned + serde::Serialize>(value: &Value) -> Result<T, St
 }
 
 fn check_document(value: &Value) -> Result<Object, String> {
-    let api = value.get("apiVersion").and_then(Value::as_str).unwrap_or("");
+    let api = value
+        .get("apiVersion")
+        .and_then(Value::as_str)
+        .unwrap_or("");
     let kind = value.get("kind").and_then(Value::as_str).unwrap_or("");
     match (api, kind) {
         ("v1", "Namespace") => strict(value).map(|o| Object::Namespace(Box::new(o))),
         ("v1", "ServiceAccount") => strict(value).map(|o| Object::ServiceAccount(Box::new(o))),
         ("apps/v1", "DaemonSet") => strict(value).map(|o| Object::DaemonSet(Box::new(o))),
         ("v1", "Pod") => strict(value).map(|o| Object::Pod(Box::new(o))),
-        _ => Err(format!("unsupported apiVersion/kind {api:?}/{kind:?} (add it to this test)")),
+        _ => Err(format!(
+            "unsupported apiVersion/kind {api:?}/{kind:?} (add it to this test)"
+        )),
     }
 }
 
@@ -95,7 +109,10 @@ fn all_manifests() -> Vec<(PathBuf, Vec<Object>)> {
         .filter(|p| matches!(p.extension().and_then(|e| e.to_str()), Some("yaml" | "yml")))
         .collect();
     files.sort();
-    assert!(files.len() >= 3, "expected the manifests in deploy/, found {files:?}");
+    assert!(
+        files.len() >= 3,
+        "expected the manifests in deploy/, found {files:?}"
+    );
     files
         .into_iter()
         .map(|p| {
@@ -109,18 +126,33 @@ fn all_manifests() -> Vec<(PathBuf, Vec<Object>)> {
 
 /// Every volume a container mounts is declared, and every declared volume is used.
 fn check_volumes(spec: &PodSpec) {
-    let declared: Vec<&str> =
-        spec.volumes.iter().flatten().map(|v| v.name.as_str()).collect();
-    let containers = spec.containers.iter().chain(spec.init_containers.iter().flatten());
+    let declared: Vec<&str> = spec
+        .volumes
+        .iter()
+        .flatten()
+        .map(|v| v.name.as_str())
+        .collect();
+    let containers = spec
+        .containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten());
     let mut used = Vec::new();
     for c in containers {
         for m in c.volume_mounts.iter().flatten() {
-            assert!(declared.contains(&m.name.as_str()), "{} mounts undeclared volume {}", c.name, m.name);
+            assert!(
+                declared.contains(&m.name.as_str()),
+                "{} mounts undeclared volume {}",
+                c.name,
+                m.name
+            );
             used.push(m.name.as_str());
         }
     }
     for d in declared {
-        assert!(used.contains(&d), "volume {d} is declared but never mounted");
+        assert!(
+            used.contains(&d),
+            "volume {d} is declared but never mounted"
+        );
     }
 }
 
@@ -131,51 +163,109 @@ fn every_manifest_matches_the_kubernetes_schema() {
 
     let ds = objs
         .iter()
-        .find_map(|o| if let Object::DaemonSet(d) = o { Some(d) } else { None })
+        .find_map(|o| {
+            if let Object::DaemonSet(d) = o {
+                Some(d)
+            } else {
+                None
+            }
+        })
         .expect("a DaemonSet");
     let spec = ds.spec.as_ref().unwrap();
-    let tmpl_labels = spec.template.metadata.as_ref().unwrap().labels.as_ref().unwrap();
+    let tmpl_labels = spec
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .labels
+        .as_ref()
+        .unwrap();
     for (k, v) in spec.selector.match_labels.as_ref().unwrap() {
-        assert_eq!(tmpl_labels.get(k), Some(v), "selector {k}={v} does not match the template");
+        assert_eq!(
+            tmpl_labels.get(k),
+            Some(v),
+            "selector {k}={v} does not match the template"
+        );
     }
     let pod = spec.template.spec.as_ref().unwrap();
     check_volumes(pod);
-    assert!(pod.node_selector.as_ref().is_some_and(|s| !s.is_empty()), "GPU node selector");
+    assert!(
+        pod.node_selector.as_ref().is_some_and(|s| !s.is_empty()),
+        "GPU node selector"
+    );
     let names: Vec<&str> = pod.containers.iter().map(|c| c.name.as_str()).collect();
     assert_eq!(names, ["arbiter", "device-plugin"]);
     assert_eq!(pod.init_containers.as_ref().map(Vec::len), Some(1));
     for c in &pod.containers {
-        assert!(c.liveness_probe.is_some(), "{} has no liveness probe", c.name);
+        assert!(
+            c.liveness_probe.is_some(),
+            "{} has no liveness probe",
+            c.name
+        );
         let req = c.resources.as_ref().and_then(|r| r.requests.as_ref());
-        assert!(req.is_some_and(|r| r.contains_key("cpu") && r.contains_key("memory")), "{}", c.name);
+        assert!(
+            req.is_some_and(|r| r.contains_key("cpu") && r.contains_key("memory")),
+            "{}",
+            c.name
+        );
     }
     // The admin socket's folder must not be the one pods get.
     let plugin = &pod.containers[1];
     let args = plugin.command.as_ref().unwrap().join(" ");
-    assert!(args.contains("--admin-socket=/run/tessera/admin.sock"), "{args}");
-    assert!(args.contains("--tenant-socket=/run/tessera/tenant/tessera.sock"), "{args}");
+    assert!(
+        args.contains("--admin-socket=/run/tessera/admin.sock"),
+        "{args}"
+    );
+    assert!(
+        args.contains("--tenant-socket=/run/tessera/tenant/tessera.sock"),
+        "{args}"
+    );
 
     let sa = objs
         .iter()
-        .find_map(|o| if let Object::ServiceAccount(s) = o { Some(s) } else { None })
+        .find_map(|o| {
+            if let Object::ServiceAccount(s) = o {
+                Some(s)
+            } else {
+                None
+            }
+        })
         .expect("a ServiceAccount");
-    assert_eq!(pod.service_account_name.as_deref(), sa.metadata.name.as_deref());
+    assert_eq!(
+        pod.service_account_name.as_deref(),
+        sa.metadata.name.as_deref()
+    );
     let ns = objs
         .iter()
-        .find_map(|o| if let Object::Namespace(n) = o { Some(n) } else { None })
+        .find_map(|o| {
+            if let Object::Namespace(n) = o {
+                Some(n)
+            } else {
+                None
+            }
+        })
         .expect("a Namespace");
     assert_eq!(ds.metadata.namespace, ns.metadata.name);
 
     let example = objs
         .iter()
-        .find_map(|o| if let Object::Pod(p) = o { Some(p) } else { None })
+        .find_map(|o| {
+            if let Object::Pod(p) = o {
+                Some(p)
+            } else {
+                None
+            }
+        })
         .expect("an example Pod");
     let limits = example.spec.as_ref().unwrap().containers[0]
         .resources
         .as_ref()
         .and_then(|r| r.limits.as_ref())
         .unwrap();
-    assert_eq!(limits.get("tessera.dev/gpu-shares").map(|q| q.0.as_str()), Some("30"));
+    assert_eq!(
+        limits.get("tessera.dev/gpu-shares").map(|q| q.0.as_str()),
+        Some("30")
+    );
 }
 
 #[test]
