@@ -546,6 +546,16 @@ async fn register_list_prefer_allocate_and_clean_up() {
     assert_eq!(allocs.len(), 1);
     assert_eq!(allocs[0].labels["tessera.dev/units"], "50-79");
     assert_eq!(allocs[0].labels["tessera.dev/owner"], "device-plugin");
+    // ... and the operator sees it in `tessera status`.
+    let status = Command::new(built("tessera"))
+        .arg("status")
+        .arg("--admin-socket")
+        .arg(node.admin())
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&status.stdout);
+    assert!(status.status.success(), "{table}{}", String::from_utf8_lossy(&status.stderr));
+    assert!(table.contains(&view.id), "tessera status does not list {}:\n{table}", view.id);
 
     // Stale clean-up: kept while a container holds the units (well past the 1 s grace) ...
     tokio::time::sleep(Duration::from_millis(2500)).await;
