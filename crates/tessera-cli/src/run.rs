@@ -1,10 +1,426 @@
-//! `tessera run` (placeholder until its issue lands).
+//! `tessera run`: run a command under an enforced allocation, without Kubernetes.
+//!
+//! Creates an allocation through the arbiter's admin socket, runs the command with the
+//! interposer preloaded (`LD_PRELOAD`, prepended to any existing value) and `TESSERA_SOCKET` /
+//! `TESSERA_TOKEN` set, passes its exit code through (128 + signal when it was killed), and
+//! deletes the allocation when the command ends.
+//!
+//! Signals: SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to `tessera run` by another process
+//! (`kill`) are forwarded to the command; the same signals typed at the terminal (Ctrl-C)
+//! already reach the command, which shares the terminal's process group, so they are not
+//! sent twice. Either way `tessera run` waits for the command and then cleans up.
+
+use std::ffi::OsString;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicI32, Ordering};
+
+use anyhow::{Context, bail};
+use tessera_protocol::client::{AdminClient, ClientError};
+use tessera_protocol::{CreateAllocation, FrameError, GpuSelector};
+
+use crate::Exit;
+
+/// Default admin socket (same as the arbiter's).
+pub const DEFAULT_ADMIN_SOCKET: &str = "/run/tessera/admin.sock";
+/// Default tenant socket (same as the arbiter's).
+pub const DEFAULT_SOCKET: &str = "/run/tessera/tessera.sock";
+/// File name of the interposer, looked for next to the `tessera` executable.
+pub const INTERPOSER_FILE: &str = "libtessera_interpose.so";
+/// Share given when `--share` is not: weights are relative and WFQ hands idle time to whoever
+/// is busy, so a lone command gets the whole GPU; 10 lets ten default runs share one GPU.
+pub const DEFAULT_SHARE: u32 = 10;
 
 /// Arguments of `tessera run`.
 #[derive(Debug, clap::Args)]
-pub struct RunArgs {}
+pub struct RunArgs {
+    /// GPU by index or UUID.
+    #[arg(long, default_value = "0", value_name = "INDEX|UUID")]
+    pub gpu: String,
+    /// Memory limit for all processes of the command together, e.g. 512MiB, 4GiB, 1.5G.
+    #[arg(long, value_name = "SIZE", value_parser = parse_size_arg)]
+    pub memory: u64,
+    /// Compute weight 1..=100 (relative to the other allocations of the GPU; the shares of a
+    /// GPU add up to at most 100).
+    #[arg(long, default_value_t = DEFAULT_SHARE, value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub share: u32,
+    /// Also cap the command's GPU time at its share (percent of the GPU), even when the GPU is
+    /// otherwise idle.
+    #[arg(long)]
+    pub cap: bool,
+    /// Arbiter admin socket.
+    #[arg(long, env = "TESSERA_ADMIN_SOCKET", default_value = DEFAULT_ADMIN_SOCKET)]
+    pub admin_socket: PathBuf,
+    /// Arbiter tenant socket, handed to the command.
+    #[arg(long, env = "TESSERA_SOCKET", default_value = DEFAULT_SOCKET)]
+    pub socket: PathBuf,
+    /// The interposer library [default: libtessera_interpose.so next to `tessera`].
+    #[arg(long, env = "TESSERA_INTERPOSER", value_name = "PATH")]
+    pub interposer: Option<PathBuf>,
+    /// The command to run, after `--`.
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        required = true,
+        value_name = "COMMAND"
+    )]
+    pub command: Vec<OsString>,
+}
+
+/// Errors of size parsing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    /// Nothing given.
+    #[error("empty size: expected e.g. 512MiB, 4GiB, 1.5G or a number of bytes")]
+    Empty,
+    /// The number part is not a number.
+    #[error(
+        "{0:?} is not a size: expected a number then an optional unit (B, KiB, MiB, GiB, TiB, K, M, G, T, KB, MB, GB, TB)"
+    )]
+    Number(String),
+    /// Unknown unit.
+    #[error(
+        "unknown unit {unit:?} in {text:?}: use B, KiB, MiB, GiB, TiB (or K, M, G, T, also 1024-based) or KB, MB, GB, TB (1000-based)"
+    )]
+    Unit {
+        /// The whole input.
+        text: String,
+        /// The unit part.
+        unit: String,
+    },
+    /// Zero bytes.
+    #[error("{0:?} is zero bytes")]
+    Zero(String),
+    /// Fractional bytes.
+    #[error("{0:?} is not a whole number of bytes")]
+    Fraction(String),
+    /// Too big.
+    #[error("{0:?} is too large")]
+    TooLarge(String),
+}
+
+/// Parses a size: a number (fractions allowed with a unit) and an optional unit.
+/// `K`, `M`, `G`, `T` and `KiB`..`TiB` (also `Ki`..`Ti`) are powers of 1024, as GPU memory
+/// is counted; `KB`, `MB`, `GB`, `TB` are powers of 1000; `B` or nothing is bytes.
+/// Units are case-insensitive and may follow a space.
+pub fn parse_size(text: &str) -> Result<u64, SizeError> {
+    let t = text.trim();
+    if t.is_empty() {
+        return Err(SizeError::Empty);
+    }
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let unit = unit.trim();
+    let mult: u128 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "ki" | "kib" => 1 << 10,
+        "m" | "mi" | "mib" => 1 << 20,
+        "g" | "gi" | "gib" => 1 << 30,
+        "t" | "ti" | "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        _ => {
+            return Err(SizeError::Unit {
+                text: text.into(),
+                unit: unit.into(),
+            });
+        }
+    };
+    let (int, frac) = num.split_once('.').unwrap_or((num, ""));
+    let digits_ok = |s: &str| s.chars().all(|c| c.is_ascii_digit());
+    if (int.is_empty() && frac.is_empty()) || !digits_ok(int) || !digits_ok(frac) {
+        return Err(SizeError::Number(text.into()));
+    }
+    if frac.len() > 18 || int.len() > 20 {
+        return Err(SizeError::TooLarge(text.into()));
+    }
+    let int_v: u128 = if int.is_empty() {
+        0
+    } else {
+        int.parse().map_err(|_| SizeError::TooLarge(text.into()))?
+    };
+    let frac_v: u128 = if frac.is_empty() {
+        0
+    } else {
+        frac.parse().expect("digits")
+    };
+    let scale = 10u128.pow(frac.len() as u32);
+    let frac_bytes = frac_v * mult;
+    if frac_bytes % scale != 0 {
+        return Err(SizeError::Fraction(text.into()));
+    }
+    let bytes = int_v
+        .checked_mul(mult)
+        .and_then(|b| b.checked_add(frac_bytes / scale))
+        .filter(|b| *b <= u128::from(u64::MAX))
+        .ok_or_else(|| SizeError::TooLarge(text.into()))?;
+    if bytes == 0 {
+        return Err(SizeError::Zero(text.into()));
+    }
+    Ok(bytes as u64)
+}
+
+fn parse_size_arg(text: &str) -> Result<u64, String> {
+    parse_size(text).map_err(|e| e.to_string())
+}
+
+/// `--gpu`: a plain number is an index, anything else a UUID.
+pub fn parse_gpu(text: &str) -> GpuSelector {
+    match text.trim().parse::<u32>() {
+        Ok(i) => GpuSelector::Index(i),
+        Err(_) => GpuSelector::Uuid(text.trim().to_owned()),
+    }
+}
+
+/// Reports an admin client error on stderr and returns the [`Exit`] carrying the CLI's exit
+/// code: 3 when the arbiter cannot be reached (or hung up), 4 when it refused, 1 otherwise.
+pub fn classify(err: ClientError, socket: &Path) -> anyhow::Error {
+    let code = match &err {
+        ClientError::Connect { .. } => 3,
+        ClientError::Frame(FrameError::Io(_) | FrameError::Closed) => 3,
+        ClientError::Refused(_) | ClientError::Admin { .. } => 4,
+        _ => 1,
+    };
+    let msg = match &err {
+        ClientError::Connect { .. } => format!(
+            "{err} (is tessera-arbiter running? set --admin-socket or TESSERA_ADMIN_SOCKET)"
+        ),
+        _ => format!("arbiter at {}: {err}", socket.display()),
+    };
+    // `main` exits silently with an `Exit`'s code, so the message is printed here.
+    eprintln!("tessera: {msg}");
+    Exit(code).into()
+}
+
+/// The interposer to preload: the flag (or `TESSERA_INTERPOSER`), else the file next to the
+/// running `tessera`. Refuses to go on without one: the command would run unlimited.
+fn interposer_path(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
+    let path = match explicit {
+        Some(p) => p.to_path_buf(),
+        None => {
+            let exe = std::env::current_exe().context("cannot locate the tessera executable")?;
+            exe.parent()
+                .map(|d| d.join(INTERPOSER_FILE))
+                .unwrap_or_default()
+        }
+    };
+    if !path.is_file() {
+        bail!(
+            "interposer {} not found: pass --interposer or set TESSERA_INTERPOSER \
+             (without it the limits would not be enforced)",
+            path.display()
+        );
+    }
+    // LD_PRELOAD entries are separated by ':' and spaces, and a relative one is searched
+    // for like a library name, so hand the loader an absolute path.
+    let path = std::fs::canonicalize(&path).unwrap_or(path);
+    let text = path.to_string_lossy();
+    if text.contains([':', ' ']) {
+        bail!(
+            "interposer path {} contains ':' or a space, which LD_PRELOAD cannot carry",
+            text
+        );
+    }
+    Ok(path)
+}
+
+/// `LD_PRELOAD` for the command: the interposer first, then whatever was there.
+pub fn ld_preload(interposer: &Path, existing: Option<OsString>) -> OsString {
+    let mut v = interposer.as_os_str().to_owned();
+    if let Some(e) = existing.filter(|e| !e.is_empty()) {
+        v.push(":");
+        v.push(e);
+    }
+    v
+}
+
+/// Pid of the running command (0 before it starts), read by the signal handler.
+static CHILD: AtomicI32 = AtomicI32::new(0);
+/// A signal that arrived before the command started, forwarded once it has.
+static EARLY_SIGNAL: AtomicI32 = AtomicI32::new(0);
+const FORWARDED: [libc::c_int; 4] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT];
+
+extern "C" fn forward(sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo_t to an SA_SIGINFO handler.
+    let code = unsafe { (*info).si_code };
+    // Positive codes (SI_KERNEL) are terminal-generated: the command got the signal too.
+    if code > 0 {
+        return;
+    }
+    let pid = CHILD.load(Ordering::SeqCst);
+    if pid > 0 {
+        // SAFETY: kill is async-signal-safe; pid is our child, not reaped before CHILD is reset.
+        unsafe { libc::kill(pid, sig) };
+    } else {
+        EARLY_SIGNAL.store(sig, Ordering::SeqCst);
+    }
+}
+
+fn install_forwarding() -> anyhow::Result<()> {
+    for sig in FORWARDED {
+        // SAFETY: a zeroed sigaction is a valid starting value; the handler only touches
+        // atomics and calls kill, which is async-signal-safe.
+        let rc = unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = forward as *const () as usize;
+            sa.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut())
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error()).context("cannot install signal handlers");
+        }
+    }
+    Ok(())
+}
 
 /// Runs `tessera run`; returns the process exit code.
-pub fn main(_args: RunArgs) -> anyhow::Result<u8> {
-    anyhow::bail!("tessera run is not built yet")
+pub fn main(args: RunArgs) -> anyhow::Result<u8> {
+    let interposer = interposer_path(args.interposer.as_deref())?;
+    let mut admin =
+        AdminClient::connect(&args.admin_socket).map_err(|e| classify(e, &args.admin_socket))?;
+    let mut labels = std::collections::BTreeMap::new();
+    labels.insert("created-by".to_owned(), "tessera run".to_owned());
+    labels.insert("pid".to_owned(), std::process::id().to_string());
+    labels.insert(
+        "command".to_owned(),
+        args.command[0].to_string_lossy().into_owned(),
+    );
+    let (token, alloc) = admin
+        .create(CreateAllocation {
+            gpu: parse_gpu(&args.gpu),
+            memory_limit: args.memory,
+            share: args.share,
+            cap: args.cap.then_some(args.share),
+            labels,
+        })
+        .map_err(|e| classify(e, &args.admin_socket))?;
+    drop(admin);
+    let id = alloc.id.clone();
+    let status = run_command(&args, &interposer, &token);
+    let deleted = AdminClient::connect(&args.admin_socket).and_then(|mut a| a.delete(&id));
+    if let Err(e) = &deleted {
+        eprintln!(
+            "tessera run: could not delete allocation {id}: {e}; it stays until deleted \
+             (see `tessera status`)"
+        );
+    }
+    let status = status?;
+    Ok(match status.code() {
+        Some(c) => c as u8,
+        None => 128u8.wrapping_add(status.signal().unwrap_or(0) as u8),
+    })
+}
+
+fn run_command(
+    args: &RunArgs,
+    interposer: &Path,
+    token: &str,
+) -> anyhow::Result<std::process::ExitStatus> {
+    install_forwarding()?;
+    let mut cmd = Command::new(&args.command[0]);
+    cmd.args(&args.command[1..])
+        .env(
+            "LD_PRELOAD",
+            ld_preload(interposer, std::env::var_os("LD_PRELOAD")),
+        )
+        .env("TESSERA_SOCKET", &args.socket)
+        .env("TESSERA_TOKEN", token);
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot run {}", args.command[0].to_string_lossy()))?;
+    CHILD.store(child.id() as i32, Ordering::SeqCst);
+    let early = EARLY_SIGNAL.swap(0, Ordering::SeqCst);
+    if early != 0 {
+        // SAFETY: kill has no memory preconditions; the child is not reaped yet.
+        unsafe { libc::kill(child.id() as i32, early) };
+    }
+    let status = child.wait();
+    CHILD.store(0, Ordering::SeqCst);
+    Ok(status?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_in_every_documented_form() {
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("4GiB"), Ok(4 << 30));
+        assert_eq!(parse_size("4G"), Ok(4 << 30));
+        assert_eq!(parse_size("4g"), Ok(4 << 30));
+        assert_eq!(parse_size("4Gi"), Ok(4 << 30));
+        assert_eq!(parse_size("1.5GiB"), Ok(3 << 29));
+        assert_eq!(parse_size(" 2 GiB "), Ok(2 << 30));
+        assert_eq!(parse_size("4GB"), Ok(4_000_000_000));
+        assert_eq!(parse_size("100MB"), Ok(100_000_000));
+        assert_eq!(parse_size("1048576"), Ok(1 << 20));
+        assert_eq!(parse_size("7B"), Ok(7));
+        assert_eq!(parse_size(".5KiB"), Ok(512));
+        assert_eq!(parse_size("1T"), Ok(1 << 40));
+    }
+
+    #[test]
+    fn bad_sizes_are_clear_errors() {
+        assert_eq!(parse_size(""), Err(SizeError::Empty));
+        assert!(matches!(parse_size("4XB"), Err(SizeError::Unit { unit, .. }) if unit == "XB"));
+        assert!(matches!(parse_size("abc"), Err(SizeError::Unit { .. })));
+        assert!(matches!(parse_size("GiB"), Err(SizeError::Number(_))));
+        assert!(matches!(parse_size("1.2.3GiB"), Err(SizeError::Number(_))));
+        assert!(matches!(parse_size("-4GiB"), Err(SizeError::Unit { .. })));
+        assert!(matches!(parse_size("0"), Err(SizeError::Zero(_))));
+        assert!(matches!(parse_size("1.5"), Err(SizeError::Fraction(_))));
+        assert!(matches!(
+            parse_size("99999999999TiB"),
+            Err(SizeError::TooLarge(_))
+        ));
+        assert!(matches!(
+            parse_size("18446744073709551616"),
+            Err(SizeError::TooLarge(_))
+        ));
+        let msg = parse_size("4XB").unwrap_err().to_string();
+        assert!(msg.contains("GiB") && msg.contains("\"XB\""), "{msg}");
+    }
+
+    #[test]
+    fn gpu_selector_and_preload() {
+        assert_eq!(parse_gpu("1"), GpuSelector::Index(1));
+        assert_eq!(parse_gpu("GPU-ab"), GpuSelector::Uuid("GPU-ab".into()));
+        let p = Path::new("/opt/t/libtessera_interpose.so");
+        assert_eq!(ld_preload(p, None), "/opt/t/libtessera_interpose.so");
+        assert_eq!(
+            ld_preload(p, Some("".into())),
+            "/opt/t/libtessera_interpose.so"
+        );
+        assert_eq!(
+            ld_preload(p, Some("/x/libfoo.so".into())),
+            "/opt/t/libtessera_interpose.so:/x/libfoo.so"
+        );
+    }
+
+    #[test]
+    fn client_errors_map_to_documented_exit_codes() {
+        let sock = Path::new("/x.sock");
+        let code = |e| classify(e, sock).downcast_ref::<Exit>().map(|Exit(c)| *c);
+        let connect = ClientError::Connect {
+            path: "/x".into(),
+            source: std::io::Error::other("no"),
+        };
+        assert_eq!(code(connect), Some(3));
+        assert_eq!(code(ClientError::Frame(FrameError::Closed)), Some(3));
+        assert_eq!(code(ClientError::Refused("no".into())), Some(4));
+        let admin = ClientError::Admin {
+            kind: tessera_protocol::AdminErrorKind::Exhausted,
+            message: "full".into(),
+        };
+        assert_eq!(code(admin), Some(4));
+        assert_eq!(code(ClientError::Unexpected("?".into())), Some(1));
+    }
 }

@@ -1,0 +1,207 @@
+//! `tessera run` against the real arbiter.
+
+mod run_support;
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use run_support::*;
+
+fn stdout(o: &std::process::Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+#[test]
+fn run_sets_env_passes_exit_code_and_deletes_the_allocation() {
+    let arb = Arbiter::start();
+    let fake = fake_interposer(arb.dir.path());
+    let script = r#"echo "token=$TESSERA_TOKEN"; echo "socket=$TESSERA_SOCKET"; echo "preload=$LD_PRELOAD"; "$TESSERA_BIN" status --json; exit 7"#;
+    let out = arb
+        .tessera(&[
+            "run",
+            "--memory",
+            "1.5GiB",
+            "--share",
+            "20",
+            "--cap",
+            "--interposer",
+        ])
+        .arg(&fake)
+        .args(["--", "sh", "-c", script])
+        .env("TESSERA_BIN", tessera())
+        .env("LD_PRELOAD", "/nonexistent/libother.so")
+        .output()
+        .unwrap();
+    let text = stdout(&out);
+    assert_eq!(
+        out.status.code(),
+        Some(7),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let token = text.lines().find_map(|l| l.strip_prefix("token=")).unwrap();
+    assert_eq!(token.len(), 64, "{text}");
+    assert!(
+        text.contains(&format!("socket={}", arb.socket.display())),
+        "{text}"
+    );
+    let preload = text
+        .lines()
+        .find_map(|l| l.strip_prefix("preload="))
+        .unwrap();
+    let fake = std::fs::canonicalize(&fake).unwrap();
+    assert_eq!(
+        preload,
+        format!("{}:/nonexistent/libother.so", fake.display())
+    );
+    // While the command ran, its allocation existed with the asked limits.
+    let json_start = text.find('{').unwrap();
+    let json_end = text.rfind('}').unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text[json_start..=json_end]).unwrap();
+    let a = &v["gpus"][0]["allocations"][0];
+    assert_eq!(a["memory_limit"], 3 * GIB / 2);
+    assert_eq!(a["share"], 20);
+    assert_eq!(a["cap"], 20);
+    assert_eq!(a["labels"]["created-by"], "tessera run");
+    // Afterwards it is gone.
+    assert!(arb.admin().list().unwrap().is_empty());
+}
+
+#[test]
+fn run_finds_the_interposer_next_to_the_executable() {
+    let arb = Arbiter::start();
+    let bin_dir = arb.dir.path().join("bin");
+    std::fs::create_dir(&bin_dir).unwrap();
+    let exe = bin_dir.join("tessera");
+    std::fs::copy(tessera(), &exe).unwrap();
+    // No interposer there: refused (the command would run unlimited), nothing created.
+    let out = arb
+        .tessera_at(&exe, &["run", "--memory", "64MiB", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("interposer") && err.contains("not found"),
+        "{err}"
+    );
+    assert!(arb.admin().list().unwrap().is_empty());
+    // With one there, it is preloaded; the share defaults to 10.
+    let fake = fake_interposer(&bin_dir);
+    let script = "echo $LD_PRELOAD; $TB status --json";
+    let out = arb
+        .tessera_at(
+            &exe,
+            &["run", "--memory", "64MiB", "--", "sh", "-c", script],
+        )
+        .env("TB", tessera())
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = stdout(&out);
+    let fake = std::fs::canonicalize(&fake).unwrap();
+    assert_eq!(text.lines().next().unwrap(), fake.display().to_string());
+    assert!(text.contains("\"share\": 10"), "{text}");
+}
+
+#[test]
+fn sigterm_is_forwarded_and_the_allocation_deleted() {
+    let arb = Arbiter::start();
+    let fake = fake_interposer(arb.dir.path());
+    let mut child = arb
+        .tessera(&["run", "--memory", "256MiB", "--interposer"])
+        .arg(&fake)
+        .args(["--", "sleep", "30"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut admin = arb.admin();
+    let start = Instant::now();
+    while admin.list().unwrap().is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "allocation never created"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Let the command start, then signal `tessera run` only (not its process group).
+    std::thread::sleep(Duration::from_millis(200));
+    // SAFETY: kill has no memory preconditions; the pid is our unreaped child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "sleep was not terminated"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!(
+        status.code(),
+        Some(128 + libc::SIGTERM),
+        "killed command's code is 128+signal"
+    );
+    assert!(
+        admin.list().unwrap().is_empty(),
+        "allocation deleted after the signal"
+    );
+}
+
+#[test]
+fn unreachable_arbiter_exits_3_and_refusals_exit_4() {
+    let arb = Arbiter::start();
+    let fake = fake_interposer(arb.dir.path());
+    let out = arb
+        .tessera(&["run", "--memory", "1GiB", "--interposer"])
+        .arg(&fake)
+        .args(["--admin-socket", "/nonexistent/admin.sock", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is tessera-arbiter running"));
+
+    // More memory than the GPU has.
+    let out = arb
+        .tessera(&["run", "--memory", "81GiB", "--interposer"])
+        .arg(&fake)
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(4));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("exceeds"));
+    // Shares exhausted.
+    let (_, _) = arb
+        .admin()
+        .create(tessera_protocol::CreateAllocation {
+            gpu: tessera_protocol::GpuSelector::Index(1),
+            memory_limit: GIB,
+            share: 95,
+            cap: None,
+            labels: Default::default(),
+        })
+        .unwrap();
+    let out = arb
+        .tessera(&["run", "--gpu", "1", "--memory", "1GiB", "--interposer"])
+        .arg(&fake)
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(4));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("5 of 100 shares left"));
+    // Bad sizes are usage errors.
+    let out = arb
+        .tessera(&["run", "--memory", "4XB", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown unit"));
+}
