@@ -106,11 +106,15 @@ pub async fn register(
     }
 }
 
-/// Identity of a file: it changes when the file is deleted and created again.
+/// Identity of a file: it changes when the file is deleted and created again. The inode number
+/// alone is not enough (a file system may hand the freed number to the new file at once), so
+/// the change time is part of it; a spurious change only costs a re-registration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FileId {
     dev: u64,
     ino: u64,
+    ctime: i64,
+    ctime_nsec: i64,
 }
 
 /// The identity of `path`, or `None` if it does not exist.
@@ -118,6 +122,8 @@ pub fn file_id(path: &Path) -> Option<FileId> {
     std::fs::symlink_metadata(path).ok().map(|m| FileId {
         dev: m.dev(),
         ino: m.ino(),
+        ctime: m.ctime(),
+        ctime_nsec: m.ctime_nsec(),
     })
 }
 
@@ -132,9 +138,10 @@ mod tests {
         assert_eq!(file_id(&p), None);
         std::fs::write(&p, b"").unwrap();
         let a = file_id(&p).unwrap();
-        // Keep the old inode alive so the new file cannot reuse its number.
-        let keep = dir.path().join("old");
-        std::fs::rename(&p, &keep).unwrap();
+        assert_eq!(file_id(&p), Some(a));
+        // Deleted and created again, possibly under the same inode number.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::remove_file(&p).unwrap();
         std::fs::write(&p, b"").unwrap();
         assert_ne!(file_id(&p).unwrap(), a);
     }

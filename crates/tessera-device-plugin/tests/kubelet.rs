@@ -554,8 +554,16 @@ async fn register_list_prefer_allocate_and_clean_up() {
         .output()
         .unwrap();
     let table = String::from_utf8_lossy(&status.stdout);
-    assert!(status.status.success(), "{table}{}", String::from_utf8_lossy(&status.stderr));
-    assert!(table.contains(&view.id), "tessera status does not list {}:\n{table}", view.id);
+    assert!(
+        status.status.success(),
+        "{table}{}",
+        String::from_utf8_lossy(&status.stderr)
+    );
+    assert!(
+        table.contains(&view.id),
+        "tessera status does not list {}:\n{table}",
+        view.id
+    );
 
     // Stale clean-up: kept while a container holds the units (well past the 1 s grace) ...
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -608,9 +616,11 @@ async fn register_list_prefer_allocate_and_clean_up() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn xid_health_and_kubelet_restart() {
     let mut node = Node::start().await;
-    let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
     FakePodResources::default().serve(&node.podres());
+    // The plugin starts before the kubelet is up: it waits for kubelet.sock.
     node.start_plugin();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
     within(15, "registration", kubelet.registrations.recv())
         .await
         .unwrap();
@@ -695,6 +705,24 @@ async fn xid_health_and_kubelet_restart() {
     assert!(
         node.allocations().iter().any(|a| a.id == alloc_id),
         "allocation lost in the restart"
+    );
+
+    // A kubelet that only re-creates kubelet.sock (new inode, our socket left) is noticed too.
+    kubelet.stop().await;
+    std::fs::remove_file(node.kubelet_dir().join("kubelet.sock")).unwrap();
+    let restarted = Instant::now();
+    let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
+    within(
+        10,
+        "re-registration after kubelet.sock re-created",
+        kubelet.registrations.recv(),
+    )
+    .await
+    .unwrap();
+    let took = restarted.elapsed();
+    assert!(
+        took < Duration::from_secs(5),
+        "re-registered after {took:?}"
     );
 
     // SIGTERM: clean exit, socket removed.
