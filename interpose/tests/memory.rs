@@ -56,6 +56,41 @@ fn every_allocation_api_is_held_to_the_limit() {
 }
 
 #[test]
+fn tessera_run_under_tessera_sim_shows_and_enforces_a_one_gib_card() {
+    let bed = Bed::new();
+    // `tessera sim` sets up the simulated driver; `tessera run` creates the allocation, sets
+    // LD_PRELOAD / TESSERA_SOCKET / TESSERA_TOKEN and deletes the allocation afterwards.
+    let mut cmd = std::process::Command::new(artifact("tessera"));
+    cmd.arg("sim")
+        .arg("--state-dir")
+        .arg(&bed.sim_dir)
+        .arg("--gpus")
+        .arg(SIM_GPUS)
+        .arg("--")
+        .arg(artifact("tessera"))
+        .arg("run")
+        .arg("--memory")
+        .arg("1GiB")
+        .arg("--admin-socket")
+        .arg(&bed.admin_socket)
+        .arg("--socket")
+        .arg(&bed.socket)
+        .arg("--")
+        .arg(python())
+        .arg(script("mem_client.py"))
+        .arg("limits")
+        .env_remove("LD_PRELOAD")
+        .env_remove("TESSERA_TOKEN")
+        .env_remove("TESSERA_SOCKET")
+        .env_remove("TESSERA_ADMIN_SOCKET");
+    let (st, out, err) = run(&mut cmd);
+    assert!(st.success(), "tessera run failed: {st}\n{out}\n{err}\n{}", bed.arbiter_log());
+    assert_limits_output(&last_json(&out, &err));
+    assert!(bed.admin().list().unwrap().is_empty(), "tessera run deletes its allocation");
+    assert_eq!(bed.sim_used(), 0);
+}
+
+#[test]
 fn without_a_token_everything_passes_through() {
     let bed = Bed::new();
     let mut cmd = bed.sim_command(&python());
