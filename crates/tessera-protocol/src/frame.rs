@@ -109,6 +109,8 @@ impl FrameDecoder {
 
     /// Returns the next whole frame's message, `Ok(None)` if more bytes are needed.
     /// An error means the stream is unusable and the connection should be closed.
+    // Not an `Iterator`: each call may fail and the target type varies per call.
+    #[allow(clippy::should_implement_trait)]
     pub fn next<T: DeserializeOwned>(&mut self) -> Result<Option<T>, FrameError> {
         if self.buf.len() < HEADER_LEN {
             return Ok(None);
