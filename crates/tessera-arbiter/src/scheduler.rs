@@ -10,7 +10,8 @@
 //! - at most one lease per GPU at a time;
 //! - waiting requests are served by weighted fair queueing on virtual time
 //!   (`vtime += charged_ns / share`); an allocation that becomes active again starts at
-//!   `max(own vtime, min vtime of the active ones)`, so it banks no credit while idle; all
+//!   `max(own vtime, min vtime of the active ones)`, so it banks no credit while idle (a
+//!   pause shorter than [`SchedulerParams::idle_after_ns`] after a lease is not idleness); all
 //!   processes of an allocation share its vtime, cap and history;
 //! - a capped allocation has a token bucket filled at `cap`% of wall time (depth
 //!   [`SchedulerParams::bucket_depth_ns`]); it is eligible only while the bucket holds at least
@@ -22,7 +23,10 @@
 //!   an early hand-back, grown by a quarter after a lease used to its end; while other
 //!   allocations wait it is at most `contended_lease_ns` so the split stays fine-grained;
 //! - a lease not released by its deadline plus `grace_ns` is revoked and charged in full; a
-//!   closed connection releases its lease (charged the wall time held).
+//!   closed connection releases its lease (charged the wall time held);
+//! - a holder whose lease ran to its end is still busy and asks again right after releasing:
+//!   if it is next by virtual time, the GPU waits up to `rerequest_window_ns` for that request
+//!   instead of going to a waiter that is further behind (an early hand-back never waits).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -57,6 +61,15 @@ pub struct SchedulerParams {
     pub bucket_depth_ns: u64,
     /// Window of [`GpuScheduler::gpu_time`], ns.
     pub window_ns: u64,
+    /// An allocation that asks again within this time of its last lease ending still counts
+    /// as active (a backlogged tenant is briefly between leases); after a longer pause it
+    /// rejoins at the others' virtual time.
+    pub idle_after_ns: u64,
+    /// After a lease used to its end, the GPU is held this long for its allocation if that
+    /// allocation would be next by virtual time: the holder's next request always arrives
+    /// just after its release, and without this wait the waiter would win every time
+    /// (strict alternation instead of the weighted split).
+    pub rerequest_window_ns: u64,
 }
 
 impl Default for SchedulerParams {
@@ -70,6 +83,8 @@ impl Default for SchedulerParams {
             grace_ns: 50 * MS,
             bucket_depth_ns: 20 * MS,
             window_ns: 10_000 * MS,
+            idle_after_ns: 50 * MS,
+            rerequest_window_ns: 2 * MS,
         }
     }
 }
@@ -94,6 +109,8 @@ struct Alloc {
     bucket_ns: f64,
     bucket_at: u64,
     lease_ns: u64,
+    /// When its last lease ended (None: never had one).
+    last_lease_end: Option<u64>,
     /// (time charged, ns charged), oldest first.
     history: VecDeque<(u64, u64)>,
 }
@@ -121,6 +138,9 @@ pub struct GpuScheduler {
     /// Waiting requests in arrival order (ties in vtime go to the earliest).
     waiting: VecDeque<Waiter>,
     current: Option<Lease>,
+    /// The GPU is kept for this allocation until the time given (see
+    /// [`SchedulerParams::rerequest_window_ns`]).
+    held_for: Option<(AccountKey, u64)>,
     next_lease: u64,
 }
 
@@ -132,6 +152,7 @@ impl GpuScheduler {
             allocs: HashMap::new(),
             waiting: VecDeque::new(),
             current: None,
+            held_for: None,
             next_lease: 1,
         }
     }
@@ -148,6 +169,7 @@ impl GpuScheduler {
                 bucket_ns: depth,
                 bucket_at: now,
                 lease_ns: self.params.initial_lease_ns,
+                last_lease_end: None,
                 history: VecDeque::new(),
             },
         );
@@ -159,6 +181,9 @@ impl GpuScheduler {
         self.waiting.retain(|w| w.key != key);
         if self.current.is_some_and(|l| l.key == key) {
             self.current = None;
+        }
+        if self.held_for.is_some_and(|(k, _)| k == key) {
+            self.held_for = None;
         }
         self.dispatch(now)
     }
@@ -185,8 +210,11 @@ impl GpuScheduler {
         }
         // A second request from the same connection replaces the first.
         self.waiting.retain(|w| w.conn != conn);
-        if !self.is_active(key) {
-            // Becoming active: no credit banked while idle.
+        let recent = self.allocs[&key]
+            .last_lease_end
+            .is_some_and(|t| now.saturating_sub(t) <= self.params.idle_after_ns);
+        if !self.is_active(key) && !recent {
+            // Becoming active after a pause: no credit banked while idle.
             let floor = self
                 .allocs
                 .iter()
@@ -214,6 +242,9 @@ impl GpuScheduler {
         match self.current {
             Some(l) if l.id == lease_id && l.conn == conn => {
                 self.end_lease(l, busy_ns, early, now);
+                if !early {
+                    self.hold_for_rerequest(l.key, now);
+                }
                 self.dispatch(now)
             }
             _ => Vec::new(),
@@ -246,6 +277,9 @@ impl GpuScheduler {
     pub fn next_wakeup(&self, now: u64) -> Option<u64> {
         if let Some(l) = self.current {
             return Some(l.granted_at + l.duration_ns + self.params.grace_ns);
+        }
+        if let Some((_, until)) = self.held_for {
+            return Some(until);
         }
         let need = self.threshold() as f64;
         self.waiting
@@ -286,6 +320,28 @@ impl GpuScheduler {
         self.waiting.len()
     }
 
+    /// Keeps the GPU briefly for `key` when it is still backlogged (its lease ran to the end)
+    /// and would be served before every waiter.
+    fn hold_for_rerequest(&mut self, key: AccountKey, now: u64) {
+        let need = self.threshold() as f64;
+        let Some(a) = self.allocs.get(&key) else {
+            return;
+        };
+        if self.bucket(a, now) < need || self.waiting.iter().any(|w| w.key == key) {
+            return;
+        }
+        let best_waiter = self
+            .waiting
+            .iter()
+            .filter_map(|w| self.allocs.get(&w.key))
+            .filter(|o| self.bucket(o, now) >= need)
+            .map(|o| o.vtime)
+            .fold(f64::INFINITY, f64::min);
+        if best_waiter.is_finite() && a.vtime < best_waiter {
+            self.held_for = Some((key, now + self.params.rerequest_window_ns));
+        }
+    }
+
     fn threshold(&self) -> u64 {
         self.params.min_lease_ns.min(self.params.bucket_depth_ns)
     }
@@ -323,6 +379,7 @@ impl GpuScheduler {
         } else {
             a.lease_ns
         };
+        a.last_lease_end = Some(now);
         a.history.push_back((now, charged));
         prune(&mut a.history, now, p.window_ns);
     }
@@ -331,9 +388,15 @@ impl GpuScheduler {
         if self.current.is_some() {
             return Vec::new();
         }
+        if self.held_for.is_some_and(|(_, until)| now >= until) {
+            self.held_for = None;
+        }
         let need = self.threshold() as f64;
         let mut best: Option<(usize, f64)> = None;
         for (i, w) in self.waiting.iter().enumerate() {
+            if self.held_for.is_some_and(|(k, _)| k != w.key) {
+                continue;
+            }
             let Some(a) = self.allocs.get(&w.key) else {
                 continue;
             };
@@ -347,10 +410,19 @@ impl GpuScheduler {
         let Some((i, _)) = best else {
             return Vec::new();
         };
+        self.held_for = None;
         let w = self.waiting.remove(i).expect("index from the scan");
         let a = &self.allocs[&w.key];
         let mut duration = a.lease_ns;
-        if self.waiting.iter().any(|o| o.key != w.key) {
+        // Contended: another allocation waits, or had the GPU moments ago (it asks again
+        // right after each release, so it is usually not waiting at this instant).
+        let contended = self.waiting.iter().any(|o| o.key != w.key)
+            || self.allocs.iter().any(|(k, o)| {
+                *k != w.key
+                    && o.last_lease_end
+                        .is_some_and(|t| now.saturating_sub(t) <= self.params.idle_after_ns)
+            });
+        if contended {
             duration = duration.min(self.params.contended_lease_ns);
         }
         if a.cap.is_some() {
@@ -542,5 +614,411 @@ impl SchedulerHandle {
                 None => self.0.changed.notified().await,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+    const S: u64 = 1_000 * MS;
+
+    /// A fake GPU driven by a fake clock: every tenant process is backlogged (it asks for a
+    /// lease again as soon as it returns one) and uses its leases fully, unless it is idle.
+    struct Sim {
+        s: GpuScheduler,
+        now: u64,
+        /// key of each connection.
+        conns: HashMap<ConnId, AccountKey>,
+        /// Connections currently wanting GPU time.
+        active: HashMap<ConnId, bool>,
+        /// Busy ns per key, as (time, ns) samples.
+        busy: Vec<(AccountKey, u64, u64)>,
+        lease: Option<Grant>,
+    }
+
+    impl Sim {
+        fn new() -> Self {
+            Self {
+                s: GpuScheduler::new(SchedulerParams::default()),
+                now: 0,
+                conns: HashMap::new(),
+                active: HashMap::new(),
+                busy: Vec::new(),
+                lease: None,
+            }
+        }
+
+        fn alloc(&mut self, key: AccountKey, share: u32, cap: Option<u32>) {
+            self.s.add_allocation(key, share, cap, self.now);
+        }
+
+        fn take(&mut self, grants: Vec<Grant>) {
+            assert!(grants.len() <= 1, "one lease per GPU at a time");
+            if let Some(g) = grants.into_iter().next() {
+                assert!(self.lease.is_none(), "granted while a lease is out");
+                self.lease = Some(g);
+            }
+        }
+
+        fn join(&mut self, key: AccountKey, conn: ConnId) {
+            self.conns.insert(conn, key);
+            self.active.insert(conn, true);
+            let g = self.s.acquire(key, conn, self.now).unwrap();
+            self.take(g);
+        }
+
+        fn leave(&mut self, conn: ConnId) {
+            self.active.insert(conn, false);
+            if self.lease.is_some_and(|l| l.conn == conn) {
+                self.lease = None;
+            }
+            let g = self.s.connection_closed(conn, self.now);
+            self.take(g);
+        }
+
+        /// Runs until `until`: the holder uses its whole lease, returns it, asks again.
+        fn run(&mut self, until: u64) {
+            while self.now < until {
+                match self.lease.take() {
+                    Some(g) => {
+                        let key = self.conns[&g.conn];
+                        let used = g.duration_ns;
+                        self.now += used;
+                        self.busy.push((key, self.now, used));
+                        let grants = self.s.release(g.conn, g.lease_id, used, false, self.now);
+                        self.take(grants);
+                        if self.active[&g.conn] {
+                            let grants = self.s.acquire(key, g.conn, self.now).unwrap();
+                            self.take(grants);
+                        }
+                    }
+                    None => match self.s.next_wakeup(self.now) {
+                        Some(t) => {
+                            self.now = t.max(self.now + 1);
+                            let g = self.s.tick(self.now);
+                            self.take(g);
+                        }
+                        None => self.now = until,
+                    },
+                }
+            }
+        }
+
+        /// Busy ns of `key` completed in (from, to].
+        fn busy_of(&self, key: AccountKey, from: u64, to: u64) -> u64 {
+            self.busy
+                .iter()
+                .filter(|(k, t, _)| *k == key && *t > from && *t <= to)
+                .map(|b| b.2)
+                .sum()
+        }
+
+        fn fraction(&self, key: AccountKey, from: u64, to: u64) -> f64 {
+            self.busy_of(key, from, to) as f64 / (to - from) as f64 * 100.0
+        }
+    }
+
+    #[test]
+    fn shares_30_70_split_within_2_points() {
+        let mut sim = Sim::new();
+        sim.alloc(1, 30, None);
+        sim.alloc(2, 70, None);
+        sim.join(1, 10);
+        sim.join(2, 20);
+        sim.run(10 * S);
+        let (a, b) = (sim.fraction(1, 0, 10 * S), sim.fraction(2, 0, 10 * S));
+        assert!((a - 30.0).abs() <= 2.0, "30% tenant got {a:.1}%");
+        assert!((b - 70.0).abs() <= 2.0, "70% tenant got {b:.1}%");
+        // Every 1 s window too.
+        for w in 0..10 {
+            let a = sim.fraction(1, w * S, (w + 1) * S);
+            assert!((a - 30.0).abs() <= 3.0, "window {w}: {a:.1}%");
+        }
+    }
+
+    #[test]
+    fn processes_of_one_allocation_share_its_weight() {
+        let mut sim = Sim::new();
+        sim.alloc(1, 50, None);
+        sim.alloc(2, 50, None);
+        // Allocation 1 runs three processes, allocation 2 one: still 50/50.
+        sim.join(1, 10);
+        sim.join(1, 11);
+        sim.join(1, 12);
+        sim.join(2, 20);
+        sim.run(10 * S);
+        let a = sim.fraction(1, 0, 10 * S);
+        assert!(
+            (a - 50.0).abs() <= 2.0,
+            "three processes got {a:.1}% together"
+        );
+    }
+
+    #[test]
+    fn shares_20_30_50_with_join_and_leave() {
+        let mut sim = Sim::new();
+        sim.alloc(1, 20, None);
+        sim.alloc(2, 30, None);
+        sim.alloc(3, 50, None);
+        sim.join(1, 10);
+        sim.join(2, 20);
+        sim.run(3 * S);
+        // Two tenants: 20:30 -> 40% / 60%.
+        let a = sim.fraction(1, 0, 3 * S);
+        assert!((a - 40.0).abs() <= 2.0, "20 vs 30 alone: {a:.1}%");
+        sim.join(3, 30);
+        sim.run(7 * S);
+        for (key, want) in [(1, 20.0), (2, 30.0), (3, 50.0)] {
+            let got = sim.fraction(key, 3 * S, 7 * S);
+            assert!(
+                (got - want).abs() <= 2.0,
+                "allocation {key}: {got:.1}% vs {want}%"
+            );
+        }
+        // The newcomer banked nothing: its first second is at its share, not above.
+        let first = sim.fraction(3, 3 * S, 4 * S);
+        assert!(
+            first <= 53.0,
+            "newcomer got {first:.1}% in its first second"
+        );
+        sim.leave(20);
+        sim.run(10 * S);
+        let a = sim.fraction(1, 7 * S, 10 * S);
+        assert!(
+            (a - 100.0 * 20.0 / 70.0).abs() <= 2.0,
+            "after leave: {a:.1}%"
+        );
+        // Work-conserving: the GPU never idles while someone waits.
+        let total: u64 = (1..=3).map(|k| sim.busy_of(k, 0, 10 * S)).sum();
+        assert!(total as f64 >= 0.99 * (10 * S) as f64, "busy {total}");
+    }
+
+    #[test]
+    fn idle_tenant_banks_no_credit() {
+        let mut sim = Sim::new();
+        sim.alloc(1, 50, None);
+        sim.alloc(2, 50, None);
+        sim.join(1, 10);
+        sim.run(5 * S);
+        sim.join(2, 20);
+        sim.run(6 * S);
+        // At most its share (no catch-up for the idle 5 s); a little less is the wait for the
+        // lone tenant's long lease to end when it joined.
+        let b = sim.fraction(2, 5 * S, 6 * S);
+        assert!(
+            (40.0..=53.0).contains(&b),
+            "late joiner got {b:.1}% (must not catch up)"
+        );
+        let b = sim.fraction(2, 6 * S - S / 2, 6 * S);
+        assert!((b - 50.0).abs() <= 4.0, "then 50/50: {b:.1}%");
+    }
+
+    #[test]
+    fn cap_30_alone_stays_under_32_percent() {
+        let mut sim = Sim::new();
+        sim.alloc(1, 100, Some(30));
+        sim.join(1, 10);
+        sim.run(10 * S);
+        let a = sim.fraction(1, 0, 10 * S);
+        assert!((27.0..=32.0).contains(&a), "capped tenant alone got {a:.1}%");
+        for w in 0..10 {
+            let a = sim.fraction(1, w * S, (w + 1) * S);
+            assert!(a <= 33.0, "window {w}: {a:.1}%");
+        }
+    }
+
+    #[test]
+    fn capped_tenant_leaves_the_rest_to_others() {
+        let mut sim = Sim::new();
+        sim.alloc(1, 70, Some(20));
+        sim.alloc(2, 30, None);
+        sim.join(1, 10);
+        sim.join(2, 20);
+        sim.run(10 * S);
+        let (a, b) = (sim.fraction(1, 0, 10 * S), sim.fraction(2, 0, 10 * S));
+        assert!(a <= 22.0, "capped at 20: {a:.1}%");
+        assert!(b >= 77.0, "uncapped gets the rest: {b:.1}%");
+    }
+
+    #[test]
+    fn early_release_grants_the_waiter_at_once_and_shortens_leases() {
+        let mut s = GpuScheduler::new(SchedulerParams::default());
+        s.add_allocation(1, 50, None, 0);
+        s.add_allocation(2, 50, None, 0);
+        let g1 = s.acquire(1, 10, 0).unwrap();
+        assert_eq!(g1.len(), 1);
+        assert_eq!(g1[0].duration_ns, 20 * MS);
+        assert!(s.acquire(2, 20, MS).unwrap().is_empty(), "GPU busy");
+        // Holder goes idle after 3 ms and hands back: the waiter gets it at that instant.
+        let g2 = s.release(10, g1[0].lease_id, 3 * MS, true, 3 * MS);
+        assert_eq!(g2.len(), 1);
+        assert_eq!(g2[0].conn, 20);
+        assert_eq!(s.current(), Some((20, g2[0].lease_id)));
+        // A stale or foreign release changes nothing.
+        assert!(s.release(10, g1[0].lease_id, 0, true, 4 * MS).is_empty());
+        assert!(s.release(10, g2[0].lease_id, 0, true, 4 * MS).is_empty());
+        assert_eq!(s.current(), Some((20, g2[0].lease_id)));
+        // The early holder's next lease is shorter (but at least the minimum).
+        s.release(20, g2[0].lease_id, 20 * MS, false, 23 * MS);
+        let g3 = s.acquire(1, 10, 23 * MS).unwrap();
+        assert_eq!(g3[0].duration_ns, 10 * MS);
+    }
+
+    #[test]
+    fn leases_grow_when_used_fully_and_shrink_under_contention() {
+        let mut s = GpuScheduler::new(SchedulerParams::default());
+        s.add_allocation(1, 50, None, 0);
+        let mut now = 0;
+        let mut last = 0;
+        for _ in 0..20 {
+            let g = s.acquire(1, 10, now).unwrap()[0];
+            now += g.duration_ns;
+            s.release(10, g.lease_id, g.duration_ns, false, now);
+            assert!(g.duration_ns >= last);
+            last = g.duration_ns;
+        }
+        assert_eq!(last, 100 * MS, "a lone full user reaches the longest lease");
+        // Another allocation arrives: while both are busy, leases are at most the contended
+        // length, so the split stays fine-grained.
+        s.add_allocation(2, 50, None, now);
+        let g1 = s.acquire(1, 10, now).unwrap()[0];
+        assert_eq!(
+            g1.duration_ns,
+            100 * MS,
+            "nobody else was there at grant time"
+        );
+        assert!(s.acquire(2, 20, now + MS).unwrap().is_empty());
+        now += g1.duration_ns;
+        let g2 = s.release(10, g1.lease_id, g1.duration_ns, false, now);
+        assert_eq!(g2.len(), 1, "allocation 2 is further behind: it is served");
+        assert_eq!(g2[0].conn, 20);
+        assert_eq!(g2[0].duration_ns, 20 * MS);
+        assert!(s.acquire(1, 10, now).unwrap().is_empty());
+        now += 20 * MS;
+        // Allocation 2 is still behind (1 just had 100 ms): the GPU waits for its next
+        // request rather than going back to 1.
+        assert!(
+            s.release(20, g2[0].lease_id, 20 * MS, false, now)
+                .is_empty()
+        );
+        let g3 = s.acquire(2, 20, now + MS / 10).unwrap();
+        assert_eq!(g3.len(), 1);
+        assert_eq!((g3[0].conn, g3[0].duration_ns), (20, 20 * MS));
+        // Without a re-request within the window, the waiter gets it.
+        now += MS / 10 + 20 * MS;
+        assert!(
+            s.release(20, g3[0].lease_id, 20 * MS, false, now)
+                .is_empty()
+        );
+        assert_eq!(s.next_wakeup(now), Some(now + 2 * MS));
+        let g4 = s.tick(now + 2 * MS);
+        assert_eq!(
+            (g4[0].conn, g4[0].duration_ns),
+            (10, 20 * MS),
+            "contended length"
+        );
+    }
+
+    #[test]
+    fn overdue_lease_is_revoked_and_charged_in_full() {
+        let mut s = GpuScheduler::new(SchedulerParams::default());
+        s.add_allocation(1, 50, None, 0);
+        s.add_allocation(2, 50, None, 0);
+        let g1 = s.acquire(1, 10, 0).unwrap()[0];
+        assert!(s.acquire(2, 20, 0).unwrap().is_empty());
+        // Deadline 20 ms + grace 50 ms.
+        assert_eq!(s.next_wakeup(MS), Some(70 * MS));
+        assert!(s.tick(69 * MS).is_empty());
+        let g2 = s.tick(70 * MS);
+        assert_eq!(g2.len(), 1);
+        assert_eq!(g2[0].conn, 20);
+        assert_eq!(
+            s.gpu_time(1, 70 * MS),
+            70 * MS,
+            "charged the whole time it held the GPU"
+        );
+        // Its late release is ignored.
+        assert!(
+            s.release(10, g1.lease_id, 5 * MS, false, 71 * MS)
+                .is_empty()
+        );
+        assert_eq!(s.gpu_time(1, 71 * MS), 70 * MS);
+    }
+
+    #[test]
+    fn charge_is_at_least_the_time_held() {
+        let mut s = GpuScheduler::new(SchedulerParams::default());
+        s.add_allocation(1, 50, None, 0);
+        let g = s.acquire(1, 10, 0).unwrap()[0];
+        // Under-reporting does not lower the charge; overrun raises it.
+        s.release(10, g.lease_id, 0, false, 20 * MS);
+        assert_eq!(s.gpu_time(1, 20 * MS), 20 * MS);
+        let g = s.acquire(1, 10, 20 * MS).unwrap()[0];
+        s.release(10, g.lease_id, 40 * MS, false, 45 * MS);
+        assert_eq!(s.gpu_time(1, 45 * MS), 60 * MS);
+    }
+
+    #[test]
+    fn closed_connection_releases_its_lease_and_its_wait() {
+        let mut s = GpuScheduler::new(SchedulerParams::default());
+        s.add_allocation(1, 50, None, 0);
+        s.add_allocation(2, 50, None, 0);
+        s.add_allocation(3, 50, None, 0);
+        s.acquire(1, 10, 0).unwrap();
+        s.acquire(2, 20, 0).unwrap();
+        s.acquire(3, 30, 0).unwrap();
+        assert_eq!(s.waiting(), 2);
+        // The waiter dies first, then the holder: the lease goes to the survivor.
+        assert!(s.connection_closed(20, MS).is_empty());
+        let g = s.connection_closed(10, 2 * MS);
+        assert_eq!(g.len(), 1);
+        assert_eq!(g[0].conn, 30);
+        assert_eq!(s.gpu_time(1, 2 * MS), 2 * MS);
+        assert_eq!(s.waiting(), 0);
+    }
+
+    #[test]
+    fn gpu_time_covers_the_last_10_seconds_only() {
+        let mut s = GpuScheduler::new(SchedulerParams::default());
+        s.add_allocation(1, 50, None, 0);
+        let g = s.acquire(1, 10, 0).unwrap()[0];
+        s.release(10, g.lease_id, 20 * MS, false, 20 * MS);
+        assert_eq!(s.gpu_time(1, 5 * S), 20 * MS);
+        assert_eq!(s.gpu_time(1, 10 * S + 21 * MS), 0);
+        assert_eq!(s.gpu_time(99, 0), 0);
+        assert_eq!(
+            s.acquire(99, 1, 0),
+            Err(SchedulerError::UnknownAllocation(99))
+        );
+    }
+
+    #[test]
+    fn capped_waiter_is_woken_when_its_bucket_refills() {
+        let mut s = GpuScheduler::new(SchedulerParams::default());
+        s.add_allocation(1, 50, Some(10), 0);
+        let g = s.acquire(1, 10, 0).unwrap()[0];
+        assert_eq!(
+            g.duration_ns,
+            20 * MS,
+            "a full bucket allows one initial lease"
+        );
+        s.release(10, g.lease_id, 20 * MS, false, 20 * MS);
+        // Bucket: min(depth 20, 20 + 2 filled) - 20 = 0 ms; a lease needs 10 ms: 100 ms at 10%.
+        assert!(
+            s.acquire(1, 10, 20 * MS).unwrap().is_empty(),
+            "bucket empty"
+        );
+        let wake = s.next_wakeup(20 * MS).unwrap();
+        assert!((119 * MS..=121 * MS).contains(&wake), "wake at {wake}");
+        assert!(s.tick(wake - 2 * MS).is_empty());
+        let g = s.tick(wake);
+        assert_eq!(g.len(), 1);
+        assert!(
+            g[0].duration_ns <= 11 * MS,
+            "lease bounded by the bucket: {}",
+            g[0].duration_ns
+        );
     }
 }
