@@ -1,0 +1,217 @@
+//! Shared set-up of the interposer benchmarks: a simulated GPU, the real arbiter with an
+//! allocation, and, in this process, the simulated driver loaded directly next to the built
+//! interposer (`dlopen`ed, so the same run can call the raw and the intercepted entry points).
+//!
+//! Artifacts are taken from the benchmark's own profile folder (`target/release` under
+//! `cargo bench`): build them first with
+//! `cargo build --release -p tessera-interpose -p tessera-sim-cuda -p tessera-sim-nvml -p tessera-arbiter`.
+
+#![allow(dead_code)]
+
+use std::ffi::c_void;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use libloading::Library;
+use tessera_protocol::client::{AdminClient, TenantClient};
+use tessera_protocol::{CreateAllocation, GpuSelector};
+
+pub type CUresult = i32;
+pub type AllocFn = unsafe extern "C" fn(*mut u64, usize) -> CUresult;
+pub type FreeFn = unsafe extern "C" fn(u64) -> CUresult;
+
+/// The folder of the benchmark's profile (`target/release`).
+pub fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().to_path_buf()
+}
+
+fn artifact(name: &str) -> PathBuf {
+    let p = profile_dir().join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run `cargo build --release -p tessera-interpose -p tessera-sim-cuda \
+         -p tessera-sim-nvml -p tessera-arbiter` before `cargo bench`",
+        p.display()
+    );
+    p
+}
+
+/// A simulated GPU, an arbiter, and both the raw and the intercepted driver in this process.
+pub struct Bed {
+    _dir: tempfile::TempDir,
+    socket: PathBuf,
+    token: String,
+    arbiter: Child,
+    /// The simulated `libcuda.so.1`.
+    pub sim: Library,
+    /// The built interposer.
+    pub interposer: Library,
+}
+
+impl Bed {
+    /// Sets everything up with an allocation of `memory` bytes, `share` and `cap`.
+    pub fn start(memory: u64, share: u32, cap: Option<u32>) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let sim_dir = dir.path().join("sim");
+        let lib_dir = tessera_sim_state::prepare_lib_dir(&sim_dir, &profile_dir()).unwrap_or_else(|e| {
+            panic!("{e}: build the simulated driver in this profile first")
+        });
+        let socket = dir.path().join("tessera.sock");
+        let admin_socket = dir.path().join("admin.sock");
+        let arbiter = Command::new(artifact("tessera-arbiter"))
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--admin-socket")
+            .arg(&admin_socket)
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .env("LD_LIBRARY_PATH", &lib_dir)
+            .env("TESSERA_SIM_DIR", &sim_dir)
+            .env("TESSERA_SIM_GPUS", "1x80GiB")
+            .env_remove("LD_PRELOAD")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        let mut admin = loop {
+            if let Ok(a) = AdminClient::connect(&admin_socket) {
+                break a;
+            }
+            assert!(start.elapsed() < Duration::from_secs(20), "arbiter did not start");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        let (token, _) = admin
+            .create(CreateAllocation {
+                gpu: GpuSelector::Index(0),
+                memory_limit: memory,
+                share,
+                cap,
+                labels: Default::default(),
+            })
+            .unwrap();
+        // SAFETY: no other thread of this process reads the environment yet (set-up runs
+        // before criterion and before any thread is spawned).
+        unsafe {
+            std::env::set_var("TESSERA_SIM_DIR", &sim_dir);
+            std::env::set_var("TESSERA_SIM_GPUS", "1x80GiB");
+            std::env::set_var("TESSERA_REAL_LIBCUDA", lib_dir.join("libcuda.so.1"));
+            std::env::set_var("TESSERA_SOCKET", &socket);
+            std::env::set_var("TESSERA_TOKEN", &token);
+        }
+        // SAFETY: loading the simulated driver and the interposer runs their constructors,
+        // which only read the environment set above.
+        let (sim, interposer) = unsafe {
+            (
+                Library::new(lib_dir.join("libcuda.so.1")).unwrap(),
+                Library::new(artifact("libtessera_interpose.so")).unwrap(),
+            )
+        };
+        let bed = Self { _dir: dir, socket, token, arbiter, sim, interposer };
+        bed.make_context_current();
+        bed
+    }
+
+    /// A separate tenant connection of the allocation (the protocol crate's blocking client).
+    pub fn tenant_client(&self) -> TenantClient {
+        TenantClient::connect(&self.socket, &self.token).unwrap()
+    }
+
+    /// A function of the simulated driver (raw, not intercepted).
+    pub fn raw<T: Copy>(&self, name: &str) -> T {
+        // SAFETY: callers name the C signature of the symbol they ask for.
+        unsafe { *self.sim.get::<T>(name.as_bytes()).unwrap() }
+    }
+
+    /// A function as the interposer exports it (intercepted).
+    pub fn hooked<T: Copy>(&self, name: &str) -> T {
+        // SAFETY: as for `raw`.
+        unsafe { *self.interposer.get::<T>(name.as_bytes()).unwrap() }
+    }
+
+    /// Initialises the driver and makes device 0's primary context current on this thread.
+    pub fn make_context_current(&self) {
+        type Init = unsafe extern "C" fn(u32) -> CUresult;
+        type DeviceGet = unsafe extern "C" fn(*mut i32, i32) -> CUresult;
+        type Retain = unsafe extern "C" fn(*mut *mut c_void, i32) -> CUresult;
+        type SetCurrent = unsafe extern "C" fn(*mut c_void) -> CUresult;
+        let mut dev = 0;
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: the simulated driver's entry points with their C signatures.
+        unsafe {
+            assert_eq!(self.raw::<Init>("cuInit")(0), 0);
+            assert_eq!(self.raw::<DeviceGet>("cuDeviceGet")(&mut dev, 0), 0);
+            assert_eq!(self.raw::<Retain>("cuDevicePrimaryCtxRetain")(&mut ctx, dev), 0);
+            assert_eq!(self.raw::<SetCurrent>("cuCtxSetCurrent")(ctx), 0);
+        }
+    }
+}
+
+impl Drop for Bed {
+    fn drop(&mut self) {
+        let _ = self.arbiter.kill();
+        let _ = self.arbiter.wait();
+    }
+}
+
+/// A plain echo over a `UnixStream` pair: the machine's raw round trip, for comparison.
+pub struct Echo {
+    client: UnixStream,
+}
+
+impl Echo {
+    /// Starts the echo thread.
+    pub fn start() -> Self {
+        let (client, mut server) = UnixStream::pair().unwrap();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 16];
+            while server.read_exact(&mut buf).is_ok() {
+                if server.write_all(&buf).is_err() {
+                    return;
+                }
+            }
+        });
+        Self { client }
+    }
+
+    /// One 16-byte round trip.
+    pub fn round_trip(&mut self) {
+        let mut buf = [7u8; 16];
+        self.client.write_all(&buf).unwrap();
+        self.client.read_exact(&mut buf).unwrap();
+    }
+}
+
+/// Median over `batches` of the mean time of `iters` calls of each function, interleaved so
+/// that machine noise hits every variant alike. Returns nanoseconds per call for each.
+pub fn interleaved_medians(batches: usize, iters: u32, fs: &mut [&mut dyn FnMut()]) -> Vec<f64> {
+    let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(batches); fs.len()];
+    for _ in 0..batches {
+        for (i, f) in fs.iter_mut().enumerate() {
+            let t = Instant::now();
+            for _ in 0..iters {
+                f();
+            }
+            samples[i].push(t.elapsed().as_nanos() as f64 / f64::from(iters));
+        }
+    }
+    samples
+        .into_iter()
+        .map(|mut s| {
+            s.sort_by(|a, b| a.total_cmp(b));
+            s[s.len() / 2]
+        })
+        .collect()
+}
+
+/// Where the benchmark's summary goes besides stdout (`target/criterion/<name>.txt`).
+pub fn write_summary(name: &str, text: &str) {
+    let dir = profile_dir().parent().unwrap().join("criterion");
+    let _ = std::fs::create_dir_all(&dir);
+    let _ = std::fs::write(dir.join(format!("{name}.txt")), text);
+}
