@@ -1,0 +1,567 @@
+//! compute_share: how well Tessera splits GPU time, measured on the simulated GPU.
+//!
+//! Starts the real `tessera-arbiter` on a simulated 80 GiB GPU (in a temp folder), runs
+//! `compute_tenant` programs (1 ms kernels) under `tessera run --share N [--cap]`, and takes
+//! each tenant's GPU time from the simulated engine's per-process busy counters (ground truth,
+//! independent of what the interposer reports). Prints one table:
+//! - 30/70 over 10 s, and the worst 1 s window;
+//! - 20/30/50 with join and leave (A=20 and B=30 run throughout, C=50 joins at 3 s and leaves
+//!   at 7 s);
+//! - cap 30% alone (fraction of wall time);
+//! - idle-reclaim latency p50/p99 (a bursty tenant goes idle; how long until the waiting
+//!   tenant's launch is let through);
+//! - total GPU busy with and without Tessera (two tenants, 30/70).
+//!
+//! Build and run: `cargo build --release --workspace && target/release/compute_share`
+//! (`--scale 0.5` halves every duration). Everything it needs is found next to it.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tessera_protocol::client::AdminClient;
+use tessera_sim_state::clock::monotonic_ns;
+
+const SEC: u64 = 1_000_000_000;
+
+/// Where the built artifacts are: the folder of this executable.
+fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    exe.parent().expect("exe folder").to_path_buf()
+}
+
+fn need(dir: &Path, name: &str) -> PathBuf {
+    let p = dir.join(name);
+    if !p.is_file() {
+        eprintln!(
+            "compute_share: {} is missing; build the workspace first \
+             (`cargo build --release --workspace`)",
+            p.display()
+        );
+        std::process::exit(2);
+    }
+    p
+}
+
+struct Bench {
+    _dir: tempfile::TempDir,
+    sim_dir: PathBuf,
+    lib_dir: PathBuf,
+    socket: PathBuf,
+    admin_socket: PathBuf,
+    tessera: PathBuf,
+    tenant: PathBuf,
+    interposer: PathBuf,
+    arbiter: Child,
+    scale: f64,
+}
+
+impl Drop for Bench {
+    fn drop(&mut self) {
+        let _ = self.arbiter.kill();
+        let _ = self.arbiter.wait();
+    }
+}
+
+/// A running tenant: its real pid (the compute_tenant process, not `tessera run`) and the
+/// lines it printed after it.
+struct Tenant {
+    child: Child,
+    pid: u32,
+    lines: Arc<Mutex<Vec<String>>>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Tenant {
+    fn wait(mut self) -> Vec<String> {
+        let _ = self.child.wait();
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+        std::mem::take(&mut *self.lines.lock().unwrap())
+    }
+}
+
+/// One sample of every process's cumulative busy time.
+struct Sample {
+    t: u64,
+    busy: HashMap<u32, u64>,
+    device: u64,
+}
+
+struct Sampler {
+    samples: Arc<Mutex<Vec<Sample>>>,
+    stop: Arc<Mutex<bool>>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Sampler {
+    fn start(sim_dir: &Path) -> Self {
+        let samples = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(Mutex::new(false));
+        let (s, st, dir) = (
+            Arc::clone(&samples),
+            Arc::clone(&stop),
+            sim_dir.to_path_buf(),
+        );
+        let handle = std::thread::spawn(move || {
+            while !*st.lock().unwrap() {
+                let procs = tessera_sim_state::read_processes(&dir).unwrap_or_default();
+                let busy = procs.iter().map(|p| (p.pid, p.busy_ns[0])).collect();
+                let device = tessera_sim_state::device_busy_ns(&dir, 0);
+                s.lock().unwrap().push(Sample {
+                    t: monotonic_ns(),
+                    busy,
+                    device,
+                });
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        Self {
+            samples,
+            stop,
+            handle: Some(handle),
+        }
+    }
+
+    fn finish(mut self) -> Vec<Sample> {
+        *self.stop.lock().unwrap() = true;
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+        std::mem::take(&mut *self.samples.lock().unwrap())
+    }
+}
+
+/// Busy ns of `pid` between the samples nearest to `t0` and `t1`.
+fn busy_between(s: &[Sample], pid: Option<u32>, t0: u64, t1: u64) -> (u64, u64) {
+    let at = |t: u64| s.iter().min_by_key(|x| x.t.abs_diff(t)).expect("samples");
+    let (a, b) = (at(t0), at(t1));
+    let v = |x: &Sample| match pid {
+        Some(p) => x.busy.get(&p).copied().unwrap_or(0),
+        None => x.device,
+    };
+    (v(b).saturating_sub(v(a)), b.t - a.t)
+}
+
+impl Bench {
+    fn start(scale: f64) -> Self {
+        let bin = bin_dir();
+        let tessera = need(&bin, "tessera");
+        let arbiter_bin = need(&bin, "tessera-arbiter");
+        let tenant = need(&bin, "compute_tenant");
+        let interposer = need(&bin, "libtessera_interpose.so");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sim_dir = dir.path().join("sim");
+        let built = tessera_sim_state::find_built_lib_dir(Some(&bin)).unwrap_or_else(|e| {
+            eprintln!("compute_share: {e}");
+            std::process::exit(2);
+        });
+        let lib_dir = tessera_sim_state::prepare_lib_dir(&sim_dir, &built).expect("lib dir");
+        let socket = dir.path().join("tessera.sock");
+        let admin_socket = dir.path().join("admin.sock");
+        let arbiter = Command::new(arbiter_bin)
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--admin-socket")
+            .arg(&admin_socket)
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .env("LD_LIBRARY_PATH", &lib_dir)
+            .env("TESSERA_SIM_DIR", &sim_dir)
+            .env("TESSERA_SIM_GPUS", "1x80GiB")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start tessera-arbiter");
+        let started = Instant::now();
+        while AdminClient::connect(&admin_socket).is_err() {
+            if started.elapsed() > Duration::from_secs(20) {
+                eprintln!("compute_share: the arbiter did not come up");
+                std::process::exit(1);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Self {
+            _dir: dir,
+            sim_dir,
+            lib_dir,
+            socket,
+            admin_socket,
+            tessera,
+            tenant,
+            interposer,
+            arbiter,
+            scale,
+        }
+    }
+
+    fn secs(&self, s: f64) -> f64 {
+        s * self.scale
+    }
+
+    /// Starts a tenant: under `tessera run --share N [--cap]`, or bare (no Tessera) when
+    /// `share` is None.
+    fn tenant(&self, share: Option<u32>, cap: bool, args: &[String]) -> Tenant {
+        let mut cmd = match share {
+            Some(n) => {
+                let mut c = Command::new(&self.tessera);
+                c.args(["run", "--memory", "256MiB", "--share", &n.to_string()]);
+                if cap {
+                    c.arg("--cap");
+                }
+                c.arg("--interposer")
+                    .arg(&self.interposer)
+                    .arg("--")
+                    .arg(&self.tenant);
+                c
+            }
+            None => Command::new(&self.tenant),
+        };
+        cmd.args(args)
+            .env("LD_LIBRARY_PATH", &self.lib_dir)
+            .env("TESSERA_SIM_DIR", &self.sim_dir)
+            .env("TESSERA_SIM_GPUS", "1x80GiB")
+            .env("TESSERA_ADMIN_SOCKET", &self.admin_socket)
+            .env("TESSERA_SOCKET", &self.socket)
+            .env_remove("LD_PRELOAD")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn().expect("start a tenant");
+        let mut out = BufReader::new(child.stdout.take().expect("piped"));
+        let mut first = String::new();
+        out.read_line(&mut first).expect("tenant output");
+        let pid = first
+            .trim()
+            .strip_prefix("pid ")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("tenant did not start: {first:?}"));
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let l = Arc::clone(&lines);
+        let reader = std::thread::spawn(move || {
+            for line in out.lines().map_while(Result::ok) {
+                l.lock().unwrap().push(line);
+            }
+        });
+        Tenant {
+            child,
+            pid,
+            lines,
+            reader: Some(reader),
+        }
+    }
+
+    fn continuous(&self, seconds: f64) -> Vec<String> {
+        vec![
+            "--kernel-us".into(),
+            "1000".into(),
+            "--seconds".into(),
+            format!("{seconds}"),
+        ]
+    }
+
+    /// GPU time the arbiter charged over the last 10 s, summed over allocations.
+    fn charged_10s(&self) -> u64 {
+        AdminClient::connect(&self.admin_socket)
+            .and_then(|mut a| a.list())
+            .map(|l| l.iter().map(|a| a.gpu_time_10s_ns).sum())
+            .unwrap_or(0)
+    }
+}
+
+fn pct(x: u64, total: u64) -> f64 {
+    if total == 0 {
+        0.0
+    } else {
+        x as f64 * 100.0 / total as f64
+    }
+}
+
+/// Fractions of the busy time of `pids` over [t0, t1], in percent of their total.
+fn split(s: &[Sample], pids: &[u32], t0: u64, t1: u64) -> Vec<f64> {
+    let b: Vec<u64> = pids
+        .iter()
+        .map(|p| busy_between(s, Some(*p), t0, t1).0)
+        .collect();
+    let total: u64 = b.iter().sum();
+    b.iter().map(|x| pct(*x, total)).collect()
+}
+
+fn fmt_split(v: &[f64]) -> String {
+    v.iter()
+        .map(|x| format!("{x:.1}"))
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+fn max_err(got: &[f64], want: &[f64]) -> f64 {
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(0.0, f64::max)
+}
+
+struct Row(String, String, String, String);
+
+fn scenario_30_70(b: &Bench, rows: &mut Vec<Row>) -> (f64, bool) {
+    let len = b.secs(10.0);
+    let sampler = Sampler::start(&b.sim_dir);
+    let t1 = b.tenant(Some(30), false, &b.continuous(len + 1.5));
+    let t2 = b.tenant(Some(70), false, &b.continuous(len + 1.5));
+    std::thread::sleep(Duration::from_millis(500));
+    let start = monotonic_ns();
+    std::thread::sleep(Duration::from_secs_f64(len));
+    let end = monotonic_ns();
+    let charged = b.charged_10s();
+    let samples = sampler.finish();
+    let (pids, want) = ([t1.pid, t2.pid], [30.0, 70.0]);
+    let whole = split(&samples, &pids, start, end);
+    let mut worst = whole.clone();
+    let mut t = start;
+    while t + SEC <= end {
+        let w = split(&samples, &pids, t, t + SEC);
+        if max_err(&w, &want) > max_err(&worst, &want) {
+            worst = w;
+        }
+        t += SEC / 2;
+    }
+    let (dev, wall) = busy_between(&samples, None, start, end);
+    t1.wait();
+    t2.wait();
+    rows.push(Row(
+        format!("30/70, {len:.0} s"),
+        "30.0/70.0".into(),
+        format!("{} (worst 1 s: {})", fmt_split(&whole), fmt_split(&worst)),
+        format!(
+            "{:.1} pt (worst 1 s {:.1} pt)",
+            max_err(&whole, &want),
+            max_err(&worst, &want)
+        ),
+    ));
+    (pct(dev, wall), charged > 0)
+}
+
+fn scenario_join_leave(b: &Bench, rows: &mut Vec<Row>) {
+    let (p1, p2, total) = (b.secs(3.0), b.secs(7.0), b.secs(10.0));
+    let sampler = Sampler::start(&b.sim_dir);
+    let ta = b.tenant(Some(20), false, &b.continuous(total + 1.5));
+    let tb = b.tenant(Some(30), false, &b.continuous(total + 1.5));
+    std::thread::sleep(Duration::from_millis(500));
+    let start = monotonic_ns();
+    let at = |s: f64| start + (s * SEC as f64) as u64;
+    std::thread::sleep(Duration::from_secs_f64(p1));
+    let tc = b.tenant(Some(50), false, &b.continuous(p2 - p1));
+    let c_pid = tc.pid;
+    let joined = monotonic_ns();
+    tc.wait();
+    let left = monotonic_ns();
+    std::thread::sleep(Duration::from_secs_f64(total - p2));
+    let end = monotonic_ns();
+    let samples = sampler.finish();
+    // Skip 0.3 s after each change so the phases do not blur.
+    let settle = 300_000_000;
+    let phases = [
+        (
+            "A,B before C joins",
+            vec![ta.pid, tb.pid],
+            vec![40.0, 60.0],
+            start,
+            at(p1),
+        ),
+        // C's counters vanish when it exits: end the phase a little before.
+        (
+            "A,B,C",
+            vec![ta.pid, tb.pid, c_pid],
+            vec![20.0, 30.0, 50.0],
+            joined + settle,
+            left - settle,
+        ),
+        (
+            "A,B after C left",
+            vec![ta.pid, tb.pid],
+            vec![40.0, 60.0],
+            left + settle,
+            end,
+        ),
+    ];
+    for (name, pids, want, t0, t1) in phases {
+        let got = split(&samples, &pids, t0, t1);
+        rows.push(Row(
+            format!("20/30/50 join/leave: {name}"),
+            fmt_split(&want),
+            fmt_split(&got),
+            format!("{:.1} pt", max_err(&got, &want)),
+        ));
+    }
+    ta.wait();
+    tb.wait();
+}
+
+fn scenario_cap(b: &Bench, rows: &mut Vec<Row>) {
+    let len = b.secs(10.0);
+    let sampler = Sampler::start(&b.sim_dir);
+    let t = b.tenant(Some(30), true, &b.continuous(len + 1.5));
+    std::thread::sleep(Duration::from_millis(500));
+    let start = monotonic_ns();
+    std::thread::sleep(Duration::from_secs_f64(len));
+    let end = monotonic_ns();
+    let samples = sampler.finish();
+    let (busy, wall) = busy_between(&samples, Some(t.pid), start, end);
+    let mut worst = 0.0f64;
+    let mut w = start;
+    while w + SEC <= end {
+        let (x, wl) = busy_between(&samples, Some(t.pid), w, w + SEC);
+        worst = worst.max(pct(x, wl));
+        w += SEC / 2;
+    }
+    t.wait();
+    rows.push(Row(
+        format!("cap 30% alone, {len:.0} s"),
+        "<= 30.0".into(),
+        format!("{:.1} (worst 1 s: {worst:.1})", pct(busy, wall)),
+        format!("{:+.1} pt over", pct(busy, wall) - 30.0),
+    ));
+}
+
+fn scenario_idle_reclaim(b: &Bench, rows: &mut Vec<Row>) {
+    let len = b.secs(6.0);
+    // A: 3 x 1 ms kernels then 40 ms idle, repeatedly (always hands back early).
+    // B: busy all the time, so it is waiting whenever A holds the GPU.
+    let bursty = vec![
+        "--kernel-us".into(),
+        "1000".into(),
+        "--seconds".into(),
+        format!("{len}"),
+        "--burst".into(),
+        "3".into(),
+        "--idle-ms".into(),
+        "40".into(),
+    ];
+    let tb = b.tenant(Some(50), false, &b.continuous(len + 1.0));
+    let ta = b.tenant(Some(50), false, &bursty);
+    let a_lines = ta.wait();
+    let b_lines = tb.wait();
+    let idle: Vec<u64> = a_lines
+        .iter()
+        .filter_map(|l| l.strip_prefix("idle ").and_then(|v| v.parse().ok()))
+        .collect();
+    let unblocked: Vec<u64> = b_lines
+        .iter()
+        .filter_map(|l| {
+            l.strip_prefix("unblocked ")?
+                .split(' ')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    let mut lat: Vec<u64> = idle
+        .iter()
+        .filter_map(|t| unblocked.iter().find(|u| **u >= *t).map(|u| u - t))
+        .filter(|l| *l < 100_000_000)
+        .collect();
+    lat.sort_unstable();
+    let q = |p: f64| {
+        lat.get(((lat.len() as f64 - 1.0) * p).round() as usize)
+            .copied()
+    };
+    let ms = |v: Option<u64>| v.map_or("n/a".into(), |v| format!("{:.2} ms", v as f64 / 1e6));
+    rows.push(Row(
+        "idle reclaim latency".into(),
+        "~2 ms".into(),
+        format!("p50 {} p99 {}", ms(q(0.5)), ms(q(0.99))),
+        format!("{} hand-overs of {} idle points", lat.len(), idle.len()),
+    ));
+}
+
+fn scenario_no_control(b: &Bench) -> (f64, Vec<f64>) {
+    let len = b.secs(5.0);
+    let sampler = Sampler::start(&b.sim_dir);
+    let t1 = b.tenant(None, false, &b.continuous(len + 1.5));
+    let t2 = b.tenant(None, false, &b.continuous(len + 1.5));
+    std::thread::sleep(Duration::from_millis(500));
+    let start = monotonic_ns();
+    std::thread::sleep(Duration::from_secs_f64(len));
+    let end = monotonic_ns();
+    let samples = sampler.finish();
+    let (dev, wall) = busy_between(&samples, None, start, end);
+    let s = split(&samples, &[t1.pid, t2.pid], start, end);
+    t1.wait();
+    t2.wait();
+    (pct(dev, wall), s)
+}
+
+fn main() {
+    let mut scale = 1.0;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--scale" => {
+                scale = args.next().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
+                    eprintln!("compute_share: --scale needs a number");
+                    std::process::exit(2)
+                })
+            }
+            _ => {
+                eprintln!("usage: compute_share [--scale F]");
+                std::process::exit(2);
+            }
+        }
+    }
+    let bench = Bench::start(scale);
+    let mut rows = Vec::new();
+    let (busy_ctl, gated) = scenario_30_70(&bench, &mut rows);
+    scenario_join_leave(&bench, &mut rows);
+    scenario_cap(&bench, &mut rows);
+    scenario_idle_reclaim(&bench, &mut rows);
+    let (busy_free, free_split) = scenario_no_control(&bench);
+    rows.push(Row(
+        "total GPU busy, 30/70 with Tessera".into(),
+        "~100% of wall".into(),
+        format!("{busy_ctl:.1}%"),
+        format!("{:+.1} pt vs no control", busy_ctl - busy_free),
+    ));
+    rows.push(Row(
+        "total GPU busy, 2 tenants, no control".into(),
+        "-".into(),
+        format!("{busy_free:.1}% (split {})", fmt_split(&free_split)),
+        "-".into(),
+    ));
+
+    let w = [40, 15, 44, 30];
+    println!(
+        "Tessera compute sharing on the simulated GPU (1 ms kernels, shares = tessera run --share)"
+    );
+    println!(
+        "{:<a$} {:<b$} {:<c$} {:<d$}",
+        "scenario",
+        "target",
+        "measured (% of GPU busy time)",
+        "error",
+        a = w[0],
+        b = w[1],
+        c = w[2],
+        d = w[3]
+    );
+    for Row(a, b2, c, d) in &rows {
+        println!(
+            "{a:<x$} {b2:<y$} {c:<z$} {d:<v$}",
+            x = w[0],
+            y = w[1],
+            z = w[2],
+            v = w[3]
+        );
+    }
+    if !gated {
+        println!(
+            "\nNOTE: the arbiter charged no GPU time: the interposer in {} did not ask for \
+             compute leases, so these splits are uncontrolled.",
+            bench.interposer.display()
+        );
+    }
+}

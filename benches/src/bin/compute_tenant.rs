@@ -1,0 +1,181 @@
+//! compute_tenant: the load of the `compute_share` benchmark. A CUDA driver client (loaded the
+//! way the CUDA runtime does it: `dlopen("libcuda.so.1")`, then `cuGetProcAddress_v2`) that
+//! launches kernels of a fixed length on the simulated GPU for a while.
+//!
+//! `compute_tenant [--kernel-us N] [--seconds S] [--burst K --idle-ms M]`
+//! - continuous (default): launch kernels back to back, synchronising every few launches so
+//!   that without Tessera the queue stays short;
+//! - bursty (`--burst K`): K kernels, wait for them, note the moment the stream went idle,
+//!   sleep M ms, repeat.
+//!
+//! Prints `pid <pid>` first, then at exit one line per event on the machine-wide monotonic
+//! clock: `idle <ns>` (bursty: the stream became idle) and `unblocked <ns> <waited ns>` (a
+//! launch that had to wait more than 200 us, i.e. for a compute lease, returned), and finally
+//! `launches <n>`.
+
+use std::ffi::{CStr, c_char, c_void};
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use tessera_sim_state::clock::monotonic_ns;
+
+type GetProc = unsafe extern "C" fn(*const c_char, *mut *mut c_void, i32, u64, *mut i32) -> u32;
+type Launch = unsafe extern "C" fn(
+    *mut c_void,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    *mut c_void,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> u32;
+
+const PTX: &CStr = c".version 8.0\n.target sm_90\n.visible .entry spin(.param .u64 ns) { ret; }\n";
+
+struct Args {
+    kernel_ns: u64,
+    seconds: f64,
+    burst: Option<u32>,
+    idle_ms: u64,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        kernel_ns: 1_000_000,
+        seconds: 10.0,
+        burst: None,
+        idle_ms: 50,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--kernel-us" => {
+                a.kernel_ns = value()?.parse::<u64>().map_err(|e| e.to_string())? * 1000
+            }
+            "--seconds" => a.seconds = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--burst" => a.burst = Some(value()?.parse().map_err(|e| format!("{e}"))?),
+            "--idle-ms" => a.idle_ms = value()?.parse().map_err(|e| format!("{e}"))?,
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    Ok(a)
+}
+
+fn check(what: &str, rc: u32) {
+    if rc != 0 {
+        eprintln!("compute_tenant: {what} failed with CUresult {rc}");
+        std::process::exit(1);
+    }
+}
+
+fn main() {
+    let args = parse_args().unwrap_or_else(|e| {
+        eprintln!("compute_tenant: {e}");
+        std::process::exit(2);
+    });
+    println!("pid {}", std::process::id());
+    let _ = std::io::stdout().flush();
+
+    // SAFETY: loading the driver library (the simulated one, through LD_LIBRARY_PATH).
+    let lib = unsafe { libloading::Library::new("libcuda.so.1") }.unwrap_or_else(|e| {
+        eprintln!("compute_tenant: libcuda.so.1: {e}");
+        std::process::exit(1);
+    });
+    // SAFETY: cuGetProcAddress_v2 has the GetProc signature.
+    let get_proc = unsafe { *lib.get::<GetProc>(b"cuGetProcAddress_v2\0").unwrap() };
+    let sym = |name: &CStr, version: i32| -> *mut c_void {
+        let mut p = std::ptr::null_mut();
+        // SAFETY: a valid name and out-pointer.
+        let rc = unsafe { get_proc(name.as_ptr(), &mut p, version, 0, std::ptr::null_mut()) };
+        check(&name.to_string_lossy(), rc);
+        p
+    };
+    // SAFETY: each transmute gives the documented C signature of the named entry point.
+    unsafe {
+        let init: unsafe extern "C" fn(u32) -> u32 = std::mem::transmute(sym(c"cuInit", 2000));
+        let retain: unsafe extern "C" fn(*mut *mut c_void, i32) -> u32 =
+            std::mem::transmute(sym(c"cuDevicePrimaryCtxRetain", 7000));
+        let set_current: unsafe extern "C" fn(*mut c_void) -> u32 =
+            std::mem::transmute(sym(c"cuCtxSetCurrent", 4000));
+        let load: unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> u32 =
+            std::mem::transmute(sym(c"cuModuleLoadData", 2000));
+        let getf: unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *const c_char) -> u32 =
+            std::mem::transmute(sym(c"cuModuleGetFunction", 2000));
+        let stream_create: unsafe extern "C" fn(*mut *mut c_void, u32) -> u32 =
+            std::mem::transmute(sym(c"cuStreamCreate", 2000));
+        let stream_sync: unsafe extern "C" fn(*mut c_void) -> u32 =
+            std::mem::transmute(sym(c"cuStreamSynchronize", 2000));
+        let launch: Launch = std::mem::transmute(sym(c"cuLaunchKernel", 4000));
+
+        check("cuInit", init(0));
+        let mut ctx = std::ptr::null_mut();
+        check("cuDevicePrimaryCtxRetain", retain(&mut ctx, 0));
+        check("cuCtxSetCurrent", set_current(ctx));
+        let mut module = std::ptr::null_mut();
+        check("cuModuleLoadData", load(&mut module, PTX.as_ptr().cast()));
+        let mut func = std::ptr::null_mut();
+        check(
+            "cuModuleGetFunction",
+            getf(&mut func, module, c"spin".as_ptr()),
+        );
+        let mut stream = std::ptr::null_mut();
+        check("cuStreamCreate", stream_create(&mut stream, 0));
+
+        let mut ns = args.kernel_ns;
+        let mut params = [(&mut ns as *mut u64).cast::<c_void>()];
+        let mut events: Vec<String> = Vec::new();
+        let mut launches = 0u64;
+        let mut launch_one = |events: &mut Vec<String>| {
+            let t0 = monotonic_ns();
+            let rc = launch(
+                func,
+                1,
+                1,
+                1,
+                1,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            );
+            check("cuLaunchKernel", rc);
+            let t1 = monotonic_ns();
+            if t1 - t0 > 200_000 {
+                events.push(format!("unblocked {t1} {}", t1 - t0));
+            }
+        };
+        let end = Instant::now() + Duration::from_secs_f64(args.seconds);
+        while Instant::now() < end {
+            match args.burst {
+                None => {
+                    for _ in 0..4 {
+                        launch_one(&mut events);
+                        launches += 1;
+                    }
+                    check("cuStreamSynchronize", stream_sync(stream));
+                }
+                Some(k) => {
+                    for _ in 0..k {
+                        launch_one(&mut events);
+                        launches += 1;
+                    }
+                    check("cuStreamSynchronize", stream_sync(stream));
+                    events.push(format!("idle {}", monotonic_ns()));
+                    std::thread::sleep(Duration::from_millis(args.idle_ms));
+                }
+            }
+        }
+        let mut out = std::io::stdout().lock();
+        for e in &events {
+            let _ = writeln!(out, "{e}");
+        }
+        let _ = writeln!(out, "launches {launches}");
+    }
+}
