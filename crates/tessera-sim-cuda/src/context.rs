@@ -34,7 +34,12 @@ impl Context {
     }
 
     /// Makes a stream in this context and remembers it for implicit synchronisation.
-    pub fn new_stream(self: &Arc<Self>, kind: StreamKind, flags: u32, priority: i32) -> Arc<Stream> {
+    pub fn new_stream(
+        self: &Arc<Self>,
+        kind: StreamKind,
+        flags: u32,
+        priority: i32,
+    ) -> Arc<Stream> {
         let s = Stream::new(Arc::downgrade(self), self.device, kind, flags, priority);
         let mut list = self.streams.lock().unwrap_or_else(|e| e.into_inner());
         list.retain(|w| w.strong_count() > 0);
@@ -205,7 +210,11 @@ pub extern "C" fn cuDevicePrimaryCtxReset_v2(dev: CUdevice) -> CUresult {
 
 /// `cuDevicePrimaryCtxGetState`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(dev: CUdevice, flags: *mut u32, active: *mut i32) -> CUresult {
+pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(
+    dev: CUdevice,
+    flags: *mut u32,
+    active: *mut i32,
+) -> CUresult {
     guard(|| {
         let g = gpu(dev)?;
         let p = primaries()[g.index as usize]
@@ -333,9 +342,7 @@ pub extern "C" fn cuCtxSetCurrent(ctx: Handle) -> CUresult {
 pub unsafe extern "C" fn cuCtxGetCurrent(pctx: *mut Handle) -> CUresult {
     guard(|| {
         rt()?;
-        let h = STACK
-            .with(|s| s.borrow().last().map(|c| c.id))
-            .unwrap_or(0);
+        let h = STACK.with(|s| s.borrow().last().map(|c| c.id)).unwrap_or(0);
         // SAFETY: caller's out-pointer, null-checked by put.
         unsafe { put(pctx, h as Handle) }
     })
@@ -420,7 +427,10 @@ pub unsafe extern "C" fn cuCtxGetId(ctx: Handle, id: *mut u64) -> CUresult {
 
 /// `cuCtxGetStreamPriorityRange`: priorities 0 (least) to -5 (greatest), as on Hopper.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuCtxGetStreamPriorityRange(least: *mut i32, greatest: *mut i32) -> CUresult {
+pub unsafe extern "C" fn cuCtxGetStreamPriorityRange(
+    least: *mut i32,
+    greatest: *mut i32,
+) -> CUresult {
     guard(|| {
         current()?;
         // SAFETY: optional out-pointers from the caller, checked for null.

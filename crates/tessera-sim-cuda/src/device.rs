@@ -58,7 +58,14 @@ pub unsafe extern "C" fn cuDeviceGetUuid(uuid: *mut CUuuid, dev: CUdevice) -> CU
     guard(|| {
         let g = gpu(dev)?;
         // SAFETY: caller's out-pointer, null-checked by put.
-        unsafe { put(uuid, CUuuid { bytes: g.uuid_bytes }) }
+        unsafe {
+            put(
+                uuid,
+                CUuuid {
+                    bytes: g.uuid_bytes,
+                },
+            )
+        }
     })
 }
 
@@ -185,7 +192,11 @@ pub unsafe extern "C" fn cuDeviceComputeCapability(
 
 /// `cuDeviceGetPCIBusId`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceGetPCIBusId(buf: *mut c_char, len: i32, dev: CUdevice) -> CUresult {
+pub unsafe extern "C" fn cuDeviceGetPCIBusId(
+    buf: *mut c_char,
+    len: i32,
+    dev: CUdevice,
+) -> CUresult {
     guard(|| {
         let g = gpu(dev)?;
         // SAFETY: caller passes a buffer of `len` bytes.
@@ -201,7 +212,9 @@ pub unsafe extern "C" fn cuDeviceGetByPCIBusId(dev: *mut CUdevice, id: *const c_
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         // SAFETY: non-null C string from the caller.
-        let s = unsafe { CStr::from_ptr(id) }.to_string_lossy().to_ascii_uppercase();
+        let s = unsafe { CStr::from_ptr(id) }
+            .to_string_lossy()
+            .to_ascii_uppercase();
         let g = rt()?
             .spec
             .gpus
@@ -215,7 +228,11 @@ pub unsafe extern "C" fn cuDeviceGetByPCIBusId(dev: *mut CUdevice, id: *const c_
 
 /// `cuDeviceCanAccessPeer`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuDeviceCanAccessPeer(can: *mut i32, dev: CUdevice, peer: CUdevice) -> CUresult {
+pub unsafe extern "C" fn cuDeviceCanAccessPeer(
+    can: *mut i32,
+    dev: CUdevice,
+    peer: CUdevice,
+) -> CUresult {
     guard(|| {
         gpu(dev)?;
         gpu(peer)?;

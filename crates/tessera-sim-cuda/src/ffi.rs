@@ -140,3 +140,24 @@ pub struct CudaKernelNodeParams {
 pub struct CUuuid {
     pub bytes: [u8; 16],
 }
+
+/// `CUDA_MEMCPY2D`.
+#[repr(C)]
+pub struct CudaMemcpy2d {
+    pub src_x_in_bytes: usize,
+    pub src_y: usize,
+    pub src_memory_type: u32,
+    pub src_host: *const c_void,
+    pub src_device: CUdeviceptr,
+    pub src_array: Handle,
+    pub src_pitch: usize,
+    pub dst_x_in_bytes: usize,
+    pub dst_y: usize,
+    pub dst_memory_type: u32,
+    pub dst_host: *mut c_void,
+    pub dst_device: CUdeviceptr,
+    pub dst_array: Handle,
+    pub dst_pitch: usize,
+    pub width_in_bytes: usize,
+    pub height: usize,
+}

@@ -1,25 +1,35 @@
 //! CUDA graphs with kernel nodes, and stream capture into them.
 //!
-//! A graph is a list of kernel nodes in insertion order (dependencies always point backwards, so
-//! that order is topological); launching an executable graph enqueues its kernels on the stream.
+//! A graph is a list of kernel and host-function nodes in insertion order (dependencies always
+//! point backwards, so that order is topological); launching an executable graph enqueues its
+//! nodes on the stream, where the engine runs the kernels for their durations.
 
 use std::sync::{Arc, Mutex};
 
 use crate::ffi::*;
 use crate::module::check_launch;
 use crate::runtime::{Registry, guard, next_handle, put, rt};
-use crate::stream::{Op, StreamKind, resolve};
+use crate::stream::{HostFn, Op, StreamKind, host_op, resolve};
+
+/// One node of a graph.
+#[derive(Clone, Copy)]
+pub enum Node {
+    /// A kernel occupying the engine this many ns.
+    Kernel(u64),
+    /// A host function and its argument.
+    Host(HostFn, usize),
+}
 
 /// A graph under construction.
 pub struct Graph {
     pub id: usize,
-    kernels: Mutex<Vec<u64>>,
+    nodes: Mutex<Vec<Node>>,
 }
 
 /// An instantiated graph.
 pub struct GraphExec {
     pub id: usize,
-    kernels: Vec<u64>,
+    nodes: Vec<Node>,
 }
 
 /// A stream capture in progress.
@@ -30,11 +40,18 @@ pub struct Capture {
 impl Capture {
     /// Records a kernel launch into the captured graph.
     pub fn add_kernel(&self, ns: u64) {
-        self.graph
-            .kernels
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(ns);
+        self.graph.push(Node::Kernel(ns));
+    }
+
+    /// Records a host function into the captured graph.
+    pub fn add_host(&self, f: HostFn, data: usize) {
+        self.graph.push(Node::Host(f, data));
+    }
+}
+
+impl Graph {
+    fn push(&self, n: Node) {
+        self.nodes.lock().unwrap_or_else(|e| e.into_inner()).push(n);
     }
 }
 
@@ -44,7 +61,7 @@ pub static EXECS: Registry<GraphExec> = Registry::new();
 fn new_graph() -> Arc<Graph> {
     let g = Arc::new(Graph {
         id: next_handle(),
-        kernels: Mutex::new(Vec::new()),
+        nodes: Mutex::new(Vec::new()),
     });
     GRAPHS.insert(g.id, g.clone());
     g
@@ -103,7 +120,7 @@ pub unsafe extern "C" fn cuGraphAddKernelNode_v2(
                 p.extra,
             )
         }?;
-        g.kernels.lock().unwrap_or_else(|e| e.into_inner()).push(ns);
+        g.push(Node::Kernel(ns));
         // SAFETY: non-null out-pointer from the caller.
         unsafe { put(node, next_handle() as Handle) }
     })
@@ -111,7 +128,11 @@ pub unsafe extern "C" fn cuGraphAddKernelNode_v2(
 
 /// `cuGraphInstantiateWithFlags`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGraphInstantiateWithFlags(pe: *mut Handle, g: Handle, _flags: u64) -> CUresult {
+pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
+    pe: *mut Handle,
+    g: Handle,
+    _flags: u64,
+) -> CUresult {
     guard(|| {
         rt()?;
         if pe.is_null() {
@@ -120,7 +141,7 @@ pub unsafe extern "C" fn cuGraphInstantiateWithFlags(pe: *mut Handle, g: Handle,
         let g = GRAPHS.get(g as usize).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let e = Arc::new(GraphExec {
             id: next_handle(),
-            kernels: g.kernels.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            nodes: g.nodes.lock().unwrap_or_else(|e| e.into_inner()).clone(),
         });
         EXECS.insert(e.id, e.clone());
         // SAFETY: non-null out-pointer from the caller.
@@ -145,8 +166,11 @@ fn graph_launch(e: Handle, h: Handle, ptds: bool) -> CUresult {
         rt()?;
         let e = EXECS.get(e as usize).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let s = resolve(h, ptds)?;
-        for &ns in &e.kernels {
-            s.enqueue(Op::Kernel(ns));
+        for n in &e.nodes {
+            s.enqueue(match *n {
+                Node::Kernel(ns) => Op::Kernel(ns),
+                Node::Host(f, data) => host_op(f, data),
+            });
         }
         Ok(())
     })
@@ -235,4 +259,3 @@ pub unsafe extern "C" fn cuStreamIsCapturing(h: Handle, out: *mut u32) -> CUresu
 pub unsafe extern "C" fn cuStreamIsCapturing_ptsz(h: Handle, out: *mut u32) -> CUresult {
     is_capturing(h, out, true)
 }
-

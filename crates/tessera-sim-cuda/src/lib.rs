@@ -11,16 +11,21 @@
 //! - [`device`]: device queries and attributes.
 //! - [`context`]: primary and explicit contexts, the per-thread context stack.
 //! - [`stream`]: streams (a worker thread each), events, the engine hand-off.
-//! - [`memory`]: allocations, copies, memsets, pools, VMM, arrays, pointer attributes.
+//! - [`memory`]: the address-range table, allocations, pools, pointer attributes.
+//! - [`copy`]: 1D and 2D copies and memsets.
+//! - [`vmm`]: virtual memory management (`cuMemCreate`, reservations, `cuMemMap`, access).
+//! - [`array`]: CUDA arrays and mipmapped arrays (charged, not backed).
 //! - [`module`]: PTX modules, functions and kernel launches.
-//! - [`graph`]: CUDA graphs with kernel nodes and stream capture.
+//! - [`graph`]: CUDA graphs with kernel and host nodes, and stream capture.
 //! - [`proc_address`]: the name table behind `cuGetProcAddress(_v2)`.
 
 // The exported entry points' safety contract is the vendor's C API documentation (valid
 // pointers of the documented types); restating it on each of them adds nothing.
 #![allow(clippy::missing_safety_doc)]
 
+pub mod array;
 pub mod context;
+pub mod copy;
 pub mod device;
 pub mod errors;
 pub mod ffi;
@@ -30,3 +35,4 @@ pub mod module;
 pub mod proc_address;
 pub mod runtime;
 pub mod stream;
+pub mod vmm;

@@ -116,7 +116,9 @@ pub unsafe extern "C" fn cuModuleLoad(pm: *mut Handle, fname: *const c_char) -> 
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         // SAFETY: non-null C string from the caller.
-        let path = unsafe { CStr::from_ptr(fname) }.to_string_lossy().into_owned();
+        let path = unsafe { CStr::from_ptr(fname) }
+            .to_string_lossy()
+            .into_owned();
         let data = std::fs::read(path).map_err(|_| CUDA_ERROR_FILE_NOT_FOUND)?;
         load(pm, &data)
     })
@@ -127,7 +129,9 @@ pub unsafe extern "C" fn cuModuleLoad(pm: *mut Handle, fname: *const c_char) -> 
 pub extern "C" fn cuModuleUnload(m: Handle) -> CUresult {
     guard(|| {
         rt()?;
-        let m = MODULES.remove(m as usize).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        let m = MODULES
+            .remove(m as usize)
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         for id in m.funcs.lock().unwrap_or_else(|e| e.into_inner()).values() {
             FUNCTIONS.remove(*id);
         }
@@ -137,7 +141,11 @@ pub extern "C" fn cuModuleUnload(m: Handle) -> CUresult {
 
 /// `cuModuleGetFunction`: `CUDA_ERROR_NOT_FOUND` for names that are not `.entry` kernels.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuModuleGetFunction(pf: *mut Handle, m: Handle, name: *const c_char) -> CUresult {
+pub unsafe extern "C" fn cuModuleGetFunction(
+    pf: *mut Handle,
+    m: Handle,
+    name: *const c_char,
+) -> CUresult {
     guard(|| {
         rt()?;
         if pf.is_null() || name.is_null() {
@@ -145,7 +153,9 @@ pub unsafe extern "C" fn cuModuleGetFunction(pf: *mut Handle, m: Handle, name: *
         }
         let m = MODULES.get(m as usize).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         // SAFETY: non-null C string from the caller.
-        let name = unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned();
+        let name = unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned();
         if !m.entries.contains(&name) {
             return Err(CUDA_ERROR_NOT_FOUND);
         }
@@ -166,7 +176,12 @@ pub unsafe extern "C" fn cuModuleGetFunction(pf: *mut Handle, m: Handle, name: *
 
 /// `cuModuleGetGlobal_v2`: PTX globals are not simulated.
 #[unsafe(no_mangle)]
-pub extern "C" fn cuModuleGetGlobal_v2(_dptr: *mut CUdeviceptr, _bytes: *mut usize, m: Handle, _name: *const c_char) -> CUresult {
+pub extern "C" fn cuModuleGetGlobal_v2(
+    _dptr: *mut CUdeviceptr,
+    _bytes: *mut usize,
+    m: Handle,
+    _name: *const c_char,
+) -> CUresult {
     guard(|| {
         rt()?;
         MODULES.get(m as usize).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
@@ -232,7 +247,11 @@ pub unsafe fn kernel_ns(params: *mut *mut c_void, extra: *mut *mut c_void) -> u6
     unsafe {
         if !params.is_null() {
             let first = *params;
-            return if first.is_null() { 0 } else { (first as *const u64).read_unaligned() };
+            return if first.is_null() {
+                0
+            } else {
+                (first as *const u64).read_unaligned()
+            };
         }
         if !extra.is_null() {
             let (mut buf, mut size) = (std::ptr::null::<u8>(), 0usize);
@@ -351,7 +370,15 @@ macro_rules! coop_fns {
             h: Handle,
             params: *mut *mut c_void,
         ) -> CUresult {
-            launch(f, [gx, gy, gz], [bx, by, bz], h, params, std::ptr::null_mut(), $ptds)
+            launch(
+                f,
+                [gx, gy, gz],
+                [bx, by, bz],
+                h,
+                params,
+                std::ptr::null_mut(),
+                $ptds,
+            )
         }
     };
 }
@@ -359,7 +386,13 @@ macro_rules! coop_fns {
 coop_fns!(cuLaunchCooperativeKernel, false);
 coop_fns!(cuLaunchCooperativeKernel_ptsz, true);
 
-fn launch_ex(cfg: *const CUlaunchConfig, f: Handle, params: *mut *mut c_void, extra: *mut *mut c_void, ptds: bool) -> CUresult {
+fn launch_ex(
+    cfg: *const CUlaunchConfig,
+    f: Handle,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+    ptds: bool,
+) -> CUresult {
     if cfg.is_null() {
         return CUDA_ERROR_INVALID_VALUE;
     }
@@ -378,13 +411,23 @@ fn launch_ex(cfg: *const CUlaunchConfig, f: Handle, params: *mut *mut c_void, ex
 
 /// `cuLaunchKernelEx`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchKernelEx(cfg: *const CUlaunchConfig, f: Handle, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult {
+pub unsafe extern "C" fn cuLaunchKernelEx(
+    cfg: *const CUlaunchConfig,
+    f: Handle,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
     launch_ex(cfg, f, params, extra, false)
 }
 
 /// `cuLaunchKernelEx_ptsz`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(cfg: *const CUlaunchConfig, f: Handle, params: *mut *mut c_void, extra: *mut *mut c_void) -> CUresult {
+pub unsafe extern "C" fn cuLaunchKernelEx_ptsz(
+    cfg: *const CUlaunchConfig,
+    f: Handle,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
     launch_ex(cfg, f, params, extra, true)
 }
 
@@ -395,7 +438,10 @@ mod tests {
     #[test]
     fn finds_entries() {
         let ptx = ".version 8.0\n.target sm_90\n.visible .entry spin(\n.param .u64 ns)\n{ ret; }\n.entry other_k ( ) { ret; }\n.func helper() {}";
-        assert_eq!(ptx_entries(ptx), vec!["spin".to_string(), "other_k".to_string()]);
+        assert_eq!(
+            ptx_entries(ptx),
+            vec!["spin".to_string(), "other_k".to_string()]
+        );
     }
 
     #[test]
@@ -403,9 +449,11 @@ mod tests {
         let mut ns: u64 = 1234;
         let mut params = [&mut ns as *mut u64 as *mut c_void];
         // SAFETY: params holds one valid pointer to a u64.
-        assert_eq!(unsafe { kernel_ns(params.as_mut_ptr(), std::ptr::null_mut()) }, 1234);
+        let first = unsafe { kernel_ns(params.as_mut_ptr(), std::ptr::null_mut()) };
+        assert_eq!(first, 1234);
         // SAFETY: both null means no parameters.
-        assert_eq!(unsafe { kernel_ns(std::ptr::null_mut(), std::ptr::null_mut()) }, 0);
+        let none = unsafe { kernel_ns(std::ptr::null_mut(), std::ptr::null_mut()) };
+        assert_eq!(none, 0);
         let mut buf = 99u64.to_ne_bytes();
         let mut size = 8usize;
         let mut extra = [
@@ -416,6 +464,7 @@ mod tests {
             CU_LAUNCH_PARAM_END as *mut c_void,
         ];
         // SAFETY: a well-formed extra array.
-        assert_eq!(unsafe { kernel_ns(std::ptr::null_mut(), extra.as_mut_ptr()) }, 99);
+        let buffered = unsafe { kernel_ns(std::ptr::null_mut(), extra.as_mut_ptr()) };
+        assert_eq!(buffered, 99);
     }
 }

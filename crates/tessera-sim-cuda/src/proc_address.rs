@@ -9,7 +9,9 @@
 use std::ffi::{CStr, c_char, c_void};
 use std::sync::OnceLock;
 
+use crate::array::*;
 use crate::context::*;
+use crate::copy::*;
 use crate::device::*;
 use crate::errors::*;
 use crate::ffi::*;
@@ -18,6 +20,7 @@ use crate::memory::*;
 use crate::module::*;
 use crate::runtime::*;
 use crate::stream::*;
+use crate::vmm::*;
 
 /// One table row.
 struct Entry {
@@ -30,13 +33,31 @@ struct Entry {
 
 macro_rules! e {
     ($base:literal, $ver:literal, none) => {
-        Entry { base: $base, version: $ver, per_thread: false, name: "", func: 0 }
+        Entry {
+            base: $base,
+            version: $ver,
+            per_thread: false,
+            name: "",
+            func: 0,
+        }
     };
     ($base:literal, $ver:literal, $f:ident) => {
-        Entry { base: $base, version: $ver, per_thread: false, name: stringify!($f), func: $f as *const () as usize }
+        Entry {
+            base: $base,
+            version: $ver,
+            per_thread: false,
+            name: stringify!($f),
+            func: $f as *const () as usize,
+        }
     };
     ($base:literal, $ver:literal, pt $f:ident) => {
-        Entry { base: $base, version: $ver, per_thread: true, name: stringify!($f), func: $f as *const () as usize }
+        Entry {
+            base: $base,
+            version: $ver,
+            per_thread: true,
+            name: stringify!($f),
+            func: $f as *const () as usize,
+        }
     };
 }
 
@@ -62,16 +83,40 @@ fn table() -> &'static [Entry] {
             e!("cuDeviceGetPCIBusId", 4010, cuDeviceGetPCIBusId),
             e!("cuDeviceGetByPCIBusId", 4010, cuDeviceGetByPCIBusId),
             e!("cuDeviceCanAccessPeer", 4000, cuDeviceCanAccessPeer),
-            e!("cuDeviceGetDefaultMemPool", 11020, cuDeviceGetDefaultMemPool),
+            e!(
+                "cuDeviceGetDefaultMemPool",
+                11020,
+                cuDeviceGetDefaultMemPool
+            ),
             e!("cuDeviceGetMemPool", 11020, cuDeviceGetMemPool),
             e!("cuDevicePrimaryCtxRetain", 7000, cuDevicePrimaryCtxRetain),
-            e!("cuDevicePrimaryCtxRelease", 7000, cuDevicePrimaryCtxRelease_v2),
-            e!("cuDevicePrimaryCtxRelease", 11000, cuDevicePrimaryCtxRelease_v2),
+            e!(
+                "cuDevicePrimaryCtxRelease",
+                7000,
+                cuDevicePrimaryCtxRelease_v2
+            ),
+            e!(
+                "cuDevicePrimaryCtxRelease",
+                11000,
+                cuDevicePrimaryCtxRelease_v2
+            ),
             e!("cuDevicePrimaryCtxReset", 7000, cuDevicePrimaryCtxReset_v2),
             e!("cuDevicePrimaryCtxReset", 11000, cuDevicePrimaryCtxReset_v2),
-            e!("cuDevicePrimaryCtxSetFlags", 7000, cuDevicePrimaryCtxSetFlags_v2),
-            e!("cuDevicePrimaryCtxSetFlags", 11000, cuDevicePrimaryCtxSetFlags_v2),
-            e!("cuDevicePrimaryCtxGetState", 7000, cuDevicePrimaryCtxGetState),
+            e!(
+                "cuDevicePrimaryCtxSetFlags",
+                7000,
+                cuDevicePrimaryCtxSetFlags_v2
+            ),
+            e!(
+                "cuDevicePrimaryCtxSetFlags",
+                11000,
+                cuDevicePrimaryCtxSetFlags_v2
+            ),
+            e!(
+                "cuDevicePrimaryCtxGetState",
+                7000,
+                cuDevicePrimaryCtxGetState
+            ),
             e!("cuCtxCreate", 3020, cuCtxCreate_v2),
             e!("cuCtxCreate", 11040, none),
             e!("cuCtxCreate", 12050, cuCtxCreate_v4),
@@ -88,13 +133,21 @@ fn table() -> &'static [Entry] {
             e!("cuCtxSetFlags", 12010, cuCtxSetFlags),
             e!("cuCtxGetApiVersion", 3020, cuCtxGetApiVersion),
             e!("cuCtxGetId", 12000, cuCtxGetId),
-            e!("cuCtxGetStreamPriorityRange", 5050, cuCtxGetStreamPriorityRange),
+            e!(
+                "cuCtxGetStreamPriorityRange",
+                5050,
+                cuCtxGetStreamPriorityRange
+            ),
             e!("cuCtxGetLimit", 3010, cuCtxGetLimit),
             e!("cuCtxSetLimit", 3010, cuCtxSetLimit),
             e!("cuCtxGetCacheConfig", 3020, cuCtxGetCacheConfig),
             e!("cuCtxSetCacheConfig", 3020, cuCtxSetCacheConfig),
             e!("cuStreamCreate", 2000, cuStreamCreate),
-            e!("cuStreamCreateWithPriority", 5050, cuStreamCreateWithPriority),
+            e!(
+                "cuStreamCreateWithPriority",
+                5050,
+                cuStreamCreateWithPriority
+            ),
             e!("cuStreamDestroy", 4000, cuStreamDestroy_v2),
             e!("cuStreamSynchronize", 2000, cuStreamSynchronize),
             e!("cuStreamSynchronize", 7000, pt cuStreamSynchronize_ptsz),
@@ -113,7 +166,8 @@ fn table() -> &'static [Entry] {
             e!("cuStreamGetCtx", 12050, none),
             e!("cuLaunchHostFunc", 10000, cuLaunchHostFunc),
             e!("cuLaunchHostFunc", 10000, pt cuLaunchHostFunc_ptsz),
-            e!("cuLaunchHostFunc", 13020, none),
+            e!("cuLaunchHostFunc", 13020, cuLaunchHostFunc_v2),
+            e!("cuLaunchHostFunc", 13020, pt cuLaunchHostFunc_v2_ptsz),
             e!("cuEventCreate", 2000, cuEventCreate),
             e!("cuEventDestroy", 4000, cuEventDestroy_v2),
             e!("cuEventRecord", 2000, cuEventRecord),
@@ -132,7 +186,11 @@ fn table() -> &'static [Entry] {
             e!("cuMemAllocHost", 3020, cuMemAllocHost_v2),
             e!("cuMemHostAlloc", 2020, cuMemHostAlloc),
             e!("cuMemFreeHost", 2000, cuMemFreeHost),
-            e!("cuMemHostGetDevicePointer", 3020, cuMemHostGetDevicePointer_v2),
+            e!(
+                "cuMemHostGetDevicePointer",
+                3020,
+                cuMemHostGetDevicePointer_v2
+            ),
             e!("cuMemGetAddressRange", 3020, cuMemGetAddressRange_v2),
             e!("cuMemAllocAsync", 11020, cuMemAllocAsync),
             e!("cuMemAllocAsync", 11020, pt cuMemAllocAsync_ptsz),
@@ -175,6 +233,24 @@ fn table() -> &'static [Entry] {
             e!("cuMemsetD16Async", 7000, pt cuMemsetD16Async_ptsz),
             e!("cuMemsetD32Async", 3020, cuMemsetD32Async),
             e!("cuMemsetD32Async", 7000, pt cuMemsetD32Async_ptsz),
+            e!("cuMemsetD2D8", 3020, cuMemsetD2D8_v2),
+            e!("cuMemsetD2D8", 7000, pt cuMemsetD2D8_v2_ptds),
+            e!("cuMemsetD2D16", 3020, cuMemsetD2D16_v2),
+            e!("cuMemsetD2D16", 7000, pt cuMemsetD2D16_v2_ptds),
+            e!("cuMemsetD2D32", 3020, cuMemsetD2D32_v2),
+            e!("cuMemsetD2D32", 7000, pt cuMemsetD2D32_v2_ptds),
+            e!("cuMemsetD2D8Async", 3020, cuMemsetD2D8Async),
+            e!("cuMemsetD2D8Async", 7000, pt cuMemsetD2D8Async_ptsz),
+            e!("cuMemsetD2D16Async", 3020, cuMemsetD2D16Async),
+            e!("cuMemsetD2D16Async", 7000, pt cuMemsetD2D16Async_ptsz),
+            e!("cuMemsetD2D32Async", 3020, cuMemsetD2D32Async),
+            e!("cuMemsetD2D32Async", 7000, pt cuMemsetD2D32Async_ptsz),
+            e!("cuMemcpy2D", 3020, cuMemcpy2D_v2),
+            e!("cuMemcpy2D", 7000, pt cuMemcpy2D_v2_ptds),
+            e!("cuMemcpy2DUnaligned", 3020, cuMemcpy2DUnaligned_v2),
+            e!("cuMemcpy2DUnaligned", 7000, pt cuMemcpy2DUnaligned_v2_ptds),
+            e!("cuMemcpy2DAsync", 3020, cuMemcpy2DAsync_v2),
+            e!("cuMemcpy2DAsync", 7000, pt cuMemcpy2DAsync_v2_ptsz),
             e!("cuMemCreate", 10020, cuMemCreate),
             e!("cuMemRelease", 10020, cuMemRelease),
             e!("cuMemAddressReserve", 10020, cuMemAddressReserve),
@@ -182,7 +258,11 @@ fn table() -> &'static [Entry] {
             e!("cuMemMap", 10020, cuMemMap),
             e!("cuMemUnmap", 10020, cuMemUnmap),
             e!("cuMemSetAccess", 10020, cuMemSetAccess),
-            e!("cuMemGetAllocationGranularity", 10020, cuMemGetAllocationGranularity),
+            e!(
+                "cuMemGetAllocationGranularity",
+                10020,
+                cuMemGetAllocationGranularity
+            ),
             e!("cuArrayCreate", 3020, cuArrayCreate_v2),
             e!("cuArray3DCreate", 3020, cuArray3DCreate_v2),
             e!("cuArrayDestroy", 2000, cuArrayDestroy),
@@ -208,7 +288,11 @@ fn table() -> &'static [Entry] {
             e!("cuGraphDestroy", 10000, cuGraphDestroy),
             e!("cuGraphAddKernelNode", 10000, cuGraphAddKernelNode_v2),
             e!("cuGraphAddKernelNode", 12000, cuGraphAddKernelNode_v2),
-            e!("cuGraphInstantiateWithFlags", 11040, cuGraphInstantiateWithFlags),
+            e!(
+                "cuGraphInstantiateWithFlags",
+                11040,
+                cuGraphInstantiateWithFlags
+            ),
             e!("cuGraphExecDestroy", 10000, cuGraphExecDestroy),
             e!("cuGraphLaunch", 10000, cuGraphLaunch),
             e!("cuGraphLaunch", 10000, pt cuGraphLaunch_ptsz),
@@ -237,7 +321,10 @@ fn resolve_symbol(symbol: &str, version: i32, flags: u64) -> Result<usize, i32> 
             .ok_or(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND);
     }
     rows.retain(|e| e.version <= version);
-    let best = rows.iter().filter(|e| !e.per_thread).max_by_key(|e| e.version);
+    let best = rows
+        .iter()
+        .filter(|e| !e.per_thread)
+        .max_by_key(|e| e.version);
     let Some(best) = best else {
         return Err(CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT);
     };
@@ -257,7 +344,13 @@ fn resolve_symbol(symbol: &str, version: i32, flags: u64) -> Result<usize, i32> 
     }
 }
 
-fn get_proc(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64, status: *mut i32) -> CUresult {
+fn get_proc(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: i32,
+    flags: u64,
+    status: *mut i32,
+) -> CUresult {
     guard(|| {
         if symbol.is_null() || pfn.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
@@ -266,7 +359,10 @@ fn get_proc(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u
         let name = unsafe { CStr::from_ptr(symbol) }.to_string_lossy();
         let found = resolve_symbol(&name, version, flags);
         if std::env::var_os("TESSERA_SIM_TRACE").is_some() {
-            eprintln!("tessera-sim: cuGetProcAddress({name}, {version}, {flags}) -> {}", found.is_ok());
+            eprintln!(
+                "tessera-sim: cuGetProcAddress({name}, {version}, {flags}) -> {}",
+                found.is_ok()
+            );
         }
         let (ptr, st) = match found {
             Ok(f) => (f as *mut c_void, CU_GET_PROC_ADDRESS_SUCCESS),
@@ -300,7 +396,12 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
 
 /// `cuGetProcAddress` (CUDA 11.3 signature, no status).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetProcAddress(symbol: *const c_char, pfn: *mut *mut c_void, version: i32, flags: u64) -> CUresult {
+pub unsafe extern "C" fn cuGetProcAddress(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: i32,
+    flags: u64,
+) -> CUresult {
     get_proc(symbol, pfn, version, flags, std::ptr::null_mut())
 }
 
@@ -310,18 +411,57 @@ mod tests {
 
     #[test]
     fn picks_versions_and_per_thread_variants() {
-        assert_eq!(resolve_symbol("cuMemAlloc", 3020, 0), Ok(cuMemAlloc_v2 as *const () as usize));
-        assert_eq!(resolve_symbol("cuMemAlloc", 2000, 0), Err(CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT));
-        assert_eq!(resolve_symbol("cuLaunchKernel", 13000, 2), Ok(cuLaunchKernel_ptsz as *const () as usize));
-        assert_eq!(resolve_symbol("cuLaunchKernel", 13000, 0), Ok(cuLaunchKernel as *const () as usize));
-        assert_eq!(resolve_symbol("cuMemcpyHtoD", 12000, 2), Ok(cuMemcpyHtoD_v2_ptds as *const () as usize));
-        assert_eq!(resolve_symbol("cuMemAlloc", 12000, 2), Ok(cuMemAlloc_v2 as *const () as usize));
-        assert_eq!(resolve_symbol("cuCtxCreate", 12000, 0), Err(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND));
-        assert_eq!(resolve_symbol("cuCtxCreate", 12080, 0), Ok(cuCtxCreate_v4 as *const () as usize));
-        assert_eq!(resolve_symbol("cuCtxGetDevice", 12000, 0), Ok(cuCtxGetDevice as *const () as usize));
-        assert_eq!(resolve_symbol("cuCtxGetDevice", 13000, 0), Ok(cuCtxGetDevice_v2 as *const () as usize));
-        assert_eq!(resolve_symbol("cuStreamGetCtx", 13000, 2), Err(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND));
-        assert_eq!(resolve_symbol("cuStreamGetCtx", 9020, 2), Ok(cuStreamGetCtx_ptsz as *const () as usize));
-        assert_eq!(resolve_symbol("cuNoSuchThing", 13000, 0), Err(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND));
+        assert_eq!(
+            resolve_symbol("cuMemAlloc", 3020, 0),
+            Ok(cuMemAlloc_v2 as *const () as usize)
+        );
+        assert_eq!(
+            resolve_symbol("cuMemAlloc", 2000, 0),
+            Err(CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT)
+        );
+        assert_eq!(
+            resolve_symbol("cuLaunchKernel", 13000, 2),
+            Ok(cuLaunchKernel_ptsz as *const () as usize)
+        );
+        assert_eq!(
+            resolve_symbol("cuLaunchKernel", 13000, 0),
+            Ok(cuLaunchKernel as *const () as usize)
+        );
+        assert_eq!(
+            resolve_symbol("cuMemcpyHtoD", 12000, 2),
+            Ok(cuMemcpyHtoD_v2_ptds as *const () as usize)
+        );
+        assert_eq!(
+            resolve_symbol("cuMemAlloc", 12000, 2),
+            Ok(cuMemAlloc_v2 as *const () as usize)
+        );
+        assert_eq!(
+            resolve_symbol("cuCtxCreate", 12000, 0),
+            Err(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND)
+        );
+        assert_eq!(
+            resolve_symbol("cuCtxCreate", 12080, 0),
+            Ok(cuCtxCreate_v4 as *const () as usize)
+        );
+        assert_eq!(
+            resolve_symbol("cuCtxGetDevice", 12000, 0),
+            Ok(cuCtxGetDevice as *const () as usize)
+        );
+        assert_eq!(
+            resolve_symbol("cuCtxGetDevice", 13000, 0),
+            Ok(cuCtxGetDevice_v2 as *const () as usize)
+        );
+        assert_eq!(
+            resolve_symbol("cuStreamGetCtx", 13000, 2),
+            Err(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND)
+        );
+        assert_eq!(
+            resolve_symbol("cuStreamGetCtx", 9020, 2),
+            Ok(cuStreamGetCtx_ptsz as *const () as usize)
+        );
+        assert_eq!(
+            resolve_symbol("cuNoSuchThing", 13000, 0),
+            Err(CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND)
+        );
     }
 }

@@ -70,7 +70,13 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Stream {
-    pub fn new(ctx: Weak<Context>, device: u32, kind: StreamKind, flags: u32, priority: i32) -> Arc<Stream> {
+    pub fn new(
+        ctx: Weak<Context>,
+        device: u32,
+        kind: StreamKind,
+        flags: u32,
+        priority: i32,
+    ) -> Arc<Stream> {
         Arc::new(Stream {
             id: next_handle(),
             device,
@@ -352,7 +358,11 @@ pub unsafe extern "C" fn cuStreamCreate(ph: *mut Handle, flags: u32) -> CUresult
 
 /// `cuStreamCreateWithPriority`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamCreateWithPriority(ph: *mut Handle, flags: u32, priority: i32) -> CUresult {
+pub unsafe extern "C" fn cuStreamCreateWithPriority(
+    ph: *mut Handle,
+    flags: u32,
+    priority: i32,
+) -> CUresult {
     guard(|| create_stream(ph, flags, priority))
 }
 
@@ -457,7 +467,8 @@ macro_rules! stream_getter {
     };
 }
 
-stream_getter!(cuStreamGetPriority, cuStreamGetPriority_ptsz, i32, |s| s.priority);
+stream_getter!(cuStreamGetPriority, cuStreamGetPriority_ptsz, i32, |s| s
+    .priority);
 stream_getter!(cuStreamGetFlags, cuStreamGetFlags_ptsz, u32, |s| s.flags);
 stream_getter!(cuStreamGetId, cuStreamGetId_ptsz, u64, |s| s.id as u64);
 stream_getter!(cuStreamGetCtx, cuStreamGetCtx_ptsz, Handle, |s| s
@@ -465,28 +476,83 @@ stream_getter!(cuStreamGetCtx, cuStreamGetCtx_ptsz, Handle, |s| s
     .upgrade()
     .map_or(std::ptr::null_mut(), |c| c.id as Handle));
 
-type HostFn = unsafe extern "C" fn(*mut std::ffi::c_void);
+/// A `CUhostFn`.
+pub type HostFn = unsafe extern "C" fn(*mut std::ffi::c_void);
 
-fn launch_host_func(h: Handle, f: Option<HostFn>, data: *mut std::ffi::c_void, ptds: bool) -> CUresult {
+/// The stream operation that calls `f(data)`.
+pub fn host_op(f: HostFn, data: usize) -> Op {
+    // SAFETY: the caller registered `f` to be called with `data` once the stream gets there.
+    Op::Host(Box::new(move || unsafe {
+        f(data as *mut std::ffi::c_void)
+    }))
+}
+
+fn launch_host_func(
+    h: Handle,
+    f: Option<HostFn>,
+    data: *mut std::ffi::c_void,
+    ptds: bool,
+) -> CUresult {
     guard(|| {
         let f = f.ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let s = resolve(h, ptds)?;
-        let data = data as usize;
-        // SAFETY: the caller registered `f` to be called with `data` once the stream gets there.
-        s.enqueue(Op::Host(Box::new(move || unsafe { f(data as *mut std::ffi::c_void) })));
+        match s.capture() {
+            Some(c) => c.add_host(f, data as usize),
+            None => s.enqueue(host_op(f, data as usize)),
+        }
         Ok(())
     })
 }
 
 /// `cuLaunchHostFunc`.
 #[unsafe(no_mangle)]
-pub extern "C" fn cuLaunchHostFunc(h: Handle, f: Option<HostFn>, data: *mut std::ffi::c_void) -> CUresult {
+pub extern "C" fn cuLaunchHostFunc(
+    h: Handle,
+    f: Option<HostFn>,
+    data: *mut std::ffi::c_void,
+) -> CUresult {
     launch_host_func(h, f, data, false)
 }
 
 /// `cuLaunchHostFunc_ptsz`.
 #[unsafe(no_mangle)]
-pub extern "C" fn cuLaunchHostFunc_ptsz(h: Handle, f: Option<HostFn>, data: *mut std::ffi::c_void) -> CUresult {
+pub extern "C" fn cuLaunchHostFunc_ptsz(
+    h: Handle,
+    f: Option<HostFn>,
+    data: *mut std::ffi::c_void,
+) -> CUresult {
+    launch_host_func(h, f, data, true)
+}
+
+/// `CU_HOST_TASK_BLOCKING` and `CU_HOST_TASK_SPINWAIT`: how the stream waits for the function;
+/// both run it the same way here.
+const HOST_TASK_SYNC_MODES: u32 = 2;
+
+/// `cuLaunchHostFunc_v2` (CUDA 13.2): adds a sync mode.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuLaunchHostFunc_v2(
+    h: Handle,
+    f: Option<HostFn>,
+    data: *mut std::ffi::c_void,
+    sync_mode: u32,
+) -> CUresult {
+    if sync_mode >= HOST_TASK_SYNC_MODES {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    launch_host_func(h, f, data, false)
+}
+
+/// `cuLaunchHostFunc_v2_ptsz`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuLaunchHostFunc_v2_ptsz(
+    h: Handle,
+    f: Option<HostFn>,
+    data: *mut std::ffi::c_void,
+    sync_mode: u32,
+) -> CUresult {
+    if sync_mode >= HOST_TASK_SYNC_MODES {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     launch_host_func(h, f, data, true)
 }
 
@@ -606,7 +672,11 @@ pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: Handle, end: Ha
 
 /// `cuEventElapsedTime_v2` (CUDA 12.8+, same contract).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuEventElapsedTime_v2(ms: *mut f32, start: Handle, end: Handle) -> CUresult {
+pub unsafe extern "C" fn cuEventElapsedTime_v2(
+    ms: *mut f32,
+    start: Handle,
+    end: Handle,
+) -> CUresult {
     // SAFETY: same contract as cuEventElapsedTime.
     unsafe { cuEventElapsedTime(ms, start, end) }
 }

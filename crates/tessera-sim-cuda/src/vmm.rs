@@ -1,0 +1,406 @@
+//! Virtual memory management: `cuMemCreate`, address reservations, `cuMemMap`, access.
+//!
+//! A physical allocation is a sparse memfd charged to its device at `cuMemCreate`. Reservations
+//! are `PROT_NONE` anonymous mappings; `cuMemMap` maps the memfd over part of one with
+//! `MAP_FIXED` (so two mappings of one handle alias the same bytes) and `cuMemSetAccess` sets the
+//! protection. As in the driver, `cuMemRelease` of a handle that is still mapped keeps the memory
+//! (and its charge) until the last mapping goes. One lock serialises these calls so map counts,
+//! the range table and the ledger always agree.
+
+use std::collections::BTreeMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use crate::ffi::*;
+use crate::memory::{Alloc, Kind, allocs};
+use crate::runtime::{Registry, gpu, guard, next_handle, put, rt};
+
+/// A VMM physical allocation: a sparse memfd.
+pub struct Physical {
+    pub id: usize,
+    pub fd: i32,
+    pub size: usize,
+    pub device: u32,
+    state: Mutex<PhysState>,
+}
+
+struct PhysState {
+    /// Live `cuMemMap` mappings of this handle.
+    maps: usize,
+    /// `cuMemRelease` was called; the memory goes when `maps` reaches 0.
+    released: bool,
+}
+
+impl Drop for Physical {
+    fn drop(&mut self) {
+        // SAFETY: closing the memfd this object owns; mappings keep their own reference.
+        unsafe { libc::close(self.fd) };
+    }
+}
+
+/// Physical allocations not yet gone (released ones stay while mapped).
+pub static PHYSICAL: Registry<Physical> = Registry::new();
+/// VMM allocation granularity.
+pub const GRANULARITY: usize = 2 << 20;
+
+fn vmm_lock() -> MutexGuard<'static, ()> {
+    static L: Mutex<()> = Mutex::new(());
+    L.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn reservations() -> MutexGuard<'static, BTreeMap<usize, usize>> {
+    static R: OnceLock<Mutex<BTreeMap<usize, usize>>> = OnceLock::new();
+    R.get_or_init(|| Mutex::new(BTreeMap::new()))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+fn state(p: &Physical) -> MutexGuard<'_, PhysState> {
+    p.state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A handle the caller may still use (known and not released).
+fn live(h: u64) -> Result<Arc<Physical>, CUresult> {
+    PHYSICAL
+        .get(h as usize)
+        .filter(|p| !state(p).released)
+        .ok_or(CUDA_ERROR_INVALID_VALUE)
+}
+
+/// Returns a handle's memory to the ledger once it is released and unmapped.
+fn settle(p: &Physical, st: &PhysState) {
+    if st.released && st.maps == 0 {
+        PHYSICAL.remove(p.id);
+        if let Ok(rt) = rt() {
+            rt.ledger.free(p.device, p.size as u64);
+        }
+    }
+}
+
+/// The VMM mappings overlapping [ptr, ptr+size): (base, len, physical id).
+fn mappings_in(ptr: usize, size: usize) -> Vec<(usize, usize, usize)> {
+    let end = ptr.saturating_add(size);
+    let t = allocs();
+    // A mapping starting before `ptr` may still reach into the range.
+    let first = t.range(..ptr).next_back().map_or(ptr, |(b, _)| *b);
+    t.range(first..end)
+        .filter_map(|(b, a)| match a.kind {
+            Kind::VmmMap(id) if b + a.len > ptr => Some((*b, a.len, id)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Unmaps the given mappings: back to inaccessible reservation, counts dropped.
+fn drop_mappings(maps: &[(usize, usize, usize)]) {
+    for &(base, len, id) in maps {
+        // SAFETY: [base, base+len) is a mapping this module made inside a reservation it owns;
+        // MAP_FIXED replaces only that range.
+        unsafe {
+            libc::mmap(
+                base as *mut c_void,
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        allocs().remove(&base);
+        if let Some(p) = PHYSICAL.get(id) {
+            let mut st = state(&p);
+            st.maps = st.maps.saturating_sub(1);
+            settle(&p, &st);
+        }
+    }
+}
+
+fn aligned(v: usize) -> bool {
+    v % GRANULARITY == 0
+}
+
+/// `cuMemGetAllocationGranularity`: 2 MiB.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemGetAllocationGranularity(
+    g: *mut usize,
+    prop: *const CUmemAllocationProp,
+    _opt: u32,
+) -> CUresult {
+    guard(|| {
+        rt()?;
+        if prop.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: caller's out-pointer, null-checked by put.
+        unsafe { put(g, GRANULARITY) }
+    })
+}
+
+/// `cuMemCreate`: charged to the device at once.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemCreate(
+    h: *mut u64,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    _flags: u64,
+) -> CUresult {
+    guard(|| {
+        rt()?;
+        if h.is_null() || prop.is_null() || size == 0 || !aligned(size) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: non-null prop struct from the caller.
+        let (kind, loc) = unsafe { ((*prop).kind, (*prop).location) };
+        if kind != CU_MEM_ALLOCATION_TYPE_PINNED || loc.kind != CU_MEM_LOCATION_TYPE_DEVICE {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let g = gpu(loc.id)?;
+        let rt = rt()?;
+        rt.ledger
+            .try_alloc(g.index, size as u64)
+            .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+        // SAFETY: memfd_create with a static NUL-terminated name.
+        let fd = unsafe { libc::memfd_create(c"tessera-sim-vmm".as_ptr(), libc::MFD_CLOEXEC) };
+        // SAFETY: fd is our fresh memfd (checked >= 0 first).
+        if fd < 0 || unsafe { libc::ftruncate(fd, size as i64) } != 0 {
+            if fd >= 0 {
+                // SAFETY: closing our own fresh memfd.
+                unsafe { libc::close(fd) };
+            }
+            rt.ledger.free(g.index, size as u64);
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        let p = Arc::new(Physical {
+            id: next_handle(),
+            fd,
+            size,
+            device: g.index,
+            state: Mutex::new(PhysState {
+                maps: 0,
+                released: false,
+            }),
+        });
+        PHYSICAL.insert(p.id, p.clone());
+        // SAFETY: non-null out-pointer from the caller.
+        unsafe { put(h, p.id as u64) }
+    })
+}
+
+/// `cuMemRelease`: the memory goes (and is uncharged) once no mapping of it is left.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemRelease(h: u64) -> CUresult {
+    guard(|| {
+        rt()?;
+        let _l = vmm_lock();
+        let p = live(h)?;
+        let mut st = state(&p);
+        st.released = true;
+        settle(&p, &st);
+        Ok(())
+    })
+}
+
+/// `cuMemAddressReserve`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAddressReserve(
+    ptr: *mut CUdeviceptr,
+    size: usize,
+    align: usize,
+    _addr: CUdeviceptr,
+    _flags: u64,
+) -> CUresult {
+    guard(|| {
+        rt()?;
+        if ptr.is_null() || size == 0 || !aligned(size) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let align = align.max(GRANULARITY);
+        if !align.is_power_of_two() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let span = size.checked_add(align).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        // SAFETY: a fresh inaccessible reservation; no existing memory affected.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                span,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        let raw = p as usize;
+        let start = raw.next_multiple_of(align);
+        // SAFETY: trimming the unaligned head and tail of the reservation just made.
+        unsafe {
+            if start > raw {
+                libc::munmap(raw as *mut c_void, start - raw);
+            }
+            let tail = raw + span - (start + size);
+            if tail > 0 {
+                libc::munmap((start + size) as *mut c_void, tail);
+            }
+        }
+        reservations().insert(start, size);
+        // SAFETY: non-null out-pointer from the caller.
+        unsafe { put(ptr, start as u64) }
+    })
+}
+
+/// `cuMemAddressFree`: mappings still inside the range are unmapped first.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUresult {
+    guard(|| {
+        rt()?;
+        let _l = vmm_lock();
+        let ptr = ptr as usize;
+        if reservations().get(&ptr) != Some(&size) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        drop_mappings(&mappings_in(ptr, size));
+        reservations().remove(&ptr);
+        // SAFETY: removing a reservation this module made (its mappings are gone).
+        unsafe { libc::munmap(ptr as *mut c_void, size) };
+        Ok(())
+    })
+}
+
+fn in_reservation(ptr: usize, size: usize) -> bool {
+    let r = reservations();
+    r.range(..=ptr)
+        .next_back()
+        .is_some_and(|(b, s)| ptr.checked_add(size).is_some_and(|e| e <= b + s))
+}
+
+/// `cuMemMap`: only onto reserved, not yet mapped, granularity-aligned ranges.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemMap(
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    h: u64,
+    _flags: u64,
+) -> CUresult {
+    guard(|| {
+        rt()?;
+        let _l = vmm_lock();
+        let p = live(h)?;
+        let ptr = ptr as usize;
+        if size == 0
+            || !aligned(ptr)
+            || !aligned(size)
+            || !aligned(offset)
+            || offset.checked_add(size).is_none_or(|e| e > p.size)
+            || !in_reservation(ptr, size)
+            || !mappings_in(ptr, size).is_empty()
+        {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: [ptr, ptr+size) lies inside a reservation we own and holds no mapping;
+        // MAP_FIXED replaces only it.
+        let m = unsafe {
+            libc::mmap(
+                ptr as *mut c_void,
+                size,
+                libc::PROT_NONE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                p.fd,
+                offset as i64,
+            )
+        };
+        if m == libc::MAP_FAILED {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        allocs().insert(
+            ptr,
+            Alloc {
+                len: size,
+                charged: 0,
+                device: p.device,
+                kind: Kind::VmmMap(p.id),
+                ctx: 0,
+                access: libc::PROT_NONE,
+            },
+        );
+        state(&p).maps += 1;
+        Ok(())
+    })
+}
+
+/// `cuMemUnmap`: the range must cover whole mappings.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
+    guard(|| {
+        rt()?;
+        let _l = vmm_lock();
+        let (ptr, end) = (ptr as usize, (ptr as usize).saturating_add(size));
+        let maps = mappings_in(ptr, size);
+        if maps.is_empty() || maps.iter().any(|&(b, l, _)| b < ptr || b + l > end) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        drop_mappings(&maps);
+        Ok(())
+    })
+}
+
+/// `cuMemSetAccess`: the range must be fully mapped.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemSetAccess(
+    ptr: CUdeviceptr,
+    size: usize,
+    desc: *const CUmemAccessDesc,
+    count: usize,
+) -> CUresult {
+    guard(|| {
+        rt()?;
+        let _l = vmm_lock();
+        let ptr = ptr as usize;
+        if desc.is_null() || count == 0 || size == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let maps = mappings_in(ptr, size);
+        let covered: usize = maps
+            .iter()
+            .map(|&(b, l, _)| (b + l).min(ptr + size) - b.max(ptr))
+            .sum();
+        if covered != size {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: the caller passes `count` descriptors.
+        let descs = unsafe { std::slice::from_raw_parts(desc, count) };
+        if descs
+            .iter()
+            .any(|d| d.location.kind != CU_MEM_LOCATION_TYPE_DEVICE || d.flags > 3)
+        {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        for d in descs {
+            gpu(d.location.id)?;
+        }
+        let prot = match descs.iter().map(|d| d.flags).max().unwrap_or(0) {
+            0 => libc::PROT_NONE,
+            1 => libc::PROT_READ,
+            _ => libc::PROT_READ | libc::PROT_WRITE,
+        };
+        // SAFETY: changing protection of mapped ranges inside our reservation.
+        if unsafe { libc::mprotect(ptr as *mut c_void, size, prot) } != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // Whole mappings take the new access; a partial update keeps the safer of the two.
+        let mut t = allocs();
+        for (b, l, _) in maps {
+            if let Some(a) = t.get_mut(&b) {
+                a.access = if b >= ptr && b + l <= ptr + size {
+                    prot
+                } else {
+                    a.access & prot
+                };
+            }
+        }
+        Ok(())
+    })
+}
