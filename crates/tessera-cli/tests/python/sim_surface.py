@@ -297,11 +297,12 @@ def async_pools():
 
     # Stream-ordered free: the memory comes back when the stream reaches the free.
     n = 64 * MIB
+    # Timed from the launch: the kernel alone holds the stream for 0.3 s, whatever the load.
+    t0 = time.monotonic()
     launch(spin, s, 300_000_000)
     p = ok(cu.cuMemAllocAsync(n, s))
     check(used() - base == n, "cuMemAllocAsync is charged at once")
     ok(cu.cuMemsetD8Async(p, 7, n, s))
-    t0 = time.monotonic()
     ok(cu.cuMemFreeAsync(p, s))
     check(code(cu.cuStreamQuery(s)) == R.CUDA_ERROR_NOT_READY, "the kernel is still running")
     held = used() - base
@@ -309,7 +310,7 @@ def async_pools():
     ok(cu.cuStreamSynchronize(s))
     waited = time.monotonic() - t0
     check(used() == base, "freed once the stream reached cuMemFreeAsync")
-    check(waited >= 0.2, f"the free waited for the kernel ({waited:.3f} s)")
+    check(waited >= 0.29, f"the free waited for the kernel ({waited:.3f} s)")
     expect(cu.cuMemFreeAsync(cu.CUdeviceptr(0x1234000), s), R.CUDA_ERROR_INVALID_VALUE, "freeing a non-allocation")
 
     # Per-thread default stream handle and the legacy handle work too.
