@@ -1,1 +1,78 @@
-//! Examples.
+//! Example CUDA driver clients for Tessera, shared pieces.
+//!
+//! The binaries in `src/bin/` load the driver exactly as the CUDA runtime does, so they run
+//! unchanged on a real driver, on the simulated one (`tessera sim`) and under the interposer
+//! (`tessera run`):
+//! - `hello_gpu`: devices, memory, copies, timed kernels on two streams.
+//! - `tenant`: what a tenant sees under a Tessera allocation (its card size, its memory limit,
+//!   the GPU time it gets); the main demo (`examples/demo.sh`) runs two of them.
+//!
+//! This library holds the one piece both need: [`Driver`], `dlopen("libcuda.so.1")` followed by
+//! `cuGetProcAddress_v2` for every entry point.
+
+use std::ffi::{CStr, c_char, c_void};
+
+/// `cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, symbolStatus)`.
+type GetProc = unsafe extern "C" fn(*const c_char, *mut *mut c_void, i32, u64, *mut i32) -> u32;
+
+/// `cuLaunchKernel`'s C signature.
+pub type LaunchKernel = unsafe extern "C" fn(
+    *mut c_void,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    u32,
+    *mut c_void,
+    *mut *mut c_void,
+    *mut *mut c_void,
+) -> u32;
+
+/// A PTX module with one kernel, `spin`, whose only parameter is its duration in ns on the
+/// simulated GPU (the simulator's convention; on a real GPU it is an empty kernel).
+pub const SPIN_PTX: &CStr =
+    c".version 8.0\n.target sm_90\n.visible .entry spin(.param .u64 ns) { ret; }\n";
+
+/// The CUDA driver, loaded the way the CUDA runtime loads it.
+#[derive(Debug)]
+pub struct Driver {
+    _lib: libloading::Library,
+    get_proc: GetProc,
+}
+
+impl Driver {
+    /// Loads `libcuda.so.1` and its `cuGetProcAddress_v2`.
+    pub fn load() -> Result<Self, String> {
+        // SAFETY: loading the driver library runs its initialisers, which is what any CUDA
+        // program does; nothing of ours is borrowed across it.
+        let lib = unsafe { libloading::Library::new("libcuda.so.1") }
+            .map_err(|e| format!("libcuda.so.1 not found ({e}): run me under `tessera sim -- ...`"))?;
+        // SAFETY: cuGetProcAddress_v2 has the GetProc signature in every driver since 12.0.
+        let get_proc = unsafe { lib.get::<GetProc>(b"cuGetProcAddress_v2\0") }
+            .map(|s| *s)
+            .map_err(|e| format!("cuGetProcAddress_v2 missing: {e}"))?;
+        Ok(Self { _lib: lib, get_proc })
+    }
+
+    /// Resolves `name` at ABI `version` and casts it to the function type `F`.
+    ///
+    /// # Safety
+    /// `F` must be the C function pointer type of `name` at `version`.
+    pub unsafe fn sym<F: Copy>(&self, name: &CStr, version: i32) -> F {
+        assert_eq!(size_of::<F>(), size_of::<*mut c_void>(), "F must be a function pointer");
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a valid NUL-terminated name and out-pointer; a null status is allowed.
+        let rc = unsafe { (self.get_proc)(name.as_ptr(), &mut p, version, 0, std::ptr::null_mut()) };
+        assert!(rc == 0 && !p.is_null(), "cannot resolve {name:?}: CUresult {rc}");
+        // SAFETY: F is a function pointer of the same size (asserted) and, by the caller's
+        // contract, of the right signature.
+        unsafe { std::mem::transmute_copy(&p) }
+    }
+}
+
+/// Panics with the call's name unless `rc` is `CUDA_SUCCESS`.
+pub fn check(what: &str, rc: u32) {
+    assert_eq!(rc, 0, "{what} failed with CUresult {rc}");
+}

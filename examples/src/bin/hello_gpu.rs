@@ -7,41 +7,13 @@
 use std::ffi::{CStr, c_char, c_void};
 use std::time::Instant;
 
-type GetProc = unsafe extern "C" fn(*const c_char, *mut *mut c_void, i32, u64, *mut i32) -> u32;
-
-struct Driver {
-    _lib: libloading::Library,
-    get_proc: GetProc,
-}
-
-impl Driver {
-    /// Resolves `name` at ABI `version` and casts it to the function type `F`.
-    ///
-    /// # Safety
-    /// `F` must be the C signature of `name` at `version`.
-    unsafe fn sym<F: Copy>(&self, name: &CStr, version: i32) -> F {
-        let mut p: *mut c_void = std::ptr::null_mut();
-        // SAFETY: cuGetProcAddress_v2 with a valid name and out-pointer.
-        let rc = unsafe { (self.get_proc)(name.as_ptr(), &mut p, version, 0, std::ptr::null_mut()) };
-        assert!(rc == 0 && !p.is_null(), "cannot resolve {name:?}: {rc}");
-        // SAFETY: F is a function pointer type of the same size as *mut c_void (caller's contract).
-        unsafe { std::mem::transmute_copy(&p) }
-    }
-}
-
-fn check(what: &str, rc: u32) {
-    assert_eq!(rc, 0, "{what} failed with CUresult {rc}");
-}
-
-const PTX: &CStr = c".version 8.0\n.target sm_90\n.visible .entry spin(.param .u64 ns) { ret; }\n";
+use tessera_examples::{Driver, LaunchKernel, SPIN_PTX as PTX, check};
 
 fn main() {
-    // SAFETY: loading the driver library; its initialisers are the simulated driver's.
-    let lib = unsafe { libloading::Library::new("libcuda.so.1") }
-        .expect("libcuda.so.1 not found: run me under `tessera sim -- ...`");
-    // SAFETY: cuGetProcAddress_v2 has the GetProc signature.
-    let get_proc = unsafe { *lib.get::<GetProc>(b"cuGetProcAddress_v2\0").unwrap() };
-    let d = Driver { _lib: lib, get_proc };
+    let d = Driver::load().unwrap_or_else(|e| {
+        eprintln!("hello_gpu: {e}");
+        std::process::exit(1)
+    });
     // SAFETY: each type below is the documented C signature of the named entry point.
     unsafe {
         let init: unsafe extern "C" fn(u32) -> u32 = d.sym(c"cuInit", 2000);
@@ -64,10 +36,7 @@ fn main() {
         let ev_record: unsafe extern "C" fn(*mut c_void, *mut c_void) -> u32 = d.sym(c"cuEventRecord", 2000);
         let ev_elapsed: unsafe extern "C" fn(*mut f32, *mut c_void, *mut c_void) -> u32 =
             d.sym(c"cuEventElapsedTime", 12080);
-        #[allow(clippy::type_complexity)]
-        let launch: unsafe extern "C" fn(
-            *mut c_void, u32, u32, u32, u32, u32, u32, u32, *mut c_void, *mut *mut c_void, *mut *mut c_void,
-        ) -> u32 = d.sym(c"cuLaunchKernel", 4000);
+        let launch: LaunchKernel = d.sym(c"cuLaunchKernel", 4000);
 
         check("cuInit", init(0));
         let mut n = 0;
