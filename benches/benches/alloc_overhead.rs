@@ -6,7 +6,10 @@
 
 mod interposer_bed;
 
+use std::io::Write;
+
 use criterion::{Criterion, criterion_group, criterion_main};
+use tessera_protocol::{TenantReply, TenantRequest};
 use interposer_bed::{AllocFn, Bed, Echo, FreeFn, interleaved_medians, write_summary};
 
 const SIZE: usize = 1 << 20;
@@ -31,6 +34,12 @@ fn bench(c: &mut Criterion) {
     // The arbiter's own round trip (Ping/Pong on a tenant connection), to tell apart what the
     // interposer adds from what the arbiter's event loop costs.
     let mut ping = bed.tenant_client();
+    // The protocol's own cost of one pair as the interposer speaks it: the free's Release rides
+    // in the same write as the next Reserve, then one reply is read.
+    let mut proto = bed.tenant_client();
+    let mut frames = tessera_protocol::frame::encode(&TenantRequest::Release { bytes: SIZE as u64 }).unwrap();
+    frames.extend(tessera_protocol::frame::encode(&TenantRequest::Reserve { bytes: SIZE as u64 }).unwrap());
+    assert!(matches!(proto.call(&TenantRequest::Reserve { bytes: SIZE as u64 }).unwrap(), TenantReply::Reserved { .. }));
 
     let mut g = c.benchmark_group("alloc_overhead");
     g.bench_function("unix_socket_round_trip", |b| b.iter(|| echo.round_trip()));
@@ -47,24 +56,33 @@ fn bench(c: &mut Criterion) {
             &mut || pair(raw_alloc, raw_free),
             &mut || pair(hook_alloc, hook_free),
             &mut || {
-                let r = ping.call(&tessera_protocol::TenantRequest::Ping).unwrap();
-                assert_eq!(r, tessera_protocol::TenantReply::Pong);
+                let r = ping.call(&TenantRequest::Ping).unwrap();
+                assert_eq!(r, TenantReply::Pong);
+            },
+            &mut || {
+                let mut s = proto.stream();
+                s.write_all(&frames).unwrap();
+                let r: TenantReply = tessera_protocol::frame::read_frame(&mut s).unwrap();
+                assert!(matches!(r, TenantReply::Reserved { .. }));
             },
         ],
     );
-    let (rtt, direct, hooked, arbiter_rtt) = (m[0], m[1], m[2], m[3]);
+    let (rtt, direct, hooked, arbiter_rtt, proto_rtt) = (m[0], m[1], m[2], m[3], m[4]);
     let added = hooked - direct;
     let summary = format!(
         "alloc_overhead medians: unix socket round trip {:.2} us, direct alloc+free {:.2} us, \
          intercepted alloc+free {:.2} us, added {:.2} us, added/round-trip ratio {:.2} (target <= 1.3); \
-         arbiter Ping round trip {:.2} us, added/arbiter-round-trip {:.2}\n",
+         arbiter Ping round trip {:.2} us, added/arbiter-round-trip {:.2}; \
+         protocol Release+Reserve exchange {:.2} us, interposer's own share {:.2} us\n",
         rtt / 1e3,
         direct / 1e3,
         hooked / 1e3,
         added / 1e3,
         added / rtt,
         arbiter_rtt / 1e3,
-        added / arbiter_rtt
+        added / arbiter_rtt,
+        proto_rtt / 1e3,
+        (added - proto_rtt) / 1e3
     );
     print!("{summary}");
     write_summary("alloc_overhead", &summary);

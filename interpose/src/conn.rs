@@ -92,7 +92,20 @@ impl Conn {
 
     /// Sends a request and waits for its reply.
     pub fn call(&mut self, req: &TenantRequest) -> Result<TenantReply, ConnError> {
-        self.send_blocking(req)?;
+        self.call_after_release(0, req)
+    }
+
+    /// Sends `Release { release }` (when non-zero) and `req` in one `send`, then waits for the
+    /// reply to `req`: a free's release rides along with the next request instead of waking
+    /// the arbiter on its own.
+    pub fn call_after_release(&mut self, release: u64, req: &TenantRequest) -> Result<TenantReply, ConnError> {
+        let mut buf = [0u8; 2 * SEND_BUF];
+        let mut len = 0;
+        if release > 0 {
+            len = encode_into(&TenantRequest::Release { bytes: release }, &mut buf)?;
+        }
+        len += encode_into(req, &mut buf[len..])?;
+        self.send_all(&buf[..len])?;
         self.recv()
     }
 
@@ -121,6 +134,11 @@ impl Conn {
 
     fn send_blocking<T: Serialize>(&mut self, msg: &T) -> Result<(), ConnError> {
         let (buf, len) = encode(msg)?;
+        self.send_all(&buf[..len])
+    }
+
+    fn send_all(&mut self, buf: &[u8]) -> Result<(), ConnError> {
+        let len = buf.len();
         let mut off = 0;
         while off < len {
             // SAFETY: `buf[off..len]` is valid and the fd is open for the life of `self`.
@@ -182,11 +200,20 @@ impl Conn {
 /// Encodes one frame on the stack.
 fn encode<T: Serialize>(msg: &T) -> Result<([u8; SEND_BUF], usize), ConnError> {
     let mut buf = [0u8; SEND_BUF];
+    let len = encode_into(msg, &mut buf)?;
+    Ok((buf, len))
+}
+
+/// Encodes one frame at the start of `buf`; returns its length.
+fn encode_into<T: Serialize>(msg: &T, buf: &mut [u8]) -> Result<usize, ConnError> {
+    if buf.len() < HEADER_LEN {
+        return Err(ConnError::Frame("no room for a frame".into()));
+    }
     let len = postcard::to_slice(msg, &mut buf[HEADER_LEN..])
         .map_err(|e| ConnError::Frame(e.to_string()))?
         .len();
     buf[..HEADER_LEN].copy_from_slice(&(len as u32).to_le_bytes());
-    Ok((buf, HEADER_LEN + len))
+    Ok(HEADER_LEN + len)
 }
 
 #[cfg(test)]

@@ -14,8 +14,10 @@
 //!   after a pause.
 //!
 //! Locking: `held` changes only under the link lock, which also serialises frames on the
-//! socket. Frees never take the lock for long: they add to `pending_release`, and whoever holds
-//! (or next takes) the lock flushes it as one `Release` frame.
+//! socket. A free takes no lock and makes no system call on its own: it adds to
+//! `pending_release`. The next request carries the pending `Release` in the same `send`, and
+//! the watcher thread flushes it on its own within [`Policy::release_delay`] (1 ms) when no
+//! request comes, so the arbiter's ledger lags a free by at most about a millisecond.
 
 use std::os::fd::RawFd;
 use std::path::PathBuf;
@@ -41,8 +43,11 @@ pub struct Policy {
     pub backoff_max: Duration,
     /// Pause before retrying after the arbiter refused the token.
     pub refused_pause: Duration,
-    /// Start a watcher thread that reconnects after the arbiter closes the socket.
+    /// Start a watcher thread that reconnects after the arbiter closes the socket and flushes
+    /// deferred releases. Without it, every free sends its `Release` at once.
     pub watch: bool,
+    /// Longest time a free's `Release` waits for a request to ride along with.
+    pub release_delay: Duration,
 }
 
 impl Default for Policy {
@@ -54,6 +59,7 @@ impl Default for Policy {
             backoff_max: Duration::from_millis(200),
             refused_pause: Duration::from_secs(1),
             watch: true,
+            release_delay: Duration::from_millis(1),
         }
     }
 }
@@ -100,6 +106,10 @@ pub struct Session {
     limit_known: AtomicBool,
     last_in_use: AtomicU64,
     held_view: AtomicU64,
+    /// The watcher's eventfd (-1 until it runs): a free that finds the watcher armed wakes it.
+    wake_fd: AtomicI32,
+    /// True while the watcher waits and no wake-up is on its way.
+    armed: AtomicBool,
 }
 
 impl std::fmt::Debug for Session {
@@ -139,6 +149,8 @@ impl Session {
             limit_known: AtomicBool::new(false),
             last_in_use: AtomicU64::new(0),
             held_view: AtomicU64::new(0),
+            wake_fd: AtomicI32::new(-1),
+            armed: AtomicBool::new(false),
         }
     }
 
@@ -162,8 +174,9 @@ impl Session {
     /// to the outage bound.
     pub fn reserve(&'static self, bytes: u64) -> Result<u64, SessionError> {
         self.request(true, |s, link| {
+            let release = s.take_pending(link);
             let conn = link.conn.as_mut().expect("connected");
-            match conn.call(&TenantRequest::Reserve { bytes }) {
+            match conn.call_after_release(release, &TenantRequest::Reserve { bytes }) {
                 Ok(TenantReply::Reserved { in_use }) => {
                     link.held = link.held.saturating_add(bytes);
                     s.held_view.store(link.held, Ordering::Release);
@@ -190,22 +203,32 @@ impl Session {
         })?
     }
 
-    /// Returns `bytes` to the arbiter: one-way, never waits, never fails. While disconnected it
-    /// is applied locally and the reconnection's `Redeclare` reflects it.
+    /// Returns `bytes` to the arbiter: one-way, never waits, never fails. The `Release` rides
+    /// along with the next request or is flushed by the watcher within the release delay.
+    /// While disconnected it is applied locally and the reconnection's `Redeclare` reflects it.
     pub fn release(&'static self, bytes: u64) {
         if bytes == 0 {
             return;
         }
         self.pending_release.fetch_add(bytes, Ordering::SeqCst);
-        self.try_flush();
+        let fd = self.wake_fd.load(Ordering::Acquire);
+        if fd < 0 {
+            // No watcher: send now.
+            self.try_flush();
+        } else if self.armed.swap(false, Ordering::AcqRel) {
+            let one: u64 = 1;
+            // SAFETY: writing 8 bytes from a live u64 to the watcher's eventfd.
+            let _ = unsafe { libc::write(fd, (&raw const one).cast(), 8) };
+        }
     }
 
     /// The allocation's `(limit, in_use)`. Asks the arbiter when connected; otherwise answers
     /// from the last known values without waiting; waits only while no limit is known yet.
     pub fn mem_info(&'static self) -> Option<(u64, u64)> {
         let asked = self.request(false, |s, link| {
+            let release = s.take_pending(link);
             let conn = link.conn.as_mut().expect("connected");
-            match conn.call(&TenantRequest::MemInfo) {
+            match conn.call_after_release(release, &TenantRequest::MemInfo) {
                 Ok(TenantReply::MemInfo { limit, in_use }) => {
                     s.limit.store(limit, Ordering::Release);
                     s.limit_known.store(true, Ordering::Release);
@@ -288,14 +311,14 @@ impl Session {
         self.link.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Runs `f` under the link lock, flushing pending releases before and after.
+    /// Runs `f` under the link lock. Without a watcher, pending releases are flushed after.
     fn with_link<R>(&'static self, f: impl FnOnce(&mut Link) -> R) -> R {
         let mut link = self.lock();
-        self.flush_locked(&mut link);
         let r = f(&mut link);
-        self.flush_locked(&mut link);
         drop(link);
-        self.try_flush();
+        if self.wake_fd.load(Ordering::Acquire) < 0 {
+            self.try_flush();
+        }
         r
     }
 
@@ -311,13 +334,22 @@ impl Session {
         }
     }
 
-    fn flush_locked(&'static self, link: &mut Link) {
+    /// Applies pending releases to `held`; returns the bytes to announce to the arbiter.
+    fn take_pending(&self, link: &mut Link) -> u64 {
         let bytes = self.pending_release.swap(0, Ordering::SeqCst);
+        if bytes > 0 {
+            link.held = link.held.saturating_sub(bytes);
+            self.held_view.store(link.held, Ordering::Release);
+        }
+        bytes
+    }
+
+    /// Sends pending releases as one `Release` frame, now.
+    fn flush_locked(&'static self, link: &mut Link) {
+        let bytes = self.take_pending(link);
         if bytes == 0 {
             return;
         }
-        link.held = link.held.saturating_sub(bytes);
-        self.held_view.store(link.held, Ordering::Release);
         if let Some(conn) = link.conn.as_mut()
             && let Err(e) = conn.send_nowait(&TenantRequest::Release { bytes })
         {
@@ -350,6 +382,8 @@ impl Session {
             link.next_attempt = now + self.policy.refused_pause;
             return false;
         };
+        // Frees made while disconnected are in `held` already; nothing to announce.
+        self.take_pending(link);
         let attempt = Conn::connect(path, &self.token, Some(self.policy.rpc_timeout)).and_then(
             |(mut conn, view)| {
                 if link.held > 0 {
@@ -403,38 +437,58 @@ impl Session {
         }
     }
 
-    /// One round of the watcher thread: waits up to `tick` for the arbiter to close the
-    /// socket, then reconnects (and re-declares) if this process was ever connected.
+    /// One round of the watcher thread: waits up to `tick` for a free to ask for a flush;
+    /// flushes deferred releases after the release delay; checks (without waiting on it) whether
+    /// the arbiter closed the socket, and reconnects (and re-declares) if so.
+    ///
+    /// The socket itself is only polled with a zero timeout: a thread blocked in `poll` on it
+    /// would be woken by every frame that passes (two context switches per request).
     pub fn watch_once(&'static self, tick: Duration) {
-        let (fd, generation) = {
-            let link = self.lock();
-            (self.conn_fd.load(Ordering::Acquire), link.generation)
-        };
-        if fd >= 0 {
-            if !wait_for_hangup(fd, tick) {
-                return;
-            }
-            self.with_link(|link| {
-                if link.generation == generation && link.conn.is_some() {
-                    tlog!(Info, "arbiter closed the connection");
-                    self.drop_conn(link);
-                }
-            });
+        let generation = self.lock().generation;
+        // Arm before looking at pending releases: a free after this point wakes us again.
+        self.armed.store(true, Ordering::Release);
+        let woken = self.pending_release.load(Ordering::SeqCst) != 0
+            || wait_readable(self.wake_fd.load(Ordering::Acquire), tick);
+        if woken {
+            self.drain_wake_fd();
+            // Give a request the chance to carry the release; then send it on its own.
+            std::thread::sleep(self.policy.release_delay);
+            let mut link = self.lock();
+            self.flush_locked(&mut link);
         }
-        let reconnected = self.with_link(|link| {
-            if !link.ever_connected || link.conn.is_some() {
-                return true;
+        if hung_up(self.conn_fd.load(Ordering::Acquire)) {
+            let mut link = self.lock();
+            if link.generation == generation && link.conn.is_some() {
+                tlog!(Info, "arbiter closed the connection");
+                self.drop_conn(&mut link);
             }
-            self.ensure_connected(link, Instant::now())
-        });
+        }
+        let reconnected = {
+            let mut link = self.lock();
+            !link.ever_connected || link.conn.is_some() || self.ensure_connected(&mut link, Instant::now())
+        };
         if !reconnected {
             std::thread::sleep(tick.min(self.policy.backoff_max));
         }
     }
 
-    /// Starts the thread that notices the arbiter closing the socket and reconnects, so an
-    /// idle process's memory is re-declared after an arbiter restart.
+    fn drain_wake_fd(&self) {
+        let fd = self.wake_fd.load(Ordering::Acquire);
+        if fd >= 0 {
+            let mut v = 0u64;
+            // SAFETY: reading 8 bytes into a live u64 from our non-blocking eventfd.
+            let _ = unsafe { libc::read(fd, (&raw mut v).cast(), 8) };
+        }
+    }
+
+    /// Starts the thread that flushes deferred releases and notices the arbiter closing the
+    /// socket (so an idle process's memory is re-declared after an arbiter restart).
     fn start_watcher(&'static self) -> bool {
+        // SAFETY: eventfd has no memory preconditions.
+        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if efd < 0 {
+            tlog!(Warn, "cannot create the watcher's eventfd; frees send their release at once");
+        }
         let spawned = std::thread::Builder::new()
             .name("tessera-watch".into())
             .stack_size(64 * 1024)
@@ -443,31 +497,59 @@ impl Session {
                     self.watch_once(Duration::from_millis(250));
                 }
             });
-        if spawned.is_err() {
-            tlog!(Warn, "cannot start the watcher thread; reconnection waits for the next call");
+        match spawned {
+            Ok(_) => {
+                // Frees defer their release only once the watcher runs.
+                self.wake_fd.store(efd, Ordering::Release);
+                true
+            }
+            Err(_) => {
+                tlog!(Warn, "cannot start the watcher thread; reconnection waits for the next call");
+                if efd >= 0 {
+                    // SAFETY: our own eventfd, never published.
+                    unsafe { libc::close(efd) };
+                }
+                false
+            }
         }
-        spawned.is_ok()
     }
 
     /// In a forked child: close the inherited socket without sending anything on it, so the
     /// parent's connection (and ledger) is left untouched.
     pub fn abandon_in_child(&self) {
-        let fd = self.conn_fd.swap(-1, Ordering::AcqRel);
-        if fd >= 0 {
-            // SAFETY: `fd` is this session's socket, inherited through fork; the parent keeps
-            // its own copy. The `Conn` owning the number is leaked, never used again.
-            unsafe { libc::close(fd) };
+        for fd in [self.conn_fd.swap(-1, Ordering::AcqRel), self.wake_fd.swap(-1, Ordering::AcqRel)] {
+            if fd >= 0 {
+                // SAFETY: `fd` is this session's socket or eventfd, inherited through fork; the
+                // parent keeps its own copy. The objects owning the numbers are leaked, never
+                // used again.
+                unsafe { libc::close(fd) };
+            }
         }
     }
 }
 
-/// Waits up to `tick` for the peer to close `fd`; true when it did.
-fn wait_for_hangup(fd: RawFd, tick: Duration) -> bool {
-    let mut pfd = libc::pollfd { fd, events: libc::POLLRDHUP, revents: 0 };
+/// Waits up to `tick` for `fd` to become readable (a negative fd: just sleeps `tick`).
+fn wait_readable(fd: RawFd, tick: Duration) -> bool {
+    if fd < 0 {
+        std::thread::sleep(tick);
+        return false;
+    }
+    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
     let ms = tick.as_millis().min(i32::MAX as u128) as i32;
-    // SAFETY: `pfd` is a valid pollfd array of length 1. A stale fd number at worst reports
-    // another file's state; the caller re-checks the connection generation under the lock.
+    // SAFETY: `pfd` is a valid pollfd array of length 1.
     let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+    n > 0 && pfd.revents & libc::POLLIN != 0
+}
+
+/// True when the peer of socket `fd` has closed it (checked without waiting).
+fn hung_up(fd: RawFd) -> bool {
+    if fd < 0 {
+        return false;
+    }
+    let mut pfd = libc::pollfd { fd, events: libc::POLLRDHUP, revents: 0 };
+    // SAFETY: `pfd` is a valid pollfd array of length 1; a zero timeout never blocks. A stale
+    // fd number at worst reports another file's state; the caller re-checks the generation.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
     n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0
 }
 
@@ -484,6 +566,7 @@ mod tests {
             backoff_max: Duration::from_millis(20),
             refused_pause: Duration::from_millis(200),
             watch,
+            release_delay: Duration::from_millis(1),
         }
     }
 
@@ -598,11 +681,36 @@ mod tests {
     }
 
     #[test]
+    fn deferred_release_rides_along_or_is_flushed_within_the_delay() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("t.sock");
+        let arb = MockArbiter::start(&sock, 1000);
+        let s = session(&sock, TOKEN, policy(3000, true));
+        s.reserve(600).unwrap();
+        // Give the watcher its first round so it is armed.
+        std::thread::sleep(Duration::from_millis(20));
+        // A free followed at once by an allocation: the Release rides in front of the Reserve.
+        s.release(600);
+        assert_eq!(s.reserve(700), Ok(700));
+        let log = arb.log();
+        assert_eq!(
+            &log[log.len() - 2..],
+            &[TenantRequest::Release { bytes: 600 }, TenantRequest::Reserve { bytes: 700 }]
+        );
+        // A free with nothing after it reaches the arbiter within a few milliseconds.
+        let t = Instant::now();
+        s.release(700);
+        arb.wait_for("flushed release", |a| a.in_use() == 0);
+        assert!(t.elapsed() < Duration::from_millis(200), "flushed after {:?}", t.elapsed());
+        assert_eq!(s.held(), 0);
+    }
+
+    #[test]
     fn concurrent_frees_and_reserves_stay_exact() {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("t.sock");
         let arb = MockArbiter::start(&sock, 1 << 40);
-        let s = session(&sock, TOKEN, policy(3000, false));
+        let s = session(&sock, TOKEN, policy(3000, true));
         let threads: Vec<_> = (0..8)
             .map(|_| {
                 std::thread::spawn(move || {
