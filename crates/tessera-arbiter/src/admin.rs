@@ -87,8 +87,9 @@ async fn handle(arb: &Arbiter, req: AdminRequest) -> AdminReply {
             let (gpu, limit, share, cap) = (c.gpu.clone(), c.memory_limit, c.share, c.cap);
             match arb.create(c).await {
                 Ok((token, allocation)) => {
+                    let cap = cap.map_or("no cap".to_owned(), |c| format!("cap {c}%"));
                     crate::log!(
-                        "created allocation {} on GPU {} ({limit} bytes, share {share}, cap {cap:?})",
+                        "created allocation {} on GPU {} ({limit} bytes, share {share}, {cap})",
                         allocation.id,
                         allocation.gpu_index
                     );
