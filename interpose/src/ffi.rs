@@ -206,6 +206,8 @@ pub type cuEventElapsedTime_t = unsafe extern "C" fn(*mut f32, CUevent, CUevent)
 pub type cuEventDestroy_v2_t = unsafe extern "C" fn(CUevent) -> CUresult;
 pub type cuCtxGetCurrent_t = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
 pub type cuCtxSetCurrent_t = unsafe extern "C" fn(CUcontext) -> CUresult;
+pub type cuStreamIsCapturing_t = unsafe extern "C" fn(CUstream, *mut c_int) -> CUresult;
+pub type cuStreamDestroy_v2_t = unsafe extern "C" fn(CUstream) -> CUresult;
 
 // ---- NVML --------------------------------------------------------------------------------
 

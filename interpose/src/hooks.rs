@@ -603,7 +603,7 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
 // ---- launches (gated by `launch`) ---------------------------------------------------------
 
 macro_rules! launch_kernel {
-    ($name:ident, $id:ident) => {
+    ($name:ident, $id:ident, $ptsz:expr) => {
         /// `cuLaunchKernel` (or its `_ptsz` twin).
         ///
         /// # Safety
@@ -627,17 +627,21 @@ macro_rules! launch_kernel {
                 cuda::<cuLaunchKernel_t>(
                     HookId::$id,
                     |real| real(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra),
-                    |_, _| Outcome::PassThrough,
+                    |real, p| {
+                        Outcome::Handled(p.gate.launch(stream, $ptsz, || {
+                            real(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra)
+                        }))
+                    },
                 )
             }
         }
     };
 }
-launch_kernel!(cuLaunchKernel, LaunchKernel);
-launch_kernel!(cuLaunchKernel_ptsz, LaunchKernel_ptsz);
+launch_kernel!(cuLaunchKernel, LaunchKernel, false);
+launch_kernel!(cuLaunchKernel_ptsz, LaunchKernel_ptsz, true);
 
 macro_rules! launch_kernel_ex {
-    ($name:ident, $id:ident) => {
+    ($name:ident, $id:ident, $ptsz:expr) => {
         /// `cuLaunchKernelEx` (or its `_ptsz` twin).
         ///
         /// # Safety
@@ -654,17 +658,23 @@ macro_rules! launch_kernel_ex {
                 cuda::<cuLaunchKernelEx_t>(
                     HookId::$id,
                     |real| real(config, f, params, extra),
-                    |_, _| Outcome::PassThrough,
+                    |real, p| {
+                        if config.is_null() {
+                            return Outcome::PassThrough;
+                        }
+                        let stream = (*config).hStream;
+                        Outcome::Handled(p.gate.launch(stream, $ptsz, || real(config, f, params, extra)))
+                    },
                 )
             }
         }
     };
 }
-launch_kernel_ex!(cuLaunchKernelEx, LaunchKernelEx);
-launch_kernel_ex!(cuLaunchKernelEx_ptsz, LaunchKernelEx_ptsz);
+launch_kernel_ex!(cuLaunchKernelEx, LaunchKernelEx, false);
+launch_kernel_ex!(cuLaunchKernelEx_ptsz, LaunchKernelEx_ptsz, true);
 
 macro_rules! launch_coop {
-    ($name:ident, $id:ident) => {
+    ($name:ident, $id:ident, $ptsz:expr) => {
         /// `cuLaunchCooperativeKernel` (or its `_ptsz` twin).
         ///
         /// # Safety
@@ -687,17 +697,21 @@ macro_rules! launch_coop {
                 cuda::<cuLaunchCooperativeKernel_t>(
                     HookId::$id,
                     |real| real(f, gx, gy, gz, bx, by, bz, shared, stream, params),
-                    |_, _| Outcome::PassThrough,
+                    |real, p| {
+                        Outcome::Handled(p.gate.launch(stream, $ptsz, || {
+                            real(f, gx, gy, gz, bx, by, bz, shared, stream, params)
+                        }))
+                    },
                 )
             }
         }
     };
 }
-launch_coop!(cuLaunchCooperativeKernel, LaunchCooperativeKernel);
-launch_coop!(cuLaunchCooperativeKernel_ptsz, LaunchCooperativeKernel_ptsz);
+launch_coop!(cuLaunchCooperativeKernel, LaunchCooperativeKernel, false);
+launch_coop!(cuLaunchCooperativeKernel_ptsz, LaunchCooperativeKernel_ptsz, true);
 
 macro_rules! graph_launch {
-    ($name:ident, $id:ident) => {
+    ($name:ident, $id:ident, $ptsz:expr) => {
         /// `cuGraphLaunch` (or its `_ptsz` twin).
         ///
         /// # Safety
@@ -706,10 +720,26 @@ macro_rules! graph_launch {
         pub unsafe extern "C" fn $name(exec: CUgraphExec, stream: CUstream) -> CUresult {
             // SAFETY: as for cuLaunchKernel.
             unsafe {
-                cuda::<cuGraphLaunch_t>(HookId::$id, |real| real(exec, stream), |_, _| Outcome::PassThrough)
+                cuda::<cuGraphLaunch_t>(HookId::$id, |real| real(exec, stream), |real, p| {
+                    Outcome::Handled(p.gate.launch(stream, $ptsz, || real(exec, stream)))
+                })
             }
         }
     };
 }
-graph_launch!(cuGraphLaunch, GraphLaunch);
-graph_launch!(cuGraphLaunch_ptsz, GraphLaunch_ptsz);
+graph_launch!(cuGraphLaunch, GraphLaunch, false);
+graph_launch!(cuGraphLaunch_ptsz, GraphLaunch_ptsz, true);
+
+/// `cuStreamDestroy_v2`: the launch gate forgets the stream first.
+///
+/// # Safety
+/// C contract of `cuStreamDestroy_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamDestroy_v2(stream: CUstream) -> CUresult {
+    // SAFETY: the type is this entry point's signature; arguments forwarded unchanged.
+    unsafe {
+        cuda::<cuStreamDestroy_v2_t>(HookId::StreamDestroy_v2, |real| real(stream), |real, p| {
+            Outcome::Handled(p.gate.stream_destroyed(stream, || real(stream)))
+        })
+    }
+}

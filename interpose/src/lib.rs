@@ -14,6 +14,7 @@
 //! - [`ledger`]: live objects and their charged sizes.
 //! - [`state`]: the per-process state and its reset in a forked child.
 //! - [`memory`]: the accounting logic behind each allocation, free and memory query.
+//! - [`launch`]: kernel launch gating on compute leases (credits, events, lease manager).
 //! - [`hooks`]: the exported `extern "C"` shims.
 //!
 //! Without `TESSERA_TOKEN` every hook passes straight through and `dlsym` hands out the real
@@ -26,6 +27,7 @@ pub mod driver;
 pub mod ffi;
 pub mod guard;
 pub mod hooks;
+pub mod launch;
 pub mod ledger;
 pub mod log;
 pub mod memory;

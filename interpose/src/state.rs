@@ -10,6 +10,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use crate::config;
+use crate::launch::Gate;
 use crate::ledger::Ledger;
 use crate::session::{Policy, Session};
 use crate::tlog;
@@ -21,12 +22,14 @@ pub struct Process {
     pub session: Session,
     /// Live objects and their sizes.
     pub ledger: Mutex<Ledger>,
+    /// Kernel launch gating (compute leases).
+    pub gate: Gate,
 }
 
 impl Process {
-    /// A process state with the given session.
-    pub fn new(session: Session) -> Self {
-        Self { session, ledger: Mutex::new(Ledger::default()) }
+    /// A process state with the given session and launch gate.
+    pub fn new(session: Session, gate: Gate) -> Self {
+        Self { session, ledger: Mutex::new(Ledger::default()), gate }
     }
 
     /// The ledger, even after a panic elsewhere poisoned its lock (its data stays consistent:
@@ -53,11 +56,10 @@ pub fn process() -> Option<&'static Process> {
 fn create() -> Option<&'static Process> {
     let cfg = config::get();
     let token = cfg.token.clone()?;
-    let fresh = Box::into_raw(Box::new(Process::new(Session::new(
-        cfg.socket.clone(),
-        token,
-        Policy::default(),
-    ))));
+    let fresh = Box::into_raw(Box::new(Process::new(
+        Session::new(cfg.socket.clone(), token.clone(), Policy::default()),
+        Gate::new(cfg.socket.clone(), token),
+    )));
     match PROCESS.compare_exchange(std::ptr::null_mut(), fresh, Ordering::AcqRel, Ordering::Acquire) {
         // SAFETY: we just published `fresh`; it is never freed.
         Ok(_) => Some(unsafe { &*fresh }),
@@ -90,6 +92,10 @@ unsafe extern "C" fn atfork_child() {
     let p = PROCESS.swap(std::ptr::null_mut(), Ordering::AcqRel);
     if !p.is_null() {
         // SAFETY: states are never freed; only the (single) child thread runs here.
-        unsafe { (*p).session.abandon_in_child() };
+        unsafe {
+            (*p).session.abandon_in_child();
+            (*p).gate.abandon_in_child();
+        }
     }
+    crate::launch::reset_in_child();
 }

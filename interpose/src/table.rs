@@ -128,6 +128,7 @@ hook_table! {
     LaunchCooperativeKernel_ptsz: Cuda c"cuLaunchCooperativeKernel_ptsz", "cuLaunchCooperativeKernel", 9000, MAX, true, h::cuLaunchCooperativeKernel_ptsz;
     GraphLaunch: Cuda c"cuGraphLaunch", "cuGraphLaunch", 10000, MAX, false, h::cuGraphLaunch;
     GraphLaunch_ptsz: Cuda c"cuGraphLaunch_ptsz", "cuGraphLaunch", 10000, MAX, true, h::cuGraphLaunch_ptsz;
+    StreamDestroy_v2: Cuda c"cuStreamDestroy_v2", "cuStreamDestroy", 4000, MAX, false, h::cuStreamDestroy_v2;
     NvmlMemoryInfo: Nvml c"nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo", 0, MAX, false, h::nvmlDeviceGetMemoryInfo;
     NvmlMemoryInfo_v2: Nvml c"nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetMemoryInfo_v2", 0, MAX, false, h::nvmlDeviceGetMemoryInfo_v2;
 }

@@ -1,0 +1,69 @@
+/* Launches kernels through cuLaunchKernel_ptsz, resolved with cuGetProcAddress flag 2 (per-thread
+ * default stream), on stream 0 (this thread's per-thread default stream), for a given time.
+ * On the simulated GPU the kernel's first parameter is the nanoseconds it runs. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext, *CUmodule, *CUfunction, *CUstream;
+CUresult cuInit(unsigned int);
+CUresult cuDeviceGet(CUdevice *, int);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
+CUresult cuCtxSetCurrent(CUcontext);
+CUresult cuCtxSynchronize(void);
+CUresult cuModuleLoadData(CUmodule *, const void *);
+CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
+CUresult cuGetProcAddress_v2(const char *, void **, int, unsigned long long, int *);
+typedef CUresult (*launch_t)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             unsigned, CUstream, void **, void **);
+
+static const char PTX[] = ".version 8.0\n.target sm_90\n.address_size 64\n"
+                          ".visible .entry spin(.param .u64 ns)\n{\n    ret;\n}\n";
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec / 1e9;
+}
+
+int main(int argc, char **argv) {
+    double seconds = atof(argv[1]);
+    unsigned long long ns = (unsigned long long)(atof(argv[2]) * 1e6);
+    CUdevice dev;
+    CUcontext ctx;
+    CUmodule mod;
+    CUfunction fn;
+    if (cuInit(0) || cuDeviceGet(&dev, 0) || cuDevicePrimaryCtxRetain(&ctx, dev) || cuCtxSetCurrent(ctx) ||
+        cuModuleLoadData(&mod, PTX) || cuModuleGetFunction(&fn, mod, "spin")) {
+        printf("{\"error\": \"setup\"}\n");
+        return 1;
+    }
+    void *p = NULL;
+    int status = 0;
+    if (cuGetProcAddress_v2("cuLaunchKernel", &p, 12000, 2, &status) || !p) {
+        printf("{\"error\": \"cuGetProcAddress\"}\n");
+        return 1;
+    }
+    Dl_info info;
+    const char *name = dladdr(p, &info) && info.dli_sname ? info.dli_sname : "?";
+    void *params[] = {&ns};
+    long launches = 0;
+    double start = now();
+    while (now() - start < seconds) {
+        CUresult r = ((launch_t)p)(fn, 1, 1, 1, 32, 1, 1, 0, NULL, params, NULL);
+        if (r) {
+            printf("{\"error\": \"launch %d\"}\n", r);
+            return 1;
+        }
+        launches++;
+    }
+    double launched_for = now() - start;
+    cuCtxSynchronize();
+    printf("{\"launches\": %ld, \"launched_for\": %f, \"resolved\": \"%s\"}\n", launches, launched_for, name);
+    return 0;
+}

@@ -1,0 +1,202 @@
+//! Compute sharing, end to end: real `cuda-bindings` processes launching kernels on the
+//! simulated GPU (one engine shared by all processes), the real arbiter's lease scheduler, and
+//! the interposer's launch gating. GPU time per process comes from the simulator's own engine
+//! accounting (the ground truth), not from anything the interposer reports.
+
+mod common;
+
+use std::collections::HashMap;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn busy_by_pid(bed: &Bed) -> HashMap<u32, u64> {
+    tessera_sim_state::read_processes(&bed.sim_dir)
+        .unwrap()
+        .into_iter()
+        .map(|p| (p.pid, p.busy_ns.first().copied().unwrap_or(0)))
+        .collect()
+}
+
+fn spawn_client(bed: &Bed, token: &str, args: &[&str]) -> Child {
+    let mut cmd = bed.tenant_command(&python(), token);
+    cmd.arg(script("compute_client.py"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for a client; returns its JSON line.
+fn finish(c: Child) -> serde_json::Value {
+    let out = c.wait_with_output().unwrap();
+    let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "client failed: {so}\n{se}");
+    last_json(&so, &se)
+}
+
+/// Engine busy ns of the processes whose pids are given, sampled while they run (the
+/// simulator drops a process's record once it exited).
+fn watch_busy(bed: &Bed, pids: &[u32], until: impl Fn() -> bool) -> HashMap<u32, u64> {
+    let mut last: HashMap<u32, u64> = HashMap::new();
+    while !until() {
+        for (pid, busy) in busy_by_pid(bed) {
+            if pids.contains(&pid) {
+                last.insert(pid, busy);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    last
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')))
+        .unwrap_or(false)
+}
+
+#[test]
+fn shares_30_70_split_the_gpu_time() {
+    let bed = Bed::new();
+    let (a_token, a_id) = bed.create_with(GIB, 30, None);
+    let (b_token, b_id) = bed.create_with(GIB, 70, None);
+    let t0 = tessera_sim_state::device_busy_ns(&bed.sim_dir, 0);
+    let start = Instant::now();
+    let a = spawn_client(&bed, &a_token, &["kernel", "4", "2"]);
+    let b = spawn_client(&bed, &b_token, &["kernel", "4", "2"]);
+    let pids = [a.id(), b.id()];
+    let busy = watch_busy(&bed, &pids, || !pids.iter().any(|&p| alive(p)));
+    let wall = start.elapsed();
+    let (ja, jb) = (finish(a), finish(b));
+    let (ba, bb) = (busy[&pids[0]] as f64, busy[&pids[1]] as f64);
+    let device = (tessera_sim_state::device_busy_ns(&bed.sim_dir, 0) - t0) as f64;
+    let share_a = ba / (ba + bb);
+    eprintln!(
+        "30/70: A busy {:.2} s ({} launches), B busy {:.2} s ({} launches), A's fraction {share_a:.3}, \
+         device busy {:.2} s of {:.2} s wall; arbiter charged A {:.2} s, B {:.2} s",
+        ba / 1e9,
+        ja["launches"],
+        bb / 1e9,
+        jb["launches"],
+        device / 1e9,
+        wall.as_secs_f64(),
+        bed.status(&a_id).gpu_time_10s_ns as f64 / 1e9,
+        bed.status(&b_id).gpu_time_10s_ns as f64 / 1e9,
+    );
+    assert!((0.2..=0.4).contains(&share_a), "A (share 30) got {share_a:.3} of the GPU time");
+    assert!(device > 0.75 * 4e9, "the GPU idled: {:.2} s busy", device / 1e9);
+}
+
+#[test]
+fn a_capped_tenant_alone_stays_under_its_cap() {
+    let bed = Bed::new();
+    let (token, id) = bed.create_with(GIB, 30, Some(30));
+    let c = spawn_client(&bed, &token, &["kernel", "3", "2"]);
+    let pid = c.id();
+    let start = Instant::now();
+    let busy = watch_busy(&bed, &[pid], || !alive(pid));
+    let wall = start.elapsed().as_secs_f64();
+    let j = finish(c);
+    let frac = busy[&pid] as f64 / 1e9 / j["launched_for"].as_f64().unwrap();
+    eprintln!(
+        "cap 30: busy {:.2} s over {:.2} s of launching ({wall:.2} s wall): {frac:.3}; arbiter charged {:.2} s",
+        busy[&pid] as f64 / 1e9,
+        j["launched_for"],
+        bed.status(&id).gpu_time_10s_ns as f64 / 1e9
+    );
+    assert!(frac <= 0.40, "capped at 30% but used {frac:.3}");
+    assert!(frac >= 0.15, "capped tenant barely ran: {frac:.3}");
+}
+
+#[test]
+fn a_lone_tenant_keeps_the_gpu_busy() {
+    let bed = Bed::new();
+    let (token, _) = bed.create_with(GIB, 10, None);
+    let c = spawn_client(&bed, &token, &["kernel", "2", "2"]);
+    let pid = c.id();
+    let busy = watch_busy(&bed, &[pid], || !alive(pid));
+    let j = finish(c);
+    let frac = busy[&pid] as f64 / 1e9 / j["launched_for"].as_f64().unwrap();
+    eprintln!("lone tenant: GPU busy {frac:.3} of its launching time");
+    assert!(frac >= 0.8, "gating wasted the GPU: busy {frac:.3}");
+}
+
+#[test]
+fn every_launch_path_is_gated() {
+    let bed = Bed::new();
+    // cuLaunchKernel_ptsz from C (cuda-bindings never asks for per-thread variants).
+    let exe = bed.dir.path().join("launch_ptsz");
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/launch_ptsz.c");
+    let out = std::process::Command::new("cc")
+        .arg("-o")
+        .arg(&exe)
+        .arg(&src)
+        .arg(format!("-L{}", bed.lib_dir.display()))
+        .args(["-lcuda", "-ldl"])
+        .output()
+        .expect("a C compiler (cc) is needed");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for mode in ["kernel", "ex", "coop", "graph", "per_thread", "c_ptsz"] {
+        let (token, id) = bed.create_with(GIB, 10, None);
+        let c = if mode == "c_ptsz" {
+            bed.tenant_command(&exe, &token)
+                .args(["0.5", "2"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        } else {
+            spawn_client(&bed, &token, &[mode, "0.5", "2"])
+        };
+        let pid = c.id();
+        let busy = watch_busy(&bed, &[pid], || !alive(pid));
+        let j = finish(c);
+        if mode == "c_ptsz" {
+            assert_eq!(j["resolved"], "cuLaunchKernel_ptsz", "flag 2 hands out the _ptsz wrapper");
+        }
+        let charged = bed.status(&id).gpu_time_10s_ns;
+        eprintln!(
+            "{mode}: {} launches, engine busy {:.3} s, leased {:.3} s",
+            j["launches"],
+            busy[&pid] as f64 / 1e9,
+            charged as f64 / 1e9
+        );
+        // Work only runs under leases: the time leased covers the engine time used.
+        assert!(busy[&pid] > 200_000_000, "{mode}: too little work ran");
+        assert!(
+            charged as f64 >= 0.9 * busy[&pid] as f64,
+            "{mode}: {:.3} s of GPU time ran outside leases (leased {:.3} s)",
+            busy[&pid] as f64 / 1e9,
+            charged as f64 / 1e9
+        );
+        bed.admin().delete(&id).unwrap();
+    }
+}
+
+#[test]
+fn synchronous_calls_inside_a_lease_do_not_deadlock() {
+    let bed = Bed::new();
+    let (a_token, _) = bed.create_with(GIB, 50, None);
+    let (b_token, _) = bed.create_with(GIB, 50, None);
+    // A: 30 ms kernels, each followed by cuCtxSynchronize (leases end while it waits);
+    // B: a steady stream of 2 ms kernels.
+    let a = spawn_client(&bed, &a_token, &["sync", "2", "30"]);
+    let b = spawn_client(&bed, &b_token, &["kernel", "2", "2"]);
+    let pids = [a.id(), b.id()];
+    let t = Instant::now();
+    let busy = watch_busy(&bed, &pids, || !pids.iter().any(|&p| alive(p)) || t.elapsed() > Duration::from_secs(30));
+    assert!(t.elapsed() < Duration::from_secs(30), "tenants hung");
+    let (ja, jb) = (finish(a), finish(b));
+    eprintln!(
+        "sync: A {} launches busy {:.2} s; B {} launches busy {:.2} s",
+        ja["launches"],
+        busy[&pids[0]] as f64 / 1e9,
+        jb["launches"],
+        busy[&pids[1]] as f64 / 1e9
+    );
+    assert!(ja["launches"].as_u64().unwrap() >= 10);
+    assert!(busy[&pids[0]] > 300_000_000 && busy[&pids[1]] > 300_000_000, "both must progress: {busy:?}");
+}

@@ -1,0 +1,103 @@
+"""A real CUDA client (NVIDIA's cuda-bindings, unmodified) that keeps the simulated GPU busy.
+
+On the simulated GPU a kernel's first parameter (u64) is the nanoseconds it occupies the engine.
+
+Usage: compute_client.py MODE SECONDS KERNEL_MS
+  MODE is the launch path: kernel | ex | coop | graph | per_thread (CU_STREAM_PER_THREAD) | sync (kernel + cuCtxSynchronize
+  after every launch). Launches as fast as the interposer lets it for SECONDS of wall time, then
+  waits for the GPU; prints one JSON line.
+"""
+import ctypes
+import json
+import os
+import sys
+import time
+
+from cuda.bindings import driver as cu
+
+PTX = b"""
+.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry spin(.param .u64 ns)
+{
+    ret;
+}
+\0"""
+
+
+def ok(result):
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise SystemExit(f"CUDA call failed: {err!r}")
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def main():
+    mode, seconds, kernel_ms = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+    ns = int(kernel_ms * 1e6)
+    ok(cu.cuInit(0))
+    dev = ok(cu.cuDeviceGet(0))
+    ctx = ok(cu.cuDevicePrimaryCtxRetain(dev))
+    ok(cu.cuCtxSetCurrent(ctx))
+    mod = ok(cu.cuModuleLoadData(PTX))
+    fn = ok(cu.cuModuleGetFunction(mod, b"spin"))
+    stream = ok(cu.cuStreamCreate(0))
+    args = ((ns,), (ctypes.c_uint64,))
+
+    if mode == "kernel":
+        def launch():
+            ok(cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, args, 0))
+    elif mode == "sync":
+        def launch():
+            ok(cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, args, 0))
+            ok(cu.cuCtxSynchronize())
+    elif mode == "per_thread":
+        per_thread = cu.CUstream(cu.CU_STREAM_PER_THREAD)
+
+        def launch():
+            ok(cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, per_thread, args, 0))
+    elif mode == "ex":
+        config = cu.CUlaunchConfig()
+        config.gridDimX = config.gridDimY = config.gridDimZ = 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = 32, 1, 1
+        config.sharedMemBytes = 0
+        config.hStream = stream
+        config.numAttrs = 0
+
+        def launch():
+            ok(cu.cuLaunchKernelEx(config, fn, args, 0))
+    elif mode == "coop":
+        def launch():
+            ok(cu.cuLaunchCooperativeKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, args))
+    elif mode == "graph":
+        capture = ok(cu.cuStreamCreate(0))
+        ok(cu.cuStreamBeginCapture(capture, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+        ok(cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, capture, args, 0))
+        graph = ok(cu.cuStreamEndCapture(capture))
+        exec_ = ok(cu.cuGraphInstantiate(graph, 0))
+
+        def launch():
+            ok(cu.cuGraphLaunch(exec_, stream))
+    else:
+        raise SystemExit("unknown mode " + mode)
+
+    launches = 0
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        launch()
+        launches += 1
+    launched_for = time.monotonic() - start
+    ok(cu.cuCtxSynchronize())
+    print(json.dumps({
+        "pid": os.getpid(),
+        "launches": launches,
+        "launched_for": launched_for,
+        "finished_after": time.monotonic() - start,
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
