@@ -19,8 +19,10 @@
 //!   `cuCtxSynchronize`, can delay the report but never deadlock it.
 //! - **Early hand-back**: when the process stopped launching and its streams are idle
 //!   (`cuEventQuery`), the lease is returned early (`early = true`) within about 2 ms.
-//! - **Arbiter unreachable**: launches are let through ungated (memory limits stay enforced)
-//!   and the manager keeps trying to reconnect; gating resumes when it is back.
+//! - **Arbiter unreachable**: the manager grants itself local leases of [`LOCAL_LEASE`], so
+//!   tenants keep running and the work in flight stays bounded exactly as under a real lease;
+//!   each new lease first tries the arbiter again, and real leases resume as soon as it is back.
+//!   (Only a driver without events, where nothing can be measured, is left ungated.)
 //!
 //! Per-thread default streams (`_ptsz` with stream 0, `CU_STREAM_PER_THREAD`) belong to the
 //! launching thread and cannot be named from the manager thread: they are sampled through the
@@ -43,8 +45,10 @@ use crate::tlog;
 
 /// Streams tracked per process (a launch on one more passes through untracked but gated).
 pub const MAX_STREAMS: usize = 128;
-/// Credits while the arbiter is unreachable: effectively unlimited.
+/// Credits when launches cannot be gated at all (no manager thread, no event API).
 const UNGATED: i64 = i64::MAX / 4;
+/// Length of the leases the manager grants itself while the arbiter is unreachable.
+pub const LOCAL_LEASE: Duration = Duration::from_millis(100);
 /// Manager tick while a lease is held.
 const TICK: Duration = Duration::from_micros(500);
 /// Idle time (no launch, streams drained) after which a lease is handed back early.
@@ -373,6 +377,12 @@ impl Gate {
 
     fn manage(&'static self) {
         let mut m = Manager::new(self);
+        if m.api.is_none() {
+            tlog!(Warn, "the driver lacks the event API: kernel launches are not gated");
+            self.set_credits(UNGATED);
+            return;
+        }
+        let mut local = false;
         loop {
             // Wait until a launcher wants a lease.
             {
@@ -383,8 +393,20 @@ impl Gate {
                 sh.want = false;
             }
             match m.acquire() {
-                Some((lease_id, duration_ns)) => m.run_lease(lease_id, duration_ns),
-                None => m.ungated_until_reconnected(),
+                Some((lease_id, duration_ns)) => {
+                    if local {
+                        tlog!(Info, "arbiter back: leases come from it again");
+                        local = false;
+                    }
+                    m.run_lease(Some(lease_id), duration_ns);
+                }
+                None => {
+                    if !local {
+                        tlog!(Warn, "arbiter unreachable: local leases keep launches bounded until it is back");
+                        local = true;
+                    }
+                    m.run_lease(None, LOCAL_LEASE.as_nanos() as u64);
+                }
             }
         }
     }
@@ -440,7 +462,6 @@ struct Manager {
     current_ctx: CUcontext,
     /// Estimate for streams without one yet (the largest known).
     default_est: f64,
-    backoff: Duration,
 }
 
 impl Manager {
@@ -453,7 +474,6 @@ impl Manager {
             pool: HashMap::new(),
             current_ctx: std::ptr::null_mut(),
             default_est: 0.0,
-            backoff: Duration::from_millis(50),
         }
     }
 
@@ -504,23 +524,6 @@ impl Manager {
             }
         }
         None
-    }
-
-    /// Lets launches through until the arbiter answers again.
-    fn ungated_until_reconnected(&mut self) {
-        tlog!(Warn, "arbiter unreachable: kernel launches are not gated until it is back");
-        self.gate.set_credits(UNGATED);
-        loop {
-            std::thread::sleep(self.backoff);
-            self.backoff = (self.backoff * 2).min(Duration::from_secs(1));
-            if self.connect() {
-                break;
-            }
-        }
-        self.backoff = Duration::from_millis(50);
-        tlog!(Info, "arbiter back: kernel launches are gated again");
-        // Launches now wait for a lease; the first one sets `want`.
-        self.gate.set_credits(0);
     }
 
     fn set_ctx(&mut self, api: Api, ctx: CUcontext) -> bool {
@@ -651,7 +654,8 @@ impl Manager {
         v
     }
 
-    fn run_lease(&mut self, lease_id: u64, duration_ns: u64) {
+    /// Runs one lease: `lease_id` from the arbiter, or `None` for a local one.
+    fn run_lease(&mut self, lease_id: Option<u64>, duration_ns: u64) {
         let start = Instant::now();
         let deadline = start + Duration::from_nanos(duration_ns);
         self.gate.stats.leases.fetch_add(1, Ordering::Relaxed);
@@ -741,11 +745,12 @@ impl Manager {
         self.gate.stats.busy_ns.fetch_add(busy_ns, Ordering::Relaxed);
         tlog!(
             Debug,
-            "lease {lease_id}: {:.1} ms granted, busy {:.1} ms, early {early}",
+            "lease {lease_id:?}: {:.1} ms granted, busy {:.1} ms, early {early}",
             duration_ns as f64 / 1e6,
             busy_ns as f64 / 1e6
         );
-        if let Some(conn) = self.conn.as_mut()
+        if let Some(lease_id) = lease_id
+            && let Some(conn) = self.conn.as_mut()
             && let Err(e) = conn.send_nowait(&TenantRequest::LeaseRelease { lease_id, busy_ns, early })
         {
             tlog!(Info, "LeaseRelease not sent: {e}");

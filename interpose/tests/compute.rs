@@ -200,3 +200,56 @@ fn synchronous_calls_inside_a_lease_do_not_deadlock() {
     assert!(ja["launches"].as_u64().unwrap() >= 10);
     assert!(busy[&pids[0]] > 300_000_000 && busy[&pids[1]] > 300_000_000, "both must progress: {busy:?}");
 }
+
+#[test]
+fn an_idle_holder_hands_back_early() {
+    let bed = Bed::new();
+    let (a_token, _) = bed.create_with(GIB, 50, None);
+    let (b_token, _) = bed.create_with(GIB, 50, None);
+    // A is alone for a second (its leases grow towards 100 ms), then stops launching but stays
+    // alive. B then asks: without an early hand-back it would wait out A's lease.
+    let mut a = spawn_client(&bed, &a_token, &["kernel", "1", "2", "3"]);
+    let a_pid = a.id();
+    let mut a_out = a.stdout.take().unwrap();
+    let mut line = String::new();
+    use std::io::Read;
+    let mut byte = [0u8; 1];
+    while !line.ends_with('\n') {
+        assert_eq!(a_out.read(&mut byte).unwrap(), 1, "A ended early");
+        line.push(byte[0] as char);
+    }
+    assert!(alive(a_pid), "A lingers holding no work");
+    let b = spawn_client(&bed, &b_token, &["sync", "0.3", "2"]);
+    let jb = finish(b);
+    let first = jb["first_done_after"].as_f64().unwrap();
+    eprintln!("early hand-back: B's first 2 ms kernel done {:.1} ms after it started", first * 1e3);
+    assert!(first < 0.050, "B waited {:.1} ms for an idle holder", first * 1e3);
+    assert!(a.wait().unwrap().success());
+}
+
+#[test]
+fn launches_keep_running_while_the_arbiter_restarts() {
+    let mut bed = Bed::new();
+    let (token, id) = bed.create_with(GIB, 50, None);
+    let c = spawn_client(&bed, &token, &["kernel", "3", "2"]);
+    let pid = c.id();
+    std::thread::sleep(Duration::from_millis(700));
+    bed.kill_arbiter();
+    std::thread::sleep(Duration::from_millis(500));
+    bed.start_arbiter();
+    let busy = watch_busy(&bed, &[pid], || !alive(pid));
+    let j = finish(c);
+    let launched_for = j["launched_for"].as_f64().unwrap();
+    let frac = busy[&pid] as f64 / 1e9 / launched_for;
+    // Leases resume after the restart: the new arbiter charges the tenant again.
+    let charged = bed.status(&id).gpu_time_10s_ns;
+    let tail = j["finished_after"].as_f64().unwrap() - launched_for;
+    eprintln!(
+        "restart: {} launches, GPU busy {frac:.3}, {tail:.3} s of queued work at the end, charged by the new arbiter {:.2} s",
+        j["launches"],
+        charged as f64 / 1e9
+    );
+    assert!(frac > 0.7, "the tenant stalled across the restart: busy {frac:.3}");
+    assert!(frac < 1.2 && tail < 0.5, "work in flight was not bounded during the outage: {tail:.3} s queued");
+    assert!(charged > 500_000_000, "gating did not resume after the restart");
+}

@@ -2,10 +2,11 @@
 
 On the simulated GPU a kernel's first parameter (u64) is the nanoseconds it occupies the engine.
 
-Usage: compute_client.py MODE SECONDS KERNEL_MS
+Usage: compute_client.py MODE SECONDS KERNEL_MS [LINGER_SECONDS]
   MODE is the launch path: kernel | ex | coop | graph | per_thread (CU_STREAM_PER_THREAD) | sync (kernel + cuCtxSynchronize
   after every launch). Launches as fast as the interposer lets it for SECONDS of wall time, then
-  waits for the GPU; prints one JSON line.
+  waits for the GPU; prints one JSON line, then stays alive LINGER_SECONDS (holding nothing).
+  `first_done_after` is when the first launch's kernel had completed (sync mode only).
 """
 import ctypes
 import json
@@ -37,6 +38,7 @@ def ok(result):
 
 def main():
     mode, seconds, kernel_ms = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+    linger = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
     ns = int(kernel_ms * 1e6)
     ok(cu.cuInit(0))
     dev = ok(cu.cuDeviceGet(0))
@@ -85,10 +87,13 @@ def main():
         raise SystemExit("unknown mode " + mode)
 
     launches = 0
+    first_done_after = None
     start = time.monotonic()
     while time.monotonic() - start < seconds:
         launch()
         launches += 1
+        if first_done_after is None and mode == "sync":
+            first_done_after = time.monotonic() - start
     launched_for = time.monotonic() - start
     ok(cu.cuCtxSynchronize())
     print(json.dumps({
@@ -96,7 +101,9 @@ def main():
         "launches": launches,
         "launched_for": launched_for,
         "finished_after": time.monotonic() - start,
+        "first_done_after": first_done_after,
     }), flush=True)
+    time.sleep(linger)
 
 
 if __name__ == "__main__":
