@@ -84,7 +84,7 @@ fn pct(v: &mut [u64], p: f64) -> f64 {
 }
 
 fn bench(c: &mut Criterion) {
-    let bed = Bed::start(1 << 30, 50, None);
+    let bed = Bed::start(1 << 30, 50, None, None);
     let k = Kernel::new(&bed);
     let raw = bed.raw::<Launch>("cuLaunchKernel");
     let hooked = bed.hooked::<Launch>("cuLaunchKernel");

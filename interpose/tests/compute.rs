@@ -11,6 +11,12 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
+/// Timing tests share two cores: run them one at a time within this binary.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn busy_by_pid(bed: &Bed) -> HashMap<u32, u64> {
     tessera_sim_state::read_processes(&bed.sim_dir)
         .unwrap()
@@ -60,6 +66,7 @@ fn alive(pid: u32) -> bool {
 
 #[test]
 fn shares_30_70_split_the_gpu_time() {
+    let _serial = serial();
     let bed = Bed::new();
     let (a_token, a_id) = bed.create_with(GIB, 30, None);
     let (b_token, b_id) = bed.create_with(GIB, 70, None);
@@ -92,6 +99,7 @@ fn shares_30_70_split_the_gpu_time() {
 
 #[test]
 fn a_capped_tenant_alone_stays_under_its_cap() {
+    let _serial = serial();
     let bed = Bed::new();
     let (token, id) = bed.create_with(GIB, 30, Some(30));
     let c = spawn_client(&bed, &token, &["kernel", "3", "2"]);
@@ -113,6 +121,7 @@ fn a_capped_tenant_alone_stays_under_its_cap() {
 
 #[test]
 fn a_lone_tenant_keeps_the_gpu_busy() {
+    let _serial = serial();
     let bed = Bed::new();
     let (token, _) = bed.create_with(GIB, 10, None);
     let c = spawn_client(&bed, &token, &["kernel", "2", "2"]);
@@ -126,6 +135,7 @@ fn a_lone_tenant_keeps_the_gpu_busy() {
 
 #[test]
 fn every_launch_path_is_gated() {
+    let _serial = serial();
     let bed = Bed::new();
     // cuLaunchKernel_ptsz from C (cuda-bindings never asks for per-thread variants).
     let exe = bed.dir.path().join("launch_ptsz");
@@ -178,6 +188,7 @@ fn every_launch_path_is_gated() {
 
 #[test]
 fn synchronous_calls_inside_a_lease_do_not_deadlock() {
+    let _serial = serial();
     let bed = Bed::new();
     let (a_token, _) = bed.create_with(GIB, 50, None);
     let (b_token, _) = bed.create_with(GIB, 50, None);
@@ -203,6 +214,7 @@ fn synchronous_calls_inside_a_lease_do_not_deadlock() {
 
 #[test]
 fn an_idle_holder_hands_back_early() {
+    let _serial = serial();
     let bed = Bed::new();
     let (a_token, _) = bed.create_with(GIB, 50, None);
     let (b_token, _) = bed.create_with(GIB, 50, None);
@@ -229,6 +241,7 @@ fn an_idle_holder_hands_back_early() {
 
 #[test]
 fn launches_keep_running_while_the_arbiter_restarts() {
+    let _serial = serial();
     let mut bed = Bed::new();
     let (token, id) = bed.create_with(GIB, 50, None);
     let c = spawn_client(&bed, &token, &["kernel", "3", "2"]);

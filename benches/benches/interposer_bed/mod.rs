@@ -40,6 +40,16 @@ fn artifact(name: &str) -> PathBuf {
     p
 }
 
+/// Pins the calling thread (and every thread it creates later) to `cpu`.
+fn pin(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET writes within it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
 /// A simulated GPU, an arbiter, and both the raw and the intercepted driver in this process.
 pub struct Bed {
     _dir: tempfile::TempDir,
@@ -54,7 +64,15 @@ pub struct Bed {
 
 impl Bed {
     /// Sets everything up with an allocation of `memory` bytes, `share` and `cap`.
-    pub fn start(memory: u64, share: u32, cap: Option<u32>) -> Self {
+    ///
+    /// With `pin_cpu`, this process (all its threads) and the arbiter run on that one CPU: a
+    /// round trip is then two context switches on one core whatever the scheduler does, so
+    /// the echo and the arbiter are measured alike (across cores, a VM's wake-up IPIs make
+    /// round trips bimodal, 6 or 60 us, run to run).
+    pub fn start(memory: u64, share: u32, cap: Option<u32>, pin_cpu: Option<usize>) -> Self {
+        if let Some(cpu) = pin_cpu {
+            pin(cpu);
+        }
         let dir = tempfile::tempdir().unwrap();
         let sim_dir = dir.path().join("sim");
         let lib_dir = tessera_sim_state::prepare_lib_dir(&sim_dir, &profile_dir()).unwrap_or_else(|e| {
@@ -62,7 +80,19 @@ impl Bed {
         });
         let socket = dir.path().join("tessera.sock");
         let admin_socket = dir.path().join("admin.sock");
-        let arbiter = Command::new(artifact("tessera-arbiter"))
+        let mut arbiter = Command::new(artifact("tessera-arbiter"));
+        if let Some(cpu) = pin_cpu {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: pre_exec runs in the forked child before exec; sched_setaffinity is
+            // async-signal-safe and touches only a local set.
+            unsafe {
+                arbiter.pre_exec(move || {
+                    pin(cpu);
+                    Ok(())
+                });
+            }
+        }
+        let arbiter = arbiter
             .arg("--socket")
             .arg(&socket)
             .arg("--admin-socket")
