@@ -240,8 +240,11 @@ impl Gate {
             // A capturing stream: the launch records into a graph, it runs nothing now.
             return launch();
         }
+        let mut slot = slot;
         if self.credits.fetch_sub(1, Ordering::AcqRel) <= 0 {
             self.wait_for_credit();
+            // Waiting may have spanned a new lease: mark the stream under its epoch.
+            slot = self.slot(handle, kind);
         }
         let r = launch();
         if let Some(s) = slot {
@@ -451,6 +454,8 @@ struct Track {
     est_ns: f64,
     /// When the manager first saw the stream in use (bounds the first sample's cost).
     first_seen: Option<Instant>,
+    /// The stream's launch count when the current lease began.
+    lease_start: u64,
 }
 
 struct Manager {
@@ -628,15 +633,23 @@ impl Manager {
         }
     }
 
-    /// Indices of the slots used during this lease, with their tracks in step.
+    /// Indices of the slots used during this lease (marked with its epoch, or launched on since
+    /// it began: a thread that looked its stream up just before the lease started still
+    /// launches under it), with their tracks in step.
     fn used(&mut self, epoch: u64) -> Vec<usize> {
         let mut v = Vec::new();
         for (i, s) in self.gate.slots.iter().enumerate() {
-            if !s.in_use.load(Ordering::Acquire) || s.used_epoch.load(Ordering::Acquire) != epoch {
+            if !s.in_use.load(Ordering::Acquire) {
                 continue;
             }
             let generation = s.generation.load(Ordering::Acquire);
-            if self.tracks[i].generation != generation {
+            let fresh = self.tracks[i].generation != generation;
+            let launched = s.launches.load(Ordering::Acquire);
+            let marked = s.used_epoch.load(Ordering::Acquire) == epoch;
+            if !marked && (fresh || launched == self.tracks[i].lease_start) {
+                continue;
+            }
+            if fresh {
                 let old = std::mem::take(&mut self.tracks[i]);
                 for smp in old.pending.into_iter().chain(old.last_done) {
                     self.recycle(smp);
@@ -645,6 +658,7 @@ impl Manager {
                 let b = s.base.load(Ordering::Acquire);
                 self.tracks[i].completed = b;
                 self.tracks[i].sampled = b;
+                self.tracks[i].lease_start = b;
             }
             if self.tracks[i].first_seen.is_none() {
                 self.tracks[i].first_seen = Some(Instant::now());
@@ -661,9 +675,10 @@ impl Manager {
         self.gate.stats.leases.fetch_add(1, Ordering::Relaxed);
         // A new epoch: streams re-register (fresh capture check, "used in this lease" mark).
         let epoch = self.gate.epoch.fetch_add(1, Ordering::AcqRel) + 1;
-        for t in self.tracks.iter_mut() {
+        for (t, slot) in self.tracks.iter_mut().zip(self.gate.slots.iter()) {
             // Work of earlier leases was drained: start from what has been launched.
             t.sampled = t.sampled.max(t.completed);
+            t.lease_start = slot.launches.load(Ordering::Acquire);
         }
         let mut last_total = u64::MAX;
         let mut last_change = Instant::now();
@@ -770,6 +785,12 @@ impl Manager {
             // Nothing measured yet: one probe launch at a time until a sample completes.
             return if unknown > 0 { 0 } else { 1 };
         }
+        if outstanding <= 0.0 && unknown == 0 && (left.as_nanos() as f64) > MARGIN_NS {
+            // Nothing in flight: at least one launch, even a kernel longer than the lease
+            // (its overrun is measured and charged), or such a tenant would never run.
+            let spare = left.as_nanos() as f64 - MARGIN_NS;
+            return ((spare / per) as i64).clamp(1, MAX_CREDITS);
+        }
         let spare = left.as_nanos() as f64 - outstanding - unknown as f64 * per - MARGIN_NS;
         if spare <= 0.0 {
             return 0;
@@ -868,6 +889,10 @@ mod tests {
         assert_eq!(m.credits_for(Duration::from_millis(20), 5e6, 2), 12);
         // No room left: none.
         assert_eq!(m.credits_for(Duration::from_millis(2), 5e6, 0), 0);
+        // A kernel longer than the lease still gets one launch when nothing is in flight.
+        m.default_est = 30e6;
+        assert_eq!(m.credits_for(Duration::from_millis(20), 0.0, 0), 1);
+        assert_eq!(m.credits_for(Duration::from_millis(20), 30e6, 0), 0);
         // Tiny kernels: capped.
         m.default_est = 10.0;
         assert_eq!(m.credits_for(Duration::from_millis(100), 0.0, 0), MAX_CREDITS);
