@@ -1,0 +1,31 @@
+//! Dev-only harness shared by the workspace's integration tests and benchmarks, so every suite
+//! starts the same real binaries on the same simulated GPU the same way.
+//!
+//! Modules:
+//! - [`artifacts`]: the cargo profile folder next to the running test (`<target>/debug/`) and
+//!   the built binaries and libraries in it, with a clear message when one is missing.
+//! - [`python`]: the Python with `cuda-bindings` used by real-client tests.
+//! - [`sim`]: a simulated GPU in a temp folder (its `lib/` of driver links and its environment).
+//! - [`arbiter`]: the real `tessera-arbiter` on a simulated GPU, with temp sockets and state,
+//!   waited for until it serves.
+//! - [`process`]: kill-on-drop children, exit codes, polling with a timeout.
+//!
+//! Helpers panic with a message naming what is missing: they run inside tests, where a panic
+//! is the failure report.
+
+pub mod arbiter;
+pub mod artifacts;
+pub mod process;
+pub mod python;
+pub mod sim;
+
+pub use arbiter::{ArbiterSpec, RunningArbiter, allocation};
+pub use artifacts::{artifact, artifact_with_hint, target_dir};
+pub use process::{KillOnDrop, code, wait_until};
+pub use python::python;
+pub use sim::SimGpu;
+
+/// Bytes in a mebibyte.
+pub const MIB: u64 = 1 << 20;
+/// Bytes in a gibibyte.
+pub const GIB: u64 = 1 << 30;

@@ -1,0 +1,53 @@
+//! A simulated GPU in a test's temp folder.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use tessera_sim_state::{ENV_DIR, ENV_GPUS};
+
+use crate::artifacts::{BUILD_HINT, target_dir};
+
+/// The simulated machine's state folder, its `lib/` folder (links named like the real driver
+/// and NVML, pointing at the built simulated ones) and the GPUs it reports.
+#[derive(Debug, Clone)]
+pub struct SimGpu {
+    /// `TESSERA_SIM_DIR`: the cross-process state of the simulated GPUs.
+    pub dir: PathBuf,
+    /// The folder to put on `LD_LIBRARY_PATH`.
+    pub lib_dir: PathBuf,
+    /// `TESSERA_SIM_GPUS`, e.g. `2x80GiB`.
+    pub gpus: String,
+}
+
+impl SimGpu {
+    /// Prepares `dir` with the simulated libraries built in [`target_dir`].
+    #[track_caller]
+    pub fn prepare(dir: &Path, gpus: &str) -> Self {
+        Self::prepare_with_hint(dir, gpus, BUILD_HINT)
+    }
+
+    /// [`SimGpu::prepare`] with another hint for when the libraries are not built.
+    #[track_caller]
+    pub fn prepare_with_hint(dir: &Path, gpus: &str, hint: &str) -> Self {
+        let built = tessera_sim_state::find_built_lib_dir(Some(&target_dir()))
+            .unwrap_or_else(|e| panic!("{e}: {hint}"));
+        let lib_dir = tessera_sim_state::prepare_lib_dir(dir, &built)
+            .unwrap_or_else(|e| panic!("cannot prepare the simulated GPU in {}: {e}", dir.display()));
+        Self { dir: dir.to_path_buf(), lib_dir, gpus: gpus.to_owned() }
+    }
+
+    /// The variables that put a process on this simulated GPU.
+    pub fn vars(&self) -> [(&'static str, OsString); 3] {
+        [
+            ("LD_LIBRARY_PATH", self.lib_dir.clone().into_os_string()),
+            (ENV_DIR, self.dir.clone().into_os_string()),
+            (ENV_GPUS, OsString::from(&self.gpus)),
+        ]
+    }
+
+    /// Sets [`SimGpu::vars`] on `cmd`.
+    pub fn apply<'c>(&self, cmd: &'c mut Command) -> &'c mut Command {
+        cmd.envs(self.vars())
+    }
+}
