@@ -172,7 +172,7 @@ impl RunningArbiter {
                 status
             }
             None => {
-                self.child.kill();
+                self.child.kill_and_reap();
                 panic!("arbiter ignored SIGTERM: {}", self.log_text());
             }
         }
@@ -180,7 +180,7 @@ impl RunningArbiter {
 
     /// SIGKILLs it (no clean-up on its side) and reaps it.
     pub fn kill(&mut self) {
-        self.child.kill();
+        self.child.kill_and_reap();
     }
 }
 

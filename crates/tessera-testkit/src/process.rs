@@ -15,7 +15,7 @@ impl KillOnDrop {
     }
 
     /// SIGKILLs and reaps the child now; nothing happens if that was done already.
-    pub fn kill(&mut self) {
+    pub fn kill_and_reap(&mut self) {
         if let Some(mut c) = self.0.take() {
             let _ = c.kill();
             let _ = c.wait();
@@ -48,7 +48,7 @@ impl DerefMut for KillOnDrop {
 
 impl Drop for KillOnDrop {
     fn drop(&mut self) {
-        self.kill();
+        self.kill_and_reap();
     }
 }
 

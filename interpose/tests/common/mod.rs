@@ -2,54 +2,25 @@
 //! started against the simulated NVML, allocations made over its admin socket, and tenant
 //! processes run with the built `libtessera_interpose.so`.
 
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
-use std::fs;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::process::ExitStatusExt;
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
 
+use tessera_protocol::AllocationStatus;
 use tessera_protocol::client::AdminClient;
-use tessera_protocol::{AllocationStatus, CreateAllocation, GpuSelector};
+use tessera_testkit::arbiter::read_log;
+use tessera_testkit::{ArbiterSpec, KillOnDrop, RunningArbiter, SimGpu};
 
-pub const MIB: u64 = 1 << 20;
-pub const GIB: u64 = 1 << 30;
+pub use tessera_testkit::{GIB, MIB, artifact, code, python, target_dir, wait_until};
+
 /// The simulated card of these tests.
 pub const SIM_GPUS: &str = "1x80GiB";
-
-/// `<target>/debug`, where cargo put the binaries and cdylibs.
-pub fn target_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().to_path_buf()
-}
-
-/// A built artifact, with a clear message when it is missing.
-pub fn artifact(name: &str) -> PathBuf {
-    let p = target_dir().join(name);
-    assert!(p.exists(), "{} is missing: run `cargo build --workspace` first", p.display());
-    p
-}
 
 /// The interposer library.
 pub fn interposer() -> PathBuf {
     artifact("libtessera_interpose.so")
-}
-
-/// Python with `cuda-bindings`: `$TESSERA_PYTHON`, else `<workspace>/.venv/bin/python`.
-pub fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("TESSERA_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/python");
-    assert!(
-        p.exists(),
-        "Python with cuda-bindings not found at {} (set TESSERA_PYTHON or create the venv: \
-         python3 -m venv .venv && .venv/bin/pip install 'cuda-bindings==13.*')",
-        p.display()
-    );
-    p
 }
 
 /// A test script's path.
@@ -64,7 +35,8 @@ pub struct Bed {
     pub lib_dir: PathBuf,
     pub socket: PathBuf,
     pub admin_socket: PathBuf,
-    arbiter: Option<Child>,
+    sim: SimGpu,
+    arbiter: Option<RunningArbiter>,
     starts: u32,
 }
 
@@ -72,15 +44,13 @@ impl Bed {
     /// Prepares the simulated GPU and starts the arbiter.
     pub fn new() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let sim_dir = dir.path().join("sim");
-        let built = tessera_sim_state::find_built_lib_dir(Some(&target_dir()))
-            .unwrap_or_else(|e| panic!("{e}: run `cargo build --workspace` first"));
-        let lib_dir = tessera_sim_state::prepare_lib_dir(&sim_dir, &built).unwrap();
+        let sim = SimGpu::prepare(&dir.path().join("sim"), SIM_GPUS);
         let mut bed = Self {
             socket: dir.path().join("tessera.sock"),
             admin_socket: dir.path().join("admin.sock"),
-            sim_dir,
-            lib_dir,
+            sim_dir: sim.dir.clone(),
+            lib_dir: sim.lib_dir.clone(),
+            sim,
             dir,
             arbiter: None,
             starts: 0,
@@ -97,55 +67,19 @@ impl Bed {
     pub fn start_arbiter(&mut self) {
         assert!(self.arbiter.is_none(), "already running");
         self.starts += 1;
-        let log = fs::File::create(self.log_path(self.starts)).unwrap();
-        let child = Command::new(artifact("tessera-arbiter"))
-            .arg("--socket")
-            .arg(&self.socket)
-            .arg("--admin-socket")
-            .arg(&self.admin_socket)
-            .arg("--state-dir")
-            .arg(self.dir.path().join("state"))
-            .env("LD_LIBRARY_PATH", &self.lib_dir)
-            .env("TESSERA_SIM_DIR", &self.sim_dir)
-            .env("TESSERA_SIM_GPUS", SIM_GPUS)
-            .env_remove("TESSERA_SOCKET")
-            .env_remove("TESSERA_ADMIN_SOCKET")
-            .env_remove("LD_PRELOAD")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        self.arbiter = Some(child);
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.arbiter.as_mut().unwrap().try_wait().unwrap() {
-                panic!("arbiter exited early with {status}: {}", self.arbiter_log());
-            }
-            if AdminClient::connect(&self.admin_socket).is_ok() && self.socket.exists() {
-                return;
-            }
-            assert!(start.elapsed() < Duration::from_secs(20), "arbiter did not come up: {}", self.arbiter_log());
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        let spec = ArbiterSpec::in_dir(artifact("tessera-arbiter"), self.dir.path(), self.sim.clone())
+            .log_to(self.log_path(self.starts));
+        self.arbiter = Some(spec.start());
     }
 
     /// SIGKILLs the arbiter (no clean-up on its side).
     pub fn kill_arbiter(&mut self) {
-        let mut c = self.arbiter.take().expect("running");
-        c.kill().unwrap();
-        c.wait().unwrap();
+        self.arbiter.take().expect("running").kill();
     }
 
     /// Every arbiter log so far.
     pub fn arbiter_log(&self) -> String {
-        let mut s = String::new();
-        for n in 1..=self.starts {
-            if let Ok(mut f) = fs::File::open(self.log_path(n)) {
-                let _ = f.read_to_string(&mut s);
-            }
-        }
-        s
+        (1..=self.starts).map(|n| read_log(&self.log_path(n))).collect()
     }
 
     pub fn admin(&self) -> AdminClient {
@@ -161,13 +95,7 @@ impl Bed {
     pub fn create_with(&self, memory: u64, share: u32, cap: Option<u32>) -> (String, String) {
         let (token, status) = self
             .admin()
-            .create(CreateAllocation {
-                gpu: GpuSelector::Index(0),
-                memory_limit: memory,
-                share,
-                cap,
-                labels: Default::default(),
-            })
+            .create(tessera_testkit::allocation(0, memory, share, cap))
             .unwrap();
         (token, status.id)
     }
@@ -185,9 +113,8 @@ impl Bed {
     /// A command on the simulated GPU, without the interposer.
     pub fn sim_command(&self, program: &Path) -> Command {
         let mut cmd = Command::new(program);
-        cmd.env("LD_LIBRARY_PATH", &self.lib_dir)
-            .env("TESSERA_SIM_DIR", &self.sim_dir)
-            .env("TESSERA_SIM_GPUS", SIM_GPUS)
+        self.sim
+            .apply(&mut cmd)
             .env_remove("LD_PRELOAD")
             .env_remove("TESSERA_TOKEN")
             .env_remove("TESSERA_SOCKET")
@@ -218,15 +145,6 @@ impl Bed {
     }
 }
 
-impl Drop for Bed {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.arbiter.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
 /// Runs a command to completion; returns (status, stdout, stderr).
 pub fn run(cmd: &mut Command) -> (ExitStatus, String, String) {
     let out = cmd.stdin(Stdio::null()).output().unwrap();
@@ -247,7 +165,8 @@ pub fn last_json(stdout: &str, stderr: &str) -> serde_json::Value {
 
 /// A long-running `mem_client.py serve` process driven line by line.
 pub struct Served {
-    pub child: Child,
+    /// Killed if the test ends without [`Served::exit`].
+    pub child: KillOnDrop,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
     pub pid: i32,
@@ -265,7 +184,7 @@ impl Served {
             .unwrap();
         let stdin = child.stdin.take().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut s = Self { child, stdin, stdout, pid: 0 };
+        let mut s = Self { child: KillOnDrop::new(child), stdin, stdout, pid: 0 };
         let ready = s.read();
         s.pid = ready["ready"].as_i64().expect("ready line") as i32;
         s
@@ -292,21 +211,4 @@ impl Served {
         let _ = self.stdin.flush();
         self.child.wait().unwrap()
     }
-}
-
-/// Polls `f` until true or `timeout`; returns how long it took.
-pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
-    let start = Instant::now();
-    while start.elapsed() < timeout {
-        if f() {
-            return Some(start.elapsed());
-        }
-        std::thread::sleep(Duration::from_micros(500));
-    }
-    None
-}
-
-/// Exit code, or 128 + signal.
-pub fn code(s: ExitStatus) -> i32 {
-    s.code().unwrap_or_else(|| 128 + s.signal().unwrap_or(0))
 }
