@@ -6,19 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("TESSERA_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
-    assert!(
-        p.exists(),
-        "Python with cuda-bindings not found at {} (set TESSERA_PYTHON or create the venv: \
-         python3 -m venv .venv && .venv/bin/pip install 'cuda-bindings==13.*')",
-        p.display()
-    );
-    p
-}
+use tessera_testkit::{KillOnDrop, python};
 
 fn script(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python").join(name)
@@ -56,7 +44,7 @@ fn cuda_bindings_client_runs_on_simulated_gpus() {
 }
 
 struct Worker {
-    child: std::process::Child,
+    child: KillOnDrop,
     lines: std::sync::mpsc::Receiver<String>,
 }
 
@@ -77,7 +65,10 @@ impl Worker {
                 let _ = tx.send(line);
             }
         });
-        Worker { child, lines: rx }
+        Worker {
+            child: KillOnDrop::new(child),
+            lines: rx,
+        }
     }
 
     fn expect(&self, prefix: &str) -> String {

@@ -1,26 +1,14 @@
 //! The `nvml-wrapper` crate reads the simulated GPUs through the simulated NVML. One test per
 //! binary: it points the library at its own state folder through the environment.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nvml_wrapper::Nvml;
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enums::device::UsedGpuMemory;
-
-fn lib_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().to_path_buf()
-}
-
-fn python() -> PathBuf {
-    std::env::var_os("TESSERA_PYTHON").map(PathBuf::from).unwrap_or_else(|| {
-        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
-        assert!(p.exists(), "Python with cuda-bindings missing at {} (set TESSERA_PYTHON)", p.display());
-        p
-    })
-}
+use tessera_testkit::{artifact, python};
 
 #[test]
 fn nvml_wrapper_sees_devices_memory_utilization_processes_and_xids() {
@@ -31,7 +19,7 @@ fn nvml_wrapper_sees_devices_memory_utilization_processes_and_xids() {
         std::env::set_var("TESSERA_SIM_GPUS", "1x16GiB,1x24GiB");
     }
     let nvml = Nvml::builder()
-        .lib_path(lib_dir().join("libtessera_sim_nvml.so").as_os_str())
+        .lib_path(artifact("libtessera_sim_nvml.so").as_os_str())
         .init()
         .unwrap();
     assert_eq!(nvml.device_count().unwrap(), 2);

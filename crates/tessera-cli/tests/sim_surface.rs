@@ -4,22 +4,10 @@
 //! result, bytes and memory accounting (exiting non-zero with the reason when one is wrong) and
 //! prints measurements that the tests check again here, together with the shared state.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("TESSERA_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python");
-    assert!(
-        p.exists(),
-        "Python with cuda-bindings not found at {} (set TESSERA_PYTHON or create the venv: \
-         python3 -m venv .venv && .venv/bin/pip install 'cuda-bindings==13.*')",
-        p.display()
-    );
-    p
-}
+use tessera_testkit::python;
 
 /// Runs one section on `gpus`; returns its JSON and the state folder (for the shared counters).
 fn run(section: &str, gpus: &str) -> (serde_json::Value, tempfile::TempDir) {

@@ -1,32 +1,15 @@
 //! Shared by the `tessera run` and `tessera status` tests: starts the real `tessera-arbiter`
 //! (built next to the test executable) on the simulated NVML, in a temp folder.
 
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
 
 use tessera_protocol::client::AdminClient;
+use tessera_testkit::{ArbiterSpec, RunningArbiter, SimGpu, artifact};
 
-pub const GIB: u64 = 1 << 30;
-pub const MIB: u64 = 1 << 20;
-
-/// `<target>/debug`.
-pub fn target_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().to_path_buf()
-}
-
-fn built(name: &str) -> PathBuf {
-    let p = target_dir().join(name);
-    assert!(
-        p.is_file(),
-        "{} missing: run `cargo build --workspace` first",
-        p.display()
-    );
-    p
-}
+pub use tessera_testkit::{GIB, MIB};
 
 /// The `tessera` binary.
 pub fn tessera() -> PathBuf {
@@ -37,51 +20,25 @@ pub struct Arbiter {
     pub dir: tempfile::TempDir,
     pub socket: PathBuf,
     pub admin_socket: PathBuf,
-    child: Child,
+    process: RunningArbiter,
 }
 
 impl Arbiter {
     pub fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let sim = dir.path().join("sim");
-        let libs = tessera_sim_state::find_built_lib_dir(Some(&target_dir()))
-            .unwrap_or_else(|e| panic!("{e}"));
-        let lib = tessera_sim_state::prepare_lib_dir(&sim, &libs).unwrap();
-        let socket = dir.path().join("tessera.sock");
-        let admin_socket = dir.path().join("admin.sock");
-        let child = Command::new(built("tessera-arbiter"))
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--admin-socket")
-            .arg(&admin_socket)
-            .arg("--state-dir")
-            .arg(dir.path().join("state"))
-            .env("LD_LIBRARY_PATH", lib)
-            .env("TESSERA_SIM_DIR", &sim)
-            .env("TESSERA_SIM_GPUS", "2x80GiB")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let start = Instant::now();
-        while AdminClient::connect(&admin_socket).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "arbiter did not come up"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let sim = SimGpu::prepare(&dir.path().join("sim"), "2x80GiB");
+        let spec = ArbiterSpec::in_dir(artifact("tessera-arbiter"), dir.path(), sim);
+        let process = spec.start();
         Self {
             dir,
-            socket,
-            admin_socket,
-            child,
+            socket: spec.socket,
+            admin_socket: spec.admin_socket,
+            process,
         }
     }
 
     pub fn admin(&self) -> AdminClient {
-        AdminClient::connect(&self.admin_socket).unwrap()
+        self.process.admin()
     }
 
     /// `tessera <args>` pointed at this arbiter (through the environment).
@@ -99,13 +56,6 @@ impl Arbiter {
             .env_remove("LD_PRELOAD")
             .stdin(Stdio::null());
         c
-    }
-}
-
-impl Drop for Arbiter {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
