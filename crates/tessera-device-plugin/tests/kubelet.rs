@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -35,6 +35,7 @@ use tessera_device_plugin::proto::podresources::{
 };
 use tessera_protocol::client::{AdminClient, TenantClient};
 use tessera_protocol::{AllocationStatus, GpuInfo};
+use tessera_testkit::{ArbiterSpec, KillOnDrop, RunningArbiter, SimGpu, artifact, target_dir};
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::UnixListenerStream;
@@ -52,22 +53,6 @@ async fn within<T>(secs: u64, what: &str, fut: impl Future<Output = T>) -> T {
         Ok(v) => v,
         Err(_) => panic!("timed out after {secs}s: {what}"),
     }
-}
-
-fn built_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().to_path_buf()
-}
-
-fn built(name: &str) -> PathBuf {
-    let p = built_dir().join(name);
-    assert!(
-        p.exists(),
-        "{} is missing: run `cargo build -p tessera-arbiter -p tessera-sim-nvml -p tessera-sim-cuda \
-         -p tessera-interpose -p tessera-examples -p tessera-device-plugin` first",
-        p.display()
-    );
-    p
 }
 
 // ---- the fake kubelet ----
@@ -193,22 +178,16 @@ impl PodResourcesLister for FakePodResources {
 
 struct Node {
     dir: tempfile::TempDir,
-    sim_dir: PathBuf,
-    lib_dir: PathBuf,
-    arbiter: Child,
-    plugin: Option<Child>,
+    sim: SimGpu,
+    arbiter: RunningArbiter,
+    plugin: Option<KillOnDrop>,
 }
 
 impl Drop for Node {
     fn drop(&mut self) {
-        for c in self
-            .plugin
-            .iter_mut()
-            .chain(std::iter::once(&mut self.arbiter))
-        {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        // Both are stopped before their logs are read, so the logs are complete.
+        self.plugin.take();
+        self.arbiter.kill();
         if std::thread::panicking() || std::env::var_os("TESSERA_TEST_LOGS").is_some() {
             for name in ["arbiter.log", "plugin.log"] {
                 let log = std::fs::read_to_string(self.dir.path().join(name)).unwrap_or_default();
@@ -235,58 +214,30 @@ impl Node {
         self.dir.path().join("host-lib")
     }
 
-    fn sim_env(&self, cmd: &mut Command) {
-        cmd.env("LD_LIBRARY_PATH", &self.lib_dir)
-            .env("TESSERA_SIM_DIR", &self.sim_dir)
-            .env("TESSERA_SIM_GPUS", "2x80GiB");
-    }
-
-    /// Starts the simulated machine and the arbiter; waits for its admin socket.
+    /// Starts the simulated machine and the arbiter; waits for its sockets.
     async fn start() -> Node {
         let dir = tempfile::tempdir().unwrap();
-        let sim_dir = dir.path().join("sim");
-        let found = tessera_sim_state::find_built_lib_dir(Some(&built_dir())).unwrap();
-        let lib_dir = tessera_sim_state::prepare_lib_dir(&sim_dir, &found).unwrap();
+        let sim = SimGpu::prepare(&dir.path().join("sim"), "2x80GiB");
         for sub in ["device-plugins", "run/tenant", "pod-resources", "state"] {
             std::fs::create_dir_all(dir.path().join(sub)).unwrap();
         }
-        let log = std::fs::File::create(dir.path().join("arbiter.log")).unwrap();
-        let mut cmd = Command::new(built("tessera-arbiter"));
-        cmd.arg("--socket")
-            .arg(dir.path().join("run/tenant/tessera.sock"))
-            .arg("--admin-socket")
-            .arg(dir.path().join("run/admin.sock"))
-            .arg("--state-dir")
-            .arg(dir.path().join("state"))
-            .stdout(Stdio::null())
-            .stderr(log);
-        let mut node = Node {
-            arbiter: {
-                cmd.env("LD_LIBRARY_PATH", &lib_dir)
-                    .env("TESSERA_SIM_DIR", &sim_dir)
-                    .env("TESSERA_SIM_GPUS", "2x80GiB");
-                cmd.spawn().unwrap()
-            },
+        let mut spec = ArbiterSpec::in_dir(artifact("tessera-arbiter"), dir.path(), sim.clone())
+            .log_to(dir.path().join("arbiter.log"));
+        spec.socket = dir.path().join("run/tenant/tessera.sock");
+        spec.admin_socket = dir.path().join("run/admin.sock");
+        spec.ready_timeout = Duration::from_secs(15);
+        // The wait blocks (bounded by ready_timeout); nothing else runs on the runtime yet.
+        let arbiter = tokio::task::block_in_place(|| spec.start());
+        Node {
             dir,
-            sim_dir,
-            lib_dir,
+            sim,
+            arbiter,
             plugin: None,
-        };
-        let admin = node.admin();
-        within(15, "arbiter admin socket", async {
-            while AdminClient::connect(&admin).is_err() {
-                if let Ok(Some(st)) = node.arbiter.try_wait() {
-                    panic!("arbiter exited early: {st}");
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-        .await;
-        node
+        }
     }
 
     fn plugin_command(&self) -> Command {
-        let mut cmd = Command::new(built("tessera-device-plugin"));
+        let mut cmd = Command::new(artifact("tessera-device-plugin"));
         cmd.arg("--kubelet-dir")
             .arg(self.kubelet_dir())
             .arg("--pod-resources-socket")
@@ -306,7 +257,7 @@ impl Node {
                 "0.2",
             ])
             .stdout(Stdio::null());
-        self.sim_env(&mut cmd);
+        self.sim.apply(&mut cmd);
         cmd
     }
 
@@ -317,13 +268,13 @@ impl Node {
 
     fn start_plugin_with(&mut self, extra: &[&str]) {
         let log = std::fs::File::create(self.dir.path().join("plugin.log")).unwrap();
-        self.plugin = Some(
+        self.plugin = Some(KillOnDrop::new(
             self.plugin_command()
                 .args(extra)
                 .stderr(log)
                 .spawn()
                 .unwrap(),
-        );
+        ));
     }
 
     fn admin_client(&self) -> AdminClient {
@@ -522,7 +473,7 @@ async fn register_list_prefer_allocate_and_clean_up() {
     assert!(Path::new(&lib.host_path).starts_with(node.host_lib()));
     assert_eq!(
         std::fs::read(&lib.host_path).unwrap(),
-        std::fs::read(built("libtessera_interpose.so")).unwrap()
+        std::fs::read(artifact("libtessera_interpose.so")).unwrap()
     );
     let preload = mounts["/etc/ld.so.preload"];
     assert_eq!(
@@ -547,7 +498,7 @@ async fn register_list_prefer_allocate_and_clean_up() {
     assert_eq!(allocs[0].labels["tessera.dev/units"], "50-79");
     assert_eq!(allocs[0].labels["tessera.dev/owner"], "device-plugin");
     // ... and the operator sees it in `tessera status`.
-    let status = Command::new(built("tessera"))
+    let status = Command::new(artifact("tessera"))
         .arg("status")
         .arg("--admin-socket")
         .arg(node.admin())
@@ -643,8 +594,8 @@ async fn xid_health_and_kubelet_restart() {
 
     // XID 13 (an application's fault) is ignored; XID 79 (fell off the bus) is not. The next
     // update must show GPU 0 healthy and GPU 1 unhealthy.
-    tessera_sim_state::inject_xid(&node.sim_dir, 0, 13).unwrap();
-    tessera_sim_state::inject_xid(&node.sim_dir, 1, 79).unwrap();
+    tessera_sim_state::inject_xid(&node.sim.dir, 0, 13).unwrap();
+    tessera_sim_state::inject_xid(&node.sim.dir, 1, 79).unwrap();
     let list = next_list(&mut stream, "update after XID 79").await;
     assert_eq!(list.devices.len(), 200);
     for d in &list.devices {
@@ -747,7 +698,7 @@ async fn xid_health_and_kubelet_restart() {
 async fn bad_flags_and_missing_interposer_exit_with_documented_codes() {
     let dir = tempfile::tempdir().unwrap();
     let run = |extra: &[&str]| {
-        Command::new(built("tessera-device-plugin"))
+        Command::new(artifact("tessera-device-plugin"))
             .arg("--kubelet-dir")
             .arg(dir.path())
             .arg("--host-lib-dir")
@@ -893,13 +844,14 @@ async fn a_container_gets_the_interposer_and_its_limit() {
     podres.set_holding("p", &units);
     let resp = allocate(&mut client, units).await.unwrap();
 
-    let hello = built("hello_gpu");
-    let target = built_dir();
-    let sim_env = vec![
-        ("LD_LIBRARY_PATH", node.lib_dir.display().to_string()),
-        ("TESSERA_SIM_DIR", node.sim_dir.display().to_string()),
-        ("TESSERA_SIM_GPUS", "2x80GiB".to_string()),
-    ];
+    let hello = artifact("hello_gpu");
+    let target = target_dir();
+    let sim_env: Vec<(&str, String)> = node
+        .sim
+        .vars()
+        .into_iter()
+        .map(|(k, v)| (k, v.to_string_lossy().into_owned()))
+        .collect();
     let root = tempfile::tempdir().unwrap();
     let out = tokio::task::block_in_place(|| {
         run_in_container(
