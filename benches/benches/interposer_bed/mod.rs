@@ -12,32 +12,28 @@ use std::ffi::c_void;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use libloading::Library;
-use tessera_protocol::client::{AdminClient, TenantClient};
-use tessera_protocol::{CreateAllocation, GpuSelector};
+use tessera_protocol::client::TenantClient;
+use tessera_testkit::{ArbiterSpec, RunningArbiter, SimGpu, allocation, artifact_with_hint};
+
+/// The folder of the benchmark's profile (`target/release`).
+pub use tessera_testkit::target_dir as profile_dir;
 
 pub type CUresult = i32;
 pub type AllocFn = unsafe extern "C" fn(*mut u64, usize) -> CUresult;
 pub type FreeFn = unsafe extern "C" fn(u64) -> CUresult;
 
-/// The folder of the benchmark's profile (`target/release`).
-pub fn profile_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().to_path_buf()
-}
+/// What to build before `cargo bench` (its artifacts come from the release profile).
+const BUILD_HINT: &str = "run `cargo build --release -p tessera-interpose -p tessera-sim-cuda \
+     -p tessera-sim-nvml -p tessera-arbiter` before `cargo bench`";
+
+/// The simulated card of the benchmarks.
+const SIM_GPUS: &str = "1x80GiB";
 
 fn artifact(name: &str) -> PathBuf {
-    let p = profile_dir().join(name);
-    assert!(
-        p.exists(),
-        "{} is missing: run `cargo build --release -p tessera-interpose -p tessera-sim-cuda \
-         -p tessera-sim-nvml -p tessera-arbiter` before `cargo bench`",
-        p.display()
-    );
-    p
+    artifact_with_hint(name, BUILD_HINT)
 }
 
 /// Pins the calling thread (and every thread it creates later) to `cpu`.
@@ -52,10 +48,11 @@ fn pin(cpu: usize) {
 
 /// A simulated GPU, an arbiter, and both the raw and the intercepted driver in this process.
 pub struct Bed {
+    // Fields drop in order: the arbiter is killed before its folder goes.
+    _arbiter: RunningArbiter,
     _dir: tempfile::TempDir,
     socket: PathBuf,
     token: String,
-    arbiter: Child,
     /// The simulated `libcuda.so.1`.
     pub sim: Library,
     /// The built interposer.
@@ -74,13 +71,10 @@ impl Bed {
             pin(cpu);
         }
         let dir = tempfile::tempdir().unwrap();
-        let sim_dir = dir.path().join("sim");
-        let lib_dir = tessera_sim_state::prepare_lib_dir(&sim_dir, &profile_dir()).unwrap_or_else(|e| {
-            panic!("{e}: build the simulated driver in this profile first")
-        });
-        let socket = dir.path().join("tessera.sock");
-        let admin_socket = dir.path().join("admin.sock");
-        let mut arbiter = Command::new(artifact("tessera-arbiter"));
+        let sim = SimGpu::prepare_with_hint(&dir.path().join("sim"), SIM_GPUS, BUILD_HINT);
+        let (sim_dir, lib_dir) = (sim.dir.clone(), sim.lib_dir.clone());
+        let spec = ArbiterSpec::in_dir(artifact("tessera-arbiter"), dir.path(), sim);
+        let mut arbiter = spec.command();
         if let Some(cpu) = pin_cpu {
             use std::os::unix::process::CommandExt;
             // SAFETY: pre_exec runs in the forked child before exec; sched_setaffinity is
@@ -92,44 +86,17 @@ impl Bed {
                 });
             }
         }
-        let arbiter = arbiter
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--admin-socket")
-            .arg(&admin_socket)
-            .arg("--state-dir")
-            .arg(dir.path().join("state"))
-            .env("LD_LIBRARY_PATH", &lib_dir)
-            .env("TESSERA_SIM_DIR", &sim_dir)
-            .env("TESSERA_SIM_GPUS", "1x80GiB")
-            .env_remove("LD_PRELOAD")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let start = Instant::now();
-        let mut admin = loop {
-            if let Ok(a) = AdminClient::connect(&admin_socket) {
-                break a;
-            }
-            assert!(start.elapsed() < Duration::from_secs(20), "arbiter did not start");
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        let (token, _) = admin
-            .create(CreateAllocation {
-                gpu: GpuSelector::Index(0),
-                memory_limit: memory,
-                share,
-                cap,
-                labels: Default::default(),
-            })
+        let arbiter = spec.start_command(arbiter);
+        let socket = spec.socket;
+        let (token, _) = arbiter
+            .admin()
+            .create(allocation(0, memory, share, cap))
             .unwrap();
         // SAFETY: no other thread of this process reads the environment yet (set-up runs
         // before criterion and before any thread is spawned).
         unsafe {
             std::env::set_var("TESSERA_SIM_DIR", &sim_dir);
-            std::env::set_var("TESSERA_SIM_GPUS", "1x80GiB");
+            std::env::set_var("TESSERA_SIM_GPUS", SIM_GPUS);
             std::env::set_var("TESSERA_REAL_LIBCUDA", lib_dir.join("libcuda.so.1"));
             std::env::set_var("TESSERA_SOCKET", &socket);
             std::env::set_var("TESSERA_TOKEN", &token);
@@ -142,7 +109,7 @@ impl Bed {
                 Library::new(artifact("libtessera_interpose.so")).unwrap(),
             )
         };
-        let bed = Self { _dir: dir, socket, token, arbiter, sim, interposer };
+        let bed = Self { _arbiter: arbiter, _dir: dir, socket, token, sim, interposer };
         bed.make_context_current();
         bed
     }
@@ -179,13 +146,6 @@ impl Bed {
             assert_eq!(self.raw::<Retain>("cuDevicePrimaryCtxRetain")(&mut ctx, dev), 0);
             assert_eq!(self.raw::<SetCurrent>("cuCtxSetCurrent")(ctx), 0);
         }
-    }
-}
-
-impl Drop for Bed {
-    fn drop(&mut self) {
-        let _ = self.arbiter.kill();
-        let _ = self.arbiter.wait();
     }
 }
 
