@@ -1,12 +1,19 @@
 //! Added cost of an intercepted `cuMemAlloc_v2` + `cuMemFree_v2` pair (arbiter reservation
 //! round trip + one-way release) against this machine's raw Unix-socket round trip, measured in
 //! the same run. Target: added / round trip <= 1.3 (one round trip per alloc, none per free).
+//! "Added" is the intercepted pair minus the direct (raw simulated driver) pair measured in the
+//! same interleaved run. The round trip is a 16-byte echo measured two ways, both pinned to the
+//! same CPU as the arbiter: between two processes (like the interposer and the arbiter; the
+//! ratio against the target) and between two threads of this process (also printed).
 //!
 //! Build the artifacts first (see `interposer_bed`), then `cargo bench -p tessera-benches --bench alloc_overhead`.
 
 mod interposer_bed;
 
-use std::io::Write;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::process::{Child, Command, Stdio};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use tessera_protocol::{TenantReply, TenantRequest};
@@ -24,7 +31,75 @@ fn pair(alloc: AllocFn, free: FreeFn) {
     }
 }
 
+/// Set in the child that [`ProcEcho`] starts: it serves the echo on fd 3 and exits.
+const ECHO_CHILD: &str = "TESSERA_BENCH_ECHO_CHILD";
+
+/// The same 16-byte echo as `interposer_bed::Echo`, but served by another process (this
+/// benchmark's own executable, started with [`ECHO_CHILD`]), pinned like the arbiter: the
+/// like-for-like baseline for a round trip to the arbiter, which is another process too (a
+/// switch between processes also changes address space, which a switch between threads
+/// does not).
+struct ProcEcho {
+    client: UnixStream,
+    child: Child,
+}
+
+impl ProcEcho {
+    /// Starts the echo process; it inherits the calling thread's CPU pinning.
+    fn start() -> Self {
+        let (client, server) = UnixStream::pair().unwrap();
+        let fd = server.as_raw_fd();
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.arg("--bench").env(ECHO_CHILD, "1").stdin(Stdio::null()).stdout(Stdio::null());
+        use std::os::unix::process::CommandExt;
+        // SAFETY: pre_exec runs in the forked child before exec; dup2 is async-signal-safe
+        // and gives the child the server end as fd 3 (without close-on-exec).
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::dup2(fd, 3) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().unwrap();
+        drop(server);
+        Self { client, child }
+    }
+
+    /// The child's side: echo 16-byte messages on fd 3 until it closes.
+    fn serve() -> ! {
+        use std::os::fd::FromRawFd;
+        // SAFETY: fd 3 is the socket the parent handed over in `start`, owned by nothing else.
+        let mut s = unsafe { UnixStream::from_raw_fd(3) };
+        let mut buf = [0u8; 16];
+        while s.read_exact(&mut buf).is_ok() {
+            if s.write_all(&buf).is_err() {
+                break;
+            }
+        }
+        std::process::exit(0)
+    }
+
+    /// One 16-byte round trip.
+    fn round_trip(&mut self) {
+        let mut buf = [7u8; 16];
+        self.client.write_all(&buf).unwrap();
+        self.client.read_exact(&mut buf).unwrap();
+    }
+}
+
+impl Drop for ProcEcho {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 fn bench(c: &mut Criterion) {
+    if std::env::var_os(ECHO_CHILD).is_some() {
+        ProcEcho::serve();
+    }
     // One CPU for everything (see `Bed::start`): the comparison with the echo stays fair.
     let bed = Bed::start(64 << 30, 50, None, Some(0));
     let (raw_alloc, raw_free) = (bed.raw::<AllocFn>("cuMemAlloc_v2"), bed.raw::<FreeFn>("cuMemFree_v2"));
@@ -32,6 +107,7 @@ fn bench(c: &mut Criterion) {
     // First intercepted call connects to the arbiter.
     pair(hook_alloc, hook_free);
     let mut echo = Echo::start();
+    let mut pecho = ProcEcho::start();
     // The arbiter's own round trip (Ping/Pong on a tenant connection), to tell apart what the
     // interposer adds from what the arbiter's event loop costs.
     let mut ping = bed.tenant_client();
@@ -44,6 +120,7 @@ fn bench(c: &mut Criterion) {
 
     let mut g = c.benchmark_group("alloc_overhead");
     g.bench_function("unix_socket_round_trip", |b| b.iter(|| echo.round_trip()));
+    g.bench_function("unix_socket_round_trip_process", |b| b.iter(|| pecho.round_trip()));
     g.bench_function("direct_alloc_free", |b| b.iter(|| pair(raw_alloc, raw_free)));
     g.bench_function("intercepted_alloc_free", |b| b.iter(|| pair(hook_alloc, hook_free)));
     g.finish();
@@ -56,6 +133,7 @@ fn bench(c: &mut Criterion) {
             &mut || echo.round_trip(),
             &mut || pair(raw_alloc, raw_free),
             &mut || pair(hook_alloc, hook_free),
+            &mut || pecho.round_trip(),
             &mut || {
                 let r = ping.call(&TenantRequest::Ping).unwrap();
                 assert_eq!(r, TenantReply::Pong);
@@ -68,17 +146,20 @@ fn bench(c: &mut Criterion) {
             },
         ],
     );
-    let (rtt, direct, hooked, arbiter_rtt, proto_rtt) = (m[0], m[1], m[2], m[3], m[4]);
+    let (rtt, direct, hooked, prtt, arbiter_rtt, proto_rtt) = (m[0], m[1], m[2], m[3], m[4], m[5]);
     let added = hooked - direct;
     let summary = format!(
-        "alloc_overhead medians: unix socket round trip {:.2} us, direct alloc+free {:.2} us, \
-         intercepted alloc+free {:.2} us, added {:.2} us, added/round-trip ratio {:.2} (target <= 1.3); \
+        "alloc_overhead medians: unix socket round trip between threads {:.2} us, between processes {:.2} us; \
+         direct alloc+free {:.2} us, intercepted alloc+free {:.2} us, added {:.2} us; \
+         added/process-round-trip ratio {:.2} (target <= 1.3), added/thread-round-trip ratio {:.2}; \
          arbiter Ping round trip {:.2} us, added/arbiter-round-trip {:.2}; \
          protocol Release+Reserve exchange {:.2} us, interposer's own share {:.2} us\n",
         rtt / 1e3,
+        prtt / 1e3,
         direct / 1e3,
         hooked / 1e3,
         added / 1e3,
+        added / prtt,
         added / rtt,
         arbiter_rtt / 1e3,
         added / arbiter_rtt,

@@ -110,6 +110,8 @@ pub struct Session {
     wake_fd: AtomicI32,
     /// True while the watcher waits and no wake-up is on its way.
     armed: AtomicBool,
+    /// `Link::generation`, readable without the lock (the watcher checks it every round).
+    generation: AtomicU64,
 }
 
 impl std::fmt::Debug for Session {
@@ -151,6 +153,7 @@ impl Session {
             held_view: AtomicU64::new(0),
             wake_fd: AtomicI32::new(-1),
             armed: AtomicBool::new(false),
+            generation: AtomicU64::new(0),
         }
     }
 
@@ -409,6 +412,7 @@ impl Session {
                 }
                 link.conn = Some(conn);
                 link.generation += 1;
+                self.generation.store(link.generation, Ordering::Release);
                 link.backoff = self.policy.backoff_min;
                 link.refused = false;
                 link.warned_down = false;
@@ -444,26 +448,33 @@ impl Session {
     /// The socket itself is only polled with a zero timeout: a thread blocked in `poll` on it
     /// would be woken by every frame that passes (two context switches per request).
     pub fn watch_once(&'static self, tick: Duration) {
-        let generation = self.lock().generation;
+        let generation = self.generation.load(Ordering::Acquire);
         // Arm before looking at pending releases: a free after this point wakes us again.
         self.armed.store(true, Ordering::Release);
         let woken = self.pending_release.load(Ordering::SeqCst) != 0
             || wait_readable(self.wake_fd.load(Ordering::Acquire), tick);
         if woken {
             self.drain_wake_fd();
-            // Give a request the chance to carry the release; then send it on its own.
+            // Give a request the chance to carry the release; then send it on its own. When a
+            // request did carry it, there is nothing left and the link lock is not touched: a
+            // watcher blocking on the lock held across a round trip costs the caller two
+            // extra context switches.
             std::thread::sleep(self.policy.release_delay);
-            let mut link = self.lock();
-            self.flush_locked(&mut link);
+            if self.pending_release.load(Ordering::SeqCst) != 0 {
+                let mut link = self.lock();
+                self.flush_locked(&mut link);
+            }
         }
-        if hung_up(self.conn_fd.load(Ordering::Acquire)) {
+        let fd = self.conn_fd.load(Ordering::Acquire);
+        if hung_up(fd) {
             let mut link = self.lock();
             if link.generation == generation && link.conn.is_some() {
                 tlog!(Info, "arbiter closed the connection");
                 self.drop_conn(&mut link);
             }
         }
-        let reconnected = {
+        // Connected (the common case): nothing to do, and no lock taken.
+        let reconnected = self.conn_fd.load(Ordering::Acquire) >= 0 || {
             let mut link = self.lock();
             !link.ever_connected || link.conn.is_some() || self.ensure_connected(&mut link, Instant::now())
         };
