@@ -536,10 +536,7 @@ pub extern "C" fn cuLaunchHostFunc_v2(
     data: *mut std::ffi::c_void,
     sync_mode: u32,
 ) -> CUresult {
-    if sync_mode >= HOST_TASK_SYNC_MODES {
-        return CUDA_ERROR_INVALID_VALUE;
-    }
-    launch_host_func(h, f, data, false)
+    launch_host_func_v2(h, f, data, sync_mode, false)
 }
 
 /// `cuLaunchHostFunc_v2_ptsz`.
@@ -550,10 +547,21 @@ pub extern "C" fn cuLaunchHostFunc_v2_ptsz(
     data: *mut std::ffi::c_void,
     sync_mode: u32,
 ) -> CUresult {
+    launch_host_func_v2(h, f, data, sync_mode, true)
+}
+
+/// The `_v2` entry points: a sync mode the driver knows, then as `cuLaunchHostFunc`.
+fn launch_host_func_v2(
+    h: Handle,
+    f: Option<HostFn>,
+    data: *mut std::ffi::c_void,
+    sync_mode: u32,
+    ptds: bool,
+) -> CUresult {
     if sync_mode >= HOST_TASK_SYNC_MODES {
         return CUDA_ERROR_INVALID_VALUE;
     }
-    launch_host_func(h, f, data, true)
+    launch_host_func(h, f, data, ptds)
 }
 
 /// `cuEventCreate`.
