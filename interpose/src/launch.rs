@@ -17,8 +17,16 @@
 //!   to the completion of the last event: overrun included). The drain is polled with a bound,
 //!   so a host callback waiting on a blocked launcher, or a thread blocked in
 //!   `cuCtxSynchronize`, can delay the report but never deadlock it.
-//! - **Early hand-back**: when the process stopped launching and its streams are idle
-//!   (`cuEventQuery`), the lease is returned early (`early = true`) within about 2 ms.
+//! - **Early hand-back**: when the process launched nothing for [`IDLE`] and its streams have
+//!   stayed drained (`cuEventQuery`) for [`DRAIN_IDLE`], the lease is returned early
+//!   (`early = true`). Once launches stop the manager looks every [`DRAIN_TICK`], so a waiting
+//!   tenant starts well within 2 ms of the holder's last work completing; counting from the
+//!   drain (not from the last launch) keeps a busy tenant that synchronises and launches again
+//!   at once from looking idle.
+//! - **Used-up lease**: when nothing is in flight and too little of the lease is left for one
+//!   more launch, the lease ends then rather than at its deadline (the GPU would idle). In both
+//!   cases, with every stream seen drained and no credit taken since, the report goes out at
+//!   once: there is nothing to wait for.
 //! - **Arbiter unreachable**: the manager grants itself local leases of [`LOCAL_LEASE`], so
 //!   tenants keep running and the work in flight stays bounded exactly as under a real lease;
 //!   each new lease first tries the arbiter again, and real leases resume as soon as it is back.
@@ -49,10 +57,17 @@ pub const MAX_STREAMS: usize = 128;
 const UNGATED: i64 = i64::MAX / 4;
 /// Length of the leases the manager grants itself while the arbiter is unreachable.
 pub const LOCAL_LEASE: Duration = Duration::from_millis(100);
-/// Manager tick while a lease is held.
+/// Manager tick while a lease is held and launches go on.
 const TICK: Duration = Duration::from_micros(500);
-/// Idle time (no launch, streams drained) after which a lease is handed back early.
+/// Manager tick while launches have stopped and work is still in flight: the drain is what
+/// starts the idle clock, so it is looked for more often than the refill needs.
+const DRAIN_TICK: Duration = Duration::from_micros(250);
+/// No launch for this long (and nothing taken from the credits) before a lease can be handed
+/// back early.
 const IDLE: Duration = Duration::from_millis(1);
+/// And the streams must have stayed drained, with no launch, for this long: a busy tenant
+/// that synchronises and launches again at once must not look idle at the drain itself.
+const DRAIN_IDLE: Duration = Duration::from_micros(250);
 /// Longest wait for a grant before the arbiter is considered wedged.
 const GRANT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Longest the lease-end drain waits for the streams before reporting anyway.
@@ -682,15 +697,20 @@ impl Manager {
         }
         let mut last_total = u64::MAX;
         let mut last_change = Instant::now();
+        // When the streams were first seen drained with no launch since (None: not drained).
+        let mut drained_since: Option<Instant> = None;
         let mut early = false;
         let api = self.api;
         // First credits: with no estimate yet, one probe launch.
         let first = self.credits_for(Duration::from_nanos(duration_ns), 0.0, 0);
         self.gate.set_credits(first);
+        // Credits as last handed out: fewer now means a launch took one since.
+        let mut handed = first;
+        let mut tick = TICK;
         loop {
             {
                 let sh = self.gate.lock_shared();
-                let wait = deadline.saturating_duration_since(Instant::now()).min(TICK);
+                let wait = deadline.saturating_duration_since(Instant::now()).min(tick);
                 if !wait.is_zero() {
                     let _ = self.gate.manager.wait_timeout(sh, wait);
                 }
@@ -718,7 +738,11 @@ impl Manager {
                 used
             };
             let total: u64 = used.iter().map(|&i| self.gate.slots[i].launches.load(Ordering::Acquire)).sum();
-            if total != last_total {
+            // A credit taken is a launch under way, even before the driver returned it (with
+            // none handed out, a decrement is a launcher that found none and waits).
+            let took = handed > 0 && self.gate.credits.load(Ordering::Acquire) != handed;
+            let launched = total != last_total || took;
+            if launched {
                 last_total = total;
                 last_change = now;
             }
@@ -726,11 +750,31 @@ impl Manager {
                 let t = &self.tracks[i];
                 t.pending.is_empty() && t.completed >= self.gate.slots[i].launches.load(Ordering::Acquire)
             });
+            drained_since = match (drained && !launched, drained_since) {
+                (false, _) => None,
+                (true, Some(t)) => Some(t),
+                (true, None) => Some(now),
+            };
             let waiters = self.gate.waiters();
-            if waiters == 0 && drained && now.duration_since(last_change) >= IDLE {
+            let quiet = waiters == 0 && now.duration_since(last_change) >= IDLE;
+            if quiet && drained_since.is_some_and(|t| now.duration_since(t) >= DRAIN_IDLE) {
                 early = true;
                 break;
             }
+            if drained_since.is_some() && deadline.saturating_duration_since(now).as_nanos() as f64 <= MARGIN_NS {
+                // Nothing in flight and too little time left to hand out a launch: the lease
+                // is used up; holding it to the deadline would only leave the GPU idle.
+                break;
+            }
+            // The next look: soon after the idle clocks can run out, or at the drain.
+            tick = match drained_since {
+                Some(t) if waiters == 0 => {
+                    let at = (t + DRAIN_IDLE).max(last_change + IDLE);
+                    at.saturating_duration_since(now).clamp(Duration::from_micros(50), TICK)
+                }
+                None if !launched => DRAIN_TICK,
+                _ => TICK,
+            };
             // Refill: what may still be launched so that the work in flight ends by the deadline.
             let max_est = used.iter().map(|&i| self.tracks[i].est_ns).fold(0.0, f64::max);
             if max_est > 0.0 {
@@ -749,11 +793,23 @@ impl Manager {
                 }
             }
             let credits = self.credits_for(deadline - now, outstanding, unknown);
-            self.gate.set_credits(credits);
+            if self.gate.set_credits(credits) != handed && handed > 0 {
+                // Taken between the look above and the refill.
+                last_change = now;
+                drained_since = None;
+            }
+            handed = credits;
         }
         // Lease end: stop launching, drain, report.
-        self.gate.set_credits(0);
-        let busy_ns = self.drain(epoch, start);
+        let untouched = self.gate.set_credits(0) == handed || handed <= 0;
+        let busy_ns = if drained_since.is_some() && untouched {
+            // Every stream was seen drained and no launch took a credit since: nothing is in
+            // flight, so there is nothing to wait for, and the lease was busy (and is charged)
+            // until now.
+            start.elapsed().as_nanos() as u64
+        } else {
+            self.drain(epoch, start)
+        };
         if early {
             self.gate.stats.early.fetch_add(1, Ordering::Relaxed);
         }

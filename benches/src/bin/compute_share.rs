@@ -8,12 +8,13 @@
 //! - 20/30/50 with join and leave (A=20 and B=30 run throughout, C=50 joins at 3 s and leaves
 //!   at 7 s);
 //! - cap 30% alone (fraction of wall time);
-//! - idle-reclaim latency p50/p99 (a bursty tenant goes idle; how long until the waiting
+//! - idle-reclaim latency p50/p90/p99/max (a bursty tenant goes idle; how long until the waiting
 //!   tenant's launch is let through);
 //! - total GPU busy with and without Tessera (two tenants, 30/70).
 //!
 //! Build and run: `cargo build --release --workspace && target/release/compute_share`
-//! (`--scale 0.5` halves every duration). Everything it needs is found next to it.
+//! (`--scale 0.5` halves every duration; `--only idle,cap` runs some scenarios: `split`, `join`,
+//! `cap`, `idle`, `total`). Everything it needs is found next to it.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -474,7 +475,7 @@ fn scenario_idle_reclaim(b: &Bench, rows: &mut Vec<Row>) {
     rows.push(Row(
         "idle reclaim latency".into(),
         "~2 ms".into(),
-        format!("p50 {} p99 {}", ms(q(0.5)), ms(q(0.99))),
+        format!("p50 {} p90 {} p99 {} max {}", ms(q(0.5)), ms(q(0.9)), ms(q(0.99)), ms(q(1.0))),
         format!("{} hand-overs of {} idle points", lat.len(), idle.len()),
     ));
 }
@@ -496,42 +497,86 @@ fn scenario_no_control(b: &Bench) -> (f64, Vec<f64>) {
     (pct(dev, wall), s)
 }
 
+/// Names accepted by `--only`.
+const SCENARIOS: [&str; 5] = ["split", "join", "cap", "idle", "total"];
+
 fn main() {
     let mut scale = 1.0;
+    let mut only: Option<Vec<String>> = None;
+    let usage = "usage: compute_share [--scale F] [--only NAME[,NAME...]]\n  \
+                 scenarios: split, join, cap, idle, total (total runs split too)";
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--scale" => {
                 scale = args.next().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
-                    eprintln!("compute_share: --scale needs a number");
+                    eprintln!("compute_share: --scale needs a number\n{usage}");
                     std::process::exit(2)
                 })
             }
+            "--only" => {
+                let names: Vec<String> = args
+                    .next()
+                    .unwrap_or_default()
+                    .split(',')
+                    .filter(|n| !n.is_empty())
+                    .map(str::to_owned)
+                    .collect();
+                if names.is_empty()
+                    || names
+                        .iter()
+                        .any(|n| !SCENARIOS.contains(&n.as_str()))
+                {
+                    eprintln!("compute_share: --only needs scenario names\n{usage}");
+                    std::process::exit(2);
+                }
+                only = Some(names);
+            }
+            "-h" | "--help" => {
+                println!("{usage}");
+                return;
+            }
             _ => {
-                eprintln!("usage: compute_share [--scale F]");
+                eprintln!("{usage}");
                 std::process::exit(2);
             }
         }
     }
+    let runs = |name: &str| only.as_ref().is_none_or(|o| o.iter().any(|n| n == name));
     let bench = Bench::start(scale);
     let mut rows = Vec::new();
-    let (busy_ctl, gated) = scenario_30_70(&bench, &mut rows);
-    scenario_join_leave(&bench, &mut rows);
-    scenario_cap(&bench, &mut rows);
-    scenario_idle_reclaim(&bench, &mut rows);
-    let (busy_free, free_split) = scenario_no_control(&bench);
-    rows.push(Row(
-        "total GPU busy, 30/70 with Tessera".into(),
-        "~100% of wall".into(),
-        format!("{busy_ctl:.1}%"),
-        format!("{:+.1} pt vs no control", busy_ctl - busy_free),
-    ));
-    rows.push(Row(
-        "total GPU busy, 2 tenants, no control".into(),
-        "-".into(),
-        format!("{busy_free:.1}% (split {})", fmt_split(&free_split)),
-        "-".into(),
-    ));
+    let mut gated = true;
+    let mut busy_ctl = None;
+    if runs("split") || runs("total") {
+        let (busy, g) = scenario_30_70(&bench, &mut rows);
+        busy_ctl = Some(busy);
+        gated = g;
+    }
+    if runs("join") {
+        scenario_join_leave(&bench, &mut rows);
+    }
+    if runs("cap") {
+        scenario_cap(&bench, &mut rows);
+    }
+    if runs("idle") {
+        scenario_idle_reclaim(&bench, &mut rows);
+    }
+    if runs("total") {
+        let (busy_free, free_split) = scenario_no_control(&bench);
+        let busy_ctl = busy_ctl.unwrap_or(0.0);
+        rows.push(Row(
+            "total GPU busy, 30/70 with Tessera".into(),
+            "~100% of wall".into(),
+            format!("{busy_ctl:.1}%"),
+            format!("{:+.1} pt vs no control", busy_ctl - busy_free),
+        ));
+        rows.push(Row(
+            "total GPU busy, 2 tenants, no control".into(),
+            "-".into(),
+            format!("{busy_free:.1}% (split {})", fmt_split(&free_split)),
+            "-".into(),
+        ));
+    }
 
     let w = [40, 15, 44, 30];
     println!(
