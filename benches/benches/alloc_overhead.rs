@@ -61,6 +61,10 @@ fn cold_pair(alloc: AllocFn, free: FreeFn, sizes: &mut Growing) {
     sized_pair(alloc, free, sizes.next());
 }
 
+/// Profiling mode (`echo`, `batch-echo`, `ping`, `pair`, `cold` or `direct`): runs that one pattern 200 000
+/// times and exits, e.g. `TESSERA_ALLOC_PROFILE=cold perf stat -e context-switches <bench> --bench`.
+const PROFILE: &str = "TESSERA_ALLOC_PROFILE";
+
 /// Set in the child that [`ProcEcho`] starts: it serves the echo on fd 3 and exits.
 const ECHO_CHILD: &str = "TESSERA_BENCH_ECHO_CHILD";
 
@@ -74,13 +78,21 @@ struct ProcEcho {
     child: Child,
 }
 
+/// Set (with [`ECHO_CHILD`]) for an echo process that runs `SCHED_BATCH`, like the arbiter's
+/// tenant threads.
+const ECHO_BATCH: &str = "TESSERA_BENCH_ECHO_BATCH";
+
 impl ProcEcho {
-    /// Starts the echo process; it inherits the calling thread's CPU pinning.
-    fn start() -> Self {
+    /// Starts the echo process; it inherits the calling thread's CPU pinning. With `batch`, the
+    /// echo runs `SCHED_BATCH` (no preemption on wake-up), like the arbiter's tenant threads.
+    fn start(batch: bool) -> Self {
         let (client, server) = UnixStream::pair().unwrap();
         let fd = server.as_raw_fd();
         let mut cmd = Command::new(std::env::current_exe().unwrap());
         cmd.arg("--bench").env(ECHO_CHILD, "1").stdin(Stdio::null()).stdout(Stdio::null());
+        if batch {
+            cmd.env(ECHO_BATCH, "1");
+        }
         use std::os::unix::process::CommandExt;
         // SAFETY: pre_exec runs in the forked child before exec; dup2 is async-signal-safe
         // and gives the child the server end as fd 3 (without close-on-exec).
@@ -102,6 +114,11 @@ impl ProcEcho {
         use std::os::fd::FromRawFd;
         // SAFETY: fd 3 is the socket the parent handed over in `start`, owned by nothing else.
         let mut s = unsafe { UnixStream::from_raw_fd(3) };
+        if std::env::var_os(ECHO_BATCH).is_some() {
+            let param = libc::sched_param { sched_priority: 0 };
+            // SAFETY: a valid sched_param; pid 0 is this (single-threaded) process.
+            assert_eq!(unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) }, 0);
+        }
         let mut buf = [0u8; 16];
         while s.read_exact(&mut buf).is_ok() {
             if s.write_all(&buf).is_err() {
@@ -137,7 +154,8 @@ fn bench(c: &mut Criterion) {
     // First intercepted call connects to the arbiter.
     pair(hook_alloc, hook_free);
     let mut echo = Echo::start();
-    let mut pecho = ProcEcho::start();
+    let mut pecho = ProcEcho::start(false);
+    let mut becho = ProcEcho::start(true);
     // The arbiter's own round trip (Ping/Pong on a tenant connection), to tell apart what the
     // interposer adds from what the arbiter's event loop costs.
     let mut ping = bed.tenant_client();
@@ -150,9 +168,34 @@ fn bench(c: &mut Criterion) {
     let mut proto2 = bed.tenant_client();
     assert!(matches!(proto2.call(&TenantRequest::Reserve { bytes: SIZE as u64 }).unwrap(), TenantReply::Reserved { .. }));
 
+    if let Ok(what) = std::env::var(PROFILE) {
+        // Profiling mode: one pattern in a loop and nothing else, so that `perf stat` (which
+        // follows the arbiter and the echo process too) counts per-iteration costs.
+        let n = 200_000u32;
+        let mut sizes = Growing(0);
+        let mut f: Box<dyn FnMut()> = match what.as_str() {
+            "echo" => Box::new(|| pecho.round_trip()),
+            "batch-echo" => Box::new(|| becho.round_trip()),
+            "ping" => Box::new(|| assert_eq!(ping.call(&TenantRequest::Ping).unwrap(), TenantReply::Pong)),
+            "pair" => Box::new(|| pair(hook_alloc, hook_free)),
+            "cold" => Box::new(|| cold_pair(hook_alloc, hook_free, &mut sizes)),
+            "direct" => Box::new(|| cold_pair(raw_alloc, raw_free, &mut sizes)),
+            other => panic!("{PROFILE}={other}: expected echo, batch-echo, ping, pair, cold or direct"),
+        };
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            f();
+        }
+        println!("{what}: {:.2} us per iteration over {n}", t.elapsed().as_nanos() as f64 / f64::from(n) / 1e3);
+        // Return (not exit): dropping the bed stops the arbiter, which would otherwise outlive
+        // us holding every inherited descriptor (a `flock` on the benchmark lock included).
+        return;
+    }
+
     let mut g = c.benchmark_group("alloc_overhead");
     g.bench_function("unix_socket_round_trip", |b| b.iter(|| echo.round_trip()));
     g.bench_function("unix_socket_round_trip_process", |b| b.iter(|| pecho.round_trip()));
+    g.bench_function("unix_socket_round_trip_process_batch", |b| b.iter(|| becho.round_trip()));
     g.bench_function("direct_alloc_free", |b| b.iter(|| pair(raw_alloc, raw_free)));
     g.bench_function("intercepted_alloc_free", |b| b.iter(|| pair(hook_alloc, hook_free)));
     let mut sizes = Growing(0);
@@ -192,8 +235,10 @@ fn bench(c: &mut Criterion) {
             },
             &mut || cold_pair(raw_alloc, raw_free, &mut direct_sizes),
             &mut || cold_pair(hook_alloc, hook_free, &mut hooked_sizes),
+            &mut || becho.round_trip(),
         ],
     );
+    let brtt = m[9];
     let (rtt, direct, hooked, prtt, arbiter_rtt, proto_rtt, proto_direct, direct_cold, hooked_cold) =
         (m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7], m[8]);
     let added = hooked - direct;
@@ -204,6 +249,8 @@ fn bench(c: &mut Criterion) {
          added/process-round-trip ratio {:.2}; \
          cold pair (growing sizes, one Reserve round trip each): direct {:.2} us, intercepted {:.2} us, added {:.2} us, \
          added/process-round-trip ratio {:.2} (target <= 1.3), added/thread-round-trip ratio {:.2}; \
+         echo between processes with a SCHED_BATCH server (like the arbiter's tenant threads) {:.2} us, \
+         cold added/that {:.2}; \
          arbiter Ping round trip {:.2} us, cold added/arbiter-round-trip {:.2}; \
          protocol Release+Reserve exchange {:.2} us, the same followed by the direct pair {:.2} us, \
          interposer's own share on the cold path (intercepted cold minus that) {:.2} us\n",
@@ -218,6 +265,8 @@ fn bench(c: &mut Criterion) {
         added_cold / 1e3,
         added_cold / prtt,
         added_cold / rtt,
+        brtt / 1e3,
+        added_cold / brtt,
         arbiter_rtt / 1e3,
         added_cold / arbiter_rtt,
         proto_rtt / 1e3,

@@ -18,6 +18,10 @@
 //! `pending_release`. The next request carries the pending `Release` in the same `send`, and
 //! the watcher thread flushes it on its own within [`Policy::release_delay`] (1 ms) when no
 //! request comes, so the arbiter's ledger lags a free by at most about a millisecond.
+//!
+//! Netting: an allocation covered by releases not announced yet takes its bytes out of
+//! `pending_release` and makes no request: the arbiter still counts those bytes for this
+//! connection, so its ledger never falls below what is live.
 
 use std::os::fd::RawFd;
 use std::path::PathBuf;
