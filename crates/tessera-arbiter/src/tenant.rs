@@ -7,7 +7,9 @@
 //! blocks its own thread.
 //!
 //! Connection threads are `SCHED_BATCH` (see [`batch_scheduling`]): a tenant's request then
-//! costs two context switches, not three or four.
+//! costs two context switches, not three or four. A connection that asks for a compute lease
+//! goes back to normal scheduling (see [`normal_scheduling`]): its `LeaseRelease` is one-way,
+//! and the grant it triggers for the next tenant must not wait for a time slice to end.
 //!
 //! Requests on a connection are handled in order; replies to every request that arrived in
 //! one read are written with one `write`. Reserve and Release touch only the in-memory ledger
@@ -146,6 +148,20 @@ fn batch_scheduling() {
     }
 }
 
+/// Puts the calling connection thread back to `SCHED_OTHER` (lease connections).
+///
+/// Why: a lease holder's `LeaseRelease` is one-way (its sender does not block waiting for a
+/// reply), and handling it grants the GPU to the next tenant: under load a batch thread would
+/// add up to a time slice to every hand-over of the GPU.
+fn normal_scheduling() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `param` is a valid sched_param; pid 0 is the calling thread.
+    let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_OTHER, &param) };
+    if rc != 0 {
+        crate::log!("lease thread stays SCHED_BATCH: {}", std::io::Error::last_os_error());
+    }
+}
+
 fn serve(arb: Arc<Arbiter>, mut stream: UnixStream, conn: ConnId, pid: Option<i32>) {
     batch_scheduling();
     let who = match pid {
@@ -249,10 +265,15 @@ fn serve_requests(
 ) -> Result<(), TenantError> {
     let mut buf = [0u8; READ_CHUNK];
     let mut out: Vec<u8> = Vec::with_capacity(256);
+    let mut leasing = false;
     loop {
         // Handle every whole frame already buffered.
         while let Some(req) = dec.next::<TenantRequest>().map_err(WireError::from)? {
             if req == TenantRequest::LeaseAcquire {
+                if !leasing {
+                    leasing = true;
+                    normal_scheduling();
+                }
                 // Replies before it go out first; a second acquire waits for the first grant.
                 writer.write_replies(&mut out)?;
                 {
@@ -384,5 +405,20 @@ mod tests {
         // Only the thread that asked changed.
         // SAFETY: as above.
         assert_eq!(unsafe { libc::sched_getscheduler(0) }, libc::SCHED_OTHER);
+    }
+
+    #[test]
+    fn a_lease_connection_thread_goes_back_to_normal_scheduling() {
+        let policies = std::thread::spawn(|| {
+            batch_scheduling();
+            // SAFETY: no preconditions; pid 0 is the calling thread.
+            let before = unsafe { libc::sched_getscheduler(0) };
+            normal_scheduling();
+            // SAFETY: as above.
+            (before, unsafe { libc::sched_getscheduler(0) })
+        })
+        .join()
+        .unwrap();
+        assert_eq!(policies, (libc::SCHED_BATCH, libc::SCHED_OTHER));
     }
 }
