@@ -98,6 +98,33 @@ fn shares_30_70_split_the_gpu_time() {
 }
 
 #[test]
+fn a_tenant_that_synchronises_after_every_launch_keeps_its_share() {
+    // A waits for each kernel before launching the next, so its queue drains after every
+    // launch: if a drain alone looked like idleness, A would hand its lease back each time
+    // and B (launching freely) would take most of the GPU.
+    let _serial = serial();
+    let bed = Bed::new();
+    let (a_token, _) = bed.create_with(GIB, 50, None);
+    let (b_token, _) = bed.create_with(GIB, 50, None);
+    let a = spawn_client(&bed, &a_token, &["sync", "3", "2"]);
+    let b = spawn_client(&bed, &b_token, &["kernel", "3", "2"]);
+    let pids = [a.id(), b.id()];
+    let busy = watch_busy(&bed, &pids, || !pids.iter().any(|&p| alive(p)));
+    let (ja, jb) = (finish(a), finish(b));
+    let (ba, bb) = (busy[&pids[0]] as f64, busy[&pids[1]] as f64);
+    let share_a = ba / (ba + bb);
+    eprintln!(
+        "sync-every-launch vs free-running, 50/50: A busy {:.2} s ({} launches), B busy {:.2} s \
+         ({} launches), A's fraction {share_a:.3}",
+        ba / 1e9,
+        ja["launches"],
+        bb / 1e9,
+        jb["launches"],
+    );
+    assert!(share_a >= 0.40, "A (share 50, synchronising) got only {share_a:.3} of the GPU time");
+}
+
+#[test]
 fn a_capped_tenant_alone_stays_under_its_cap() {
     let _serial = serial();
     let bed = Bed::new();
