@@ -164,7 +164,20 @@ impl Bench {
         let lib_dir = tessera_sim_state::prepare_lib_dir(&sim_dir, &built).expect("lib dir");
         let socket = dir.path().join("tessera.sock");
         let admin_socket = dir.path().join("admin.sock");
-        let arbiter = Command::new(arbiter_bin)
+        let mut arbiter = Command::new(arbiter_bin);
+        {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: pre_exec runs in the forked child before exec; prctl is
+            // async-signal-safe. The arbiter goes when this program does, however it ends
+            // (`process::exit` skips the `Drop` that kills it).
+            unsafe {
+                arbiter.pre_exec(|| {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0);
+                    Ok(())
+                });
+            }
+        }
+        let arbiter = arbiter
             .arg("--socket")
             .arg(&socket)
             .arg("--admin-socket")
