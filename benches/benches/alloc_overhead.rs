@@ -238,9 +238,8 @@ fn bench(c: &mut Criterion) {
             &mut || becho.round_trip(),
         ],
     );
-    let brtt = m[9];
-    let (rtt, direct, hooked, prtt, arbiter_rtt, proto_rtt, proto_direct, direct_cold, hooked_cold) =
-        (m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7], m[8]);
+    let (rtt, direct, hooked, prtt, arbiter_rtt, proto_rtt, proto_direct, direct_cold, hooked_cold, brtt) =
+        (m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7], m[8], m[9]);
     let added = hooked - direct;
     let added_cold = hooked_cold - direct_cold;
     let summary = format!(

@@ -434,6 +434,12 @@ impl Gate {
     }
 }
 
+/// Whether a launch took a credit since `handed` were handed out, given the counter's value
+/// `now`. With none handed out, a decrement is a launcher that found none and waits.
+fn credit_taken(handed: i64, now: i64) -> bool {
+    handed > 0 && now != handed
+}
+
 fn is_capturing(api: Api, handle: usize) -> bool {
     let Some(f) = api.is_capturing else { return false };
     let mut status: i32 = 0;
@@ -742,9 +748,8 @@ impl Manager {
                 used
             };
             let total: u64 = used.iter().map(|&i| self.gate.slots[i].launches.load(Ordering::Acquire)).sum();
-            // A credit taken is a launch under way, even before the driver returned it (with
-            // none handed out, a decrement is a launcher that found none and waits).
-            let took = handed > 0 && self.gate.credits.load(Ordering::Acquire) != handed;
+            // A credit taken is a launch under way, even before the driver returned it.
+            let took = credit_taken(handed, self.gate.credits.load(Ordering::Acquire));
             let launched = total != last_total || took;
             if launched {
                 last_total = total;
@@ -797,7 +802,7 @@ impl Manager {
                 }
             }
             let credits = self.credits_for(deadline - now, outstanding, unknown);
-            if self.gate.set_credits(credits) != handed && handed > 0 {
+            if credit_taken(handed, self.gate.set_credits(credits)) {
                 // Taken between the look above and the refill.
                 last_change = now;
                 drained_since = None;
@@ -805,7 +810,7 @@ impl Manager {
             handed = credits;
         }
         // Lease end: stop launching, drain, report.
-        let untouched = self.gate.set_credits(0) == handed || handed <= 0;
+        let untouched = !credit_taken(handed, self.gate.set_credits(0));
         let busy_ns = if drained_since.is_some() && untouched {
             // Every stream was seen drained and no launch took a credit since: nothing is in
             // flight, so there is nothing to wait for, and the lease was busy (and is charged)

@@ -75,18 +75,7 @@ impl Bed {
         let (sim_dir, lib_dir) = (sim.dir.clone(), sim.lib_dir.clone());
         let spec = ArbiterSpec::in_dir(artifact("tessera-arbiter"), dir.path(), sim);
         let mut arbiter = spec.command();
-        {
-            use std::os::unix::process::CommandExt;
-            // SAFETY: pre_exec runs in the forked child before exec; prctl is
-            // async-signal-safe. The arbiter goes when this benchmark does, however it ends
-            // (an aborted run would otherwise leave it running, holding inherited descriptors).
-            unsafe {
-                arbiter.pre_exec(|| {
-                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0);
-                    Ok(())
-                });
-            }
-        }
+        tessera_benches::exit_with_parent(&mut arbiter);
         if let Some(cpu) = pin_cpu {
             use std::os::unix::process::CommandExt;
             // SAFETY: pre_exec runs in the forked child before exec; sched_setaffinity is

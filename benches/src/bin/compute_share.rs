@@ -165,18 +165,8 @@ impl Bench {
         let socket = dir.path().join("tessera.sock");
         let admin_socket = dir.path().join("admin.sock");
         let mut arbiter = Command::new(arbiter_bin);
-        {
-            use std::os::unix::process::CommandExt;
-            // SAFETY: pre_exec runs in the forked child before exec; prctl is
-            // async-signal-safe. The arbiter goes when this program does, however it ends
-            // (`process::exit` skips the `Drop` that kills it).
-            unsafe {
-                arbiter.pre_exec(|| {
-                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0);
-                    Ok(())
-                });
-            }
-        }
+        // `process::exit` below skips the `Drop` that kills it.
+        tessera_benches::exit_with_parent(&mut arbiter);
         let arbiter = arbiter
             .arg("--socket")
             .arg(&socket)
@@ -289,14 +279,10 @@ impl Bench {
 }
 
 fn pct(x: u64, total: u64) -> f64 {
-    if total == 0 {
-        0.0
-    } else {
-        x as f64 * 100.0 / total as f64
-    }
+    pct_f(x as f64, total as f64)
 }
 
-/// `x` in percent of `total`.
+/// `x` in percent of `total` (0 when `total` is not positive).
 fn pct_f(x: f64, total: f64) -> f64 {
     if total <= 0.0 { 0.0 } else { x * 100.0 / total }
 }
