@@ -177,7 +177,7 @@ mod tests {
         assert_eq!(gpa, HookId::GetProcAddress_v2.hook().wrapper.0 as *mut c_void);
         // Unhooked names are untouched.
         let other = 0x7000usize as *mut c_void;
-        assert_eq!(resolve_proc(b"cuCtxSynchronize", 13000, 0, other), other);
+        assert_eq!(resolve_proc(b"cuCtxGetDevice", 13000, 0, other), other);
         assert!(resolve_proc(b"cuMemAlloc", 13000, 0, std::ptr::null_mut()).is_null());
         // An alias of a known real pointer under another name is still wrapped.
         let real = HookId::MemAllocAsync_ptsz.hook().real_ptr();

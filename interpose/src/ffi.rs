@@ -201,13 +201,17 @@ pub type cuGraphLaunch_t = unsafe extern "C" fn(CUgraphExec, CUstream) -> CUresu
 pub type cuEventCreate_t = unsafe extern "C" fn(*mut CUevent, c_uint) -> CUresult;
 pub type cuEventRecord_t = unsafe extern "C" fn(CUevent, CUstream) -> CUresult;
 pub type cuEventQuery_t = unsafe extern "C" fn(CUevent) -> CUresult;
-pub type cuEventSynchronize_t = unsafe extern "C" fn(CUevent) -> CUresult;
 pub type cuEventElapsedTime_t = unsafe extern "C" fn(*mut f32, CUevent, CUevent) -> CUresult;
 pub type cuEventDestroy_v2_t = unsafe extern "C" fn(CUevent) -> CUresult;
 pub type cuCtxGetCurrent_t = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
 pub type cuCtxSetCurrent_t = unsafe extern "C" fn(CUcontext) -> CUresult;
 pub type cuStreamIsCapturing_t = unsafe extern "C" fn(CUstream, *mut c_int) -> CUresult;
 pub type cuStreamDestroy_v2_t = unsafe extern "C" fn(CUstream) -> CUresult;
+// Hooked so the launch gate hears of a drain the moment the application waits one out.
+pub type cuStreamSynchronize_t = unsafe extern "C" fn(CUstream) -> CUresult;
+pub type cuCtxSynchronize_t = unsafe extern "C" fn() -> CUresult;
+pub type cuCtxSynchronize_v2_t = unsafe extern "C" fn(CUcontext) -> CUresult;
+pub type cuEventSynchronize_t = unsafe extern "C" fn(CUevent) -> CUresult;
 
 // ---- NVML --------------------------------------------------------------------------------
 

@@ -743,3 +743,37 @@ pub unsafe extern "C" fn cuStreamDestroy_v2(stream: CUstream) -> CUresult {
         })
     }
 }
+
+// ---- synchronisation (tells the launch gate; never delayed by it) --------------------------
+
+macro_rules! synchronise {
+    ($name:ident, $id:ident, $t:ty, $doc:literal, ($($arg:ident: $ty:ty),*)) => {
+        #[doc = $doc]
+        ///
+        /// # Safety
+        /// The C contract of the same entry point.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name($($arg: $ty),*) -> CUresult {
+            // SAFETY: the type is this entry point's signature; arguments forwarded unchanged.
+            unsafe {
+                cuda::<$t>(HookId::$id, |real| real($($arg),*), |real, p| {
+                    let r = real($($arg),*);
+                    if r == CUDA_SUCCESS {
+                        p.gate.synchronised();
+                    }
+                    Outcome::Handled(r)
+                })
+            }
+        }
+    };
+}
+synchronise!(cuStreamSynchronize, StreamSynchronize, cuStreamSynchronize_t,
+    "`cuStreamSynchronize`: once it returns, the launch gate looks for a drain.", (stream: CUstream));
+synchronise!(cuStreamSynchronize_ptsz, StreamSynchronize_ptsz, cuStreamSynchronize_t,
+    "`cuStreamSynchronize_ptsz`: as `cuStreamSynchronize`.", (stream: CUstream));
+synchronise!(cuCtxSynchronize, CtxSynchronize, cuCtxSynchronize_t,
+    "`cuCtxSynchronize`: as `cuStreamSynchronize`.", ());
+synchronise!(cuCtxSynchronize_v2, CtxSynchronize_v2, cuCtxSynchronize_v2_t,
+    "`cuCtxSynchronize_v2` (CUDA 13): as `cuStreamSynchronize`.", (ctx: CUcontext));
+synchronise!(cuEventSynchronize, EventSynchronize, cuEventSynchronize_t,
+    "`cuEventSynchronize`: as `cuStreamSynchronize`.", (event: CUevent));

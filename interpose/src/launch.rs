@@ -19,10 +19,13 @@
 //!   `cuCtxSynchronize`, can delay the report but never deadlock it.
 //! - **Early hand-back**: when the process launched nothing for [`IDLE`] and its streams have
 //!   stayed drained (`cuEventQuery`) for [`DRAIN_IDLE`], the lease is returned early
-//!   (`early = true`). Once launches stop the manager looks every [`DRAIN_TICK`], so a waiting
-//!   tenant starts well within 2 ms of the holder's last work completing; counting from the
-//!   drain (not from the last launch) keeps a busy tenant that synchronises and launches again
-//!   at once from looking idle.
+//!   (`early = true`). Once launches stop the manager looks every [`DRAIN_TICK`], and a
+//!   `cuStreamSynchronize` / `cuCtxSynchronize` / `cuEventSynchronize` returning meanwhile wakes
+//!   it at once (the hooks only notify; they never wait on the lease). The last stretch before
+//!   the hand-back is spun through rather than slept (see [`SPIN`]), so a waiting tenant starts
+//!   well within 2 ms of the holder's last work completing; counting from the drain (not from
+//!   the last launch) keeps a busy tenant that synchronises and launches again at once from
+//!   looking idle.
 //! - **Used-up lease**: when nothing is in flight and too little of the lease is left for one
 //!   more launch, the lease ends then rather than at its deadline (the GPU would idle). In both
 //!   cases, with every stream seen drained and no credit taken since, the report goes out at
@@ -68,6 +71,8 @@ const IDLE: Duration = Duration::from_millis(1);
 /// And the streams must have stayed drained, with no launch, for this long: a busy tenant
 /// that synchronises and launches again at once must not look idle at the drain itself.
 const DRAIN_IDLE: Duration = Duration::from_micros(250);
+/// An early hand-back this close is waited for by spinning (see [`Manager::spin`]).
+const SPIN: Duration = Duration::from_micros(300);
 /// Longest wait for a grant before the arbiter is considered wedged.
 const GRANT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Longest the lease-end drain waits for the streams before reporting anyway.
@@ -135,6 +140,8 @@ impl Slot {
 struct Shared {
     /// Threads waiting for a credit.
     waiters: u32,
+    /// An application thread returned from a synchronise since the manager last looked.
+    synced: bool,
     /// Someone wants a lease.
     want: bool,
     manager_started: bool,
@@ -188,6 +195,8 @@ pub struct GateStats {
     pub early: AtomicU64,
     /// Total busy ns reported.
     pub busy_ns: AtomicU64,
+    /// Times a returning synchronise woke the manager watching for a drain.
+    pub sync_wakes: AtomicU64,
 }
 
 /// The process's launch gate.
@@ -203,6 +212,9 @@ pub struct Gate {
     token: String,
     /// The lease connection's fd (closed by hand in a forked child).
     lease_fd: AtomicI32,
+    /// Set while the manager waits for work in flight to drain: a synchronise returning then
+    /// wakes it, so the drain is seen at once rather than at its next timed look.
+    watch: AtomicBool,
     /// Statistics.
     pub stats: GateStats,
 }
@@ -233,6 +245,7 @@ impl Gate {
             socket,
             token,
             lease_fd: AtomicI32::new(-1),
+            watch: AtomicBool::new(false),
             stats: GateStats::default(),
         }
     }
@@ -364,6 +377,17 @@ impl Gate {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
             sh.waiters -= 1;
+        }
+    }
+
+    /// An application thread returned from `cuStreamSynchronize`, `cuCtxSynchronize` or
+    /// `cuEventSynchronize`: the work it waited for is done. When the manager is watching for a
+    /// drain it is woken (one atomic load otherwise).
+    pub fn synchronised(&self) {
+        if self.watch.load(Ordering::Acquire) {
+            let mut sh = self.lock_shared();
+            sh.synced = true;
+            self.manager.notify_one();
         }
     }
 
@@ -717,13 +741,27 @@ impl Manager {
         // Credits as last handed out: fewer now means a launch took one since.
         let mut handed = first;
         let mut tick = TICK;
+        let mut spin = false;
+        // Launches stopped with work in flight: a returning synchronise ends the wait.
+        let mut watch = false;
+        let mut sync_wakes = 0u64;
         loop {
-            {
-                let sh = self.gate.lock_shared();
-                let wait = deadline.saturating_duration_since(Instant::now()).min(tick);
-                if !wait.is_zero() {
-                    let _ = self.gate.manager.wait_timeout(sh, wait);
+            let wait = deadline.saturating_duration_since(Instant::now()).min(tick);
+            if spin {
+                self.spin(wait, handed);
+            } else if !wait.is_zero() {
+                let mut sh = self.gate.lock_shared();
+                if watch && !sh.synced {
+                    self.gate.watch.store(true, Ordering::Release);
                 }
+                if !sh.synced {
+                    sh = self.gate.manager.wait_timeout(sh, wait).unwrap_or_else(|e| e.into_inner()).0;
+                }
+                if sh.synced {
+                    sync_wakes += 1;
+                }
+                sh.synced = false;
+                self.gate.watch.store(false, Ordering::Release);
             }
             let now = Instant::now();
             if now >= deadline {
@@ -743,6 +781,9 @@ impl Manager {
                         smp.backlogged = !self.tracks[i].pending.is_empty();
                         self.tracks[i].sampled = smp.launches;
                         self.tracks[i].pending.push_back(smp);
+                        // A stream already idle completes it at once: the drain is seen now,
+                        // not a tick later.
+                        self.poll(api, i, start);
                     }
                 }
                 used
@@ -775,15 +816,23 @@ impl Manager {
                 // is used up; holding it to the deadline would only leave the GPU idle.
                 break;
             }
-            // The next look: soon after the idle clocks can run out, or at the drain.
-            tick = match drained_since {
+            // The next look: when the idle clocks run out, or at the drain. The last stretch
+            // before an early hand-back is spun through, not slept: a timed wake-up of an idle
+            // CPU is occasionally late by milliseconds, and a waiting tenant pays for it.
+            (tick, spin) = match drained_since {
                 Some(t) if waiters == 0 => {
                     let at = (t + DRAIN_IDLE).max(last_change + IDLE);
-                    at.saturating_duration_since(now).clamp(Duration::from_micros(50), TICK)
+                    let left = at.saturating_duration_since(now);
+                    if left <= SPIN {
+                        (left, true)
+                    } else {
+                        (left.clamp(Duration::from_micros(50), TICK), false)
+                    }
                 }
-                None if !launched => DRAIN_TICK,
-                _ => TICK,
+                None if !launched => (DRAIN_TICK, false),
+                _ => (TICK, false),
             };
+            watch = drained_since.is_none() && !launched;
             // Refill: what may still be launched so that the work in flight ends by the deadline.
             let max_est = used.iter().map(|&i| self.tracks[i].est_ns).fold(0.0, f64::max);
             if max_est > 0.0 {
@@ -823,9 +872,10 @@ impl Manager {
             self.gate.stats.early.fetch_add(1, Ordering::Relaxed);
         }
         self.gate.stats.busy_ns.fetch_add(busy_ns, Ordering::Relaxed);
+        self.gate.stats.sync_wakes.fetch_add(sync_wakes, Ordering::Relaxed);
         tlog!(
             Debug,
-            "lease {lease_id:?}: {:.1} ms granted, busy {:.1} ms, early {early}",
+            "lease {lease_id:?}: {:.1} ms granted, busy {:.1} ms, early {early}, synchronise wakes {sync_wakes}",
             duration_ns as f64 / 1e6,
             busy_ns as f64 / 1e6
         );
@@ -840,6 +890,15 @@ impl Manager {
         // credit meanwhile does not.
         let mut sh = self.gate.lock_shared();
         sh.want = sh.waiters > 0;
+    }
+
+    /// Spins for up to `wait`, yielding the CPU each round, until then or until a launch takes
+    /// a credit (or finds none: a waiter), whichever comes first.
+    fn spin(&self, wait: Duration, handed: i64) {
+        let until = Instant::now() + wait;
+        while Instant::now() < until && self.gate.credits.load(Ordering::Acquire) == handed {
+            std::thread::yield_now();
+        }
     }
 
     /// Credits that keep the estimated work in flight within `left`. `unknown`: launches in

@@ -129,6 +129,11 @@ hook_table! {
     GraphLaunch: Cuda c"cuGraphLaunch", "cuGraphLaunch", 10000, MAX, false, h::cuGraphLaunch;
     GraphLaunch_ptsz: Cuda c"cuGraphLaunch_ptsz", "cuGraphLaunch", 10000, MAX, true, h::cuGraphLaunch_ptsz;
     StreamDestroy_v2: Cuda c"cuStreamDestroy_v2", "cuStreamDestroy", 4000, MAX, false, h::cuStreamDestroy_v2;
+    StreamSynchronize: Cuda c"cuStreamSynchronize", "cuStreamSynchronize", 2000, MAX, false, h::cuStreamSynchronize;
+    StreamSynchronize_ptsz: Cuda c"cuStreamSynchronize_ptsz", "cuStreamSynchronize", 7000, MAX, true, h::cuStreamSynchronize_ptsz;
+    CtxSynchronize: Cuda c"cuCtxSynchronize", "cuCtxSynchronize", 2000, 13000, false, h::cuCtxSynchronize;
+    CtxSynchronize_v2: Cuda c"cuCtxSynchronize_v2", "cuCtxSynchronize", 13000, MAX, false, h::cuCtxSynchronize_v2;
+    EventSynchronize: Cuda c"cuEventSynchronize", "cuEventSynchronize", 2000, MAX, false, h::cuEventSynchronize;
     NvmlMemoryInfo: Nvml c"nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo", 0, MAX, false, h::nvmlDeviceGetMemoryInfo;
     NvmlMemoryInfo_v2: Nvml c"nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetMemoryInfo_v2", 0, MAX, false, h::nvmlDeviceGetMemoryInfo_v2;
 }
@@ -233,6 +238,12 @@ mod tests {
         assert_eq!(name(b"cuGetProcAddress", 12000, 0), Some("cuGetProcAddress_v2"));
         assert_eq!(name(b"cuGetProcAddress", 13000, 2), Some("cuGetProcAddress_v2"));
         assert_eq!(name(b"cuMemAllocAsync", 11000, 0), None, "before the API existed");
+        // Synchronisation: the launch gate hears of drains through every variant.
+        assert_eq!(name(b"cuStreamSynchronize", 12000, 0), Some("cuStreamSynchronize"));
+        assert_eq!(name(b"cuStreamSynchronize", 12000, 2), Some("cuStreamSynchronize_ptsz"));
+        assert_eq!(name(b"cuCtxSynchronize", 12080, 0), Some("cuCtxSynchronize"));
+        assert_eq!(name(b"cuCtxSynchronize", 13000, 0), Some("cuCtxSynchronize_v2"));
+        assert_eq!(name(b"cuEventSynchronize", 13000, 2), Some("cuEventSynchronize"));
         // NVML is never resolved through cuGetProcAddress.
         assert_eq!(name(b"nvmlDeviceGetMemoryInfo", 13000, 0), None);
     }

@@ -160,11 +160,8 @@ fn a_lone_tenant_keeps_the_gpu_busy() {
     assert!(frac >= 0.8, "gating wasted the GPU: busy {frac:.3}");
 }
 
-#[test]
-fn every_launch_path_is_gated() {
-    let _serial = serial();
-    let bed = Bed::new();
-    // cuLaunchKernel_ptsz from C (cuda-bindings never asks for per-thread variants).
+/// Builds `tests/c/launch_ptsz.c` (cuda-bindings never asks for per-thread variants).
+fn build_launch_ptsz(bed: &Bed) -> std::path::PathBuf {
     let exe = bed.dir.path().join("launch_ptsz");
     let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/launch_ptsz.c");
     let out = std::process::Command::new("cc")
@@ -176,6 +173,14 @@ fn every_launch_path_is_gated() {
         .output()
         .expect("a C compiler (cc) is needed");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    exe
+}
+
+#[test]
+fn every_launch_path_is_gated() {
+    let _serial = serial();
+    let bed = Bed::new();
+    let exe = build_launch_ptsz(&bed);
     for mode in ["kernel", "ex", "coop", "graph", "per_thread", "c_ptsz"] {
         let (token, id) = bed.create_with(GIB, 10, None);
         let c = if mode == "c_ptsz" {
@@ -241,6 +246,45 @@ fn synchronous_calls_inside_a_lease_do_not_deadlock() {
     // kernels, longer than a lease, run one per lease and their overrun is charged).
     let frac_a = busy[&pids[0]] as f64 / (busy[&pids[0]] + busy[&pids[1]]) as f64;
     assert!((0.3..=0.7).contains(&frac_a), "equal shares split {frac_a:.3} / {:.3}", 1.0 - frac_a);
+}
+
+#[test]
+fn every_synchronise_wakes_the_lease_manager() {
+    // A returning synchronise tells the manager watching for a drain at once (that is what
+    // makes an idle holder's hand-back prompt). Each variant, however resolved, must do it:
+    // the interposer's per-lease debug line counts those wake-ups.
+    let _serial = serial();
+    let bed = Bed::new();
+    let exe = build_launch_ptsz(&bed);
+    for mode in ["sync", "sync_stream", "sync_event", "c_ptsz"] {
+        let (token, id) = bed.create_with(GIB, 10, None);
+        let mut cmd = if mode == "c_ptsz" {
+            let mut c = bed.tenant_command(&exe, &token);
+            c.args(["0.3", "2", "sync"]);
+            c
+        } else {
+            let mut c = bed.tenant_command(&python(), &token);
+            c.arg(script("compute_client.py")).args([mode, "0.3", "2"]);
+            c
+        };
+        let (status, stdout, stderr) = run(cmd.env("TESSERA_LOG", "debug"));
+        assert!(status.success(), "{mode}: {stdout}\n{stderr}");
+        if mode == "c_ptsz" {
+            let j: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+            assert_eq!(j["resolved_sync"], "cuStreamSynchronize_ptsz", "flag 2 hands out the _ptsz wrapper");
+        }
+        let wakes: Vec<u64> = stderr
+            .lines()
+            .filter_map(|l| l.split("synchronise wakes ").nth(1))
+            .filter_map(|v| v.trim().parse().ok())
+            .collect();
+        let total: u64 = wakes.iter().sum();
+        eprintln!("{mode}: {} leases, {total} synchronise wake-ups", wakes.len());
+        assert!(!wakes.is_empty(), "{mode}: no lease was logged:\n{stderr}");
+        // About 150 kernels of 2 ms, each waited for: the hook fires on nearly all of them.
+        assert!(total >= 20, "{mode}: only {total} synchronise wake-ups in {} leases", wakes.len());
+        bed.admin().delete(&id).unwrap();
+    }
 }
 
 #[test]

@@ -1,6 +1,8 @@
 /* Launches kernels through cuLaunchKernel_ptsz, resolved with cuGetProcAddress flag 2 (per-thread
  * default stream), on stream 0 (this thread's per-thread default stream), for a given time.
- * On the simulated GPU the kernel's first parameter is the nanoseconds it runs. */
+ * With a third argument `sync`, waits for each kernel with cuStreamSynchronize_ptsz (resolved
+ * the same way). On the simulated GPU the kernel's first parameter is the nanoseconds it runs.
+ * Usage: launch_ptsz SECONDS KERNEL_MS [sync] */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdio.h>
@@ -19,6 +21,7 @@ CUresult cuCtxSynchronize(void);
 CUresult cuModuleLoadData(CUmodule *, const void *);
 CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
 CUresult cuGetProcAddress_v2(const char *, void **, int, unsigned long long, int *);
+typedef CUresult (*sync_t)(CUstream);
 typedef CUresult (*launch_t)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                              unsigned, CUstream, void **, void **);
 
@@ -49,8 +52,15 @@ int main(int argc, char **argv) {
         printf("{\"error\": \"cuGetProcAddress\"}\n");
         return 1;
     }
+    int sync = argc > 3 && strcmp(argv[3], "sync") == 0;
+    void *s = NULL;
+    if (sync && (cuGetProcAddress_v2("cuStreamSynchronize", &s, 12000, 2, &status) || !s)) {
+        printf("{\"error\": \"cuGetProcAddress\"}\n");
+        return 1;
+    }
     Dl_info info;
     const char *name = dladdr(p, &info) && info.dli_sname ? info.dli_sname : "?";
+    const char *sync_name = s && dladdr(s, &info) && info.dli_sname ? info.dli_sname : "";
     void *params[] = {&ns};
     long launches = 0;
     double start = now();
@@ -61,9 +71,14 @@ int main(int argc, char **argv) {
             return 1;
         }
         launches++;
+        if (sync && (r = ((sync_t)s)(NULL))) {
+            printf("{\"error\": \"sync %d\"}\n", r);
+            return 1;
+        }
     }
     double launched_for = now() - start;
     cuCtxSynchronize();
-    printf("{\"launches\": %ld, \"launched_for\": %f, \"resolved\": \"%s\"}\n", launches, launched_for, name);
+    printf("{\"launches\": %ld, \"launched_for\": %f, \"resolved\": \"%s\", \"resolved_sync\": \"%s\"}\n",
+           launches, launched_for, name, sync_name);
     return 0;
 }
