@@ -142,8 +142,12 @@ struct Shared {
     waiters: u32,
     /// An application thread returned from a synchronise since the manager last looked.
     synced: bool,
-    /// Someone wants a lease.
-    want: bool,
+    /// A launcher is asking the arbiter for a lease.
+    acquiring: bool,
+    /// A lease a launcher received, not yet taken over by the manager.
+    begun: Option<Begun>,
+    /// The manager is running a lease (from taking it over until its release went out).
+    leasing: bool,
     manager_started: bool,
 }
 
@@ -208,6 +212,9 @@ pub struct Gate {
     shared: Mutex<Shared>,
     launchers: Condvar,
     manager: Condvar,
+    /// The manager's state: lease connection, per-stream tracks. Locked by the launcher that
+    /// asks for a lease, then by the manager thread for the lease's life.
+    mgr: Mutex<Option<Manager>>,
     socket: Option<PathBuf>,
     token: String,
     /// The lease connection's fd (closed by hand in a forked child).
@@ -242,6 +249,7 @@ impl Gate {
             shared: Mutex::new(Shared::default()),
             launchers: Condvar::new(),
             manager: Condvar::new(),
+            mgr: Mutex::new(None),
             socket,
             token,
             lease_fd: AtomicI32::new(-1),
@@ -349,11 +357,19 @@ impl Gate {
         destroy()
     }
 
+    /// Without a credit: the first waiting launcher asks the arbiter for the lease itself and
+    /// starts it (so the grant wakes the thread that launches, not a manager that would then
+    /// have to wake it), then hands it to the manager thread to run; other launchers wait.
     #[cold]
     fn wait_for_credit(&'static self) {
         let mut sh = self.lock_shared();
         if !sh.manager_started {
             sh.manager_started = true;
+            if api().is_none() {
+                tlog!(Warn, "the driver lacks the event API: kernel launches are not gated");
+                self.credits.store(UNGATED, Ordering::Release);
+                return;
+            }
             let spawned = std::thread::Builder::new()
                 .name("tessera-lease".into())
                 .stack_size(256 * 1024)
@@ -368,15 +384,54 @@ impl Gate {
             if self.credits.fetch_sub(1, Ordering::AcqRel) > 0 {
                 return;
             }
+            if !sh.acquiring && !sh.leasing && sh.begun.is_none() {
+                sh.acquiring = true;
+                drop(sh);
+                let begun = self.acquire_and_begin();
+                sh = self.lock_shared();
+                sh.acquiring = false;
+                sh.begun = Some(begun);
+                self.manager.notify_one();
+                continue;
+            }
             sh.waiters += 1;
-            sh.want = true;
-            self.manager.notify_one();
+            if sh.leasing {
+                // The manager refills at once (work may have completed since its last look).
+                self.manager.notify_one();
+            }
             sh = self
                 .launchers
                 .wait_timeout(sh, Duration::from_millis(50))
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
             sh.waiters -= 1;
+        }
+    }
+
+    fn lock_mgr(&self) -> MutexGuard<'_, Option<Manager>> {
+        self.mgr.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Gets a lease (from the arbiter, or a local one when it cannot be reached) and starts it:
+    /// credits are out when this returns.
+    fn acquire_and_begin(&'static self) -> Begun {
+        let mut guard = self.lock_mgr();
+        let m = guard.get_or_insert_with(|| Manager::new(self));
+        match m.acquire() {
+            Some((lease_id, duration_ns)) => {
+                if m.local {
+                    tlog!(Info, "arbiter back: leases come from it again");
+                    m.local = false;
+                }
+                m.begin(Some(lease_id), duration_ns)
+            }
+            None => {
+                if !m.local {
+                    tlog!(Warn, "arbiter unreachable: local leases keep launches bounded until it is back");
+                    m.local = true;
+                }
+                m.begin(None, LOCAL_LEASE.as_nanos() as u64)
+            }
         }
     }
 
@@ -422,37 +477,28 @@ impl Gate {
         // 50 us timer slack would stretch each by up to that much. Only this thread changes.
         // SAFETY: PR_SET_TIMERSLACK takes an integer argument and affects the calling thread.
         unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0) };
-        let mut m = Manager::new(self);
-        if m.api.is_none() {
-            tlog!(Warn, "the driver lacks the event API: kernel launches are not gated");
-            self.set_credits(UNGATED);
-            return;
-        }
-        let mut local = false;
         loop {
-            // Wait until a launcher wants a lease.
-            {
+            // Wait until a launcher has begun a lease.
+            let begun = {
                 let mut sh = self.lock_shared();
-                while !sh.want {
+                loop {
+                    if let Some(b) = sh.begun.take() {
+                        sh.leasing = true;
+                        break b;
+                    }
                     sh = self.manager.wait(sh).unwrap_or_else(|e| e.into_inner());
                 }
-                sh.want = false;
+            };
+            {
+                let mut guard = self.lock_mgr();
+                let m = guard.get_or_insert_with(|| Manager::new(self));
+                m.run_lease(begun);
             }
-            match m.acquire() {
-                Some((lease_id, duration_ns)) => {
-                    if local {
-                        tlog!(Info, "arbiter back: leases come from it again");
-                        local = false;
-                    }
-                    m.run_lease(Some(lease_id), duration_ns);
-                }
-                None => {
-                    if !local {
-                        tlog!(Warn, "arbiter unreachable: local leases keep launches bounded until it is back");
-                        local = true;
-                    }
-                    m.run_lease(None, LOCAL_LEASE.as_nanos() as u64);
-                }
+            // Threads still waiting: one of them asks for the next lease.
+            let mut sh = self.lock_shared();
+            sh.leasing = false;
+            if sh.waiters > 0 {
+                self.launchers.notify_all();
             }
         }
     }
@@ -507,8 +553,22 @@ struct Track {
     lease_start: u64,
 }
 
+/// A lease a launcher received and started, for the manager thread to run.
+#[derive(Debug)]
+struct Begun {
+    /// `None`: a local lease (arbiter unreachable).
+    lease_id: Option<u64>,
+    duration_ns: u64,
+    start: Instant,
+    epoch: u64,
+    /// Credits handed out at the start.
+    first: i64,
+}
+
 struct Manager {
     gate: &'static Gate,
+    /// Leases are local ones (the arbiter could not be reached).
+    local: bool,
     api: Option<Api>,
     conn: Option<Conn>,
     tracks: Vec<Track>,
@@ -518,10 +578,17 @@ struct Manager {
     default_est: f64,
 }
 
+// SAFETY: driver handles (contexts, events) are process-wide and valid on any thread; the one
+// thread-bound piece, `current_ctx` (the context current on the thread that set it), is only
+// set and read by the manager thread (`set_ctx`); launchers holding the `mgr` lock only talk to
+// the arbiter and hand out credits.
+unsafe impl Send for Manager {}
+
 impl Manager {
     fn new(gate: &'static Gate) -> Self {
         Self {
             gate,
+            local: false,
             api: api(),
             conn: None,
             tracks: (0..MAX_STREAMS).map(|_| Track::default()).collect(),
@@ -718,9 +785,10 @@ impl Manager {
     }
 
     /// Runs one lease: `lease_id` from the arbiter, or `None` for a local one.
-    fn run_lease(&mut self, lease_id: Option<u64>, duration_ns: u64) {
+    /// Starts a lease (on the launcher that received it): a new epoch, and its first credits.
+    /// No driver call: the context cache belongs to the manager thread.
+    fn begin(&mut self, lease_id: Option<u64>, duration_ns: u64) -> Begun {
         let start = Instant::now();
-        let deadline = start + Duration::from_nanos(duration_ns);
         self.gate.stats.leases.fetch_add(1, Ordering::Relaxed);
         // A new epoch: streams re-register (fresh capture check, "used in this lease" mark).
         let epoch = self.gate.epoch.fetch_add(1, Ordering::AcqRel) + 1;
@@ -729,15 +797,23 @@ impl Manager {
             t.sampled = t.sampled.max(t.completed);
             t.lease_start = slot.launches.load(Ordering::Acquire);
         }
+        // First credits: with no estimate yet, one probe launch.
+        let first = self.credits_for(Duration::from_nanos(duration_ns), 0.0, 0);
+        self.gate.set_credits(first);
+        Begun { lease_id, duration_ns, start, epoch, first }
+    }
+
+    /// Runs a begun lease to its end (on the manager thread): refills, watches for the drain,
+    /// reports.
+    fn run_lease(&mut self, begun: Begun) {
+        let Begun { lease_id, duration_ns, start, epoch, first } = begun;
+        let deadline = start + Duration::from_nanos(duration_ns);
         let mut last_total = u64::MAX;
         let mut last_change = Instant::now();
         // When the streams were first seen drained with no launch since (None: not drained).
         let mut drained_since: Option<Instant> = None;
         let mut early = false;
         let api = self.api;
-        // First credits: with no estimate yet, one probe launch.
-        let first = self.credits_for(Duration::from_nanos(duration_ns), 0.0, 0);
-        self.gate.set_credits(first);
         // Credits as last handed out: fewer now means a launch took one since.
         let mut handed = first;
         let mut tick = TICK;
@@ -886,10 +962,6 @@ impl Manager {
             tlog!(Info, "LeaseRelease not sent: {e}");
             self.drop_conn();
         }
-        // Threads still waiting ask for the next lease; a stale wish from a thread that got a
-        // credit meanwhile does not.
-        let mut sh = self.gate.lock_shared();
-        sh.want = sh.waiters > 0;
     }
 
     /// Spins for up to `wait`, yielding the CPU each round, until then or until a launch takes

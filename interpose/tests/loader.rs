@@ -74,7 +74,7 @@ fn linked_programs_dlsym_and_cu_get_proc_address_are_all_hooked() {
     assert_eq!(get("direct_second"), "2", "an exported cuMemAlloc_v2 is counted");
     assert_eq!(get("direct_null_out"), "1", "a null out-pointer is the driver's INVALID_VALUE");
     assert_eq!(get("dlsym_free"), "interposer");
-    assert_eq!(get("dlsym_sync"), "driver", "unhooked names resolve to the driver");
+    assert_eq!(get("dlsym_unhooked"), "driver", "unhooked names resolve to the driver");
     assert_eq!(get("dlsym_missing"), "null");
     assert_eq!(get("gpa_async"), "0,interposer");
     assert_eq!(get("gpa_async_name"), "cuMemAllocAsync_ptsz", "flag 2 selects the _ptsz wrapper");

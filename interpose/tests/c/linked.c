@@ -49,7 +49,7 @@ int main(void) {
     /* dlsym on the driver's handle. */
     void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
     printf("dlsym_free=%s\n", owner(dlsym(h, "cuMemFree_v2")));
-    printf("dlsym_sync=%s\n", owner(dlsym(h, "cuCtxSynchronize")));
+    printf("dlsym_unhooked=%s\n", owner(dlsym(h, "cuCtxGetDevice")));
     printf("dlsym_missing=%s\n", owner(dlsym(h, "cuNoSuchFunction")));
 
     /* cuGetProcAddress: per-thread variant, and cuGetProcAddress itself. */
