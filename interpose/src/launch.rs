@@ -510,6 +510,15 @@ fn credit_taken(handed: i64, now: i64) -> bool {
     handed > 0 && now != handed
 }
 
+/// Whatever ended a lease (its deadline can fall on the drain of a burst that ran long), a
+/// holder seen drained, that launched nothing for [`IDLE`] and has no thread waiting, is idle:
+/// its release says so (`early`), so the arbiter passes the GPU on at once rather than keep it
+/// for a re-request that will not come. A busy tenant at its deadline is either not drained
+/// (work in flight, e.g. waiting in a synchronise) or has a launcher waiting.
+fn idle_at_end(drained_seen: bool, untouched: bool, waiters: u32, since_launch: Duration) -> bool {
+    drained_seen && untouched && waiters == 0 && since_launch >= IDLE
+}
+
 fn is_capturing(api: Api, handle: usize) -> bool {
     let Some(f) = api.is_capturing else { return false };
     let mut status: i32 = 0;
@@ -944,6 +953,8 @@ impl Manager {
         } else {
             self.drain(epoch, start)
         };
+        let early = early
+            || idle_at_end(drained_since.is_some(), untouched, self.gate.waiters(), last_change.elapsed());
         if early {
             self.gate.stats.early.fetch_add(1, Ordering::Relaxed);
         }
@@ -969,7 +980,7 @@ impl Manager {
     fn spin(&self, wait: Duration, handed: i64) {
         let until = Instant::now() + wait;
         while Instant::now() < until && self.gate.credits.load(Ordering::Acquire) == handed {
-            std::thread::yield_now();
+            std::hint::spin_loop();
         }
     }
 
@@ -1069,6 +1080,16 @@ mod tests {
         assert_eq!(classify(2usize as CUstream, false), (0, StreamKind::PerThread));
         assert_eq!(classify(0x5000usize as CUstream, false), (0x5000, StreamKind::Explicit));
         assert_eq!(classify(0x5000usize as CUstream, true), (0x5000, StreamKind::Explicit));
+    }
+
+    #[test]
+    fn a_lease_ending_on_an_idle_holder_is_reported_early() {
+        let long = IDLE + Duration::from_micros(1);
+        assert!(idle_at_end(true, true, 0, long), "drained, quiet, nobody waiting");
+        assert!(!idle_at_end(false, true, 0, long), "work in flight (a synchronise pending)");
+        assert!(!idle_at_end(true, false, 0, long), "a credit was taken since the last look");
+        assert!(!idle_at_end(true, true, 1, long), "a launcher waits for the next lease");
+        assert!(!idle_at_end(true, true, 0, IDLE / 2), "launched just now");
     }
 
     #[test]
