@@ -849,10 +849,14 @@ impl Manager {
                 self.gate.watch.store(false, Ordering::Release);
             }
             let now = Instant::now();
-            if now >= deadline {
-                break;
-            }
-            let Some(api) = api else { continue };
+            let Some(api) = api else {
+                if now >= deadline {
+                    break;
+                }
+                continue;
+            };
+            // The look runs at the deadline too: a drain seen then still makes the release say
+            // the holder is idle.
             let used = {
                 let _t = self.gate.lock_table();
                 let used = self.used(epoch);
@@ -876,20 +880,32 @@ impl Manager {
             let total: u64 = used.iter().map(|&i| self.gate.slots[i].launches.load(Ordering::Acquire)).sum();
             // A credit taken is a launch under way, even before the driver returned it.
             let took = credit_taken(handed, self.gate.credits.load(Ordering::Acquire));
-            let launched = total != last_total || took;
-            if launched {
-                last_total = total;
-                last_change = now;
-            }
+            let mut launched = total != last_total || took;
             let drained = used.iter().all(|&i| {
                 let t = &self.tracks[i];
                 t.pending.is_empty() && t.completed >= self.gate.slots[i].launches.load(Ordering::Acquire)
             });
+            if last_total == u64::MAX && drained {
+                // First look, and what the launcher did since the grant has already completed
+                // (this thread may have taken the lease over late): those launches are not
+                // recent, so the quiet counts from the lease's start.
+                launched = false;
+                last_total = total;
+                last_change = start;
+                // Credits taken so far are those launches; a later take shows against this.
+                handed = self.gate.credits.load(Ordering::Acquire);
+            } else if launched {
+                last_total = total;
+                last_change = now;
+            }
             drained_since = match (drained && !launched, drained_since) {
                 (false, _) => None,
                 (true, Some(t)) => Some(t),
                 (true, None) => Some(now),
             };
+            if now >= deadline {
+                break;
+            }
             let waiters = self.gate.waiters();
             let quiet = waiters == 0 && now.duration_since(last_change) >= IDLE;
             if quiet && drained_since.is_some_and(|t| now.duration_since(t) >= DRAIN_IDLE) {
