@@ -6,11 +6,13 @@
 //!   the process holds a lease, and are handed out so that the estimated GPU work in flight
 //!   never exceeds the time left in the lease: launches are not GPU time (a stream buffers
 //!   about a thousand of them), so counting them alone would not bound anything.
-//! - **Slow path**: without a credit a launching thread waits on a condition variable. One
-//!   manager thread per process owns a dedicated arbiter connection: it asks for a lease
-//!   (`LeaseAcquire`, once, however many threads wait), and while the lease lasts it samples
-//!   every stream used with events, estimates per-launch GPU time (an EWMA of event-measured
-//!   durations per stream), and refills credits every tick.
+//! - **Slow path**: without a credit, the first such launcher asks for a lease on the process's
+//!   dedicated arbiter connection (`LeaseAcquire`, once, however many threads wait; the others
+//!   wait on a condition variable), receives the grant, hands out the first credits and
+//!   launches: the grant wakes the thread that launches. It passes the lease to the process's
+//!   manager thread, which samples every stream used with events while the lease lasts,
+//!   estimates per-launch GPU time (an EWMA of event-measured durations per stream), and
+//!   refills credits every tick.
 //! - **Lease end** (deadline, noticed by the manager, never by an application thread): credits
 //!   drop to zero, an event is recorded on every stream used during the lease, and once they
 //!   completed `LeaseRelease` reports the real time the work occupied the GPU (from the grant
