@@ -65,6 +65,7 @@ impl Conn {
         token: &str,
         timeout: Option<Duration>,
     ) -> Result<(Self, AllocationView), ConnError> {
+        let _no_cancel = NoCancel::new();
         let stream = UnixStream::connect(path)
             .map_err(|source| ConnError::Connect { path: path.display().to_string(), source })?;
         // The handshake is always bounded, whatever the caller wants later.
@@ -99,6 +100,7 @@ impl Conn {
     /// reply to `req`: a free's release rides along with the next request instead of waking
     /// the arbiter on its own.
     pub fn call_after_release(&mut self, release: u64, req: &TenantRequest) -> Result<TenantReply, ConnError> {
+        let _no_cancel = NoCancel::new();
         let mut buf = [0u8; 2 * SEND_BUF];
         let mut len = 0;
         if release > 0 {
@@ -194,6 +196,30 @@ impl Conn {
             }
             self.rlen += n as usize;
         }
+    }
+}
+
+/// Holds off `pthread_cancel` for a blocking call made on an application thread: `send` and
+/// `recv` are cancellation points, and a cancellation acted on there would unwind through Rust
+/// frames (an abort) and leave the connection with half a frame. A pending cancellation is
+/// acted on at the thread's next cancellation point after the call.
+struct NoCancel(libc::c_int);
+
+impl NoCancel {
+    fn new() -> Self {
+        let mut old = 0;
+        // SAFETY: affects only the calling thread; `old` is a valid out-pointer.
+        unsafe { crate::ffi::pthread_setcancelstate(crate::ffi::PTHREAD_CANCEL_DISABLE, &mut old) };
+        Self(old)
+    }
+}
+
+impl Drop for NoCancel {
+    fn drop(&mut self) {
+        let mut prev = 0;
+        // SAFETY: restores the state saved by `new` on the same thread (the guard never leaves
+        // the function that made it); `prev` is a valid out-pointer.
+        unsafe { crate::ffi::pthread_setcancelstate(self.0, &mut prev) };
     }
 }
 

@@ -1,4 +1,5 @@
-//! Raw C declarations: the dynamic loader, `pthread_atfork`, socket flags, and the CUDA driver
+//! Raw C declarations: the dynamic loader, `pthread_atfork`, `pthread_setcancelstate`, socket
+//! flags, and the CUDA driver
 //! and NVML types the hooks touch. Layouts follow `cuda.h` / `nvml.h` (CUDA 13) on 64-bit Linux.
 
 #![allow(non_camel_case_types, non_snake_case, dead_code)]
@@ -36,7 +37,11 @@ unsafe extern "C" {
         parent: Option<unsafe extern "C" fn()>,
         child: Option<unsafe extern "C" fn()>,
     ) -> c_int;
+    pub fn pthread_setcancelstate(state: c_int, oldstate: *mut c_int) -> c_int;
 }
+
+/// `PTHREAD_CANCEL_DISABLE` (glibc and musl).
+pub const PTHREAD_CANCEL_DISABLE: c_int = 1;
 
 // ---- CUDA driver -------------------------------------------------------------------------
 

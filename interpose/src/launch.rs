@@ -70,9 +70,13 @@ const DRAIN_TICK: Duration = Duration::from_micros(250);
 /// No launch for this long (and nothing taken from the credits) before a lease can be handed
 /// back early.
 const IDLE: Duration = Duration::from_millis(1);
-/// And the streams must have stayed drained, with no launch, for this long: a busy tenant
-/// that synchronises and launches again at once must not look idle at the drain itself.
+/// And the streams must have stayed drained, with no launch, for at least this long: a busy
+/// tenant that synchronises and launches again at once must not look idle at the drain itself.
+/// A tenant seen to launch again later than that after its drains gets a longer wait (see
+/// [`RelaunchGap`]).
 const DRAIN_IDLE: Duration = Duration::from_micros(250);
+/// The longest drain wait [`RelaunchGap`] asks for.
+const MAX_DRAIN_IDLE: Duration = Duration::from_millis(2);
 /// An early hand-back this close is waited for by spinning (see [`Manager::spin`]).
 const SPIN: Duration = Duration::from_micros(300);
 /// Longest wait for a grant before the arbiter is considered wedged.
@@ -364,6 +368,7 @@ impl Gate {
     /// have to wake it), then hands it to the manager thread to run; other launchers wait.
     #[cold]
     fn wait_for_credit(&'static self) {
+        let asked = Instant::now();
         let mut sh = self.lock_shared();
         if !sh.manager_started {
             sh.manager_started = true;
@@ -389,7 +394,7 @@ impl Gate {
             if !sh.acquiring && !sh.leasing && sh.begun.is_none() {
                 sh.acquiring = true;
                 drop(sh);
-                let begun = self.acquire_and_begin();
+                let begun = self.acquire_and_begin(asked);
                 sh = self.lock_shared();
                 sh.acquiring = false;
                 sh.begun = Some(begun);
@@ -415,10 +420,14 @@ impl Gate {
     }
 
     /// Gets a lease (from the arbiter, or a local one when it cannot be reached) and starts it:
-    /// credits are out when this returns.
-    fn acquire_and_begin(&'static self) -> Begun {
+    /// credits are out when this returns. `asked`: when the launch found no credit.
+    fn acquire_and_begin(&'static self, asked: Instant) -> Begun {
         let mut guard = self.lock_mgr();
         let m = guard.get_or_insert_with(|| Manager::new(self));
+        if let Some(drained) = m.handed_back.take() {
+            // Asked again soon after handing back: the gap belongs to the work, not to idleness.
+            m.gap.observe(asked.saturating_duration_since(drained));
+        }
         match m.acquire() {
             Some((lease_id, duration_ns)) => {
                 if m.local {
@@ -506,6 +515,38 @@ impl Gate {
     }
 }
 
+/// How long this process takes to launch again after its streams drained (a synchronise, then
+/// some host work, then the next launch), learnt from what it did: launches that came after a
+/// drain the manager had seen, and requests for a lease that came soon after an early
+/// hand-back (the hand-back was premature). The drain wait before an early hand-back is twice
+/// the recent longest gap, within [`DRAIN_IDLE`]..[`MAX_DRAIN_IDLE`], so a training loop that
+/// does a little host work between steps keeps its lease, while a process that really went
+/// idle still hands back within 0.25 ms. One long gap is forgotten over a few dozen leases.
+#[derive(Debug, Default, Clone, Copy)]
+struct RelaunchGap {
+    /// The recent longest gap, decayed, ns.
+    ns: f64,
+}
+
+impl RelaunchGap {
+    /// A launch came `gap` after a drain.
+    fn observe(&mut self, gap: Duration) {
+        if gap <= MAX_DRAIN_IDLE {
+            self.ns = self.ns.max(gap.as_nanos() as f64);
+        }
+    }
+
+    /// Once per lease.
+    fn decay(&mut self) {
+        self.ns *= 0.9;
+    }
+
+    /// How long the streams must stay drained before an early hand-back.
+    fn drain_idle(&self) -> Duration {
+        Duration::from_nanos((2.0 * self.ns) as u64).clamp(DRAIN_IDLE, MAX_DRAIN_IDLE)
+    }
+}
+
 /// Whether a launch took a credit since `handed` were handed out, given the counter's value
 /// `now`. With none handed out, a decrement is a launcher that found none and waits.
 fn credit_taken(handed: i64, now: i64) -> bool {
@@ -513,12 +554,20 @@ fn credit_taken(handed: i64, now: i64) -> bool {
 }
 
 /// Whatever ended a lease (its deadline can fall on the drain of a burst that ran long), a
-/// holder seen drained, that launched nothing for [`IDLE`] and has no thread waiting, is idle:
-/// its release says so (`early`), so the arbiter passes the GPU on at once rather than keep it
-/// for a re-request that will not come. A busy tenant at its deadline is either not drained
-/// (work in flight, e.g. waiting in a synchronise) or has a launcher waiting.
-fn idle_at_end(drained_seen: bool, untouched: bool, waiters: u32, since_launch: Duration) -> bool {
-    drained_seen && untouched && waiters == 0 && since_launch >= IDLE
+/// holder drained for long enough, that launched nothing for [`IDLE`] and has no thread
+/// waiting, is idle: its release says so (`early`), so the arbiter passes the GPU on at once
+/// rather than keep it for a re-request that will not come. A busy tenant at its deadline is
+/// either not drained (work in flight, e.g. waiting in a synchronise), has a launcher waiting,
+/// or is in a host-work gap it was seen to take after its drains: `drained_for` (`None`: not
+/// seen drained) must reach `drain_idle` less the shortest drain wait.
+fn idle_at_end(
+    drained_for: Option<Duration>,
+    drain_idle: Duration,
+    untouched: bool,
+    waiters: u32,
+    since_launch: Duration,
+) -> bool {
+    drained_for.is_some_and(|d| d + DRAIN_IDLE >= drain_idle) && untouched && waiters == 0 && since_launch >= IDLE
 }
 
 fn is_capturing(api: Api, handle: usize) -> bool {
@@ -580,6 +629,11 @@ struct Manager {
     gate: &'static Gate,
     /// Leases are local ones (the arbiter could not be reached).
     local: bool,
+    /// How soon this process launches again after a drain.
+    gap: RelaunchGap,
+    /// When the streams drained before the last early hand-back (to learn whether it was
+    /// premature).
+    handed_back: Option<Instant>,
     api: Option<Api>,
     conn: Option<Conn>,
     tracks: Vec<Track>,
@@ -600,6 +654,8 @@ impl Manager {
         Self {
             gate,
             local: false,
+            gap: RelaunchGap::default(),
+            handed_back: None,
             api: api(),
             conn: None,
             tracks: (0..MAX_STREAMS).map(|_| Track::default()).collect(),
@@ -818,6 +874,8 @@ impl Manager {
     /// reports.
     fn run_lease(&mut self, begun: Begun) {
         let Begun { lease_id, duration_ns, start, epoch, first } = begun;
+        self.gap.decay();
+        let drain_idle = self.gap.drain_idle();
         let deadline = start + Duration::from_nanos(duration_ns);
         let mut last_total = u64::MAX;
         let mut last_change = Instant::now();
@@ -900,6 +958,9 @@ impl Manager {
                 last_total = total;
                 last_change = now;
             }
+            if launched && let Some(t) = drained_since {
+                self.gap.observe(now.saturating_duration_since(t));
+            }
             drained_since = match (drained && !launched, drained_since) {
                 (false, _) => None,
                 (true, Some(t)) => Some(t),
@@ -910,7 +971,7 @@ impl Manager {
             }
             let waiters = self.gate.waiters();
             let quiet = waiters == 0 && now.duration_since(last_change) >= IDLE;
-            if quiet && drained_since.is_some_and(|t| now.duration_since(t) >= DRAIN_IDLE) {
+            if quiet && drained_since.is_some_and(|t| now.duration_since(t) >= drain_idle) {
                 early = true;
                 break;
             }
@@ -924,7 +985,7 @@ impl Manager {
             // CPU is occasionally late by milliseconds, and a waiting tenant pays for it.
             (tick, spin) = match drained_since {
                 Some(t) if waiters == 0 => {
-                    let at = (t + DRAIN_IDLE).max(last_change + IDLE);
+                    let at = (t + drain_idle).max(last_change + IDLE);
                     let left = at.saturating_duration_since(now);
                     if left <= SPIN {
                         (left, true)
@@ -972,17 +1033,25 @@ impl Manager {
             self.drain(epoch, start)
         };
         let early = early
-            || idle_at_end(drained_since.is_some(), untouched, self.gate.waiters(), last_change.elapsed());
+            || idle_at_end(
+                drained_since.map(|t| t.elapsed()),
+                drain_idle,
+                untouched,
+                self.gate.waiters(),
+                last_change.elapsed(),
+            );
         if early {
             self.gate.stats.early.fetch_add(1, Ordering::Relaxed);
+            self.handed_back = drained_since;
         }
         self.gate.stats.busy_ns.fetch_add(busy_ns, Ordering::Relaxed);
         self.gate.stats.sync_wakes.fetch_add(sync_wakes, Ordering::Relaxed);
         tlog!(
             Debug,
-            "lease {lease_id:?}: {:.1} ms granted, busy {:.1} ms, early {early}, synchronise wakes {sync_wakes}",
+            "lease {lease_id:?}: {:.1} ms granted, busy {:.1} ms, early {early}, synchronise wakes {sync_wakes}, drain wait {} us",
             duration_ns as f64 / 1e6,
-            busy_ns as f64 / 1e6
+            busy_ns as f64 / 1e6,
+            drain_idle.as_micros()
         );
         if let Some(lease_id) = lease_id
             && let Some(conn) = self.conn.as_mut()
@@ -1101,13 +1170,39 @@ mod tests {
     }
 
     #[test]
+    fn the_drain_wait_follows_the_relaunch_gap() {
+        let mut g = RelaunchGap::default();
+        assert_eq!(g.drain_idle(), DRAIN_IDLE, "nothing learnt: the floor");
+        g.observe(Duration::from_micros(40));
+        assert_eq!(g.drain_idle(), DRAIN_IDLE, "a prompt relaunch keeps the floor");
+        g.observe(Duration::from_micros(600));
+        assert_eq!(g.drain_idle(), Duration::from_micros(1200), "twice the longest recent gap");
+        g.observe(Duration::from_micros(300));
+        assert_eq!(g.drain_idle(), Duration::from_micros(1200), "a shorter gap does not lower it");
+        g.observe(Duration::from_millis(40));
+        assert_eq!(g.drain_idle(), Duration::from_micros(1200), "a real pause is not a gap");
+        g.observe(Duration::from_micros(1500));
+        assert_eq!(g.drain_idle(), MAX_DRAIN_IDLE, "capped");
+        for _ in 0..40 {
+            g.decay();
+        }
+        assert_eq!(g.drain_idle(), DRAIN_IDLE, "forgotten after a few dozen leases");
+    }
+
+    #[test]
     fn a_lease_ending_on_an_idle_holder_is_reported_early() {
         let long = IDLE + Duration::from_micros(1);
-        assert!(idle_at_end(true, true, 0, long), "drained, quiet, nobody waiting");
-        assert!(!idle_at_end(false, true, 0, long), "work in flight (a synchronise pending)");
-        assert!(!idle_at_end(true, false, 0, long), "a credit was taken since the last look");
-        assert!(!idle_at_end(true, true, 1, long), "a launcher waits for the next lease");
-        assert!(!idle_at_end(true, true, 0, IDLE / 2), "launched just now");
+        let now = Some(Duration::ZERO);
+        assert!(idle_at_end(now, DRAIN_IDLE, true, 0, long), "drained, quiet, nobody waiting");
+        assert!(!idle_at_end(None, DRAIN_IDLE, true, 0, long), "work in flight (a synchronise pending)");
+        assert!(!idle_at_end(now, DRAIN_IDLE, false, 0, long), "a credit was taken since the last look");
+        assert!(!idle_at_end(now, DRAIN_IDLE, true, 1, long), "a launcher waits for the next lease");
+        assert!(!idle_at_end(now, DRAIN_IDLE, true, 0, IDLE / 2), "launched just now");
+        // A process seen to work 0.6 ms on the host between its drains and launches (drain
+        // wait 1.2 ms): drained 0.3 ms is its gap, not idleness; drained 1 ms is.
+        let learnt = Duration::from_micros(1200);
+        assert!(!idle_at_end(Some(Duration::from_micros(300)), learnt, true, 0, long));
+        assert!(idle_at_end(Some(Duration::from_millis(1)), learnt, true, 0, long));
     }
 
     #[test]

@@ -125,6 +125,52 @@ fn a_tenant_that_synchronises_after_every_launch_keeps_its_share() {
 }
 
 #[test]
+fn a_tenant_with_host_work_between_steps_keeps_its_share() {
+    // A waits for each kernel, then works 0.6 ms on the host before the next launch (a
+    // training loop reading its loss): longer than the shortest drain wait, so a fixed
+    // threshold would hand the lease back at every step. The gap is learnt instead.
+    let _serial = serial();
+    let bed = Bed::new();
+    let (a_token, _) = bed.create_with(GIB, 50, None);
+    let (b_token, _) = bed.create_with(GIB, 50, None);
+    let a = bed
+        .tenant_command(&python(), &a_token)
+        .arg(script("compute_client.py"))
+        .args(["sync_host", "3", "2"])
+        .env("TESSERA_LOG", "debug")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let b = spawn_client(&bed, &b_token, &["kernel", "3", "2"]);
+    let pids = [a.id(), b.id()];
+    let busy = watch_busy(&bed, &pids, || !pids.iter().any(|&p| alive(p)));
+    let out = a.wait_with_output().unwrap();
+    let a_log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "A failed:\n{a_log}");
+    let _ = finish(b);
+    let leases: Vec<&str> = a_log.lines().filter(|l| l.contains("ms granted")).collect();
+    let early = leases.iter().filter(|l| l.contains("early true")).count();
+    let (ba, bb) = (busy[&pids[0]] as f64, busy[&pids[1]] as f64);
+    let share_a = ba / (ba + bb);
+    eprintln!(
+        "sync + host work vs free-running, 50/50: A's fraction {share_a:.3}; {early} of A's {} leases handed back early",
+        leases.len()
+    );
+    assert!(leases.len() >= 10, "A's leases were not logged:\n{a_log}");
+    // A learns its gap within its first leases; handing back at every step was the failure
+    // (measured: nearly every lease early, fraction 0.35-0.36, against 0.43).
+    assert!(
+        early * 5 <= leases.len(),
+        "A handed back early in {early} of {} leases: its host work looked like idleness",
+        leases.len()
+    );
+    // A's own host work leaves the GPU idle for ~23% of its turns, so its fair fraction of the
+    // busy time is below half.
+    assert!(share_a >= 0.33, "A (share 50, host work between steps) got only {share_a:.3} of the GPU time");
+}
+
+#[test]
 fn a_capped_tenant_alone_stays_under_its_cap() {
     let _serial = serial();
     let bed = Bed::new();
@@ -162,14 +208,19 @@ fn a_lone_tenant_keeps_the_gpu_busy() {
 
 /// Builds `tests/c/launch_ptsz.c` (cuda-bindings never asks for per-thread variants).
 fn build_launch_ptsz(bed: &Bed) -> std::path::PathBuf {
-    let exe = bed.dir.path().join("launch_ptsz");
-    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/launch_ptsz.c");
+    build_c(bed, "launch_ptsz")
+}
+
+/// Builds `tests/c/NAME.c` against the simulated driver.
+fn build_c(bed: &Bed, name: &str) -> std::path::PathBuf {
+    let exe = bed.dir.path().join(name);
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
     let out = std::process::Command::new("cc")
         .arg("-o")
         .arg(&exe)
         .arg(&src)
         .arg(format!("-L{}", bed.lib_dir.display()))
-        .args(["-lcuda", "-ldl"])
+        .args(["-lcuda", "-ldl", "-lpthread"])
         .output()
         .expect("a C compiler (cc) is needed");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -276,7 +327,7 @@ fn every_synchronise_wakes_the_lease_manager() {
         let wakes: Vec<u64> = stderr
             .lines()
             .filter_map(|l| l.split("synchronise wakes ").nth(1))
-            .filter_map(|v| v.trim().parse().ok())
+            .filter_map(|v| v.split(',').next()?.trim().parse().ok())
             .collect();
         let total: u64 = wakes.iter().sum();
         eprintln!("{mode}: {} leases, {total} synchronise wake-ups", wakes.len());
@@ -285,6 +336,27 @@ fn every_synchronise_wakes_the_lease_manager() {
         assert!(total >= 20, "{mode}: only {total} synchronise wake-ups in {} leases", wakes.len());
         bed.admin().delete(&id).unwrap();
     }
+}
+
+#[test]
+fn a_launcher_cancelled_while_waiting_for_a_lease_exits_cleanly() {
+    // The first waiting launcher blocks in `recv` for the grant, a cancellation point: a
+    // `pthread_cancel` acted on there would unwind through the interposer (an abort). It must
+    // wait until the launch returned and the thread reached its own cancellation point.
+    let _serial = serial();
+    let bed = Bed::new();
+    let exe = build_c(&bed, "cancel_launcher");
+    let (a_token, _) = bed.create_with(GIB, 50, None);
+    let (c_token, _) = bed.create_with(GIB, 50, None);
+    let a = spawn_client(&bed, &a_token, &["kernel", "4", "2"]);
+    std::thread::sleep(Duration::from_millis(300));
+    let (status, stdout, stderr) = run(bed.tenant_command(&exe, &c_token).args(["12", "40"]));
+    let _ = finish(a);
+    assert!(status.success(), "the client died: {status:?}\n{stdout}\n{stderr}");
+    let j: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    eprintln!("cancel: {j}");
+    assert_eq!(j["cancelled"], 12, "every launcher thread ends by cancellation: {j}");
+    assert!(j["launches"].as_u64().unwrap() > 0, "the launchers never ran: {j}");
 }
 
 #[test]

@@ -5,7 +5,7 @@ On the simulated GPU a kernel's first parameter (u64) is the nanoseconds it occu
 Usage: compute_client.py MODE SECONDS KERNEL_MS [LINGER_SECONDS]
   MODE is the launch path: kernel | ex | coop | graph | per_thread (CU_STREAM_PER_THREAD) | sync (kernel + cuCtxSynchronize
   after every launch) | sync_stream (+ cuStreamSynchronize) | sync_event (+ cuEventRecord and
-  cuEventSynchronize). Launches as fast as the interposer lets it for SECONDS of wall time, then
+  cuEventSynchronize) | sync_host (+ cuStreamSynchronize, then 0.6 ms of host work). Launches as fast as the interposer lets it for SECONDS of wall time, then
   waits for the GPU; prints one JSON line, then stays alive LINGER_SECONDS (holding nothing).
   `first_done_after` is when the first launch's kernel had completed (sync mode only).
 """
@@ -57,6 +57,13 @@ def main():
         def launch():
             ok(cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, args, 0))
             ok(cu.cuCtxSynchronize())
+    elif mode == "sync_host":
+        def launch():
+            ok(cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, args, 0))
+            ok(cu.cuStreamSynchronize(stream))
+            until = time.perf_counter() + 0.0006
+            while time.perf_counter() < until:
+                pass
     elif mode == "sync_stream":
         def launch():
             ok(cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, args, 0))
