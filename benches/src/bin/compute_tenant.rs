@@ -1,6 +1,7 @@
 //! compute_tenant: the load of the `compute_share` benchmark. A CUDA driver client (loaded the
-//! way the CUDA runtime does it: `dlopen("libcuda.so.1")`, then `cuGetProcAddress_v2`) that
-//! launches kernels of a fixed length on the simulated GPU for a while.
+//! way the CUDA runtime does it, through `tessera_examples::Driver`: `dlopen("libcuda.so.1")`,
+//! then `cuGetProcAddress_v2`) that launches kernels of a fixed length on the simulated GPU for
+//! a while.
 //!
 //! `compute_tenant [--kernel-us N] [--seconds S] [--burst K --idle-ms M]`
 //! - continuous (default): launch kernels back to back, synchronising every few launches so
@@ -13,28 +14,12 @@
 //! launch that had to wait more than 200 us, i.e. for a compute lease, returned), and finally
 //! `launches <n>`.
 
-use std::ffi::{CStr, c_char, c_void};
+use std::ffi::{c_char, c_void};
 use std::io::Write;
 use std::time::{Duration, Instant};
 
+use tessera_examples::{Driver, LaunchKernel, SPIN_PTX};
 use tessera_sim_state::clock::monotonic_ns;
-
-type GetProc = unsafe extern "C" fn(*const c_char, *mut *mut c_void, i32, u64, *mut i32) -> u32;
-type Launch = unsafe extern "C" fn(
-    *mut c_void,
-    u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    *mut c_void,
-    *mut *mut c_void,
-    *mut *mut c_void,
-) -> u32;
-
-const PTX: &CStr = c".version 8.0\n.target sm_90\n.visible .entry spin(.param .u64 ns) { ret; }\n";
 
 struct Args {
     kernel_ns: u64,
@@ -81,43 +66,33 @@ fn main() {
     println!("pid {}", std::process::id());
     let _ = std::io::stdout().flush();
 
-    // SAFETY: loading the driver library (the simulated one, through LD_LIBRARY_PATH).
-    let lib = unsafe { libloading::Library::new("libcuda.so.1") }.unwrap_or_else(|e| {
-        eprintln!("compute_tenant: libcuda.so.1: {e}");
+    let driver = Driver::load().unwrap_or_else(|e| {
+        eprintln!("compute_tenant: {e}");
         std::process::exit(1);
     });
-    // SAFETY: cuGetProcAddress_v2 has the GetProc signature.
-    let get_proc = unsafe { *lib.get::<GetProc>(b"cuGetProcAddress_v2\0").unwrap() };
-    let sym = |name: &CStr, version: i32| -> *mut c_void {
-        let mut p = std::ptr::null_mut();
-        // SAFETY: a valid name and out-pointer.
-        let rc = unsafe { get_proc(name.as_ptr(), &mut p, version, 0, std::ptr::null_mut()) };
-        check(&name.to_string_lossy(), rc);
-        p
-    };
-    // SAFETY: each transmute gives the documented C signature of the named entry point.
+    // SAFETY: each `sym` names the documented C signature of the entry point at that version.
     unsafe {
-        let init: unsafe extern "C" fn(u32) -> u32 = std::mem::transmute(sym(c"cuInit", 2000));
+        let init: unsafe extern "C" fn(u32) -> u32 = driver.sym(c"cuInit", 2000);
         let retain: unsafe extern "C" fn(*mut *mut c_void, i32) -> u32 =
-            std::mem::transmute(sym(c"cuDevicePrimaryCtxRetain", 7000));
+            driver.sym(c"cuDevicePrimaryCtxRetain", 7000);
         let set_current: unsafe extern "C" fn(*mut c_void) -> u32 =
-            std::mem::transmute(sym(c"cuCtxSetCurrent", 4000));
+            driver.sym(c"cuCtxSetCurrent", 4000);
         let load: unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> u32 =
-            std::mem::transmute(sym(c"cuModuleLoadData", 2000));
+            driver.sym(c"cuModuleLoadData", 2000);
         let getf: unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *const c_char) -> u32 =
-            std::mem::transmute(sym(c"cuModuleGetFunction", 2000));
+            driver.sym(c"cuModuleGetFunction", 2000);
         let stream_create: unsafe extern "C" fn(*mut *mut c_void, u32) -> u32 =
-            std::mem::transmute(sym(c"cuStreamCreate", 2000));
+            driver.sym(c"cuStreamCreate", 2000);
         let stream_sync: unsafe extern "C" fn(*mut c_void) -> u32 =
-            std::mem::transmute(sym(c"cuStreamSynchronize", 2000));
-        let launch: Launch = std::mem::transmute(sym(c"cuLaunchKernel", 4000));
+            driver.sym(c"cuStreamSynchronize", 2000);
+        let launch: LaunchKernel = driver.sym(c"cuLaunchKernel", 4000);
 
         check("cuInit", init(0));
         let mut ctx = std::ptr::null_mut();
         check("cuDevicePrimaryCtxRetain", retain(&mut ctx, 0));
         check("cuCtxSetCurrent", set_current(ctx));
         let mut module = std::ptr::null_mut();
-        check("cuModuleLoadData", load(&mut module, PTX.as_ptr().cast()));
+        check("cuModuleLoadData", load(&mut module, SPIN_PTX.as_ptr().cast()));
         let mut func = std::ptr::null_mut();
         check(
             "cuModuleGetFunction",
