@@ -205,8 +205,6 @@ pub struct GateStats {
     pub early: AtomicU64,
     /// Total busy ns reported.
     pub busy_ns: AtomicU64,
-    /// Times a returning synchronise woke the manager watching for a drain.
-    pub sync_wakes: AtomicU64,
 }
 
 /// The process's launch gate.
@@ -1045,7 +1043,6 @@ impl Manager {
             self.handed_back = drained_since;
         }
         self.gate.stats.busy_ns.fetch_add(busy_ns, Ordering::Relaxed);
-        self.gate.stats.sync_wakes.fetch_add(sync_wakes, Ordering::Relaxed);
         tlog!(
             Debug,
             "lease {lease_id:?}: {:.1} ms granted, busy {:.1} ms, early {early}, synchronise wakes {sync_wakes}, drain wait {} us",

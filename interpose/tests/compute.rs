@@ -6,7 +6,7 @@
 mod common;
 
 use std::collections::HashMap;
-use std::process::{Child, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -25,14 +25,15 @@ fn busy_by_pid(bed: &Bed) -> HashMap<u32, u64> {
         .collect()
 }
 
-fn spawn_client(bed: &Bed, token: &str, args: &[&str]) -> Child {
+/// The Python client under the interposer with `token`, output piped.
+fn client(bed: &Bed, token: &str, args: &[&str]) -> Command {
     let mut cmd = bed.tenant_command(&python(), token);
-    cmd.arg(script("compute_client.py"))
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+    cmd.arg(script("compute_client.py")).args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd
+}
+
+fn spawn_client(bed: &Bed, token: &str, args: &[&str]) -> Child {
+    client(bed, token, args).spawn().unwrap()
 }
 
 /// Waits for a client; returns its JSON line.
@@ -133,15 +134,7 @@ fn a_tenant_with_host_work_between_steps_keeps_its_share() {
     let bed = Bed::new();
     let (a_token, _) = bed.create_with(GIB, 50, None);
     let (b_token, _) = bed.create_with(GIB, 50, None);
-    let a = bed
-        .tenant_command(&python(), &a_token)
-        .arg(script("compute_client.py"))
-        .args(["sync_host", "3", "2"])
-        .env("TESSERA_LOG", "debug")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let a = client(&bed, &a_token, &["sync_host", "3", "2"]).env("TESSERA_LOG", "debug").spawn().unwrap();
     let b = spawn_client(&bed, &b_token, &["kernel", "3", "2"]);
     let pids = [a.id(), b.id()];
     let busy = watch_busy(&bed, &pids, || !pids.iter().any(|&p| alive(p)));
@@ -206,12 +199,8 @@ fn a_lone_tenant_keeps_the_gpu_busy() {
     assert!(frac >= 0.8, "gating wasted the GPU: busy {frac:.3}");
 }
 
-/// Builds `tests/c/launch_ptsz.c` (cuda-bindings never asks for per-thread variants).
-fn build_launch_ptsz(bed: &Bed) -> std::path::PathBuf {
-    build_c(bed, "launch_ptsz")
-}
-
-/// Builds `tests/c/NAME.c` against the simulated driver.
+/// Builds `tests/c/NAME.c` against the simulated driver (C clients reach what cuda-bindings
+/// never asks for, such as per-thread variants and `pthread_cancel`).
 fn build_c(bed: &Bed, name: &str) -> std::path::PathBuf {
     let exe = bed.dir.path().join(name);
     let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
@@ -231,7 +220,7 @@ fn build_c(bed: &Bed, name: &str) -> std::path::PathBuf {
 fn every_launch_path_is_gated() {
     let _serial = serial();
     let bed = Bed::new();
-    let exe = build_launch_ptsz(&bed);
+    let exe = build_c(&bed, "launch_ptsz");
     for mode in ["kernel", "ex", "coop", "graph", "per_thread", "c_ptsz"] {
         let (token, id) = bed.create_with(GIB, 10, None);
         let c = if mode == "c_ptsz" {
@@ -306,7 +295,7 @@ fn every_synchronise_wakes_the_lease_manager() {
     // the interposer's per-lease debug line counts those wake-ups.
     let _serial = serial();
     let bed = Bed::new();
-    let exe = build_launch_ptsz(&bed);
+    let exe = build_c(&bed, "launch_ptsz");
     for mode in ["sync", "sync_stream", "sync_event", "c_ptsz"] {
         let (token, id) = bed.create_with(GIB, 10, None);
         let mut cmd = if mode == "c_ptsz" {
@@ -314,9 +303,7 @@ fn every_synchronise_wakes_the_lease_manager() {
             c.args(["0.3", "2", "sync"]);
             c
         } else {
-            let mut c = bed.tenant_command(&python(), &token);
-            c.arg(script("compute_client.py")).args([mode, "0.3", "2"]);
-            c
+            client(&bed, &token, &[mode, "0.3", "2"])
         };
         let (status, stdout, stderr) = run(cmd.env("TESSERA_LOG", "debug"));
         assert!(status.success(), "{mode}: {stdout}\n{stderr}");

@@ -10,21 +10,11 @@
 #include <stdlib.h>
 #include <time.h>
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef void *CUcontext, *CUmodule, *CUfunction, *CUstream;
-CUresult cuInit(unsigned int);
-CUresult cuDeviceGet(CUdevice *, int);
-CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
-CUresult cuCtxSetCurrent(CUcontext);
-CUresult cuCtxSynchronize(void);
-CUresult cuModuleLoadData(CUmodule *, const void *);
-CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
+#include "spin_client.h"
+
 CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                         CUstream, void **, void **);
 
-static const char PTX[] = ".version 8.0\n.target sm_90\n.address_size 64\n"
-                          ".visible .entry spin(.param .u64 ns)\n{\n    ret;\n}\n";
 static CUcontext ctx;
 static CUfunction fn;
 static long launches;
@@ -45,10 +35,7 @@ static void *launcher(void *arg) {
 int main(int argc, char **argv) {
     int rounds = atoi(argv[1]);
     long ms = atol(argv[2]);
-    CUdevice dev;
-    CUmodule mod;
-    if (cuInit(0) || cuDeviceGet(&dev, 0) || cuDevicePrimaryCtxRetain(&ctx, dev) || cuCtxSetCurrent(ctx) ||
-        cuModuleLoadData(&mod, PTX) || cuModuleGetFunction(&fn, mod, "spin")) {
+    if (spin_setup(&ctx, &fn)) {
         printf("{\"error\": \"setup\"}\n");
         return 1;
     }

@@ -10,23 +10,12 @@
 #include <string.h>
 #include <time.h>
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef void *CUcontext, *CUmodule, *CUfunction, *CUstream;
-CUresult cuInit(unsigned int);
-CUresult cuDeviceGet(CUdevice *, int);
-CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
-CUresult cuCtxSetCurrent(CUcontext);
-CUresult cuCtxSynchronize(void);
-CUresult cuModuleLoadData(CUmodule *, const void *);
-CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
+#include "spin_client.h"
+
 CUresult cuGetProcAddress_v2(const char *, void **, int, unsigned long long, int *);
 typedef CUresult (*sync_t)(CUstream);
 typedef CUresult (*launch_t)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                              unsigned, CUstream, void **, void **);
-
-static const char PTX[] = ".version 8.0\n.target sm_90\n.address_size 64\n"
-                          ".visible .entry spin(.param .u64 ns)\n{\n    ret;\n}\n";
 
 static double now(void) {
     struct timespec t;
@@ -37,12 +26,9 @@ static double now(void) {
 int main(int argc, char **argv) {
     double seconds = atof(argv[1]);
     unsigned long long ns = (unsigned long long)(atof(argv[2]) * 1e6);
-    CUdevice dev;
     CUcontext ctx;
-    CUmodule mod;
     CUfunction fn;
-    if (cuInit(0) || cuDeviceGet(&dev, 0) || cuDevicePrimaryCtxRetain(&ctx, dev) || cuCtxSetCurrent(ctx) ||
-        cuModuleLoadData(&mod, PTX) || cuModuleGetFunction(&fn, mod, "spin")) {
+    if (spin_setup(&ctx, &fn)) {
         printf("{\"error\": \"setup\"}\n");
         return 1;
     }
