@@ -134,7 +134,22 @@ impl Conn {
         Err(ConnError::WouldBlock)
     }
 
-    fn send_blocking<T: Serialize>(&mut self, msg: &T) -> Result<(), ConnError> {
+    /// Receives one reply (or an unasked frame, on a pressure channel).
+    pub fn recv_reply(&mut self) -> Result<TenantReply, ConnError> {
+        let _no_cancel = NoCancel::new();
+        self.recv()
+    }
+
+    /// True when a whole frame is already buffered (read from the socket, not yet decoded).
+    pub fn has_buffered_frame(&self) -> bool {
+        self.rlen >= HEADER_LEN && {
+            let len = u32::from_le_bytes(self.rbuf[..HEADER_LEN].try_into().expect("4 bytes")) as usize;
+            self.rlen >= HEADER_LEN + len
+        }
+    }
+
+    /// Sends one frame, blocking until it is written (bounded by the connection's timeout).
+    pub fn send_blocking<T: Serialize>(&mut self, msg: &T) -> Result<(), ConnError> {
         let (buf, len) = encode(msg)?;
         self.send_all(&buf[..len])
     }

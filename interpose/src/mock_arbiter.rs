@@ -23,6 +23,10 @@ pub struct Books {
     pub per_conn: HashMap<u64, u64>,
     /// Requests seen, in order.
     pub log: Vec<TenantRequest>,
+    /// Pressure channels: memory connection -> the channel's stream.
+    pub channels: HashMap<u64, UnixStream>,
+    /// Answers to pressure: (seq, bytes).
+    pub relinquished: Vec<(u64, u64)>,
 }
 
 /// A running mock arbiter.
@@ -84,6 +88,28 @@ impl MockArbiter {
         self.books.lock().unwrap().log.clone()
     }
 
+    /// Presses every pressure channel with `seq` and waits for all answers; returns the bytes
+    /// given back.
+    pub fn press_all(&self, seq: u64) -> u64 {
+        let n = {
+            let b = self.books.lock().unwrap();
+            for mut ch in b.channels.values() {
+                write_frame(&mut ch, &TenantReply::Pressure { seq }).unwrap();
+            }
+            b.channels.len()
+        };
+        self.wait_for("relinquish", |a| {
+            a.books.lock().unwrap().relinquished.iter().filter(|(s, _)| *s == seq).count() == n
+        });
+        let b = self.books.lock().unwrap();
+        b.relinquished.iter().filter(|(s, _)| *s == seq).map(|(_, bytes)| bytes).sum()
+    }
+
+    /// Open pressure channels.
+    pub fn channels(&self) -> usize {
+        self.books.lock().unwrap().channels.len()
+    }
+
     /// Waits until `f` holds (or panics after 5 s).
     pub fn wait_for(&self, what: &str, f: impl Fn(&Self) -> bool) {
         let end = Instant::now() + Duration::from_secs(5);
@@ -136,12 +162,45 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
         books.lock().unwrap().per_conn.remove(&id);
         return;
     }
+    // Set when this connection is the pressure channel of connection `channel_of`.
+    let mut channel_of = None;
     while let Ok(req) = read_frame::<_, TenantRequest>(&mut stream) {
         let reply = {
             let mut b = books.lock().unwrap();
             b.log.push(req.clone());
             let total: u64 = b.per_conn.values().sum();
-            let mine = b.per_conn.get_mut(&id).expect("own entry");
+            match req {
+                TenantRequest::Subscribe { ticket } => {
+                    b.channels.insert(ticket, stream.try_clone().unwrap());
+                    // A channel is not a process: it holds nothing and is not counted.
+                    b.per_conn.remove(&id);
+                    channel_of = Some(ticket);
+                    Some(TenantReply::Subscribed)
+                }
+                TenantRequest::Relinquish { seq, bytes } => {
+                    let mem = channel_of.expect("relinquish on a channel");
+                    if let Some(held) = b.per_conn.get_mut(&mem) {
+                        *held = held.saturating_sub(bytes);
+                    }
+                    b.relinquished.push((seq, bytes));
+                    None
+                }
+                req => serve_one(req, &mut b, id, total, limit),
+            }
+        };
+        if let Some(r) = reply
+            && write_frame(&mut stream, &r).is_err()
+        {
+            break;
+        }
+    }
+    let mut b = books.lock().unwrap();
+    b.per_conn.remove(&id);
+    b.channels.remove(&id);
+}
+
+fn serve_one(req: TenantRequest, b: &mut Books, id: u64, total: u64, limit: u64) -> Option<TenantReply> {
+    let mine = b.per_conn.get_mut(&id).expect("own entry");
             match req {
                 TenantRequest::Reserve { bytes } => {
                     if total + bytes <= limit {
@@ -159,16 +218,19 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
                     *mine = bytes;
                     Some(TenantReply::Reserved { in_use: total + bytes })
                 }
+                TenantRequest::ReserveCredit { bytes, extra } => {
+                    if total + bytes <= limit {
+                        let granted = bytes + extra.min((limit - total - bytes) / 2);
+                        *mine += granted;
+                        Some(TenantReply::Granted { bytes: granted, in_use: total + granted })
+                    } else {
+                        Some(TenantReply::Denied { limit, in_use: total })
+                    }
+                }
+                // The ticket is the connection's own number.
+                TenantRequest::Ticket => Some(TenantReply::Ticket { ticket: id }),
                 TenantRequest::MemInfo => Some(TenantReply::MemInfo { limit, in_use: total }),
                 TenantRequest::Ping => Some(TenantReply::Pong),
                 other => Some(TenantReply::Error { message: format!("mock does not serve {other:?}") }),
             }
-        };
-        if let Some(r) = reply
-            && write_frame(&mut stream, &r).is_err()
-        {
-            break;
-        }
-    }
-    books.lock().unwrap().per_conn.remove(&id);
 }

@@ -1,5 +1,6 @@
-//! The process's session with the arbiter: lazy connection, reservations, one-way releases,
-//! reconnection with `Redeclare`, and the policy while the arbiter is down.
+//! The process's session with the arbiter: lazy connection, reservations with memory credit,
+//! one-way releases, the pressure channel, reconnection with `Redeclare`, and the policy while
+//! the arbiter is down.
 //!
 //! Behaviour while the arbiter is unreachable (documented in docs/interposer.md):
 //! - an allocation waits up to [`Policy::outage_wait`] (5 s) for the arbiter to come back,
@@ -13,15 +14,18 @@
 //! - an arbiter that refuses the token fails allocations at once (no waiting) and is retried
 //!   after a pause.
 //!
-//! Locking: `held` changes only under the link lock, which also serialises frames on the
-//! socket. A free takes no lock and makes no system call on its own: it adds to
-//! `pending_release`. The next request carries the pending `Release` in the same `send`, and
-//! the watcher thread flushes it on its own within [`Policy::release_delay`] (1 ms) when no
-//! request comes, so the arbiter's ledger lags a free by at most about a millisecond.
-//!
-//! Netting: an allocation covered by releases not announced yet takes its bytes out of
-//! `pending_release` and makes no request: the arbiter still counts those bytes for this
-//! connection, so its ledger never falls below what is live.
+//! Credit: `held` is what the arbiter counts for this process; `credit` is the part of it
+//! that is not allocated (frees not announced, and room granted ahead of need). An allocation
+//! no larger than the credit takes it locally (one compare-and-swap, no round trip); a free
+//! adds to it (one atomic add, no system call). A larger allocation puts all the credit
+//! towards its request (`ReserveCredit { bytes: request - credit, extra }`), so the arbiter is
+//! asked only for what is missing, plus a granule of credit for the next ones. So that credit
+//! never causes a false out-of-memory in a sibling process, each process subscribes a second
+//! connection as its *pressure channel*: before refusing anyone, the arbiter sends `Pressure`
+//! there, and the watcher thread answers at once with `Relinquish`, giving back every unused
+//! byte. A pressed process keeps no credit for a while ([`PRESSED_FOR`]); an idle one returns
+//! its credit after a quiet tick; the watcher returns credit above [`Session::keep`] after the
+//! release delay.
 
 use std::os::fd::RawFd;
 use std::path::PathBuf;
@@ -47,11 +51,15 @@ pub struct Policy {
     pub backoff_max: Duration,
     /// Pause before retrying after the arbiter refused the token.
     pub refused_pause: Duration,
-    /// Start a watcher thread that reconnects after the arbiter closes the socket and flushes
-    /// deferred releases. Without it, every free sends its `Release` at once.
+    /// Start a watcher thread that reconnects after the arbiter closes the socket, flushes
+    /// deferred releases and answers pressure. Without it, every free sends its `Release` at
+    /// once and the process holds no credit.
     pub watch: bool,
-    /// Longest time a free's `Release` waits for a request to ride along with.
+    /// Longest time a free above the kept credit waits before its `Release` is sent.
     pub release_delay: Duration,
+    /// How often the watcher looks at an idle process; credit untouched for a whole tick is
+    /// given back.
+    pub tick: Duration,
 }
 
 impl Default for Policy {
@@ -64,8 +72,22 @@ impl Default for Policy {
             refused_pause: Duration::from_secs(1),
             watch: true,
             release_delay: Duration::from_millis(1),
+            tick: Duration::from_millis(100),
         }
     }
+}
+
+/// How long after a `Pressure` the process asks for no credit and keeps none: its siblings
+/// need the room.
+pub const PRESSED_FOR: Duration = Duration::from_millis(50);
+
+/// Smallest and largest credit granule (what a round trip asks for on top of the request).
+const GRANULE_MIN: u64 = 2 << 20;
+const GRANULE_MAX: u64 = 512 << 20;
+
+/// The credit granule of an allocation with `limit` bytes: 1/32 of it, within bounds.
+pub fn granule(limit: u64) -> u64 {
+    (limit / 32).clamp(GRANULE_MIN, GRANULE_MAX)
 }
 
 /// Why a reservation was not granted.
@@ -86,8 +108,6 @@ pub enum SessionError {
 
 struct Link {
     conn: Option<Conn>,
-    /// Bytes this process holds as the arbiter should see them.
-    held: u64,
     next_attempt: Instant,
     backoff: Duration,
     refused: bool,
@@ -104,18 +124,27 @@ pub struct Session {
     token: String,
     policy: Policy,
     link: Mutex<Link>,
-    pending_release: AtomicU64,
+    /// Bytes the arbiter counts for this process (allocated plus credit).
+    held: AtomicU64,
+    /// Unused part of `held`: frees not announced and room granted ahead of need.
+    credit: AtomicU64,
     conn_fd: AtomicI32,
     limit: AtomicU64,
     limit_known: AtomicBool,
     last_in_use: AtomicU64,
-    held_view: AtomicU64,
     /// The watcher's eventfd (-1 until it runs): a free that finds the watcher armed wakes it.
     wake_fd: AtomicI32,
     /// True while the watcher waits and no wake-up is on its way.
     armed: AtomicBool,
     /// `Link::generation`, readable without the lock (the watcher checks it every round).
     generation: AtomicU64,
+    /// The pressure channel (read and written by the watcher only, set up under the link lock).
+    channel: Mutex<Option<Conn>>,
+    /// Its socket, -1 without one: credit is kept only while a channel can give it back.
+    channel_fd: AtomicI32,
+    /// When the last `Pressure` came, ms since `origin` (0: never).
+    pressed_ms: AtomicU64,
+    origin: Instant,
 }
 
 impl std::fmt::Debug for Session {
@@ -140,7 +169,6 @@ impl Session {
             policy,
             link: Mutex::new(Link {
                 conn: None,
-                held: 0,
                 next_attempt: Instant::now(),
                 backoff: policy.backoff_min,
                 refused: false,
@@ -149,22 +177,30 @@ impl Session {
                 warned_down: false,
                 watcher_started: false,
             }),
-            pending_release: AtomicU64::new(0),
+            held: AtomicU64::new(0),
+            credit: AtomicU64::new(0),
             conn_fd: AtomicI32::new(-1),
             limit: AtomicU64::new(0),
             limit_known: AtomicBool::new(false),
             last_in_use: AtomicU64::new(0),
-            held_view: AtomicU64::new(0),
             wake_fd: AtomicI32::new(-1),
             armed: AtomicBool::new(false),
             generation: AtomicU64::new(0),
+            channel: Mutex::new(None),
+            channel_fd: AtomicI32::new(-1),
+            pressed_ms: AtomicU64::new(0),
+            origin: Instant::now(),
         }
     }
 
-    /// Bytes this process holds (reserved and not yet released).
+    /// Bytes this process has allocated (held at the arbiter, less unused credit).
     pub fn held(&self) -> u64 {
-        self.held_view.load(Ordering::Acquire)
-            .saturating_sub(self.pending_release.load(Ordering::Acquire))
+        self.held.load(Ordering::Acquire).saturating_sub(self.credit.load(Ordering::Acquire))
+    }
+
+    /// Unused credit: bytes the arbiter counts for this process that it has not allocated.
+    pub fn credit(&self) -> u64 {
+        self.credit.load(Ordering::Acquire)
     }
 
     /// The allocation's limit, if a `Welcome` was ever received.
@@ -177,35 +213,92 @@ impl Session {
         self.conn_fd.load(Ordering::Acquire) >= 0
     }
 
-    /// Reserves `bytes`: at the arbiter (one round trip), or locally when this process freed at
-    /// least as much and has not announced it yet (see [`Session::net_pending`]). Waits for an
-    /// unreachable arbiter up to the outage bound. Returns the allocation's bytes in use as last
-    /// reported by the arbiter (after a netted reservation: the last known figure, which
-    /// already counted the reused bytes).
+    /// True while a pressure channel is open (credit can be given back on demand).
+    pub fn has_channel(&self) -> bool {
+        self.channel_fd.load(Ordering::Acquire) >= 0
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.origin.elapsed().as_millis() as u64 + 1
+    }
+
+    /// True within [`PRESSED_FOR`] of a `Pressure` (the watcher clears the mark afterwards,
+    /// so the free path reads no clock).
+    fn pressed_recently(&self) -> bool {
+        self.pressed_ms.load(Ordering::Relaxed) != 0
+    }
+
+    fn pressure_expired(&self) -> bool {
+        let at = self.pressed_ms.load(Ordering::Relaxed);
+        at != 0 && self.now_ms().saturating_sub(at) >= PRESSED_FOR.as_millis() as u64
+    }
+
+    /// Credit this process keeps after frees (more is given back after the release delay):
+    /// two granules while it has a pressure channel and was not pressed lately, else none.
+    pub fn keep(&self) -> u64 {
+        if !self.has_channel() || self.pressed_recently() {
+            return 0;
+        }
+        2 * granule(self.limit.load(Ordering::Relaxed))
+    }
+
+    /// Credit asked for on top of a request that makes a round trip.
+    fn extra(&self) -> u64 {
+        if !self.has_channel() || self.pressed_recently() {
+            return 0;
+        }
+        granule(self.limit.load(Ordering::Relaxed))
+    }
+
+    /// Reserves `bytes`: locally from the credit when it covers them, else at the arbiter
+    /// (one round trip, the credit counted towards the request). Waits for an unreachable
+    /// arbiter up to the outage bound. Returns the allocation's bytes in use as last reported
+    /// by the arbiter.
     pub fn reserve(&'static self, bytes: u64) -> Result<u64, SessionError> {
-        if self.net_pending(bytes) {
+        if self.take_credit(bytes) {
             return Ok(self.last_in_use.load(Ordering::Acquire));
         }
         self.request(true, |s, link| {
-            let release = s.take_pending(link);
+            // All the credit goes towards this request: the arbiter is asked for the rest.
+            let credit = s.credit.swap(0, Ordering::SeqCst);
+            if credit >= bytes {
+                // Frees of other threads arrived meanwhile.
+                s.credit.fetch_add(credit - bytes, Ordering::SeqCst);
+                return Some(Ok(s.last_in_use.load(Ordering::Acquire)));
+            }
+            let need = bytes - credit;
+            let extra = s.extra();
+            let req = if extra == 0 {
+                TenantRequest::Reserve { bytes: need }
+            } else {
+                TenantRequest::ReserveCredit { bytes: need, extra }
+            };
             let conn = link.conn.as_mut().expect("connected");
-            match conn.call_after_release(release, &TenantRequest::Reserve { bytes }) {
-                Ok(TenantReply::Reserved { in_use }) => {
-                    link.held = link.held.saturating_add(bytes);
-                    s.held_view.store(link.held, Ordering::Release);
-                    s.last_in_use.store(in_use, Ordering::Release);
-                    Some(Ok(in_use))
-                }
+            let answer = conn.call(&req);
+            let granted = match &answer {
+                Ok(TenantReply::Reserved { in_use }) => Some((need, *in_use)),
+                Ok(TenantReply::Granted { bytes: g, in_use }) if *g >= need => Some((*g, *in_use)),
+                _ => None,
+            };
+            if let Some((g, in_use)) = granted {
+                s.held.fetch_add(g, Ordering::SeqCst);
+                s.credit.fetch_add(g - need, Ordering::SeqCst);
+                s.last_in_use.store(in_use, Ordering::Release);
+                return Some(Ok(in_use));
+            }
+            // Not granted: the credit is still ours.
+            s.credit.fetch_add(credit, Ordering::SeqCst);
+            match answer {
                 Ok(TenantReply::Denied { limit, in_use }) => {
                     s.last_in_use.store(in_use, Ordering::Release);
                     Some(Err(SessionError::Denied { limit, in_use }))
                 }
                 Ok(TenantReply::Error { message }) => {
-                    tlog!(Warn, "arbiter could not reserve {bytes} bytes: {message}");
+                    tlog!(Warn, "arbiter could not reserve {need} bytes: {message}");
                     Some(Err(SessionError::Unavailable))
                 }
                 Ok(other) => {
-                    tlog!(Warn, "unexpected reply to Reserve: {other:?}");
+                    tlog!(Warn, "unexpected reply to {req:?}: {other:?}");
                     None
                 }
                 Err(e) => {
@@ -216,52 +309,53 @@ impl Session {
         })?
     }
 
-    /// Netting: when the releases this process has not announced yet cover `bytes`, takes
-    /// `bytes` out of them and grants the reservation without asking the arbiter. The arbiter
-    /// still counts those bytes as held by this connection (their `Release` was never sent),
-    /// so its ledger stays at least what is live and the limit holds exactly; `held` rises by
-    /// `bytes` as `pending_release` falls. A free followed by an allocation of no more than
-    /// it freed (what frameworks' caching allocators do) thus costs no round trip at all.
-    fn net_pending(&self, bytes: u64) -> bool {
-        let mut pending = self.pending_release.load(Ordering::SeqCst);
-        while bytes > 0 && pending >= bytes {
-            match self.pending_release.compare_exchange_weak(
-                pending,
-                pending - bytes,
+    /// Takes `bytes` out of the credit when it covers them (one compare-and-swap): the arbiter
+    /// already counts them for this process, so the allocation needs no round trip and the
+    /// limit still holds exactly. A free followed by an allocation of no more than it freed
+    /// (what frameworks' caching allocators do) thus costs no round trip at all.
+    fn take_credit(&self, bytes: u64) -> bool {
+        let mut credit = self.credit.load(Ordering::SeqCst);
+        while bytes > 0 && credit >= bytes {
+            match self.credit.compare_exchange_weak(
+                credit,
+                credit - bytes,
                 Ordering::SeqCst,
                 Ordering::SeqCst,
             ) {
                 Ok(_) => return true,
-                Err(now) => pending = now,
+                Err(now) => credit = now,
             }
         }
         false
     }
 
-    /// Returns `bytes` to the arbiter: one-way, never waits, never fails. The `Release` rides
-    /// along with the next request or is flushed by the watcher within the release delay.
-    /// While disconnected it is applied locally and the reconnection's `Redeclare` reflects it.
+    /// Returns `bytes` (a free, or a failed driver call): one atomic add, never waits, never
+    /// fails. The bytes become credit; what exceeds [`Session::keep`] is announced by the
+    /// watcher within the release delay. While disconnected it is applied locally and the
+    /// reconnection's `Redeclare` reflects it.
     pub fn release(&'static self, bytes: u64) {
         if bytes == 0 {
             return;
         }
-        self.pending_release.fetch_add(bytes, Ordering::SeqCst);
+        let credit = self.credit.fetch_add(bytes, Ordering::SeqCst) + bytes;
         let fd = self.wake_fd.load(Ordering::Acquire);
         if fd < 0 {
             // No watcher: send now.
             self.try_flush();
-        } else if self.armed.swap(false, Ordering::AcqRel) {
+        } else if credit > self.keep() && self.armed.swap(false, Ordering::AcqRel) {
             let one: u64 = 1;
             // SAFETY: writing 8 bytes from a live u64 to the watcher's eventfd.
             let _ = unsafe { libc::write(fd, (&raw const one).cast(), 8) };
         }
     }
 
-    /// The allocation's `(limit, in_use)`. Asks the arbiter when connected; otherwise answers
-    /// from the last known values without waiting; waits only while no limit is known yet.
+    /// The allocation's `(limit, in_use)`, exact: this process's credit is given back first
+    /// and the arbiter takes back the other processes' before it answers. Asks the arbiter
+    /// when connected; otherwise answers from the last known values without waiting; waits
+    /// only while no limit is known yet.
     pub fn mem_info(&'static self) -> Option<(u64, u64)> {
         let asked = self.request(false, |s, link| {
-            let release = s.take_pending(link);
+            let release = s.drop_credit();
             let conn = link.conn.as_mut().expect("connected");
             match conn.call_after_release(release, &TenantRequest::MemInfo) {
                 Ok(TenantReply::MemInfo { limit, in_use }) => {
@@ -357,31 +451,48 @@ impl Session {
         r
     }
 
-    /// Flushes pending releases if the lock is free; otherwise its holder will.
+    /// Announces credit above what is kept if the lock is free; otherwise its holder will.
     fn try_flush(&'static self) {
-        while self.pending_release.load(Ordering::SeqCst) != 0 {
+        while self.credit.load(Ordering::SeqCst) > self.keep() {
             let mut link = match self.link.try_lock() {
                 Ok(l) => l,
                 Err(TryLockError::Poisoned(p)) => p.into_inner(),
                 Err(TryLockError::WouldBlock) => return,
             };
-            self.flush_locked(&mut link);
+            self.flush_locked(&mut link, self.keep());
         }
     }
 
-    /// Applies pending releases to `held`; returns the bytes to announce to the arbiter.
-    fn take_pending(&self, link: &mut Link) -> u64 {
-        let bytes = self.pending_release.swap(0, Ordering::SeqCst);
+    /// Takes all the credit out of `held`; returns it (the bytes to announce, if connected).
+    fn drop_credit(&self) -> u64 {
+        let bytes = self.credit.swap(0, Ordering::SeqCst);
         if bytes > 0 {
-            link.held = link.held.saturating_sub(bytes);
-            self.held_view.store(link.held, Ordering::Release);
+            self.held.fetch_sub(bytes, Ordering::SeqCst);
         }
         bytes
     }
 
-    /// Sends pending releases as one `Release` frame, now.
-    fn flush_locked(&'static self, link: &mut Link) {
-        let bytes = self.take_pending(link);
+    /// Takes the credit above `keep` out of `held`; returns it.
+    fn drop_credit_above(&self, keep: u64) -> u64 {
+        let mut credit = self.credit.load(Ordering::SeqCst);
+        loop {
+            if credit <= keep {
+                return 0;
+            }
+            match self.credit.compare_exchange_weak(credit, keep, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(_) => {
+                    let bytes = credit - keep;
+                    self.held.fetch_sub(bytes, Ordering::SeqCst);
+                    return bytes;
+                }
+                Err(now) => credit = now,
+            }
+        }
+    }
+
+    /// Sends the credit above `keep` as one `Release` frame, now.
+    fn flush_locked(&'static self, link: &mut Link, keep: u64) {
+        let bytes = self.drop_credit_above(keep);
         if bytes == 0 {
             return;
         }
@@ -394,14 +505,21 @@ impl Session {
     }
 
     fn drop_conn(&self, link: &mut Link) {
-        // Closing is all the arbiter needs to release this connection's ledger.
+        // Closing is all the arbiter needs to release this connection's ledger (credit too).
         link.conn = None;
         self.conn_fd.store(-1, Ordering::Release);
+        self.close_channel();
         let now = Instant::now();
         link.next_attempt = now + link.backoff.min(self.policy.backoff_min);
     }
 
-    /// Connects if needed (respecting the backoff); on a new connection re-declares `held`.
+    fn close_channel(&self) {
+        self.channel_fd.store(-1, Ordering::Release);
+        *self.channel.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// Connects if needed (respecting the backoff); on a new connection re-declares what is
+    /// allocated and opens the pressure channel.
     fn ensure_connected(&'static self, link: &mut Link, now: Instant) -> bool {
         if link.conn.is_some() {
             return true;
@@ -417,12 +535,13 @@ impl Session {
             link.next_attempt = now + self.policy.refused_pause;
             return false;
         };
-        // Frees made while disconnected are in `held` already; nothing to announce.
-        self.take_pending(link);
+        // Credit died with the old connection: only what is allocated is re-declared.
+        self.drop_credit();
+        let held = self.held.load(Ordering::SeqCst);
         let attempt = Conn::connect(path, &self.token, Some(self.policy.rpc_timeout)).and_then(
             |(mut conn, view)| {
-                if link.held > 0 {
-                    match conn.call(&TenantRequest::Redeclare { bytes: link.held })? {
+                if held > 0 {
+                    match conn.call(&TenantRequest::Redeclare { bytes: held })? {
                         TenantReply::Reserved { in_use } => {
                             self.last_in_use.store(in_use, Ordering::Release)
                         }
@@ -433,12 +552,15 @@ impl Session {
             },
         );
         match attempt {
-            Ok((conn, view)) => {
+            Ok((mut conn, view)) => {
                 self.limit.store(view.memory_limit, Ordering::Release);
                 self.limit_known.store(true, Ordering::Release);
+                if self.policy.watch {
+                    self.open_channel(path, &mut conn);
+                }
                 self.conn_fd.store(conn.fd(), Ordering::Release);
                 if link.ever_connected {
-                    tlog!(Info, "reconnected to the arbiter; re-declared {} bytes", link.held);
+                    tlog!(Info, "reconnected to the arbiter; re-declared {held} bytes");
                 } else {
                     tlog!(Debug, "connected to the arbiter: allocation {} limit {}", view.id, view.memory_limit);
                 }
@@ -473,29 +595,116 @@ impl Session {
         }
     }
 
-    /// One round of the watcher thread: waits up to `tick` for a free to ask for a flush;
-    /// flushes deferred releases after the release delay; checks (without waiting on it) whether
-    /// the arbiter closed the socket, and reconnects (and re-declares) if so.
+    /// Opens the pressure channel for memory connection `mem`: a ticket on `mem`, a second
+    /// connection that subscribes with it. Done before any credit is taken, so every byte of
+    /// credit can be pressed back. Without it the process simply keeps no credit.
+    fn open_channel(&self, path: &std::path::Path, mem: &mut Conn) {
+        self.close_channel();
+        let opened = (|| {
+            let ticket = match mem.call(&TenantRequest::Ticket)? {
+                TenantReply::Ticket { ticket } => ticket,
+                other => return Err(ConnError::Frame(format!("Ticket answered {other:?}"))),
+            };
+            let (mut ch, _) = Conn::connect(path, &self.token, Some(self.policy.rpc_timeout))?;
+            ch.send_blocking(&TenantRequest::Subscribe { ticket })?;
+            loop {
+                match ch.recv_reply()? {
+                    TenantReply::Subscribed => return Ok(ch),
+                    // Pressed before the answer: nothing is held as credit yet.
+                    TenantReply::Pressure { seq } => {
+                        ch.send_blocking(&TenantRequest::Relinquish { seq, bytes: 0 })?
+                    }
+                    other => return Err(ConnError::Frame(format!("Subscribe answered {other:?}"))),
+                }
+            }
+        })();
+        match opened {
+            Ok(ch) => {
+                self.channel_fd.store(ch.fd(), Ordering::Release);
+                *self.channel.lock().unwrap_or_else(|e| e.into_inner()) = Some(ch);
+            }
+            Err(e) => tlog!(Info, "no pressure channel ({e}); this process keeps no memory credit"),
+        }
+    }
+
+    /// Answers every `Pressure` waiting on the channel: all unused credit goes back at once.
+    fn answer_pressure(&'static self) {
+        let mut guard = self.channel.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(ch) = guard.as_mut() else { return };
+        loop {
+            let seq = match ch.recv_reply() {
+                Ok(TenantReply::Pressure { seq }) => seq,
+                Ok(other) => {
+                    tlog!(Warn, "unexpected frame on the pressure channel: {other:?}");
+                    break;
+                }
+                Err(e) => {
+                    tlog!(Info, "pressure channel lost: {e}");
+                    break;
+                }
+            };
+            self.pressed_ms.store(self.now_ms(), Ordering::Relaxed);
+            let bytes = self.drop_credit();
+            if let Err(e) = ch.send_nowait(&TenantRequest::Relinquish { seq, bytes }) {
+                tlog!(Info, "pressure channel lost while relinquishing: {e}");
+                break;
+            }
+            if !ch.has_buffered_frame() && !wait_readable(ch.fd(), Duration::ZERO) {
+                return;
+            }
+        }
+        // A broken channel: the process keeps no credit until the next connection opens one.
+        *guard = None;
+        self.channel_fd.store(-1, Ordering::Release);
+    }
+
+    /// One round of the watcher thread: waits up to the tick for a free above the kept credit
+    /// or a `Pressure`; answers pressure at once; announces credit above what is kept after
+    /// the release delay; gives back credit left untouched for a whole tick; checks (without
+    /// waiting on it) whether the arbiter closed the socket, and reconnects (and re-declares)
+    /// if so.
     ///
-    /// The socket itself is only polled with a zero timeout: a thread blocked in `poll` on it
-    /// would be woken by every frame that passes (two context switches per request).
-    pub fn watch_once(&'static self, tick: Duration) {
+    /// The memory socket itself is only polled with a zero timeout: a thread blocked in `poll`
+    /// on it would be woken by every frame that passes (two context switches per request).
+    pub fn watch_once(&'static self) {
         let generation = self.generation.load(Ordering::Acquire);
-        // Arm before looking at pending releases: a free after this point wakes us again.
+        let before = self.credit.load(Ordering::SeqCst);
+        // Arm before looking at the credit: a free after this point wakes us again.
         self.armed.store(true, Ordering::Release);
-        let woken = self.pending_release.load(Ordering::SeqCst) != 0
-            || wait_readable(self.wake_fd.load(Ordering::Acquire), tick);
+        if self.pressure_expired() {
+            self.pressed_ms.store(0, Ordering::Relaxed);
+        }
+        let (woken, mut pressed) = if before > self.keep() {
+            (true, false)
+        } else {
+            wait_either(self.wake_fd.load(Ordering::Acquire), self.channel_fd.load(Ordering::Acquire), self.policy.tick)
+        };
+        if pressed {
+            self.answer_pressure();
+        }
         if woken {
             self.drain_wake_fd();
-            // Give a request the chance to carry the release; then send it on its own. When a
-            // request did carry it, there is nothing left and the link lock is not touched: a
-            // watcher blocking on the lock held across a round trip costs the caller two
-            // extra context switches.
-            std::thread::sleep(self.policy.release_delay);
-            if self.pending_release.load(Ordering::SeqCst) != 0 {
-                let mut link = self.lock();
-                self.flush_locked(&mut link);
+            // Give the process the chance to allocate the freed bytes again; a pressure that
+            // comes meanwhile is answered at once.
+            let end = Instant::now() + self.policy.release_delay;
+            loop {
+                let left = end.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                (_, pressed) = wait_either(-1, self.channel_fd.load(Ordering::Acquire), left);
+                if pressed {
+                    self.answer_pressure();
+                }
             }
+            if self.credit.load(Ordering::SeqCst) > self.keep() {
+                let mut link = self.lock();
+                self.flush_locked(&mut link, self.keep());
+            }
+        } else if !pressed && before > 0 && self.credit.load(Ordering::SeqCst) == before {
+            // Quiet for a whole tick: an idle process holds no credit.
+            let mut link = self.lock();
+            self.flush_locked(&mut link, 0);
         }
         let fd = self.conn_fd.load(Ordering::Acquire);
         if hung_up(fd) {
@@ -511,7 +720,7 @@ impl Session {
             !link.ever_connected || link.conn.is_some() || self.ensure_connected(&mut link, Instant::now())
         };
         if !reconnected {
-            std::thread::sleep(tick.min(self.policy.backoff_max));
+            std::thread::sleep(self.policy.tick.min(self.policy.backoff_max));
         }
     }
 
@@ -524,8 +733,9 @@ impl Session {
         }
     }
 
-    /// Starts the thread that flushes deferred releases and notices the arbiter closing the
-    /// socket (so an idle process's memory is re-declared after an arbiter restart).
+    /// Starts the thread that flushes deferred releases, answers pressure and notices the
+    /// arbiter closing the socket (so an idle process's memory is re-declared after an arbiter
+    /// restart).
     fn start_watcher(&'static self) -> bool {
         // SAFETY: eventfd has no memory preconditions.
         let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
@@ -537,7 +747,7 @@ impl Session {
             .stack_size(64 * 1024)
             .spawn(move || {
                 loop {
-                    self.watch_once(Duration::from_millis(250));
+                    self.watch_once();
                 }
             });
         match spawned {
@@ -552,15 +762,21 @@ impl Session {
                     // SAFETY: our own eventfd, never published.
                     unsafe { libc::close(efd) };
                 }
+                // Nobody would answer pressure: keep no credit.
+                self.close_channel();
                 false
             }
         }
     }
 
-    /// In a forked child: close the inherited socket without sending anything on it, so the
-    /// parent's connection (and ledger) is left untouched.
+    /// In a forked child: close the inherited sockets without sending anything on them, so
+    /// the parent's connections (and ledger) are left untouched.
     pub fn abandon_in_child(&self) {
-        for fd in [self.conn_fd.swap(-1, Ordering::AcqRel), self.wake_fd.swap(-1, Ordering::AcqRel)] {
+        for fd in [
+            self.conn_fd.swap(-1, Ordering::AcqRel),
+            self.wake_fd.swap(-1, Ordering::AcqRel),
+            self.channel_fd.swap(-1, Ordering::AcqRel),
+        ] {
             if fd >= 0 {
                 // SAFETY: `fd` is this session's socket or eventfd, inherited through fork; the
                 // parent keeps its own copy. The objects owning the numbers are leaked, never
@@ -571,17 +787,32 @@ impl Session {
     }
 }
 
-/// Waits up to `tick` for `fd` to become readable (a negative fd: just sleeps `tick`).
-fn wait_readable(fd: RawFd, tick: Duration) -> bool {
-    if fd < 0 {
+/// Waits up to `tick` for `wake` or `chan` to become readable (negative fds are ignored; with
+/// neither it just sleeps). Returns which were readable.
+fn wait_either(wake: RawFd, chan: RawFd, tick: Duration) -> (bool, bool) {
+    if wake < 0 && chan < 0 {
         std::thread::sleep(tick);
-        return false;
+        return (false, false);
     }
-    let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+    let mut pfd = [
+        libc::pollfd { fd: wake, events: libc::POLLIN, revents: 0 },
+        libc::pollfd { fd: chan, events: libc::POLLIN, revents: 0 },
+    ];
     let ms = tick.as_millis().min(i32::MAX as u128) as i32;
-    // SAFETY: `pfd` is a valid pollfd array of length 1.
-    let n = unsafe { libc::poll(&mut pfd, 1, ms) };
-    n > 0 && pfd.revents & libc::POLLIN != 0
+    // Sub-millisecond waits round up so the release delay is not a busy loop.
+    let ms = if ms == 0 && !tick.is_zero() { 1 } else { ms };
+    // SAFETY: `pfd` is a valid pollfd array of length 2; negative fds are ignored by poll.
+    let n = unsafe { libc::poll(pfd.as_mut_ptr(), 2, ms) };
+    if n <= 0 {
+        return (false, false);
+    }
+    let ready = |p: &libc::pollfd| p.fd >= 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
+    (ready(&pfd[0]), ready(&pfd[1]))
+}
+
+/// True when `fd` is readable now.
+fn wait_readable(fd: RawFd, tick: Duration) -> bool {
+    wait_either(-1, fd, tick).1
 }
 
 /// True when the peer of socket `fd` has closed it (checked without waiting).
@@ -610,6 +841,7 @@ mod tests {
             refused_pause: Duration::from_millis(200),
             watch,
             release_delay: Duration::from_millis(1),
+            tick: Duration::from_millis(100),
         }
     }
 
@@ -716,6 +948,7 @@ mod tests {
         let arb2 = MockArbiter::start(&sock, 1000);
         // No call from the process: the watcher reconnects and re-declares on its own.
         arb2.wait_for("redeclare", |a| a.in_use() == 700);
+        arb2.wait_for("channel", |a| a.channels() == 1);
         assert_eq!(arb2.connections(), 1);
         assert!(s.connected());
         // Known use survives; a new reservation is counted on top.
@@ -723,29 +956,72 @@ mod tests {
         assert_eq!(s.reserve(1), Err(SessionError::Denied { limit: 1000, in_use: 1000 }));
     }
 
+    const MIB: u64 = 1 << 20;
+    /// A 1 GiB allocation: granule 32 MiB, two granules kept.
+    const GIB: u64 = 1024 * MIB;
+
+    /// The memory requests the mock saw (the channel's set-up left out).
+    fn mem_log(arb: &MockArbiter) -> Vec<TenantRequest> {
+        arb.log()
+            .into_iter()
+            .filter(|r| !matches!(r, TenantRequest::Ticket | TenantRequest::Subscribe { .. }))
+            .collect()
+    }
+
+    fn slow_flush(p: Policy) -> Policy {
+        // The watcher does not announce a free before the next allocation in these tests.
+        Policy { release_delay: Duration::from_secs(5), tick: Duration::from_secs(5), ..p }
+    }
+
     #[test]
-    fn deferred_release_rides_along_or_is_flushed_within_the_delay() {
+    fn a_round_trip_asks_only_for_what_the_credit_lacks_plus_a_granule() {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("t.sock");
-        let arb = MockArbiter::start(&sock, 1000);
-        let s = session(&sock, TOKEN, policy(3000, true));
-        s.reserve(600).unwrap();
-        // Give the watcher its first round so it is armed.
-        std::thread::sleep(Duration::from_millis(20));
-        // A free followed at once by an allocation: the Release rides in front of the Reserve.
-        s.release(600);
-        assert_eq!(s.reserve(700), Ok(700));
-        let log = arb.log();
+        let arb = MockArbiter::start(&sock, GIB);
+        let s = session(&sock, TOKEN, slow_flush(policy(3000, true)));
+        assert_eq!(granule(GIB), 32 * MIB);
+        assert_eq!(s.reserve(600 * MIB), Ok(632 * MIB));
+        arb.wait_for("channel", |a| a.channels() == 1);
+        assert_eq!(mem_log(&arb), vec![TenantRequest::ReserveCredit { bytes: 600 * MIB, extra: 32 * MIB }]);
+        assert_eq!((s.held(), s.credit()), (600 * MIB, 32 * MIB));
+        // A free becomes credit; a larger allocation puts it all towards the request.
+        s.release(600 * MIB);
+        assert_eq!(s.reserve(700 * MIB), Ok(732 * MIB));
         assert_eq!(
-            &log[log.len() - 2..],
-            &[TenantRequest::Release { bytes: 600 }, TenantRequest::Reserve { bytes: 700 }]
+            mem_log(&arb)[1..],
+            [TenantRequest::ReserveCredit { bytes: 68 * MIB, extra: 32 * MIB }]
         );
-        // A free with nothing after it reaches the arbiter within a few milliseconds.
+        assert_eq!((s.held(), s.credit()), (700 * MIB, 32 * MIB));
+        assert_eq!(arb.in_use(), 732 * MIB);
+        // Credit never passes the limit: the granule is given only from free room.
+        // 268 MiB missing; of the 24 MiB left, half (12) is given as credit.
+        assert_eq!(s.reserve(300 * MIB), Ok(1012 * MIB));
+        assert_eq!(s.credit(), 12 * MIB);
+        assert_eq!(arb.in_use(), 1012 * MIB);
+    }
+
+    #[test]
+    fn a_free_above_the_kept_credit_is_announced_within_the_delay_and_an_idle_process_returns_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("t.sock");
+        let arb = MockArbiter::start(&sock, GIB);
+        let s = session(&sock, TOKEN, Policy { tick: Duration::from_millis(100), ..policy(3000, true) });
+        s.reserve(600 * MIB).unwrap();
+        arb.wait_for("channel", |a| a.channels() == 1);
         let t = Instant::now();
-        s.release(700);
-        arb.wait_for("flushed release", |a| a.in_use() == 0);
-        assert!(t.elapsed() < Duration::from_millis(200), "flushed after {:?}", t.elapsed());
-        assert_eq!(s.held(), 0);
+        s.release(600 * MIB);
+        // Down to the two granules kept, within a few milliseconds.
+        arb.wait_for("flush above keep", |a| a.in_use() == 64 * MIB);
+        assert!(t.elapsed() < Duration::from_millis(90), "flushed after {:?}", t.elapsed());
+        assert_eq!(s.credit(), 64 * MIB);
+        // Untouched for a tick: given back.
+        arb.wait_for("idle return", |a| a.in_use() == 0);
+        assert_eq!((s.held(), s.credit()), (0, 0));
+        let released: u64 = mem_log(&arb)
+            .iter()
+            .map(|r| if let TenantRequest::Release { bytes } = r { *bytes } else { 0 })
+            .sum();
+        assert_eq!(released, 632 * MIB);
     }
 
     #[test]
@@ -755,11 +1031,12 @@ mod tests {
         let arb = MockArbiter::start(&sock, 1 << 40);
         let s = session(&sock, TOKEN, policy(3000, true));
         let threads: Vec<_> = (0..8)
-            .map(|_| {
+            .map(|i| {
                 std::thread::spawn(move || {
-                    for _ in 0..500 {
-                        s.reserve(10).unwrap();
-                        s.release(10);
+                    for j in 0..500u64 {
+                        let bytes = (1 + (i + j) % 5) * MIB;
+                        s.reserve(bytes).unwrap();
+                        s.release(bytes);
                     }
                 })
             })
@@ -768,18 +1045,9 @@ mod tests {
             t.join().unwrap();
         }
         assert_eq!(s.held(), 0);
+        // The credit goes back once the process is idle; what the arbiter counts balances.
         arb.wait_for("all releases", |a| a.in_use() == 0);
-        // Netted frees never reach the arbiter, but what it was told balances exactly.
-        let (mut reserved, mut released) = (0u64, 0u64);
-        for r in arb.log() {
-            match r {
-                TenantRequest::Reserve { bytes } => reserved += bytes,
-                TenantRequest::Release { bytes } => released += bytes,
-                _ => {}
-            }
-        }
-        assert_eq!(reserved, released);
-        assert!(reserved <= 8 * 500 * 10, "more reserved at the arbiter than allocated: {reserved}");
+        assert_eq!(s.credit(), 0);
     }
 
     fn count(log: &[TenantRequest], f: impl Fn(&TenantRequest) -> bool) -> usize {
@@ -787,79 +1055,105 @@ mod tests {
     }
 
     fn is_reserve(r: &TenantRequest) -> bool {
-        matches!(r, TenantRequest::Reserve { .. })
+        matches!(r, TenantRequest::Reserve { .. } | TenantRequest::ReserveCredit { .. })
     }
 
     #[test]
-    fn free_then_alloc_of_no_more_is_netted_without_a_round_trip() {
+    fn free_then_alloc_of_no_more_is_taken_from_the_credit_without_a_round_trip() {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("t.sock");
-        let arb = MockArbiter::start(&sock, 1000);
-        // A long release delay: the watcher does not flush between the free and the alloc.
-        let s = session(&sock, TOKEN, Policy { release_delay: Duration::from_secs(5), ..policy(3000, true) });
-        assert_eq!(s.reserve(600), Ok(600));
-        assert_eq!(arb.log().len(), 1);
-        // Free then allocate the same size: no request at all, the arbiter still counts 600.
-        s.release(600);
+        let arb = MockArbiter::start(&sock, GIB);
+        let s = session(&sock, TOKEN, slow_flush(policy(3000, true)));
+        s.reserve(600 * MIB).unwrap();
+        assert_eq!(mem_log(&arb).len(), 1);
+        // Free then allocate the same size: no request at all, the arbiter still counts it.
+        s.release(600 * MIB);
         assert_eq!(s.held(), 0);
-        assert_eq!(s.reserve(600), Ok(600));
-        assert_eq!(s.held(), 600);
-        assert_eq!(arb.log().len(), 1, "netted reservation reached the arbiter: {:?}", arb.log());
-        assert_eq!(arb.in_use(), 600);
-        // A smaller allocation is netted too; the rest stays pending.
-        s.release(600);
-        assert_eq!(s.reserve(400), Ok(600));
-        assert_eq!(s.held(), 400);
-        assert_eq!(arb.log().len(), 1);
-        // Larger than what is pending (200): one round trip, the release riding in front.
-        assert_eq!(s.reserve(300), Ok(700));
-        assert_eq!(s.held(), 700);
-        let log = arb.log();
-        assert_eq!(log.len(), 3);
-        assert_eq!(&log[1..], &[TenantRequest::Release { bytes: 200 }, TenantRequest::Reserve { bytes: 300 }]);
-        assert_eq!(arb.in_use(), 700);
-        // Netting never grants past the limit: the arbiter's count covers the netted bytes.
-        s.release(300);
-        assert_eq!(s.reserve(300), Ok(700));
-        assert_eq!(s.reserve(301), Err(SessionError::Denied { limit: 1000, in_use: 700 }));
-        assert_eq!(s.held(), 700);
+        s.reserve(600 * MIB).unwrap();
+        assert_eq!(s.held(), 600 * MIB);
+        assert_eq!(mem_log(&arb).len(), 1, "local reservation reached the arbiter: {:?}", arb.log());
+        assert_eq!(arb.in_use(), 632 * MIB);
+        // A smaller one, and one within the granule, are local too.
+        s.release(600 * MIB);
+        s.reserve(400 * MIB).unwrap();
+        s.reserve(232 * MIB).unwrap();
+        assert_eq!((s.held(), s.credit()), (632 * MIB, 0));
+        assert_eq!(mem_log(&arb).len(), 1);
+        // The credit never grants past the limit: the arbiter's count covers it.
+        assert_eq!(
+            s.reserve(393 * MIB),
+            Err(SessionError::Denied { limit: GIB, in_use: 632 * MIB })
+        );
+        assert_eq!((s.held(), s.credit()), (632 * MIB, 0));
+        assert_eq!(count(&mem_log(&arb), is_reserve), 2);
     }
 
     #[test]
-    fn mem_info_after_netting_is_exact() {
+    fn mem_info_is_exact_with_credit_held() {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("t.sock");
-        let arb = MockArbiter::start(&sock, 1000);
-        let s = session(&sock, TOKEN, Policy { release_delay: Duration::from_secs(5), ..policy(3000, true) });
-        s.reserve(500).unwrap();
-        s.reserve(300).unwrap();
-        s.release(500);
-        s.reserve(200).unwrap(); // netted: 300 still pending
-        assert_eq!(count(&arb.log(), is_reserve), 2);
-        // The query sends what is pending first, so the answer is what is live.
-        assert_eq!(s.mem_info(), Some((1000, 500)));
-        assert_eq!(arb.in_use(), 500);
-        assert_eq!(s.held(), 500);
+        let arb = MockArbiter::start(&sock, GIB);
+        let s = session(&sock, TOKEN, slow_flush(policy(3000, true)));
+        s.reserve(500 * MIB).unwrap();
+        s.reserve(300 * MIB).unwrap();
+        s.release(500 * MIB);
+        s.reserve(200 * MIB).unwrap(); // local: credit left
+        assert_eq!(count(&mem_log(&arb), is_reserve), 2);
+        assert!(s.credit() > 0);
+        // The query gives the credit back first, so the answer is what is allocated.
+        assert_eq!(s.mem_info(), Some((GIB, 500 * MIB)));
+        assert_eq!(arb.in_use(), 500 * MIB);
+        assert_eq!((s.held(), s.credit()), (500 * MIB, 0));
         assert_eq!(arb.log().last(), Some(&TenantRequest::MemInfo));
     }
 
     #[test]
-    fn watcher_flush_after_netting_leaves_the_ledger_equal_to_held() {
+    fn pressure_takes_every_unused_byte_back_at_once() {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("t.sock");
-        let arb = MockArbiter::start(&sock, 1000);
-        // Long enough that the alloc right after the free is netted, short enough to wait for.
-        let s = session(&sock, TOKEN, Policy { release_delay: Duration::from_millis(300), ..policy(3000, true) });
-        s.reserve(500).unwrap();
-        s.reserve(300).unwrap();
-        s.release(500);
-        s.reserve(200).unwrap();
-        assert_eq!(count(&arb.log(), is_reserve), 2, "the 200 should have been netted");
-        assert_eq!(s.held(), 500);
-        // No further call: the watcher announces the remaining 300 on its own.
-        arb.wait_for("watcher flush", |a| a.in_use() == 500);
-        assert_eq!(arb.log().last(), Some(&TenantRequest::Release { bytes: 300 }));
-        assert_eq!(s.held(), 500);
+        let arb = MockArbiter::start(&sock, GIB);
+        // An idle tick of 1 s: long enough not to return the credit during the test, short
+        // enough to see the pressed mark wear off.
+        let s = session(&sock, TOKEN, Policy { tick: Duration::from_secs(1), ..slow_flush(policy(3000, true)) });
+        s.reserve(300 * MIB).unwrap();
+        s.reserve(100 * MIB).unwrap();
+        s.release(300 * MIB);
+        arb.wait_for("channel", |a| a.channels() == 1);
+        let credit = s.credit();
+        assert!(credit >= 300 * MIB);
+        let t = Instant::now();
+        assert_eq!(arb.press_all(7), credit);
+        assert!(t.elapsed() < Duration::from_secs(1), "answered after {:?}", t.elapsed());
+        assert_eq!(arb.in_use(), 100 * MIB);
+        assert_eq!((s.held(), s.credit()), (100 * MIB, 0));
+        // Pressed lately: no credit asked for or kept.
+        assert_eq!(s.keep(), 0);
+        s.reserve(50 * MIB).unwrap();
+        assert_eq!(mem_log(&arb).last(), Some(&TenantRequest::Reserve { bytes: 50 * MIB }));
+        // A second pressure with nothing to give answers 0.
+        assert_eq!(arb.press_all(8), 0);
+        // The pressed mark wears off: credit again.
+        let t = Instant::now();
+        while s.keep() == 0 {
+            assert!(t.elapsed() < Duration::from_secs(5), "the pressed mark never wore off");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(t.elapsed() >= PRESSED_FOR - Duration::from_millis(20));
+    }
+
+    #[test]
+    fn no_credit_without_a_pressure_channel() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("t.sock");
+        let arb = MockArbiter::start(&sock, GIB);
+        // No watcher: nobody could answer pressure, so nothing is held ahead of need.
+        let s = session(&sock, TOKEN, policy(3000, false));
+        s.reserve(100 * MIB).unwrap();
+        assert_eq!(s.credit(), 0);
+        assert_eq!(arb.channels(), 0);
+        s.release(100 * MIB);
+        arb.wait_for("release", |a| a.in_use() == 0);
+        assert_eq!(mem_log(&arb), vec![TenantRequest::Reserve { bytes: 100 * MIB }, TenantRequest::Release { bytes: 100 * MIB }]);
     }
 
     #[test]

@@ -48,6 +48,25 @@ pub enum Reservation {
     },
 }
 
+/// Outcome of a reservation with credit ([`Ledger::reserve_credit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Credit {
+    /// Granted: `bytes` reserved in all (the request and the credit given).
+    Granted {
+        /// Bytes reserved for the connection by this call.
+        bytes: u64,
+        /// Allocation-wide bytes in use after it.
+        in_use: u64,
+    },
+    /// Refused; nothing changed.
+    Denied {
+        /// The account's limit.
+        limit: u64,
+        /// Bytes in use.
+        in_use: u64,
+    },
+}
+
 /// Outcome of a release.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Released {
@@ -174,6 +193,52 @@ impl Ledger {
         Ok(Reservation::Granted {
             in_use: acct.in_use,
         })
+    }
+
+    /// Reserves `bytes` for `conn` like [`Ledger::reserve`], plus up to `extra` bytes of
+    /// credit (memory the process may allocate later without asking). The credit is taken
+    /// only from room nobody else needs: at most half of what stays free after `bytes`, so
+    /// one process's credit never fills the allocation. Returns the bytes reserved in all.
+    pub fn reserve_credit(
+        &mut self,
+        key: AccountKey,
+        conn: ConnId,
+        bytes: u64,
+        extra: u64,
+    ) -> Result<Credit, LedgerError> {
+        let acct = self.account(key, conn)?;
+        let after = acct
+            .in_use
+            .checked_add(bytes)
+            .filter(|total| *total <= acct.limit);
+        let (Some(after), false) = (after, acct.closed) else {
+            return Ok(Credit::Denied {
+                limit: acct.limit,
+                in_use: acct.in_use,
+            });
+        };
+        let granted = bytes + extra.min((acct.limit - after) / 2);
+        acct.in_use += granted;
+        *acct.conns.get_mut(&conn).expect("checked above") += granted;
+        Ok(Credit::Granted {
+            bytes: granted,
+            in_use: acct.in_use,
+        })
+    }
+
+    /// The other connections of account `key` that hold any bytes (whose unused credit could
+    /// be pressed back), in no particular order.
+    pub fn others_holding(&self, key: AccountKey, conn: ConnId) -> Vec<ConnId> {
+        self.accounts
+            .get(&key)
+            .map(|a| {
+                a.conns
+                    .iter()
+                    .filter(|(c, held)| **c != conn && **held > 0)
+                    .map(|(c, _)| *c)
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     /// Releases up to `bytes` held by `conn`. Asking for more than it holds frees what it
@@ -372,6 +437,34 @@ mod tests {
             l.detach(1, conn).unwrap();
         }
         assert_eq!(l.usage(1).unwrap().in_use, 0);
+    }
+
+    #[test]
+    fn credit_is_given_only_from_room_nobody_needs() {
+        let mut l = Ledger::new();
+        l.open(1, 100);
+        l.attach(1, 1).unwrap();
+        l.attach(1, 2).unwrap();
+        // 40 + at most half of the 60 left: 30.
+        assert_eq!(
+            l.reserve_credit(1, 1, 40, 1000).unwrap(),
+            Credit::Granted { bytes: 70, in_use: 70 }
+        );
+        assert_eq!(
+            l.reserve_credit(1, 2, 31, 0).unwrap(),
+            Credit::Denied { limit: 100, in_use: 70 }
+        );
+        assert_eq!(
+            l.reserve_credit(1, 2, 30, 10).unwrap(),
+            Credit::Granted { bytes: 30, in_use: 100 }
+        );
+        assert_eq!(l.others_holding(1, 1), vec![2]);
+        l.release(1, 2, 30).unwrap();
+        assert!(l.others_holding(1, 1).is_empty(), "a connection holding nothing has no credit");
+        assert_eq!(
+            l.reserve_credit(1, 2, u64::MAX, 1).unwrap(),
+            Credit::Denied { limit: 100, in_use: 70 }
+        );
     }
 
     #[test]

@@ -4,6 +4,8 @@
 //! - [`config`]: command-line and environment configuration.
 //! - [`gpus`]: GPU discovery (NVML through `nvml-wrapper`, or a fixed list for tests).
 //! - [`ledger`]: the memory ledger (pure): atomic reserve, release, redeclare, connection drop.
+//! - [`pressure`]: taking unused memory credit back from an allocation's other processes
+//!   before a reservation is refused (tickets, pressure channels, the wait).
 //! - [`store`]: persistence of allocations (atomic JSON file), ids and tokens.
 //! - [`scheduler`]: compute sharing: per-GPU lease scheduling (WFQ, caps, revocation).
 //! - [`state`]: the shared state tying GPUs, allocations, ledger and schedulers together;
@@ -20,6 +22,7 @@ pub mod admin;
 pub mod config;
 pub mod gpus;
 pub mod ledger;
+pub mod pressure;
 pub mod scheduler;
 pub mod server;
 pub mod state;

@@ -17,6 +17,7 @@ use tessera_protocol::{
 };
 
 use crate::ledger::{AccountKey, ConnId, Ledger, LedgerError};
+use crate::pressure::PressureHub;
 use crate::scheduler::{SchedulerHandle, SchedulerParams};
 use crate::store::{self, AllocationRecord, Store, StoreError};
 
@@ -100,6 +101,8 @@ pub struct Arbiter {
     sched_params: SchedulerParams,
     next_conn: AtomicU64,
     epoch: Instant,
+    /// Pressure channels of tenant processes (memory credit reclaim).
+    pressure: PressureHub,
 }
 
 fn now_unix() -> u64 {
@@ -148,6 +151,7 @@ impl Arbiter {
             sched_params,
             next_conn: AtomicU64::new(1),
             epoch: Instant::now(),
+            pressure: PressureHub::new(),
         });
         for g in &arb.gpus {
             arb.scheduler_for(&g.uuid);
@@ -240,6 +244,11 @@ impl Arbiter {
             view,
             scheduler,
         })
+    }
+
+    /// The registry of tenant processes' pressure channels.
+    pub fn pressure(&self) -> &PressureHub {
+        &self.pressure
     }
 
     /// Runs `f` on the ledger under the live lock (the tenant hot path).

@@ -30,7 +30,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use tessera_protocol::{FrameDecoder, Role, ServerHello, TenantReply, TenantRequest};
 
-use crate::ledger::{ConnId, Reservation};
+use std::time::{Duration, Instant};
+
+use crate::ledger::{Credit, ConnId, Reservation};
+use crate::pressure::{PressureError, PressureSink};
 use crate::scheduler::{Grant, GrantSink};
 use crate::state::{Arbiter, TenantBinding};
 use crate::wire::{self, HANDSHAKE_TIMEOUT, READ_CHUNK, WireError};
@@ -47,7 +50,19 @@ pub enum TenantError {
     /// The connection thread could not be started.
     #[error("cannot start a connection thread: {0}")]
     Spawn(std::io::Error),
+    /// A pressure-channel request that does not fit (bad ticket, relinquish elsewhere).
+    #[error(transparent)]
+    Pressure(#[from] PressureError),
 }
+
+/// How long a reservation that would be refused waits for the allocation's other processes to
+/// give back unused credit. A process answers as soon as its watcher thread runs; the bound
+/// only matters for a process that is stopped or does not answer.
+pub const PRESSURE_WAIT: Duration = Duration::from_millis(100);
+
+/// Pressure rounds before a refusal: another process may take room again between its answer
+/// and the retry; each round that freed something earns another try, up to this many.
+const PRESSURE_ROUNDS: u32 = 4;
 
 fn io_err(e: std::io::Error) -> TenantError {
     WireError::Frame(e.into()).into()
@@ -95,6 +110,31 @@ impl ConnWriter {
         (&self.stream).write_all(out).map_err(io_err)?;
         out.clear();
         Ok(())
+    }
+}
+
+impl PressureSink for ConnWriter {
+    fn press(&self, seq: u64) -> bool {
+        // Never wait here (the caller holds the pressure registry): a connection whose thread
+        // is writing is skipped this round.
+        let Ok(_guard) = self.lease_pending.try_lock() else {
+            return false;
+        };
+        let mut frame = Vec::with_capacity(16);
+        if wire::push_frame(&mut frame, &TenantReply::Pressure { seq }).is_err() {
+            return false;
+        }
+        // SAFETY: the fd is open for the lifetime of `self.stream`, the buffer is valid for
+        // `frame.len()` bytes, and MSG_DONTWAIT makes this never block.
+        let n = unsafe {
+            libc::send(
+                self.stream.as_raw_fd(),
+                frame.as_ptr().cast(),
+                frame.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        n == frame.len() as isize
     }
 }
 
@@ -177,6 +217,8 @@ fn serve(arb: Arc<Arbiter>, mut stream: UnixStream, conn: ConnId, pid: Option<i3
             return;
         }
     };
+    // Set when this connection is the pressure channel of the process's memory connection.
+    let mut channel_of = None;
     let result = match stream.try_clone() {
         Ok(w) => {
             let writer = Arc::new(ConnWriter {
@@ -184,10 +226,14 @@ fn serve(arb: Arc<Arbiter>, mut stream: UnixStream, conn: ConnId, pid: Option<i3
                 lease_pending: Mutex::new(false),
                 granted: Condvar::new(),
             });
-            serve_requests(&arb, &binding, &mut stream, &mut dec, conn, &writer)
+            serve_requests(&arb, &binding, &mut stream, &mut dec, conn, &writer, &mut channel_of)
         }
         Err(e) => Err(io_err(e)),
     };
+    if let Some(mem) = channel_of {
+        arb.pressure().channel_closed(mem, conn);
+    }
+    arb.pressure().conn_closed(conn);
     let freed = arb.detach_tenant(&binding, conn, pid);
     let id = &binding.view.id;
     match (result, freed) {
@@ -263,6 +309,7 @@ fn serve_requests(
     dec: &mut FrameDecoder,
     conn: ConnId,
     writer: &Arc<ConnWriter>,
+    channel_of: &mut Option<ConnId>,
 ) -> Result<(), TenantError> {
     let mut buf = [0u8; READ_CHUNK];
     let mut out: Vec<u8> = Vec::with_capacity(256);
@@ -299,7 +346,32 @@ fn serve_requests(
                 }
                 continue;
             }
-            handle(arb, b, conn, req, &mut out)?;
+            match req {
+                TenantRequest::Subscribe { ticket } => {
+                    // Registered before the reply: a `Pressure` may reach the process ahead
+                    // of `Subscribed`, and it answers it like any other.
+                    let sink = Arc::clone(writer) as Arc<dyn PressureSink>;
+                    let mem = arb.pressure().subscribe(ticket, b.key, conn, sink)?;
+                    *channel_of = Some(mem);
+                    // Its answers unblock a waiting reservation: no batch-scheduling delay.
+                    normal_scheduling();
+                    reply(&mut out, &TenantReply::Subscribed)?;
+                }
+                TenantRequest::Relinquish { seq, bytes } => {
+                    let mem = channel_of.ok_or(PressureError::NotAChannel)?;
+                    match arb.with_ledger(|l| l.release(b.key, mem, bytes)) {
+                        Ok(r) if r.excess > 0 => crate::log!(
+                            "tenant conn {mem} of {}: relinquished {bytes} bytes but held only {}",
+                            b.view.id,
+                            r.freed
+                        ),
+                        Ok(_) => {}
+                        Err(e) => crate::log!("tenant conn {mem} of {}: relinquish: {e}", b.view.id),
+                    }
+                    arb.pressure().answered(mem, conn, seq)?;
+                }
+                req => handle(arb, b, conn, req, &mut out)?,
+            }
         }
         writer.write_replies(&mut out)?;
         let n = loop {
@@ -333,14 +405,48 @@ fn handle(
     let key = b.key;
     match req {
         TenantRequest::Reserve { bytes } => {
-            let msg = match arb.with_ledger(|l| l.reserve(key, conn, bytes)) {
-                Ok(Reservation::Granted { in_use }) => TenantReply::Reserved { in_use },
-                Ok(Reservation::Denied { limit, in_use }) => TenantReply::Denied { limit, in_use },
+            let msg = match reserve_pressing(arb, b, conn, |l| {
+                l.reserve(key, conn, bytes).map(|r| match r {
+                    Reservation::Granted { in_use } => Credit::Granted { bytes, in_use },
+                    Reservation::Denied { limit, in_use } => Credit::Denied { limit, in_use },
+                })
+            }) {
+                Ok(Credit::Granted { in_use, .. }) => TenantReply::Reserved { in_use },
+                Ok(Credit::Denied { limit, in_use }) => TenantReply::Denied { limit, in_use },
                 Err(e) => TenantReply::Error {
                     message: e.to_string(),
                 },
             };
             reply(out, &msg)?;
+        }
+        TenantRequest::ReserveCredit { bytes, extra } => {
+            let msg =
+                match reserve_pressing(arb, b, conn, |l| l.reserve_credit(key, conn, bytes, extra)) {
+                    Ok(Credit::Granted { bytes, in_use }) => TenantReply::Granted { bytes, in_use },
+                    Ok(Credit::Denied { limit, in_use }) => TenantReply::Denied { limit, in_use },
+                    Err(e) => TenantReply::Error {
+                        message: e.to_string(),
+                    },
+                };
+            reply(out, &msg)?;
+        }
+        TenantRequest::Ticket => {
+            let mut raw = [0u8; 8];
+            let msg = match getrandom::fill(&mut raw) {
+                Ok(()) => {
+                    let ticket = u64::from_le_bytes(raw);
+                    arb.pressure().issue_ticket(key, conn, ticket);
+                    TenantReply::Ticket { ticket }
+                }
+                Err(e) => TenantReply::Error {
+                    message: format!("no randomness for a ticket: {e}"),
+                },
+            };
+            reply(out, &msg)?;
+        }
+        // Handled by the caller (they need the connection's state); reaching here is a bug.
+        TenantRequest::Subscribe { .. } | TenantRequest::Relinquish { .. } => {
+            return Err(PressureError::NotAChannel.into());
         }
         TenantRequest::Release { bytes } => {
             match arb.with_ledger(|l| l.release(key, conn, bytes)) {
@@ -363,6 +469,8 @@ fn handle(
             reply(out, &msg)?;
         }
         TenantRequest::MemInfo => {
+            // Exact: the other processes' unused credit is not in use.
+            press_others(arb, b, conn, Instant::now() + PRESSURE_WAIT);
             let msg = match arb.with_ledger(|l| l.usage(key)) {
                 Some(u) => TenantReply::MemInfo {
                     limit: u.limit,
@@ -387,6 +495,44 @@ fn handle(
         TenantRequest::LeaseAcquire => {}
     }
     Ok(())
+}
+
+/// Runs `attempt` on the ledger; while it is refused, presses the allocation's other
+/// processes to give back unused credit and tries again (bounded in rounds and time). Refused
+/// only when the bytes are really held.
+fn reserve_pressing(
+    arb: &Arbiter,
+    b: &TenantBinding,
+    conn: ConnId,
+    mut attempt: impl FnMut(&mut crate::ledger::Ledger) -> Result<Credit, crate::ledger::LedgerError>,
+) -> Result<Credit, crate::ledger::LedgerError> {
+    let deadline = Instant::now() + PRESSURE_WAIT;
+    let mut round = 0;
+    loop {
+        let r = arb.with_ledger(&mut attempt)?;
+        if matches!(r, Credit::Granted { .. }) || round == PRESSURE_ROUNDS || Instant::now() >= deadline {
+            return Ok(r);
+        }
+        round += 1;
+        if !press_others(arb, b, conn, deadline) {
+            return Ok(r);
+        }
+    }
+}
+
+/// Presses every other process of the allocation that holds bytes, and waits (until
+/// `deadline`) for their answers. False when there was nobody to press.
+fn press_others(arb: &Arbiter, b: &TenantBinding, conn: ConnId, deadline: Instant) -> bool {
+    let targets = arb.with_ledger(|l| l.others_holding(b.key, conn));
+    if targets.is_empty() {
+        return false;
+    }
+    let round = arb.pressure().press(b.key, &targets);
+    if round.sent == 0 {
+        return false;
+    }
+    arb.pressure().wait(round, deadline);
+    true
 }
 
 #[cfg(test)]

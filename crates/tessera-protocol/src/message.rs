@@ -112,6 +112,34 @@ pub enum TenantRequest {
         /// True when handed back before its deadline because the queue drained.
         early: bool,
     },
+    /// Reserve `bytes` (all or nothing) plus up to `extra` bytes of *credit*: memory the
+    /// process may then allocate and free locally, without a round trip. The extra is granted
+    /// only from room nobody else needs. Answered by `Granted` or `Denied`. Before refusing,
+    /// the arbiter takes unused credit back from the allocation's other processes.
+    ReserveCredit {
+        /// Bytes that must be reserved.
+        bytes: u64,
+        /// Credit wanted on top, best effort.
+        extra: u64,
+    },
+    /// Ask for a one-use ticket that ties a second connection of this process to this one as
+    /// its pressure channel; answered by `Ticket`.
+    Ticket,
+    /// On a second connection: become the pressure channel of the connection that was given
+    /// `ticket`. Answered by `Subscribed`; afterwards the arbiter sends `Pressure` frames here.
+    Subscribe {
+        /// The ticket from `Ticket`.
+        ticket: u64,
+    },
+    /// On a pressure channel: the answer to `Pressure { seq }`: the process gave back `bytes`
+    /// of unused credit (the release is booked on the connection it is the channel of).
+    /// One-way.
+    Relinquish {
+        /// The pressure being answered.
+        seq: u64,
+        /// Bytes released.
+        bytes: u64,
+    },
 }
 
 /// Replies on the tenant socket.
@@ -149,6 +177,26 @@ pub enum TenantReply {
     Error {
         /// Why.
         message: String,
+    },
+    /// Answer to `ReserveCredit`: `bytes` reserved in all (the request plus the credit given).
+    Granted {
+        /// Bytes reserved for this process by this request.
+        bytes: u64,
+        /// Allocation-wide bytes reserved after it.
+        in_use: u64,
+    },
+    /// Answer to `Ticket`.
+    Ticket {
+        /// One-use ticket for `Subscribe`.
+        ticket: u64,
+    },
+    /// Answer to `Subscribe`.
+    Subscribed,
+    /// Sent unasked on a pressure channel: another process of the allocation would be refused;
+    /// give back all unused credit now, answering with `Relinquish { seq, .. }`.
+    Pressure {
+        /// Echoed in `Relinquish`.
+        seq: u64,
     },
 }
 

@@ -1,0 +1,359 @@
+//! Memory pressure: taking unused credit back from an allocation's other processes before a
+//! reservation is refused.
+//!
+//! Each interposed process holds some *credit*: bytes the ledger counts for it that it has not
+//! allocated (frees it kept, room it was given ahead of need). Allocations and frees inside
+//! the credit make no round trip. So that credit never causes a false out-of-memory, a
+//! reservation that would be refused first *presses* the allocation's other processes: each
+//! one's pressure channel (a second connection of that process, tied to its memory connection
+//! by a one-use ticket) receives `Pressure { seq }`, and the process answers at once with
+//! `Relinquish { seq, bytes }`, giving back every unused byte. The requester waits until all
+//! pressed channels answered (or a deadline passed), then tries again; it is refused only if
+//! the bytes are really held.
+//!
+//! This module is the registry and the rendezvous; the ledger is touched by the caller.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use crate::ledger::{AccountKey, ConnId};
+
+/// Where a pressure frame goes: the write side of a process's pressure channel.
+pub trait PressureSink: Send + Sync {
+    /// Sends `Pressure { seq }` without blocking; false if it could not be sent.
+    fn press(&self, seq: u64) -> bool;
+}
+
+/// Errors of the pressure registry (each closes the offending connection).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PressureError {
+    /// `Subscribe` with a ticket that was never issued, already used, or whose connection
+    /// closed.
+    #[error("unknown or used pressure ticket")]
+    UnknownTicket,
+    /// The ticket belongs to another allocation's connection.
+    #[error("pressure ticket of another allocation")]
+    WrongAllocation,
+    /// `Relinquish` on a connection that is not a pressure channel.
+    #[error("relinquish on a connection that is not a pressure channel")]
+    NotAChannel,
+}
+
+struct Channel {
+    key: AccountKey,
+    /// The pressure channel's own connection.
+    ctl: ConnId,
+    sink: Arc<dyn PressureSink>,
+    /// Pressures sent and not answered yet.
+    owed: Vec<u64>,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// Ticket -> (account, memory connection).
+    tickets: HashMap<u64, (AccountKey, ConnId)>,
+    /// Memory connection -> its pressure channel.
+    channels: HashMap<ConnId, Channel>,
+    /// Pressure seq -> channels that have not answered it.
+    outstanding: HashMap<u64, usize>,
+    next_seq: u64,
+}
+
+impl Inner {
+    fn settle(&mut self, seq: u64) {
+        if let Some(n) = self.outstanding.get_mut(&seq) {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
+/// Registry of pressure channels and the rendezvous between pressing and answering.
+#[derive(Default)]
+pub struct PressureHub {
+    inner: Mutex<Inner>,
+    answered: Condvar,
+}
+
+impl std::fmt::Debug for PressureHub {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let i = self.lock();
+        f.debug_struct("PressureHub")
+            .field("channels", &i.channels.len())
+            .field("tickets", &i.tickets.len())
+            .finish()
+    }
+}
+
+/// A pressure round in progress: wait for it with [`PressureHub::wait`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Round {
+    seq: u64,
+    /// Channels the pressure reached.
+    pub sent: usize,
+}
+
+impl PressureHub {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // Every update leaves the maps consistent; a panic elsewhere cannot tear them.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A one-use ticket for memory connection `conn` of account `key`. `ticket` is the
+    /// caller's random number (so tests can choose it); a previous ticket of `conn` is dropped.
+    pub fn issue_ticket(&self, key: AccountKey, conn: ConnId, ticket: u64) {
+        let mut i = self.lock();
+        i.tickets.retain(|_, (_, c)| *c != conn);
+        i.tickets.insert(ticket, (key, conn));
+    }
+
+    /// Makes connection `ctl` of account `key` the pressure channel of the memory connection
+    /// that was given `ticket`; returns that connection. The ticket is used up.
+    pub fn subscribe(
+        &self,
+        ticket: u64,
+        key: AccountKey,
+        ctl: ConnId,
+        sink: Arc<dyn PressureSink>,
+    ) -> Result<ConnId, PressureError> {
+        let mut i = self.lock();
+        let (tkey, mem) = *i.tickets.get(&ticket).ok_or(PressureError::UnknownTicket)?;
+        if tkey != key {
+            return Err(PressureError::WrongAllocation);
+        }
+        i.tickets.remove(&ticket);
+        let old = i.channels.insert(
+            mem,
+            Channel {
+                key,
+                ctl,
+                sink,
+                owed: Vec::new(),
+            },
+        );
+        if let Some(old) = old {
+            for seq in old.owed {
+                i.settle(seq);
+            }
+            self.answered.notify_all();
+        }
+        Ok(mem)
+    }
+
+    /// The pressure channel `ctl` of memory connection `mem` closed.
+    pub fn channel_closed(&self, mem: ConnId, ctl: ConnId) {
+        let mut i = self.lock();
+        if i.channels.get(&mem).is_some_and(|c| c.ctl == ctl) {
+            let ch = i.channels.remove(&mem).expect("present");
+            for seq in ch.owed {
+                i.settle(seq);
+            }
+            self.answered.notify_all();
+        }
+    }
+
+    /// Memory connection `mem` closed: its channel and tickets go (its ledger entry, credit
+    /// included, was freed by the caller).
+    pub fn conn_closed(&self, mem: ConnId) {
+        let mut i = self.lock();
+        i.tickets.retain(|_, (_, c)| *c != mem);
+        if let Some(ch) = i.channels.remove(&mem) {
+            for seq in ch.owed {
+                i.settle(seq);
+            }
+            self.answered.notify_all();
+        }
+    }
+
+    /// Presses the channels of `targets` (memory connections of account `key`). Targets with
+    /// no channel, or whose channel cannot take the frame, are skipped.
+    pub fn press(&self, key: AccountKey, targets: &[ConnId]) -> Round {
+        let mut i = self.lock();
+        let seq = i.next_seq;
+        i.next_seq += 1;
+        let mut sent = 0;
+        for t in targets {
+            if let Some(ch) = i.channels.get_mut(t)
+                && ch.key == key
+                && ch.sink.press(seq)
+            {
+                ch.owed.push(seq);
+                sent += 1;
+            }
+        }
+        if sent > 0 {
+            i.outstanding.insert(seq, sent);
+        }
+        Round { seq, sent }
+    }
+
+    /// The channel of memory connection `mem` answered pressure `seq` (the caller booked the
+    /// bytes). An answer to a pressure never sent to it is an error.
+    pub fn answered(&self, mem: ConnId, ctl: ConnId, seq: u64) -> Result<(), PressureError> {
+        let mut i = self.lock();
+        let ch = i
+            .channels
+            .get_mut(&mem)
+            .filter(|c| c.ctl == ctl)
+            .ok_or(PressureError::NotAChannel)?;
+        let Some(pos) = ch.owed.iter().position(|s| *s == seq) else {
+            // A late or unasked answer: the bytes were booked, nobody waits for it.
+            return Ok(());
+        };
+        ch.owed.swap_remove(pos);
+        i.settle(seq);
+        self.answered.notify_all();
+        Ok(())
+    }
+
+    /// Waits until every channel pressed in `round` answered, or `deadline`. True when all
+    /// answered.
+    pub fn wait(&self, round: Round, deadline: Instant) -> bool {
+        let mut i = self.lock();
+        loop {
+            let left = i.outstanding.get(&round.seq).copied().unwrap_or(0);
+            if left == 0 {
+                i.outstanding.remove(&round.seq);
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                i.outstanding.remove(&round.seq);
+                return false;
+            }
+            i = self
+                .answered
+                .wait_timeout(i, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+
+    use super::*;
+
+    #[derive(Default)]
+    struct Sink {
+        got: Mutex<Vec<u64>>,
+        broken: AtomicBool,
+    }
+
+    impl PressureSink for Sink {
+        fn press(&self, seq: u64) -> bool {
+            if self.broken.load(Ordering::SeqCst) {
+                return false;
+            }
+            self.got.lock().unwrap().push(seq);
+            true
+        }
+    }
+
+    fn soon() -> Instant {
+        Instant::now() + Duration::from_secs(5)
+    }
+
+    #[test]
+    fn a_ticket_ties_a_channel_to_its_memory_connection_once() {
+        let hub = PressureHub::new();
+        hub.issue_ticket(1, 10, 777);
+        let sink = Arc::new(Sink::default());
+        assert_eq!(
+            hub.subscribe(777, 2, 11, sink.clone()),
+            Err(PressureError::WrongAllocation)
+        );
+        assert_eq!(hub.subscribe(777, 1, 11, sink.clone()), Ok(10));
+        assert_eq!(
+            hub.subscribe(777, 1, 12, sink.clone()),
+            Err(PressureError::UnknownTicket),
+            "a ticket is used once"
+        );
+        assert_eq!(
+            hub.subscribe(5, 1, 12, sink),
+            Err(PressureError::UnknownTicket)
+        );
+    }
+
+    #[test]
+    fn press_reaches_only_channels_of_the_account_and_wait_returns_when_all_answered() {
+        let hub = Arc::new(PressureHub::new());
+        let (a, b, other) = (
+            Arc::new(Sink::default()),
+            Arc::new(Sink::default()),
+            Arc::new(Sink::default()),
+        );
+        hub.issue_ticket(1, 10, 1);
+        hub.issue_ticket(1, 20, 2);
+        hub.issue_ticket(9, 30, 3);
+        hub.subscribe(1, 1, 11, a.clone()).unwrap();
+        hub.subscribe(2, 1, 21, b.clone()).unwrap();
+        hub.subscribe(3, 9, 31, other.clone()).unwrap();
+        // Connection 30 is of another account: never pressed for account 1.
+        let round = hub.press(1, &[10, 20, 30, 40]);
+        assert_eq!(round.sent, 2);
+        assert_eq!(a.got.lock().unwrap().len(), 1);
+        assert!(other.got.lock().unwrap().is_empty());
+        let seq = a.got.lock().unwrap()[0];
+        let h = Arc::clone(&hub);
+        let answer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            h.answered(10, 11, seq).unwrap();
+            h.answered(20, 21, seq).unwrap();
+        });
+        let t = Instant::now();
+        assert!(hub.wait(round, soon()));
+        assert!(t.elapsed() >= Duration::from_millis(15));
+        answer.join().unwrap();
+        // Only the channel itself may answer for its connection.
+        assert_eq!(hub.answered(10, 99, seq), Err(PressureError::NotAChannel));
+    }
+
+    #[test]
+    fn wait_is_bounded_when_a_channel_does_not_answer() {
+        let hub = PressureHub::new();
+        hub.issue_ticket(1, 10, 1);
+        hub.subscribe(1, 1, 11, Arc::new(Sink::default())).unwrap();
+        let round = hub.press(1, &[10]);
+        let t = Instant::now();
+        assert!(!hub.wait(round, Instant::now() + Duration::from_millis(50)));
+        assert!(t.elapsed() >= Duration::from_millis(45));
+    }
+
+    #[test]
+    fn a_closing_channel_settles_what_it_owed() {
+        let hub = Arc::new(PressureHub::new());
+        hub.issue_ticket(1, 10, 1);
+        hub.subscribe(1, 1, 11, Arc::new(Sink::default())).unwrap();
+        let round = hub.press(1, &[10]);
+        let h = Arc::clone(&hub);
+        let closer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(10));
+            h.conn_closed(10);
+        });
+        assert!(hub.wait(round, soon()));
+        closer.join().unwrap();
+        // Nothing left to press.
+        assert_eq!(hub.press(1, &[10]).sent, 0);
+    }
+
+    #[test]
+    fn an_unwritable_channel_is_skipped() {
+        let hub = PressureHub::new();
+        let sink = Arc::new(Sink::default());
+        sink.broken.store(true, Ordering::SeqCst);
+        hub.issue_ticket(1, 10, 1);
+        hub.subscribe(1, 1, 11, sink).unwrap();
+        let round = hub.press(1, &[10]);
+        assert_eq!(round.sent, 0);
+        assert!(hub.wait(round, soon()));
+    }
+}
