@@ -81,6 +81,10 @@ impl Default for Policy {
 /// need the room.
 pub const PRESSED_FOR: Duration = Duration::from_millis(50);
 
+/// The `seq` of a `Relinquish` that answers no `Pressure` (credit given back on the process's
+/// own initiative).
+pub const UNASKED: u64 = 0;
+
 /// Smallest and largest credit granule (what a round trip asks for on top of the request).
 const GRANULE_MIN: u64 = 2 << 20;
 const GRANULE_MAX: u64 = 512 << 20;
@@ -282,7 +286,9 @@ impl Session {
             };
             if let Some((g, in_use)) = granted {
                 s.held.fetch_add(g, Ordering::SeqCst);
-                s.credit.fetch_add(g - need, Ordering::SeqCst);
+                let credit = s.credit.fetch_add(g - need, Ordering::SeqCst) + g - need;
+                // What is allocated, as far as this process knows (its own credit is not).
+                let in_use = in_use.saturating_sub(credit);
                 s.last_in_use.store(in_use, Ordering::Release);
                 return Some(Ok(in_use));
             }
@@ -490,11 +496,27 @@ impl Session {
         }
     }
 
-    /// Sends the credit above `keep` as one `Release` frame, now.
+    /// Sends the credit above `keep` back, now: on the pressure channel when there is one (an
+    /// unasked `Relinquish`), so that it reaches the arbiter before any answer to a later
+    /// `Pressure` does; a refusal elsewhere must not race with bytes still in flight on
+    /// another socket. Otherwise as a `Release` on the memory connection.
     fn flush_locked(&'static self, link: &mut Link, keep: u64) {
         let bytes = self.drop_credit_above(keep);
         if bytes == 0 {
             return;
+        }
+        {
+            let mut channel = self.channel.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(ch) = channel.as_mut() {
+                match ch.send_nowait(&TenantRequest::Relinquish { seq: UNASKED, bytes }) {
+                    Ok(()) => return,
+                    Err(e) => {
+                        tlog!(Info, "pressure channel lost: {e}");
+                        *channel = None;
+                        self.channel_fd.store(-1, Ordering::Release);
+                    }
+                }
+            }
         }
         if let Some(conn) = link.conn.as_mut()
             && let Err(e) = conn.send_nowait(&TenantRequest::Release { bytes })
@@ -980,13 +1002,13 @@ mod tests {
         let arb = MockArbiter::start(&sock, GIB);
         let s = session(&sock, TOKEN, slow_flush(policy(3000, true)));
         assert_eq!(granule(GIB), 32 * MIB);
-        assert_eq!(s.reserve(600 * MIB), Ok(632 * MIB));
+        assert_eq!(s.reserve(600 * MIB), Ok(600 * MIB));
         arb.wait_for("channel", |a| a.channels() == 1);
         assert_eq!(mem_log(&arb), vec![TenantRequest::ReserveCredit { bytes: 600 * MIB, extra: 32 * MIB }]);
         assert_eq!((s.held(), s.credit()), (600 * MIB, 32 * MIB));
         // A free becomes credit; a larger allocation puts it all towards the request.
         s.release(600 * MIB);
-        assert_eq!(s.reserve(700 * MIB), Ok(732 * MIB));
+        assert_eq!(s.reserve(700 * MIB), Ok(700 * MIB));
         assert_eq!(
             mem_log(&arb)[1..],
             [TenantRequest::ReserveCredit { bytes: 68 * MIB, extra: 32 * MIB }]
@@ -995,7 +1017,7 @@ mod tests {
         assert_eq!(arb.in_use(), 732 * MIB);
         // Credit never passes the limit: the granule is given only from free room.
         // 268 MiB missing; of the 24 MiB left, half (12) is given as credit.
-        assert_eq!(s.reserve(300 * MIB), Ok(1012 * MIB));
+        assert_eq!(s.reserve(300 * MIB), Ok(1000 * MIB));
         assert_eq!(s.credit(), 12 * MIB);
         assert_eq!(arb.in_use(), 1012 * MIB);
     }

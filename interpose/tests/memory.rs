@@ -182,7 +182,9 @@ fn sigkill_frees_memory_in_the_arbiter() {
     let (token, id) = bed.create(GIB);
     let mut s = Served::start(bed.tenant_command(&python(), &token));
     assert_eq!(s.ask(&format!("alloc {}", 600 * MIB))["alloc"], 0);
-    assert_eq!(bed.used(&id), 600 * MIB);
+    // Credit taken ahead of need is counted until the idle process gives it back.
+    assert!(bed.used(&id) >= 600 * MIB);
+    wait_until(Duration::from_secs(5), || bed.used(&id) == 600 * MIB).expect("idle credit returned");
     let mut admin = bed.admin();
     s.child.kill().unwrap();
     let t = Instant::now();
@@ -285,7 +287,8 @@ fn forked_child_is_accounted_separately() {
     assert_eq!(child["child_alloc"], 0, "{child}");
     let st = bed.status(&id);
     assert_eq!(st.processes, 2, "the child has its own connection");
-    assert_eq!(st.memory_used, 500 * MIB);
+    assert!(st.memory_used >= 500 * MIB);
+    wait_until(Duration::from_secs(5), || bed.used(&id) == 500 * MIB).expect("idle credit returned");
     let done = s.ask(&format!("release_child {} {}", forked["release_fd"], forked["forked"]));
     assert_eq!(done["child_status"], 0);
     wait_until(Duration::from_secs(5), || bed.used(&id) == 300 * MIB).expect("child's memory released, parent's kept");
@@ -293,6 +296,6 @@ fn forked_child_is_accounted_separately() {
     // The parent still works on its original connection.
     assert_eq!(s.ask(&format!("alloc {}", 600 * MIB))["alloc"], 0);
     assert_eq!(s.ask(&format!("alloc {}", 200 * MIB))["alloc"], OOM);
-    assert_eq!(bed.used(&id), 900 * MIB);
+    wait_until(Duration::from_secs(5), || bed.used(&id) == 900 * MIB).expect("900 MiB held");
     assert!(s.exit().success());
 }

@@ -73,6 +73,10 @@ impl Inner {
 pub struct PressureHub {
     inner: Mutex<Inner>,
     answered: Condvar,
+    /// Counts ledger frees (any allocation), so a reservation that does not fit can wait for
+    /// the next one without missing it.
+    freed: Mutex<u64>,
+    freed_cv: Condvar,
 }
 
 impl std::fmt::Debug for PressureHub {
@@ -174,8 +178,10 @@ impl PressureHub {
     /// no channel, or whose channel cannot take the frame, are skipped.
     pub fn press(&self, key: AccountKey, targets: &[ConnId]) -> Round {
         let mut i = self.lock();
-        let seq = i.next_seq;
+        // Seq 0 is never used: a `Relinquish` with seq 0 answers nothing (credit given back
+        // unasked).
         i.next_seq += 1;
+        let seq = i.next_seq;
         let mut sent = 0;
         for t in targets {
             if let Some(ch) = i.channels.get_mut(t)
@@ -209,6 +215,33 @@ impl PressureHub {
         i.settle(seq);
         self.answered.notify_all();
         Ok(())
+    }
+
+    /// The count of frees so far (see [`PressureHub::wait_freed`]).
+    pub fn freed_count(&self) -> u64 {
+        *self.freed.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Something was freed in the ledger: wakes reservations waiting for room.
+    pub fn note_freed(&self) {
+        *self.freed.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        self.freed_cv.notify_all();
+    }
+
+    /// Waits until a free after `seen` (a [`PressureHub::freed_count`]) or `deadline`.
+    pub fn wait_freed(&self, seen: u64, deadline: Instant) {
+        let mut n = self.freed.lock().unwrap_or_else(|e| e.into_inner());
+        while *n == seen {
+            let now = Instant::now();
+            if now >= deadline {
+                return;
+            }
+            n = self
+                .freed_cv
+                .wait_timeout(n, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
     }
 
     /// Waits until every channel pressed in `round` answered, or `deadline`. True when all
@@ -343,6 +376,25 @@ mod tests {
         closer.join().unwrap();
         // Nothing left to press.
         assert_eq!(hub.press(1, &[10]).sent, 0);
+    }
+
+    #[test]
+    fn a_free_wakes_a_waiting_reservation_and_the_wait_is_bounded() {
+        let hub = Arc::new(PressureHub::new());
+        let seen = hub.freed_count();
+        let h = Arc::clone(&hub);
+        let freer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            h.note_freed();
+        });
+        let t = Instant::now();
+        hub.wait_freed(seen, soon());
+        assert!(t.elapsed() >= Duration::from_millis(15) && t.elapsed() < Duration::from_secs(4));
+        freer.join().unwrap();
+        // Nothing more is freed: the wait ends at its deadline.
+        let t = Instant::now();
+        hub.wait_freed(hub.freed_count(), Instant::now() + Duration::from_millis(30));
+        assert!(t.elapsed() >= Duration::from_millis(25));
     }
 
     #[test]

@@ -55,14 +55,13 @@ pub enum TenantError {
     Pressure(#[from] PressureError),
 }
 
-/// How long a reservation that would be refused waits for the allocation's other processes to
-/// give back unused credit. A process answers as soon as its watcher thread runs; the bound
-/// only matters for a process that is stopped or does not answer.
-pub const PRESSURE_WAIT: Duration = Duration::from_millis(100);
-
-/// Pressure rounds before a refusal: another process may take room again between its answer
-/// and the retry; each round that freed something earns another try, up to this many.
-const PRESSURE_ROUNDS: u32 = 4;
+/// How long a reservation that does not fit may wait, while other processes of its allocation
+/// hold memory, for them to give back unused credit (they answer a `Pressure` as soon as their
+/// watcher thread runs) or to free what they hold. A process preempted between its allocation
+/// and its free holds the bytes for a time slice or more on a busy node; this wait turns that
+/// into a short delay instead of a false out-of-memory. With nothing held by other processes,
+/// a reservation that does not fit is refused at once.
+pub const MEMORY_WAIT: Duration = Duration::from_millis(50);
 
 fn io_err(e: std::io::Error) -> TenantError {
     WireError::Frame(e.into()).into()
@@ -235,6 +234,7 @@ fn serve(arb: Arc<Arbiter>, mut stream: UnixStream, conn: ConnId, pid: Option<i3
     }
     arb.pressure().conn_closed(conn);
     let freed = arb.detach_tenant(&binding, conn, pid);
+    arb.pressure().note_freed();
     let id = &binding.view.id;
     match (result, freed) {
         (Err(TenantError::Wire(WireError::Closed)), Ok(_)) | (Ok(()), Ok(_)) => {}
@@ -368,6 +368,9 @@ fn serve_requests(
                         Ok(_) => {}
                         Err(e) => crate::log!("tenant conn {mem} of {}: relinquish: {e}", b.view.id),
                     }
+                    if bytes > 0 {
+                        arb.pressure().note_freed();
+                    }
                     arb.pressure().answered(mem, conn, seq)?;
                 }
                 req => handle(arb, b, conn, req, &mut out)?,
@@ -458,6 +461,7 @@ fn handle(
                 Ok(_) => {}
                 Err(e) => crate::log!("tenant conn {conn} of {}: release: {e}", b.view.id),
             }
+            arb.pressure().note_freed();
         }
         TenantRequest::Redeclare { bytes } => {
             let msg = match arb.with_ledger(|l| l.redeclare(key, conn, bytes)) {
@@ -470,7 +474,7 @@ fn handle(
         }
         TenantRequest::MemInfo => {
             // Exact: the other processes' unused credit is not in use.
-            press_others(arb, b, conn, Instant::now() + PRESSURE_WAIT);
+            press_others(arb, b, conn, Instant::now() + MEMORY_WAIT);
             let msg = match arb.with_ledger(|l| l.usage(key)) {
                 Some(u) => TenantReply::MemInfo {
                     limit: u.limit,
@@ -506,17 +510,25 @@ fn reserve_pressing(
     conn: ConnId,
     mut attempt: impl FnMut(&mut crate::ledger::Ledger) -> Result<Credit, crate::ledger::LedgerError>,
 ) -> Result<Credit, crate::ledger::LedgerError> {
-    let deadline = Instant::now() + PRESSURE_WAIT;
-    let mut round = 0;
+    let deadline = Instant::now() + MEMORY_WAIT;
+    let hub = arb.pressure();
     loop {
         let r = arb.with_ledger(&mut attempt)?;
-        if matches!(r, Credit::Granted { .. }) || round == PRESSURE_ROUNDS || Instant::now() >= deadline {
+        if matches!(r, Credit::Granted { .. }) || Instant::now() >= deadline {
             return Ok(r);
         }
-        round += 1;
         if !press_others(arb, b, conn, deadline) {
+            // Nobody else holds anything: the request alone does not fit.
             return Ok(r);
         }
+        // Counted before the retry, so a free between the two is not missed.
+        let seen = hub.freed_count();
+        let r = arb.with_ledger(&mut attempt)?;
+        if matches!(r, Credit::Granted { .. }) || Instant::now() >= deadline {
+            return Ok(r);
+        }
+        // What the others hold is allocated right now: wait for one of them to free.
+        hub.wait_freed(seen, deadline);
     }
 }
 

@@ -1,0 +1,199 @@
+//! mem_tenant: the load of the multi-process memory tests and the `mem_share` benchmark. A CUDA
+//! driver client (loaded the way the CUDA runtime does it, through `tessera_examples::Driver`)
+//! that allocates and frees device memory in one of two patterns:
+//!
+//! - `handoff --first|--second --rounds N --bytes B --in FIFO --out FIFO`: two processes take
+//!   turns. Each round the process whose turn it is allocates `B` bytes and frees them, then
+//!   writes one byte to `--out`; the other reads that byte before it allocates. So every
+//!   allocation starts after the other process's free returned: none may be refused when two
+//!   `B` do not fit but one does.
+//! - `churn --bytes B --seconds S [--start-ns T]`: allocate `B`, free it at once, repeat for
+//!   `S` seconds (from machine-wide monotonic time `T` if given, so several processes start
+//!   together).
+//!
+//! A refused allocation (`CUDA_ERROR_OUT_OF_MEMORY`) is counted; in `handoff` it is retried
+//! after 100 us until it succeeds, so the rounds go on. Prints one JSON line at the end:
+//! `{"pid":..,"grants":..,"refusals":..,"first_try_refusals":..}`; exits 1 on any other error.
+
+use std::ffi::c_void;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use tessera_examples::Driver;
+use tessera_sim_state::clock::monotonic_ns;
+
+const CUDA_ERROR_OUT_OF_MEMORY: u32 = 2;
+
+enum Mode {
+    Handoff {
+        first: bool,
+        rounds: u64,
+        input: String,
+        output: String,
+    },
+    Churn {
+        seconds: f64,
+        start_ns: u64,
+    },
+}
+
+struct Args {
+    mode: Mode,
+    bytes: u64,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut it = std::env::args().skip(1);
+    let mode = it.next().ok_or("usage: mem_tenant handoff|churn [flags]")?;
+    let (mut first, mut rounds, mut input, mut output) = (None, 1000, None, None);
+    let (mut seconds, mut start_ns, mut bytes) = (10.0, 0, None);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--first" => first = Some(true),
+            "--second" => first = Some(false),
+            "--rounds" => rounds = value()?.parse().map_err(|e| format!("--rounds: {e}"))?,
+            "--in" => input = Some(value()?),
+            "--out" => output = Some(value()?),
+            "--seconds" => seconds = value()?.parse().map_err(|e| format!("--seconds: {e}"))?,
+            "--start-ns" => start_ns = value()?.parse().map_err(|e| format!("--start-ns: {e}"))?,
+            "--bytes" => bytes = Some(value()?.parse().map_err(|e| format!("--bytes: {e}"))?),
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    let bytes = bytes.ok_or("--bytes is required")?;
+    let mode = match mode.as_str() {
+        "handoff" => Mode::Handoff {
+            first: first.ok_or("handoff needs --first or --second")?,
+            rounds,
+            input: input.ok_or("handoff needs --in")?,
+            output: output.ok_or("handoff needs --out")?,
+        },
+        "churn" => Mode::Churn { seconds, start_ns },
+        other => return Err(format!("unknown mode {other}")),
+    };
+    Ok(Args { mode, bytes })
+}
+
+fn fail(msg: &str) -> ! {
+    eprintln!("mem_tenant: {msg}");
+    std::process::exit(1)
+}
+
+type Alloc = unsafe extern "C" fn(*mut u64, usize) -> u32;
+type Free = unsafe extern "C" fn(u64) -> u32;
+
+struct Counts {
+    grants: u64,
+    refusals: u64,
+    first_try_refusals: u64,
+}
+
+/// One allocation and its free; `Err(())` when refused.
+fn pair(alloc: Alloc, free: Free, bytes: u64) -> Result<(), ()> {
+    let mut p = 0u64;
+    // SAFETY: the driver's cuMemAlloc_v2/cuMemFree_v2 with a current context; the pointer is
+    // freed right away.
+    let rc = unsafe { alloc(&mut p, bytes as usize) };
+    match rc {
+        0 => {
+            // SAFETY: as above; `p` was just allocated.
+            let rc = unsafe { free(p) };
+            if rc != 0 {
+                fail(&format!("cuMemFree_v2 failed with CUresult {rc}"));
+            }
+            Ok(())
+        }
+        CUDA_ERROR_OUT_OF_MEMORY => Err(()),
+        rc => fail(&format!("cuMemAlloc_v2 failed with CUresult {rc}")),
+    }
+}
+
+fn main() {
+    let args = parse_args().unwrap_or_else(|e| {
+        eprintln!("mem_tenant: {e}");
+        std::process::exit(2);
+    });
+    let driver = Driver::load().unwrap_or_else(|e| fail(&e));
+    // SAFETY: each `sym` names the documented C signature of the entry point at that version.
+    let (alloc, free) = unsafe {
+        let init: unsafe extern "C" fn(u32) -> u32 = driver.sym(c"cuInit", 2000);
+        let retain: unsafe extern "C" fn(*mut *mut c_void, i32) -> u32 =
+            driver.sym(c"cuDevicePrimaryCtxRetain", 7000);
+        let set_current: unsafe extern "C" fn(*mut c_void) -> u32 =
+            driver.sym(c"cuCtxSetCurrent", 4000);
+        if init(0) != 0 {
+            fail("cuInit failed");
+        }
+        let mut ctx = std::ptr::null_mut();
+        if retain(&mut ctx, 0) != 0 || set_current(ctx) != 0 {
+            fail("no context on device 0");
+        }
+        let alloc: Alloc = driver.sym(c"cuMemAlloc", 3020);
+        let free: Free = driver.sym(c"cuMemFree", 3020);
+        (alloc, free)
+    };
+    let mut c = Counts { grants: 0, refusals: 0, first_try_refusals: 0 };
+    match args.mode {
+        Mode::Handoff { first, rounds, input, output } => {
+            // FIFOs: opening blocks until the other side opens too; open in an order that
+            // cannot deadlock (the first process writes first).
+            let (mut rx, mut tx) = if first {
+                let tx = File::options().write(true).open(&output).unwrap_or_else(|e| fail(&e.to_string()));
+                let rx = File::open(&input).unwrap_or_else(|e| fail(&e.to_string()));
+                (rx, tx)
+            } else {
+                let rx = File::open(&input).unwrap_or_else(|e| fail(&e.to_string()));
+                let tx = File::options().write(true).open(&output).unwrap_or_else(|e| fail(&e.to_string()));
+                (rx, tx)
+            };
+            let mut byte = [0u8; 1];
+            for _ in 0..rounds {
+                if !first && rx.read_exact(&mut byte).is_err() {
+                    fail("the other process went away");
+                }
+                let mut tries = 0;
+                while pair(alloc, free, args.bytes).is_err() {
+                    tries += 1;
+                    c.refusals += 1;
+                    if tries > 100_000 {
+                        fail("refused for 10 s");
+                    }
+                    std::thread::sleep(Duration::from_micros(100));
+                }
+                if tries > 0 {
+                    c.first_try_refusals += 1;
+                }
+                c.grants += 1;
+                if tx.write_all(&[1]).is_err() {
+                    fail("the other process went away");
+                }
+                if first && rx.read_exact(&mut byte).is_err() {
+                    fail("the other process went away");
+                }
+            }
+        }
+        Mode::Churn { seconds, start_ns } => {
+            while monotonic_ns() < start_ns {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            let end = Instant::now() + Duration::from_secs_f64(seconds);
+            while Instant::now() < end {
+                for _ in 0..16 {
+                    match pair(alloc, free, args.bytes) {
+                        Ok(()) => c.grants += 1,
+                        Err(()) => c.refusals += 1,
+                    }
+                }
+            }
+        }
+    }
+    println!(
+        "{{\"pid\":{},\"grants\":{},\"refusals\":{},\"first_try_refusals\":{}}}",
+        std::process::id(),
+        c.grants,
+        c.refusals,
+        c.first_try_refusals
+    );
+}

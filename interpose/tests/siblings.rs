@@ -1,0 +1,145 @@
+//! Processes of one allocation share its limit without false out-of-memory: a free in one
+//! process is counted by the next allocation in another, whatever credit each holds. Clients
+//! are `mem_tenant` (built by `cargo build --workspace`), truth is the arbiter's ledger and the
+//! simulated card.
+
+mod common;
+
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use tessera_sim_state::clock::monotonic_ns;
+
+fn mem_tenant() -> std::path::PathBuf {
+    artifact("mem_tenant")
+}
+
+fn mkfifo(path: &std::path::Path) {
+    let st = std::process::Command::new("mkfifo").arg(path).status().expect("mkfifo");
+    assert!(st.success(), "mkfifo {}", path.display());
+}
+
+/// The JSON line a `mem_tenant` prints at its end.
+fn counts(c: Child) -> serde_json::Value {
+    let out = c.wait_with_output().unwrap();
+    let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "mem_tenant failed: {so}\n{se}");
+    last_json(&so, &se)
+}
+
+fn u(v: &serde_json::Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or_else(|| panic!("{k} missing in {v}"))
+}
+
+/// Samples the ledger and the card until `done`; returns their peaks.
+fn peaks(bed: &Bed, id: &str, mut done: impl FnMut() -> bool) -> (u64, u64) {
+    let mut admin = bed.admin();
+    let (mut ledger, mut card) = (0u64, 0u64);
+    let start = Instant::now();
+    while !done() {
+        let a = admin.list().unwrap().into_iter().find(|a| a.id == id).unwrap();
+        ledger = ledger.max(a.memory_used);
+        card = card.max(bed.sim_used());
+        assert!(start.elapsed() < Duration::from_secs(120), "tenants did not finish");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    (ledger, card)
+}
+
+fn running(c: &Child) -> bool {
+    let pid = c.id();
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')))
+        .unwrap_or(false)
+}
+
+#[test]
+fn a_free_in_one_process_is_counted_by_the_next_allocation_in_another() {
+    let bed = Bed::new();
+    let limit = 4 * GIB;
+    let (token, id) = bed.create(limit);
+    let (ab, ba) = (bed.dir.path().join("ab"), bed.dir.path().join("ba"));
+    mkfifo(&ab);
+    mkfifo(&ba);
+    let bytes = (3 * GIB).to_string();
+    let rounds = "1000";
+    let spawn = |role: &str, input: &std::path::Path, output: &std::path::Path| {
+        bed.tenant_command(&mem_tenant(), &token)
+            .args(["handoff", role, "--rounds", rounds, "--bytes", &bytes])
+            .arg("--in")
+            .arg(input)
+            .arg("--out")
+            .arg(output)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let a = spawn("--first", &ba, &ab);
+    let b = spawn("--second", &ab, &ba);
+    let t = Instant::now();
+    let (ledger, card) = peaks(&bed, &id, || !running(&a) || !running(&b));
+    let (ca, cb) = (counts(a), counts(b));
+    eprintln!(
+        "hand-off: 2 x {rounds} rounds of 3 GiB under 4 GiB in {:?}: refusals A {} B {}; \
+         ledger peak {:.2} GiB, card peak {:.2} GiB",
+        t.elapsed(),
+        u(&ca, "refusals"),
+        u(&cb, "refusals"),
+        ledger as f64 / GIB as f64,
+        card as f64 / GIB as f64
+    );
+    assert_eq!(u(&ca, "grants") + u(&cb, "grants"), 2000);
+    assert_eq!(
+        u(&ca, "refusals") + u(&cb, "refusals"),
+        0,
+        "an allocation that began after the other process's free returned was refused"
+    );
+    assert!(ledger <= limit && card <= limit, "ledger {ledger} card {card}");
+    wait_until(Duration::from_secs(5), || bed.used(&id) == 0).expect("ledger back to zero");
+}
+
+#[test]
+fn churning_processes_are_rarely_refused_and_none_is_starved() {
+    let bed = Bed::new();
+    let limit = 4 * GIB;
+    let (token, id) = bed.create(limit);
+    // Six chunks fit, seven do not: a refusal needs seven processes holding at one instant.
+    let chunk = limit * 2 / 13;
+    let start_ns = monotonic_ns() + 500_000_000;
+    let seconds = 10;
+    let tenants: Vec<Child> = (0..8)
+        .map(|_| {
+            bed.tenant_command(&mem_tenant(), &token)
+                .args(["churn", "--bytes", &chunk.to_string(), "--seconds", &seconds.to_string()])
+                .args(["--start-ns", &start_ns.to_string()])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let (ledger, card) = peaks(&bed, &id, || tenants.iter().all(|c| !running(c)));
+    let results: Vec<_> = tenants.into_iter().map(counts).collect();
+    let grants: Vec<u64> = results.iter().map(|r| u(r, "grants")).collect();
+    let refusals: u64 = results.iter().map(|r| u(r, "refusals")).sum();
+    let total: u64 = grants.iter().sum::<u64>() + refusals;
+    let (min, max) = (*grants.iter().min().unwrap(), *grants.iter().max().unwrap());
+    eprintln!(
+        "churn: 8 processes, {} MiB chunks under 4 GiB, {seconds} s: {total} allocations, {refusals} refused \
+         ({:.3}%); grants per process {min}..{max} ({grants:?}); ledger peak {:.2} GiB, card peak {:.2} GiB",
+        chunk >> 20,
+        100.0 * refusals as f64 / total as f64,
+        ledger as f64 / GIB as f64,
+        card as f64 / GIB as f64
+    );
+    assert!(total > 8 * 100, "too little happened: {total}");
+    assert!(
+        (refusals as f64) < 0.01 * total as f64,
+        "{refusals} of {total} allocations refused (target under 1%)"
+    );
+    assert!(ledger <= limit && card <= limit, "ledger {ledger} card {card}");
+    assert!(min * 5 >= max, "a process was starved: grants per process {grants:?}");
+    wait_until(Duration::from_secs(5), || bed.used(&id) == 0).expect("ledger back to zero");
+}
