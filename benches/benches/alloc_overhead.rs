@@ -2,14 +2,18 @@
 //! raw Unix-socket round trip, measured in the same run. Target: added / round trip <= 1.3 (at
 //! most one round trip per alloc and per free).
 //!
-//! Two intercepted patterns are measured:
+//! Three intercepted patterns are measured:
 //! - `intercepted_alloc_free`: the same size freed and allocated again (what caching allocators
-//!   do). The free's bytes are not announced yet when the next allocation comes, so the
-//!   interposer nets them and makes no round trip at all.
+//!   do). The free's bytes become the process's credit, and the next allocation takes them
+//!   back locally: no round trip at all.
 //! - `intercepted_alloc_free_cold`: every allocation 4 KiB larger than the last (wrapping
-//!   once in 4096), so none can be netted: each one is a `Reserve` round trip to the arbiter,
-//!   carrying the previous free's `Release` in the same write. This is the cost the target is
-//!   really about.
+//!   once in 4096), so it is larger than anything the process freed. The credit granule the
+//!   arbiter gave with the first reservation (1/32 of the limit, at most 512 MiB) covers the
+//!   growth: no round trip either, after the first.
+//! - `intercepted_alloc_free_miss`: every allocation 520 MiB larger than the last, more than
+//!   the last free plus a granule (64 GiB limit: granule 512 MiB), so each one misses the
+//!   credit and makes one `ReserveCredit` round trip. At the wrap (once in 118) the credit is
+//!   dropped by a `cuMemGetInfo_v2` (another round trip), so the next one misses too.
 //!
 //! "Added" is the intercepted pair minus the direct (raw simulated driver) pair of the same
 //! sizes, measured in the same interleaved run. The round trip is a 16-byte echo measured two
@@ -61,7 +65,33 @@ fn cold_pair(alloc: AllocFn, free: FreeFn, sizes: &mut Growing) {
     sized_pair(alloc, free, sizes.next());
 }
 
-/// Profiling mode (`echo`, `batch-echo`, `ping`, `pair`, `cold` or `direct`): runs that one pattern 200 000
+/// Sizes of the miss pattern: 520 MiB more each time, from 1 MiB to under 60 GiB.
+struct Leaping(usize);
+
+const LEAP: usize = 520 << 20;
+const LEAPS: usize = 118;
+
+impl Leaping {
+    /// The next size, and whether the sequence wrapped (the credit must be dropped first).
+    fn next(&mut self) -> (usize, bool) {
+        self.0 = (self.0 + 1) % LEAPS;
+        (SIZE + self.0 * LEAP, self.0 == 0)
+    }
+}
+
+type MemInfoFn = unsafe extern "C" fn(*mut usize, *mut usize) -> i32;
+
+fn miss_pair(alloc: AllocFn, free: FreeFn, info: Option<MemInfoFn>, sizes: &mut Leaping) {
+    let (size, wrapped) = sizes.next();
+    if wrapped && let Some(info) = info {
+        let (mut f, mut t) = (0usize, 0usize);
+        // SAFETY: valid out-pointers; a context is current. The query gives the credit back.
+        assert_eq!(unsafe { info(&mut f, &mut t) }, 0);
+    }
+    sized_pair(alloc, free, size);
+}
+
+/// Profiling mode (`echo`, `batch-echo`, `ping`, `pair`, `cold`, `miss` or `direct`): runs that one pattern 200 000
 /// times and exits, e.g. `TESSERA_ALLOC_PROFILE=cold perf stat -e context-switches <bench> --bench`.
 const PROFILE: &str = "TESSERA_ALLOC_PROFILE";
 
@@ -151,6 +181,7 @@ fn bench(c: &mut Criterion) {
     let bed = Bed::start(64 << 30, 50, None, Some(0));
     let (raw_alloc, raw_free) = (bed.raw::<AllocFn>("cuMemAlloc_v2"), bed.raw::<FreeFn>("cuMemFree_v2"));
     let (hook_alloc, hook_free) = (bed.hooked::<AllocFn>("cuMemAlloc_v2"), bed.hooked::<FreeFn>("cuMemFree_v2"));
+    let hook_info = bed.hooked::<MemInfoFn>("cuMemGetInfo_v2");
     // First intercepted call connects to the arbiter.
     pair(hook_alloc, hook_free);
     let mut echo = Echo::start();
@@ -179,8 +210,12 @@ fn bench(c: &mut Criterion) {
             "ping" => Box::new(|| assert_eq!(ping.call(&TenantRequest::Ping).unwrap(), TenantReply::Pong)),
             "pair" => Box::new(|| pair(hook_alloc, hook_free)),
             "cold" => Box::new(|| cold_pair(hook_alloc, hook_free, &mut sizes)),
+            "miss" => {
+                let mut leaps = Leaping(0);
+                Box::new(move || miss_pair(hook_alloc, hook_free, Some(hook_info), &mut leaps))
+            }
             "direct" => Box::new(|| cold_pair(raw_alloc, raw_free, &mut sizes)),
-            other => panic!("{PROFILE}={other}: expected echo, batch-echo, ping, pair, cold or direct"),
+            other => panic!("{PROFILE}={other}: expected echo, batch-echo, ping, pair, cold, miss or direct"),
         };
         let t = std::time::Instant::now();
         for _ in 0..n {
@@ -201,8 +236,15 @@ fn bench(c: &mut Criterion) {
     let mut sizes = Growing(0);
     g.bench_function("direct_alloc_free_cold", |b| b.iter(|| cold_pair(raw_alloc, raw_free, &mut sizes)));
     g.bench_function("intercepted_alloc_free_cold", |b| b.iter(|| cold_pair(hook_alloc, hook_free, &mut sizes)));
+    let mut leaps = Leaping(0);
+    g.bench_function("direct_alloc_free_miss", |b| b.iter(|| miss_pair(raw_alloc, raw_free, None, &mut leaps)));
+    let mut leaps = Leaping(0);
+    g.bench_function("intercepted_alloc_free_miss", |b| {
+        b.iter(|| miss_pair(hook_alloc, hook_free, Some(hook_info), &mut leaps))
+    });
     g.finish();
     let (mut direct_sizes, mut hooked_sizes) = (Growing(0), Growing(0));
+    let (mut direct_leaps, mut hooked_leaps) = (Leaping(0), Leaping(0));
 
     // The ratio, from medians measured interleaved in this same run.
     let m = interleaved_medians(
@@ -236,23 +278,29 @@ fn bench(c: &mut Criterion) {
             &mut || cold_pair(raw_alloc, raw_free, &mut direct_sizes),
             &mut || cold_pair(hook_alloc, hook_free, &mut hooked_sizes),
             &mut || becho.round_trip(),
+            &mut || miss_pair(raw_alloc, raw_free, None, &mut direct_leaps),
+            &mut || miss_pair(hook_alloc, hook_free, Some(hook_info), &mut hooked_leaps),
         ],
     );
     let (rtt, direct, hooked, prtt, arbiter_rtt, proto_rtt, proto_direct, direct_cold, hooked_cold, brtt) =
         (m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7], m[8], m[9]);
+    let (direct_miss, hooked_miss) = (m[10], m[11]);
     let added = hooked - direct;
     let added_cold = hooked_cold - direct_cold;
+    let added_miss = hooked_miss - direct_miss;
     let summary = format!(
         "alloc_overhead medians: unix socket round trip between threads {:.2} us, between processes {:.2} us; \
-         same-size pair (netted, no round trip): direct alloc+free {:.2} us, intercepted {:.2} us, added {:.2} us, \
+         same-size pair (from the credit, no round trip): direct alloc+free {:.2} us, intercepted {:.2} us, added {:.2} us \
+         (target <= 0.5), added/process-round-trip ratio {:.2}; \
+         cold pair (growing sizes, covered by the credit granule): direct {:.2} us, intercepted {:.2} us, added {:.2} us \
+         (target <= 2), added/process-round-trip ratio {:.2}, added/thread-round-trip ratio {:.2}; \
+         credit-miss pair (one ReserveCredit round trip each): direct {:.2} us, intercepted {:.2} us, added {:.2} us, \
          added/process-round-trip ratio {:.2}; \
-         cold pair (growing sizes, one Reserve round trip each): direct {:.2} us, intercepted {:.2} us, added {:.2} us, \
-         added/process-round-trip ratio {:.2} (target <= 1.3), added/thread-round-trip ratio {:.2}; \
          echo between processes with a SCHED_BATCH server (like the arbiter's tenant threads) {:.2} us, \
-         cold added/that {:.2}; \
-         arbiter Ping round trip {:.2} us, cold added/arbiter-round-trip {:.2}; \
+         miss added/that {:.2}; \
+         arbiter Ping round trip {:.2} us, miss added/arbiter-round-trip {:.2}; \
          protocol Release+Reserve exchange {:.2} us, the same followed by the direct pair {:.2} us, \
-         interposer's own share on the cold path (intercepted cold minus that) {:.2} us\n",
+         interposer's own share on the miss path (intercepted miss minus that) {:.2} us\n",
         rtt / 1e3,
         prtt / 1e3,
         direct / 1e3,
@@ -264,13 +312,17 @@ fn bench(c: &mut Criterion) {
         added_cold / 1e3,
         added_cold / prtt,
         added_cold / rtt,
+        direct_miss / 1e3,
+        hooked_miss / 1e3,
+        added_miss / 1e3,
+        added_miss / prtt,
         brtt / 1e3,
-        added_cold / brtt,
+        added_miss / brtt,
         arbiter_rtt / 1e3,
-        added_cold / arbiter_rtt,
+        added_miss / arbiter_rtt,
         proto_rtt / 1e3,
         proto_direct / 1e3,
-        (hooked_cold - proto_direct) / 1e3
+        (hooked_miss - proto_direct) / 1e3
     );
     print!("{summary}");
     write_summary("alloc_overhead", &summary);

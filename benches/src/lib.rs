@@ -1,9 +1,122 @@
 //! Benchmarks of Tessera's overheads and compute sharing (criterion benches in `benches/`,
 //! benchmark programs in `src/bin/`). The library holds what both kinds share:
 //! - [`exit_with_parent`]: a started arbiter goes when the benchmark does.
+//! - [`SimNode`]: a simulated GPU and the real `tessera-arbiter` serving it, in a temp folder,
+//!   with the benchmark programs' artifacts found next to the running executable.
 
 use std::os::unix::process::CommandExt;
-use std::process::Command;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tessera_protocol::client::AdminClient;
+
+/// Where the built artifacts are: the folder of this executable.
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    exe.parent().expect("exe folder").to_path_buf()
+}
+
+/// The built artifact `name` next to this executable; exits 2 with a hint when it is missing
+/// (`who` names the program in the message).
+pub fn need(who: &str, name: &str) -> PathBuf {
+    let p = bin_dir().join(name);
+    if !p.is_file() {
+        eprintln!(
+            "{who}: {} is missing; build the workspace first (`cargo build --release --workspace`)",
+            p.display()
+        );
+        std::process::exit(2);
+    }
+    p
+}
+
+/// A simulated node: GPUs in a temp folder and a running `tessera-arbiter` serving them. The
+/// arbiter is killed when this is dropped, and when the benchmark dies.
+pub struct SimNode {
+    /// The temp folder everything lives in.
+    pub dir: tempfile::TempDir,
+    /// The simulated GPUs' shared state.
+    pub sim_dir: PathBuf,
+    /// Where the simulated `libcuda.so.1` and `libnvidia-ml.so.1` are.
+    pub lib_dir: PathBuf,
+    /// The arbiter's tenant socket.
+    pub socket: PathBuf,
+    /// The arbiter's admin socket.
+    pub admin_socket: PathBuf,
+    /// `TESSERA_SIM_GPUS` of the node.
+    pub gpus: String,
+    arbiter: Child,
+}
+
+impl SimNode {
+    /// Prepares GPUs `gpus` (e.g. `1x80GiB`) and starts the arbiter; exits the program with a
+    /// message naming `who` if that fails.
+    pub fn start(who: &str, gpus: &str) -> Self {
+        let arbiter_bin = need(who, "tessera-arbiter");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let sim_dir = dir.path().join("sim");
+        let built = tessera_sim_state::find_built_lib_dir(Some(&bin_dir())).unwrap_or_else(|e| {
+            eprintln!("{who}: {e}");
+            std::process::exit(2);
+        });
+        let lib_dir = tessera_sim_state::prepare_lib_dir(&sim_dir, &built).expect("lib dir");
+        let socket = dir.path().join("tessera.sock");
+        let admin_socket = dir.path().join("admin.sock");
+        let mut arbiter = Command::new(arbiter_bin);
+        // `process::exit` in a benchmark skips the `Drop` that kills it.
+        exit_with_parent(&mut arbiter);
+        let arbiter = arbiter
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--admin-socket")
+            .arg(&admin_socket)
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .env("LD_LIBRARY_PATH", &lib_dir)
+            .env("TESSERA_SIM_DIR", &sim_dir)
+            .env("TESSERA_SIM_GPUS", gpus)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start tessera-arbiter");
+        let started = Instant::now();
+        while AdminClient::connect(&admin_socket).is_err() {
+            if started.elapsed() > Duration::from_secs(20) {
+                eprintln!("{who}: the arbiter did not come up");
+                std::process::exit(1);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Self { dir, sim_dir, lib_dir, socket, admin_socket, gpus: gpus.to_owned(), arbiter }
+    }
+
+    /// `program` with the node's simulated GPUs and sockets in its environment (and no
+    /// inherited `LD_PRELOAD`): what `tessera run` and a bare client both need.
+    pub fn command(&self, program: &Path) -> Command {
+        let mut cmd = Command::new(program);
+        cmd.env("LD_LIBRARY_PATH", &self.lib_dir)
+            .env("TESSERA_SIM_DIR", &self.sim_dir)
+            .env("TESSERA_SIM_GPUS", &self.gpus)
+            .env("TESSERA_ADMIN_SOCKET", &self.admin_socket)
+            .env("TESSERA_SOCKET", &self.socket)
+            .env_remove("LD_PRELOAD");
+        cmd
+    }
+
+    /// An admin connection to the arbiter.
+    pub fn admin(&self) -> AdminClient {
+        AdminClient::connect(&self.admin_socket).expect("admin socket")
+    }
+}
+
+impl Drop for SimNode {
+    fn drop(&mut self) {
+        let _ = self.arbiter.kill();
+        let _ = self.arbiter.wait();
+    }
+}
 
 /// Makes the child started by `cmd` receive SIGTERM when this process dies, however it ends:
 /// an aborted run (`process::exit`, a signal) would otherwise leave the arbiter it started

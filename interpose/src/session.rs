@@ -344,6 +344,11 @@ impl Session {
             return;
         }
         let credit = self.credit.fetch_add(bytes, Ordering::SeqCst) + bytes;
+        if self.pressed_recently() && self.give_back_now() {
+            // Another process of the allocation waits for room: it gets these bytes now, not
+            // after the release delay (and not this process's next allocation first).
+            return;
+        }
         let fd = self.wake_fd.load(Ordering::Acquire);
         if fd < 0 {
             // No watcher: send now.
@@ -352,6 +357,32 @@ impl Session {
             let one: u64 = 1;
             // SAFETY: writing 8 bytes from a live u64 to the watcher's eventfd.
             let _ = unsafe { libc::write(fd, (&raw const one).cast(), 8) };
+        }
+    }
+
+    /// Gives all the credit back at once on the pressure channel (one `send`, no wait); false
+    /// when the channel is busy or gone (the watcher then does it).
+    fn give_back_now(&self) -> bool {
+        let mut channel = match self.channel.try_lock() {
+            Ok(c) => c,
+            Err(_) => return false,
+        };
+        let Some(ch) = channel.as_mut() else { return false };
+        let bytes = self.drop_credit_above(0);
+        if bytes == 0 {
+            return true;
+        }
+        match ch.send_nowait(&TenantRequest::Relinquish { seq: UNASKED, bytes }) {
+            Ok(()) => true,
+            Err(e) => {
+                tlog!(Info, "pressure channel lost: {e}");
+                *channel = None;
+                self.channel_fd.store(-1, Ordering::Release);
+                // Not announced: still ours (the watcher sends them on the memory connection).
+                self.held.fetch_add(bytes, Ordering::SeqCst);
+                self.credit.fetch_add(bytes, Ordering::SeqCst);
+                false
+            }
         }
     }
 
@@ -1039,9 +1070,15 @@ mod tests {
         // Untouched for a tick: given back.
         arb.wait_for("idle return", |a| a.in_use() == 0);
         assert_eq!((s.held(), s.credit()), (0, 0));
-        let released: u64 = mem_log(&arb)
+        // Given back unasked on the pressure channel (ordered before any answer to a pressure).
+        let log = mem_log(&arb);
+        assert!(!log.iter().any(|r| matches!(r, TenantRequest::Release { .. })), "{log:?}");
+        let released: u64 = log
             .iter()
-            .map(|r| if let TenantRequest::Release { bytes } = r { *bytes } else { 0 })
+            .map(|r| match r {
+                TenantRequest::Relinquish { seq: UNASKED, bytes } => *bytes,
+                _ => 0,
+            })
             .sum();
         assert_eq!(released, 632 * MIB);
     }

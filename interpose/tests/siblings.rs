@@ -140,6 +140,6 @@ fn churning_processes_are_rarely_refused_and_none_is_starved() {
         "{refusals} of {total} allocations refused (target under 1%)"
     );
     assert!(ledger <= limit && card <= limit, "ledger {ledger} card {card}");
-    assert!(min * 5 >= max, "a process was starved: grants per process {grants:?}");
+    assert!(min * 2 >= max, "a process was starved: grants per process {grants:?}");
     wait_until(Duration::from_secs(5), || bed.used(&id) == 0).expect("ledger back to zero");
 }

@@ -19,53 +19,23 @@
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tessera_protocol::client::AdminClient;
 use tessera_sim_state::clock::monotonic_ns;
 
 const SEC: u64 = 1_000_000_000;
 
-/// Where the built artifacts are: the folder of this executable.
-fn bin_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
-    exe.parent().expect("exe folder").to_path_buf()
-}
-
-fn need(dir: &Path, name: &str) -> PathBuf {
-    let p = dir.join(name);
-    if !p.is_file() {
-        eprintln!(
-            "compute_share: {} is missing; build the workspace first \
-             (`cargo build --release --workspace`)",
-            p.display()
-        );
-        std::process::exit(2);
-    }
-    p
-}
-
 struct Bench {
-    _dir: tempfile::TempDir,
-    sim_dir: PathBuf,
-    lib_dir: PathBuf,
-    socket: PathBuf,
-    admin_socket: PathBuf,
+    node: tessera_benches::SimNode,
     tessera: PathBuf,
     tenant: PathBuf,
     interposer: PathBuf,
-    arbiter: Child,
     scale: f64,
 }
 
-impl Drop for Bench {
-    fn drop(&mut self) {
-        let _ = self.arbiter.kill();
-        let _ = self.arbiter.wait();
-    }
-}
 
 /// A running tenant: its real pid (the compute_tenant process, not `tessera run`) and the
 /// lines it printed after it.
@@ -150,58 +120,11 @@ fn busy_between(s: &[Sample], pid: Option<u32>, t0: u64, t1: u64) -> (u64, u64) 
 
 impl Bench {
     fn start(scale: f64) -> Self {
-        let bin = bin_dir();
-        let tessera = need(&bin, "tessera");
-        let arbiter_bin = need(&bin, "tessera-arbiter");
-        let tenant = need(&bin, "compute_tenant");
-        let interposer = need(&bin, "libtessera_interpose.so");
-        let dir = tempfile::tempdir().expect("tempdir");
-        let sim_dir = dir.path().join("sim");
-        let built = tessera_sim_state::find_built_lib_dir(Some(&bin)).unwrap_or_else(|e| {
-            eprintln!("compute_share: {e}");
-            std::process::exit(2);
-        });
-        let lib_dir = tessera_sim_state::prepare_lib_dir(&sim_dir, &built).expect("lib dir");
-        let socket = dir.path().join("tessera.sock");
-        let admin_socket = dir.path().join("admin.sock");
-        let mut arbiter = Command::new(arbiter_bin);
-        // `process::exit` below skips the `Drop` that kills it.
-        tessera_benches::exit_with_parent(&mut arbiter);
-        let arbiter = arbiter
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--admin-socket")
-            .arg(&admin_socket)
-            .arg("--state-dir")
-            .arg(dir.path().join("state"))
-            .env("LD_LIBRARY_PATH", &lib_dir)
-            .env("TESSERA_SIM_DIR", &sim_dir)
-            .env("TESSERA_SIM_GPUS", "1x80GiB")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start tessera-arbiter");
-        let started = Instant::now();
-        while AdminClient::connect(&admin_socket).is_err() {
-            if started.elapsed() > Duration::from_secs(20) {
-                eprintln!("compute_share: the arbiter did not come up");
-                std::process::exit(1);
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        Self {
-            _dir: dir,
-            sim_dir,
-            lib_dir,
-            socket,
-            admin_socket,
-            tessera,
-            tenant,
-            interposer,
-            arbiter,
-            scale,
-        }
+        let need = |name| tessera_benches::need("compute_share", name);
+        let (tessera, tenant, interposer) =
+            (need("tessera"), need("compute_tenant"), need("libtessera_interpose.so"));
+        let node = tessera_benches::SimNode::start("compute_share", "1x80GiB");
+        Self { node, tessera, tenant, interposer, scale }
     }
 
     fn secs(&self, s: f64) -> f64 {
@@ -213,7 +136,7 @@ impl Bench {
     fn tenant(&self, share: Option<u32>, cap: bool, args: &[String]) -> Tenant {
         let mut cmd = match share {
             Some(n) => {
-                let mut c = Command::new(&self.tessera);
+                let mut c = self.node.command(&self.tessera);
                 c.args(["run", "--memory", "256MiB", "--share", &n.to_string()]);
                 if cap {
                     c.arg("--cap");
@@ -224,15 +147,9 @@ impl Bench {
                     .arg(&self.tenant);
                 c
             }
-            None => Command::new(&self.tenant),
+            None => self.node.command(&self.tenant),
         };
         cmd.args(args)
-            .env("LD_LIBRARY_PATH", &self.lib_dir)
-            .env("TESSERA_SIM_DIR", &self.sim_dir)
-            .env("TESSERA_SIM_GPUS", "1x80GiB")
-            .env("TESSERA_ADMIN_SOCKET", &self.admin_socket)
-            .env("TESSERA_SOCKET", &self.socket)
-            .env_remove("LD_PRELOAD")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
@@ -271,7 +188,7 @@ impl Bench {
 
     /// GPU time the arbiter charged over the last 10 s, summed over allocations.
     fn charged_10s(&self) -> u64 {
-        AdminClient::connect(&self.admin_socket)
+        AdminClient::connect(&self.node.admin_socket)
             .and_then(|mut a| a.list())
             .map(|l| l.iter().map(|a| a.gpu_time_10s_ns).sum())
             .unwrap_or(0)
@@ -315,7 +232,7 @@ struct Row(String, String, String, String);
 
 fn scenario_30_70(b: &Bench, rows: &mut Vec<Row>) -> (f64, bool) {
     let len = b.secs(10.0);
-    let sampler = Sampler::start(&b.sim_dir);
+    let sampler = Sampler::start(&b.node.sim_dir);
     let t1 = b.tenant(Some(30), false, &b.continuous(len + 1.5));
     let t2 = b.tenant(Some(70), false, &b.continuous(len + 1.5));
     std::thread::sleep(Duration::from_millis(500));
@@ -353,7 +270,7 @@ fn scenario_30_70(b: &Bench, rows: &mut Vec<Row>) -> (f64, bool) {
 
 fn scenario_join_leave(b: &Bench, rows: &mut Vec<Row>) {
     let (p1, p2, total) = (b.secs(3.0), b.secs(7.0), b.secs(10.0));
-    let sampler = Sampler::start(&b.sim_dir);
+    let sampler = Sampler::start(&b.node.sim_dir);
     let ta = b.tenant(Some(20), false, &b.continuous(total + 1.5));
     let tb = b.tenant(Some(30), false, &b.continuous(total + 1.5));
     std::thread::sleep(Duration::from_millis(500));
@@ -409,7 +326,7 @@ fn scenario_join_leave(b: &Bench, rows: &mut Vec<Row>) {
 
 fn scenario_cap(b: &Bench, rows: &mut Vec<Row>) {
     let len = b.secs(10.0);
-    let sampler = Sampler::start(&b.sim_dir);
+    let sampler = Sampler::start(&b.node.sim_dir);
     let t = b.tenant(Some(30), true, &b.continuous(len + 1.5));
     std::thread::sleep(Duration::from_millis(500));
     let start = monotonic_ns();
@@ -499,7 +416,7 @@ fn reclaim_latency(waits: &[(u64, u64)], t: u64) -> Option<u64> {
 
 fn scenario_no_control(b: &Bench) -> (f64, Vec<f64>) {
     let len = b.secs(5.0);
-    let sampler = Sampler::start(&b.sim_dir);
+    let sampler = Sampler::start(&b.node.sim_dir);
     let t1 = b.tenant(None, false, &b.continuous(len + 1.5));
     let t2 = b.tenant(None, false, &b.continuous(len + 1.5));
     std::thread::sleep(Duration::from_millis(500));
