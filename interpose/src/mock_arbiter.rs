@@ -218,7 +218,7 @@ fn serve_one(req: TenantRequest, b: &mut Books, id: u64, total: u64, limit: u64)
                     *mine = bytes;
                     Some(TenantReply::Reserved { in_use: total + bytes })
                 }
-                TenantRequest::ReserveCredit { bytes, extra } => {
+                TenantRequest::ReserveCredit { bytes, extra, .. } => {
                     if total + bytes <= limit {
                         let granted = bytes + extra.min((limit - total - bytes) / 2);
                         *mine += granted;

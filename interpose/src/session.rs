@@ -148,6 +148,11 @@ pub struct Session {
     channel_fd: AtomicI32,
     /// When the last `Pressure` came, ms since `origin` (0: never).
     pressed_ms: AtomicU64,
+    /// Set when an answer on the channel may or may not have reached the arbiter: the watcher
+    /// then drops the memory connection, so the reconnection's `Redeclare` is exact.
+    reset_memory_conn: AtomicBool,
+    /// `Relinquish` frames sent on the current pressure channel.
+    given_back: AtomicU64,
     origin: Instant,
 }
 
@@ -193,6 +198,8 @@ impl Session {
             channel: Mutex::new(None),
             channel_fd: AtomicI32::new(-1),
             pressed_ms: AtomicU64::new(0),
+            reset_memory_conn: AtomicBool::new(false),
+            given_back: AtomicU64::new(0),
             origin: Instant::now(),
         }
     }
@@ -272,10 +279,11 @@ impl Session {
             }
             let need = bytes - credit;
             let extra = s.extra();
-            let req = if extra == 0 {
-                TenantRequest::Reserve { bytes: need }
+            let req = if s.has_channel() {
+                let given_back = s.given_back.load(Ordering::Acquire);
+                TenantRequest::ReserveCredit { bytes: need, extra, given_back }
             } else {
-                TenantRequest::ReserveCredit { bytes: need, extra }
+                TenantRequest::Reserve { bytes: need }
             };
             let conn = link.conn.as_mut().expect("connected");
             let answer = conn.call(&req);
@@ -372,18 +380,22 @@ impl Session {
         if bytes == 0 {
             return true;
         }
-        match ch.send_nowait(&TenantRequest::Relinquish { seq: UNASKED, bytes }) {
-            Ok(()) => true,
-            Err(e) => {
-                tlog!(Info, "pressure channel lost: {e}");
-                *channel = None;
-                self.channel_fd.store(-1, Ordering::Release);
-                // Not announced: still ours (the watcher sends them on the memory connection).
-                self.held.fetch_add(bytes, Ordering::SeqCst);
-                self.credit.fetch_add(bytes, Ordering::SeqCst);
-                false
-            }
+        let sent = ch.send_nowait(&TenantRequest::Relinquish { seq: UNASKED, bytes });
+        if sent.is_ok() {
+            self.given_back.fetch_add(1, Ordering::AcqRel);
+            return true;
         }
+        // Not announced: still ours; the watcher gives them back (it may wait for the socket).
+        self.held.fetch_add(bytes, Ordering::SeqCst);
+        self.credit.fetch_add(bytes, Ordering::SeqCst);
+        if let Err(e) = sent
+            && !matches!(e, ConnError::WouldBlock)
+        {
+            tlog!(Info, "pressure channel lost: {e}");
+            *channel = None;
+            self.channel_fd.store(-1, Ordering::Release);
+        }
+        false
     }
 
     /// The allocation's `(limit, in_use)`, exact: this process's credit is given back first
@@ -539,12 +551,22 @@ impl Session {
         {
             let mut channel = self.channel.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(ch) = channel.as_mut() {
-                match ch.send_nowait(&TenantRequest::Relinquish { seq: UNASKED, bytes }) {
-                    Ok(()) => return,
+                // Blocking (bounded by the connection's timeout): a full socket means the
+                // arbiter is busy, not that the bytes may be dropped.
+                match ch.send_blocking(&TenantRequest::Relinquish { seq: UNASKED, bytes }) {
+                    Ok(()) => {
+                        self.given_back.fetch_add(1, Ordering::AcqRel);
+                        return;
+                    }
                     Err(e) => {
+                        // Whether the arbiter booked them is unknown (half a frame may have
+                        // gone): the memory connection starts over, its `Redeclare` exact.
                         tlog!(Info, "pressure channel lost: {e}");
                         *channel = None;
                         self.channel_fd.store(-1, Ordering::Release);
+                        drop(channel);
+                        self.drop_conn(link);
+                        return;
                     }
                 }
             }
@@ -660,19 +682,22 @@ impl Session {
             };
             let (mut ch, _) = Conn::connect(path, &self.token, Some(self.policy.rpc_timeout))?;
             ch.send_blocking(&TenantRequest::Subscribe { ticket })?;
+            let mut answers = 0;
             loop {
                 match ch.recv_reply()? {
-                    TenantReply::Subscribed => return Ok(ch),
+                    TenantReply::Subscribed => return Ok((ch, answers)),
                     // Pressed before the answer: nothing is held as credit yet.
                     TenantReply::Pressure { seq } => {
-                        ch.send_blocking(&TenantRequest::Relinquish { seq, bytes: 0 })?
+                        ch.send_blocking(&TenantRequest::Relinquish { seq, bytes: 0 })?;
+                        answers += 1;
                     }
                     other => return Err(ConnError::Frame(format!("Subscribe answered {other:?}"))),
                 }
             }
         })();
         match opened {
-            Ok(ch) => {
+            Ok((ch, answers)) => {
+                self.given_back.store(answers, Ordering::Release);
                 self.channel_fd.store(ch.fd(), Ordering::Release);
                 *self.channel.lock().unwrap_or_else(|e| e.into_inner()) = Some(ch);
             }
@@ -698,8 +723,16 @@ impl Session {
             };
             self.pressed_ms.store(self.now_ms(), Ordering::Relaxed);
             let bytes = self.drop_credit();
-            if let Err(e) = ch.send_nowait(&TenantRequest::Relinquish { seq, bytes }) {
+            // Blocking (bounded by the connection's timeout): the answer must not be lost.
+            let sent = ch.send_blocking(&TenantRequest::Relinquish { seq, bytes });
+            if sent.is_ok() {
+                self.given_back.fetch_add(1, Ordering::AcqRel);
+            }
+            if let Err(e) = sent {
                 tlog!(Info, "pressure channel lost while relinquishing: {e}");
+                // Whether the arbiter booked them is unknown: the memory connection is
+                // re-established, and its `Redeclare` makes the ledger exact again.
+                self.reset_memory_conn.store(true, Ordering::Release);
                 break;
             }
             if !ch.has_buffered_frame() && !wait_readable(ch.fd(), Duration::ZERO) {
@@ -734,6 +767,10 @@ impl Session {
         };
         if pressed {
             self.answer_pressure();
+        }
+        if self.reset_memory_conn.swap(false, Ordering::AcqRel) {
+            let mut link = self.lock();
+            self.drop_conn(&mut link);
         }
         if woken {
             self.drain_wake_fd();
@@ -1035,14 +1072,14 @@ mod tests {
         assert_eq!(granule(GIB), 32 * MIB);
         assert_eq!(s.reserve(600 * MIB), Ok(600 * MIB));
         arb.wait_for("channel", |a| a.channels() == 1);
-        assert_eq!(mem_log(&arb), vec![TenantRequest::ReserveCredit { bytes: 600 * MIB, extra: 32 * MIB }]);
+        assert_eq!(mem_log(&arb), vec![TenantRequest::ReserveCredit { bytes: 600 * MIB, extra: 32 * MIB, given_back: 0 }]);
         assert_eq!((s.held(), s.credit()), (600 * MIB, 32 * MIB));
         // A free becomes credit; a larger allocation puts it all towards the request.
         s.release(600 * MIB);
         assert_eq!(s.reserve(700 * MIB), Ok(700 * MIB));
         assert_eq!(
             mem_log(&arb)[1..],
-            [TenantRequest::ReserveCredit { bytes: 68 * MIB, extra: 32 * MIB }]
+            [TenantRequest::ReserveCredit { bytes: 68 * MIB, extra: 32 * MIB, given_back: 0 }]
         );
         assert_eq!((s.held(), s.credit()), (700 * MIB, 32 * MIB));
         assert_eq!(arb.in_use(), 732 * MIB);
@@ -1188,7 +1225,10 @@ mod tests {
         // Pressed lately: no credit asked for or kept.
         assert_eq!(s.keep(), 0);
         s.reserve(50 * MIB).unwrap();
-        assert_eq!(mem_log(&arb).last(), Some(&TenantRequest::Reserve { bytes: 50 * MIB }));
+        assert_eq!(
+            mem_log(&arb).last(),
+            Some(&TenantRequest::ReserveCredit { bytes: 50 * MIB, extra: 0, given_back: 1 })
+        );
         // A second pressure with nothing to give answers 0.
         assert_eq!(arb.press_all(8), 0);
         // The pressed mark wears off: credit again.

@@ -162,7 +162,9 @@ fn eight_processes_race_to_the_limit() {
         max_card / MIB
     );
     assert_eq!(ok + oom, 8000);
-    assert!(ok > 0 && oom > 0, "the limit must have been contended: {ok} ok, {oom} refused");
+    // Three fit, eight race: the ledger reached three at once. Refusals may be 0: a process
+    // that does not fit waits (up to 50 ms) for the others' frees instead of failing.
+    assert!(max_ledger >= 3 * size, "the limit must have been contended: max ledger {max_ledger}");
     assert!(max_ledger <= GIB, "ledger passed the limit: {max_ledger}");
     assert!(max_card <= GIB, "the card held more than the limit: {max_card}");
     assert!(samples > 10, "too few samples to mean anything: {samples}");

@@ -159,7 +159,7 @@ fn main() {
         node: SimNode::start("mem_share", "1x80GiB"),
     };
     let handoff = format!(
-        "mkfifo \"$D/ab\" \"$D/ba\" && \
+        "mkfifo \"$D/ab\" \"$D/ba\" || exit 1; \
          \"$T\" handoff --first --rounds {r} --bytes {b} --in \"$D/ba\" --out \"$D/ab\" & \
          \"$T\" handoff --second --rounds {r} --bytes {b} --in \"$D/ab\" --out \"$D/ba\"; wait",
         r = args.rounds,

@@ -47,6 +47,8 @@ struct Channel {
     sink: Arc<dyn PressureSink>,
     /// Pressures sent and not answered yet.
     owed: Vec<u64>,
+    /// `Relinquish` frames handled so far.
+    frames: u64,
 }
 
 #[derive(Default)]
@@ -138,6 +140,7 @@ impl PressureHub {
                 ctl,
                 sink,
                 owed: Vec::new(),
+                frames: 0,
             },
         );
         if let Some(old) = old {
@@ -184,10 +187,13 @@ impl PressureHub {
         let seq = i.next_seq;
         let mut sent = 0;
         for t in targets {
-            if let Some(ch) = i.channels.get_mut(t)
-                && ch.key == key
-                && ch.sink.press(seq)
-            {
+            let Some(ch) = i.channels.get_mut(t).filter(|c| c.key == key) else {
+                continue;
+            };
+            // A channel that owes an answer already gets no second frame: its next answer
+            // gives back everything it has then, which serves this round too. So a process
+            // that is slow to run never has more than one `Pressure` queued.
+            if !ch.owed.is_empty() || ch.sink.press(seq) {
                 ch.owed.push(seq);
                 sent += 1;
             }
@@ -198,8 +204,10 @@ impl PressureHub {
         Round { seq, sent }
     }
 
-    /// The channel of memory connection `mem` answered pressure `seq` (the caller booked the
-    /// bytes). An answer to a pressure never sent to it is an error.
+    /// The channel `ctl` of memory connection `mem` answered pressure `seq` (the caller booked
+    /// the bytes). Any answer settles every round the channel owes: it gave back all it had
+    /// (a round joined after the process read its frame just tries again). Seq 0 (credit given
+    /// back unasked) answers nothing. A channel that is not `ctl`'s is an error.
     pub fn answered(&self, mem: ConnId, ctl: ConnId, seq: u64) -> Result<(), PressureError> {
         let mut i = self.lock();
         let ch = i
@@ -207,14 +215,22 @@ impl PressureHub {
             .get_mut(&mem)
             .filter(|c| c.ctl == ctl)
             .ok_or(PressureError::NotAChannel)?;
-        let Some(pos) = ch.owed.iter().position(|s| *s == seq) else {
-            // A late or unasked answer: the bytes were booked, nobody waits for it.
+        ch.frames += 1;
+        if seq == 0 || ch.owed.is_empty() {
             return Ok(());
-        };
-        ch.owed.swap_remove(pos);
-        i.settle(seq);
+        }
+        let owed = std::mem::take(&mut ch.owed);
+        for s in owed {
+            i.settle(s);
+        }
         self.answered.notify_all();
         Ok(())
+    }
+
+    /// `Relinquish` frames handled on the pressure channel of memory connection `mem` (None
+    /// without a channel).
+    pub fn channel_frames(&self, mem: ConnId) -> Option<u64> {
+        self.lock().channels.get(&mem).map(|c| c.frames)
     }
 
     /// The count of frees so far (see [`PressureHub::wait_freed`]).
@@ -348,6 +364,30 @@ mod tests {
         answer.join().unwrap();
         // Only the channel itself may answer for its connection.
         assert_eq!(hub.answered(10, 99, seq), Err(PressureError::NotAChannel));
+    }
+
+    #[test]
+    fn a_channel_that_owes_an_answer_gets_no_second_frame_and_one_answer_settles_both() {
+        let hub = Arc::new(PressureHub::new());
+        let sink = Arc::new(Sink::default());
+        hub.issue_ticket(1, 10, 1);
+        hub.subscribe(1, 1, 11, sink.clone()).unwrap();
+        let first = hub.press(1, &[10]);
+        let second = hub.press(1, &[10]);
+        assert_eq!((first.sent, second.sent), (1, 1));
+        assert_eq!(sink.got.lock().unwrap().len(), 1, "one frame queued at most");
+        let seq = sink.got.lock().unwrap()[0];
+        // Unasked give-backs settle nothing (but are counted).
+        hub.answered(10, 11, 0).unwrap();
+        assert_eq!(hub.channel_frames(10), Some(1));
+        assert_eq!(hub.channel_frames(11), None);
+        assert!(!hub.wait(first, Instant::now() + Duration::from_millis(10)));
+        let second = hub.press(1, &[10]);
+        hub.answered(10, 11, seq).unwrap();
+        assert!(hub.wait(second, soon()));
+        // Owing nothing again: the next round sends a frame.
+        hub.press(1, &[10]);
+        assert_eq!(sink.got.lock().unwrap().len(), 2);
     }
 
     #[test]

@@ -368,10 +368,9 @@ fn serve_requests(
                         Ok(_) => {}
                         Err(e) => crate::log!("tenant conn {mem} of {}: relinquish: {e}", b.view.id),
                     }
-                    if bytes > 0 {
-                        arb.pressure().note_freed();
-                    }
                     arb.pressure().answered(mem, conn, seq)?;
+                    // Wakes reservations waiting for room, or for this channel to catch up.
+                    arb.pressure().note_freed();
                 }
                 req => handle(arb, b, conn, req, &mut out)?,
             }
@@ -408,7 +407,7 @@ fn handle(
     let key = b.key;
     match req {
         TenantRequest::Reserve { bytes } => {
-            let msg = match reserve_pressing(arb, b, conn, |l| {
+            let msg = match reserve_pressing(arb, b, conn, 0, |l| {
                 l.reserve(key, conn, bytes).map(|r| match r {
                     Reservation::Granted { in_use } => Credit::Granted { bytes, in_use },
                     Reservation::Denied { limit, in_use } => Credit::Denied { limit, in_use },
@@ -422,9 +421,10 @@ fn handle(
             };
             reply(out, &msg)?;
         }
-        TenantRequest::ReserveCredit { bytes, extra } => {
+        TenantRequest::ReserveCredit { bytes, extra, given_back } => {
+            let attempt = |l: &mut crate::ledger::Ledger| l.reserve_credit(key, conn, bytes, extra);
             let msg =
-                match reserve_pressing(arb, b, conn, |l| l.reserve_credit(key, conn, bytes, extra)) {
+                match reserve_pressing(arb, b, conn, given_back, attempt) {
                     Ok(Credit::Granted { bytes, in_use }) => TenantReply::Granted { bytes, in_use },
                     Ok(Credit::Denied { limit, in_use }) => TenantReply::Denied { limit, in_use },
                     Err(e) => TenantReply::Error {
@@ -504,22 +504,31 @@ fn handle(
 /// Runs `attempt` on the ledger; while it is refused, presses the allocation's other
 /// processes to give back unused credit and tries again (bounded in rounds and time). Refused
 /// only when the bytes are really held.
+/// `given_back`: the `Relinquish` frames the process says it sent on its own pressure channel;
+/// a refusal first waits for the channel to have handled them (the process's own frees).
 fn reserve_pressing(
     arb: &Arbiter,
     b: &TenantBinding,
     conn: ConnId,
+    given_back: u64,
     mut attempt: impl FnMut(&mut crate::ledger::Ledger) -> Result<Credit, crate::ledger::LedgerError>,
 ) -> Result<Credit, crate::ledger::LedgerError> {
     let deadline = Instant::now() + MEMORY_WAIT;
     let hub = arb.pressure();
     loop {
+        let seen = hub.freed_count();
         let r = arb.with_ledger(&mut attempt)?;
         if matches!(r, Credit::Granted { .. }) || Instant::now() >= deadline {
             return Ok(r);
         }
+        if hub.channel_frames(conn).is_some_and(|n| n < given_back) {
+            // This process's own give-backs are still on their way.
+            hub.wait_freed(seen, deadline);
+            continue;
+        }
         if !press_others(arb, b, conn, deadline) {
-            // Nobody else holds anything: the request alone does not fit.
-            return Ok(r);
+            // Nobody else holds anything (now): once more, then the request alone does not fit.
+            return arb.with_ledger(&mut attempt);
         }
         // Counted before the retry, so a free between the two is not missed.
         let seen = hub.freed_count();
@@ -533,17 +542,16 @@ fn reserve_pressing(
 }
 
 /// Presses every other process of the allocation that holds bytes, and waits (until
-/// `deadline`) for their answers. False when there was nobody to press.
+/// `deadline`) for their answers. False when no other process holds anything.
 fn press_others(arb: &Arbiter, b: &TenantBinding, conn: ConnId, deadline: Instant) -> bool {
     let targets = arb.with_ledger(|l| l.others_holding(b.key, conn));
     if targets.is_empty() {
         return false;
     }
     let round = arb.pressure().press(b.key, &targets);
-    if round.sent == 0 {
-        return false;
+    if round.sent > 0 {
+        arb.pressure().wait(round, deadline);
     }
-    arb.pressure().wait(round, deadline);
     true
 }
 

@@ -121,6 +121,10 @@ pub enum TenantRequest {
         bytes: u64,
         /// Credit wanted on top, best effort.
         extra: u64,
+        /// `Relinquish` frames this process has sent on its pressure channel so far: before
+        /// refusing, the arbiter lets the channel catch up to them (frees sent there must
+        /// count, though they travel on another socket).
+        given_back: u64,
     },
     /// Ask for a one-use ticket that ties a second connection of this process to this one as
     /// its pressure channel; answered by `Ticket`.
