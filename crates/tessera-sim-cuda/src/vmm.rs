@@ -4,8 +4,10 @@
 //! are `PROT_NONE` anonymous mappings; `cuMemMap` maps the memfd over part of one with
 //! `MAP_FIXED` (so two mappings of one handle alias the same bytes) and `cuMemSetAccess` sets the
 //! protection. As in the driver, `cuMemRelease` of a handle that is still mapped keeps the memory
-//! (and its charge) until the last mapping goes. One lock serialises these calls so map counts,
-//! the range table and the ledger always agree.
+//! (and its charge) until the last mapping goes, and `cuMemRetainAllocationHandle` hands out the
+//! handle of a mapped address again as one more reference that needs its own `cuMemRelease`.
+//! One lock serialises these calls so reference and map counts, the range table and the ledger
+//! always agree.
 
 use std::collections::BTreeMap;
 use std::ffi::c_void;
@@ -27,8 +29,9 @@ pub struct Physical {
 struct PhysState {
     /// Live `cuMemMap` mappings of this handle.
     maps: usize,
-    /// `cuMemRelease` was called; the memory goes when `maps` reaches 0.
-    released: bool,
+    /// References not yet released (`cuMemCreate`, each `cuMemRetainAllocationHandle`); the
+    /// memory goes when both this and `maps` reach 0.
+    refs: usize,
 }
 
 impl Drop for Physical {
@@ -63,13 +66,13 @@ fn state(p: &Physical) -> MutexGuard<'_, PhysState> {
 fn live(h: u64) -> Result<Arc<Physical>, CUresult> {
     PHYSICAL
         .get(h as usize)
-        .filter(|p| !state(p).released)
+        .filter(|p| state(p).refs > 0)
         .ok_or(CUDA_ERROR_INVALID_VALUE)
 }
 
 /// Returns a handle's memory to the ledger once it is released and unmapped.
 fn settle(p: &Physical, st: &PhysState) {
-    if st.released && st.maps == 0 {
+    if st.refs == 0 && st.maps == 0 {
         PHYSICAL.remove(p.id);
         if let Ok(rt) = rt() {
             rt.ledger.free(p.device, p.size as u64);
@@ -175,10 +178,7 @@ pub unsafe extern "C" fn cuMemCreate(
             fd,
             size,
             device: g.index,
-            state: Mutex::new(PhysState {
-                maps: 0,
-                released: false,
-            }),
+            state: Mutex::new(PhysState { maps: 0, refs: 1 }),
         });
         PHYSICAL.insert(p.id, p.clone());
         // SAFETY: non-null out-pointer from the caller.
@@ -186,7 +186,8 @@ pub unsafe extern "C" fn cuMemCreate(
     })
 }
 
-/// `cuMemRelease`: the memory goes (and is uncharged) once no mapping of it is left.
+/// `cuMemRelease`: one reference goes; the memory goes (and is uncharged) once no reference
+/// and no mapping of it is left.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemRelease(h: u64) -> CUresult {
     guard(|| {
@@ -194,9 +195,30 @@ pub extern "C" fn cuMemRelease(h: u64) -> CUresult {
         let _l = vmm_lock();
         let p = live(h)?;
         let mut st = state(&p);
-        st.released = true;
+        st.refs -= 1;
         settle(&p, &st);
         Ok(())
+    })
+}
+
+/// `cuMemRetainAllocationHandle`: the handle mapped at `addr` (anywhere inside a mapping), as
+/// one more reference, even when the handle itself was released already.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_void) -> CUresult {
+    guard(|| {
+        rt()?;
+        let _l = vmm_lock();
+        if h.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let id = mappings_in(addr as usize, 1)
+            .first()
+            .map(|&(_, _, id)| id)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let p = PHYSICAL.get(id).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        state(&p).refs += 1;
+        // SAFETY: non-null out-pointer from the caller.
+        unsafe { put(h, p.id as u64) }
     })
 }
 
