@@ -270,3 +270,30 @@ fn the_command_sees_only_its_gpu_and_not_the_admin_socket() {
         .unwrap();
     assert_eq!(stdout(&out), format!("visible={}\nadmin=unset\n", gpu_uuid(1)));
 }
+
+#[test]
+fn a_cuda_command_sees_and_uses_only_its_allocations_gpu() {
+    use std::io::BufRead;
+    let arb = Arbiter::start();
+    let lib = interposer_in(arb.dir.path());
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/sim_visible.py");
+    let mut cmd = arb.tessera(&["run", "--gpu", "1", "--memory", "1GiB", "--interposer"]);
+    cmd.arg(&lib).arg("--").arg(tessera_testkit::python()).arg(&script).args(["256", "1000000"]);
+    let mut child = arb.sim.apply(&mut cmd).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let stdin = child.stdin.take();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let mut child = tessera_testkit::KillOnDrop::new(child);
+    let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    assert_eq!(v["count"], 1, "one GPU visible: {v}");
+    assert_eq!(v["devices"][0]["uuid"], gpu_uuid(1));
+    assert_eq!(v["devices"][0]["total"], GIB, "the card is as large as the limit");
+    assert_eq!(v["nvml_count"], 2, "NVML still lists the node's GPUs");
+    let used = |g| tessera_sim_state::device_memory_used(&arb.sim.dir, g).unwrap();
+    assert_eq!((used(0), used(1)), (0, 256 * MIB), "the memory is on GPU 1");
+    let a = arb.admin().list().unwrap();
+    assert_eq!((a.len(), a[0].gpu_index, a[0].memory_used), (1, 1, 256 * MIB), "and counted there");
+    drop(stdin);
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+    assert!(arb.admin().list().unwrap().is_empty());
+}
