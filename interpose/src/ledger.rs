@@ -217,13 +217,12 @@ impl Ledger {
         for k in starts {
             let Some(m) = self.mappings.remove(&k) else { continue };
             out.maps.push(m);
-            if let Some(e) = self.handles.get_mut(&m.handle) {
+            let unused = self.handles.get_mut(&m.handle).is_some_and(|e| {
                 e.maps = e.maps.saturating_sub(1);
-                if e.refs == 0 && e.maps == 0 {
-                    if let Some(e) = self.handles.remove(&m.handle) {
-                        out.gone.push((m.handle, e));
-                    }
-                }
+                e.refs == 0 && e.maps == 0
+            });
+            if unused {
+                out.gone.extend(self.handles.remove(&m.handle).map(|e| (m.handle, e)));
             }
         }
         out

@@ -56,14 +56,18 @@ fn dl_error() -> String {
 
 /// Loads `path` and checks it exports every symbol of [`REQUIRED_SYMBOLS`].
 pub fn check(path: &Path) -> Result<(), CheckError> {
-    let not_loadable = |reason: String| CheckError::NotLoadable { path: path.to_path_buf(), reason };
+    let not_loadable = |reason: String| CheckError::NotLoadable {
+        path: path.to_path_buf(),
+        reason,
+    };
     // dlopen searches the library path for a name without a '/': always name the file itself.
     let abs = if path.as_os_str().as_bytes().contains(&b'/') {
         path.to_path_buf()
     } else {
         Path::new(".").join(path)
     };
-    let c = CString::new(abs.as_os_str().as_bytes()).map_err(|_| not_loadable("the path contains a NUL byte".into()))?;
+    let c = CString::new(abs.as_os_str().as_bytes())
+        .map_err(|_| not_loadable("the path contains a NUL byte".into()))?;
     // SAFETY: `c` is a NUL-terminated path; dlopen has no other precondition.
     let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
     if handle.is_null() {
@@ -77,7 +81,10 @@ pub fn check(path: &Path) -> Result<(), CheckError> {
     // SAFETY: `handle` came from dlopen above and nothing from it is used after this.
     unsafe { libc::dlclose(handle) };
     match missing {
-        Some(s) => Err(CheckError::MissingSymbol { path: path.to_path_buf(), symbol: s.to_string_lossy().into_owned() }),
+        Some(s) => Err(CheckError::MissingSymbol {
+            path: path.to_path_buf(),
+            symbol: s.to_string_lossy().into_owned(),
+        }),
         None => Ok(()),
     }
 }
@@ -98,21 +105,37 @@ mod tests {
         let f = dir.path().join("libfake.so");
         std::fs::write(&f, "not an ELF file").unwrap();
         assert!(matches!(check(&f), Err(CheckError::NotLoadable { .. })));
-        assert!(matches!(check(&dir.path().join("absent.so")), Err(CheckError::NotLoadable { .. })));
+        assert!(matches!(
+            check(&dir.path().join("absent.so")),
+            Err(CheckError::NotLoadable { .. })
+        ));
     }
 
     #[test]
     fn another_library_lacks_the_hooks() {
         // libc loads everywhere and exports dlsym, but no CUDA hook.
         let e = check(Path::new("libc.so.6")).unwrap_err();
-        assert!(matches!(e, CheckError::NotLoadable { .. }), "a bare name is taken as a file here: {e}");
-        let libc_path = ["/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib/x86_64-linux-gnu/libc.so.6", "/lib64/libc.so.6"]
-            .into_iter()
-            .map(Path::new)
-            .find(|p| p.exists());
+        assert!(
+            matches!(e, CheckError::NotLoadable { .. }),
+            "a bare name is taken as a file here: {e}"
+        );
+        let libc_path = [
+            "/lib/x86_64-linux-gnu/libc.so.6",
+            "/usr/lib/x86_64-linux-gnu/libc.so.6",
+            "/lib64/libc.so.6",
+        ]
+        .into_iter()
+        .map(Path::new)
+        .find(|p| p.exists());
         if let Some(p) = libc_path {
             let e = check(p).unwrap_err();
-            assert_eq!(e, CheckError::MissingSymbol { path: p.to_path_buf(), symbol: "cuMemAlloc_v2".into() });
+            assert_eq!(
+                e,
+                CheckError::MissingSymbol {
+                    path: p.to_path_buf(),
+                    symbol: "cuMemAlloc_v2".into()
+                }
+            );
             assert!(e.to_string().contains("not the Tessera interposer"), "{e}");
         }
     }
