@@ -4,10 +4,11 @@ unmodified), for tests/sim_visible.rs.
   sim_visible.py [MIB NS]
 
 Prints one JSON line: cuInit's and cuDeviceGetCount's codes, then per device ordinal its UUID,
-PCI bus id and memory, and NVML's device count (NVML ignores CUDA_VISIBLE_DEVICES). With MIB and NS, it also makes ordinal 0's primary context current,
-allocates MIB MiB there, runs a kernel of NS nanoseconds, reports the context's device and the
-allocation's device ordinal, prints the line, and keeps the memory until stdin closes (so the
-test can look at which physical GPU holds it).
+PCI bus id and memory, and NVML's device count (NVML ignores CUDA_VISIBLE_DEVICES). With MIB
+and NS, it also makes ordinal 0's primary context current, allocates MIB MiB there, runs a
+kernel of NS nanoseconds, reports the context's device and the allocation's device ordinal,
+prints the line, and keeps the memory until stdin closes (so the test can look at which
+physical GPU holds it).
 """
 import ctypes
 import json
@@ -15,22 +16,7 @@ import sys
 
 from cuda.bindings import driver as cu
 
-PTX = b"""
-.version 8.0
-.target sm_90
-.address_size 64
-.visible .entry spin(.param .u64 ns)
-{
-    ret;
-}
-\0"""
-
-
-def ok(result):
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise SystemExit(f"CUDA call failed: {err!r}")
-    return rest[0] if len(rest) == 1 else tuple(rest)
+from sim_client import PTX, ok  # the same folder
 
 
 def uuid_text(raw):
