@@ -21,11 +21,22 @@ struct Vmm {
     client: Served,
 }
 
+/// A tenant of `bed` (its own 1 GiB allocation) running the VMM client; (id, client).
+fn tenant(bed: &Bed) -> (String, Served) {
+    let (token, id) = bed.create(GIB);
+    (id, Served::start_script(bed.tenant_command(&python(), &token), "vmm_client.py", &[]))
+}
+
+/// Runs one step on `client`; its result code.
+fn rc(client: &mut Served, cmd: &str) -> i64 {
+    let a = client.ask(cmd);
+    a["rc"].as_i64().unwrap_or_else(|| panic!("{cmd}: bad answer {a}"))
+}
+
 impl Vmm {
     fn start() -> Self {
         let bed = Bed::new();
-        let (token, id) = bed.create(GIB);
-        let client = Served::start_script(bed.tenant_command(&python(), &token), "vmm_client.py", &[]);
+        let (id, client) = tenant(&bed);
         Self { bed, id, client }
     }
 
@@ -37,8 +48,7 @@ impl Vmm {
 
     /// Runs one step; its result code.
     fn rc(&mut self, cmd: &str) -> i64 {
-        let a = self.client.ask(cmd);
-        a["rc"].as_i64().unwrap_or_else(|| panic!("{cmd}: bad answer {a}"))
+        rc(&mut self.client, cmd)
     }
 
     /// Asserts that the arbiter counts `mib` for the tenant and that the simulated GPU really
@@ -180,4 +190,31 @@ fn freeing_the_address_range_unmaps_what_is_left() {
     t.step("free_va r");
     t.holds(0, "cuMemAddressFree unmapped it");
     t.finish();
+}
+
+#[test]
+fn an_imported_handle_is_counted_once_by_its_creator() {
+    let mut a = Vmm::start();
+    a.step("create h 512");
+    let fd = a.client.ask("export h")["fd"].as_i64().unwrap();
+    assert!(fd >= 0);
+    // B: another allocation, another process, on the same simulated GPU and arbiter.
+    let (b_id, mut b) = tenant(&a.bed);
+    let b_step = |b: &mut Served, cmd: &str| assert_eq!(rc(b, cmd), 0, "B: {cmd}");
+    b_step(&mut b, &format!("import h {} {fd}", a.client.pid));
+    b_step(&mut b, "reserve r 512");
+    b_step(&mut b, "map r 0 h 512");
+    let used = |id: &str| a.bed.used(id);
+    assert_eq!((used(&a.id), used(&b_id)), (512 * MIB, 0), "charged to the creator only");
+    assert_eq!(a.bed.sim_used(), 512 * MIB, "one copy of the memory on the GPU");
+    b_step(&mut b, "release h");
+    assert_eq!(rc(&mut b, "alloc 1024"), 0, "the importer can still take its whole limit");
+    b_step(&mut b, "unmap r 0 512");
+    assert_eq!((used(&a.id), used(&b_id)), (512 * MIB, 0), "unmapping a foreign handle releases nothing");
+    b_step(&mut b, "free_va r");
+    assert!(b.exit().success());
+    a.step("release h");
+    a.holds(0, "released by its creator");
+    assert_eq!(a.bed.used(&b_id), 0);
+    a.finish();
 }

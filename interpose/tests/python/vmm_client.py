@@ -13,6 +13,8 @@ Sizes and offsets are in MiB; handles and reservations are named by the test.
   retain H2 R OFF         cuMemRetainAllocationHandle(R + OFF), kept as H2
   release H               cuMemRelease(H)
   free_va R               cuMemAddressFree(R)
+  export H                cuMemExportToShareableHandle(H) as a POSIX fd; answers "fd" too
+  import H PID FD         opens /proc/PID/fd/FD (another process's export) and imports it as H
   alloc MIB               cuMemAlloc (freed at once when it succeeds)
   exit
 """
@@ -41,6 +43,8 @@ def main():
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = 0
+    posix_fd = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    prop.requestedHandleTypes = posix_fd
     desc = cu.CUmemAccessDesc()
     desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     desc.location.id = 0
@@ -57,6 +61,7 @@ def main():
             continue
         op, args = cmd[0], cmd[1:]
         rc = 0
+        extra = {}
         if op == "create":
             err, h = cu.cuMemCreate(int(args[1]) * MIB, prop, 0)
             rc = int(err)
@@ -85,6 +90,17 @@ def main():
         elif op == "free_va":
             ptr, size = ranges.pop(args[0])
             rc = int(cu.cuMemAddressFree(ptr, size)[0])
+        elif op == "export":
+            err, fd = cu.cuMemExportToShareableHandle(handles[args[0]], posix_fd, 0)
+            rc = int(err)
+            extra["fd"] = int(fd) if err == SUCCESS else -1
+        elif op == "import":
+            fd = os.open(f"/proc/{args[1]}/fd/{args[2]}", os.O_RDWR)
+            err, h = cu.cuMemImportFromShareableHandle(fd, posix_fd)
+            os.close(fd)
+            rc = int(err)
+            if err == SUCCESS:
+                handles[args[0]] = h
         elif op == "alloc":
             err, p = cu.cuMemAlloc(int(args[0]) * MIB)
             rc = int(err)
@@ -95,7 +111,7 @@ def main():
         else:
             raise SystemExit("unknown command " + op)
         free, _ = ok(cu.cuMemGetInfo())
-        print(json.dumps({"rc": rc, "free": int(free)}), flush=True)
+        print(json.dumps({"rc": rc, "free": int(free), **extra}), flush=True)
 
 
 if __name__ == "__main__":
