@@ -153,6 +153,14 @@ pub type cuMemCreate_t = unsafe extern "C" fn(
     u64,
 ) -> CUresult;
 pub type cuMemRelease_t = unsafe extern "C" fn(CUmemGenericAllocationHandle) -> CUresult;
+pub type cuMemMap_t =
+    unsafe extern "C" fn(CUdeviceptr, usize, usize, CUmemGenericAllocationHandle, u64) -> CUresult;
+pub type cuMemUnmap_t = unsafe extern "C" fn(CUdeviceptr, usize) -> CUresult;
+pub type cuMemAddressFree_t = unsafe extern "C" fn(CUdeviceptr, usize) -> CUresult;
+pub type cuMemRetainAllocationHandle_t =
+    unsafe extern "C" fn(*mut CUmemGenericAllocationHandle, *mut c_void) -> CUresult;
+pub type cuMemImportFromShareableHandle_t =
+    unsafe extern "C" fn(*mut CUmemGenericAllocationHandle, *mut c_void, c_int) -> CUresult;
 pub type cuArrayCreate_v2_t =
     unsafe extern "C" fn(*mut CUarray, *const CUDA_ARRAY_DESCRIPTOR) -> CUresult;
 pub type cuArray3DCreate_v2_t =

@@ -238,7 +238,7 @@ pub unsafe extern "C" fn cuMemCreate(
             ) {
                 return Outcome::PassThrough;
             }
-            memory::allocate(p, Kind::Handle, size as u64, || {
+            memory::vmm_create(p, size as u64, || {
                 let r = real(handle, size, prop, flags);
                 (r, written(r, handle))
             })
@@ -361,7 +361,8 @@ macro_rules! free_async {
 free_async!(cuMemFreeAsync, MemFreeAsync);
 free_async!(cuMemFreeAsync_ptsz, MemFreeAsync_ptsz);
 
-/// `cuMemRelease`: releases a counted `cuMemCreate` handle.
+/// `cuMemRelease`: one reference of a counted `cuMemCreate` handle goes; its bytes are
+/// released with the last reference once no mapping of it is left.
 ///
 /// # Safety
 /// C contract of `cuMemRelease`.
@@ -370,8 +371,116 @@ pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> C
     // SAFETY: as for cuMemFree_v2.
     unsafe {
         cuda::<cuMemRelease_t>(HookId::MemRelease, |real| real(handle), |real, p| {
-            memory::free(p, Kind::Handle, handle, || real(handle))
+            memory::vmm_release(p, handle, || real(handle))
         })
+    }
+}
+
+/// `cuMemMap`: a mapping keeps its handle's memory counted until it is unmapped.
+///
+/// # Safety
+/// C contract of `cuMemMap`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemMap(
+    ptr: CUdeviceptr,
+    size: usize,
+    offset: usize,
+    handle: CUmemGenericAllocationHandle,
+    flags: u64,
+) -> CUresult {
+    // SAFETY: the type is this entry point's signature; arguments are forwarded unchanged.
+    unsafe {
+        cuda::<cuMemMap_t>(
+            HookId::MemMap,
+            |real| real(ptr, size, offset, handle, flags),
+            |real, p| memory::vmm_map(p, ptr, size as u64, handle, || real(ptr, size, offset, handle, flags)),
+        )
+    }
+}
+
+/// `cuMemUnmap`: the mappings in the range go; released handles left unmapped are released.
+///
+/// # Safety
+/// C contract of `cuMemUnmap`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
+    // SAFETY: the type is this entry point's signature; arguments are forwarded unchanged.
+    unsafe {
+        cuda::<cuMemUnmap_t>(HookId::MemUnmap, |real| real(ptr, size), |real, p| {
+            memory::vmm_unmap(p, ptr, size as u64, || real(ptr, size))
+        })
+    }
+}
+
+/// `cuMemAddressFree`: whatever is still mapped in the range is unmapped with it.
+///
+/// # Safety
+/// C contract of `cuMemAddressFree`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUresult {
+    // SAFETY: the type is this entry point's signature; arguments are forwarded unchanged.
+    unsafe {
+        cuda::<cuMemAddressFree_t>(HookId::MemAddressFree, |real| real(ptr, size), |real, p| {
+            memory::vmm_unmap(p, ptr, size as u64, || real(ptr, size))
+        })
+    }
+}
+
+/// `cuMemRetainAllocationHandle`: a counted handle gains a reference (its own `cuMemRelease`).
+///
+/// # Safety
+/// C contract of `cuMemRetainAllocationHandle`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(
+    handle: *mut CUmemGenericAllocationHandle,
+    addr: *mut c_void,
+) -> CUresult {
+    // SAFETY: the type is this entry point's signature; `handle` is read only after the driver
+    // succeeded, and only when non-null.
+    unsafe {
+        cuda::<cuMemRetainAllocationHandle_t>(
+            HookId::MemRetainAllocationHandle,
+            |real| real(handle, addr),
+            |real, p| {
+                if handle.is_null() {
+                    return Outcome::PassThrough;
+                }
+                memory::vmm_retain(p, || {
+                    let r = real(handle, addr);
+                    (r, written(r, handle))
+                })
+            },
+        )
+    }
+}
+
+/// `cuMemImportFromShareableHandle`: a handle of another process stays that process's to
+/// count (passed through untracked); an import of this process's own counted handle is one
+/// more reference.
+///
+/// # Safety
+/// C contract of `cuMemImportFromShareableHandle`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemImportFromShareableHandle(
+    handle: *mut CUmemGenericAllocationHandle,
+    os_handle: *mut c_void,
+    kind: c_int,
+) -> CUresult {
+    // SAFETY: as for cuMemRetainAllocationHandle.
+    unsafe {
+        cuda::<cuMemImportFromShareableHandle_t>(
+            HookId::MemImportFromShareableHandle,
+            |real| real(handle, os_handle, kind),
+            |real, p| {
+                if handle.is_null() {
+                    return Outcome::PassThrough;
+                }
+                memory::vmm_retain(p, || {
+                    let r = real(handle, os_handle, kind);
+                    (r, written(r, handle))
+                })
+            },
+        )
     }
 }
 

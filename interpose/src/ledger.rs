@@ -1,7 +1,16 @@
 //! The process-local ledger: every live object this process allocated through a hook, with
 //! the bytes it was charged. Frees of objects not in it pass through untouched.
+//!
+//! `cuMemCreate` handles are kept apart ([`Ledger::create_handle`] and friends): their memory
+//! lives until the handle has been released *and* every mapping of it unmapped (the driver
+//! keeps released-but-mapped memory), and `cuMemRetainAllocationHandle` adds references that
+//! need their own `cuMemRelease`. So each counted handle has a reference count and a map count,
+//! and each mapping of a counted handle is remembered by its address, since `cuMemUnmap` names
+//! an address range, not a handle. Handles this process did not create (imported from another
+//! process, which was charged for them) are not in the ledger: mapping and releasing them
+//! releases nothing.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 
 /// The namespace of a key: device pointers, `cuMemCreate` handles and arrays can collide
@@ -10,8 +19,6 @@ use std::hash::{BuildHasherDefault, Hasher};
 pub enum Kind {
     /// A device pointer (`cuMemAlloc*`, managed, pitch, async, pool).
     Ptr,
-    /// A `cuMemCreate` physical allocation handle.
-    Handle,
     /// A `CUarray`.
     Array,
     /// A `CUmipmappedArray`.
@@ -42,10 +49,60 @@ impl Hasher for KeyHasher {
     }
 }
 
+/// A counted `cuMemCreate` handle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HandleEntry {
+    /// Bytes charged at `cuMemCreate`.
+    pub bytes: u64,
+    /// References not yet released: the creation, plus each `cuMemRetainAllocationHandle`.
+    pub refs: u32,
+    /// Live `cuMemMap` mappings.
+    pub maps: u32,
+}
+
+/// A live mapping of a counted handle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mapping {
+    /// First address.
+    pub va: u64,
+    /// Length in bytes.
+    pub size: u64,
+    /// The handle mapped there.
+    pub handle: u64,
+}
+
+/// What [`Ledger::release_begin`] took, to settle after the driver answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Release {
+    /// The last reference of an unmapped handle: the entry is gone, its bytes are to be
+    /// released once the driver succeeded.
+    Last(HandleEntry),
+    /// One reference of a handle that stays (more references, or still mapped).
+    NotLast,
+}
+
+/// What [`Ledger::unmap_begin`] took out, to settle after the driver answered.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Unmapped {
+    /// The mappings removed.
+    pub maps: Vec<Mapping>,
+    /// Handles whose last mapping went while no reference was left: gone from the ledger.
+    pub gone: Vec<(u64, HandleEntry)>,
+}
+
+impl Unmapped {
+    /// Bytes to release once the unmap succeeded.
+    pub fn bytes(&self) -> u64 {
+        self.gone.iter().map(|(_, e)| e.bytes).sum()
+    }
+}
+
 /// Live objects and their sizes.
 #[derive(Debug, Default)]
 pub struct Ledger {
     map: HashMap<(Kind, u64), u64, BuildHasherDefault<KeyHasher>>,
+    handles: HashMap<u64, HandleEntry, BuildHasherDefault<KeyHasher>>,
+    mappings: BTreeMap<u64, Mapping>,
 }
 
 impl Ledger {
@@ -60,19 +117,133 @@ impl Ledger {
         self.map.remove(&(kind, key))
     }
 
-    /// Bytes of all live objects.
+    /// Bytes of all live objects, counted handles included.
     pub fn total(&self) -> u64 {
-        self.map.values().sum()
+        self.map.values().sum::<u64>() + self.handles.values().map(|e| e.bytes).sum::<u64>()
     }
 
-    /// Number of live objects.
+    /// Number of live objects, counted handles included.
     pub fn len(&self) -> usize {
-        self.map.len()
+        self.map.len() + self.handles.len()
     }
 
     /// True when nothing is live.
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
+        self.map.is_empty() && self.handles.is_empty()
+    }
+
+    // ---- cuMemCreate handles -------------------------------------------------------------
+
+    /// Records a handle `cuMemCreate` just returned: one reference, no mapping. Returns the
+    /// bytes of an entry it replaced (a handle value the driver reused, so the old one was
+    /// destroyed behind our back), which the caller must release; that entry's mappings are
+    /// forgotten with it.
+    pub fn create_handle(&mut self, handle: u64, bytes: u64) -> Option<u64> {
+        let old = self.handles.insert(handle, HandleEntry { bytes, refs: 1, maps: 0 });
+        if old.is_some() {
+            self.mappings.retain(|_, m| m.handle != handle);
+        }
+        old.map(|e| e.bytes)
+    }
+
+    /// The entry of a counted handle.
+    pub fn handle(&self, handle: u64) -> Option<HandleEntry> {
+        self.handles.get(&handle).copied()
+    }
+
+    /// One more reference to a counted handle (`cuMemRetainAllocationHandle`, or an import of
+    /// the process's own handle). False when the handle is not counted here.
+    pub fn retain_handle(&mut self, handle: u64) -> bool {
+        match self.handles.get_mut(&handle) {
+            Some(e) => {
+                e.refs = e.refs.saturating_add(1);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Takes one reference away before `cuMemRelease` reaches the driver. The last reference
+    /// of an unmapped handle removes the entry at once, so a handle value the driver reuses
+    /// right after it is never mistaken for this one. `None`: not counted here.
+    pub fn release_begin(&mut self, handle: u64) -> Option<Release> {
+        let e = self.handles.get_mut(&handle)?;
+        e.refs = e.refs.saturating_sub(1);
+        if e.refs == 0 && e.maps == 0 {
+            let e = self.handles.remove(&handle)?;
+            return Some(Release::Last(HandleEntry { refs: 1, ..e }));
+        }
+        Some(Release::NotLast)
+    }
+
+    /// Puts back what [`Ledger::release_begin`] took when the driver refused the release.
+    pub fn release_undo(&mut self, handle: u64, r: Release) {
+        match r {
+            Release::Last(e) => {
+                self.handles.insert(handle, e);
+            }
+            Release::NotLast => {
+                let _ = self.retain_handle(handle);
+            }
+        }
+    }
+
+    /// Records a mapping the driver just made. A mapping recorded at the same address is
+    /// stale (its range was unmapped behind our back, e.g. by `cuMemAddressFree`) and is
+    /// dropped first; the bytes that frees are returned for the caller to release. Mappings
+    /// of handles not counted here are not recorded.
+    pub fn map_handle(&mut self, va: u64, size: u64, handle: u64) -> u64 {
+        let stale = self.unmap_begin(va, size.max(1));
+        let freed = stale.bytes();
+        if let Some(e) = self.handles.get_mut(&handle) {
+            e.maps = e.maps.saturating_add(1);
+            self.mappings.insert(va, Mapping { va, size, handle });
+        }
+        freed
+    }
+
+    /// True when a recorded mapping starts in `[va, va + size)`.
+    pub fn has_mappings_in(&self, va: u64, size: u64) -> bool {
+        self.mappings.range(va..va.saturating_add(size)).next().is_some()
+    }
+
+    /// Takes out every recorded mapping that starts in `[va, va + size)` before `cuMemUnmap`
+    /// (or `cuMemAddressFree`) reaches the driver. A handle left with no reference and no
+    /// mapping leaves the ledger; [`Unmapped::bytes`] is what to release once the driver
+    /// succeeded.
+    pub fn unmap_begin(&mut self, va: u64, size: u64) -> Unmapped {
+        let starts: Vec<u64> = self.mappings.range(va..va.saturating_add(size)).map(|(k, _)| *k).collect();
+        let mut out = Unmapped::default();
+        for k in starts {
+            let Some(m) = self.mappings.remove(&k) else { continue };
+            out.maps.push(m);
+            let unused = self.handles.get_mut(&m.handle).is_some_and(|e| {
+                e.maps = e.maps.saturating_sub(1);
+                e.refs == 0 && e.maps == 0
+            });
+            if unused {
+                out.gone.extend(self.handles.remove(&m.handle).map(|e| (m.handle, e)));
+            }
+        }
+        out
+    }
+
+    /// Puts back what [`Ledger::unmap_begin`] took when the driver refused the unmap.
+    pub fn unmap_undo(&mut self, u: Unmapped) {
+        for (h, e) in u.gone {
+            self.handles.entry(h).or_insert(e);
+        }
+        for m in u.maps {
+            if let Some(e) = self.handles.get_mut(&m.handle) {
+                e.maps = e.maps.saturating_add(1);
+                self.mappings.insert(m.va, m);
+            }
+        }
+    }
+
+    /// Number of recorded mappings.
+    pub fn mapping_count(&self) -> usize {
+        self.mappings.len()
     }
 }
 
@@ -84,11 +255,13 @@ mod tests {
     fn kinds_do_not_collide() {
         let mut l = Ledger::default();
         assert_eq!(l.insert(Kind::Ptr, 0x1000, 10), None);
-        assert_eq!(l.insert(Kind::Handle, 0x1000, 20), None);
-        assert_eq!(l.total(), 30);
+        assert_eq!(l.insert(Kind::Array, 0x1000, 20), None);
+        assert_eq!(l.create_handle(0x1000, 40), None);
+        assert_eq!(l.total(), 70);
         assert_eq!(l.remove(Kind::Ptr, 0x1000), Some(10));
         assert_eq!(l.remove(Kind::Ptr, 0x1000), None, "double free is not ours");
-        assert_eq!(l.remove(Kind::Handle, 0x1000), Some(20));
+        assert_eq!(l.remove(Kind::Array, 0x1000), Some(20));
+        assert_eq!(l.release_begin(0x1000), Some(Release::Last(HandleEntry { bytes: 40, refs: 1, maps: 0 })));
         assert!(l.is_empty());
     }
 
@@ -112,5 +285,144 @@ mod tests {
             assert_eq!(l.remove(Kind::Ptr, 0x7f00_0000_0000 + i * 512), Some(1));
         }
         assert!(l.is_empty());
+    }
+
+    const H: u64 = 0x7e55_0000_1000;
+    const MB2: u64 = 2 << 20;
+
+    /// Releases then settles as the hook does after a successful driver call; returns the
+    /// bytes released.
+    fn release(l: &mut Ledger, h: u64) -> u64 {
+        match l.release_begin(h) {
+            Some(Release::Last(e)) => e.bytes,
+            _ => 0,
+        }
+    }
+
+    fn unmap(l: &mut Ledger, va: u64, size: u64) -> u64 {
+        l.unmap_begin(va, size).bytes()
+    }
+
+    #[test]
+    fn create_map_release_unmap_frees_at_the_unmap() {
+        let mut l = Ledger::default();
+        l.create_handle(H, 4 * MB2);
+        assert_eq!(l.map_handle(0x1000_0000, 4 * MB2, H), 0);
+        assert_eq!(release(&mut l, H), 0, "still mapped: nothing released");
+        assert_eq!(l.total(), 4 * MB2, "released but mapped memory stays counted");
+        assert_eq!(unmap(&mut l, 0x1000_0000, 4 * MB2), 4 * MB2);
+        assert!(l.is_empty());
+        assert_eq!(l.mapping_count(), 0);
+    }
+
+    #[test]
+    fn create_map_unmap_release_frees_at_the_release() {
+        let mut l = Ledger::default();
+        l.create_handle(H, MB2);
+        l.map_handle(0x1000_0000, MB2, H);
+        assert_eq!(unmap(&mut l, 0x1000_0000, MB2), 0, "the handle is still referenced");
+        assert_eq!(l.total(), MB2);
+        assert_eq!(release(&mut l, H), MB2);
+        assert!(l.is_empty());
+    }
+
+    #[test]
+    fn each_retained_reference_needs_its_own_release() {
+        let mut l = Ledger::default();
+        l.create_handle(H, MB2);
+        assert!(l.retain_handle(H));
+        assert!(l.retain_handle(H));
+        assert_eq!(release(&mut l, H), 0);
+        assert_eq!(release(&mut l, H), 0);
+        assert_eq!(l.handle(H).unwrap().refs, 1);
+        assert_eq!(release(&mut l, H), MB2, "the third release is the last reference");
+        assert_eq!(l.release_begin(H), None, "a fourth one is not ours");
+        assert!(!l.retain_handle(H), "an unknown handle is never retained");
+    }
+
+    #[test]
+    fn two_mappings_unmapped_one_by_one() {
+        let mut l = Ledger::default();
+        l.create_handle(H, MB2);
+        l.map_handle(0x1000_0000, MB2, H);
+        l.map_handle(0x2000_0000, MB2, H);
+        assert_eq!(release(&mut l, H), 0);
+        assert_eq!(unmap(&mut l, 0x2000_0000, MB2), 0, "one mapping is left");
+        assert_eq!(l.handle(H), Some(HandleEntry { bytes: MB2, refs: 0, maps: 1 }));
+        assert_eq!(unmap(&mut l, 0x1000_0000, MB2), MB2);
+        assert!(l.is_empty());
+    }
+
+    #[test]
+    fn one_unmap_covering_two_mappings_of_two_handles() {
+        let mut l = Ledger::default();
+        let h2 = H + 0x10;
+        l.create_handle(H, MB2);
+        l.create_handle(h2, 2 * MB2);
+        l.map_handle(0x1000_0000, MB2, H);
+        l.map_handle(0x1000_0000 + MB2, 2 * MB2, h2);
+        assert_eq!(release(&mut l, H), 0);
+        assert_eq!(release(&mut l, h2), 0);
+        assert!(l.has_mappings_in(0x1000_0000, 3 * MB2));
+        assert!(!l.has_mappings_in(0x1000_0000 + 3 * MB2, MB2));
+        assert_eq!(unmap(&mut l, 0x1000_0000, 3 * MB2), 3 * MB2);
+        assert!(l.is_empty());
+    }
+
+    #[test]
+    fn foreign_handles_are_never_counted() {
+        // An imported handle (charged to the process that created it) is mapped and released:
+        // nothing is recorded, nothing released.
+        let mut l = Ledger::default();
+        assert_eq!(l.map_handle(0x1000_0000, MB2, H), 0);
+        assert_eq!(l.mapping_count(), 0);
+        assert_eq!(l.release_begin(H), None);
+        assert_eq!(unmap(&mut l, 0x1000_0000, MB2), 0);
+        assert!(l.is_empty());
+    }
+
+    #[test]
+    fn refused_driver_calls_are_undone() {
+        let mut l = Ledger::default();
+        l.create_handle(H, MB2);
+        let r = l.release_begin(H).unwrap();
+        assert!(l.is_empty(), "the last reference leaves at once");
+        l.release_undo(H, r);
+        assert_eq!(l.handle(H), Some(HandleEntry { bytes: MB2, refs: 1, maps: 0 }));
+        l.map_handle(0x1000_0000, MB2, H);
+        let r = l.release_begin(H).unwrap();
+        assert_eq!(r, Release::NotLast);
+        let u = l.unmap_begin(0x1000_0000, MB2);
+        assert_eq!(u.bytes(), MB2);
+        l.unmap_undo(u);
+        assert_eq!(l.handle(H), Some(HandleEntry { bytes: MB2, refs: 0, maps: 1 }));
+        assert_eq!(l.mapping_count(), 1);
+        l.release_undo(H, r);
+        assert_eq!(l.handle(H).unwrap().refs, 1);
+    }
+
+    #[test]
+    fn a_stale_mapping_at_a_reused_address_is_dropped() {
+        // The range was freed behind our back (cuMemAddressFree unmaps): mapping again at the
+        // same address drops the old record, and the released handle it kept goes with it.
+        let mut l = Ledger::default();
+        let h2 = H + 0x10;
+        l.create_handle(H, MB2);
+        l.create_handle(h2, MB2);
+        l.map_handle(0x1000_0000, MB2, H);
+        release(&mut l, H);
+        assert_eq!(l.map_handle(0x1000_0000, MB2, h2), MB2);
+        assert_eq!(l.handle(H), None);
+        assert_eq!(l.handle(h2).unwrap().maps, 1);
+    }
+
+    #[test]
+    fn a_reused_handle_value_replaces_the_old_entry_and_its_mappings() {
+        let mut l = Ledger::default();
+        l.create_handle(H, MB2);
+        l.map_handle(0x1000_0000, MB2, H);
+        assert_eq!(l.create_handle(H, 2 * MB2), Some(MB2));
+        assert_eq!(l.mapping_count(), 0);
+        assert_eq!(l.total(), 2 * MB2);
     }
 }

@@ -6,7 +6,7 @@
 //! succeeds (one-way, no round trip). A refused reservation is `CUDA_ERROR_OUT_OF_MEMORY`.
 
 use crate::ffi::{CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CUresult};
-use crate::ledger::Kind;
+use crate::ledger::{Kind, Release};
 use crate::state::Process;
 use crate::tlog;
 
@@ -31,6 +31,17 @@ pub fn allocate(
     bytes: u64,
     driver: impl FnOnce() -> (CUresult, u64),
 ) -> Outcome<CUresult> {
+    reserve_then(p, bytes, driver, |key| book(p, kind, key, bytes))
+}
+
+/// The frame of every allocation: reserve, call the driver, release on failure, `book` the
+/// new object's key on success.
+fn reserve_then(
+    p: &'static Process,
+    bytes: u64,
+    driver: impl FnOnce() -> (CUresult, u64),
+    book: impl FnOnce(u64),
+) -> Outcome<CUresult> {
     if bytes == 0 {
         return Outcome::PassThrough;
     }
@@ -43,7 +54,82 @@ pub fn allocate(
         p.session.release(bytes);
         return Outcome::Handled(r);
     }
-    book(p, kind, key, bytes);
+    book(key);
+    Outcome::Handled(r)
+}
+
+// ---- VMM: cuMemCreate handles live until released and unmapped ---------------------------
+
+/// `cuMemCreate` on the device: reserved like any allocation, booked as a handle with one
+/// reference and no mapping.
+pub fn vmm_create(p: &'static Process, bytes: u64, driver: impl FnOnce() -> (CUresult, u64)) -> Outcome<CUresult> {
+    reserve_then(p, bytes, driver, |handle| {
+        let replaced = p.ledger().create_handle(handle, bytes);
+        if let Some(old) = replaced {
+            p.session.release(old);
+        }
+    })
+}
+
+/// `cuMemRelease`: one reference goes; the bytes are released only with the last reference
+/// of a handle no longer mapped. Handles not counted here pass through.
+pub fn vmm_release(p: &'static Process, handle: u64, driver: impl FnOnce() -> CUresult) -> Outcome<CUresult> {
+    let Some(taken) = p.ledger().release_begin(handle) else {
+        return Outcome::PassThrough;
+    };
+    let r = driver();
+    if r != CUDA_SUCCESS {
+        p.ledger().release_undo(handle, taken);
+    } else if let Release::Last(e) = taken {
+        p.session.release(e.bytes);
+    }
+    Outcome::Handled(r)
+}
+
+/// `cuMemMap`: a mapping of a counted handle is recorded by its address (and keeps the
+/// handle's memory counted until it is unmapped).
+pub fn vmm_map(p: &'static Process, va: u64, size: u64, handle: u64, driver: impl FnOnce() -> CUresult) -> Outcome<CUresult> {
+    let r = driver();
+    if r == CUDA_SUCCESS {
+        let stale = p.ledger().map_handle(va, size, handle);
+        if stale > 0 {
+            p.session.release(stale);
+        }
+    }
+    Outcome::Handled(r)
+}
+
+/// `cuMemUnmap` (and `cuMemAddressFree`, which unmaps what is left): every recorded mapping
+/// starting in the range goes; a handle left with no reference and no mapping is released.
+/// A range with no recorded mapping passes through.
+pub fn vmm_unmap(p: &'static Process, va: u64, size: u64, driver: impl FnOnce() -> CUresult) -> Outcome<CUresult> {
+    let taken = {
+        let mut l = p.ledger();
+        if !l.has_mappings_in(va, size) {
+            return Outcome::PassThrough;
+        }
+        l.unmap_begin(va, size)
+    };
+    let r = driver();
+    if r == CUDA_SUCCESS {
+        let bytes = taken.bytes();
+        if bytes > 0 {
+            p.session.release(bytes);
+        }
+    } else {
+        p.ledger().unmap_undo(taken);
+    }
+    Outcome::Handled(r)
+}
+
+/// `cuMemRetainAllocationHandle` (and `cuMemImportFromShareableHandle`): the handle the
+/// driver answers gains a reference when it is counted here (a handle of another process is
+/// that process's to count).
+pub fn vmm_retain(p: &'static Process, driver: impl FnOnce() -> (CUresult, u64)) -> Outcome<CUresult> {
+    let (r, handle) = driver();
+    if r == CUDA_SUCCESS {
+        let _ = p.ledger().retain_handle(handle);
+    }
     Outcome::Handled(r)
 }
 

@@ -110,6 +110,11 @@ hook_table! {
     MemAllocFromPoolAsync_ptsz: Cuda c"cuMemAllocFromPoolAsync_ptsz", "cuMemAllocFromPoolAsync", 11020, MAX, true, h::cuMemAllocFromPoolAsync_ptsz;
     MemCreate: Cuda c"cuMemCreate", "cuMemCreate", 10020, MAX, false, h::cuMemCreate;
     MemRelease: Cuda c"cuMemRelease", "cuMemRelease", 10020, MAX, false, h::cuMemRelease;
+    MemMap: Cuda c"cuMemMap", "cuMemMap", 10020, MAX, false, h::cuMemMap;
+    MemUnmap: Cuda c"cuMemUnmap", "cuMemUnmap", 10020, MAX, false, h::cuMemUnmap;
+    MemAddressFree: Cuda c"cuMemAddressFree", "cuMemAddressFree", 10020, MAX, false, h::cuMemAddressFree;
+    MemRetainAllocationHandle: Cuda c"cuMemRetainAllocationHandle", "cuMemRetainAllocationHandle", 11000, MAX, false, h::cuMemRetainAllocationHandle;
+    MemImportFromShareableHandle: Cuda c"cuMemImportFromShareableHandle", "cuMemImportFromShareableHandle", 10020, MAX, false, h::cuMemImportFromShareableHandle;
     ArrayCreate_v2: Cuda c"cuArrayCreate_v2", "cuArrayCreate", 3020, MAX, false, h::cuArrayCreate_v2;
     Array3DCreate_v2: Cuda c"cuArray3DCreate_v2", "cuArray3DCreate", 3020, MAX, false, h::cuArray3DCreate_v2;
     MipmappedArrayCreate: Cuda c"cuMipmappedArrayCreate", "cuMipmappedArrayCreate", 5000, MAX, false, h::cuMipmappedArrayCreate;
@@ -233,6 +238,13 @@ mod tests {
         // No _ptsz twin: flag 2 still gets the plain variant.
         assert_eq!(name(b"cuMemAlloc", 12000, 2), Some("cuMemAlloc_v2"));
         assert_eq!(name(b"cuMemCreate", 10020, 2), Some("cuMemCreate"));
+        // VMM: every call that changes how long a handle's memory lives.
+        assert_eq!(name(b"cuMemMap", 12000, 0), Some("cuMemMap"));
+        assert_eq!(name(b"cuMemUnmap", 13000, 2), Some("cuMemUnmap"));
+        assert_eq!(name(b"cuMemAddressFree", 12000, 0), Some("cuMemAddressFree"));
+        assert_eq!(name(b"cuMemRetainAllocationHandle", 11000, 0), Some("cuMemRetainAllocationHandle"));
+        assert_eq!(name(b"cuMemRetainAllocationHandle", 10020, 0), None, "before the API existed");
+        assert_eq!(name(b"cuMemImportFromShareableHandle", 12000, 0), Some("cuMemImportFromShareableHandle"));
         // cuGetProcAddress itself changed signature at 12000.
         assert_eq!(name(b"cuGetProcAddress", 11080, 0), Some("cuGetProcAddress"));
         assert_eq!(name(b"cuGetProcAddress", 12000, 0), Some("cuGetProcAddress_v2"));

@@ -1,9 +1,19 @@
 //! `tessera run`: run a command under an enforced allocation, without Kubernetes.
 //!
-//! Creates an allocation through the arbiter's admin socket, runs the command with the
-//! interposer preloaded (`LD_PRELOAD`, prepended to any existing value) and `TESSERA_SOCKET` /
-//! `TESSERA_TOKEN` set, passes its exit code through (128 + signal when it was killed), and
-//! deletes the allocation when the command ends.
+//! Checks that the interposer loads and exports its hooks (a file that does not load would be
+//! skipped by the loader with a warning, and the command would run unlimited), creates an
+//! allocation through the arbiter's admin socket, runs the command with the interposer
+//! preloaded (`LD_PRELOAD`, prepended to any existing value), `TESSERA_SOCKET` /
+//! `TESSERA_TOKEN` set, `CUDA_VISIBLE_DEVICES` set to the allocation's GPU (its UUID, so the
+//! command sees exactly that GPU) and `TESSERA_ADMIN_SOCKET` removed (the command has no business
+//! creating or deleting allocations), passes its exit code through (128 + signal when it was
+//! killed), and deletes the allocation when the command ends.
+//!
+//! What this protects against: the command passing its memory limit or compute share through
+//! the interposer, and the command finding the admin socket through an inherited variable. It
+//! is not a security boundary against a local user: anyone who can reach the admin socket (its
+//! file permissions decide) can create and delete allocations, and a command that unsets
+//! `LD_PRELOAD` or calls the driver by other means escapes the interposer (see README.md).
 //!
 //! Signals: SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to `tessera run` by another process
 //! (`kill`) are forwarded to the command; the same signals typed at the terminal (Ctrl-C)
@@ -199,7 +209,8 @@ pub fn classify(err: ClientError, socket: &Path) -> anyhow::Error {
 }
 
 /// The interposer to preload: the flag (or `TESSERA_INTERPOSER`), else the file next to the
-/// running `tessera`. Refuses to go on without one: the command would run unlimited.
+/// running `tessera`. Refuses to go on without one, or with a file that does not load as the
+/// interposer: the command would run unlimited.
 fn interposer_path(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
     let path = match explicit {
         Some(p) => p.to_path_buf(),
@@ -220,6 +231,8 @@ fn interposer_path(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
     // LD_PRELOAD entries are separated by ':' and spaces, and a relative one is searched
     // for like a library name, so hand the loader an absolute path.
     let path = std::fs::canonicalize(&path).unwrap_or(path);
+    tessera_preload::check(&path)
+        .map_err(|e| anyhow::anyhow!("{e} (without the interposer the limits would not be enforced)"))?;
     let text = path.to_string_lossy();
     if text.contains([':', ' ']) {
         bail!(
@@ -303,7 +316,7 @@ pub fn main(args: RunArgs) -> anyhow::Result<u8> {
         .map_err(|e| classify(e, &args.admin_socket))?;
     drop(admin);
     let id = alloc.id.clone();
-    let status = run_command(&args, &interposer, &token);
+    let status = run_command(&args, &interposer, &token, &alloc.gpu_uuid);
     let deleted = AdminClient::connect(&args.admin_socket).and_then(|mut a| a.delete(&id));
     if let Err(e) = &deleted {
         eprintln!(
@@ -322,6 +335,7 @@ fn run_command(
     args: &RunArgs,
     interposer: &Path,
     token: &str,
+    gpu_uuid: &str,
 ) -> anyhow::Result<std::process::ExitStatus> {
     install_forwarding()?;
     let mut cmd = Command::new(&args.command[0]);
@@ -331,7 +345,9 @@ fn run_command(
             ld_preload(interposer, std::env::var_os("LD_PRELOAD")),
         )
         .env("TESSERA_SOCKET", &args.socket)
-        .env("TESSERA_TOKEN", token);
+        .env("TESSERA_TOKEN", token)
+        .env("CUDA_VISIBLE_DEVICES", gpu_uuid)
+        .env_remove("TESSERA_ADMIN_SOCKET");
     let mut child = cmd
         .spawn()
         .with_context(|| format!("cannot run {}", args.command[0].to_string_lossy()))?;

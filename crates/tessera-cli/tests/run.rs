@@ -14,8 +14,8 @@ fn stdout(o: &std::process::Output) -> String {
 #[test]
 fn run_sets_env_passes_exit_code_and_deletes_the_allocation() {
     let arb = Arbiter::start();
-    let fake = fake_interposer(arb.dir.path());
-    let script = r#"echo "token=$TESSERA_TOKEN"; echo "socket=$TESSERA_SOCKET"; echo "preload=$LD_PRELOAD"; "$TESSERA_BIN" status --json; exit 7"#;
+    let fake = interposer_in(arb.dir.path());
+    let script = r#"echo "token=$TESSERA_TOKEN"; echo "socket=$TESSERA_SOCKET"; echo "preload=$LD_PRELOAD"; echo "visible=$CUDA_VISIBLE_DEVICES"; echo "admin=${TESSERA_ADMIN_SOCKET-unset}"; "$TESSERA_BIN" status --json --admin-socket "$ADMIN"; exit 7"#;
     let out = arb
         .tessera(&[
             "run",
@@ -29,6 +29,8 @@ fn run_sets_env_passes_exit_code_and_deletes_the_allocation() {
         .arg(&fake)
         .args(["--", "sh", "-c", script])
         .env("TESSERA_BIN", tessera())
+        .env("ADMIN", &arb.admin_socket)
+        .env("CUDA_VISIBLE_DEVICES", "0,1")
         .env("LD_PRELOAD", "/nonexistent/libother.so")
         .output()
         .unwrap();
@@ -54,6 +56,9 @@ fn run_sets_env_passes_exit_code_and_deletes_the_allocation() {
         preload,
         format!("{}:/nonexistent/libother.so", fake.display())
     );
+    // The command sees exactly its allocation's GPU, and not the admin socket.
+    assert!(text.contains(&format!("visible={}\n", gpu_uuid(0))), "{text}");
+    assert!(text.contains("admin=unset\n"), "{text}");
     // While the command ran, its allocation existed with the asked limits.
     let json_start = text.find('{').unwrap();
     let json_end = text.rfind('}').unwrap();
@@ -87,14 +92,15 @@ fn run_finds_the_interposer_next_to_the_executable() {
     );
     assert!(arb.admin().list().unwrap().is_empty());
     // With one there, it is preloaded; the share defaults to 10.
-    let fake = fake_interposer(&bin_dir);
-    let script = "echo $LD_PRELOAD; $TB status --json";
+    let fake = interposer_in(&bin_dir);
+    let script = "echo $LD_PRELOAD; $TB status --json --admin-socket $ADMIN";
     let out = arb
         .tessera_at(
             &exe,
             &["run", "--memory", "64MiB", "--", "sh", "-c", script],
         )
         .env("TB", tessera())
+        .env("ADMIN", &arb.admin_socket)
         .output()
         .unwrap();
     assert_eq!(
@@ -112,7 +118,7 @@ fn run_finds_the_interposer_next_to_the_executable() {
 #[test]
 fn sigterm_is_forwarded_and_the_allocation_deleted() {
     let arb = Arbiter::start();
-    let fake = fake_interposer(arb.dir.path());
+    let fake = interposer_in(arb.dir.path());
     let mut child = arb
         .tessera(&["run", "--memory", "256MiB", "--interposer"])
         .arg(&fake)
@@ -159,7 +165,7 @@ fn sigterm_is_forwarded_and_the_allocation_deleted() {
 #[test]
 fn unreachable_arbiter_exits_3_and_refusals_exit_4() {
     let arb = Arbiter::start();
-    let fake = fake_interposer(arb.dir.path());
+    let fake = interposer_in(arb.dir.path());
     let out = arb
         .tessera(&["run", "--memory", "1GiB", "--interposer"])
         .arg(&fake)
@@ -204,4 +210,90 @@ fn unreachable_arbiter_exits_3_and_refusals_exit_4() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown unit"));
+}
+
+#[test]
+fn a_file_that_is_not_the_interposer_is_refused_and_nothing_runs() {
+    let arb = Arbiter::start();
+    let marker = arb.dir.path().join("ran");
+    let touch = format!("touch {}", marker.display());
+    // A program, a text file, a library without the hooks: none of them would enforce anything
+    // (the loader would skip the first two with a warning and run the command unlimited).
+    let text = arb.dir.path().join("libtessera_interpose.so");
+    std::fs::write(&text, "not a library").unwrap();
+    let libc_so = ["/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib/x86_64-linux-gnu/libc.so.6", "/lib64/libc.so.6"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())
+        .expect("libc.so.6");
+    let cases = [
+        ("/bin/true".to_owned(), "does not load"),
+        (text.display().to_string(), "does not load"),
+        (libc_so.to_owned(), "not the Tessera interposer"),
+    ];
+    for (file, why) in cases {
+        let out = arb
+            .tessera(&["run", "--memory", "64MiB", "--interposer", &file, "--", "sh", "-c", &touch])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{file}: {err}");
+        assert!(err.contains(why) && err.contains("limits would not be enforced"), "{file}: {err}");
+        assert!(!marker.exists(), "{file}: the command must not run");
+        assert!(arb.admin().list().unwrap().is_empty(), "{file}: no allocation left behind");
+    }
+}
+
+#[test]
+fn the_command_sees_only_its_gpu_and_not_the_admin_socket() {
+    let arb = Arbiter::start();
+    let lib = interposer_in(arb.dir.path());
+    let script = r#"echo "visible=$CUDA_VISIBLE_DEVICES"; echo "admin=${TESSERA_ADMIN_SOCKET-unset}""#;
+    let out = arb
+        .tessera(&["run", "--gpu", "1", "--memory", "64MiB", "--interposer"])
+        .arg(&lib)
+        .args(["--", "sh", "-c", script])
+        .env("CUDA_VISIBLE_DEVICES", "0")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = stdout(&out);
+    assert_eq!(text, format!("visible={}\nadmin=unset\n", gpu_uuid(1)));
+    // Set by flag rather than inherited: still not passed on.
+    let out = arb
+        .tessera(&["run", "--gpu", "1", "--memory", "64MiB", "--interposer"])
+        .arg(&lib)
+        .arg("--admin-socket")
+        .arg(&arb.admin_socket)
+        .args(["--", "sh", "-c", script])
+        .env_remove("TESSERA_ADMIN_SOCKET")
+        .output()
+        .unwrap();
+    assert_eq!(stdout(&out), format!("visible={}\nadmin=unset\n", gpu_uuid(1)));
+}
+
+#[test]
+fn a_cuda_command_sees_and_uses_only_its_allocations_gpu() {
+    use std::io::BufRead;
+    let arb = Arbiter::start();
+    let lib = interposer_in(arb.dir.path());
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/sim_visible.py");
+    let mut cmd = arb.tessera(&["run", "--gpu", "1", "--memory", "1GiB", "--interposer"]);
+    cmd.arg(&lib).arg("--").arg(tessera_testkit::python()).arg(&script).args(["256", "1000000"]);
+    let mut child = arb.sim.apply(&mut cmd).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let stdin = child.stdin.take();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let mut child = tessera_testkit::KillOnDrop::new(child);
+    let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    assert_eq!(v["count"], 1, "one GPU visible: {v}");
+    assert_eq!(v["devices"][0]["uuid"], gpu_uuid(1));
+    assert_eq!(v["devices"][0]["total"], GIB, "the card is as large as the limit");
+    assert_eq!(v["nvml_count"], 2, "NVML still lists the node's GPUs");
+    let used = |g| tessera_sim_state::device_memory_used(&arb.sim.dir, g).unwrap();
+    assert_eq!((used(0), used(1)), (0, 256 * MIB), "the memory is on GPU 1");
+    let a = arb.admin().list().unwrap();
+    assert_eq!((a.len(), a[0].gpu_index, a[0].memory_used), (1, 1, 256 * MIB), "and counted there");
+    drop(stdin);
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+    assert!(arb.admin().list().unwrap().is_empty());
 }

@@ -22,6 +22,10 @@ pub enum InstallError {
     /// The interposer was not found.
     #[error("interposer library not found at {0} (build it, or pass --interposer PATH)")]
     NotFound(PathBuf),
+    /// The file does not load as the interposer (pods would run without limits: the loader
+    /// skips a preload that does not load, with a mere warning).
+    #[error("refusing to install it for pods: {0}")]
+    NotInterposer(#[from] tessera_preload::CheckError),
     /// Reading the source failed.
     #[error("cannot read {path}: {source}")]
     Read {
@@ -56,7 +60,8 @@ pub struct Installed {
     pub wrote_lib: bool,
 }
 
-/// `explicit`, else `libtessera_interpose.so` next to the running executable.
+/// `explicit`, else `libtessera_interpose.so` next to the running executable; it must load
+/// and export the interposer's hooks ([`tessera_preload::check`]).
 pub fn find_interposer(explicit: Option<&Path>) -> Result<PathBuf, InstallError> {
     let path = match explicit {
         Some(p) => p.to_path_buf(),
@@ -65,11 +70,11 @@ pub fn find_interposer(explicit: Option<&Path>) -> Result<PathBuf, InstallError>
             exe.parent().unwrap_or(Path::new("/")).join(INTERPOSER_FILE)
         }
     };
-    if path.is_file() {
-        Ok(path)
-    } else {
-        Err(InstallError::NotFound(path))
+    if !path.is_file() {
+        return Err(InstallError::NotFound(path));
     }
+    tessera_preload::check(&path)?;
+    Ok(path)
 }
 
 /// First 8 hex digits of the SHA-256 of `bytes`.
@@ -255,6 +260,9 @@ mod tests {
 
         let err = find_interposer(Some(&dir.path().join("nope.so"))).unwrap_err();
         assert!(err.to_string().contains("--interposer"), "{err}");
-        assert_eq!(find_interposer(Some(&src)).unwrap(), src);
+        // A file that is there but does not load as the interposer is refused too.
+        let err = find_interposer(Some(&src)).unwrap_err();
+        assert!(matches!(err, InstallError::NotInterposer(_)), "{err}");
+        assert!(err.to_string().contains("refusing to install it for pods"), "{err}");
     }
 }

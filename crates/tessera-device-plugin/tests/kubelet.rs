@@ -721,6 +721,16 @@ async fn bad_flags_and_missing_interposer_exit_with_documented_codes() {
     let out = run(&["--interposer", "/nonexistent/libtessera_interpose.so"]);
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stderr).contains("interposer"));
+    // A file that does not load as the interposer is never installed for pods.
+    let text = dir.path().join("libtessera_interpose.so");
+    std::fs::write(&text, "not a library").unwrap();
+    for bad in [Path::new("/bin/true"), text.as_path()] {
+        let out = run(&["--install-only", "--interposer", bad.to_str().unwrap()]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(3), "{}: {err}", bad.display());
+        assert!(err.contains("does not load as a shared library") && err.contains("refusing"), "{err}");
+        assert!(!dir.path().join("lib").exists() || std::fs::read_dir(dir.path().join("lib")).unwrap().next().is_none(), "nothing installed");
+    }
     // --install-only installs and exits 0.
     let out = run(&["--install-only"]);
     assert_eq!(

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use crate::ffi::*;
-use crate::runtime::{Registry, Res, gpu, guard, next_handle, put, rt};
+use crate::runtime::{Registry, Res, gpu, guard, next_handle, ordinal, put, rt};
 use crate::stream::{Stream, StreamKind};
 
 /// One context: a device, its legacy default stream and the streams made in it.
@@ -354,7 +354,7 @@ pub unsafe extern "C" fn cuCtxGetDevice(dev: *mut CUdevice) -> CUresult {
     guard(|| {
         let c = current()?;
         // SAFETY: caller's out-pointer, null-checked by put.
-        unsafe { put(dev, c.device as CUdevice) }
+        unsafe { put(dev, ordinal(c.device)?) }
     })
 }
 
@@ -364,7 +364,7 @@ pub unsafe extern "C" fn cuCtxGetDevice_v2(dev: *mut CUdevice, ctx: Handle) -> C
     guard(|| {
         let c = ctx_or_current(ctx)?;
         // SAFETY: caller's out-pointer, null-checked by put.
-        unsafe { put(dev, c.device as CUdevice) }
+        unsafe { put(dev, ordinal(c.device)?) }
     })
 }
 

@@ -3,7 +3,7 @@
 use std::ffi::{CStr, c_char};
 
 use crate::ffi::*;
-use crate::runtime::{gpu, guard, put, rt};
+use crate::runtime::{gpu, guard, ordinal, put, rt};
 
 /// Copies `s` into a C buffer of `len` bytes, truncating and always NUL-terminating.
 ///
@@ -36,7 +36,7 @@ pub unsafe extern "C" fn cuDeviceGet(dev: *mut CUdevice, ordinal: i32) -> CUresu
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuDeviceGetCount(count: *mut i32) -> CUresult {
     guard(|| {
-        let n = rt()?.spec.count() as i32;
+        let n = rt()?.visible.len() as i32;
         // SAFETY: caller's out-pointer, null-checked by put.
         unsafe { put(count, n) }
     })
@@ -221,8 +221,10 @@ pub unsafe extern "C" fn cuDeviceGetByPCIBusId(dev: *mut CUdevice, id: *const c_
             .iter()
             .find(|g| g.pci_bus_id_cuda() == s || g.pci_bus_id_nvml() == s)
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        // A GPU outside CUDA_VISIBLE_DEVICES has no ordinal here.
+        let o = ordinal(g.index).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
         // SAFETY: caller's out-pointer, null-checked by put.
-        unsafe { put(dev, g.index as i32) }
+        unsafe { put(dev, o) }
     })
 }
 

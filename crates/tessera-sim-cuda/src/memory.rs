@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use crate::context::current;
 use crate::ffi::*;
-use crate::runtime::{Registry, Res, gpu, guard, next_handle, put, rt};
+use crate::runtime::{Registry, Res, gpu, guard, next_handle, ordinal, physical_gpu, put, rt};
 use crate::stream::{Op, resolve};
 
 /// What kind of memory a range is.
@@ -290,7 +290,7 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
         }
         let c = current()?;
         let rt = rt()?;
-        let t = gpu(c.device as i32)?.total_bytes;
+        let t = physical_gpu(c.device)?.total_bytes;
         let used = tessera_sim_state::device_memory_used(&rt.dir, c.device)
             .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
         // SAFETY: non-null out-pointers from the caller.
@@ -663,7 +663,7 @@ pub unsafe extern "C" fn cuPointerGetAttribute(
                 3 | 4 => put(data as *mut u64, ptr),
                 7 => put(data as *mut u64, base as u64),
                 8 => put(data as *mut u32, u32::from(a.kind == Kind::Managed)),
-                9 => put(data as *mut i32, a.device as i32),
+                9 => put(data as *mut i32, ordinal(a.device)?),
                 11 => put(data as *mut u64, base as u64),
                 12 => put(data as *mut usize, a.len),
                 13 => put(data as *mut u32, 1),

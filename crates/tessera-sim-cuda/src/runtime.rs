@@ -39,6 +39,40 @@ pub struct Runtime {
     pub spec: SimSpec,
     pub dir: PathBuf,
     pub ledger: Ledger,
+    /// The physical GPUs this process sees (`CUDA_VISIBLE_DEVICES`), in ordinal order: device
+    /// ordinal `n` is `spec.gpus[visible[n]]`.
+    pub visible: Vec<u32>,
+}
+
+/// The physical GPUs a `CUDA_VISIBLE_DEVICES` value selects, in ordinal order, as the driver
+/// reads it: unset means every GPU; otherwise a comma-separated list of indexes (`1`, `0,2`),
+/// UUIDs (`GPU-21056e06-...`) or unique UUID prefixes (`GPU-2105`). The first entry that is
+/// invalid (unknown, out of range, ambiguous, repeated, or empty) ends the list, so an empty
+/// value selects no GPU at all.
+pub fn visible_devices(spec: &SimSpec, value: Option<&str>) -> Vec<u32> {
+    let Some(value) = value else {
+        return spec.gpus.iter().map(|g| g.index).collect();
+    };
+    let mut out: Vec<u32> = Vec::new();
+    for entry in value.split(',').map(str::trim) {
+        let found = if !entry.is_empty() && entry.bytes().all(|b| b.is_ascii_digit()) {
+            entry.parse::<usize>().ok().and_then(|i| spec.gpus.get(i)).map(|g| g.index)
+        } else if entry.len() > 4 && entry[..4].eq_ignore_ascii_case("GPU-") {
+            let want = entry.to_ascii_lowercase();
+            let mut matches = spec.gpus.iter().filter(|g| g.uuid.to_ascii_lowercase().starts_with(&want));
+            match (matches.next(), matches.next()) {
+                (Some(g), None) => Some(g.index),
+                _ => None,
+            }
+        } else {
+            None
+        };
+        match found {
+            Some(i) if !out.contains(&i) => out.push(i),
+            _ => break,
+        }
+    }
+    out
 }
 
 static RT: OnceLock<Runtime> = OnceLock::new();
@@ -62,22 +96,55 @@ pub fn init() -> Res {
         eprintln!("tessera-sim: {e}");
         CUDA_ERROR_NO_DEVICE
     })?;
+    let visible_var = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let visible = visible_devices(&spec, visible_var.as_deref());
+    if visible.is_empty() {
+        // As the driver: no visible device fails cuInit, and everything after it.
+        return Err(CUDA_ERROR_NO_DEVICE);
+    }
     let dir = tessera_sim_state::state_dir_from_env();
     let totals = spec.gpus.iter().map(|g| g.total_bytes).collect();
     let ledger = Ledger::open(&dir, totals).map_err(|e| {
         eprintln!("tessera-sim: {e}");
         CUDA_ERROR_OPERATING_SYSTEM
     })?;
-    let _ = RT.set(Runtime { spec, dir, ledger });
+    let _ = RT.set(Runtime {
+        spec,
+        dir,
+        ledger,
+        visible,
+    });
     Ok(())
 }
 
-/// The simulated GPU with ordinal `dev`, or `CUDA_ERROR_INVALID_DEVICE`.
+/// The simulated GPU with ordinal `dev` (counted over the visible GPUs), or
+/// `CUDA_ERROR_INVALID_DEVICE`. Its `index` is the physical GPU, which every charge, engine
+/// and context is kept under.
 pub fn gpu(dev: CUdevice) -> Result<&'static GpuInfo, CUresult> {
     let rt = rt()?;
     usize::try_from(dev)
         .ok()
-        .and_then(|d| rt.spec.gpus.get(d))
+        .and_then(|d| rt.visible.get(d))
+        .and_then(|&i| rt.spec.gpus.get(i as usize))
+        .ok_or(CUDA_ERROR_INVALID_DEVICE)
+}
+
+/// The physical GPU `index` (as kept in contexts, allocations and pools).
+pub fn physical_gpu(index: u32) -> Result<&'static GpuInfo, CUresult> {
+    rt()?
+        .spec
+        .gpus
+        .get(index as usize)
+        .ok_or(CUDA_ERROR_INVALID_DEVICE)
+}
+
+/// The device ordinal this process knows physical GPU `index` by.
+pub fn ordinal(index: u32) -> Result<CUdevice, CUresult> {
+    rt()?
+        .visible
+        .iter()
+        .position(|&i| i == index)
+        .map(|o| o as CUdevice)
         .ok_or(CUDA_ERROR_INVALID_DEVICE)
 }
 
@@ -160,4 +227,60 @@ pub const DRIVER_VERSION: i32 = 13000;
 pub unsafe extern "C" fn cuDriverGetVersion(v: *mut i32) -> CUresult {
     // SAFETY: `v` is the caller's out-pointer; `put` checks null.
     guard(|| unsafe { put(v, DRIVER_VERSION) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> SimSpec {
+        SimSpec::parse("1x16GiB,1x24GiB,1x80GiB").unwrap()
+    }
+
+    fn v(value: Option<&str>) -> Vec<u32> {
+        visible_devices(&spec(), value)
+    }
+
+    #[test]
+    fn unset_shows_every_gpu() {
+        assert_eq!(v(None), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn indexes_select_and_reorder() {
+        assert_eq!(v(Some("1")), vec![1]);
+        assert_eq!(v(Some("0,2")), vec![0, 2]);
+        assert_eq!(v(Some("2,0")), vec![2, 0], "ordinals follow the list's order");
+        assert_eq!(v(Some(" 2 , 1 ")), vec![2, 1]);
+    }
+
+    #[test]
+    fn uuids_and_unique_prefixes() {
+        let s = spec();
+        let u1 = s.gpus[1].uuid.clone();
+        let u2 = s.gpus[2].uuid.clone();
+        assert_eq!(visible_devices(&s, Some(&u1)), vec![1]);
+        assert_eq!(visible_devices(&s, Some(&format!("{u2},{u1}"))), vec![2, 1]);
+        assert_eq!(visible_devices(&s, Some(&u2[..12])), vec![2], "a unique prefix");
+        assert_eq!(visible_devices(&s, Some(&u2.to_ascii_uppercase())), vec![2]);
+        assert_eq!(visible_devices(&s, Some(&format!("0,{u2}"))), vec![0, 2], "mixed forms");
+        assert_eq!(visible_devices(&s, Some("GPU-")), Vec::<u32>::new(), "matches all: ambiguous");
+        assert_eq!(visible_devices(&s, Some("GPU-zzzz")), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn an_invalid_entry_ends_the_list() {
+        assert_eq!(v(Some("1,7,0")), vec![1], "out of range");
+        assert_eq!(v(Some("0,foo,2")), vec![0]);
+        assert_eq!(v(Some("2,-1,0")), vec![2]);
+        assert_eq!(v(Some("1,1,2")), vec![1], "a repeated GPU");
+        assert_eq!(v(Some("0,,1")), vec![0]);
+        assert_eq!(v(Some("MIG-1234")), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn empty_means_no_gpu() {
+        assert_eq!(v(Some("")), Vec::<u32>::new());
+        assert_eq!(v(Some("-1")), Vec::<u32>::new());
+    }
 }

@@ -4,8 +4,16 @@
 //! are `PROT_NONE` anonymous mappings; `cuMemMap` maps the memfd over part of one with
 //! `MAP_FIXED` (so two mappings of one handle alias the same bytes) and `cuMemSetAccess` sets the
 //! protection. As in the driver, `cuMemRelease` of a handle that is still mapped keeps the memory
-//! (and its charge) until the last mapping goes. One lock serialises these calls so map counts,
-//! the range table and the ledger always agree.
+//! (and its charge) until the last mapping goes, and `cuMemRetainAllocationHandle` hands out the
+//! handle of a mapped address again as one more reference that needs its own `cuMemRelease`.
+//! One lock serialises these calls so reference and map counts, the range table and the ledger
+//! always agree.
+//!
+//! Shareable handles: `cuMemExportToShareableHandle` with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`
+//! hands out a duplicate of the memfd; `cuMemImportFromShareableHandle` in any process (the fd
+//! passed over a Unix socket, or opened as `/proc/<pid>/fd/<n>`) makes a handle of the same
+//! bytes. The memory stays charged to the process that created it, as the driver reports it;
+//! the importer is not charged again.
 
 use std::collections::BTreeMap;
 use std::ffi::c_void;
@@ -13,7 +21,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use crate::ffi::*;
 use crate::memory::{Alloc, Kind, allocs};
-use crate::runtime::{Registry, gpu, guard, next_handle, put, rt};
+use crate::runtime::{Registry, gpu, guard, next_handle, physical_gpu, put, rt};
 
 /// A VMM physical allocation: a sparse memfd.
 pub struct Physical {
@@ -21,14 +29,17 @@ pub struct Physical {
     pub fd: i32,
     pub size: usize,
     pub device: u32,
+    /// Charged to this process (false for an imported handle: its creator is charged).
+    charged: bool,
     state: Mutex<PhysState>,
 }
 
 struct PhysState {
     /// Live `cuMemMap` mappings of this handle.
     maps: usize,
-    /// `cuMemRelease` was called; the memory goes when `maps` reaches 0.
-    released: bool,
+    /// References not yet released (`cuMemCreate`, each `cuMemRetainAllocationHandle`); the
+    /// memory goes when both this and `maps` reach 0.
+    refs: usize,
 }
 
 impl Drop for Physical {
@@ -63,15 +74,15 @@ fn state(p: &Physical) -> MutexGuard<'_, PhysState> {
 fn live(h: u64) -> Result<Arc<Physical>, CUresult> {
     PHYSICAL
         .get(h as usize)
-        .filter(|p| !state(p).released)
+        .filter(|p| state(p).refs > 0)
         .ok_or(CUDA_ERROR_INVALID_VALUE)
 }
 
 /// Returns a handle's memory to the ledger once it is released and unmapped.
 fn settle(p: &Physical, st: &PhysState) {
-    if st.released && st.maps == 0 {
+    if st.refs == 0 && st.maps == 0 {
         PHYSICAL.remove(p.id);
-        if let Ok(rt) = rt() {
+        if let (true, Ok(rt)) = (p.charged, rt()) {
             rt.ledger.free(p.device, p.size as u64);
         }
     }
@@ -159,8 +170,10 @@ pub unsafe extern "C" fn cuMemCreate(
         rt.ledger
             .try_alloc(g.index, size as u64)
             .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
-        // SAFETY: memfd_create with a static NUL-terminated name.
-        let fd = unsafe { libc::memfd_create(c"tessera-sim-vmm".as_ptr(), libc::MFD_CLOEXEC) };
+        // The name carries the device, for an importer to find it.
+        let name = std::ffi::CString::new(format!("{MEMFD_PREFIX}{}", g.index)).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+        // SAFETY: memfd_create with a NUL-terminated name.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
         // SAFETY: fd is our fresh memfd (checked >= 0 first).
         if fd < 0 || unsafe { libc::ftruncate(fd, size as i64) } != 0 {
             if fd >= 0 {
@@ -175,10 +188,8 @@ pub unsafe extern "C" fn cuMemCreate(
             fd,
             size,
             device: g.index,
-            state: Mutex::new(PhysState {
-                maps: 0,
-                released: false,
-            }),
+            charged: true,
+            state: Mutex::new(PhysState { maps: 0, refs: 1 }),
         });
         PHYSICAL.insert(p.id, p.clone());
         // SAFETY: non-null out-pointer from the caller.
@@ -186,7 +197,8 @@ pub unsafe extern "C" fn cuMemCreate(
     })
 }
 
-/// `cuMemRelease`: the memory goes (and is uncharged) once no mapping of it is left.
+/// `cuMemRelease`: one reference goes; the memory goes (and is uncharged) once no reference
+/// and no mapping of it is left.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuMemRelease(h: u64) -> CUresult {
     guard(|| {
@@ -194,9 +206,118 @@ pub extern "C" fn cuMemRelease(h: u64) -> CUresult {
         let _l = vmm_lock();
         let p = live(h)?;
         let mut st = state(&p);
-        st.released = true;
+        st.refs -= 1;
         settle(&p, &st);
         Ok(())
+    })
+}
+
+/// `cuMemRetainAllocationHandle`: the handle mapped at `addr` (anywhere inside a mapping), as
+/// one more reference, even when the handle itself was released already.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_void) -> CUresult {
+    guard(|| {
+        rt()?;
+        let _l = vmm_lock();
+        if h.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let id = mappings_in(addr as usize, 1)
+            .first()
+            .map(|&(_, _, id)| id)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let p = PHYSICAL.get(id).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        state(&p).refs += 1;
+        // SAFETY: non-null out-pointer from the caller.
+        unsafe { put(h, p.id as u64) }
+    })
+}
+
+/// Name of a handle's memfd, followed by its device index.
+const MEMFD_PREFIX: &str = "tessera-sim-vmm-";
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+const HANDLE_TYPE_POSIX_FD: i32 = 1;
+
+/// `cuMemExportToShareableHandle`: for `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, a new file
+/// descriptor of the handle's memory (the caller owns it); other types are not supported.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemExportToShareableHandle(
+    out: *mut c_void,
+    h: u64,
+    kind: i32,
+    _flags: u64,
+) -> CUresult {
+    guard(|| {
+        rt()?;
+        let _l = vmm_lock();
+        if out.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if kind != HANDLE_TYPE_POSIX_FD {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        let p = live(h)?;
+        // SAFETY: duplicating the memfd this handle owns.
+        let fd = unsafe { libc::fcntl(p.fd, libc::F_DUPFD_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+        // SAFETY: non-null out-pointer to an int, as the POSIX fd handle type prescribes.
+        unsafe { put(out as *mut i32, fd) }
+    })
+}
+
+/// The device of a memfd made by `cuMemCreate` (in any process), from its name.
+fn exported_device(fd: i32) -> Option<u32> {
+    let link = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
+    let name = link.to_str()?.strip_prefix("/memfd:")?.strip_prefix(MEMFD_PREFIX)?;
+    name.split(' ').next()?.parse().ok()
+}
+
+/// `cuMemImportFromShareableHandle`: a handle of the memory behind a POSIX file descriptor
+/// exported by `cuMemExportToShareableHandle` (the descriptor stays the caller's). Not charged
+/// here: the exporting process is.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemImportFromShareableHandle(
+    h: *mut u64,
+    os_handle: *mut c_void,
+    kind: i32,
+) -> CUresult {
+    guard(|| {
+        rt()?;
+        if h.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if kind != HANDLE_TYPE_POSIX_FD {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        let fd = i32::try_from(os_handle as usize).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+        let device = exported_device(fd).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        physical_gpu(device)?;
+        // SAFETY: fstat into a zeroed stat buffer; fd is the caller's descriptor.
+        let size = unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            if libc::fstat(fd, &mut st) != 0 {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            st.st_size as usize
+        };
+        // SAFETY: duplicating the caller's descriptor; the handle owns the copy.
+        let own = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+        if own < 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let p = Arc::new(Physical {
+            id: next_handle(),
+            fd: own,
+            size,
+            device,
+            charged: false,
+            state: Mutex::new(PhysState { maps: 0, refs: 1 }),
+        });
+        PHYSICAL.insert(p.id, p.clone());
+        // SAFETY: non-null out-pointer from the caller.
+        unsafe { put(h, p.id as u64) }
     })
 }
 

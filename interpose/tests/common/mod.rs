@@ -173,10 +173,16 @@ pub struct Served {
 }
 
 impl Served {
-    pub fn start(mut cmd: Command) -> Self {
+    pub fn start(cmd: Command) -> Self {
+        Self::start_script(cmd, "mem_client.py", &["serve"])
+    }
+
+    /// Starts another client script that answers `{"ready": PID}` first, then one JSON line a
+    /// command.
+    pub fn start_script(mut cmd: Command, name: &str, args: &[&str]) -> Self {
         let mut child = cmd
-            .arg(script("mem_client.py"))
-            .arg("serve")
+            .arg(script(name))
+            .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())

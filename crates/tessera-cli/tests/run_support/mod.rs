@@ -20,6 +20,7 @@ pub struct Arbiter {
     pub dir: tempfile::TempDir,
     pub socket: PathBuf,
     pub admin_socket: PathBuf,
+    pub sim: SimGpu,
     process: RunningArbiter,
 }
 
@@ -27,12 +28,13 @@ impl Arbiter {
     pub fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let sim = SimGpu::prepare(&dir.path().join("sim"), "2x80GiB");
-        let spec = ArbiterSpec::in_dir(artifact("tessera-arbiter"), dir.path(), sim);
+        let spec = ArbiterSpec::in_dir(artifact("tessera-arbiter"), dir.path(), sim.clone());
         let process = spec.start();
         Self {
             dir,
             socket: spec.socket,
             admin_socket: spec.admin_socket,
+            sim,
             process,
         }
     }
@@ -59,10 +61,16 @@ impl Arbiter {
     }
 }
 
-/// An empty stand-in for the interposer: the loader skips it with a warning on stderr, so
-/// `tessera run`'s own behaviour can be tested without a CUDA program.
-pub fn fake_interposer(dir: &Path) -> PathBuf {
+/// A copy of the built interposer in `dir` (`tessera run` checks that it loads and exports its
+/// hooks). Programs that do not use CUDA run under it untouched: it connects to the arbiter
+/// only at the first intercepted CUDA call.
+pub fn interposer_in(dir: &Path) -> PathBuf {
     let p = dir.join("libtessera_interpose.so");
-    std::fs::write(&p, b"").unwrap();
+    std::fs::copy(artifact("libtessera_interpose.so"), &p).unwrap();
     p
+}
+
+/// The UUID of the simulated GPU `index` of [`Arbiter`]'s machine.
+pub fn gpu_uuid(index: usize) -> String {
+    tessera_sim_state::SimSpec::parse("2x80GiB").unwrap().gpus[index].uuid.clone()
 }
