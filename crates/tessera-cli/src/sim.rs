@@ -2,10 +2,11 @@
 //!
 //! Makes `<state>/lib/` with `libcuda.so.1` and `libnvidia-ml.so.1` links to the built simulated
 //! libraries, prepends it to `LD_LIBRARY_PATH`, exports `TESSERA_SIM_GPUS` / `TESSERA_SIM_DIR`
-//! and runs the command, passing its exit code through (128 + signal when killed).
+//! and execs the command: it replaces this process, so its exit status, and any signal sent to
+//! `tessera sim`, are the command's own.
 
 use std::ffi::OsString;
-use std::os::unix::process::ExitStatusExt;
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
@@ -70,16 +71,13 @@ pub fn main(args: SimArgs) -> anyhow::Result<u8> {
         ld.push(":");
         ld.push(old);
     }
-    let status = std::process::Command::new(program)
+    // Exec, not spawn: the command *is* this process, so a signal sent to `tessera sim` (a
+    // supervisor's SIGTERM, a shell's kill) reaches it, and nothing is left orphaned.
+    let err = std::process::Command::new(program)
         .args(rest)
         .env("LD_LIBRARY_PATH", ld)
         .env(ENV_GPUS, &gpus)
         .env(ENV_DIR, &state_dir)
-        .status()
-        .with_context(|| format!("cannot run {}", program.to_string_lossy()))?;
-    Ok(match (status.code(), status.signal()) {
-        (Some(c), _) => c as u8,
-        (None, Some(sig)) => (128 + sig) as u8,
-        _ => 1,
-    })
+        .exec();
+    Err(err).with_context(|| format!("cannot run {}", program.to_string_lossy()))
 }
