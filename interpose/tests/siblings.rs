@@ -143,3 +143,27 @@ fn churning_processes_are_rarely_refused_and_none_is_starved() {
     assert!(min * 2 >= max, "a process was starved: grants per process {grants:?}");
     wait_until(Duration::from_secs(5), || bed.used(&id) == 0).expect("ledger back to zero");
 }
+
+#[test]
+fn a_memory_query_counts_other_processes_unused_credit_as_free() {
+    let bed = Bed::new();
+    let (token, id) = bed.create(GIB);
+    let mut a = Served::start(bed.tenant_command(&python(), &token));
+    let mut b = Served::start(bed.tenant_command(&python(), &token));
+    assert_eq!(b.ask(&format!("alloc {}", 100 * MIB))["alloc"], 0);
+    // A allocates and frees: it keeps some of it as credit, which the ledger counts (B's own
+    // credit is at most one granule, 32 MiB).
+    assert_eq!(a.ask(&format!("alloc {}", 300 * MIB))["alloc"], 0);
+    assert_eq!(a.ask("free_all")["free_all"], serde_json::json!([0]));
+    let used = bed.used(&id);
+    assert!(used > 132 * MIB, "A should hold credit now: ledger {used}");
+    // A memory query in B sees only what is allocated: A's credit is free memory.
+    let info = b.ask("info");
+    let v = |x: &serde_json::Value| x.as_u64().unwrap_or_else(|| panic!("not a number: {x}"));
+    assert_eq!(v(&info["total"]), GIB);
+    assert_eq!(v(&info["free"]), GIB - 100 * MIB, "cuMemGetInfo_v2: {info}");
+    assert_eq!(v(&info["nvml"]["free"]), GIB - 100 * MIB, "NVML: {info}");
+    assert_eq!(v(&info["nvml"]["free_v2"]), GIB - 100 * MIB, "NVML v2: {info}");
+    assert!(a.exit().success());
+    assert!(b.exit().success());
+}
