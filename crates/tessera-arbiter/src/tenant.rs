@@ -359,15 +359,7 @@ fn serve_requests(
                 }
                 TenantRequest::Relinquish { seq, bytes } => {
                     let mem = channel_of.ok_or(PressureError::NotAChannel)?;
-                    match arb.with_ledger(|l| l.release(b.key, mem, bytes)) {
-                        Ok(r) if r.excess > 0 => crate::log!(
-                            "tenant conn {mem} of {}: relinquished {bytes} bytes but held only {}",
-                            b.view.id,
-                            r.freed
-                        ),
-                        Ok(_) => {}
-                        Err(e) => crate::log!("tenant conn {mem} of {}: relinquish: {e}", b.view.id),
-                    }
+                    book_release(arb, b, mem, bytes);
                     arb.pressure().answered(mem, conn, seq)?;
                     // Wakes reservations waiting for room, or for this channel to catch up.
                     arb.pressure().note_freed();
@@ -452,15 +444,7 @@ fn handle(
             return Err(PressureError::NotAChannel.into());
         }
         TenantRequest::Release { bytes } => {
-            match arb.with_ledger(|l| l.release(key, conn, bytes)) {
-                Ok(r) if r.excess > 0 => crate::log!(
-                    "tenant conn {conn} of {}: released {bytes} bytes but held only {}",
-                    b.view.id,
-                    r.freed
-                ),
-                Ok(_) => {}
-                Err(e) => crate::log!("tenant conn {conn} of {}: release: {e}", b.view.id),
-            }
+            book_release(arb, b, conn, bytes);
             arb.pressure().note_freed();
         }
         TenantRequest::Redeclare { bytes } => {
@@ -499,6 +483,20 @@ fn handle(
         TenantRequest::LeaseAcquire => {}
     }
     Ok(())
+}
+
+/// Releases `bytes` held by memory connection `holder` (a `Release` on it, or a `Relinquish` on
+/// its pressure channel); more than it holds is logged and never frees another's bytes.
+fn book_release(arb: &Arbiter, b: &TenantBinding, holder: ConnId, bytes: u64) {
+    match arb.with_ledger(|l| l.release(b.key, holder, bytes)) {
+        Ok(r) if r.excess > 0 => crate::log!(
+            "tenant conn {holder} of {}: released {bytes} bytes but held only {}",
+            b.view.id,
+            r.freed
+        ),
+        Ok(_) => {}
+        Err(e) => crate::log!("tenant conn {holder} of {}: release: {e}", b.view.id),
+    }
 }
 
 /// Runs `attempt` on the ledger; while it is refused, presses the allocation's other
