@@ -544,3 +544,85 @@ fn restart_keeps_allocations_and_tenants_redeclare() {
         TenantReply::Reserved { in_use } if in_use == GIB
     ));
 }
+
+/// A tenant connection plus its pressure channel, subscribed with a fresh ticket.
+fn with_channel(arb: &Arbiter, token: &str) -> (TenantClient, TenantClient) {
+    let mut mem = arb.tenant(token);
+    let TenantReply::Ticket { ticket } = mem.call(&TenantRequest::Ticket).unwrap() else {
+        panic!("no ticket");
+    };
+    let mut ch = arb.tenant(token);
+    assert_eq!(ch.call(&TenantRequest::Subscribe { ticket }).unwrap(), TenantReply::Subscribed);
+    (mem, ch)
+}
+
+#[test]
+fn pressure_takes_credit_back_before_a_refusal_and_forged_channel_frames_close_only_their_connection() {
+    let arb = Arbiter::start();
+    let mut admin = arb.admin();
+    let (token, id) = create(&mut admin, 0, 1000 * MIB, 50);
+    let (other_token, other_id) = create(&mut admin, 0, 1000 * MIB, 10);
+    let (mut a, mut a_ch) = with_channel(&arb, &token);
+    // 600 MiB plus credit: half of the 400 MiB left at most, so 100 MiB as asked.
+    assert_eq!(
+        a.call(&TenantRequest::ReserveCredit { bytes: 600 * MIB, extra: 100 * MIB, given_back: 0 }).unwrap(),
+        TenantReply::Granted { bytes: 700 * MIB, in_use: 700 * MIB }
+    );
+    // B needs 400 MiB: only with A's unused 100 MiB back. A's channel answers the pressure.
+    let answer = std::thread::spawn(move || {
+        let TenantReply::Pressure { seq } = frame::read_frame(&mut a_ch.stream()).unwrap() else {
+            panic!("expected a pressure");
+        };
+        a_ch.send(&TenantRequest::Relinquish { seq, bytes: 100 * MIB }).unwrap();
+        a_ch
+    });
+    let mut b = arb.tenant(&token);
+    assert_eq!(
+        b.call(&TenantRequest::Reserve { bytes: 400 * MIB }).unwrap(),
+        TenantReply::Reserved { in_use: 1000 * MIB }
+    );
+    let mut a_ch = answer.join().unwrap();
+    assert_eq!(used(&mut admin, &id), 1000 * MIB);
+
+    // A process that really holds its bytes cannot be pressed out of them: refused after a
+    // bounded wait (A's channel answers with nothing to give).
+    let answer = std::thread::spawn(move || {
+        let TenantReply::Pressure { seq } = frame::read_frame(&mut a_ch.stream()).unwrap() else {
+            panic!("expected a pressure");
+        };
+        a_ch.send(&TenantRequest::Relinquish { seq, bytes: 0 }).unwrap();
+        a_ch
+    });
+    let t = std::time::Instant::now();
+    assert_eq!(
+        b.call(&TenantRequest::Reserve { bytes: MIB }).unwrap(),
+        TenantReply::Denied { limit: 1000 * MIB, in_use: 1000 * MIB }
+    );
+    assert!(t.elapsed() < Duration::from_secs(1), "refusal took {:?}", t.elapsed());
+    let mut a_ch = answer.join().unwrap();
+
+    // Forgeries. A ticket that was never issued:
+    let mut c = arb.tenant(&token);
+    c.send(&TenantRequest::Subscribe { ticket: 12345 }).unwrap();
+    expect_closed(c.stream().try_clone().unwrap());
+    // A ticket of another allocation's connection:
+    let TenantReply::Ticket { ticket } = a.call(&TenantRequest::Ticket).unwrap() else { panic!() };
+    let mut stranger = arb.tenant(&other_token);
+    stranger.send(&TenantRequest::Subscribe { ticket }).unwrap();
+    expect_closed(stranger.stream().try_clone().unwrap());
+    // Relinquish on a connection that is no channel:
+    let mut d = arb.tenant(&token);
+    d.send(&TenantRequest::Relinquish { seq: 0, bytes: 400 * MIB }).unwrap();
+    expect_closed(d.stream().try_clone().unwrap());
+    // A channel that claims to give back more than its process holds frees only that
+    // process's bytes, never B's.
+    a_ch.send(&TenantRequest::Relinquish { seq: 0, bytes: 100 * GIB }).unwrap();
+    wait_until(Duration::from_secs(5), || used(&mut admin, &id) == 400 * MIB).expect("only A's bytes freed");
+    // Everyone else was served throughout.
+    assert_eq!(b.call(&TenantRequest::Ping).unwrap(), TenantReply::Pong);
+    assert_eq!(used(&mut admin, &other_id), 0);
+    assert_eq!(
+        a.call(&TenantRequest::ReserveCredit { bytes: 600 * MIB, extra: 0, given_back: 2 }).unwrap(),
+        TenantReply::Granted { bytes: 600 * MIB, in_use: 1000 * MIB }
+    );
+}
