@@ -26,4 +26,14 @@ pub struct Config {
     /// NVML library to load instead of `libnvidia-ml.so.1` from the loader's search path.
     #[arg(long, value_name = "PATH")]
     pub nvml_lib: Option<PathBuf>,
+    /// What the memory backstop does with a process whose allocation's processes hold more
+    /// device memory (by NVML) than the limit plus the tolerance: `kill` (SIGKILL) or `report`.
+    #[arg(long, value_enum, default_value = "kill")]
+    pub enforce: crate::backstop::Enforce,
+    /// How often the backstop reads NVML, milliseconds; 0 turns it off.
+    #[arg(long, default_value_t = 250, value_name = "MS")]
+    pub backstop_interval_ms: u64,
+    /// Device memory each process may hold beyond what it allocated (its CUDA context), MiB.
+    #[arg(long, default_value_t = 512, value_name = "MIB")]
+    pub backstop_tolerance_mib: u64,
 }

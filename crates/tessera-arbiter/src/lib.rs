@@ -1,6 +1,8 @@
 //! Tessera's per-node arbiter: the authority on GPU memory limits and compute shares.
 //!
 //! Modules:
+//! - [`backstop`]: the memory backstop: NVML's per-process memory, attributed to allocations by
+//!   connected pids and their descendants, over-limit processes killed or reported.
 //! - [`config`]: command-line and environment configuration.
 //! - [`gpus`]: GPU discovery (NVML through `nvml-wrapper`, or a fixed list for tests).
 //! - [`ledger`]: the memory ledger (pure): atomic reserve, release, redeclare, connection drop.
@@ -19,6 +21,7 @@
 //! [`server::Server`] until SIGTERM or SIGINT.
 
 pub mod admin;
+pub mod backstop;
 pub mod config;
 pub mod gpus;
 pub mod ledger;

@@ -10,6 +10,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
+use tessera_arbiter::backstop;
 use tessera_arbiter::config::Config;
 use tessera_arbiter::gpus::{GpuDiscovery, NvmlDiscovery};
 use tessera_arbiter::scheduler::SchedulerParams;
@@ -69,6 +70,21 @@ async fn run(config: Config, gpus: Vec<tessera_protocol::GpuInfo>) -> anyhow::Re
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let server = Server::start(&config, gpus, SchedulerParams::default()).await?;
+    if config.backstop_interval_ms > 0 {
+        let policy = backstop::Policy {
+            interval: std::time::Duration::from_millis(config.backstop_interval_ms),
+            per_process_tolerance: config.backstop_tolerance_mib.saturating_mul(1 << 20),
+            enforce: config.enforce,
+        };
+        let b = backstop::Backstop::new(
+            std::sync::Arc::clone(server.arbiter()),
+            policy,
+            config.nvml_lib.as_deref().map(std::path::Path::as_os_str),
+        )?;
+        std::thread::Builder::new()
+            .name("backstop".into())
+            .spawn(move || b.run())?;
+    }
     eprintln!(
         "tessera-arbiter: serving tenants on {} and admin on {} (state in {})",
         config.socket.display(),

@@ -246,6 +246,23 @@ impl Arbiter {
         })
     }
 
+    /// Every live allocation with the pids connected for it (for the backstop).
+    pub fn watched(&self) -> Vec<crate::backstop::Watched> {
+        let live = self.live();
+        live.by_id
+            .values()
+            .map(|a| crate::backstop::Watched {
+                id: a.record.id.clone(),
+                limit: a.record.memory_limit,
+                pids: live
+                    .procs
+                    .get(&a.key)
+                    .map(|p| p.keys().filter(|k| **k > 0).map(|k| *k as i32).collect())
+                    .unwrap_or_default(),
+            })
+            .collect()
+    }
+
     /// The registry of tenant processes' pressure channels.
     pub fn pressure(&self) -> &PressureHub {
         &self.pressure

@@ -38,11 +38,18 @@ pub struct Bed {
     sim: SimGpu,
     arbiter: Option<RunningArbiter>,
     starts: u32,
+    /// Extra arguments of every arbiter start.
+    arbiter_args: Vec<String>,
 }
 
 impl Bed {
     /// Prepares the simulated GPU and starts the arbiter.
     pub fn new() -> Self {
+        Self::with_arbiter_args(&[])
+    }
+
+    /// As [`Bed::new`], with extra arguments for the arbiter (e.g. `--enforce report`).
+    pub fn with_arbiter_args(args: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let sim = SimGpu::prepare(&dir.path().join("sim"), SIM_GPUS);
         let mut bed = Self {
@@ -54,6 +61,7 @@ impl Bed {
             dir,
             arbiter: None,
             starts: 0,
+            arbiter_args: args.iter().map(|a| a.to_string()).collect(),
         };
         bed.start_arbiter();
         bed
@@ -69,7 +77,9 @@ impl Bed {
         self.starts += 1;
         let spec = ArbiterSpec::in_dir(artifact("tessera-arbiter"), self.dir.path(), self.sim.clone())
             .log_to(self.log_path(self.starts));
-        self.arbiter = Some(spec.start());
+        let mut cmd = spec.command();
+        cmd.args(&self.arbiter_args);
+        self.arbiter = Some(spec.start_command(cmd));
     }
 
     /// SIGKILLs the arbiter (no clean-up on its side).

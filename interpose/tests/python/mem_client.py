@@ -10,6 +10,7 @@ The Rust tests assert on the printed values; this script only fails on unexpecte
 """
 import ctypes
 import json
+import subprocess
 import os
 import sys
 
@@ -181,6 +182,7 @@ def serve():
     """One JSON line per command: alloc BYTES | free_all | info | fork_child BYTES | exit."""
     dev = setup()
     held = []
+    children = []
     print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:
         cmd = line.split()
@@ -217,6 +219,16 @@ def serve():
             os.close(w)
             _, status = os.waitpid(pid, 0)
             print(json.dumps({"child_status": status}), flush=True)
+        elif cmd[0] == "spawn_bare":
+            # A child started without the interposer (and without the token), as a tenant
+            # trying to go around it would: it allocates on its own and holds the memory.
+            env = {k: v for k, v in os.environ.items()
+                   if k not in ("LD_PRELOAD", "TESSERA_TOKEN", "TESSERA_SOCKET")}
+            child = subprocess.Popen([sys.executable, __file__, "hold", cmd[1]], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            children.append(child)
+            first = json.loads(child.stdout.readline())
+            print(json.dumps({"child": child.pid, "child_alloc": first["held"]}), flush=True)
         elif cmd[0] == "exit":
             return
         else:
@@ -234,6 +246,11 @@ def main():
     elif mode == "info":
         dev = setup()
         print(json.dumps(info(dev)), flush=True)
+    elif mode == "hold":
+        setup()
+        err, _ = cu.cuMemAlloc(int(sys.argv[2]))
+        print(json.dumps({"held": code(err)}), flush=True)
+        sys.stdin.read()
     else:
         raise SystemExit("unknown mode " + mode)
 

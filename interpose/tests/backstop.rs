@@ -1,0 +1,79 @@
+//! The arbiter's memory backstop, from a tenant that goes around the interposer: a child of a
+//! connected process started without `LD_PRELOAD` (and without the token) takes device memory
+//! on its own. Truth is the simulated GPU's per-process memory (what NVML reports), not the
+//! ledger.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+fn alive(pid: u64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')))
+        .unwrap_or(false)
+}
+
+#[test]
+fn a_child_that_goes_around_the_interposer_is_killed_within_a_second() {
+    let bed = Bed::new();
+    let (token, _id) = bed.create(GIB);
+    let mut parent = Served::start(bed.tenant_command(&python(), &token));
+    // The parent connects (its first allocation) and stays honest.
+    assert_eq!(parent.ask(&format!("alloc {}", 100 * MIB))["alloc"], 0);
+    let spawned = parent.ask(&format!("spawn_bare {}", 4 * GIB));
+    assert_eq!(spawned["child_alloc"], 0, "the bare child got its memory from the driver: {spawned}");
+    let child = spawned["child"].as_u64().unwrap();
+    let t = Instant::now();
+    assert!(bed.sim_used() >= 4 * GIB, "the card holds the bypass");
+    let killed = wait_until(Duration::from_secs(3), || !alive(child));
+    let took = killed.unwrap_or_else(|| panic!("the bypassing child was not killed\n{}", bed.arbiter_log()));
+    eprintln!("bypass of 4 GiB under a 1 GiB limit: killed {took:?} after its allocation returned");
+    assert!(t.elapsed() < Duration::from_secs(1), "killed after {:?}", t.elapsed());
+    wait_until(Duration::from_secs(2), || bed.sim_used() <= GIB).expect("the card back under the limit");
+    let log = bed.arbiter_log();
+    assert!(log.contains(&format!("pid {child} of allocation")) && log.contains("killed"), "{log}");
+    assert!(log.contains("never connected"), "{log}");
+    // The honest parent is untouched and keeps working.
+    assert_eq!(parent.ask(&format!("alloc {}", 100 * MIB))["alloc"], 0);
+    assert!(parent.exit().success());
+}
+
+#[test]
+fn in_report_mode_the_bypass_is_logged_and_left_running() {
+    let bed = Bed::with_arbiter_args(&["--enforce", "report", "--backstop-interval-ms", "100"]);
+    let (token, _id) = bed.create(GIB);
+    let mut parent = Served::start(bed.tenant_command(&python(), &token));
+    assert_eq!(parent.ask(&format!("alloc {}", 100 * MIB))["alloc"], 0);
+    let spawned = parent.ask(&format!("spawn_bare {}", 2 * GIB));
+    let child = spawned["child"].as_u64().unwrap();
+    let reported = wait_until(Duration::from_secs(3), || bed.arbiter_log().contains("reported"));
+    assert!(reported.is_some(), "no report\n{}", bed.arbiter_log());
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(alive(child), "report mode must not kill");
+    assert!(parent.exit().success());
+}
+
+#[test]
+fn honest_processes_of_an_allocation_at_its_limit_are_never_touched() {
+    let bed = Bed::with_arbiter_args(&["--backstop-interval-ms", "50", "--backstop-tolerance-mib", "0"]);
+    let (token, id) = bed.create(GIB);
+    // Two processes fill the limit exactly, a forked child adds its own share; the backstop
+    // polls 20 times a second with no tolerance at all.
+    let mut a = Served::start(bed.tenant_command(&python(), &token));
+    let mut b = Served::start(bed.tenant_command(&python(), &token));
+    assert_eq!(a.ask(&format!("alloc {}", 400 * MIB))["alloc"], 0);
+    assert_eq!(b.ask(&format!("alloc {}", 400 * MIB))["alloc"], 0);
+    let forked = a.ask(&format!("fork_child {}", 224 * MIB));
+    assert_eq!(a.read()["child_alloc"], 0);
+    assert_eq!(a.ask(&format!("alloc {}", MIB))["alloc"], 2, "the limit is full");
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(bed.sim_used(), GIB);
+    let done = a.ask(&format!("release_child {} {}", forked["release_fd"], forked["forked"]));
+    assert_eq!(done["child_status"], 0, "the honest child was touched");
+    assert!(a.exit().success());
+    assert!(b.exit().success());
+    assert!(!bed.arbiter_log().contains("backstop: pid"), "{}", bed.arbiter_log());
+    wait_until(Duration::from_secs(5), || bed.used(&id) == 0).expect("ledger back to zero");
+}
