@@ -18,7 +18,7 @@ fn alive(pid: u64) -> bool {
 #[test]
 fn a_child_that_goes_around_the_interposer_is_killed_within_a_second() {
     let bed = Bed::new();
-    let (token, _id) = bed.create(GIB);
+    let (token, id) = bed.create(GIB);
     let mut parent = Served::start(bed.tenant_command(&python(), &token));
     // The parent connects (its first allocation) and stays honest.
     assert_eq!(parent.ask(&format!("alloc {}", 100 * MIB))["alloc"], 0);
@@ -35,6 +35,7 @@ fn a_child_that_goes_around_the_interposer_is_killed_within_a_second() {
     let log = bed.arbiter_log();
     assert!(log.contains(&format!("pid {child} of allocation")) && log.contains("killed"), "{log}");
     assert!(log.contains("never connected"), "{log}");
+    assert_eq!(bed.status(&id).enforced, 1, "counted for `tessera status`");
     // The honest parent is untouched and keeps working.
     assert_eq!(parent.ask(&format!("alloc {}", 100 * MIB))["alloc"], 0);
     assert!(parent.exit().success());

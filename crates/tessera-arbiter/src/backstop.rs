@@ -240,6 +240,7 @@ impl Backstop {
         let actions = decide(&watched, &procs, &proc_parent, self.policy.per_process_tolerance);
         for a in &actions {
             self.counters.breaches.fetch_add(1, Ordering::Relaxed);
+            self.arb.note_enforced(&a.allocation);
             let how = if a.unconnected { "never connected to the arbiter" } else { "connected" };
             let verdict = match self.policy.enforce {
                 Enforce::Kill => {

@@ -69,6 +69,8 @@ struct LiveAlloc {
     key: AccountKey,
     record: AllocationRecord,
     scheduler: SchedulerHandle,
+    /// Backstop actions on its processes.
+    enforced: u64,
 }
 
 #[derive(Debug, Default)]
@@ -210,6 +212,7 @@ impl Arbiter {
                 key,
                 record,
                 scheduler,
+                enforced: 0,
             },
         );
     }
@@ -244,6 +247,13 @@ impl Arbiter {
             view,
             scheduler,
         })
+    }
+
+    /// The backstop acted on a process of allocation `id` (shown by `List`).
+    pub fn note_enforced(&self, id: &str) {
+        if let Some(a) = self.live().by_id.get_mut(id) {
+            a.enforced += 1;
+        }
     }
 
     /// Every live allocation with the pids connected for it (for the backstop).
@@ -456,6 +466,7 @@ impl Arbiter {
             gpu_time_10s_ns,
             labels: r.labels.clone(),
             created_unix: r.created_unix,
+            enforced: a.enforced,
         })
     }
 

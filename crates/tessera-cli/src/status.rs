@@ -3,7 +3,7 @@
 //! The JSON (`--json`) is a stable interface, documented in docs/arbiter.md:
 //! `{"gpus": [{index, uuid, name, memory_total, memory_promised, shares_promised,
 //! allocations: [{id, memory_limit, memory_used, processes, share, cap, gpu_time_10s_ns,
-//! gpu_percent_10s, labels, created_unix}]}], "unplaced": [...]}`, where `unplaced` lists
+//! gpu_percent_10s, labels, created_unix, enforced}]}], "unplaced": [...]}`, where `unplaced` lists
 //! allocations whose GPU is not on the node any more (same fields plus `gpu_uuid`).
 
 use std::collections::BTreeMap;
@@ -56,6 +56,8 @@ pub struct AllocationJson {
     pub labels: BTreeMap<String, String>,
     /// Creation time, Unix seconds.
     pub created_unix: u64,
+    /// Processes the arbiter's memory backstop killed or reported.
+    pub enforced: u64,
 }
 
 /// One GPU in the JSON output.
@@ -99,6 +101,7 @@ fn alloc_json(a: &AllocationStatus, with_gpu: bool) -> AllocationJson {
         gpu_percent_10s: (a.gpu_time_10s_ns as f64 / WINDOW_NS * 1000.0).round() / 10.0,
         labels: a.labels.clone(),
         created_unix: a.created_unix,
+        enforced: a.enforced,
     }
 }
 
@@ -223,6 +226,22 @@ pub fn table(s: &StatusJson) -> String {
         }
         rule(&mut out, &cols);
     }
+    let enforced: Vec<_> = s
+        .gpus
+        .iter()
+        .flat_map(|g| &g.allocations)
+        .chain(&s.unplaced)
+        .filter(|a| a.enforced > 0)
+        .collect();
+    if !enforced.is_empty() {
+        for a in enforced {
+            line(
+                &mut out,
+                &format!("ENFORCED {}: {} process(es) killed or reported (arbiter log)", a.id, a.enforced),
+            );
+        }
+        rule(&mut out, &[WIDTH - 2]);
+    }
     out
 }
 
@@ -282,6 +301,7 @@ mod tests {
             gpu_time_10s_ns: 2_950_000_000,
             labels: BTreeMap::new(),
             created_unix: 5,
+            enforced: 0,
         }
     }
 
@@ -312,6 +332,18 @@ mod tests {
         let v: serde_json::Value = serde_json::to_value(&s).unwrap();
         assert_eq!(v["gpus"][0]["allocations"][0]["cap"], 30);
         assert!(v["gpus"][0]["allocations"][0].get("gpu_uuid").is_none());
+    }
+
+    #[test]
+    fn backstop_actions_are_listed_under_the_table() {
+        let gpus = [GpuInfo { index: 0, uuid: "GPU-a".into(), name: "Sim".into(), memory_total: 80 << 30 }];
+        let mut a = alloc("c108be5a", "GPU-a", 20);
+        let quiet = table(&build(&gpus, std::slice::from_ref(&a)));
+        assert!(!quiet.contains("ENFORCED"), "{quiet}");
+        a.enforced = 2;
+        let t = table(&build(&gpus, &[a]));
+        assert!(t.contains("ENFORCED c108be5a: 2 process(es) killed or reported"), "{t}");
+        assert!(t.lines().all(|l| l.chars().count() == WIDTH), "{t}");
     }
 
     #[test]

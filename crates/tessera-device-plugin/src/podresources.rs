@@ -188,6 +188,7 @@ mod tests {
             gpu_time_10s_ns: 0,
             labels: units::allocation_labels(R, uuid, &set),
             created_unix: 0,
+            enforced: 0,
         }
     }
 

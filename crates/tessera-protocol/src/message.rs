@@ -282,6 +282,9 @@ pub struct AllocationStatus {
     pub labels: BTreeMap<String, String>,
     /// Creation time, seconds since the Unix epoch.
     pub created_unix: u64,
+    /// Processes of this allocation the memory backstop acted on (killed or reported) since the
+    /// arbiter started.
+    pub enforced: u64,
 }
 
 /// Classes of admin errors, so tools can map them to exit codes.
