@@ -53,6 +53,11 @@ impl SimNode {
     /// Prepares GPUs `gpus` (e.g. `1x80GiB`) and starts the arbiter; exits the program with a
     /// message naming `who` if that fails.
     pub fn start(who: &str, gpus: &str) -> Self {
+        Self::start_with(who, gpus, &[])
+    }
+
+    /// As [`SimNode::start`], with extra arguments for the arbiter.
+    pub fn start_with(who: &str, gpus: &str, args: &[&str]) -> Self {
         let arbiter_bin = need(who, "tessera-arbiter");
         let dir = tempfile::tempdir().expect("tempdir");
         let sim_dir = dir.path().join("sim");
@@ -73,6 +78,7 @@ impl SimNode {
             .arg(&admin_socket)
             .arg("--state-dir")
             .arg(dir.path().join("state"))
+            .args(args)
             .env("LD_LIBRARY_PATH", &lib_dir)
             .env("TESSERA_SIM_DIR", &sim_dir)
             .env("TESSERA_SIM_GPUS", gpus)
@@ -103,6 +109,11 @@ impl SimNode {
             .env("TESSERA_SOCKET", &self.socket)
             .env_remove("LD_PRELOAD");
         cmd
+    }
+
+    /// The arbiter's pid.
+    pub fn arbiter_pid(&self) -> u32 {
+        self.arbiter.id()
     }
 
     /// An admin connection to the arbiter.

@@ -11,6 +11,8 @@
 //!   `S` seconds (from machine-wide monotonic time `T` if given, so several processes start
 //!   together).
 //!
+//! - `hold --bytes B --seconds S`: allocate `B` once and hold it for `S` seconds.
+//!
 //! A refused allocation (`CUDA_ERROR_OUT_OF_MEMORY`) is counted; in `handoff` it is retried
 //! after 100 us until it succeeds, so the rounds go on. Prints one JSON line at the end:
 //! `{"pid":..,"grants":..,"refusals":..,"first_try_refusals":..}`; exits 1 on any other error.
@@ -36,6 +38,9 @@ enum Mode {
         seconds: f64,
         start_ns: u64,
     },
+    Hold {
+        seconds: f64,
+    },
 }
 
 struct Args {
@@ -45,7 +50,7 @@ struct Args {
 
 fn parse_args() -> Result<Args, String> {
     let mut it = std::env::args().skip(1);
-    let mode = it.next().ok_or("usage: mem_tenant handoff|churn [flags]")?;
+    let mode = it.next().ok_or("usage: mem_tenant handoff|churn|hold [flags]")?;
     let (mut first, mut rounds, mut input, mut output) = (None, 1000, None, None);
     let (mut seconds, mut start_ns, mut bytes) = (10.0, 0, None);
     while let Some(flag) = it.next() {
@@ -71,6 +76,7 @@ fn parse_args() -> Result<Args, String> {
             output: output.ok_or("handoff needs --out")?,
         },
         "churn" => Mode::Churn { seconds, start_ns },
+        "hold" => Mode::Hold { seconds },
         other => return Err(format!("unknown mode {other}")),
     };
     Ok(Args { mode, bytes })
@@ -173,6 +179,16 @@ fn main() {
                     fail("the other process went away");
                 }
             }
+        }
+        Mode::Hold { seconds } => {
+            let mut p = 0u64;
+            // SAFETY: cuMemAlloc_v2 with a current context; the memory is held until exit.
+            match unsafe { alloc(&mut p, args.bytes as usize) } {
+                0 => c.grants += 1,
+                CUDA_ERROR_OUT_OF_MEMORY => c.refusals += 1,
+                rc => fail(&format!("cuMemAlloc_v2 failed with CUresult {rc}")),
+            }
+            std::thread::sleep(Duration::from_secs_f64(seconds));
         }
         Mode::Churn { seconds, start_ns } => {
             while monotonic_ns() < start_ns {
