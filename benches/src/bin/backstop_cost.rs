@@ -10,7 +10,7 @@
 //! Build and run: `cargo build --release --workspace && target/release/backstop_cost`
 //! (`--seconds S` sets the window, default 10).
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
@@ -35,7 +35,7 @@ fn cpu_ns(pid: u32) -> u64 {
 
 /// Runs the load against an arbiter started with `args`; returns (arbiter CPU seconds over the
 /// window, processes NVML listed at the end).
-fn measure(args: &[&str], seconds: f64, tessera: &PathBuf, tenant: &PathBuf, interposer: &PathBuf) -> (f64, usize) {
+fn measure(args: &[&str], seconds: f64, tessera: &Path, tenant: &Path, interposer: &Path) -> (f64, usize) {
     let node = SimNode::start_with("backstop_cost", "1x80GiB", args);
     let script = format!(
         "for i in $(seq {PER_ALLOCATION}); do \"$T\" hold --bytes {} --seconds {} & done; wait",
