@@ -1,0 +1,150 @@
+//! soak: honest tenants under the memory backstop for a long while, on the simulated GPU. The
+//! backstop must never act on them.
+//!
+//! Starts the real `tessera-arbiter` with the backstop at its strictest (a poll every 50 ms, no
+//! tolerance at all) and keeps, for `--minutes M` (default 10), under `tessera run`:
+//! - 8 processes churning 630 MiB chunks at the limit of one 4 GiB allocation (they wait for
+//!   each other's frees), restarted every minute (so processes keep coming and going);
+//! - 2 processes handing 3 GiB back and forth under another 4 GiB allocation;
+//! - 4 allocations of 1 GiB whose process holds 1 GiB exactly, the limit, all along;
+//! - 2 tenants launching kernels (compute sharing runs alongside).
+//! At the end prints the minutes, the allocations made, refusals, and the backstop's actions
+//! (`enforced` of every allocation): the result is honest only if that is 0.
+//!
+//! Build and run: `cargo build --release --workspace && target/release/soak [--minutes M]`.
+
+use std::io::Read;
+use std::path::Path;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use tessera_benches::{SimNode, need};
+
+const GIB: u64 = 1 << 30;
+
+struct Load<'a> {
+    node: &'a SimNode,
+    tessera: &'a Path,
+    interposer: &'a Path,
+    tenant: &'a Path,
+}
+
+impl Load<'_> {
+    fn run(&self, memory: &str, script: &str) -> Child {
+        self.node
+            .command(self.tessera)
+            .args(["run", "--memory", memory, "--share", "10", "--interposer"])
+            .arg(self.interposer)
+            .args(["--", "/bin/sh", "-c", script])
+            .env("T", self.tenant)
+            .env("D", self.node.dir.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start tenants")
+    }
+}
+
+/// Sums `"key":N` over the JSON lines a group printed.
+fn sum(out: &str, key: &str) -> u64 {
+    let pat = format!("\"{key}\":");
+    out.lines()
+        .filter_map(|l| l.split(&pat).nth(1))
+        .filter_map(|r| r.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u64>().ok())
+        .sum()
+}
+
+fn finish(mut c: Child) -> String {
+    let mut s = String::new();
+    if let Some(mut o) = c.stdout.take() {
+        let _ = o.read_to_string(&mut s);
+    }
+    let st = c.wait().expect("wait");
+    if !st.success() {
+        eprintln!("soak: a tenant group failed ({st})");
+        std::process::exit(1);
+    }
+    s
+}
+
+fn main() {
+    let mut minutes = 10.0;
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        match (a.as_str(), it.next().and_then(|v| v.parse::<f64>().ok())) {
+            ("--minutes", Some(m)) if m > 0.0 => minutes = m,
+            _ => {
+                eprintln!("usage: soak [--minutes M]");
+                std::process::exit(2);
+            }
+        }
+    }
+    let (tessera, interposer) = (need("soak", "tessera"), need("soak", "libtessera_interpose.so"));
+    let (tenant, compute) = (need("soak", "mem_tenant"), need("soak", "compute_tenant"));
+    let node = SimNode::start_with(
+        "soak",
+        "1x80GiB",
+        &["--backstop-interval-ms", "50", "--backstop-tolerance-mib", "0"],
+    );
+    let load = Load { node: &node, tessera: &tessera, interposer: &interposer, tenant: &tenant };
+    let total = Duration::from_secs_f64(minutes * 60.0);
+    let start = Instant::now();
+    let secs = total.as_secs_f64();
+    let holders: Vec<Child> = (0..4)
+        .map(|_| load.run("1GiB", &format!("\"$T\" hold --bytes {GIB} --seconds {secs}")))
+        .collect();
+    let compute_script = format!("\"{}\" --seconds {secs} > /dev/null", compute.display());
+    let computes: Vec<Child> = (0..2).map(|_| load.run("256MiB", &compute_script)).collect();
+    let rounds = (secs * 2000.0) as u64;
+    let handoff = load.run(
+        "4GiB",
+        &format!(
+            "mkfifo \"$D/ab\" \"$D/ba\" || exit 1; \
+             \"$T\" handoff --first --rounds {rounds} --bytes {b} --in \"$D/ba\" --out \"$D/ab\" & \
+             \"$T\" handoff --second --rounds {rounds} --bytes {b} --in \"$D/ab\" --out \"$D/ba\"; wait",
+            b = 3 * GIB
+        ),
+    );
+    let chunk = 4 * GIB * 2 / 13;
+    let (mut grants, mut refusals, mut waves) = (0u64, 0u64, 0u32);
+    while start.elapsed() + Duration::from_secs(5) < total {
+        let left = (total - start.elapsed()).as_secs_f64().min(60.0) - 2.0;
+        let churn = load.run(
+            "4GiB",
+            &format!(
+                "for i in 1 2 3 4 5 6 7 8; do \"$T\" churn --bytes {chunk} --seconds {left:.1} & done; wait"
+            ),
+        );
+        let out = finish(churn);
+        grants += sum(&out, "grants");
+        refusals += sum(&out, "refusals");
+        waves += 1;
+    }
+    let mut handoff = handoff;
+    // The hand-off runs as many rounds as it can; it is stopped with the soak.
+    let _ = handoff.kill();
+    let _ = handoff.wait();
+    for mut c in holders.into_iter().chain(computes) {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    let allocations = node.admin().list().unwrap_or_default();
+    let enforced: u64 = allocations.iter().map(|a| a.enforced).sum();
+    // What `tessera run` started lives on in its shells' children: end every process that
+    // still uses the simulated GPU.
+    if let Ok(list) = tessera_sim_state::read_processes(&node.sim_dir) {
+        for p in list {
+            // SAFETY: kill(2) on a pid the simulator lists as using its GPU (our tenants).
+            unsafe { libc::kill(p.pid as i32, libc::SIGKILL) };
+        }
+    }
+    println!("Tessera soak: honest tenants under the memory backstop (poll 50 ms, no tolerance), simulated GPU");
+    println!("duration            {:.1} min", start.elapsed().as_secs_f64() / 60.0);
+    println!("churn waves         {waves} x 8 processes at a 4 GiB limit: {grants} allocations, {refusals} refused");
+    println!("alongside           hand-off 2 x 3 GiB, 4 processes holding their whole 1 GiB limit, 2 kernel launchers");
+    println!("backstop actions    {enforced} (must be 0)");
+    if enforced != 0 {
+        std::process::exit(1);
+    }
+}
