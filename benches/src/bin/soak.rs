@@ -8,6 +8,7 @@
 //! - 2 processes handing 3 GiB back and forth under another 4 GiB allocation;
 //! - 4 allocations of 1 GiB whose process holds 1 GiB exactly, the limit, all along;
 //! - 2 tenants launching kernels (compute sharing runs alongside).
+//!
 //! At the end prints the minutes, the allocations made, refusals, and the backstop's actions
 //! (`enforced` of every allocation): the result is honest only if that is 0.
 //!
