@@ -27,10 +27,9 @@ use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use tessera_protocol::{FrameDecoder, Role, ServerHello, TenantReply, TenantRequest};
-
-use std::time::{Duration, Instant};
 
 use crate::ledger::{Credit, ConnId, Reservation};
 use crate::pressure::{PressureError, PressureSink};
@@ -500,10 +499,11 @@ fn book_release(arb: &Arbiter, b: &TenantBinding, holder: ConnId, bytes: u64) {
 }
 
 /// Runs `attempt` on the ledger; while it is refused, presses the allocation's other
-/// processes to give back unused credit and tries again (bounded in rounds and time). Refused
-/// only when the bytes are really held.
-/// `given_back`: the `Relinquish` frames the process says it sent on its own pressure channel;
-/// a refusal first waits for the channel to have handled them (the process's own frees).
+/// processes to give back unused credit, waits for their frees, and tries again, for at most
+/// [`MEMORY_WAIT`]. Refused only when the bytes are really held (or the allocation was
+/// deleted). `given_back`: the `Relinquish` frames the process says it sent on its own pressure
+/// channel; a refusal first waits for the channel to have handled them (the process's own
+/// frees, which travel on another socket).
 fn reserve_pressing(
     arb: &Arbiter,
     b: &TenantBinding,
@@ -517,6 +517,10 @@ fn reserve_pressing(
         let seen = hub.freed_count();
         let r = arb.with_ledger(&mut attempt)?;
         if matches!(r, Credit::Granted { .. }) || Instant::now() >= deadline {
+            return Ok(r);
+        }
+        if arb.with_ledger(|l| l.usage(b.key)).is_none_or(|u| u.closed) {
+            // Deleted: nothing anyone frees makes room.
             return Ok(r);
         }
         if hub.channel_frames(conn).is_some_and(|n| n < given_back) {
