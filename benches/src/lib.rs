@@ -116,6 +116,18 @@ impl SimNode {
         self.arbiter.id()
     }
 
+    /// SIGKILLs every process that uses the node's simulated GPUs (what `tessera run` started
+    /// lives on in its shells' children when the shells are killed).
+    pub fn kill_gpu_processes(&self) {
+        if let Ok(list) = tessera_sim_state::read_processes(&self.sim_dir) {
+            for p in list {
+                // SAFETY: kill(2) on a pid the simulator lists as using its GPU (a benchmark's
+                // tenant).
+                unsafe { libc::kill(p.pid as i32, libc::SIGKILL) };
+            }
+        }
+    }
+
     /// An admin connection to the arbiter.
     pub fn admin(&self) -> AdminClient {
         AdminClient::connect(&self.admin_socket).expect("admin socket")

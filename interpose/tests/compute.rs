@@ -59,12 +59,6 @@ fn watch_busy(bed: &Bed, pids: &[u32], until: impl Fn() -> bool) -> HashMap<u32,
     last
 }
 
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| !s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z')))
-        .unwrap_or(false)
-}
-
 #[test]
 fn shares_30_70_split_the_gpu_time() {
     let _serial = serial();

@@ -48,10 +48,7 @@ fn peaks(bed: &Bed, id: &str, mut done: impl FnMut() -> bool) -> (u64, u64) {
 }
 
 fn running(c: &Child) -> bool {
-    let pid = c.id();
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| !s.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')))
-        .unwrap_or(false)
+    alive(c.id())
 }
 
 #[test]

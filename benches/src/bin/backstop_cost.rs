@@ -72,13 +72,7 @@ fn measure(args: &[&str], seconds: f64, tessera: &Path, tenant: &Path, interpose
         let _ = g.kill();
         let _ = g.wait();
     }
-    // The holders are children of the killed shells: end them through the simulated state.
-    if let Ok(list) = tessera_sim_state::read_processes(&node.sim_dir) {
-        for p in list {
-            // SAFETY: kill(2) on a pid the simulator lists as using its GPU (our holders).
-            unsafe { libc::kill(p.pid as i32, libc::SIGKILL) };
-        }
-    }
+    node.kill_gpu_processes();
     (used, procs)
 }
 

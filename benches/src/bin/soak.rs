@@ -132,14 +132,7 @@ fn main() {
     }
     let allocations = node.admin().list().unwrap_or_default();
     let enforced: u64 = allocations.iter().map(|a| a.enforced).sum();
-    // What `tessera run` started lives on in its shells' children: end every process that
-    // still uses the simulated GPU.
-    if let Ok(list) = tessera_sim_state::read_processes(&node.sim_dir) {
-        for p in list {
-            // SAFETY: kill(2) on a pid the simulator lists as using its GPU (our tenants).
-            unsafe { libc::kill(p.pid as i32, libc::SIGKILL) };
-        }
-    }
+    node.kill_gpu_processes();
     println!("Tessera soak: honest tenants under the memory backstop (poll 50 ms, no tolerance), simulated GPU");
     println!("duration            {:.1} min", start.elapsed().as_secs_f64() / 60.0);
     println!("churn waves         {waves} x 8 processes at a 4 GiB limit: {grants} allocations, {refusals} refused");

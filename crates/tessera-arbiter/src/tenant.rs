@@ -111,15 +111,12 @@ impl ConnWriter {
     }
 }
 
-impl PressureSink for ConnWriter {
-    fn press(&self, seq: u64) -> bool {
-        // Never wait here (the caller holds the pressure registry): a connection whose thread
-        // is writing is skipped this round.
-        let Ok(_guard) = self.lease_pending.try_lock() else {
-            return false;
-        };
-        let mut frame = Vec::with_capacity(16);
-        if wire::push_frame(&mut frame, &TenantReply::Pressure { seq }).is_err() {
+impl ConnWriter {
+    /// Writes one frame without ever blocking (the caller is the scheduler or the pressure
+    /// registry); false when it could not be written whole.
+    fn send_now(&self, msg: &TenantReply) -> bool {
+        let mut frame = Vec::with_capacity(24);
+        if wire::push_frame(&mut frame, msg).is_err() {
             return false;
         }
         // SAFETY: the fd is open for the lifetime of `self.stream`, the buffer is valid for
@@ -136,28 +133,24 @@ impl PressureSink for ConnWriter {
     }
 }
 
+impl PressureSink for ConnWriter {
+    fn press(&self, seq: u64) -> bool {
+        // Never wait here (the caller holds the pressure registry): a connection whose thread
+        // is writing is skipped this round.
+        let Ok(_guard) = self.lease_pending.try_lock() else {
+            return false;
+        };
+        self.send_now(&TenantReply::Pressure { seq })
+    }
+}
+
 impl GrantSink for ConnWriter {
     fn grant(&self, g: Grant) -> bool {
         let mut pending = self.lock();
-        let mut frame = Vec::with_capacity(24);
-        let reply = TenantReply::LeaseGranted {
+        let ok = self.send_now(&TenantReply::LeaseGranted {
             lease_id: g.lease_id,
             duration_ns: g.duration_ns,
-        };
-        let mut ok = wire::push_frame(&mut frame, &reply).is_ok();
-        if ok {
-            // SAFETY: the fd is open for the lifetime of `self.stream`, the buffer is valid for
-            // `frame.len()` bytes, and MSG_DONTWAIT makes this never block the scheduler.
-            let n = unsafe {
-                libc::send(
-                    self.stream.as_raw_fd(),
-                    frame.as_ptr().cast(),
-                    frame.len(),
-                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-                )
-            };
-            ok = n == frame.len() as isize;
-        }
+        });
         if !ok {
             // A peer that does not read its replies (or is gone) loses the connection; its
             // thread notices the shutdown and cleans up.

@@ -155,6 +155,13 @@ impl Bed {
     }
 }
 
+/// True while `pid` exists and is not a zombie.
+pub fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| !s.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')))
+        .unwrap_or(false)
+}
+
 /// Runs a command to completion; returns (status, stdout, stderr).
 pub fn run(cmd: &mut Command) -> (ExitStatus, String, String) {
     let out = cmd.stdin(Stdio::null()).output().unwrap();
