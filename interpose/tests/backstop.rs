@@ -75,3 +75,40 @@ fn honest_processes_of_an_allocation_at_its_limit_are_never_touched() {
     assert!(!bed.arbiter_log().contains("backstop: pid"), "{}", bed.arbiter_log());
     wait_until(Duration::from_secs(5), || bed.used(&id) == 0).expect("ledger back to zero");
 }
+
+#[test]
+fn a_connected_process_that_reaches_the_real_driver_through_glibc_dlsym_is_killed() {
+    let bed = Bed::new();
+    let (token, id) = bed.create(GIB);
+    let exe = bed.dir.path().join("escape");
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/escape.c");
+    let out = std::process::Command::new("cc")
+        .arg("-o")
+        .arg(&exe)
+        .arg(&src)
+        .arg(format!("-L{}", bed.lib_dir.display()))
+        .args(["-lcuda", "-ldl"])
+        .output()
+        .expect("a C compiler (cc) is needed");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut c = bed
+        .tenant_command(&exe, &token)
+        .arg("4096")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(c.stdout.take().unwrap()));
+    assert_eq!(lines.next().unwrap().unwrap(), "hooked 0", "the hooked allocation connects it");
+    assert_eq!(lines.next().unwrap().unwrap(), "escaped 0", "the real driver gave it 4 GiB");
+    let t = Instant::now();
+    let status = c.wait().unwrap();
+    eprintln!("escape through glibc's dlsym: killed {:?} after its allocation", t.elapsed());
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}\n{}", bed.arbiter_log());
+    assert!(t.elapsed() < Duration::from_secs(1), "killed after {:?}", t.elapsed());
+    wait_until(Duration::from_secs(2), || bed.sim_used() <= GIB).expect("the card back under the limit");
+    wait_until(Duration::from_secs(2), || bed.status(&id).enforced == 1).expect("counted");
+    let log = bed.arbiter_log();
+    assert!(log.contains("it connected"), "{log}");
+}

@@ -1,0 +1,49 @@
+/* A connected tenant that then goes around the interposer: it allocates 64 MiB through the
+ * (hooked) linked symbol, which connects it to the arbiter, then takes glibc's own `dlsym`
+ * through `dlvsym` on libc's handle (the interposer hooks `dlsym`, not `dlvsym`), resolves the
+ * real `cuMemAlloc_v2` with it and allocates argv[1] MiB more, past its limit. It prints
+ * "escaped <CUresult>" and waits 10 s (the backstop should kill it long before). */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef unsigned long long CUdeviceptr;
+CUresult cuInit(unsigned int);
+CUresult cuDeviceGet(CUdevice *, int);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
+CUresult cuCtxSetCurrent(CUcontext);
+CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+
+typedef void *(*dlsym_t)(void *, const char *);
+typedef CUresult (*alloc_t)(CUdeviceptr *, size_t);
+
+int main(int argc, char **argv) {
+    size_t mib = argc > 1 ? strtoull(argv[1], NULL, 10) : 4096;
+    CUdevice dev;
+    CUcontext ctx;
+    CUdeviceptr small, big;
+    if (cuInit(0) || cuDeviceGet(&dev, 0) || cuDevicePrimaryCtxRetain(&ctx, dev) || cuCtxSetCurrent(ctx)) {
+        fprintf(stderr, "no context\n");
+        return 1;
+    }
+    printf("hooked %d\n", cuMemAlloc_v2(&small, 64u << 20));
+    void *libc = dlopen("libc.so.6", RTLD_NOW | RTLD_NOLOAD);
+    dlsym_t real_dlsym = libc ? (dlsym_t)dlvsym(libc, "dlsym", "GLIBC_2.34") : NULL;
+    if (!real_dlsym && libc)
+        real_dlsym = (dlsym_t)dlvsym(libc, "dlsym", "GLIBC_2.2.5");
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    alloc_t real_alloc = (real_dlsym && cuda) ? (alloc_t)real_dlsym(cuda, "cuMemAlloc_v2") : NULL;
+    if (!real_alloc || real_alloc == cuMemAlloc_v2) {
+        fprintf(stderr, "could not reach the real cuMemAlloc_v2\n");
+        return 1;
+    }
+    printf("escaped %d\n", real_alloc(&big, mib << 20));
+    fflush(stdout);
+    sleep(10);
+    return 0;
+}
