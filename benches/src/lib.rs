@@ -1,6 +1,8 @@
 //! Benchmarks of Tessera's overheads and compute sharing (criterion benches in `benches/`,
 //! benchmark programs in `src/bin/`). The library holds what both kinds share:
 //! - [`exit_with_parent`]: a started arbiter goes when the benchmark does.
+//! - [`tenant_field`]: a counter from the JSON line a `mem_tenant` prints.
+//! - [`number_flag`]: the one optional `--FLAG N` of a benchmark program.
 //! - [`SimNode`]: a simulated GPU and the real `tessera-arbiter` serving it, in a temp folder,
 //!   with the benchmark programs' artifacts found next to the running executable.
 
@@ -29,6 +31,35 @@ pub fn need(who: &str, name: &str) -> PathBuf {
         std::process::exit(2);
     }
     p
+}
+
+/// The value of `"key":N` in the JSON line a `mem_tenant` prints at its end (None when the line
+/// has no such counter).
+pub fn tenant_field(line: &str, key: &str) -> Option<u64> {
+    let pat = format!("\"{key}\":");
+    line.split(&pat)
+        .nth(1)?
+        .split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Parses the program's arguments when its only flag is `--FLAG N` (N a positive number);
+/// returns N, or `default` without the flag. Anything else: usage on stderr, exit 2.
+pub fn number_flag(who: &str, flag: &str, default: f64) -> f64 {
+    let mut value = default;
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        match (a == flag, it.next().and_then(|v| v.parse::<f64>().ok())) {
+            (true, Some(v)) if v > 0.0 => value = v,
+            _ => {
+                eprintln!("usage: {who} [{flag} N]");
+                std::process::exit(2);
+            }
+        }
+    }
+    value
 }
 
 /// A simulated node: GPUs in a temp folder and a running `tessera-arbiter` serving them. The
@@ -152,5 +183,20 @@ pub fn exit_with_parent(cmd: &mut Command) {
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0);
             Ok(())
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_are_read_from_a_tenant_line() {
+        let l = r#"{"pid":12,"grants":3456,"refusals":7,"first_try_refusals":2}"#;
+        assert_eq!(tenant_field(l, "grants"), Some(3456));
+        assert_eq!(tenant_field(l, "refusals"), Some(7));
+        assert_eq!(tenant_field(l, "first_try_refusals"), Some(2));
+        assert_eq!(tenant_field(l, "launches"), None);
+        assert_eq!(tenant_field("pid 12", "grants"), None);
     }
 }

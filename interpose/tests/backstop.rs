@@ -80,17 +80,7 @@ fn honest_processes_of_an_allocation_at_its_limit_are_never_touched() {
 fn a_connected_process_that_reaches_the_real_driver_through_glibc_dlsym_is_killed() {
     let bed = Bed::new();
     let (token, id) = bed.create(GIB);
-    let exe = bed.dir.path().join("escape");
-    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/escape.c");
-    let out = std::process::Command::new("cc")
-        .arg("-o")
-        .arg(&exe)
-        .arg(&src)
-        .arg(format!("-L{}", bed.lib_dir.display()))
-        .args(["-lcuda", "-ldl"])
-        .output()
-        .expect("a C compiler (cc) is needed");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let exe = build_c(&bed, "escape");
     let mut c = bed
         .tenant_command(&exe, &token)
         .arg("4096")

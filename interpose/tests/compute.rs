@@ -193,22 +193,6 @@ fn a_lone_tenant_keeps_the_gpu_busy() {
     assert!(frac >= 0.8, "gating wasted the GPU: busy {frac:.3}");
 }
 
-/// Builds `tests/c/NAME.c` against the simulated driver (C clients reach what cuda-bindings
-/// never asks for, such as per-thread variants and `pthread_cancel`).
-fn build_c(bed: &Bed, name: &str) -> std::path::PathBuf {
-    let exe = bed.dir.path().join(name);
-    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
-    let out = std::process::Command::new("cc")
-        .arg("-o")
-        .arg(&exe)
-        .arg(&src)
-        .arg(format!("-L{}", bed.lib_dir.display()))
-        .args(["-lcuda", "-ldl", "-lpthread"])
-        .output()
-        .expect("a C compiler (cc) is needed");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    exe
-}
 
 #[test]
 fn every_launch_path_is_gated() {

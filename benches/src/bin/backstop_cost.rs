@@ -77,17 +77,7 @@ fn measure(args: &[&str], seconds: f64, tessera: &Path, tenant: &Path, interpose
 }
 
 fn main() {
-    let mut seconds = 10.0;
-    let mut it = std::env::args().skip(1);
-    while let Some(a) = it.next() {
-        match (a.as_str(), it.next().and_then(|v| v.parse::<f64>().ok())) {
-            ("--seconds", Some(s)) if s > 0.0 => seconds = s,
-            _ => {
-                eprintln!("usage: backstop_cost [--seconds S]");
-                std::process::exit(2);
-            }
-        }
-    }
+    let seconds = tessera_benches::number_flag("backstop_cost", "--seconds", 10.0);
     let tessera = need("backstop_cost", "tessera");
     let tenant = need("backstop_cost", "mem_tenant");
     let interposer = need("backstop_cost", "libtessera_interpose.so");

@@ -125,12 +125,7 @@ impl Bench {
 
 /// The value of `"key":N` in a `mem_tenant` JSON line.
 fn field(line: &str, key: &str) -> u64 {
-    let pat = format!("\"{key}\":");
-    line.split(&pat)
-        .nth(1)
-        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no {key} in {line:?}"))
+    tessera_benches::tenant_field(line, key).unwrap_or_else(|| panic!("no {key} in {line:?}"))
 }
 
 fn gib(b: u64) -> String {
@@ -196,18 +191,5 @@ fn main() {
     println!("{}", line(&head.map(str::to_owned)));
     for r in &rows {
         println!("{}", line(r));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fields_are_read_from_a_tenant_line() {
-        let l = r#"{"pid":12,"grants":3456,"refusals":7,"first_try_refusals":2}"#;
-        assert_eq!(field(l, "grants"), 3456);
-        assert_eq!(field(l, "refusals"), 7);
-        assert_eq!(field(l, "first_try_refusals"), 2);
     }
 }

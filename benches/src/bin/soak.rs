@@ -49,11 +49,7 @@ impl Load<'_> {
 
 /// Sums `"key":N` over the JSON lines a group printed.
 fn sum(out: &str, key: &str) -> u64 {
-    let pat = format!("\"{key}\":");
-    out.lines()
-        .filter_map(|l| l.split(&pat).nth(1))
-        .filter_map(|r| r.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u64>().ok())
-        .sum()
+    out.lines().filter_map(|l| tessera_benches::tenant_field(l, key)).sum()
 }
 
 fn finish(mut c: Child) -> String {
@@ -70,17 +66,7 @@ fn finish(mut c: Child) -> String {
 }
 
 fn main() {
-    let mut minutes = 10.0;
-    let mut it = std::env::args().skip(1);
-    while let Some(a) = it.next() {
-        match (a.as_str(), it.next().and_then(|v| v.parse::<f64>().ok())) {
-            ("--minutes", Some(m)) if m > 0.0 => minutes = m,
-            _ => {
-                eprintln!("usage: soak [--minutes M]");
-                std::process::exit(2);
-            }
-        }
-    }
+    let minutes = tessera_benches::number_flag("soak", "--minutes", 10.0);
     let (tessera, interposer) = (need("soak", "tessera"), need("soak", "libtessera_interpose.so"));
     let (tenant, compute) = (need("soak", "mem_tenant"), need("soak", "compute_tenant"));
     let node = SimNode::start_with(

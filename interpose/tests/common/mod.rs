@@ -155,6 +155,23 @@ impl Bed {
     }
 }
 
+/// Builds `tests/c/NAME.c` against the simulated driver (C clients reach what cuda-bindings
+/// never asks for, such as per-thread variants, `pthread_cancel` or glibc's own `dlsym`).
+pub fn build_c(bed: &Bed, name: &str) -> PathBuf {
+    let exe = bed.dir.path().join(name);
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
+    let out = Command::new("cc")
+        .arg("-o")
+        .arg(&exe)
+        .arg(&src)
+        .arg(format!("-L{}", bed.lib_dir.display()))
+        .args(["-lcuda", "-ldl", "-lpthread"])
+        .output()
+        .expect("a C compiler (cc) is needed");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    exe
+}
+
 /// True while `pid` exists and is not a zombie.
 pub fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
