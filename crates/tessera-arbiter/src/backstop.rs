@@ -1,24 +1,43 @@
-//! The memory backstop: a second line of defence that does not depend on the tenant's process.
+//! The backstop: a second line of defence that does not depend on the tenant's process.
 //!
 //! The interposer enforces limits only inside processes that load it and play by its rules.
-//! Every poll interval the backstop reads, from NVML, the device memory of every process on
-//! every GPU, attributes each process to an allocation from identity the tenant cannot change
-//! (the pids that connected to the tenant socket, seen through `SO_PEERCRED`, and their
-//! descendants, found through `/proc/<pid>/stat`), and when an allocation's processes together
-//! hold more than its limit plus a tolerance (context memory NVML counts but no allocation
-//! returned: [`Policy::per_process_tolerance`] per process), it kills (or only reports, with
-//! `--enforce report`) the processes that pushed it over: those that never spoke to the arbiter
-//! first (a child started without `LD_PRELOAD`, a library that reached the driver around the
-//! hooks in a process of its own), largest first, then the largest connected ones, until the
-//! rest fits.
+//! Every poll interval the backstop reads, from NVML, every process on every GPU with its
+//! device memory and its GPU time, and attributes each to an allocation from identity the
+//! tenant cannot change, in this order:
+//! 1. the pids that connected to the tenant socket (seen through `SO_PEERCRED`) and their
+//!    descendants (`/proc/<pid>/stat`);
+//! 2. the container's identity file, read through `/proc/<pid>/root` (the device plugin
+//!    mounts it read-only into every container it wires, fraction or whole GPU; see
+//!    [`tessera_protocol::identity`]), so a container's processes are attributed even when
+//!    none of them ever connects;
+//! 3. otherwise the process is *unknown*: in a container (its mount namespace is not the
+//!    host's) or on the host.
 //!
-//! [`decide`] is the pure rule (tested with fixed snapshots); [`Backstop`] does the I/O: NVML,
-//! `/proc`, `kill(2)`, the log.
+//! Then, under `--enforce kill|report`:
+//! - **memory**: an allocation whose processes together hold more than its limit plus a
+//!   tolerance per process (context memory NVML counts but no allocation returned) loses the
+//!   processes that pushed it over: those that never spoke to the arbiter first (a child
+//!   started without `LD_PRELOAD`, a library that reached the driver around the hooks in a
+//!   process of its own), largest first, then the largest connected ones, until the rest fits;
+//! - **compute**: GPU time its processes used beyond the leases it was granted (kernels
+//!   launched around the gate) is charged to its virtual time, so the fair queue pays the
+//!   others back; once that unleased time passes a threshold (less a small slack per second
+//!   for kernels that overrun a lease), the process with the most GPU time is killed;
+//! - **unknown processes** (`--unknown-processes`): in a container, a pod reached the GPU
+//!   without asking for shares: killed by default; on the host, only ever reported (once per
+//!   pid): system tools such as `nvidia-smi` or DCGM are not ours to kill.
+//!
+//! [`decide`] and [`ComputeBook`] are the pure rules (tested with fixed snapshots and a fake
+//! clock); [`Backstop`] does the I/O: NVML, `/proc`, `kill(2)`, the log.
 
 use std::collections::{HashMap, HashSet};
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tessera_protocol::identity::{CONTAINER_IDENTITY_FILE, Identity, MAX_IDENTITY_LEN};
 
 use crate::state::Arbiter;
 
@@ -31,6 +50,17 @@ pub enum Enforce {
     Report,
 }
 
+/// What to do with a process in a container that belongs to no allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Unknown {
+    /// `SIGKILL` it (the default; `--enforce report` turns it into a report too).
+    Kill,
+    /// Log it once.
+    Report,
+    /// Say nothing.
+    Ignore,
+}
+
 /// Settings of the backstop.
 #[derive(Debug, Clone, Copy)]
 pub struct Policy {
@@ -40,6 +70,12 @@ pub struct Policy {
     pub per_process_tolerance: u64,
     /// Kill or report.
     pub enforce: Enforce,
+    /// Unknown processes in containers.
+    pub unknown: Unknown,
+    /// Unleased GPU time an allocation may build up before its busiest process is killed.
+    pub compute_threshold: Duration,
+    /// Unleased GPU time forgiven per unit of wall time (kernels that overrun their lease).
+    pub compute_slack: f64,
 }
 
 /// One allocation as the backstop sees it.
@@ -51,6 +87,11 @@ pub struct Watched {
     pub limit: u64,
     /// Pids that connected to the tenant socket for it.
     pub pids: Vec<i32>,
+    /// Its secret token (what its containers' identity files hold).
+    pub token: String,
+    /// Its compute share; at 100 nobody else has time on its GPU to protect, so its GPU time
+    /// is not policed (a pod holding whole GPUs runs without the interposer and its leases).
+    pub share: u32,
 }
 
 /// One process on a GPU, as NVML reports it.
@@ -62,32 +103,113 @@ pub struct GpuProcess {
     pub used: u64,
 }
 
+/// Where a process runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    /// In the host's mount namespace.
+    Host,
+    /// In a container; `token` from its identity file, if it has a valid one.
+    Container {
+        /// The token its identity file names.
+        token: Option<String>,
+    },
+}
+
+/// What the backstop learns about processes from the system (`/proc` in production).
+pub trait ProcView {
+    /// The parent of `pid`.
+    fn parent(&self, pid: i32) -> Option<i32>;
+    /// Where `pid` runs.
+    fn origin(&self, pid: i32) -> Origin;
+}
+
+/// Whom a GPU process belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Owner {
+    /// The allocation at this index of the watched list.
+    Allocation(usize),
+    /// Nobody, and it runs on the host.
+    UnknownHost,
+    /// Nobody, and it runs in a container.
+    UnknownContainer,
+}
+
+/// Why a process is acted on, with the evidence.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reason {
+    /// Its allocation's processes held too much device memory.
+    Memory {
+        /// Device memory the process held.
+        used: u64,
+        /// Device memory all the allocation's processes held.
+        total: u64,
+        /// What they may hold: the limit plus the tolerance for their processes.
+        allowed: u64,
+    },
+    /// Its allocation used too much GPU time outside its leases.
+    Compute {
+        /// GPU time the process used in the last poll interval, ns.
+        gpu_ns: u64,
+        /// Unleased GPU time its allocation built up, ns.
+        unleased_ns: u64,
+    },
+    /// It belongs to no allocation.
+    Unknown {
+        /// True in a container, false on the host.
+        container: bool,
+        /// Device memory it held.
+        used: u64,
+    },
+}
+
 /// One enforcement decision, with its evidence.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Action {
     /// The process.
     pub pid: i32,
-    /// Its allocation.
-    pub allocation: String,
-    /// Device memory the process held.
-    pub used: u64,
-    /// Device memory all the allocation's processes held.
-    pub total: u64,
-    /// What they may hold: the limit plus the tolerance for their processes.
-    pub allowed: u64,
+    /// Its allocation, if it has one.
+    pub allocation: Option<String>,
     /// True when the process never connected to the arbiter (it went around the interposer).
     pub unconnected: bool,
+    /// Why.
+    pub reason: Reason,
 }
 
-/// Attributes `pid` to an allocation: itself or its nearest ancestor connected for it.
-fn owner(pid: i32, by_pid: &HashMap<i32, usize>, parent: &dyn Fn(i32) -> Option<i32>) -> Option<usize> {
+/// Attributes every pid in `pids` (see the module map for the order).
+pub fn attribute(watched: &[Watched], pids: &[i32], view: &dyn ProcView) -> HashMap<i32, Owner> {
+    let by_pid: HashMap<i32, usize> = watched
+        .iter()
+        .enumerate()
+        .flat_map(|(i, w)| w.pids.iter().map(move |p| (*p, i)))
+        .collect();
+    let by_token: HashMap<&str, usize> =
+        watched.iter().enumerate().map(|(i, w)| (w.token.as_str(), i)).collect();
+    let mut out = HashMap::new();
+    for &pid in pids {
+        let owner = match connected_ancestor(pid, &by_pid, view) {
+            Some(i) => Owner::Allocation(i),
+            None => match view.origin(pid) {
+                Origin::Host => Owner::UnknownHost,
+                Origin::Container { token } => match token.as_deref().and_then(|t| by_token.get(t)) {
+                    Some(&i) => Owner::Allocation(i),
+                    None => Owner::UnknownContainer,
+                },
+            },
+        };
+        out.insert(pid, owner);
+    }
+    out
+}
+
+/// `pid` itself or its nearest ancestor connected for an allocation.
+fn connected_ancestor(pid: i32, by_pid: &HashMap<i32, usize>, view: &dyn ProcView) -> Option<usize> {
     let mut p = pid;
     // Bounded: a pid cycle (a reused pid read mid-change) cannot loop forever.
     for _ in 0..64 {
         if let Some(&i) = by_pid.get(&p) {
             return Some(i);
         }
-        match parent(p) {
+        match view.parent(p) {
             Some(pp) if pp > 1 && pp != p => p = pp,
             _ => return None,
         }
@@ -95,31 +217,44 @@ fn owner(pid: i32, by_pid: &HashMap<i32, usize>, parent: &dyn Fn(i32) -> Option<
     None
 }
 
-/// The rule: which processes to act on, given the allocations, what NVML reports (all GPUs
-/// together) and the process tree. Processes that belong to no allocation are left alone.
-pub fn decide(
-    watched: &[Watched],
-    procs: &[GpuProcess],
-    parent: &dyn Fn(i32) -> Option<i32>,
-    per_process_tolerance: u64,
-) -> Vec<Action> {
-    let by_pid: HashMap<i32, usize> = watched
-        .iter()
-        .enumerate()
-        .flat_map(|(i, w)| w.pids.iter().map(move |p| (*p, i)))
-        .collect();
-    // One pid may appear on several GPUs: sum per pid first.
+/// Device memory per pid (one pid may appear on several GPUs).
+pub fn memory_per_pid(procs: &[GpuProcess]) -> HashMap<i32, u64> {
     let mut per_pid: HashMap<i32, u64> = HashMap::new();
     for p in procs {
         *per_pid.entry(p.pid).or_default() += p.used;
     }
+    per_pid
+}
+
+/// The memory rule and the unknown-process rule: which processes to act on, given the
+/// allocations, each pid's device memory (all GPUs together) and its owner. Unknown host
+/// processes come back as actions too (the caller reports them; it never kills them).
+pub fn decide(
+    watched: &[Watched],
+    memory: &HashMap<i32, u64>,
+    owners: &HashMap<i32, Owner>,
+    per_process_tolerance: u64,
+) -> Vec<Action> {
     let mut groups: Vec<Vec<(i32, u64)>> = vec![Vec::new(); watched.len()];
-    for (&pid, &used) in &per_pid {
-        if let Some(i) = owner(pid, &by_pid, parent) {
-            groups[i].push((pid, used));
+    let mut actions = Vec::new();
+    let mut pids: Vec<_> = memory.keys().copied().collect();
+    pids.sort_unstable();
+    for pid in pids {
+        let used = memory[&pid];
+        match owners.get(&pid) {
+            Some(Owner::Allocation(i)) => groups[*i].push((pid, used)),
+            Some(Owner::UnknownHost) | Some(Owner::UnknownContainer) => actions.push(Action {
+                pid,
+                allocation: None,
+                unconnected: true,
+                reason: Reason::Unknown {
+                    container: owners[&pid] == Owner::UnknownContainer,
+                    used,
+                },
+            }),
+            None => {}
         }
     }
-    let mut actions = Vec::new();
     for (w, group) in watched.iter().zip(groups) {
         let total: u64 = group.iter().map(|(_, u)| u).sum();
         let allowed = w
@@ -140,15 +275,86 @@ pub fn decide(
             left -= used;
             actions.push(Action {
                 pid,
-                allocation: w.id.clone(),
-                used,
-                total,
-                allowed,
+                allocation: Some(w.id.clone()),
                 unconnected: !connected.contains(&pid),
+                reason: Reason::Memory { used, total, allowed },
             });
         }
     }
     actions
+}
+
+/// Per allocation: GPU time its processes used against the leases it was granted.
+#[derive(Debug, Default)]
+pub struct ComputeBook {
+    per: HashMap<String, Debt>,
+}
+
+#[derive(Debug)]
+struct Debt {
+    /// The scheduler's lease total at the last observation.
+    leased_seen: u64,
+    /// Unleased GPU time built up, ns; down to minus one poll interval (kernel time is
+    /// reported when a kernel ends, lease time as it passes, so the two drift apart briefly).
+    debt_ns: i128,
+}
+
+/// What one observation of an allocation's GPU time calls for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ComputeVerdict {
+    /// GPU time to charge to its virtual time (used beyond its leases and the slack), ns.
+    pub charge_ns: u64,
+    /// Unleased GPU time built up, ns (after this observation).
+    pub unleased_ns: u64,
+    /// True when that passed the threshold (the debt is then cleared: the caller acts).
+    pub over: bool,
+}
+
+impl ComputeBook {
+    /// Records that allocation `id`'s processes used `used_ns` of GPU time during the last
+    /// `elapsed_ns`, and that its leases total `leased_total` ns so far. The first observation
+    /// of an allocation only sets its starting point.
+    pub fn observe(
+        &mut self,
+        id: &str,
+        used_ns: u64,
+        leased_total: u64,
+        elapsed_ns: u64,
+        policy: &Policy,
+    ) -> ComputeVerdict {
+        let nothing = ComputeVerdict { charge_ns: 0, unleased_ns: 0, over: false };
+        let Some(d) = self.per.get_mut(id) else {
+            self.per.insert(id.to_owned(), Debt { leased_seen: leased_total, debt_ns: 0 });
+            return nothing;
+        };
+        let leased = leased_total.saturating_sub(d.leased_seen);
+        d.leased_seen = leased_total;
+        let slack = (elapsed_ns as f64 * policy.compute_slack) as i128;
+        let excess = i128::from(used_ns) - i128::from(leased) - slack;
+        let floor = -(elapsed_ns as i128);
+        d.debt_ns = (d.debt_ns + excess).max(floor);
+        let unleased_ns = d.debt_ns.max(0) as u64;
+        let over = unleased_ns > policy.compute_threshold.as_nanos() as u64;
+        if over {
+            d.debt_ns = 0;
+        }
+        ComputeVerdict { charge_ns: excess.max(0) as u64, unleased_ns, over }
+    }
+
+    /// Forgets allocations no longer live.
+    pub fn retain(&mut self, live: &HashSet<&str>) {
+        self.per.retain(|id, _| live.contains(id.as_str()));
+    }
+}
+
+/// The process of `group` (pid, GPU ns) to kill for a compute breach: one that never
+/// connected first, then the one with the most GPU time.
+pub fn compute_culprit(group: &[(i32, u64)], connected: &HashSet<i32>) -> Option<(i32, u64)> {
+    group
+        .iter()
+        .filter(|(_, ns)| *ns > 0)
+        .min_by_key(|(pid, ns)| (connected.contains(pid), std::cmp::Reverse(*ns), *pid))
+        .copied()
 }
 
 /// The parent of `pid` from `/proc/<pid>/stat` (field 4, after the parenthesised name, which
@@ -157,6 +363,98 @@ pub fn proc_parent(pid: i32) -> Option<i32> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let rest = &stat[stat.rfind(')')? + 1..];
     rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// [`ProcView`] over `/proc`.
+#[derive(Debug)]
+pub struct ProcFs {
+    /// The host's mount namespace (`readlink` of it), e.g. of `/proc/1/ns/mnt` with `hostPID`.
+    host_mnt: Option<std::path::PathBuf>,
+    /// Identity per mount namespace, for one poll (the processes of a container share one).
+    cache: std::cell::RefCell<HashMap<std::path::PathBuf, Option<String>>>,
+}
+
+impl ProcFs {
+    /// A view whose host mount namespace is the one `host_ns` (a `/proc/<pid>/ns/mnt` link)
+    /// names.
+    pub fn new(host_ns: &std::path::Path) -> Self {
+        Self { host_mnt: std::fs::read_link(host_ns).ok(), cache: Default::default() }
+    }
+
+    /// Clears the per-poll cache (a pid and a namespace may be reused between polls).
+    pub fn clear(&self) {
+        self.cache.borrow_mut().clear();
+    }
+}
+
+impl ProcView for ProcFs {
+    fn parent(&self, pid: i32) -> Option<i32> {
+        proc_parent(pid)
+    }
+
+    fn origin(&self, pid: i32) -> Origin {
+        let Ok(ns) = std::fs::read_link(format!("/proc/{pid}/ns/mnt")) else {
+            // Gone, or not ours to look at: nothing to attribute it by.
+            return Origin::Host;
+        };
+        if self.host_mnt.as_ref() == Some(&ns) {
+            return Origin::Host;
+        }
+        let token = self
+            .cache
+            .borrow_mut()
+            .entry(ns)
+            .or_insert_with(|| read_identity(pid).map(|i| i.token))
+            .clone();
+        Origin::Container { token }
+    }
+}
+
+/// Reads a container's identity file through `/proc/<pid>/root`, without following any
+/// symlink inside the container (an absolute link would resolve on the host) and only from
+/// a read-only mount (the plugin's; a file the container wrote itself proves nothing).
+pub fn read_identity(pid: i32) -> Option<Identity> {
+    let root = CString::new(format!("/proc/{pid}/root")).ok()?;
+    // SAFETY: a valid C string; the descriptor returned is owned below.
+    let dir = unsafe { libc::open(root.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) };
+    if dir < 0 {
+        return None;
+    }
+    // SAFETY: `dir` is a descriptor we just opened and own.
+    let dir = unsafe { OwnedFd::from_raw_fd(dir) };
+    let rel = CString::new(CONTAINER_IDENTITY_FILE.trim_start_matches('/')).ok()?;
+    // SAFETY: open_how is plain integers; all-zero is its documented default.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = (libc::O_RDONLY | libc::O_CLOEXEC | libc::O_NOFOLLOW) as u64;
+    how.resolve = libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_BENEATH;
+    // SAFETY: openat2 reads `how` (size given) and the C string `rel`; `dir` is open.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            dir.as_raw_fd(),
+            rel.as_ptr(),
+            &how as *const libc::open_how,
+            std::mem::size_of::<libc::open_how>(),
+        )
+    };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: openat2 returned a new descriptor we own.
+    let file = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd as i32) });
+    // SAFETY: fstatvfs fills the zeroed struct for an open descriptor.
+    let mut vfs: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstatvfs(file.as_raw_fd(), &mut vfs) } != 0 || vfs.f_flag & libc::ST_RDONLY == 0 {
+        return None;
+    }
+    if !file.metadata().ok()?.is_file() {
+        return None;
+    }
+    let mut text = String::new();
+    use std::io::Read;
+    file.take(MAX_IDENTITY_LEN as u64 + 1).read_to_string(&mut text).ok()?;
+    Identity::parse(&text).ok()
 }
 
 /// Counters of the backstop, for the log and tests.
@@ -170,6 +468,10 @@ pub struct Counters {
     pub breaches: AtomicU64,
     /// Polls where NVML could not be read.
     pub failed_polls: AtomicU64,
+    /// Unleased GPU time charged to allocations, ns.
+    pub charged_ns: AtomicU64,
+    /// Unknown processes acted on or reported.
+    pub unknown: AtomicU64,
 }
 
 /// The backstop's thread: NVML in, kills out.
@@ -177,6 +479,15 @@ pub struct Backstop {
     nvml: nvml_wrapper::Nvml,
     arb: Arc<Arbiter>,
     policy: Policy,
+    procfs: ProcFs,
+    book: ComputeBook,
+    /// Per GPU index: the newest utilisation sample timestamp seen (µs since the epoch).
+    last_seen: HashMap<u32, u64>,
+    last_poll: Option<Instant>,
+    /// Compute is not readable on this system (logged once).
+    compute_off: bool,
+    /// Unknown host pids already reported.
+    reported: HashSet<i32>,
     /// What it did so far.
     pub counters: Arc<Counters>,
 }
@@ -187,12 +498,18 @@ impl std::fmt::Debug for Backstop {
     }
 }
 
+fn now_us() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
+}
+
 impl Backstop {
-    /// Loads NVML (`lib`, or `libnvidia-ml.so.1` from the loader's search path).
+    /// Loads NVML (`lib`, or `libnvidia-ml.so.1` from the loader's search path); `host_ns`
+    /// names the host's mount namespace.
     pub fn new(
         arb: Arc<Arbiter>,
         policy: Policy,
         lib: Option<&std::ffi::OsStr>,
+        host_ns: &std::path::Path,
     ) -> Result<Self, crate::gpus::GpusError> {
         let mut builder = nvml_wrapper::Nvml::builder();
         if let Some(lib) = lib {
@@ -202,7 +519,18 @@ impl Backstop {
             lib: lib.map_or("libnvidia-ml.so.1".into(), |l| l.to_string_lossy().into_owned()),
             reason: e.to_string(),
         })?;
-        Ok(Self { nvml, arb, policy, counters: Arc::default() })
+        Ok(Self {
+            nvml,
+            arb,
+            policy,
+            procfs: ProcFs::new(host_ns),
+            book: ComputeBook::default(),
+            last_seen: HashMap::new(),
+            last_poll: None,
+            compute_off: false,
+            reported: HashSet::new(),
+            counters: Arc::default(),
+        })
     }
 
     /// Every process on every GPU with its device memory.
@@ -224,9 +552,51 @@ impl Backstop {
         Ok(out)
     }
 
+    /// GPU time per pid (all GPUs) over the last `elapsed_ns`, from NVML's per-process
+    /// utilisation samples: the mean SM utilisation of a pid's samples times the interval.
+    fn gpu_time(&mut self, elapsed_ns: u64) -> HashMap<i32, u64> {
+        let mut out = HashMap::new();
+        if self.compute_off {
+            return out;
+        }
+        let Ok(n) = self.nvml.device_count() else {
+            return out;
+        };
+        for i in 0..n {
+            let Ok(dev) = self.nvml.device_by_index(i) else {
+                continue;
+            };
+            let since = self.last_seen.get(&i).copied().unwrap_or(0);
+            let samples = match dev.process_utilization_stats(since) {
+                Ok(s) => s,
+                Err(nvml_wrapper::error::NvmlError::NotFound) => Vec::new(),
+                Err(e) => {
+                    crate::log!("backstop: per-process GPU time unavailable ({e}); compute bypass is not policed");
+                    self.compute_off = true;
+                    return HashMap::new();
+                }
+            };
+            let newest = samples.iter().map(|s| s.timestamp).max().unwrap_or(0);
+            self.last_seen.insert(i, newest.max(since).max(now_us().saturating_sub(1)));
+            let mut per: HashMap<i32, (u64, u64)> = HashMap::new();
+            for s in samples {
+                let e = per.entry(s.pid as i32).or_default();
+                e.0 += u64::from(s.sm_util.min(100));
+                e.1 += 1;
+            }
+            for (pid, (sum, count)) in per {
+                *out.entry(pid).or_default() += elapsed_ns * sum / (100 * count);
+            }
+        }
+        out
+    }
+
     /// One poll: read, decide, act. Returns the actions taken.
-    pub fn poll(&self) -> Vec<Action> {
+    pub fn poll(&mut self) -> Vec<Action> {
         self.counters.polls.fetch_add(1, Ordering::Relaxed);
+        let now = Instant::now();
+        let elapsed = self.last_poll.map(|t| now.duration_since(t).as_nanos() as u64);
+        self.last_poll = Some(now);
         let procs = match self.gpu_processes() {
             Ok(p) => p,
             Err(e) => {
@@ -236,42 +606,142 @@ impl Backstop {
                 return Vec::new();
             }
         };
+        let gpu_ns = self.gpu_time(elapsed.unwrap_or(0));
         let watched = self.arb.watched();
-        let actions = decide(&watched, &procs, &proc_parent, self.policy.per_process_tolerance);
-        for a in &actions {
-            self.counters.breaches.fetch_add(1, Ordering::Relaxed);
-            self.arb.note_enforced(&a.allocation);
-            let how = if a.unconnected { "never connected to the arbiter" } else { "connected" };
-            let verdict = match self.policy.enforce {
-                Enforce::Kill => {
-                    // SAFETY: kill(2) has no memory preconditions; a pid that exited meanwhile
-                    // fails with ESRCH (or, reused, is the risk every pid-based tool takes
-                    // within one poll interval).
-                    let rc = unsafe { libc::kill(a.pid, libc::SIGKILL) };
-                    if rc == 0 {
-                        self.counters.killed.fetch_add(1, Ordering::Relaxed);
-                        "killed"
-                    } else {
-                        "could not be killed"
-                    }
-                }
-                Enforce::Report => "reported",
+        let memory = memory_per_pid(&procs);
+        let mut pids: Vec<i32> = memory.keys().chain(gpu_ns.keys()).copied().collect();
+        pids.sort_unstable();
+        pids.dedup();
+        self.procfs.clear();
+        self.reported.retain(|p| pids.binary_search(p).is_ok());
+        let owners = attribute(&watched, &pids, &self.procfs);
+        let mut actions = decide(&watched, &memory, &owners, self.policy.per_process_tolerance);
+        if let Some(elapsed) = elapsed {
+            actions.extend(self.compute(&watched, &owners, &gpu_ns, elapsed));
+        }
+        let mut taken = Vec::new();
+        for a in actions {
+            if self.act(&a) {
+                taken.push(a);
+            }
+        }
+        taken
+    }
+
+    /// The compute rule over one interval; charges what was used outside leases.
+    fn compute(
+        &mut self,
+        watched: &[Watched],
+        owners: &HashMap<i32, Owner>,
+        gpu_ns: &HashMap<i32, u64>,
+        elapsed: u64,
+    ) -> Vec<Action> {
+        let mut groups: Vec<Vec<(i32, u64)>> = vec![Vec::new(); watched.len()];
+        for (&pid, &ns) in gpu_ns {
+            if let Some(Owner::Allocation(i)) = owners.get(&pid) {
+                groups[*i].push((pid, ns));
+            }
+        }
+        let live: HashSet<&str> = watched.iter().map(|w| w.id.as_str()).collect();
+        self.book.retain(&live);
+        let mut actions = Vec::new();
+        for (w, group) in watched.iter().zip(groups) {
+            if w.share >= 100 {
+                continue;
+            }
+            let Some(leased) = self.arb.leased_total(&w.id) else {
+                continue;
             };
-            crate::log!(
-                "backstop: pid {} of allocation {} {verdict}: it held {} bytes, its allocation's \
-                 processes {} bytes, allowed {} (limit plus tolerance); it {how}",
-                a.pid,
-                a.allocation,
-                a.used,
-                a.total,
-                a.allowed
-            );
+            let used: u64 = group.iter().map(|(_, ns)| ns).sum();
+            let v = self.book.observe(&w.id, used, leased, elapsed, &self.policy);
+            if v.charge_ns > 0 {
+                self.arb.charge_unleased(&w.id, v.charge_ns);
+                self.counters.charged_ns.fetch_add(v.charge_ns, Ordering::Relaxed);
+            }
+            if v.over {
+                let connected: HashSet<i32> = w.pids.iter().copied().collect();
+                if let Some((pid, ns)) = compute_culprit(&group, &connected) {
+                    actions.push(Action {
+                        pid,
+                        allocation: Some(w.id.clone()),
+                        unconnected: !connected.contains(&pid),
+                        reason: Reason::Compute { gpu_ns: ns, unleased_ns: v.unleased_ns },
+                    });
+                }
+            }
         }
         actions
     }
 
+    /// Carries out one decision (kill or report, log, count). False when nothing was done
+    /// (an unknown process the policy ignores, or one reported before).
+    fn act(&mut self, a: &Action) -> bool {
+        let kill = match (&a.reason, self.policy.enforce) {
+            (_, Enforce::Report) => false,
+            (Reason::Unknown { container: false, .. }, _) => false,
+            (Reason::Unknown { container: true, .. }, _) => self.policy.unknown == Unknown::Kill,
+            _ => true,
+        };
+        if let Reason::Unknown { container, .. } = a.reason {
+            let quiet = self.policy.unknown == Unknown::Ignore
+                || (!container && !self.reported.insert(a.pid))
+                || (container && !kill && !self.reported.insert(a.pid));
+            if quiet {
+                return false;
+            }
+            self.counters.unknown.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.counters.breaches.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(id) = &a.allocation {
+            self.arb.note_enforced(id);
+        }
+        let verdict = if kill {
+            // SAFETY: kill(2) has no memory preconditions; a pid that exited meanwhile
+            // fails with ESRCH (or, reused, is the risk every pid-based tool takes
+            // within one poll interval).
+            let rc = unsafe { libc::kill(a.pid, libc::SIGKILL) };
+            if rc == 0 {
+                self.counters.killed.fetch_add(1, Ordering::Relaxed);
+                "killed"
+            } else {
+                "could not be killed"
+            }
+        } else {
+            "reported"
+        };
+        let how = if a.unconnected { "never connected to the arbiter" } else { "connected" };
+        match (&a.reason, &a.allocation) {
+            (Reason::Memory { used, total, allowed }, Some(id)) => crate::log!(
+                "backstop: pid {} of allocation {id} {verdict}: it held {used} bytes, its \
+                 allocation's processes {total} bytes, allowed {allowed} (limit plus \
+                 tolerance); it {how}",
+                a.pid
+            ),
+            (Reason::Compute { gpu_ns, unleased_ns }, Some(id)) => crate::log!(
+                "backstop: pid {} of allocation {id} {verdict}: its allocation used {} ms of \
+                 GPU time outside its leases (threshold {} ms), this process {} ms in the last \
+                 {} ms; it {how}",
+                a.pid,
+                unleased_ns / 1_000_000,
+                self.policy.compute_threshold.as_millis(),
+                gpu_ns / 1_000_000,
+                self.policy.interval.as_millis()
+            ),
+            (Reason::Unknown { container, used }, _) => crate::log!(
+                "backstop: unknown {} process {} {verdict}: it uses a GPU ({used} bytes) and \
+                 belongs to no allocation{}",
+                if *container { "container" } else { "host" },
+                a.pid,
+                if *container { " (no Tessera identity in its container)" } else { "" }
+            ),
+            (_, None) => {}
+        }
+        true
+    }
+
     /// Polls every interval, for ever (run it on its own thread).
-    pub fn run(self) {
+    pub fn run(mut self) {
         loop {
             std::thread::sleep(self.policy.interval);
             self.poll();
@@ -284,17 +754,50 @@ mod tests {
     use super::*;
 
     const MIB: u64 = 1 << 20;
+    const MS: u64 = 1_000_000;
 
     fn w(id: &str, limit: u64, pids: &[i32]) -> Watched {
-        Watched { id: id.into(), limit, pids: pids.to_vec() }
+        Watched { id: id.into(), limit, pids: pids.to_vec(), token: format!("tok-{id}"), share: 50 }
     }
 
     fn p(pid: i32, used: u64) -> GpuProcess {
         GpuProcess { pid, used }
     }
 
-    fn no_parents(_: i32) -> Option<i32> {
-        None
+    /// A fake system: parents, and the origin of each pid (host unless listed).
+    #[derive(Default)]
+    struct Fake {
+        parents: HashMap<i32, i32>,
+        containers: HashMap<i32, Option<String>>,
+    }
+
+    impl ProcView for Fake {
+        fn parent(&self, pid: i32) -> Option<i32> {
+            self.parents.get(&pid).copied()
+        }
+        fn origin(&self, pid: i32) -> Origin {
+            match self.containers.get(&pid) {
+                Some(token) => Origin::Container { token: token.clone() },
+                None => Origin::Host,
+            }
+        }
+    }
+
+    fn run(watched: &[Watched], procs: &[GpuProcess], view: &Fake, tol: u64) -> Vec<Action> {
+        let memory = memory_per_pid(procs);
+        let pids: Vec<i32> = memory.keys().copied().collect();
+        let owners = attribute(watched, &pids, view);
+        decide(watched, &memory, &owners, tol)
+            .into_iter()
+            .filter(|a| !matches!(a.reason, Reason::Unknown { container: false, .. }))
+            .collect()
+    }
+
+    fn total(a: &Action) -> u64 {
+        match a.reason {
+            Reason::Memory { total, .. } => total,
+            _ => panic!("not a memory action: {a:?}"),
+        }
     }
 
     #[test]
@@ -302,32 +805,28 @@ mod tests {
         let a = [w("a", 1000 * MIB, &[10, 11])];
         // 1000 MiB allocated plus 2 x 100 MiB of context: allowed.
         let procs = [p(10, 600 * MIB), p(11, 600 * MIB)];
-        assert!(decide(&a, &procs, &no_parents, 100 * MIB).is_empty());
-        assert_eq!(decide(&a, &procs, &no_parents, 99 * MIB).len(), 1);
+        assert!(run(&a, &procs, &Fake::default(), 100 * MIB).is_empty());
+        assert_eq!(run(&a, &procs, &Fake::default(), 99 * MIB).len(), 1);
     }
 
     #[test]
     fn a_descendant_that_never_connected_is_charged_to_its_ancestor_and_killed_first() {
         let a = [w("a", 1000 * MIB, &[10])];
         // 10 -> 20 -> 30: 30 started without the interposer and took 4 GiB.
-        let parent = |pid| match pid {
-            30 => Some(20),
-            20 => Some(10),
-            _ => None,
-        };
+        let view = Fake { parents: HashMap::from([(30, 20), (20, 10)]), ..Default::default() };
         let procs = [p(10, 900 * MIB), p(30, 4096 * MIB), p(99, 8192 * MIB)];
-        let acts = decide(&a, &procs, &parent, 0);
+        let acts = run(&a, &procs, &view, 0);
         assert_eq!(acts.len(), 1, "{acts:?}");
         assert_eq!((acts[0].pid, acts[0].unconnected), (30, true));
-        assert_eq!(acts[0].total, 4996 * MIB);
-        // 99 belongs to nobody: untouched.
+        assert_eq!(total(&acts[0]), 4996 * MIB);
+        // 99 is a host process of nobody: only reported (filtered out by `run`).
     }
 
     #[test]
     fn connected_processes_go_largest_first_until_the_rest_fits() {
         let a = [w("a", 1000 * MIB, &[1, 2, 3])];
         let procs = [p(1, 300 * MIB), p(2, 700 * MIB), p(3, 400 * MIB)];
-        let acts = decide(&a, &procs, &no_parents, 0);
+        let acts = run(&a, &procs, &Fake::default(), 0);
         assert_eq!(acts.iter().map(|a| a.pid).collect::<Vec<_>>(), vec![2]);
     }
 
@@ -335,16 +834,145 @@ mod tests {
     fn memory_on_several_gpus_is_summed_and_allocations_are_independent() {
         let a = [w("a", 1000 * MIB, &[1]), w("b", 1000 * MIB, &[2])];
         let procs = [p(1, 600 * MIB), p(1, 600 * MIB), p(2, 900 * MIB)];
-        let acts = decide(&a, &procs, &no_parents, 0);
+        let acts = run(&a, &procs, &Fake::default(), 0);
         assert_eq!(acts.len(), 1);
-        assert_eq!((acts[0].pid, acts[0].allocation.as_str()), (1, "a"));
+        assert_eq!((acts[0].pid, acts[0].allocation.as_deref()), (1, Some("a")));
     }
 
     #[test]
     fn a_parent_cycle_ends() {
         let a = [w("a", MIB, &[1])];
-        let parent = |pid| Some(if pid == 5 { 6 } else { 5 });
-        assert!(decide(&a, &[p(5, 10 * MIB)], &parent, 0).is_empty());
+        let view = Fake { parents: HashMap::from([(5, 6), (6, 5)]), ..Default::default() };
+        assert!(run(&a, &[p(5, 10 * MIB)], &view, 0).is_empty());
+    }
+
+    #[test]
+    fn a_container_process_that_never_connected_is_attributed_by_its_identity_file() {
+        let a = [w("a", GIB, &[]), w("b", GIB, &[])];
+        let view = Fake {
+            containers: HashMap::from([
+                (40, Some("tok-a".into())),
+                (41, Some("tok-a".into())),
+                (50, Some("tok-b".into())),
+            ]),
+            ..Default::default()
+        };
+        // Two processes of container a hold 3 GiB together; b holds 100 MiB.
+        let procs = [p(40, 2 * GIB), p(41, GIB), p(50, 100 * MIB)];
+        let acts = run(&a, &procs, &view, 0);
+        // The largest goes; the 1 GiB left fits.
+        assert_eq!(acts.len(), 1, "{acts:?}");
+        assert_eq!((acts[0].pid, acts[0].allocation.as_deref(), acts[0].unconnected), (40, Some("a"), true));
+    }
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn unknown_processes_are_told_apart_by_where_they_run() {
+        let a = [w("a", GIB, &[1])];
+        let view = Fake {
+            containers: HashMap::from([
+                (60, None),                      // a container without any identity
+                (61, Some("forged".into())),     // an identity naming no allocation
+            ]),
+            ..Default::default()
+        };
+        let procs = [p(1, 10 * MIB), p(60, 10 * MIB), p(61, 10 * MIB), p(70, 10 * MIB)];
+        let memory = memory_per_pid(&procs);
+        let owners = attribute(&a, &[1, 60, 61, 70], &view);
+        assert_eq!(owners[&1], Owner::Allocation(0));
+        assert_eq!(owners[&60], Owner::UnknownContainer);
+        assert_eq!(owners[&61], Owner::UnknownContainer);
+        assert_eq!(owners[&70], Owner::UnknownHost);
+        let acts = decide(&a, &memory, &owners, 0);
+        let unknown: Vec<(i32, bool)> = acts
+            .iter()
+            .map(|x| match x.reason {
+                Reason::Unknown { container, .. } => (x.pid, container),
+                _ => panic!("{x:?}"),
+            })
+            .collect();
+        assert_eq!(unknown, vec![(60, true), (61, true), (70, false)]);
+    }
+
+    #[test]
+    fn connection_beats_the_identity_file() {
+        // A process that connected for b is b's, whatever file its container has.
+        let a = [w("a", GIB, &[]), w("b", GIB, &[7])];
+        let view = Fake { containers: HashMap::from([(7, Some("tok-a".into()))]), ..Default::default() };
+        assert_eq!(attribute(&a, &[7], &view)[&7], Owner::Allocation(1));
+    }
+
+    fn policy() -> Policy {
+        Policy {
+            interval: Duration::from_millis(250),
+            per_process_tolerance: 0,
+            enforce: Enforce::Kill,
+            unknown: Unknown::Kill,
+            compute_threshold: Duration::from_millis(500),
+            compute_slack: 0.05,
+        }
+    }
+
+    #[test]
+    fn honest_use_within_leases_builds_no_debt() {
+        let mut book = ComputeBook::default();
+        let pol = policy();
+        let mut leased = 0;
+        assert!(!book.observe("a", 0, leased, 250 * MS, &pol).over, "first sight sets the start");
+        // Kernel time reported when kernels end: up to one lease behind or ahead each poll.
+        for i in 0..400u64 {
+            leased += 250 * MS;
+            let used = if i % 2 == 0 { 150 * MS } else { 350 * MS };
+            let v = book.observe("a", used, leased, 250 * MS, &pol);
+            assert!(!v.over, "poll {i}: {v:?}");
+            assert!(v.unleased_ns <= 100 * MS, "poll {i}: {v:?}");
+        }
+    }
+
+    #[test]
+    fn gpu_time_without_leases_is_charged_and_past_the_threshold_the_process_goes() {
+        let mut book = ComputeBook::default();
+        let pol = policy();
+        book.observe("a", 0, 0, 250 * MS, &pol);
+        // Half the GPU, no lease at all: 125 ms per poll, less 12.5 ms of slack.
+        let mut over_at = None;
+        for i in 1..=10 {
+            let v = book.observe("a", 125 * MS, 0, 250 * MS, &pol);
+            assert_eq!(v.charge_ns, 112_500_000);
+            if v.over {
+                over_at = Some(i);
+                break;
+            }
+        }
+        // 5 polls: 562.5 ms > 500 ms, 1.25 s after the bypass began.
+        assert_eq!(over_at, Some(5));
+        // The debt starts again after an action.
+        assert!(!book.observe("a", 125 * MS, 0, 250 * MS, &pol).over);
+    }
+
+    #[test]
+    fn unused_leases_bank_at_most_one_interval() {
+        let mut book = ComputeBook::default();
+        let pol = policy();
+        book.observe("a", 0, 0, 250 * MS, &pol);
+        // Ten idle leased seconds...
+        book.observe("a", 0, 10_000 * MS, 250 * MS, &pol);
+        // ...do not pay for a bypass later: 250 ms of credit, then the debt grows.
+        let mut polls = 0;
+        while !book.observe("a", 250 * MS, 10_000 * MS, 250 * MS, &pol).over {
+            polls += 1;
+            assert!(polls < 10);
+        }
+        assert_eq!(polls, 3, "(250 + 500) / 237.5 ms per poll");
+    }
+
+    #[test]
+    fn the_culprit_is_unconnected_first_then_the_busiest() {
+        let connected = HashSet::from([1, 2]);
+        assert_eq!(compute_culprit(&[(1, 50), (2, 90), (3, 10)], &connected), Some((3, 10)));
+        assert_eq!(compute_culprit(&[(1, 50), (2, 90)], &connected), Some((2, 90)));
+        assert_eq!(compute_culprit(&[(1, 0)], &connected), None);
     }
 
     #[test]
@@ -354,5 +982,13 @@ mod tests {
         // SAFETY: getppid has no preconditions.
         assert_eq!(parent, unsafe { libc::getppid() });
         assert_eq!(proc_parent(-5), None);
+    }
+
+    #[test]
+    fn this_process_runs_on_the_host_and_has_no_identity() {
+        let view = ProcFs::new(std::path::Path::new("/proc/self/ns/mnt"));
+        assert_eq!(view.origin(std::process::id() as i32), Origin::Host);
+        // Our root has no read-only identity file (and a gone pid has none either).
+        assert_eq!(read_identity(-1), None);
     }
 }

@@ -36,4 +36,22 @@ pub struct Config {
     /// Device memory each process may hold beyond what it allocated (its CUDA context), MiB.
     #[arg(long, default_value_t = 512, value_name = "MIB")]
     pub backstop_tolerance_mib: u64,
+    /// What the backstop does with a process in a container that uses a GPU but belongs to
+    /// no allocation (no connection, no Tessera identity file): `kill`, `report` or `ignore`.
+    /// Such processes on the host are only ever reported (or ignored).
+    #[arg(long, value_enum, default_value = "kill")]
+    pub unknown_processes: crate::backstop::Unknown,
+    /// GPU time an allocation may use outside its leases (kernels launched around the gate)
+    /// before the backstop kills its busiest process, milliseconds. Every such millisecond is
+    /// also charged to the allocation's share.
+    #[arg(long, default_value_t = 500, value_name = "MS")]
+    pub compute_bypass_ms: u64,
+    /// Unleased GPU time forgiven per second, as a percentage of wall time (kernels that run
+    /// past the end of their lease).
+    #[arg(long, default_value_t = 5.0, value_name = "PERCENT")]
+    pub compute_slack_percent: f64,
+    /// The host's mount namespace: a process in another one runs in a container. With
+    /// `hostPID` (the DaemonSet) this is init's.
+    #[arg(long, default_value = "/proc/1/ns/mnt", value_name = "PATH")]
+    pub host_mount_ns: PathBuf,
 }

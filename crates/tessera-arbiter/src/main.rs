@@ -75,11 +75,15 @@ async fn run(config: Config, gpus: Vec<tessera_protocol::GpuInfo>) -> anyhow::Re
             interval: std::time::Duration::from_millis(config.backstop_interval_ms),
             per_process_tolerance: config.backstop_tolerance_mib.saturating_mul(1 << 20),
             enforce: config.enforce,
+            unknown: config.unknown_processes,
+            compute_threshold: std::time::Duration::from_millis(config.compute_bypass_ms),
+            compute_slack: (config.compute_slack_percent / 100.0).clamp(0.0, 1.0),
         };
         let b = backstop::Backstop::new(
             std::sync::Arc::clone(server.arbiter()),
             policy,
             config.nvml_lib.as_deref().map(std::path::Path::as_os_str),
+            &config.host_mount_ns,
         )?;
         std::thread::Builder::new()
             .name("backstop".into())

@@ -113,6 +113,9 @@ struct Alloc {
     last_lease_end: Option<u64>,
     /// (time charged, ns charged), oldest first.
     history: VecDeque<(u64, u64)>,
+    /// Every ns charged for leases since the allocation was added (the backstop compares it
+    /// with the GPU time NVML saw its processes use).
+    leased_total_ns: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -171,6 +174,7 @@ impl GpuScheduler {
                 lease_ns: self.params.initial_lease_ns,
                 last_lease_end: None,
                 history: VecDeque::new(),
+                leased_total_ns: 0,
             },
         );
     }
@@ -310,6 +314,37 @@ impl GpuScheduler {
         }
     }
 
+    /// GPU time granted to `key` since it was added, ns: every lease charged so far plus the
+    /// part of its current lease already elapsed. `None` for an unknown allocation.
+    pub fn leased_total(&self, key: AccountKey, now: u64) -> Option<u64> {
+        let a = self.allocs.get(&key)?;
+        let running = self
+            .current
+            .filter(|l| l.key == key)
+            .map_or(0, |l| now.saturating_sub(l.granted_at));
+        Some(a.leased_total_ns + running)
+    }
+
+    /// Charges GPU time that `key`'s processes used outside any lease (seen by the backstop):
+    /// its virtual time and cap bucket pay for it as for a lease, so the fair queue gives the
+    /// others that time back.
+    pub fn charge_unleased(&mut self, key: AccountKey, ns: u64, now: u64) {
+        let bucket = self.allocs.get(&key).map(|a| self.bucket(a, now));
+        let window = self.params.window_ns;
+        let Some(a) = self.allocs.get_mut(&key) else {
+            return;
+        };
+        a.vtime += ns as f64 / f64::from(a.share);
+        if let Some(b) = bucket
+            && a.cap.is_some()
+        {
+            a.bucket_ns = b - ns as f64;
+            a.bucket_at = now;
+        }
+        a.history.push_back((now, ns));
+        prune(&mut a.history, now, window);
+    }
+
     /// The lease outstanding, as (connection, lease id).
     pub fn current(&self) -> Option<(ConnId, u64)> {
         self.current.map(|l| (l.conn, l.id))
@@ -380,6 +415,7 @@ impl GpuScheduler {
             a.lease_ns
         };
         a.last_lease_end = Some(now);
+        a.leased_total_ns += charged;
         a.history.push_back((now, charged));
         prune(&mut a.history, now, p.window_ns);
     }
@@ -584,6 +620,19 @@ impl SchedulerHandle {
         inner.deliver(grants, now);
         drop(inner);
         self.0.changed.notify_one();
+    }
+
+    /// See [`GpuScheduler::leased_total`].
+    pub fn leased_total(&self, key: AccountKey, now: u64) -> Option<u64> {
+        self.lock().sched.leased_total(key, now)
+    }
+
+    /// See [`GpuScheduler::charge_unleased`].
+    pub fn charge_unleased(&self, key: AccountKey, ns: u64, now: u64) {
+        self.apply(now, |s| {
+            s.charge_unleased(key, ns, now);
+            Vec::new()
+        });
     }
 
     /// GPU time charged to `key` over the last 10 s, ns.
@@ -977,6 +1026,32 @@ mod tests {
         assert_eq!(g[0].conn, 30);
         assert_eq!(s.gpu_time(1, 2 * MS), 2 * MS);
         assert_eq!(s.waiting(), 0);
+    }
+
+    #[test]
+    fn unleased_time_is_charged_like_a_lease_and_leased_total_counts_the_running_lease() {
+        let mut s = GpuScheduler::new(SchedulerParams::default());
+        s.add_allocation(1, 10, None, 0);
+        s.add_allocation(2, 90, None, 0);
+        assert_eq!(s.leased_total(1, 0), Some(0));
+        assert_eq!(s.leased_total(9, 0), None);
+        let g = s.acquire(2, 20, 0);
+        assert_eq!(g.unwrap().len(), 1);
+        assert_eq!(s.leased_total(2, 30 * MS), Some(30 * MS), "the running lease counts");
+        s.release(20, 1, 0, true, 40 * MS);
+        assert_eq!(s.leased_total(2, 50 * MS), Some(40 * MS));
+        // Allocation 1 used 500 ms around the gate: at share 10 that is 5 s of virtual time,
+        // so allocation 2 (share 90, 40 ms charged) is served first from now on.
+        s.charge_unleased(1, 500 * MS, 50 * MS);
+        assert_eq!(s.gpu_time(1, 50 * MS), 500 * MS);
+        assert_eq!(s.leased_total(1, 50 * MS), Some(0), "not a lease");
+        // 2 holds a lease while 1 and a second process of 2 wait: at the hand-back the
+        // second process of 2 is served although 1 asked first.
+        assert_eq!(s.acquire(2, 20, 60 * MS).unwrap().len(), 1);
+        assert!(s.acquire(1, 10, 61 * MS).unwrap().is_empty());
+        assert!(s.acquire(2, 21, 62 * MS).unwrap().is_empty());
+        let g = s.release(20, 2, 0, true, 70 * MS);
+        assert_eq!(g[0].conn, 21, "the allocation that went around the gate waits");
     }
 
     #[test]

@@ -264,6 +264,8 @@ impl Arbiter {
             .map(|a| crate::backstop::Watched {
                 id: a.record.id.clone(),
                 limit: a.record.memory_limit,
+                token: a.record.token.clone(),
+                share: a.record.share,
                 pids: live
                     .procs
                     .get(&a.key)
@@ -271,6 +273,20 @@ impl Arbiter {
                     .unwrap_or_default(),
             })
             .collect()
+    }
+
+    /// GPU time granted to allocation `id` in leases so far, ns (for the backstop).
+    pub fn leased_total(&self, id: &str) -> Option<u64> {
+        let (key, sched) = self.live().by_id.get(id).map(|a| (a.key, a.scheduler.clone()))?;
+        sched.leased_total(key, self.now_ns())
+    }
+
+    /// Charges GPU time allocation `id` used outside its leases (seen by the backstop).
+    pub fn charge_unleased(&self, id: &str, ns: u64) {
+        let found = self.live().by_id.get(id).map(|a| (a.key, a.scheduler.clone()));
+        if let Some((key, sched)) = found {
+            sched.charge_unleased(key, ns, self.now_ns());
+        }
     }
 
     /// The registry of tenant processes' pressure channels.

@@ -4,6 +4,8 @@
 //! - [`frame`]: length-prefixed frames with a size limit, blocking I/O and an incremental
 //!   decoder for partial input (used by the async arbiter).
 //! - [`message`]: every message, for both sockets, and the version handshake.
+//! - [`identity`]: the read-only file the device plugin mounts into each container, naming
+//!   its allocation (trusted by the interposer and the backstop).
 //! - [`client`]: small blocking clients (tenant and admin) over a Unix socket; the interposer
 //!   has no async runtime, and the CLI and device plugin reuse the admin one.
 //!
@@ -13,6 +15,7 @@
 
 pub mod client;
 pub mod frame;
+pub mod identity;
 pub mod message;
 
 pub use frame::{FrameDecoder, FrameError, MAX_FRAME_LEN};

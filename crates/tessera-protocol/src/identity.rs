@@ -1,0 +1,124 @@
+//! The container identity file: which allocation a container's processes belong to.
+//!
+//! The device plugin writes one per container on the host and has the runtime mount it
+//! read-only at [`CONTAINER_IDENTITY_FILE`]. A process in the container cannot change it
+//! (read-only bind mount, no `CAP_SYS_ADMIN` to remount), so both sides trust it:
+//! - the interposer takes its token and socket from it instead of the environment, so
+//!   `unset TESSERA_TOKEN` or a `TESSERA_SOCKET` pointing at a fake arbiter changes nothing;
+//! - the arbiter's backstop reads it through `/proc/<pid>/root`, so a process of the container
+//!   is attributed to its allocation even if it never connected.
+//!
+//! Format: UTF-8 `key=value` lines; `token` is required, `socket` (the tenant socket's path
+//! inside the container) and `allocation` (the public id, for people) are optional; blank
+//! lines and lines starting with `#` are ignored; unknown keys are refused so a typo cannot
+//! pass silently.
+
+use std::path::PathBuf;
+
+/// Where the identity file appears inside a container.
+pub const CONTAINER_IDENTITY_FILE: &str = "/etc/tessera/tenant";
+
+/// Largest identity file read (a few lines; anything larger is not ours).
+pub const MAX_IDENTITY_LEN: usize = 4096;
+
+/// Errors of [`Identity::parse`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdentityError {
+    /// Longer than [`MAX_IDENTITY_LEN`].
+    #[error("identity file longer than {MAX_IDENTITY_LEN} bytes")]
+    TooLong,
+    /// A line without `=`.
+    #[error("identity file line {0}: expected key=value")]
+    BadLine(usize),
+    /// A key this version does not know.
+    #[error("identity file line {0}: unknown key {1:?}")]
+    UnknownKey(usize, String),
+    /// No `token` line, or an empty one.
+    #[error("identity file has no token")]
+    NoToken,
+}
+
+/// The parsed identity file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// The allocation's secret token.
+    pub token: String,
+    /// The tenant socket inside the container.
+    pub socket: Option<PathBuf>,
+    /// Public allocation id (informational).
+    pub allocation: Option<String>,
+}
+
+impl Identity {
+    /// Parses the file's text.
+    pub fn parse(text: &str) -> Result<Self, IdentityError> {
+        if text.len() > MAX_IDENTITY_LEN {
+            return Err(IdentityError::TooLong);
+        }
+        let (mut token, mut socket, mut allocation) = (None, None, None);
+        for (i, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let (k, v) = line.split_once('=').ok_or(IdentityError::BadLine(i + 1))?;
+            let v = v.trim();
+            match k.trim() {
+                "token" => token = Some(v.to_owned()),
+                "socket" if !v.is_empty() => socket = Some(PathBuf::from(v)),
+                "socket" => socket = None,
+                "allocation" => allocation = Some(v.to_owned()).filter(|a| !a.is_empty()),
+                other => return Err(IdentityError::UnknownKey(i + 1, other.to_owned())),
+            }
+        }
+        let token = token.filter(|t| !t.is_empty()).ok_or(IdentityError::NoToken)?;
+        Ok(Self { token, socket, allocation })
+    }
+
+    /// The file's text.
+    pub fn render(&self) -> String {
+        let mut out = format!("token={}\n", self.token);
+        if let Some(s) = &self.socket {
+            out.push_str(&format!("socket={}\n", s.display()));
+        }
+        if let Some(a) = &self.allocation {
+            out.push_str(&format!("allocation={a}\n"));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip() {
+        let id = Identity {
+            token: "abc".into(),
+            socket: Some("/run/tessera/tessera.sock".into()),
+            allocation: Some("a-1".into()),
+        };
+        assert_eq!(Identity::parse(&id.render()), Ok(id));
+        let bare = Identity { token: "t".into(), socket: None, allocation: None };
+        assert_eq!(Identity::parse(&bare.render()), Ok(bare));
+    }
+
+    #[test]
+    fn comments_blank_lines_and_spaces_are_fine() {
+        let id = Identity::parse("# made by tessera-device-plugin\n\n token = xyz \n").unwrap();
+        assert_eq!(id.token, "xyz");
+    }
+
+    #[test]
+    fn bad_files_are_refused() {
+        assert_eq!(Identity::parse(""), Err(IdentityError::NoToken));
+        assert_eq!(Identity::parse("token=\n"), Err(IdentityError::NoToken));
+        assert_eq!(Identity::parse("token\n"), Err(IdentityError::BadLine(1)));
+        assert_eq!(
+            Identity::parse("token=a\nlimit=80GiB\n"),
+            Err(IdentityError::UnknownKey(2, "limit".into()))
+        );
+        assert_eq!(Identity::parse(&"#".repeat(5000)), Err(IdentityError::TooLong));
+    }
+}
