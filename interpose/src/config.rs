@@ -1,48 +1,109 @@
-//! What the interposer takes from the environment: only `TESSERA_SOCKET`, `TESSERA_TOKEN`,
-//! `TESSERA_REAL_LIBCUDA` and `TESSERA_LOG`. Limits never come from here: they come from the
-//! arbiter's `Welcome`. There is deliberately no variable that turns enforcement off while a
-//! token is present.
+//! Where the interposer learns which allocation its process belongs to. Limits never come
+//! from here: they come from the arbiter's `Welcome`.
+//!
+//! - **In a container wired by the device plugin** the read-only identity file
+//!   ([`CONTAINER_IDENTITY_FILE`]) names the token and the tenant socket, and the environment
+//!   is not consulted for them: `unset TESSERA_TOKEN` or a `TESSERA_SOCKET` pointing at a fake
+//!   arbiter changes nothing. A file that exists but cannot be read or parsed *closes* the
+//!   process: every allocation fails with `CUDA_ERROR_OUT_OF_MEMORY` and every launch with
+//!   `CUDA_ERROR_NOT_PERMITTED`, since it cannot prove its allocation.
+//! - **Elsewhere** (`tessera run`, a laptop) `TESSERA_TOKEN` and `TESSERA_SOCKET` are read
+//!   from the environment. A token without a socket is closed the same way.
+//! - No identity and no token: pass everything through (host processes untouched).
+//!
+//! `TESSERA_REAL_LIBCUDA` and `TESSERA_LOG` are read from the environment in every case.
+//! There is deliberately no variable that turns enforcement off while a token is present.
 
 use std::ffi::{CString, OsString};
 use std::os::unix::ffi::OsStringExt;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
+pub use tessera_protocol::identity::CONTAINER_IDENTITY_FILE;
+use tessera_protocol::identity::{Identity, MAX_IDENTITY_LEN};
+
 /// The process's settings, read once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
     /// The tenant's allocation token; `None` means pass everything through untouched.
     pub token: Option<String>,
-    /// The arbiter's tenant socket. `None` with a token means enforcement without an arbiter:
-    /// every allocation is refused (unsetting the variable must not turn limits off).
+    /// The arbiter's tenant socket. `None` with a token closes the process (see
+    /// [`Config::closed`]).
     pub socket: Option<PathBuf>,
     /// Path of the real driver to load instead of `libcuda.so.1`.
     pub real_libcuda: Option<CString>,
+    /// Why the process cannot prove its allocation (an unreadable identity file).
+    pub identity_error: Option<String>,
 }
 
 impl Config {
-    /// Builds the configuration from a variable lookup (the environment, or a map in tests).
-    pub fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Self {
+    /// Builds the configuration from the identity file's content (`None`: no such file;
+    /// `Some(Err)`: it exists but could not be read) and a variable lookup.
+    pub fn from_sources(
+        identity: Option<Result<String, String>>,
+        get: impl Fn(&str) -> Option<OsString>,
+    ) -> Self {
         let non_empty = |k: &str| get(k).filter(|v| !v.is_empty());
-        let token = non_empty("TESSERA_TOKEN").map(|v| v.to_string_lossy().trim().to_owned());
-        let token = token.filter(|t| !t.is_empty());
-        let socket = non_empty("TESSERA_SOCKET").map(PathBuf::from);
         let real_libcuda =
             non_empty("TESSERA_REAL_LIBCUDA").and_then(|v| CString::new(v.into_vec()).ok());
-        Self { token, socket, real_libcuda }
+        match identity.map(|r| r.and_then(|t| Identity::parse(&t).map_err(|e| e.to_string()))) {
+            Some(Ok(id)) => Self { token: Some(id.token), socket: id.socket, real_libcuda, identity_error: None },
+            Some(Err(e)) => Self {
+                // Enforcing, with nothing to connect with: closed.
+                token: Some(String::new()),
+                socket: None,
+                real_libcuda,
+                identity_error: Some(format!("{CONTAINER_IDENTITY_FILE}: {e}")),
+            },
+            None => {
+                let token = non_empty("TESSERA_TOKEN").map(|v| v.to_string_lossy().trim().to_owned());
+                let token = token.filter(|t| !t.is_empty());
+                let socket = non_empty("TESSERA_SOCKET").map(PathBuf::from);
+                Self { token, socket, real_libcuda, identity_error: None }
+            }
+        }
+    }
+
+    /// Builds the configuration from a variable lookup alone (no identity file).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Self {
+        Self::from_sources(None, get)
     }
 
     /// True when limits are enforced.
     pub fn enforcing(&self) -> bool {
         self.token.is_some()
     }
+
+    /// True when the process enforces but cannot reach an arbiter it can prove itself to:
+    /// allocations are refused and launches fail.
+    pub fn closed(&self) -> bool {
+        self.enforcing() && (self.socket.is_none() || self.identity_error.is_some())
+    }
+}
+
+/// Reads the identity file: `None` when there is none.
+fn read_identity_file() -> Option<Result<String, String>> {
+    use std::io::Read;
+    match std::fs::File::open(CONTAINER_IDENTITY_FILE) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => Some(Err(e.to_string())),
+        Ok(f) => {
+            let mut text = String::new();
+            Some(
+                f.take(MAX_IDENTITY_LEN as u64 + 1)
+                    .read_to_string(&mut text)
+                    .map(|_| text)
+                    .map_err(|e| e.to_string()),
+            )
+        }
+    }
 }
 
 static CONFIG: OnceLock<Config> = OnceLock::new();
 
-/// The process configuration (read from the environment on first use).
+/// The process configuration (read on first use).
 pub fn get() -> &'static Config {
-    CONFIG.get_or_init(|| Config::from_lookup(|k| std::env::var_os(k)))
+    CONFIG.get_or_init(|| Config::from_sources(read_identity_file(), |k| std::env::var_os(k)))
 }
 
 #[cfg(test)]
@@ -50,24 +111,30 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    fn cfg(pairs: &[(&str, &str)]) -> Config {
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<OsString> {
         let m: HashMap<String, OsString> =
             pairs.iter().map(|(k, v)| (k.to_string(), OsString::from(v))).collect();
-        Config::from_lookup(|k| m.get(k).cloned())
+        move |k| m.get(k).cloned()
+    }
+
+    fn cfg(pairs: &[(&str, &str)]) -> Config {
+        Config::from_lookup(env(pairs))
     }
 
     #[test]
     fn no_token_means_pass_through() {
         let c = cfg(&[("TESSERA_SOCKET", "/tmp/s")]);
         assert!(!c.enforcing());
+        assert!(!c.closed());
         assert!(!cfg(&[("TESSERA_TOKEN", "  ")]).enforcing());
         assert!(!cfg(&[("TESSERA_TOKEN", "")]).enforcing());
     }
 
     #[test]
-    fn token_without_socket_still_enforces() {
+    fn token_without_socket_is_closed() {
         let c = cfg(&[("TESSERA_TOKEN", "abc")]);
         assert!(c.enforcing());
+        assert!(c.closed());
         assert_eq!(c.socket, None);
     }
 
@@ -82,6 +149,31 @@ mod tests {
         ]);
         assert_eq!(c.token.as_deref(), Some("abc"));
         assert_eq!(c.socket, Some(PathBuf::from("/run/t.sock")));
+        assert!(!c.closed());
         assert_eq!(c.real_libcuda.as_deref().map(|s| s.to_bytes()), Some(&b"/opt/libcuda.so.1"[..]));
+    }
+
+    #[test]
+    fn the_identity_file_wins_over_the_environment() {
+        let file = "token=from-file\nsocket=/run/tessera/tessera.sock\n".to_owned();
+        // The tenant unset its token and pointed the socket at a fake arbiter.
+        let c = Config::from_sources(Some(Ok(file.clone())), env(&[("TESSERA_SOCKET", "/tmp/fake.sock")]));
+        assert_eq!(c.token.as_deref(), Some("from-file"));
+        assert_eq!(c.socket, Some(PathBuf::from("/run/tessera/tessera.sock")));
+        assert!(!c.closed());
+        let c = Config::from_sources(Some(Ok(file)), env(&[("TESSERA_TOKEN", "other")]));
+        assert_eq!(c.token.as_deref(), Some("from-file"));
+    }
+
+    #[test]
+    fn an_identity_file_that_cannot_be_used_closes_the_process() {
+        for bad in [Err("permission denied".to_owned()), Ok(String::new()), Ok("token=x\nlimit=9\n".into())] {
+            let c = Config::from_sources(Some(bad.clone()), env(&[("TESSERA_TOKEN", "t"), ("TESSERA_SOCKET", "/s")]));
+            assert!(c.enforcing() && c.closed(), "{bad:?}: {c:?}");
+            assert!(c.identity_error.as_deref().unwrap().starts_with(CONTAINER_IDENTITY_FILE));
+        }
+        // A file without a socket line cannot reach the arbiter either.
+        let c = Config::from_sources(Some(Ok("token=t\n".into())), env(&[("TESSERA_SOCKET", "/s")]));
+        assert!(c.closed());
     }
 }

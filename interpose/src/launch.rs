@@ -221,6 +221,8 @@ pub struct Gate {
     mgr: Mutex<Option<Manager>>,
     socket: Option<PathBuf>,
     token: String,
+    /// The process cannot prove its allocation: every launch fails (see [`Gate::closed`]).
+    closed: bool,
     /// The lease connection's fd (closed by hand in a forked child).
     lease_fd: AtomicI32,
     /// Set while the manager waits for work in flight to drain: a synchronise returning then
@@ -256,10 +258,18 @@ impl Gate {
             mgr: Mutex::new(None),
             socket,
             token,
+            closed: false,
             lease_fd: AtomicI32::new(-1),
             watch: AtomicBool::new(false),
             stats: GateStats::default(),
         }
+    }
+
+    /// A gate that never grants: every launch returns `CUDA_ERROR_NOT_PERMITTED` without
+    /// running (a process that cannot prove its allocation must not use GPU time ungated).
+    pub fn closed(mut self) -> Self {
+        self.closed = true;
+        self
     }
 
     fn lock_shared(&self) -> MutexGuard<'_, Shared> {
@@ -282,6 +292,11 @@ impl Gate {
         }
         let mut slot = slot;
         if self.credits.fetch_sub(1, Ordering::AcqRel) <= 0 {
+            if self.closed {
+                // No lease ever comes: credits stay at or below zero, so this is the slow path.
+                self.credits.fetch_add(1, Ordering::AcqRel);
+                return CUDA_ERROR_NOT_PERMITTED;
+            }
             self.wait_for_credit();
             // Waiting may have spanned a new lease: mark the stream under its epoch.
             slot = self.slot(handle, kind);
@@ -1201,6 +1216,16 @@ mod tests {
         let learnt = Duration::from_micros(1200);
         assert!(!idle_at_end(Some(Duration::from_micros(300)), learnt, true, 0, long));
         assert!(idle_at_end(Some(Duration::from_millis(1)), learnt, true, 0, long));
+    }
+
+    #[test]
+    fn a_closed_gate_fails_every_launch_without_running_it() {
+        let gate: &'static Gate = Box::leak(Box::new(Gate::new(None, "t".into()).closed()));
+        for _ in 0..3 {
+            let r = gate.launch(std::ptr::null_mut(), false, || panic!("a closed gate ran a launch"));
+            assert_eq!(r, CUDA_ERROR_NOT_PERMITTED);
+        }
+        assert_eq!(gate.credits.load(Ordering::Relaxed), 0, "no credit leaked");
     }
 
     #[test]

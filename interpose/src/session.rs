@@ -604,7 +604,10 @@ impl Session {
         }
         let Some(path) = self.socket.as_deref() else {
             if !link.refused {
-                tlog!(Error, "TESSERA_TOKEN is set but TESSERA_SOCKET is not: every allocation is refused");
+                match &crate::config::get().identity_error {
+                    Some(e) => tlog!(Error, "cannot prove this process's allocation ({e}): every allocation is refused and every launch fails"),
+                    None => tlog!(Error, "TESSERA_TOKEN is set but TESSERA_SOCKET is not: every allocation is refused and every launch fails"),
+                }
             }
             link.refused = true;
             link.next_attempt = now + self.policy.refused_pause;

@@ -58,7 +58,7 @@ fn create() -> Option<&'static Process> {
     let token = cfg.token.clone()?;
     let fresh = Box::into_raw(Box::new(Process::new(
         Session::new(cfg.socket.clone(), token.clone(), Policy::default()),
-        Gate::new(cfg.socket.clone(), token),
+        if cfg.closed() { Gate::new(None, token).closed() } else { Gate::new(cfg.socket.clone(), token) },
     )));
     match PROCESS.compare_exchange(std::ptr::null_mut(), fresh, Ordering::AcqRel, Ordering::Acquire) {
         // SAFETY: we just published `fresh`; it is never freed.

@@ -9,6 +9,7 @@
 //! - [`units`]: pure rules: unit ids, best-fit placement, whole-GPU requests, allocation
 //!   labels, memory and share for a number of units.
 //! - [`health`]: the node's GPUs from NVML (XID events, vanished devices) or the arbiter.
+//! - [`identity`]: the per-container identity files (token, socket) mounted read-only.
 //! - [`install`]: versioned, never-overwritten installation of the interposer on the host.
 //! - [`kubelet`]: gRPC over Unix sockets, registration, socket identities (restart watch).
 //! - [`arbiter`]: blocking admin calls from async code.
@@ -18,6 +19,7 @@
 
 pub mod arbiter;
 pub mod health;
+pub mod identity;
 pub mod install;
 pub mod kubelet;
 pub mod plugin;

@@ -50,6 +50,10 @@ struct Args {
     /// Host folder for the versioned interposer copies.
     #[arg(long, default_value = "/var/lib/tessera/lib")]
     host_lib_dir: PathBuf,
+    /// Host folder of the per-container identity files (token and socket, mounted read-only
+    /// at /etc/tessera/tenant in each container).
+    #[arg(long, default_value = "/var/lib/tessera/identity")]
+    host_identity_dir: PathBuf,
     /// The interposer library to install (default: next to this executable).
     #[arg(long)]
     interposer: Option<PathBuf>,
@@ -97,6 +101,7 @@ fn config(a: Args) -> Result<(Config, bool), String> {
         host_lib_dir: a.host_lib_dir,
         interposer: a.interposer,
         container_lib_path: a.container_lib_path,
+        host_identity_dir: a.host_identity_dir,
         shares_per_gpu: a.shares_per_gpu,
         resource_name: a.resource_name,
         gpu_source: match a.gpu_source {

@@ -76,6 +76,8 @@ pub struct Config {
     pub interposer: Option<PathBuf>,
     /// Path of the interposer inside containers.
     pub container_lib_path: PathBuf,
+    /// Host folder of the per-container identity files (mounted read-only into containers).
+    pub host_identity_dir: PathBuf,
     /// Units per GPU.
     pub shares_per_gpu: u32,
     /// Extended resource name.
@@ -250,6 +252,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
             container_socket_dir: cfg.container_socket_dir.clone(),
             installed,
             container_lib_path: cfg.container_lib_path.clone(),
+            host_identity_dir: cfg.host_identity_dir.clone(),
         },
     });
 
@@ -414,6 +417,7 @@ mod tests {
             tenant_socket: "/run/tessera/tenant/tessera.sock".into(),
             container_socket_dir: "/run/tessera".into(),
             host_lib_dir: "/var/lib/tessera/lib".into(),
+            host_identity_dir: "/var/lib/tessera/identity".into(),
             interposer: None,
             container_lib_path: "/usr/lib/tessera/libtessera_interpose.so".into(),
             shares_per_gpu: 100,

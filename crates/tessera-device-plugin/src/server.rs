@@ -40,6 +40,7 @@ pub const ENV_ALLOCATION: &str = "TESSERA_ALLOCATION_ID";
 pub const ENV_VISIBLE: &str = "NVIDIA_VISIBLE_DEVICES";
 /// Where glibc's loader reads libraries to preload.
 pub const CONTAINER_PRELOAD: &str = "/etc/ld.so.preload";
+pub use tessera_protocol::identity::CONTAINER_IDENTITY_FILE;
 
 /// Errors of the server.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +61,8 @@ pub struct Mounts {
     pub installed: Installed,
     /// Path of the interposer inside containers (what the preload file names).
     pub container_lib_path: PathBuf,
+    /// Host folder of the per-container identity files.
+    pub host_identity_dir: PathBuf,
 }
 
 /// Everything `Allocate` needs.
@@ -150,8 +153,10 @@ fn create_all(
     plans: &[Planned],
     per_gpu: u32,
     resource: &str,
+    identity_dir: &Path,
 ) -> Result<Vec<(String, AllocationStatus)>, ClientError> {
     let gpus = c.gpus()?;
+    let mut live: HashSet<String> = HashSet::new();
     // Units the kubelet hands out again are free in its eyes: an allocation still holding
     // them belongs to a container that is gone (or to an Allocate the kubelet retried).
     let wanted: HashSet<String> = plans
@@ -159,6 +164,7 @@ fn create_all(
         .flat_map(|p| p.units.iter().map(move |n| format!("{}-{n}", p.uuid)))
         .collect();
     for a in c.list()? {
+        live.insert(a.id.clone());
         let Some(ids) = units::units_from_labels(&a.labels, resource) else {
             continue;
         };
@@ -172,7 +178,9 @@ fn create_all(
                 | Err(ClientError::Admin {
                     kind: AdminErrorKind::NotFound,
                     ..
-                }) => {}
+                }) => {
+                    live.remove(&a.id);
+                }
                 Err(e) => return Err(e),
             }
         }
@@ -209,6 +217,9 @@ fn create_all(
         }
         return Err(e);
     }
+    // Identity files of allocations deleted since (here, or by the stale clean-up) go.
+    live.extend(made.iter().map(|(_, a)| a.id.clone()));
+    crate::identity::sweep(identity_dir, &live);
     Ok(made)
 }
 
@@ -220,8 +231,16 @@ fn mount(container: &Path, host: &Path) -> Mount {
     }
 }
 
-/// The container wiring for a fraction: token, socket, preload of the interposer.
-fn fraction_response(m: &Mounts, uuid: &str, token: &str, id: &str) -> ContainerAllocateResponse {
+/// The container wiring for a fraction: token, socket, preload of the interposer, and the
+/// identity file (`identity`: its host path), which the interposer trusts over the
+/// environment (the environment variables stay for tools and for people).
+fn fraction_response(
+    m: &Mounts,
+    uuid: &str,
+    token: &str,
+    id: &str,
+    identity: &Path,
+) -> ContainerAllocateResponse {
     let sock_name = m
         .tenant_socket
         .file_name()
@@ -243,6 +262,7 @@ fn fraction_response(m: &Mounts, uuid: &str, token: &str, id: &str) -> Container
             mount(&m.container_lib_path, &m.installed.lib_path),
             mount(Path::new(CONTAINER_PRELOAD), &m.installed.preload_path),
             mount(&m.container_socket_dir, host_sock_dir),
+            mount(Path::new(CONTAINER_IDENTITY_FILE), identity),
         ],
         ..Default::default()
     }
@@ -358,11 +378,19 @@ impl DevicePlugin for PluginService {
         }
         let (per_gpu, resource) = (ctx.per_gpu, ctx.resource_name.clone());
         let plans2 = plans.clone();
+        let identity_dir = ctx.mounts.host_identity_dir.clone();
         let made = with_admin(&ctx.admin_socket, move |c| {
-            create_all(c, &plans2, per_gpu, &resource)
+            create_all(c, &plans2, per_gpu, &resource, &identity_dir)
         })
         .await
         .map_err(arbiter_status)?;
+        let container_socket = ctx.mounts.container_socket_dir.join(
+            ctx.mounts
+                .tenant_socket
+                .file_name()
+                .map(Path::new)
+                .unwrap_or(Path::new("tessera.sock")),
+        );
 
         let mut container_responses = Vec::new();
         for i in 0..requests.len() {
@@ -372,6 +400,21 @@ impl DevicePlugin for PluginService {
                 .filter(|(p, _)| p.container == i)
                 .collect();
             let ids: Vec<&str> = mine.iter().map(|(_, (_, a))| a.id.as_str()).collect();
+            // The container's identity: its (first) allocation's token. For whole GPUs it only
+            // lets the backstop know the container's processes are entitled to the cards.
+            let identity = match mine.first() {
+                Some((_, (token, a))) => {
+                    let whole_gpus = whole.contains_key(&i);
+                    let id = tessera_protocol::identity::Identity {
+                        token: token.clone(),
+                        socket: (!whole_gpus).then(|| container_socket.clone()),
+                        allocation: Some(a.id.clone()),
+                    };
+                    let written = crate::identity::write(&ctx.mounts.host_identity_dir, &a.id, &id);
+                    Some(written.map_err(|e| Status::internal(format!("tessera: {e}")))?)
+                }
+                None => None,
+            };
             if let Some(uuids) = whole.get(&i) {
                 // Whole GPUs: the container has the cards to itself; no interposer, no token.
                 let envs = BTreeMap::from([
@@ -380,9 +423,13 @@ impl DevicePlugin for PluginService {
                 ]);
                 container_responses.push(ContainerAllocateResponse {
                     envs: envs.into_iter().collect(),
+                    mounts: identity
+                        .iter()
+                        .map(|p| mount(Path::new(CONTAINER_IDENTITY_FILE), p))
+                        .collect(),
                     ..Default::default()
                 });
-            } else if let Some((p, (token, a))) = mine.first() {
+            } else if let (Some((p, (token, a))), Some(identity)) = (mine.first(), &identity) {
                 eprintln!(
                     "tessera-device-plugin: allocation {} on {}: {} units, {} bytes",
                     a.id,
@@ -390,7 +437,13 @@ impl DevicePlugin for PluginService {
                     p.units.len(),
                     a.memory_limit
                 );
-                container_responses.push(fraction_response(&ctx.mounts, &p.uuid, token, &a.id));
+                container_responses.push(fraction_response(
+                    &ctx.mounts,
+                    &p.uuid,
+                    token,
+                    &a.id,
+                    identity,
+                ));
             }
         }
         Ok(Response::new(AllocateResponse {
@@ -472,14 +525,17 @@ mod tests {
                 wrote_lib: false,
             },
             container_lib_path: "/usr/lib/tessera/libtessera_interpose.so".into(),
+            host_identity_dir: "/var/lib/tessera/identity".into(),
         };
-        let r = fraction_response(&m, "GPU-a", "tok", "a1");
+        let r = fraction_response(&m, "GPU-a", "tok", "a1", Path::new("/var/lib/tessera/identity/a1.x"));
         assert_eq!(r.envs[ENV_TOKEN], "tok");
         assert_eq!(r.envs[ENV_SOCKET], "/run/tessera/tessera.sock");
         assert_eq!(r.envs[ENV_VISIBLE], "GPU-a");
-        assert_eq!(r.mounts.len(), 3);
+        assert_eq!(r.mounts.len(), 4);
         assert!(r.mounts.iter().all(|m| m.read_only));
         assert_eq!(r.mounts[1].container_path, "/etc/ld.so.preload");
         assert_eq!(r.mounts[2].host_path, "/run/tessera/tenant");
+        assert_eq!(r.mounts[3].container_path, "/etc/tessera/tenant");
+        assert_eq!(r.mounts[3].host_path, "/var/lib/tessera/identity/a1.x");
     }
 }
