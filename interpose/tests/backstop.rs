@@ -1,7 +1,9 @@
 //! The arbiter's memory backstop, from a tenant that goes around the interposer: a child of a
 //! connected process started without `LD_PRELOAD` (and without the token) takes device memory
-//! on its own. Truth is the simulated GPU's per-process memory (what NVML reports), not the
-//! ledger.
+//! on its own, or a connected process that reaches the real driver around the hooks (glibc's
+//! own `dlsym`, a library loaded with `RTLD_DEEPBIND`, a second driver in a `dlmopen`
+//! namespace; C clients in `tests/c/`). Truth is the simulated GPU's per-process memory (what
+//! NVML reports), not the ledger.
 
 mod common;
 
