@@ -1,7 +1,9 @@
 //! The arbiter's memory backstop, from a tenant that goes around the interposer: a child of a
 //! connected process started without `LD_PRELOAD` (and without the token) takes device memory
-//! on its own. Truth is the simulated GPU's per-process memory (what NVML reports), not the
-//! ledger.
+//! on its own, or a connected process that reaches the real driver around the hooks (glibc's
+//! own `dlsym`, a library loaded with `RTLD_DEEPBIND`, a second driver in a `dlmopen`
+//! namespace; C clients in `tests/c/`). Truth is the simulated GPU's per-process memory (what
+//! NVML reports), not the ledger.
 
 mod common;
 
@@ -76,29 +78,65 @@ fn honest_processes_of_an_allocation_at_its_limit_are_never_touched() {
     wait_until(Duration::from_secs(5), || bed.used(&id) == 0).expect("ledger back to zero");
 }
 
+/// Device memory the arbiter lets each process hold beyond its allocation's limit (its default
+/// `--backstop-tolerance-mib`): the card may hold up to limit plus this for a one-process tenant.
+const TOLERANCE: u64 = 512 * MIB;
+
+/// Runs a C client of `tests/c/` that connects with a hooked 64 MiB allocation ("hooked 0") and
+/// then takes 4 GiB around the interposer ("escaped 0") under a 1 GiB limit; asserts that the
+/// backstop kills it within a second of the escape, that the card is back under the limit plus
+/// the tolerance by then, and that the kill is logged and counted. `how` names the route.
+fn an_escape_is_killed(bed: &Bed, id: &str, mut cmd: std::process::Command, how: &str) {
+    let mut c = cmd.stdout(std::process::Stdio::piped()).spawn().unwrap();
+    let pid = c.id();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(c.stdout.take().unwrap()));
+    let mut c = tessera_testkit::KillOnDrop::new(c);
+    let mut line = || lines.next().and_then(Result::ok).unwrap_or_default();
+    assert_eq!(line(), "hooked 0", "the hooked allocation connects it");
+    assert_eq!(line(), "escaped 0", "the real driver gave it 4 GiB");
+    let t = Instant::now();
+    let status = c.wait().unwrap();
+    let took = t.elapsed();
+    eprintln!("escape through {how}: killed {took:?} after its allocation");
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}\n{}", bed.arbiter_log());
+    // NVML's truth, within a second of the escape: a dead process's record is dead at once.
+    let back = wait_until(Duration::from_secs(2), || bed.sim_used() <= GIB + TOLERANCE);
+    back.expect("the card back under the limit plus the tolerance");
+    assert!(t.elapsed() < Duration::from_secs(1), "killed and back after {:?}", t.elapsed());
+    wait_until(Duration::from_secs(2), || bed.status(id).enforced == 1).expect("counted");
+    let log = bed.arbiter_log();
+    let line = format!("backstop: pid {pid} of allocation {id} killed");
+    assert!(log.contains(&line) && log.contains("it connected"), "{log}");
+}
+
 #[test]
 fn a_connected_process_that_reaches_the_real_driver_through_glibc_dlsym_is_killed() {
     let bed = Bed::new();
     let (token, id) = bed.create(GIB);
     let exe = build_c(&bed, "escape");
-    let mut c = bed
-        .tenant_command(&exe, &token)
-        .arg("4096")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(c.stdout.take().unwrap()));
-    assert_eq!(lines.next().unwrap().unwrap(), "hooked 0", "the hooked allocation connects it");
-    assert_eq!(lines.next().unwrap().unwrap(), "escaped 0", "the real driver gave it 4 GiB");
-    let t = Instant::now();
-    let status = c.wait().unwrap();
-    eprintln!("escape through glibc's dlsym: killed {:?} after its allocation", t.elapsed());
-    use std::os::unix::process::ExitStatusExt;
-    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}\n{}", bed.arbiter_log());
-    assert!(t.elapsed() < Duration::from_secs(1), "killed after {:?}", t.elapsed());
-    wait_until(Duration::from_secs(2), || bed.sim_used() <= GIB).expect("the card back under the limit");
-    wait_until(Duration::from_secs(2), || bed.status(&id).enforced == 1).expect("counted");
-    let log = bed.arbiter_log();
-    assert!(log.contains("it connected"), "{log}");
+    let mut cmd = bed.tenant_command(&exe, &token);
+    cmd.arg("4096");
+    an_escape_is_killed(&bed, &id, cmd, "glibc's dlsym");
+}
+
+#[test]
+fn a_connected_process_whose_deepbind_library_calls_the_driver_is_killed() {
+    let bed = Bed::new();
+    let (token, id) = bed.create(GIB);
+    let lib = build_c_lib(&bed, "deepbind_lib");
+    let exe = build_c(&bed, "deepbind");
+    let mut cmd = bed.tenant_command(&exe, &token);
+    cmd.arg("4096").arg(&lib);
+    an_escape_is_killed(&bed, &id, cmd, "a library loaded with RTLD_DEEPBIND");
+}
+
+#[test]
+fn a_connected_process_with_a_second_driver_in_a_dlmopen_namespace_is_killed() {
+    let bed = Bed::new();
+    let (token, id) = bed.create(GIB);
+    let exe = build_c(&bed, "dlmopen");
+    let mut cmd = bed.tenant_command(&exe, &token);
+    cmd.arg("4096");
+    an_escape_is_killed(&bed, &id, cmd, "dlmopen(LM_ID_NEWLM)");
 }

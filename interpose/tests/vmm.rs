@@ -218,3 +218,39 @@ fn an_imported_handle_is_counted_once_by_its_creator() {
     assert_eq!(a.bed.used(&b_id), 0);
     a.finish();
 }
+
+#[test]
+fn the_release_at_once_idiom_is_refused_at_create_and_the_card_never_holds_more_than_the_limit() {
+    let bed = Bed::new();
+    let (token, id) = bed.create(GIB);
+    let exe = build_c(&bed, "vmm_release");
+    let mut c = bed
+        .tenant_command(&exe, &token)
+        .args(["4096", "512", "512", "512"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = c.id();
+    let mut c_out = std::io::BufRead::lines(std::io::BufReader::new(c.stdout.take().unwrap()));
+    let mut c = tessera_testkit::KillOnDrop::new(c);
+    let mut line = || c_out.next().and_then(Result::ok).unwrap_or_default();
+    assert_eq!(line(), "create 4096 2", "4 GiB under a 1 GiB limit is refused at cuMemCreate");
+    assert_eq!(line(), "create 512 0");
+    assert_eq!(line(), "mapped 512 0");
+    assert_eq!(line(), "create 512 0");
+    assert_eq!(line(), "mapped 512 0", "released at once, mapped: the limit is full");
+    assert_eq!(line(), "create 512 2", "released-but-mapped memory still counts");
+    assert_eq!(line(), "done");
+    // NVML's truth over five backstop polls, mappings in place: exactly the limit, so the
+    // interposer refused and the backstop had nothing to do.
+    let t = std::time::Instant::now();
+    while t.elapsed() < Duration::from_millis(1250) {
+        assert_eq!(bed.sim_used(), GIB, "the card holds the two mapped 512 MiB, nothing else");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(alive(pid), "refused, not killed\n{}", bed.arbiter_log());
+    assert_eq!(bed.used(&id), GIB, "the arbiter counts what the card holds");
+    assert_eq!(bed.status(&id).enforced, 0);
+    assert!(!bed.arbiter_log().contains("backstop: pid"), "{}", bed.arbiter_log());
+    c.kill_and_reap();
+}

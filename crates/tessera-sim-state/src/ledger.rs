@@ -9,6 +9,10 @@
 //! process, may open the file. A fork child closes its inherited descriptor (see `atfork_child`)
 //! so a parent's death stays visible, and makes its own record on first use.
 //!
+//! A process with a second copy of the library (`dlmopen(LM_ID_NEWLM, ..)`), which has a ledger
+//! of its own, gets a second record `procs/<pid>.<n>`; readers sum a pid's records, as NVML
+//! reports all of a process's memory whichever copy of the driver took it.
+//!
 //! Allocation check-and-add runs under `flock(mem.lock)` plus an in-process mutex, so the card is
 //! never overcommitted; a holder killed inside loses the flock with its life, so no deadlock.
 
@@ -95,6 +99,8 @@ fn register_atfork() {
 
 struct Mine {
     pid: u32,
+    /// The record's file name: the pid, or `<pid>.<n>` for a second copy in the same process.
+    name: String,
     fd: RawFd,
     words: *const AtomicU64,
 }
@@ -194,6 +200,7 @@ impl Ledger {
     fn create_record(&self) -> Result<Mine, LedgerError> {
         let procs = self.dir.join("procs");
         let me = pid();
+        let name = free_record_name(&procs, me);
         let tmp = procs.join(format!(".new-{me}"));
         let file = OpenOptions::new()
             .create(true)
@@ -227,7 +234,7 @@ impl Ledger {
         if map == libc::MAP_FAILED {
             return Err(io(&tmp)(std::io::Error::last_os_error()));
         }
-        let dest = procs.join(me.to_string());
+        let dest = procs.join(&name);
         std::fs::rename(&tmp, &dest).map_err(io(&dest))?;
         let fd = file.into_raw_fd();
         for slot in &RECORD_FDS {
@@ -240,6 +247,7 @@ impl Ledger {
         }
         Ok(Mine {
             pid: me,
+            name,
             fd,
             words: map as *const AtomicU64,
         })
@@ -340,7 +348,7 @@ impl Drop for Ledger {
             for slot in &RECORD_FDS {
                 let _ = slot.compare_exchange(m.fd, -1, Ordering::SeqCst, Ordering::SeqCst);
             }
-            let _ = std::fs::remove_file(self.dir.join("procs").join(m.pid.to_string()));
+            let _ = std::fs::remove_file(self.dir.join("procs").join(&m.name));
             // SAFETY: closing our own record descriptor; the mapping stays (never unmapped).
             unsafe { libc::close(m.fd) };
         }
@@ -353,6 +361,39 @@ fn whole_file_lock(kind: i16) -> libc::flock {
     lk.l_type = kind;
     lk.l_whence = libc::SEEK_SET as i16;
     lk
+}
+
+/// The name of a new record of `pid`: the pid itself unless a live record holds it, which can
+/// only be another copy of this library in this very process (its own ledger, its own OFD
+/// lock), whose record must not be replaced; then `<pid>.1`, `<pid>.2`, ... (caller holds the
+/// mem.lock flock, so two copies never pick the same name).
+fn free_record_name(procs: &Path, pid: u32) -> String {
+    let live = |name: &str| {
+        OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(procs.join(name))
+            .is_ok_and(|f| is_alive(&f))
+    };
+    let mut name = pid.to_string();
+    let mut n = 0u32;
+    while live(&name) {
+        n += 1;
+        name = format!("{pid}.{n}");
+    }
+    name
+}
+
+/// The pid a record's file name belongs to (`<pid>` or `<pid>.<n>`).
+fn record_pid(name: &str) -> Option<u32> {
+    let (pid, copy) = match name.split_once('.') {
+        Some((pid, copy)) => (pid, Some(copy)),
+        None => (name, None),
+    };
+    if copy.is_some_and(|c| c.parse::<u32>().is_err()) {
+        return None;
+    }
+    pid.parse().ok()
 }
 
 /// Whether the record behind `file` still has a live owner.
@@ -375,7 +416,7 @@ fn scan(dir: &Path, delete_dead: bool) -> Result<Vec<ProcessUsage>, LedgerError>
     let mut out = Vec::new();
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.parse::<u32>().ok()) else {
+        let Some(pid) = name.to_str().and_then(record_pid) else {
             continue;
         };
         let path = entry.path();
@@ -413,7 +454,17 @@ fn scan(dir: &Path, delete_dead: bool) -> Result<Vec<ProcessUsage>, LedgerError>
             u.busy_ns[g] = word(base + W_BUSY);
             u.contexts[g] = word(base + W_CTX);
         }
-        out.push(u);
+        // A second copy of the library in the same process: one process, one sum.
+        match out.iter_mut().find(|o: &&mut ProcessUsage| o.pid == pid) {
+            Some(o) => {
+                for g in 0..MAX_GPUS {
+                    o.mem_bytes[g] += u.mem_bytes[g];
+                    o.busy_ns[g] += u.busy_ns[g];
+                    o.contexts[g] += u.contexts[g];
+                }
+            }
+            None => out.push(u),
+        }
     }
     out.sort_by_key(|u| u.pid);
     Ok(out)
@@ -458,6 +509,27 @@ mod tests {
         assert_eq!(procs[0].pid, std::process::id());
         assert_eq!(procs[0].busy_ns[1], 77);
         assert_eq!(procs[0].mem_bytes[1], 50);
+    }
+
+    #[test]
+    fn a_second_copy_in_the_same_process_keeps_its_own_record_and_both_are_counted() {
+        let dir = tempfile::tempdir().unwrap();
+        // Two ledgers of one folder in one process: what two copies of libcuda.so.1 loaded
+        // into two link-map namespaces have.
+        let first = Ledger::open(dir.path(), vec![1000]).unwrap();
+        let second = Ledger::open(dir.path(), vec![1000]).unwrap();
+        first.try_alloc(0, 64).unwrap();
+        second.try_alloc(0, 400).unwrap();
+        assert_eq!(device_memory_used(dir.path(), 0).unwrap(), 464, "neither record replaced the other");
+        let procs = read_processes(dir.path()).unwrap();
+        assert_eq!(procs.len(), 1, "one process: {procs:?}");
+        assert_eq!((procs[0].pid, procs[0].mem_bytes[0]), (std::process::id(), 464));
+        assert!(second.try_alloc(0, 537).is_err(), "the card's room counts both copies");
+        drop(second);
+        assert_eq!(device_memory_used(dir.path(), 0).unwrap(), 64, "the second copy's record only went");
+        assert_eq!(record_pid("12.3"), Some(12));
+        assert_eq!(record_pid("12.x"), None);
+        assert_eq!(record_pid(".new-12"), None);
     }
 
     #[test]

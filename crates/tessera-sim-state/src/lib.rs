@@ -3,7 +3,8 @@
 //!
 //! Everything lives in one state folder (`TESSERA_SIM_DIR`, default [`default_state_dir`]):
 //! - `procs/<pid>`: one record per process using the simulated GPUs (memory in use and engine
-//!   busy time per device), OFD-locked by its owner so readers can tell dead records.
+//!   busy time per device), OFD-locked by its owner so readers can tell dead records
+//!   (`procs/<pid>.<n>` for a second copy of the driver in the same process).
 //! - `mem.lock`: serialises allocation check-and-add across processes.
 //! - `engine<N>`: the execution engine of device N (flock held while a kernel runs) and its
 //!   busy-time counters.

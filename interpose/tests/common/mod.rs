@@ -158,18 +158,29 @@ impl Bed {
 /// Builds `tests/c/NAME.c` against the simulated driver (C clients reach what cuda-bindings
 /// never asks for, such as per-thread variants, `pthread_cancel` or glibc's own `dlsym`).
 pub fn build_c(bed: &Bed, name: &str) -> PathBuf {
-    let exe = bed.dir.path().join(name);
+    cc(bed, name, name, &[])
+}
+
+/// Builds `tests/c/NAME.c` as `libNAME.so`, linked against the simulated driver (a library that
+/// calls the driver itself, e.g. one loaded with `RTLD_DEEPBIND`).
+pub fn build_c_lib(bed: &Bed, name: &str) -> PathBuf {
+    cc(bed, name, &format!("lib{name}.so"), &["-shared", "-fPIC"])
+}
+
+fn cc(bed: &Bed, name: &str, output: &str, flags: &[&str]) -> PathBuf {
+    let out_path = bed.dir.path().join(output);
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
     let out = Command::new("cc")
+        .args(flags)
         .arg("-o")
-        .arg(&exe)
+        .arg(&out_path)
         .arg(&src)
         .arg(format!("-L{}", bed.lib_dir.display()))
         .args(["-lcuda", "-ldl", "-lpthread"])
         .output()
         .expect("a C compiler (cc) is needed");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    exe
+    out_path
 }
 
 /// True while `pid` exists and is not a zombie.
