@@ -89,8 +89,9 @@ pub struct Watched {
     pub pids: Vec<i32>,
     /// Its secret token (what its containers' identity files hold).
     pub token: String,
-    /// Its compute share; at 100 nobody else has time on its GPU to protect, so its GPU time
-    /// is not policed (a pod holding whole GPUs runs without the interposer and its leases).
+    /// Its compute share; at 100 it holds the whole card: nobody else's memory or time on
+    /// it to protect, so the backstop does not police it (a pod holding whole GPUs runs
+    /// without the interposer and its leases, and may use several cards).
     pub share: u32,
 }
 
@@ -256,6 +257,11 @@ pub fn decide(
         }
     }
     for (w, group) in watched.iter().zip(groups) {
+        if w.share >= 100 {
+            // A whole card: its processes cannot take more than the card, and a pod holding
+            // several whole cards (one allocation each, one identity) spreads over them.
+            continue;
+        }
         let total: u64 = group.iter().map(|(_, u)| u).sum();
         let allowed = w
             .limit
@@ -893,6 +899,14 @@ mod tests {
             })
             .collect();
         assert_eq!(unknown, vec![(60, true), (61, true), (70, false)]);
+    }
+
+    #[test]
+    fn a_whole_card_is_not_policed() {
+        let mut a = [w("a", GIB, &[1])];
+        a[0].share = 100;
+        // Memory on two cards, summed beyond one card's limit: a pod holding both.
+        assert!(run(&a, &[p(1, GIB), p(1, GIB)], &Fake::default(), 0).is_empty());
     }
 
     #[test]

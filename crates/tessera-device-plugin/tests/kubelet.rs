@@ -248,6 +248,8 @@ impl Node {
             .arg(self.tenant())
             .arg("--host-lib-dir")
             .arg(self.host_lib())
+            .arg("--host-identity-dir")
+            .arg(self.dir.path().join("identity"))
             .args([
                 "--gpu-source",
                 "nvml",
@@ -765,12 +767,27 @@ fn run_in_container(
     env: &[(&str, String)],
     program: &Path,
 ) -> std::process::Output {
+    container_command(resp, root, shared, env, program, &[])
+        .output()
+        .expect("unshare (util-linux) is needed to emulate a container")
+}
+
+/// The command [`run_in_container`] runs (with `args` for the program); the container's
+/// process is the command's own pid (every step execs).
+fn container_command(
+    resp: &ContainerAllocateResponse,
+    root: &Path,
+    shared: &[&Path],
+    env: &[(&str, String)],
+    program: &Path,
+    args: &[&str],
+) -> Command {
     // Paths go into a shell script unquoted: allow only plain characters.
     let safe = |p: &Path| {
         let t = p.display().to_string();
         assert!(
             t.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"/._-".contains(&b)),
+                .all(|b| b.is_ascii_alphanumeric() || b"/._-,".contains(&b)),
             "unexpected characters in {t}"
         );
         t
@@ -823,15 +840,16 @@ fn run_in_container(
         env.iter()
             .map(|(k, v)| format!("{k}={}", safe(Path::new(v)))),
     );
+    let args: Vec<String> = args.iter().map(|a| safe(Path::new(a))).collect();
     s += &format!(
-        "exec chroot {r} /usr/bin/env -i {} {}\n",
+        "exec chroot {r} /usr/bin/env -i {} {} {}\n",
         vars.join(" "),
-        safe(program)
+        safe(program),
+        args.join(" ")
     );
-    Command::new("unshare")
-        .args(["--mount", "--propagation", "private", "sh", "-c", &s])
-        .output()
-        .expect("unshare (util-linux) is needed to emulate a container")
+    let mut cmd = Command::new("unshare");
+    cmd.args(["--mount", "--propagation", "private", "sh", "-c", &s]);
+    cmd
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -909,5 +927,175 @@ async fn a_container_gets_the_interposer_and_its_limit() {
         "{shown}"
     );
     assert!(stdout.contains("allocated 40 GiB"), "{shown}");
+    kubelet.stop().await;
+}
+
+/// The simulated machine's variables as strings, for a container's environment.
+fn sim_env(node: &Node) -> Vec<(&'static str, String)> {
+    node.sim
+        .vars()
+        .into_iter()
+        .map(|(k, v)| (k, v.to_string_lossy().into_owned()))
+        .collect()
+}
+
+/// Allocates `n` units of GPU 0 for pod `pod` through the plugin.
+async fn allocate_units(
+    node: &Node,
+    podres: &FakePodResources,
+    range: std::ops::Range<u32>,
+    pod: &str,
+) -> ContainerAllocateResponse {
+    let g0 = node.gpus()[0].uuid.clone();
+    let mut client = node.plugin_client().await;
+    let units = unit_ids(&g0, range);
+    podres.set_holding(pod, &units);
+    allocate(&mut client, units).await.unwrap()
+}
+
+/// Runs the `tenant` example in an emulated container until it exits, and returns its
+/// stdout, stderr, exit status and how long it lived after its memory was taken (the line
+/// "holds N GiB" on stdout).
+fn run_tenant(
+    node: &Node,
+    resp: &ContainerAllocateResponse,
+    env: &[(&str, String)],
+    args: &[&str],
+) -> (String, String, std::process::ExitStatus, Option<Duration>) {
+    use std::io::BufRead;
+    let root = tempfile::tempdir().unwrap();
+    let target = target_dir();
+    let mut child = container_command(
+        resp,
+        root.path(),
+        &[&target, node.dir.path()],
+        env,
+        &artifact("tenant"),
+        args,
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .expect("unshare (util-linux) is needed to emulate a container");
+    let err = child.stderr.take().unwrap();
+    let err = std::thread::spawn(move || std::io::read_to_string(err).unwrap_or_default());
+    let mut out = String::new();
+    let mut held_at = None;
+    for line in std::io::BufReader::new(child.stdout.take().unwrap()).lines() {
+        let line = line.unwrap_or_default();
+        if held_at.is_none() && line.contains(" holds ") {
+            held_at = Some(Instant::now());
+        }
+        out.push_str(&line);
+        out.push('\n');
+    }
+    let status = child.wait().unwrap();
+    (out, err.join().unwrap(), status, held_at.map(|t| t.elapsed()))
+}
+
+fn killed(status: &std::process::ExitStatus) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    status.signal() == Some(libc::SIGKILL)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_that_unsets_its_token_or_fakes_its_socket_still_gets_its_limit() {
+    let mut node = Node::start().await;
+    let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
+    let podres = FakePodResources::default();
+    podres.serve(&node.podres());
+    node.start_plugin_with(&["--container-lib-path", "/opt/tessera/libtessera_interpose.so"]);
+    within(15, "registration", kubelet.registrations.recv()).await.unwrap();
+    let resp = allocate_units(&node, &podres, 0..30, "p").await;
+    let mut no_token = resp.clone();
+    no_token.envs.remove("TESSERA_TOKEN");
+    let mut fake_socket = resp.clone();
+    fake_socket.envs.insert("TESSERA_SOCKET".into(), "/tmp/fake-arbiter.sock".into());
+    fake_socket.envs.insert("TESSERA_TOKEN".into(), "forged".into());
+    for (what, r) in [("token unset", &no_token), ("socket and token forged", &fake_socket)] {
+        let (out, err, status, _) = tokio::task::block_in_place(|| {
+            run_tenant(&node, r, &sim_env(&node), &["--grab-gib", "40", "--seconds", "0.2"])
+        });
+        let shown = format!("{what}\nstdout:\n{out}\nstderr:\n{err}");
+        // The interposer took token and socket from the read-only identity file: it reached
+        // the real arbiter (the card shows the allocation's 24 GiB) and the 25th GiB was
+        // refused with CUDA_ERROR_OUT_OF_MEMORY.
+        assert!(out.contains("24 GiB"), "{shown}");
+        assert!(out.contains("holds 24 GiB; the next 1 GiB was refused: CUDA_ERROR_OUT_OF_MEMORY"), "{shown}");
+        assert!(status.success(), "{shown}\n{status:?}");
+    }
+    // The card never held more than the limit, and nobody was killed.
+    let log = std::fs::read_to_string(node.dir.path().join("arbiter.log")).unwrap();
+    assert!(!log.contains("backstop: pid"), "{log}");
+    kubelet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_process_that_never_connects_is_attributed_by_its_identity_and_killed() {
+    let mut node = Node::start().await;
+    let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
+    let podres = FakePodResources::default();
+    podres.serve(&node.podres());
+    node.start_plugin_with(&["--container-lib-path", "/opt/tessera/libtessera_interpose.so"]);
+    within(15, "registration", kubelet.registrations.recv()).await.unwrap();
+    let resp = allocate_units(&node, &podres, 0..30, "p").await;
+    // A copy of ld.so that ignores /etc/ld.so.preload, or a static binary: the interposer is
+    // never loaded and nothing ever connects to the arbiter.
+    let mut bare = resp.clone();
+    bare.mounts.retain(|m| m.container_path != "/etc/ld.so.preload");
+    let (out, err, status, after) = tokio::task::block_in_place(|| {
+        run_tenant(&node, &bare, &sim_env(&node), &["--grab-gib", "40", "--seconds", "10"])
+    });
+    let shown = format!("stdout:\n{out}\nstderr:\n{err}");
+    assert!(out.contains("holds 40 GiB"), "the driver gave it 40 GiB: {shown}");
+    assert!(killed(&status), "{status:?}\n{shown}");
+    let after = after.unwrap();
+    eprintln!("a container process over its limit that never connected: killed {after:?} after it took 40 GiB");
+    assert!(after < Duration::from_secs(1), "killed after {after:?}");
+    let used = tessera_sim_state::device_memory_used(&node.sim.dir, 0).unwrap();
+    assert!(used < 24 << 30, "the card gave the memory back: {used}");
+    let log = std::fs::read_to_string(node.dir.path().join("arbiter.log")).unwrap();
+    assert!(log.contains("killed") && log.contains("never connected"), "{log}");
+    let id = &resp.envs["TESSERA_ALLOCATION_ID"];
+    assert!(log.contains(&format!("of allocation {id} killed")), "{log}");
+    kubelet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_without_shares_that_reaches_the_gpu_is_killed_and_whole_gpus_are_left_alone() {
+    let mut node = Node::start().await;
+    let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
+    let podres = FakePodResources::default();
+    podres.serve(&node.podres());
+    node.start_plugin_with(&["--container-lib-path", "/opt/tessera/libtessera_interpose.so"]);
+    within(15, "registration", kubelet.registrations.recv()).await.unwrap();
+    // A pod that asked for no shares but reached the device anyway (a privileged pod, or
+    // NVIDIA_VISIBLE_DEVICES=all): no mount, no identity.
+    let none = ContainerAllocateResponse::default();
+    let (out, err, status, _) = tokio::task::block_in_place(|| {
+        run_tenant(&node, &none, &sim_env(&node), &["--grab-gib", "1", "--seconds", "10"])
+    });
+    assert!(killed(&status), "{status:?}\n{out}\n{err}");
+    let log = std::fs::read_to_string(node.dir.path().join("arbiter.log")).unwrap();
+    assert!(log.contains("unknown container process") && log.contains("killed"), "{log}");
+
+    // A pod holding both whole GPUs runs without the interposer and uses its cards freely:
+    // memory and GPU time outside any lease; it is attributed (identity file) and untouched.
+    let gpus = node.gpus();
+    let mut client = node.plugin_client().await;
+    let mut units = unit_ids(&gpus[0].uuid, 0..100);
+    units.extend(unit_ids(&gpus[1].uuid, 0..100));
+    podres.set_holding("whole", &units);
+    let whole = allocate(&mut client, units).await.unwrap();
+    assert_eq!(whole.mounts.len(), 1, "only the identity file: {whole:?}");
+    assert_eq!(whole.mounts[0].container_path, "/etc/tessera/tenant");
+    let env = sim_env(&node);
+    let (out, err, status, _) = tokio::task::block_in_place(|| {
+        run_tenant(&node, &whole, &env, &["--grab-gib", "60", "--seconds", "1.5"])
+    });
+    assert!(status.success(), "{status:?}\n{out}\n{err}");
+    assert!(out.contains("holds 60 GiB"), "{out}");
+    let log = std::fs::read_to_string(node.dir.path().join("arbiter.log")).unwrap();
+    assert_eq!(log.matches("killed").count(), 1, "only the pod without shares: {log}");
     kubelet.stop().await;
 }
