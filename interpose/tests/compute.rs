@@ -378,3 +378,48 @@ fn launches_keep_running_while_the_arbiter_restarts() {
     assert!(frac < 1.2 && tail < 0.5, "work in flight was not bounded during the outage: {tail:.3} s queued");
     assert!(charged > 500_000_000, "gating did not resume after the restart");
 }
+
+#[test]
+fn a_tenant_that_launches_around_the_gate_gets_at_most_15_percent_and_is_killed() {
+    // Share 10 against a saturating share 90, for 10 s. The share-10 process connects, then
+    // launches through the real cuLaunchKernel (glibc's own dlsym), never asking for a lease:
+    // the interposer cannot see it, the backstop does (NVML's per-process GPU time against
+    // the leases the allocation was granted).
+    let _serial = serial();
+    let bed = Bed::new();
+    let (low_token, low_id) = bed.create_with(GIB, 10, None);
+    let (high_token, _) = bed.create_with(GIB, 90, None);
+    let exe = build_c(&bed, "bypass_launch");
+    let start = Instant::now();
+    let high = spawn_client(&bed, &high_token, &["kernel", "10", "2"]);
+    let mut low = bed
+        .tenant_command(&exe, &low_token)
+        .args(["10", "1000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pids = [low.id(), high.id()];
+    let busy = watch_busy(&bed, &pids, || start.elapsed() > Duration::from_secs(10) || !alive(pids[1]));
+    let status = low.wait().unwrap();
+    let out = std::io::read_to_string(low.stdout.take().unwrap()).unwrap_or_default();
+    let jh = finish(high);
+    let (bl, bh) = (busy.get(&pids[0]).copied().unwrap_or(0) as f64, busy[&pids[1]] as f64);
+    let share_low = bl / (bl + bh);
+    use std::os::unix::process::ExitStatusExt;
+    eprintln!(
+        "compute bypass, share 10 vs 90 over 10 s: bypasser busy {:.2} s, honest busy {:.2} s \
+         ({} launches), bypasser's fraction {share_low:.3}; bypasser {status:?}; arbiter charged \
+         it {:.2} s",
+        bl / 1e9,
+        bh / 1e9,
+        jh["launches"],
+        bed.status(&low_id).gpu_time_10s_ns as f64 / 1e9,
+    );
+    assert!(out.starts_with("bypassing"), "the client never went around the gate: {out}");
+    assert!(share_low <= 0.15, "the bypassing share-10 tenant got {share_low:.3} of the GPU time");
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}\n{}", bed.arbiter_log());
+    let log = bed.arbiter_log();
+    assert!(log.contains("outside its leases"), "{log}");
+    assert!(bed.status(&low_id).enforced >= 1, "counted");
+}

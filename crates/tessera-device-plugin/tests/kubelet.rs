@@ -536,7 +536,13 @@ async fn register_list_prefer_allocate_and_clean_up() {
     let resp = allocate(&mut client, all.clone()).await.unwrap();
     assert_eq!(resp.envs["NVIDIA_VISIBLE_DEVICES"], format!("{g0},{g1}"));
     assert!(!resp.envs.contains_key("TESSERA_TOKEN"));
-    assert!(resp.mounts.is_empty());
+    // No interposer and no socket: only the identity file, which tells the backstop the
+    // container's processes own the cards.
+    assert_eq!(resp.mounts.len(), 1, "{:?}", resp.mounts);
+    assert_eq!(resp.mounts[0].container_path, "/etc/tessera/tenant");
+    assert!(resp.mounts[0].read_only);
+    let identity = std::fs::read_to_string(&resp.mounts[0].host_path).unwrap();
+    assert!(identity.contains("token=") && !identity.contains("socket="), "{identity}");
     let allocs = node.allocations();
     assert_eq!(allocs.len(), 2);
     assert!(
