@@ -278,7 +278,7 @@ impl Ledger {
     pub fn try_alloc(&self, gpu: u32, bytes: u64) -> Result<(), LedgerError> {
         let mut guard = self.mine.lock().unwrap_or_else(|e| e.into_inner());
         let _flock = FlockGuard::lock(&self.mem_lock);
-        let mine = self.charge(&mut *guard, gpu, bytes)?;
+        let mine = self.charge(&mut guard, gpu, bytes)?;
         mine.word(HEADER_WORDS + gpu as usize * GPU_WORDS + W_MEM)
             .fetch_add(bytes, Ordering::SeqCst);
         Ok(())
@@ -365,7 +365,7 @@ impl Ledger {
             .is_none_or(|m| m.word(base + W_CTX).load(Ordering::SeqCst) == 0);
         let mine = if first && self.context_bytes > 0 {
             let _flock = FlockGuard::lock(&self.mem_lock);
-            let mine = self.charge(&mut *guard, gpu, self.context_bytes)?;
+            let mine = self.charge(&mut guard, gpu, self.context_bytes)?;
             mine.word(base + W_CTX_MEM)
                 .store(self.context_bytes, Ordering::SeqCst);
             mine
