@@ -12,6 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tessera_protocol::client::AdminClient;
+use tessera_sim_state::{ENV_CONTEXT_MEMORY, MODELED_CONTEXT_MEMORY};
 
 /// Where the built artifacts are: the folder of this executable.
 pub fn bin_dir() -> PathBuf {
@@ -113,6 +114,7 @@ impl SimNode {
             .env("LD_LIBRARY_PATH", &lib_dir)
             .env("TESSERA_SIM_DIR", &sim_dir)
             .env("TESSERA_SIM_GPUS", gpus)
+            .env(ENV_CONTEXT_MEMORY, MODELED_CONTEXT_MEMORY)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -136,6 +138,8 @@ impl SimNode {
         cmd.env("LD_LIBRARY_PATH", &self.lib_dir)
             .env("TESSERA_SIM_DIR", &self.sim_dir)
             .env("TESSERA_SIM_GPUS", &self.gpus)
+            // Contexts cost memory as on a real card (a caller's `.env` overrides it).
+            .env(ENV_CONTEXT_MEMORY, MODELED_CONTEXT_MEMORY)
             .env("TESSERA_ADMIN_SOCKET", &self.admin_socket)
             .env("TESSERA_SOCKET", &self.socket)
             .env_remove("LD_PRELOAD");

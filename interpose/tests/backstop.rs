@@ -57,10 +57,15 @@ fn in_report_mode_the_bypass_is_logged_and_left_running() {
 
 #[test]
 fn honest_processes_of_an_allocation_at_its_limit_are_never_touched() {
-    let bed = Bed::with_arbiter_args(&["--backstop-interval-ms", "50", "--backstop-tolerance-mib", "0"]);
+    // The tolerance is exactly what a context costs (the bed models a real card's 300 MiB), and
+    // nothing more.
+    let context = 300 * MIB;
+    let tolerance = (context / MIB).to_string();
+    let bed = Bed::with_arbiter_args(&["--backstop-interval-ms", "50", "--backstop-tolerance-mib", &tolerance]);
+    assert_eq!(bed.context_bytes(), context);
     let (token, id) = bed.create(GIB);
     // Two processes fill the limit exactly, a forked child adds its own share; the backstop
-    // polls 20 times a second with no tolerance at all.
+    // polls 20 times a second with no tolerance beyond the context memory.
     let mut a = Served::start(bed.tenant_command(&python(), &token));
     let mut b = Served::start(bed.tenant_command(&python(), &token));
     assert_eq!(a.ask(&format!("alloc {}", 400 * MIB))["alloc"], 0);
@@ -69,7 +74,8 @@ fn honest_processes_of_an_allocation_at_its_limit_are_never_touched() {
     assert_eq!(a.read()["child_alloc"], 0);
     assert_eq!(a.ask(&format!("alloc {}", MIB))["alloc"], 2, "the limit is full");
     std::thread::sleep(Duration::from_millis(500));
-    assert_eq!(bed.sim_used(), GIB);
+    // The limit's allocations plus the two contexts (the forked child uses its parent's).
+    assert_eq!(bed.sim_used(), GIB + 2 * context);
     let done = a.ask(&format!("release_child {} {}", forked["release_fd"], forked["forked"]));
     assert_eq!(done["child_status"], 0, "the honest child was touched");
     assert!(a.exit().success());

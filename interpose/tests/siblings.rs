@@ -40,7 +40,7 @@ fn peaks(bed: &Bed, id: &str, mut done: impl FnMut() -> bool) -> (u64, u64) {
     while !done() {
         let a = admin.list().unwrap().into_iter().find(|a| a.id == id).unwrap();
         ledger = ledger.max(a.memory_used);
-        card = card.max(bed.sim_used());
+        card = card.max(bed.sim_allocated());
         assert!(start.elapsed() < Duration::from_secs(120), "tenants did not finish");
         std::thread::sleep(Duration::from_millis(1));
     }

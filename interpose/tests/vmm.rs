@@ -55,7 +55,9 @@ impl Vmm {
     /// holds that much (the client's memory query after each step has flushed every release).
     #[track_caller]
     fn holds(&self, mib: u64, when: &str) {
-        assert_eq!(self.bed.sim_used(), mib * MIB, "{when}: the simulated GPU holds {mib} MiB");
+        // Plus the client's context.
+        let card = mib * MIB + self.bed.context_bytes();
+        assert_eq!(self.bed.sim_used(), card, "{when}: the simulated GPU holds {mib} MiB");
         assert_eq!(self.bed.used(&self.id), mib * MIB, "{when}: the arbiter counts what the GPU holds");
     }
 
@@ -206,7 +208,8 @@ fn an_imported_handle_is_counted_once_by_its_creator() {
     b_step(&mut b, "map r 0 h 512");
     let used = |id: &str| a.bed.used(id);
     assert_eq!((used(&a.id), used(&b_id)), (512 * MIB, 0), "charged to the creator only");
-    assert_eq!(a.bed.sim_used(), 512 * MIB, "one copy of the memory on the GPU");
+    let contexts = 2 * a.bed.context_bytes();
+    assert_eq!(a.bed.sim_used(), 512 * MIB + contexts, "one copy of the memory on the GPU");
     b_step(&mut b, "release h");
     assert_eq!(rc(&mut b, "alloc 1024"), 0, "the importer can still take its whole limit");
     b_step(&mut b, "unmap r 0 512");

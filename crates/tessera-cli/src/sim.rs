@@ -2,6 +2,7 @@
 //!
 //! Makes `<state>/lib/` with `libcuda.so.1` and `libnvidia-ml.so.1` links to the built simulated
 //! libraries, prepends it to `LD_LIBRARY_PATH`, exports `TESSERA_SIM_GPUS` / `TESSERA_SIM_DIR`
+//! (and `TESSERA_SIM_CONTEXT_MEMORY`, 300MiB unless set: contexts cost memory as on a real card)
 //! and execs the command: it replaces this process, so its exit status, and any signal sent to
 //! `tessera sim`, are the command's own.
 
@@ -10,7 +11,7 @@ use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 
 use anyhow::{Context, bail};
-use tessera_sim_state::{ENV_DIR, ENV_GPUS, SimSpec};
+use tessera_sim_state::{ENV_CONTEXT_MEMORY, ENV_DIR, ENV_GPUS, MODELED_CONTEXT_MEMORY, SimSpec};
 
 /// Arguments of `tessera sim`.
 #[derive(Debug, clap::Args)]
@@ -64,6 +65,14 @@ pub fn main(args: SimArgs) -> anyhow::Result<u8> {
     let Some((program, rest)) = args.command.split_first() else {
         bail!("no command given: use `tessera sim [OPTIONS] -- COMMAND ARGS...`");
     };
+    // The user's value wins (checked here, so a typo fails before the command starts).
+    let context_memory = match std::env::var(ENV_CONTEXT_MEMORY) {
+        Ok(v) => {
+            tessera_sim_state::parse_context_memory(&v)?;
+            v
+        }
+        Err(_) => MODELED_CONTEXT_MEMORY.to_string(),
+    };
     let built = tessera_sim_state::find_built_lib_dir(args.lib_dir.as_deref())?;
     let lib = tessera_sim_state::prepare_lib_dir(&state_dir, &built)?;
     let mut ld = OsString::from(lib.as_os_str());
@@ -78,6 +87,7 @@ pub fn main(args: SimArgs) -> anyhow::Result<u8> {
         .env("LD_LIBRARY_PATH", ld)
         .env(ENV_GPUS, &gpus)
         .env(ENV_DIR, &state_dir)
+        .env(ENV_CONTEXT_MEMORY, context_memory)
         .exec();
     Err(err).with_context(|| format!("cannot run {}", program.to_string_lossy()))
 }

@@ -290,7 +290,9 @@ fn a_cuda_command_sees_and_uses_only_its_allocations_gpu() {
     assert_eq!(v["devices"][0]["total"], GIB, "the card is as large as the limit");
     assert_eq!(v["nvml_count"], 2, "NVML still lists the node's GPUs");
     let used = |g| tessera_sim_state::device_memory_used(&arb.sim.dir, g).unwrap();
-    assert_eq!((used(0), used(1)), (0, 256 * MIB), "the memory is on GPU 1");
+    // Plus the client's context, on GPU 1 too.
+    let context = arb.sim.context_bytes();
+    assert_eq!((used(0), used(1)), (0, 256 * MIB + context), "the memory is on GPU 1");
     let a = arb.admin().list().unwrap();
     assert_eq!((a.len(), a[0].gpu_index, a[0].memory_used), (1, 1, 256 * MIB), "and counted there");
     drop(stdin);

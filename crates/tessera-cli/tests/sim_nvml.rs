@@ -52,11 +52,13 @@ fn nvml_wrapper_sees_devices_memory_utilization_processes_and_xids() {
         util = d0.utilization_rates().unwrap().gpu;
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert_eq!(used, 2 << 30);
+    // `tessera sim` models a real card: the client's context costs 300 MiB besides its 2 GiB.
+    let context = 300 << 20;
+    assert_eq!(used, (2 << 30) + context);
     assert!(util > 0, "utilization stayed 0 while a kernel ran");
     let procs = d0.running_compute_processes().unwrap();
     assert_eq!(procs.len(), 1);
-    assert_eq!(procs[0].used_gpu_memory, UsedGpuMemory::Used(2 << 30));
+    assert_eq!(procs[0].used_gpu_memory, UsedGpuMemory::Used((2 << 30) + context));
     assert!(d1.running_compute_processes().unwrap().is_empty());
     assert!(child.wait().unwrap().success());
     assert_eq!(d0.memory_info().unwrap().used, 0);

@@ -129,11 +129,27 @@ pub fn ctx_or_current(h: Handle) -> Result<Arc<Context>, CUresult> {
     if h.is_null() { current() } else { lookup(h) }
 }
 
+/// The driver's answer to a failed context charge: `CUDA_ERROR_OUT_OF_MEMORY` when the card has
+/// no room for the context's memory.
+fn ledger_error(e: tessera_sim_state::LedgerError) -> CUresult {
+    match e {
+        tessera_sim_state::LedgerError::OutOfMemory { .. } => CUDA_ERROR_OUT_OF_MEMORY,
+        _ => CUDA_ERROR_OPERATING_SYSTEM,
+    }
+}
+
 fn primary_retain(dev: CUdevice) -> Result<Arc<Context>, CUresult> {
     let g = gpu(dev)?;
     let mut p = primaries()[g.index as usize]
         .lock()
         .unwrap_or_else(|e| e.into_inner());
+    // Charged before anything is made, so a card without room for the context leaves no trace.
+    if p.refs == 0 {
+        rt()?
+            .ledger
+            .context_changed(g.index, true)
+            .map_err(ledger_error)?;
+    }
     let ctx = match &p.ctx {
         Some(c) if c.alive.load(Ordering::Relaxed) => c.clone(),
         _ => {
@@ -143,12 +159,6 @@ fn primary_retain(dev: CUdevice) -> Result<Arc<Context>, CUresult> {
             c
         }
     };
-    if p.refs == 0 {
-        rt()?
-            .ledger
-            .context_changed(g.index, true)
-            .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
-    }
     p.refs += 1;
     Ok(ctx)
 }
@@ -252,7 +262,7 @@ fn create(pctx: *mut Handle, flags: u32, dev: CUdevice) -> Res {
     rt()?
         .ledger
         .context_changed(g.index, true)
-        .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
+        .map_err(ledger_error)?;
     let c = Context::new(g.index, false, flags);
     CONTEXTS.insert(c.id, c.clone());
     STACK.with(|s| s.borrow_mut().push(c.clone()));

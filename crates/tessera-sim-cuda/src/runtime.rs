@@ -102,12 +102,18 @@ pub fn init() -> Res {
         // As the driver: no visible device fails cuInit, and everything after it.
         return Err(CUDA_ERROR_NO_DEVICE);
     }
+    let context_memory = tessera_sim_state::context_memory_from_env().map_err(|e| {
+        eprintln!("tessera-sim: {e}");
+        CUDA_ERROR_NO_DEVICE
+    })?;
     let dir = tessera_sim_state::state_dir_from_env();
     let totals = spec.gpus.iter().map(|g| g.total_bytes).collect();
-    let ledger = Ledger::open(&dir, totals).map_err(|e| {
-        eprintln!("tessera-sim: {e}");
-        CUDA_ERROR_OPERATING_SYSTEM
-    })?;
+    let ledger = Ledger::open(&dir, totals)
+        .map_err(|e| {
+            eprintln!("tessera-sim: {e}");
+            CUDA_ERROR_OPERATING_SYSTEM
+        })?
+        .with_context_memory(context_memory);
     let _ = RT.set(Runtime {
         spec,
         dir,

@@ -2,8 +2,14 @@
 //!
 //! Device handles are addresses inside a static table (one slot per possible GPU), so a handle is
 //! validated by range. Every entry point catches panics and answers an NVML error code.
+//!
+//! Per-process utilization (`nvmlDeviceGetProcessUtilization`) comes from each process's
+//! cumulative busy time in the engine file. The library keeps its last answers per device (the
+//! busy ns of every process at each answer's timestamp, the first taken at `nvmlInit`), so a
+//! caller passing the timestamp of a previous answer gets each process's share of exactly the
+//! time since then; with 0, the time since the previous answer.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::ffi::{CStr, c_char};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -40,7 +46,22 @@ unsafe fn put<T>(p: *mut T, v: T) -> Res {
 struct State {
     spec: SimSpec,
     dir: PathBuf,
+    /// Per device, the last [`ANSWERS_KEPT`] per-process utilization answers, oldest first.
+    answers: Vec<Mutex<VecDeque<Answer>>>,
 }
+
+/// Per-process busy time of one device at one instant, as handed out (or taken at init).
+struct Answer {
+    /// Wall clock, µs since the epoch: the samples' `timeStamp`.
+    wall_us: u64,
+    /// Monotonic ns, the clock busy time is measured on.
+    mono_ns: u64,
+    /// Cumulative busy ns per pid (a pid missing had none).
+    busy: HashMap<u32, u64>,
+}
+
+/// Answers kept per device (16 s of history at a 250 ms poll).
+const ANSWERS_KEPT: usize = 64;
 
 static STATE: OnceLock<State> = OnceLock::new();
 static INIT_COUNT: AtomicU32 = AtomicU32::new(0);
@@ -94,7 +115,13 @@ fn init() -> Res {
             NVML_ERROR_UNKNOWN
         })?;
         let dir = tessera_sim_state::state_dir_from_env();
-        let _ = STATE.set(State { spec, dir });
+        // The first answer of each device: a caller's first query covers the time since init.
+        let answers = spec
+            .gpus
+            .iter()
+            .map(|g| Mutex::new(VecDeque::from([take_answer(&dir, g.index, 0)])))
+            .collect();
+        let _ = STATE.set(State { spec, dir, answers });
     }
     INIT_COUNT.fetch_add(1, Ordering::SeqCst);
     Ok(())
@@ -468,6 +495,114 @@ pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(h: nvmlDevice_t, p: *mut nvmlPc
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v2(h: nvmlDevice_t, p: *mut nvmlPciInfo_t) -> nvmlReturn_t {
     pci_info(h, p)
+}
+
+// ---- per-process utilization ----
+
+fn wall_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// The busy time of every process on `gpu` now, stamped later than `after_us`.
+fn take_answer(dir: &std::path::Path, gpu: u32, after_us: u64) -> Answer {
+    let (mono_ns, busy) = tessera_sim_state::process_busy_ns(dir, gpu);
+    Answer {
+        wall_us: wall_us().max(after_us + 1),
+        mono_ns,
+        busy: busy.into_iter().collect(),
+    }
+}
+
+/// Samples of the processes busy on `gpu` between `base` and `now` (idle ones are omitted).
+fn samples_between(base: &Answer, now: &Answer) -> Vec<nvmlProcessUtilizationSample_t> {
+    let window = now.mono_ns.saturating_sub(base.mono_ns).max(1);
+    let mut out: Vec<nvmlProcessUtilizationSample_t> = now
+        .busy
+        .iter()
+        .filter_map(|(&pid, &busy)| {
+            let ran = busy.saturating_sub(base.busy.get(&pid).copied().unwrap_or(0));
+            (ran > 0).then(|| nvmlProcessUtilizationSample_t {
+                pid,
+                time_stamp: now.wall_us,
+                sm_util: ((ran as f64 * 100.0 / window as f64).round() as u32).min(100),
+                mem_util: 0,
+                enc_util: 0,
+                dec_util: 0,
+            })
+        })
+        .collect();
+    out.sort_by_key(|s| s.pid);
+    out
+}
+
+/// `nvmlDeviceGetProcessUtilization`: for each process whose kernels ran on the device since
+/// `last_seen` (a previous answer's `timeStamp`; with 0, since this library's previous answer,
+/// or init), the percent of that time they ran (`smUtil`; the other fields are 0). Processes
+/// that did not run are omitted; none at all answers `NVML_ERROR_NOT_FOUND`. With `utilization`
+/// null, or a count too small, `NVML_ERROR_INSUFFICIENT_SIZE` and the count needed (with null,
+/// every process the device has busy time for, a bound that the answer cannot outgrow while the
+/// caller allocates). A `last_seen` older than the kept answers measures from the oldest.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
+    h: nvmlDevice_t,
+    utilization: *mut nvmlProcessUtilizationSample_t,
+    count: *mut u32,
+    last_seen: u64,
+) -> nvmlReturn_t {
+    guard(|| {
+        let g = device(h)?;
+        let st = state()?;
+        if count.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        if utilization.is_null() {
+            let (_, busy) = tessera_sim_state::process_busy_ns(&st.dir, g.index);
+            // SAFETY: non-null count from the caller.
+            unsafe { put(count, busy.len() as u32) }?;
+            return Err(if busy.is_empty() {
+                NVML_ERROR_NOT_FOUND
+            } else {
+                NVML_ERROR_INSUFFICIENT_SIZE
+            });
+        }
+        let mut answers = st.answers[g.index as usize]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let latest_us = answers.back().map_or(0, |a| a.wall_us);
+        let now = take_answer(&st.dir, g.index, latest_us);
+        let base = if last_seen == 0 {
+            answers.back()
+        } else {
+            answers
+                .iter()
+                .rev()
+                .find(|a| a.wall_us <= last_seen)
+                .or(answers.front())
+        };
+        let samples = base.map(|b| samples_between(b, &now)).unwrap_or_default();
+        // SAFETY: non-null count from the caller.
+        let cap = unsafe { count.read_unaligned() } as usize;
+        // SAFETY: non-null count from the caller.
+        unsafe { put(count, samples.len() as u32) }?;
+        if samples.is_empty() {
+            return Err(NVML_ERROR_NOT_FOUND);
+        }
+        if cap < samples.len() {
+            return Err(NVML_ERROR_INSUFFICIENT_SIZE);
+        }
+        for (i, s) in samples.into_iter().enumerate() {
+            // SAFETY: the caller's array holds `cap` >= samples.len() entries.
+            unsafe { utilization.add(i).write_unaligned(s) };
+        }
+        // Only answers handed out are kept: a later `last_seen` names one of them.
+        answers.push_back(now);
+        if answers.len() > ANSWERS_KEPT {
+            answers.pop_front();
+        }
+        Ok(())
+    })
 }
 
 // ---- events ----

@@ -54,6 +54,19 @@ pub struct nvmlProcessInfo_t {
     pub compute_instance_id: u32,
 }
 
+/// `nvmlProcessUtilizationSample_t`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct nvmlProcessUtilizationSample_t {
+    pub pid: u32,
+    /// CPU timestamp in microseconds since the epoch.
+    pub time_stamp: u64,
+    pub sm_util: u32,
+    pub mem_util: u32,
+    pub enc_util: u32,
+    pub dec_util: u32,
+}
+
 #[repr(C)]
 pub struct nvmlPciInfo_t {
     pub bus_id_legacy: [u8; 16],

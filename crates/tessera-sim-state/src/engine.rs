@@ -5,8 +5,17 @@
 //! processes, or two streams of one process, never overlap), and the holder records the busy time
 //! in the file's words before unlocking. Layout (u64 words, native endian):
 //! `[0]` cumulative busy ns, `[1]` start of the running kernel (monotonic ns, 0 when idle),
-//! `[2]` pid running it, `[3]` reserved, then [`BUCKETS`] pairs `(bucket index, busy ns)` of
-//! [`BUCKET_NS`]-wide time buckets, a ring used for utilization over the last second.
+//! `[2]` pid running it, `[3]` a change counter (odd while the holder updates `[1]`, `[2]` and
+//! the pid slots, so a lock-free reader can tell a torn read and retry), then [`BUCKETS`] pairs `(bucket index, busy ns)` of
+//! [`BUCKET_NS`]-wide time buckets, a ring used for utilization over the last second, then
+//! [`PID_SLOTS`] pairs `(pid, busy ns)`: each process's cumulative busy time on the device, what
+//! NVML's per-process utilization is computed from.
+//!
+//! Pid slots are claimed by the holder under the flock: its own slot, else a free one, else one
+//! whose pid is dead (`kill(pid, 0)` fails with `ESRCH`). When all are held by live processes
+//! the kernel's time still counts for the device, but not for its process, which then shows no
+//! per-process utilization (until a slot frees up). Files of an older, shorter layout grow on
+//! open, the new slots zero (free).
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -21,8 +30,12 @@ use crate::clock::monotonic_ns;
 pub const BUCKET_NS: u64 = 10_000_000;
 /// Buckets in the ring (1.28 s of history).
 pub const BUCKETS: usize = 128;
+/// Per-process busy-time slots (more processes on one device than this is not a workload the
+/// simulator models).
+pub const PID_SLOTS: usize = 64;
 const HEADER_WORDS: usize = 4;
-const FILE_WORDS: usize = HEADER_WORDS + 2 * BUCKETS;
+const PIDS_AT: usize = HEADER_WORDS + 2 * BUCKETS;
+const FILE_WORDS: usize = PIDS_AT + 2 * PID_SLOTS;
 const FILE_BYTES: usize = FILE_WORDS * 8;
 /// Longest time one kernel may hold the engine: a first parameter that is really a pointer
 /// must not wedge the device for hours.
@@ -116,9 +129,15 @@ impl Engine {
                 break;
             }
         }
+        // A holder killed while updating left the counter odd: even it again.
+        let _ = self.word(3).fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
+            (v % 2 == 1).then_some(v + 1)
+        });
         let start = monotonic_ns();
-        self.word(2).store(u64::from(std::process::id()), Ordering::Relaxed);
+        self.word(3).fetch_add(1, Ordering::SeqCst);
+        self.word(2).store(u64::from(std::process::id()), Ordering::SeqCst);
         self.word(1).store(start, Ordering::SeqCst);
+        self.word(3).fetch_add(1, Ordering::SeqCst);
         let deadline = start + ns;
         loop {
             let now = monotonic_ns();
@@ -128,15 +147,21 @@ impl Engine {
             std::thread::sleep(Duration::from_nanos(deadline - now));
         }
         let end = monotonic_ns();
+        self.word(3).fetch_add(1, Ordering::SeqCst);
         self.account(start, end);
         self.word(1).store(0, Ordering::SeqCst);
+        self.word(3).fetch_add(1, Ordering::SeqCst);
         // SAFETY: unlocking our own descriptor.
         unsafe { libc::flock(fd, libc::LOCK_UN) };
         (start, end)
     }
 
-    /// Adds [start, end) to the cumulative counter and the bucket ring (caller holds the lock).
+    /// Adds [start, end) to the cumulative counter, this process's slot and the bucket ring
+    /// (caller holds the lock).
     fn account(&self, start: u64, end: u64) {
+        if let Some(slot) = self.pid_slot(std::process::id()) {
+            self.word(slot + 1).fetch_add(end - start, Ordering::SeqCst);
+        }
         self.word(0).fetch_add(end - start, Ordering::SeqCst);
         let horizon = end.saturating_sub(BUCKET_NS * BUCKETS as u64);
         let mut t = start.max(horizon);
@@ -154,11 +179,42 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// The first word of `pid`'s busy-time slot, claiming one if it has none; `None` when every
+    /// slot belongs to a live process (caller holds the lock).
+    fn pid_slot(&self, pid: u32) -> Option<usize> {
+        let slots = (0..PID_SLOTS).map(|i| PIDS_AT + 2 * i);
+        let mine = u64::from(pid);
+        if let Some(s) = slots.clone().find(|&s| self.word(s).load(Ordering::Relaxed) == mine) {
+            return Some(s);
+        }
+        let free = slots.clone().find(|&s| self.word(s).load(Ordering::Relaxed) == 0);
+        let claim = free.or_else(|| {
+            slots.clone().find(|&s| pid_dead(self.word(s).load(Ordering::Relaxed)))
+        })?;
+        // Busy time first, then the pid: a lock-free reader never credits the dead owner's
+        // total to the new one.
+        self.word(claim + 1).store(0, Ordering::SeqCst);
+        self.word(claim).store(mine, Ordering::SeqCst);
+        Some(claim)
+    }
+}
+
 impl Drop for Engine {
     fn drop(&mut self) {
         // SAFETY: unmapping the mapping made in `open`, no references outlive self.
         unsafe { libc::munmap(self.words as *mut libc::c_void, FILE_BYTES) };
     }
+}
+
+/// Whether no process `pid` exists (a pid we may not signal still exists).
+fn pid_dead(pid: u64) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return true;
+    };
+    // SAFETY: signal 0 only checks the pid exists; nothing is sent.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
 }
 
 fn read_words(dir: &Path, gpu: u32) -> Option<Vec<u64>> {
@@ -183,6 +239,48 @@ pub fn device_busy_ns(dir: &Path, gpu: u32) -> u64 {
         0
     };
     w[0] + running
+}
+
+/// Cumulative engine busy time of each process on `gpu`, ns, including its running kernel, as
+/// `(pid, busy ns)`, taken at one instant (monotonic ns, also returned). Processes without a
+/// slot (see the module notes) are missing.
+pub fn process_busy_ns(dir: &Path, gpu: u32) -> (u64, Vec<(u32, u64)>) {
+    let Ok(file) = File::open(engine_path(dir, gpu)) else {
+        return (monotonic_ns(), Vec::new());
+    };
+    let counter = || {
+        let mut b = [0u8; 8];
+        file.read_exact_at(&mut b, 3 * 8).ok().map(|()| u64::from_ne_bytes(b))
+    };
+    // A read while the holder moves a kernel's time into its slot could count it twice or not
+    // at all: retry until the change counter is even and unchanged around the read (a holder
+    // killed mid-update leaves it odd until the next kernel; then take what is there).
+    for attempt in 0..200 {
+        let before = counter();
+        let Some(w) = read_words(dir, gpu) else {
+            return (monotonic_ns(), Vec::new());
+        };
+        let now = monotonic_ns();
+        let stable = before.is_some_and(|b| b % 2 == 0) && counter() == before;
+        if !stable && attempt < 199 {
+            std::thread::yield_now();
+            continue;
+        }
+        let mut out: Vec<(u32, u64)> = (0..PID_SLOTS)
+            .map(|i| (w[PIDS_AT + 2 * i] as u32, w[PIDS_AT + 2 * i + 1]))
+            .filter(|&(pid, _)| pid != 0)
+            .collect();
+        // A holder killed mid-kernel leaves its start behind; its kernel ran no further.
+        if w[1] != 0 && !pid_dead(w[2]) {
+            let running = now.saturating_sub(w[1]);
+            match out.iter_mut().find(|(pid, _)| u64::from(*pid) == w[2]) {
+                Some(entry) => entry.1 += running,
+                None => out.push((w[2] as u32, running)),
+            }
+        }
+        return (now, out);
+    }
+    (monotonic_ns(), Vec::new())
 }
 
 /// Fraction (0..=1) of the last `window` (at most 1.28 s) during which `gpu` ran a kernel.
@@ -230,5 +328,42 @@ mod tests {
         let u = device_utilization(&d, 0, Duration::from_secs(1));
         assert!(u > 0.15 && u <= 1.0, "utilization {u}");
         assert_eq!(device_busy_ns(&d, 1), 0);
+        let (_, per_pid) = process_busy_ns(&d, 0);
+        assert_eq!(per_pid.len(), 1);
+        assert_eq!(per_pid[0].0, std::process::id());
+        assert!((200_000_000..300_000_000).contains(&per_pid[0].1), "{per_pid:?}");
+    }
+
+    #[test]
+    fn running_kernel_counts_for_its_process() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_path_buf();
+        let t = std::thread::spawn(move || Engine::open(&d, 0).unwrap().run(300_000_000));
+        std::thread::sleep(Duration::from_millis(150));
+        let (_, per_pid) = process_busy_ns(dir.path(), 0);
+        t.join().unwrap();
+        assert_eq!(per_pid.len(), 1);
+        assert!((50_000_000..300_000_000).contains(&per_pid[0].1), "{per_pid:?}");
+    }
+
+    #[test]
+    fn dead_pids_slots_are_reclaimed_and_a_full_table_still_runs() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Engine::open(dir.path(), 0).unwrap();
+        // Every slot held by a live process that is not us (pid 1, init, never dies).
+        for i in 0..PID_SLOTS {
+            e.word(PIDS_AT + 2 * i).store(1, Ordering::SeqCst);
+        }
+        e.run(1_000_000);
+        assert!(device_busy_ns(dir.path(), 0) >= 1_000_000, "the device still counts");
+        let (_, per_pid) = process_busy_ns(dir.path(), 0);
+        assert!(per_pid.iter().all(|&(pid, _)| pid == 1));
+        // A dead process's slot (a pid above any pid_max) is taken over, its total reset.
+        e.word(PIDS_AT + 2 * 7).store(u64::from(i32::MAX as u32 - 1), Ordering::SeqCst);
+        e.word(PIDS_AT + 2 * 7 + 1).store(123_456_789_000, Ordering::SeqCst);
+        e.run(1_000_000);
+        let (_, per_pid) = process_busy_ns(dir.path(), 0);
+        let me = per_pid.iter().find(|&&(pid, _)| pid == std::process::id()).unwrap();
+        assert!((1_000_000..100_000_000).contains(&me.1), "{me:?}");
     }
 }

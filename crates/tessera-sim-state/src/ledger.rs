@@ -1,7 +1,7 @@
 //! Per-process records and global memory accounting.
 //!
 //! Each process using the simulated GPUs owns `procs/<pid>`: a fixed array of u64 words (memory
-//! in use, engine busy ns and context count per device), mapped shared so updates are plain
+//! in use, engine busy ns, context count and context memory per device), mapped shared so updates are plain
 //! atomic adds. The owner holds an open-file-description (OFD) write lock on it for its whole
 //! life; the kernel drops it when the process dies (SIGKILL included), so a reader that finds the
 //! lock free knows the record is dead. OFD locks (unlike classic `fcntl` locks) are not released
@@ -15,6 +15,11 @@
 //!
 //! Allocation check-and-add runs under `flock(mem.lock)` plus an in-process mutex, so the card is
 //! never overcommitted; a holder killed inside loses the flock with its life, so no deadlock.
+//!
+//! Context memory: a real context costs device memory that NVML counts but no allocation
+//! returned. A process's first context on a device charges [`Ledger::with_context_memory`] bytes
+//! (checked against the card like an allocation), its last one closing returns them; a dead
+//! process's charge goes with its record, like the rest of its memory.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
@@ -33,6 +38,7 @@ const RECORD_BYTES: usize = RECORD_WORDS * 8;
 const W_MEM: usize = 0;
 const W_BUSY: usize = 1;
 const W_CTX: usize = 2;
+const W_CTX_MEM: usize = 3;
 
 /// Errors of the ledger.
 #[derive(Debug, thiserror::Error)]
@@ -59,8 +65,11 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> LedgerError + '_ {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ProcessUsage {
     pub pid: u32,
-    /// Device memory in use, bytes, per device ordinal.
+    /// Device memory in use, bytes, per device ordinal: allocations plus context memory, as
+    /// NVML counts it.
     pub mem_bytes: [u64; MAX_GPUS],
+    /// The part of `mem_bytes` its contexts cost, per device ordinal.
+    pub context_bytes: [u64; MAX_GPUS],
     /// Cumulative engine busy time of this process's kernels, ns, per device ordinal.
     pub busy_ns: [u64; MAX_GPUS],
     /// Number of contexts this process holds per device.
@@ -121,6 +130,7 @@ impl Mine {
 pub struct Ledger {
     dir: PathBuf,
     totals: Vec<u64>,
+    context_bytes: u64,
     mine: Mutex<Option<Mine>>,
     mem_lock: File,
 }
@@ -178,9 +188,17 @@ impl Ledger {
         Ok(Ledger {
             dir: dir.to_path_buf(),
             totals,
+            context_bytes: 0,
             mine: Mutex::new(None),
             mem_lock,
         })
+    }
+
+    /// Sets the device memory a process's first context on a device costs (0, the default,
+    /// charges nothing).
+    pub fn with_context_memory(mut self, bytes: u64) -> Ledger {
+        self.context_bytes = bytes;
+        self
     }
 
     /// The state folder.
@@ -266,9 +284,23 @@ impl Ledger {
     /// Reserves `bytes` of device memory on `gpu` if the card has room (counting every live
     /// process), else [`LedgerError::OutOfMemory`].
     pub fn try_alloc(&self, gpu: u32, bytes: u64) -> Result<(), LedgerError> {
-        let total = self.total(gpu)?;
         let mut guard = self.mine.lock().unwrap_or_else(|e| e.into_inner());
         let _flock = FlockGuard::lock(&self.mem_lock);
+        let mine = self.charge(&mut guard, gpu, bytes)?;
+        mine.word(HEADER_WORDS + gpu as usize * GPU_WORDS + W_MEM)
+            .fetch_add(bytes, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Checks that `bytes` more fit on `gpu` (caller holds the mutex, passed as `guard`, and
+    /// the mem.lock flock, and adds the bytes to a word of the returned record).
+    fn charge<'g>(
+        &self,
+        guard: &'g mut Option<Mine>,
+        gpu: u32,
+        bytes: u64,
+    ) -> Result<&'g Mine, LedgerError> {
+        let total = self.total(gpu)?;
         if guard.as_ref().is_none_or(|m| m.pid != pid()) {
             *guard = Some(self.create_record()?);
         }
@@ -284,10 +316,7 @@ impl Ledger {
                 free,
             });
         }
-        let mine = guard.as_ref().expect("record just made");
-        mine.word(HEADER_WORDS + gpu as usize * GPU_WORDS + W_MEM)
-            .fetch_add(bytes, Ordering::SeqCst);
-        Ok(())
+        Ok(guard.as_ref().expect("record just made"))
     }
 
     /// Returns `bytes` of device memory on `gpu` (no-op in a fork child that never allocated).
@@ -316,20 +345,50 @@ impl Ledger {
     }
 
     /// Counts a context of this process on `gpu` opening (`true`) or closing (`false`), so NVML
-    /// lists processes that hold a context but no memory.
+    /// lists processes that hold a context but no memory. The first context on `gpu` charges the
+    /// context memory ([`LedgerError::OutOfMemory`] when the card has no room for it, and then
+    /// nothing is counted); the last one closing returns it.
     pub fn context_changed(&self, gpu: u32, opened: bool) -> Result<(), LedgerError> {
         if gpu as usize >= MAX_GPUS {
             return Err(LedgerError::NoSuchGpu(gpu));
         }
-        self.with_mine(|m| {
-            let w = m.word(HEADER_WORDS + gpu as usize * GPU_WORDS + W_CTX);
-            let _ = w.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
-                Some(if opened { v + 1 } else { v.saturating_sub(1) })
+        let base = HEADER_WORDS + gpu as usize * GPU_WORDS;
+        if !opened {
+            // Closing never needs the flock: returning memory cannot overcommit the card.
+            return self.with_mine(|m| {
+                let prev = m.word(base + W_CTX).fetch_update(
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                    |v| Some(v.saturating_sub(1)),
+                );
+                if prev == Ok(1) {
+                    m.word(base + W_CTX_MEM).store(0, Ordering::SeqCst);
+                }
             });
-        })
+        }
+        let mut guard = self.mine.lock().unwrap_or_else(|e| e.into_inner());
+        let first = guard
+            .as_ref()
+            .filter(|m| m.pid == pid())
+            .is_none_or(|m| m.word(base + W_CTX).load(Ordering::SeqCst) == 0);
+        let mine = if first && self.context_bytes > 0 {
+            let _flock = FlockGuard::lock(&self.mem_lock);
+            let mine = self.charge(&mut guard, gpu, self.context_bytes)?;
+            mine.word(base + W_CTX_MEM)
+                .store(self.context_bytes, Ordering::SeqCst);
+            mine
+        } else {
+            if guard.as_ref().is_none_or(|m| m.pid != pid()) {
+                let _flock = FlockGuard::lock(&self.mem_lock);
+                *guard = Some(self.create_record()?);
+            }
+            guard.as_ref().expect("record just made")
+        };
+        mine.word(base + W_CTX).fetch_add(1, Ordering::SeqCst);
+        Ok(())
     }
 
-    /// Bytes this process holds on `gpu`.
+    /// Bytes this process's allocations hold on `gpu` (context memory not included).
     pub fn my_mem(&self, gpu: u32) -> u64 {
         let guard = self.mine.lock().unwrap_or_else(|e| e.into_inner());
         match guard.as_ref().filter(|m| m.pid == pid()) {
@@ -445,12 +504,14 @@ fn scan(dir: &Path, delete_dead: bool) -> Result<Vec<ProcessUsage>, LedgerError>
         let mut u = ProcessUsage {
             pid,
             mem_bytes: [0; MAX_GPUS],
+            context_bytes: [0; MAX_GPUS],
             busy_ns: [0; MAX_GPUS],
             contexts: [0; MAX_GPUS],
         };
         for g in 0..MAX_GPUS {
             let base = HEADER_WORDS + g * GPU_WORDS;
-            u.mem_bytes[g] = word(base + W_MEM);
+            u.context_bytes[g] = word(base + W_CTX_MEM);
+            u.mem_bytes[g] = word(base + W_MEM) + u.context_bytes[g];
             u.busy_ns[g] = word(base + W_BUSY);
             u.contexts[g] = word(base + W_CTX);
         }
@@ -459,6 +520,7 @@ fn scan(dir: &Path, delete_dead: bool) -> Result<Vec<ProcessUsage>, LedgerError>
             Some(o) => {
                 for g in 0..MAX_GPUS {
                     o.mem_bytes[g] += u.mem_bytes[g];
+                    o.context_bytes[g] += u.context_bytes[g];
                     o.busy_ns[g] += u.busy_ns[g];
                     o.contexts[g] += u.contexts[g];
                 }
@@ -530,6 +592,39 @@ mod tests {
         assert_eq!(record_pid("12.3"), Some(12));
         assert_eq!(record_pid("12.x"), None);
         assert_eq!(record_pid(".new-12"), None);
+    }
+
+    #[test]
+    fn first_context_charges_context_memory_and_last_returns_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = Ledger::open(dir.path(), vec![1000, 1000])
+            .unwrap()
+            .with_context_memory(300);
+        l.context_changed(0, true).unwrap();
+        l.context_changed(0, true).unwrap();
+        assert_eq!(device_memory_used(dir.path(), 0).unwrap(), 300);
+        let procs = read_processes(dir.path()).unwrap();
+        assert_eq!((procs[0].mem_bytes[0], procs[0].context_bytes[0]), (300, 300));
+        assert_eq!(procs[0].contexts[0], 2);
+        // Context memory counts against the card like allocations.
+        assert!(matches!(
+            l.try_alloc(0, 701),
+            Err(LedgerError::OutOfMemory { free: 700, .. })
+        ));
+        l.try_alloc(0, 700).unwrap();
+        assert_eq!(l.my_mem(0), 700);
+        l.context_changed(0, false).unwrap();
+        assert_eq!(device_memory_used(dir.path(), 0).unwrap(), 1000);
+        l.context_changed(0, false).unwrap();
+        assert_eq!(device_memory_used(dir.path(), 0).unwrap(), 700);
+        // No room for a context: it fails and nothing is counted.
+        l.try_alloc(1, 800).unwrap();
+        assert!(matches!(
+            l.context_changed(1, true),
+            Err(LedgerError::OutOfMemory { requested: 300, .. })
+        ));
+        let procs = read_processes(dir.path()).unwrap();
+        assert_eq!((procs[0].contexts[1], procs[0].mem_bytes[1]), (0, 800));
     }
 
     #[test]

@@ -12,7 +12,8 @@
 //! - `lib/`: symlinks `libcuda.so.1` etc. to the built simulated libraries.
 //!
 //! Modules:
-//! - [`spec`]: `TESSERA_SIM_GPUS` parsing and per-GPU identity (UUID, name, PCI bus id).
+//! - [`spec`]: `TESSERA_SIM_GPUS` and `TESSERA_SIM_CONTEXT_MEMORY` parsing and per-GPU identity
+//!   (UUID, name, PCI bus id).
 //! - [`dirs`]: state folder and library folder layout.
 //! - [`ledger`]: per-process records; global memory accounting; usage readers.
 //! - [`engine`]: the per-device execution engine and its busy-time history.
@@ -29,10 +30,10 @@ pub mod spec;
 pub use dirs::{
     DirsError, default_state_dir, find_built_lib_dir, prepare_lib_dir, state_dir_from_env,
 };
-pub use engine::{Engine, EngineError, device_busy_ns, device_utilization};
+pub use engine::{Engine, EngineError, device_busy_ns, device_utilization, process_busy_ns};
 pub use events::{EventsError, XidEvent, inject_xid, read_xid_events};
 pub use ledger::{Ledger, LedgerError, ProcessUsage, device_memory_used, read_processes};
-pub use spec::{GpuInfo, SimSpec, SpecError};
+pub use spec::{GpuInfo, SimSpec, SpecError, context_memory_from_env, parse_context_memory};
 
 /// Environment variable naming the GPUs to simulate, e.g. `2x80GiB` or `1x16GiB,1x24GiB`.
 pub const ENV_GPUS: &str = "TESSERA_SIM_GPUS";
@@ -40,6 +41,12 @@ pub const ENV_GPUS: &str = "TESSERA_SIM_GPUS";
 pub const ENV_DIR: &str = "TESSERA_SIM_DIR";
 /// Environment variable naming the folder holding the built simulated libraries.
 pub const ENV_LIB_DIR: &str = "TESSERA_SIM_LIB_DIR";
+/// Environment variable naming the device memory a process's first context on a device costs,
+/// e.g. `300MiB` (unset, empty or `0`: none).
+pub const ENV_CONTEXT_MEMORY: &str = "TESSERA_SIM_CONTEXT_MEMORY";
+/// The context memory test beds and `tessera sim` use unless told otherwise: what a context
+/// costs on a real card.
+pub const MODELED_CONTEXT_MEMORY: &str = "300MiB";
 /// The GPUs simulated when `TESSERA_SIM_GPUS` is unset.
 pub const DEFAULT_GPUS: &str = "1x80GiB";
 /// Most devices one simulated machine can have (fixed so records have a fixed layout).

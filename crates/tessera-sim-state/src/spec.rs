@@ -1,6 +1,7 @@
-//! `TESSERA_SIM_GPUS` parsing and the identity of each simulated GPU.
+//! `TESSERA_SIM_GPUS` and `TESSERA_SIM_CONTEXT_MEMORY` parsing and the identity of each
+//! simulated GPU.
 
-use crate::{DEFAULT_GPUS, ENV_GPUS, MAX_GPUS};
+use crate::{DEFAULT_GPUS, ENV_CONTEXT_MEMORY, ENV_GPUS, MAX_GPUS};
 
 /// Errors of [`SimSpec::parse`].
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -13,6 +14,8 @@ pub enum SpecError {
     BadSize(String),
     #[error("{0} GPUs requested; at most {MAX_GPUS} are supported")]
     TooMany(usize),
+    #[error("bad {ENV_CONTEXT_MEMORY} {0:?}: expected a size such as 300MiB, or 0 for none")]
+    BadContextMemory(String),
 }
 
 /// One simulated GPU.
@@ -137,6 +140,23 @@ pub fn parse_size(text: &str) -> Result<u64, SpecError> {
     Ok(bytes as u64)
 }
 
+/// Parses a context memory size: `300MiB`, `0` (none) or empty (none).
+pub fn parse_context_memory(text: &str) -> Result<u64, SpecError> {
+    let t = text.trim();
+    if t.is_empty() || t.trim_end_matches(|c: char| c.is_ascii_alphabetic()).parse::<f64>() == Ok(0.0) {
+        return Ok(0);
+    }
+    parse_size(t).map_err(|_| SpecError::BadContextMemory(text.to_string()))
+}
+
+/// The context memory from `TESSERA_SIM_CONTEXT_MEMORY`; 0 when unset.
+pub fn context_memory_from_env() -> Result<u64, SpecError> {
+    match std::env::var(ENV_CONTEXT_MEMORY) {
+        Ok(v) => parse_context_memory(&v),
+        Err(_) => Ok(0),
+    }
+}
+
 fn format_size(bytes: u64) -> String {
     if bytes % (1 << 30) == 0 {
         format!("{}GiB", bytes >> 30)
@@ -201,6 +221,19 @@ mod tests {
         assert!(matches!(SimSpec::parse("2x80Zib"), Err(SpecError::BadSize(_))));
         assert!(matches!(SimSpec::parse("axGiB"), Err(SpecError::BadItem(_))));
         assert!(matches!(SimSpec::parse("17x1GiB"), Err(SpecError::TooMany(17))));
+    }
+
+    #[test]
+    fn context_memory_sizes() {
+        assert_eq!(parse_context_memory("300MiB"), Ok(300 << 20));
+        assert_eq!(parse_context_memory(" 0 "), Ok(0));
+        assert_eq!(parse_context_memory("0MiB"), Ok(0));
+        assert_eq!(parse_context_memory(""), Ok(0));
+        assert!(matches!(
+            parse_context_memory("lots"),
+            Err(SpecError::BadContextMemory(v)) if v == "lots"
+        ));
+        assert!(matches!(parse_context_memory("-5MiB"), Err(SpecError::BadContextMemory(_))));
     }
 
     #[test]

@@ -4,12 +4,13 @@ use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use tessera_sim_state::{ENV_DIR, ENV_GPUS};
+use tessera_sim_state::{ENV_CONTEXT_MEMORY, ENV_DIR, ENV_GPUS, MODELED_CONTEXT_MEMORY};
 
 use crate::artifacts::{BUILD_HINT, target_dir};
 
 /// The simulated machine's state folder, its `lib/` folder (links named like the real driver
-/// and NVML, pointing at the built simulated ones) and the GPUs it reports.
+/// and NVML, pointing at the built simulated ones), the GPUs it reports and what a context
+/// costs on them.
 #[derive(Debug, Clone)]
 pub struct SimGpu {
     /// `TESSERA_SIM_DIR`: the cross-process state of the simulated GPUs.
@@ -18,6 +19,9 @@ pub struct SimGpu {
     pub lib_dir: PathBuf,
     /// `TESSERA_SIM_GPUS`, e.g. `2x80GiB`.
     pub gpus: String,
+    /// `TESSERA_SIM_CONTEXT_MEMORY`: [`MODELED_CONTEXT_MEMORY`] (300MiB, as on a real card)
+    /// unless a test sets another.
+    pub context_memory: String,
 }
 
 impl SimGpu {
@@ -34,16 +38,28 @@ impl SimGpu {
             .unwrap_or_else(|e| panic!("{e}: {hint}"));
         let lib_dir = tessera_sim_state::prepare_lib_dir(dir, &built)
             .unwrap_or_else(|e| panic!("cannot prepare the simulated GPU in {}: {e}", dir.display()));
-        Self { dir: dir.to_path_buf(), lib_dir, gpus: gpus.to_owned() }
+        Self {
+            dir: dir.to_path_buf(),
+            lib_dir,
+            gpus: gpus.to_owned(),
+            context_memory: MODELED_CONTEXT_MEMORY.to_owned(),
+        }
     }
 
     /// The variables that put a process on this simulated GPU.
-    pub fn vars(&self) -> [(&'static str, OsString); 3] {
+    pub fn vars(&self) -> [(&'static str, OsString); 4] {
         [
             ("LD_LIBRARY_PATH", self.lib_dir.clone().into_os_string()),
             (ENV_DIR, self.dir.clone().into_os_string()),
             (ENV_GPUS, OsString::from(&self.gpus)),
+            (ENV_CONTEXT_MEMORY, OsString::from(&self.context_memory)),
         ]
+    }
+
+    /// Context memory in bytes, as the simulated driver charges it.
+    pub fn context_bytes(&self) -> u64 {
+        tessera_sim_state::parse_context_memory(&self.context_memory)
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
     /// Sets [`SimGpu::vars`] on `cmd`.

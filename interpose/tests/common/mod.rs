@@ -149,9 +149,24 @@ impl Bed {
         cmd
     }
 
-    /// Bytes the simulated GPU 0 really has allocated (all processes).
+    /// Device memory each process's context costs on the bed's simulated GPU.
+    pub fn context_bytes(&self) -> u64 {
+        self.sim.context_bytes()
+    }
+
+    /// Bytes the simulated GPU 0 really has in use (all processes, contexts included).
     pub fn sim_used(&self) -> u64 {
         tessera_sim_state::device_memory_used(&self.sim_dir, 0).unwrap()
+    }
+
+    /// Bytes the processes' allocations hold on the simulated GPU 0, without their contexts
+    /// (what a limit on allocations bounds, however many processes come and go).
+    pub fn sim_allocated(&self) -> u64 {
+        tessera_sim_state::read_processes(&self.sim_dir)
+            .unwrap()
+            .iter()
+            .map(|p| p.mem_bytes[0] - p.context_bytes[0])
+            .sum()
     }
 }
 
