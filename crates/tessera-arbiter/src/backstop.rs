@@ -382,9 +382,16 @@ pub struct ProcFs {
 
 impl ProcFs {
     /// A view whose host mount namespace is the one `host_ns` (a `/proc/<pid>/ns/mnt` link)
-    /// names.
-    pub fn new(host_ns: &std::path::Path) -> Self {
-        Self { host_mnt: std::fs::read_link(host_ns).ok(), cache: Default::default() }
+    /// names. When it cannot be read (no `hostPID`, no `CAP_SYS_PTRACE`), containers are
+    /// still recognised by their identity file, but a process without one is taken for a
+    /// host process (reported, never killed): failing closed there would kill the host's own
+    /// GPU tools. The error is returned for the log.
+    pub fn new(host_ns: &std::path::Path) -> (Self, Option<std::io::Error>) {
+        let (host_mnt, err) = match std::fs::read_link(host_ns) {
+            Ok(l) => (Some(l), None),
+            Err(e) => (None, Some(e)),
+        };
+        (Self { host_mnt, cache: Default::default() }, err)
     }
 
     /// Clears the per-poll cache (a pid and a namespace may be reused between polls).
@@ -412,7 +419,12 @@ impl ProcView for ProcFs {
             .entry(ns)
             .or_insert_with(|| read_identity(pid).map(|i| i.token))
             .clone();
-        Origin::Container { token }
+        match (token, &self.host_mnt) {
+            // The host's namespace is unknown (see [`ProcFs::new`]): a process without a
+            // Tessera identity may be a host process, and host processes are never killed.
+            (None, None) => Origin::Host,
+            (token, _) => Origin::Container { token },
+        }
     }
 }
 
@@ -525,11 +537,20 @@ impl Backstop {
             lib: lib.map_or("libnvidia-ml.so.1".into(), |l| l.to_string_lossy().into_owned()),
             reason: e.to_string(),
         })?;
+        let (procfs, err) = ProcFs::new(host_ns);
+        if let Some(e) = err {
+            crate::log!(
+                "backstop: cannot read the host's mount namespace {} ({e}): processes without a \
+                 Tessera identity are treated as host processes (reported, never killed); run \
+                 with hostPID and CAP_SYS_PTRACE, or pass --host-mount-ns",
+                host_ns.display()
+            );
+        }
         Ok(Self {
             nvml,
             arb,
             policy,
-            procfs: ProcFs::new(host_ns),
+            procfs,
             book: ComputeBook::default(),
             last_seen: HashMap::new(),
             last_poll: None,
@@ -1000,7 +1021,12 @@ mod tests {
 
     #[test]
     fn this_process_runs_on_the_host_and_has_no_identity() {
-        let view = ProcFs::new(std::path::Path::new("/proc/self/ns/mnt"));
+        let (view, err) = ProcFs::new(std::path::Path::new("/proc/self/ns/mnt"));
+        assert!(err.is_none());
+        assert_eq!(view.origin(std::process::id() as i32), Origin::Host);
+        // An unreadable host namespace: a process without an identity is a host process.
+        let (view, err) = ProcFs::new(std::path::Path::new("/nonexistent/ns/mnt"));
+        assert!(err.is_some());
         assert_eq!(view.origin(std::process::id() as i32), Origin::Host);
         // Our root has no read-only identity file (and a gone pid has none either).
         assert_eq!(read_identity(-1), None);

@@ -51,7 +51,8 @@ pub struct Config {
     #[arg(long, default_value_t = 5.0, value_name = "PERCENT")]
     pub compute_slack_percent: f64,
     /// The host's mount namespace: a process in another one runs in a container. With
-    /// `hostPID` (the DaemonSet) this is init's.
+    /// `hostPID` (the DaemonSet) this is init's. If it cannot be read, a process without a
+    /// Tessera identity file is taken for a host process (reported, never killed).
     #[arg(long, default_value = "/proc/1/ns/mnt", value_name = "PATH")]
     pub host_mount_ns: PathBuf,
 }

@@ -226,8 +226,12 @@ impl Node {
         spec.socket = dir.path().join("run/tenant/tessera.sock");
         spec.admin_socket = dir.path().join("run/admin.sock");
         spec.ready_timeout = Duration::from_secs(15);
+        // The emulated containers run in private mount namespaces of this one, which stands for
+        // the host's (pid 1's may not be readable here).
+        let mut cmd = spec.command();
+        cmd.args(["--host-mount-ns", "/proc/self/ns/mnt"]);
         // The wait blocks (bounded by ready_timeout); nothing else runs on the runtime yet.
-        let arbiter = tokio::task::block_in_place(|| spec.start());
+        let arbiter = tokio::task::block_in_place(|| spec.start_command(cmd));
         Node {
             dir,
             sim,
