@@ -12,6 +12,12 @@
 //!   together).
 //!
 //! - `hold --bytes B --seconds S`: allocate `B` once and hold it for `S` seconds.
+//! - `vmm --bytes B --seconds S`: the VMM idiom NCCL and inference allocators use, for `S`
+//!   seconds: `cuMemCreate` -> `cuMemAddressReserve` -> `cuMemMap` -> `cuMemSetAccess` ->
+//!   `cuMemRelease` at once (the mapping keeps the memory), then `cuMemUnmap` and
+//!   `cuMemAddressFree`. `B` is rounded up to 2 MiB.
+//! - `fork --bytes B --seconds S`: for `S` seconds, fork a child that allocates `B`, frees it
+//!   and exits, and wait for it (the interposer's fork handling, under the backstop).
 //!
 //! A refused allocation (`CUDA_ERROR_OUT_OF_MEMORY`) is counted; in `handoff` it is retried
 //! after 100 us until it succeeds, so the rounds go on. Prints one JSON line at the end:
@@ -41,6 +47,12 @@ enum Mode {
     Hold {
         seconds: f64,
     },
+    Vmm {
+        seconds: f64,
+    },
+    Fork {
+        seconds: f64,
+    },
 }
 
 struct Args {
@@ -50,7 +62,7 @@ struct Args {
 
 fn parse_args() -> Result<Args, String> {
     let mut it = std::env::args().skip(1);
-    let mode = it.next().ok_or("usage: mem_tenant handoff|churn|hold [flags]")?;
+    let mode = it.next().ok_or("usage: mem_tenant handoff|churn|hold|vmm|fork [flags]")?;
     let (mut first, mut rounds, mut input, mut output) = (None, 1000, None, None);
     let (mut seconds, mut start_ns, mut bytes) = (10.0, 0, None);
     while let Some(flag) = it.next() {
@@ -77,6 +89,8 @@ fn parse_args() -> Result<Args, String> {
         },
         "churn" => Mode::Churn { seconds, start_ns },
         "hold" => Mode::Hold { seconds },
+        "vmm" => Mode::Vmm { seconds },
+        "fork" => Mode::Fork { seconds },
         other => return Err(format!("unknown mode {other}")),
     };
     Ok(Args { mode, bytes })
@@ -114,6 +128,82 @@ fn pair(alloc: Alloc, free: Free, bytes: u64) -> Result<(), ()> {
         CUDA_ERROR_OUT_OF_MEMORY => Err(()),
         rc => fail(&format!("cuMemAlloc_v2 failed with CUresult {rc}")),
     }
+}
+
+#[repr(C)]
+struct MemLocation {
+    kind: i32,
+    id: i32,
+}
+
+#[repr(C)]
+struct AllocationProp {
+    kind: i32,
+    requested_handle_types: i32,
+    location: MemLocation,
+    win32_handle_meta_data: *mut c_void,
+    compression_type: u8,
+    gpu_direct_rdma_capable: u8,
+    usage: u16,
+    reserved: [u8; 4],
+}
+
+#[repr(C)]
+struct AccessDesc {
+    location: MemLocation,
+    flags: i32,
+}
+
+/// One round of the VMM idiom (release right after the map); `Err(())` when refused.
+fn vmm_round(driver: &Driver, bytes: u64) -> Result<(), ()> {
+    const GRANULE: u64 = 2 << 20;
+    let size = bytes.div_ceil(GRANULE) * GRANULE;
+    let prop = AllocationProp {
+        kind: 1,
+        requested_handle_types: 0,
+        location: MemLocation { kind: 1, id: 0 },
+        win32_handle_meta_data: std::ptr::null_mut(),
+        compression_type: 0,
+        gpu_direct_rdma_capable: 0,
+        usage: 0,
+        reserved: [0; 4],
+    };
+    let access = AccessDesc { location: MemLocation { kind: 1, id: 0 }, flags: 3 };
+    // SAFETY: each `sym` names the documented C signature of the VMM entry point; the
+    // structures are laid out as cuda.h declares them; every handle and range is released.
+    unsafe {
+        let create: unsafe extern "C" fn(*mut u64, usize, *const AllocationProp, u64) -> u32 =
+            driver.sym(c"cuMemCreate", 10020);
+        let reserve: unsafe extern "C" fn(*mut u64, usize, usize, u64, u64) -> u32 =
+            driver.sym(c"cuMemAddressReserve", 10020);
+        let map: unsafe extern "C" fn(u64, usize, usize, u64, u64) -> u32 = driver.sym(c"cuMemMap", 10020);
+        let set_access: unsafe extern "C" fn(u64, usize, *const AccessDesc, usize) -> u32 =
+            driver.sym(c"cuMemSetAccess", 10020);
+        let release: unsafe extern "C" fn(u64) -> u32 = driver.sym(c"cuMemRelease", 10020);
+        let unmap: unsafe extern "C" fn(u64, usize) -> u32 = driver.sym(c"cuMemUnmap", 10020);
+        let address_free: unsafe extern "C" fn(u64, usize) -> u32 = driver.sym(c"cuMemAddressFree", 10020);
+        let mut h = 0u64;
+        match create(&mut h, size as usize, &prop, 0) {
+            0 => {}
+            CUDA_ERROR_OUT_OF_MEMORY => return Err(()),
+            rc => fail(&format!("cuMemCreate failed with CUresult {rc}")),
+        }
+        let mut va = 0u64;
+        let steps = [
+            ("cuMemAddressReserve", reserve(&mut va, size as usize, 0, 0, 0)),
+            ("cuMemMap", map(va, size as usize, 0, h, 0)),
+            ("cuMemSetAccess", set_access(va, size as usize, &access, 1)),
+            ("cuMemRelease", release(h)),
+            ("cuMemUnmap", unmap(va, size as usize)),
+            ("cuMemAddressFree", address_free(va, size as usize)),
+        ];
+        for (name, rc) in steps {
+            if rc != 0 {
+                fail(&format!("{name} failed with CUresult {rc}"));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn main() {
@@ -189,6 +279,43 @@ fn main() {
                 rc => fail(&format!("cuMemAlloc_v2 failed with CUresult {rc}")),
             }
             std::thread::sleep(Duration::from_secs_f64(seconds));
+        }
+        Mode::Vmm { seconds } => {
+            let end = Instant::now() + Duration::from_secs_f64(seconds);
+            while Instant::now() < end {
+                match vmm_round(&driver, args.bytes) {
+                    Ok(()) => c.grants += 1,
+                    Err(()) => c.refusals += 1,
+                }
+            }
+        }
+        Mode::Fork { seconds } => {
+            let end = Instant::now() + Duration::from_secs_f64(seconds);
+            while Instant::now() < end {
+                // SAFETY: the child only calls the driver (through the interposer, whose fork
+                // handler rebuilds its state) and `_exit`s.
+                match unsafe { libc::fork() } {
+                    0 => {
+                        let code = match pair(alloc, free, args.bytes) {
+                            Ok(()) => 0,
+                            Err(()) => 3,
+                        };
+                        // SAFETY: ends the child without running the parent's exit handlers.
+                        unsafe { libc::_exit(code) }
+                    }
+                    -1 => fail("fork failed"),
+                    child => {
+                        let mut status = 0;
+                        // SAFETY: waits for our own child.
+                        unsafe { libc::waitpid(child, &mut status, 0) };
+                        match (libc::WIFEXITED(status), libc::WEXITSTATUS(status)) {
+                            (true, 0) => c.grants += 1,
+                            (true, 3) => c.refusals += 1,
+                            _ => fail(&format!("a forked child ended with status {status}")),
+                        }
+                    }
+                }
+            }
         }
         Mode::Churn { seconds, start_ns } => {
             while monotonic_ns() < start_ns {

@@ -1,13 +1,17 @@
 //! soak: honest tenants under the memory backstop for a long while, on the simulated GPU. The
 //! backstop must never act on them.
 //!
-//! Starts the real `tessera-arbiter` with the backstop at its strictest (a poll every 50 ms, no
-//! tolerance at all) and keeps, for `--minutes M` (default 10), under `tessera run`:
+//! Starts the real `tessera-arbiter` with the backstop at its strictest (a poll every 50 ms, a
+//! tolerance of exactly the simulated context memory, 300 MiB per process; memory, compute and
+//! unknown-process rules all on) and keeps, for `--minutes M` (default 10), under `tessera run`:
 //! - 8 processes churning 630 MiB chunks at the limit of one 4 GiB allocation (they wait for
 //!   each other's frees), restarted every minute (so processes keep coming and going);
 //! - 2 processes handing 3 GiB back and forth under another 4 GiB allocation;
 //! - 4 allocations of 1 GiB whose process holds 1 GiB exactly, the limit, all along;
-//! - 2 tenants launching kernels (compute sharing runs alongside).
+//! - 2 tenants launching kernels (compute sharing runs alongside, and the backstop compares
+//!   their GPU time with their leases);
+//! - 1 process cycling the VMM idiom (create, map, release at once, unmap) at a 1 GiB limit;
+//! - 1 process forking children that each allocate and free 256 MiB.
 //!
 //! At the end prints the minutes, the allocations made, refusals, and the backstop's actions
 //! (`enforced` of every allocation): the result is honest only if that is 0.
@@ -72,7 +76,7 @@ fn main() {
     let node = SimNode::start_with(
         "soak",
         "1x80GiB",
-        &["--backstop-interval-ms", "50", "--backstop-tolerance-mib", "0"],
+        &["--backstop-interval-ms", "50", "--backstop-tolerance-mib", "300"],
     );
     let load = Load { node: &node, tessera: &tessera, interposer: &interposer, tenant: &tenant };
     let total = Duration::from_secs_f64(minutes * 60.0);
@@ -83,6 +87,8 @@ fn main() {
         .collect();
     let compute_script = format!("\"{}\" --seconds {secs} > /dev/null", compute.display());
     let computes: Vec<Child> = (0..2).map(|_| load.run("256MiB", &compute_script)).collect();
+    let vmm = load.run("1GiB", &format!("\"$T\" vmm --bytes {} --seconds {secs}", 512 << 20));
+    let forker = load.run("512MiB", &format!("\"$T\" fork --bytes {} --seconds {secs}", 256 << 20));
     let rounds = (secs * 2000.0) as u64;
     let handoff = load.run(
         "4GiB",
@@ -112,6 +118,7 @@ fn main() {
     // The hand-off runs as many rounds as it can; it is stopped with the soak.
     let _ = handoff.kill();
     let _ = handoff.wait();
+    let (vmm_out, fork_out) = (finish(vmm), finish(forker));
     for mut c in holders.into_iter().chain(computes) {
         let _ = c.kill();
         let _ = c.wait();
@@ -119,9 +126,15 @@ fn main() {
     let allocations = node.admin().list().unwrap_or_default();
     let enforced: u64 = allocations.iter().map(|a| a.enforced).sum();
     node.kill_gpu_processes();
-    println!("Tessera soak: honest tenants under the memory backstop (poll 50 ms, no tolerance), simulated GPU");
+    println!("Tessera soak: honest tenants under the backstop (poll 50 ms, tolerance = 300 MiB context), simulated GPU");
     println!("duration            {:.1} min", start.elapsed().as_secs_f64() / 60.0);
     println!("churn waves         {waves} x 8 processes at a 4 GiB limit: {grants} allocations, {refusals} refused");
+    println!(
+        "VMM idiom           {} rounds of 512 MiB (create, map, release at once, unmap), {} refused",
+        sum(&vmm_out, "grants"),
+        sum(&vmm_out, "refusals")
+    );
+    println!("forked children     {} (each allocated and freed 256 MiB), {} refused", sum(&fork_out, "grants"), sum(&fork_out, "refusals"));
     println!("alongside           hand-off 2 x 3 GiB, 4 processes holding their whole 1 GiB limit, 2 kernel launchers");
     println!("backstop actions    {enforced} (must be 0)");
     if enforced != 0 {

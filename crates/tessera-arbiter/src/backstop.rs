@@ -506,6 +506,10 @@ pub struct Backstop {
     compute_off: bool,
     /// Unknown host pids already reported.
     reported: HashSet<i32>,
+    /// When each unknown host pid was first seen: one is reported only after
+    /// [`HOST_GRACE`] (a process under `tessera run` has a context before its first allocation
+    /// connects it).
+    unknown_since: HashMap<i32, Instant>,
     /// What it did so far.
     pub counters: Arc<Counters>,
 }
@@ -515,6 +519,9 @@ impl std::fmt::Debug for Backstop {
         f.debug_struct("Backstop").field("policy", &self.policy).finish_non_exhaustive()
     }
 }
+
+/// How long a host process may use a GPU unattributed before it is reported.
+pub const HOST_GRACE: Duration = Duration::from_secs(1);
 
 fn now_us() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
@@ -556,6 +563,7 @@ impl Backstop {
             last_poll: None,
             compute_off: false,
             reported: HashSet::new(),
+            unknown_since: HashMap::new(),
             counters: Arc::default(),
         })
     }
@@ -642,6 +650,12 @@ impl Backstop {
         self.procfs.clear();
         self.reported.retain(|p| pids.binary_search(p).is_ok());
         let owners = attribute(&watched, &pids, &self.procfs);
+        self.unknown_since.retain(|p, _| owners.get(p) == Some(&Owner::UnknownHost));
+        for (&pid, owner) in &owners {
+            if *owner == Owner::UnknownHost {
+                self.unknown_since.entry(pid).or_insert(now);
+            }
+        }
         let mut actions = decide(&watched, &memory, &owners, self.policy.per_process_tolerance);
         if let Some(elapsed) = elapsed {
             actions.extend(self.compute(&watched, &owners, &gpu_ns, elapsed));
@@ -710,6 +724,11 @@ impl Backstop {
             _ => true,
         };
         if let Reason::Unknown { container, .. } = a.reason {
+            let young = !container
+                && self.unknown_since.get(&a.pid).is_none_or(|t| t.elapsed() < HOST_GRACE);
+            if young {
+                return false;
+            }
             let quiet = self.policy.unknown == Unknown::Ignore
                 || (!container && !self.reported.insert(a.pid))
                 || (container && !kill && !self.reported.insert(a.pid));
