@@ -338,13 +338,17 @@ impl ComputeBook {
         let slack = (elapsed_ns as f64 * policy.compute_slack) as i128;
         let excess = i128::from(used_ns) - i128::from(leased) - slack;
         let floor = -(elapsed_ns as i128);
+        let before = d.debt_ns.max(0);
         d.debt_ns = (d.debt_ns + excess).max(floor);
         let unleased_ns = d.debt_ns.max(0) as u64;
+        // Only debt that grows above zero is charged: kernel time reported a poll late first
+        // pays back lease time it was granted earlier.
+        let charge_ns = (d.debt_ns.max(0) - before).max(0) as u64;
         let over = unleased_ns > policy.compute_threshold.as_nanos() as u64;
         if over {
             d.debt_ns = 0;
         }
-        ComputeVerdict { charge_ns: excess.max(0) as u64, unleased_ns, over }
+        ComputeVerdict { charge_ns, unleased_ns, over }
     }
 
     /// Forgets allocations no longer live.
@@ -975,13 +979,16 @@ mod tests {
         let mut leased = 0;
         assert!(!book.observe("a", 0, leased, 250 * MS, &pol).over, "first sight sets the start");
         // Kernel time reported when kernels end: up to one lease behind or ahead each poll.
+        let mut charged = 0;
         for i in 0..400u64 {
             leased += 250 * MS;
             let used = if i % 2 == 0 { 150 * MS } else { 350 * MS };
             let v = book.observe("a", used, leased, 250 * MS, &pol);
             assert!(!v.over, "poll {i}: {v:?}");
             assert!(v.unleased_ns <= 100 * MS, "poll {i}: {v:?}");
+            charged += v.charge_ns;
         }
+        assert_eq!(charged, 0, "late kernel time pays back earlier lease time, nothing is charged");
     }
 
     #[test]
