@@ -36,11 +36,12 @@ fn spawn_client(bed: &Bed, token: &str, args: &[&str]) -> Child {
     client(bed, token, args).spawn().unwrap()
 }
 
-/// Waits for a client; returns its JSON line.
-fn finish(c: Child) -> serde_json::Value {
+/// Waits for a client; returns its JSON line. A failure shows the arbiter's log (a backstop
+/// action would be there).
+fn finish(bed: &Bed, c: Child) -> serde_json::Value {
     let out = c.wait_with_output().unwrap();
     let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "client failed: {so}\n{se}");
+    assert!(out.status.success(), "client failed ({:?}): {so}\n{se}\narbiter log:\n{}", out.status, bed.arbiter_log());
     last_json(&so, &se)
 }
 
@@ -72,7 +73,7 @@ fn shares_30_70_split_the_gpu_time() {
     let pids = [a.id(), b.id()];
     let busy = watch_busy(&bed, &pids, || !pids.iter().any(|&p| alive(p)));
     let wall = start.elapsed();
-    let (ja, jb) = (finish(a), finish(b));
+    let (ja, jb) = (finish(&bed, a), finish(&bed, b));
     let (ba, bb) = (busy[&pids[0]] as f64, busy[&pids[1]] as f64);
     let device = (tessera_sim_state::device_busy_ns(&bed.sim_dir, 0) - t0) as f64;
     let share_a = ba / (ba + bb);
@@ -105,7 +106,7 @@ fn a_tenant_that_synchronises_after_every_launch_keeps_its_share() {
     let b = spawn_client(&bed, &b_token, &["kernel", "3", "2"]);
     let pids = [a.id(), b.id()];
     let busy = watch_busy(&bed, &pids, || !pids.iter().any(|&p| alive(p)));
-    let (ja, jb) = (finish(a), finish(b));
+    let (ja, jb) = (finish(&bed, a), finish(&bed, b));
     let (ba, bb) = (busy[&pids[0]] as f64, busy[&pids[1]] as f64);
     let share_a = ba / (ba + bb);
     eprintln!(
@@ -135,7 +136,7 @@ fn a_tenant_with_host_work_between_steps_keeps_its_share() {
     let out = a.wait_with_output().unwrap();
     let a_log = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "A failed:\n{a_log}");
-    let _ = finish(b);
+    let _ = finish(&bed, b);
     let leases: Vec<&str> = a_log.lines().filter(|l| l.contains("ms granted")).collect();
     let early = leases.iter().filter(|l| l.contains("early true")).count();
     let (ba, bb) = (busy[&pids[0]] as f64, busy[&pids[1]] as f64);
@@ -167,7 +168,7 @@ fn a_capped_tenant_alone_stays_under_its_cap() {
     let start = Instant::now();
     let busy = watch_busy(&bed, &[pid], || !alive(pid));
     let wall = start.elapsed().as_secs_f64();
-    let j = finish(c);
+    let j = finish(&bed, c);
     let frac = busy[&pid] as f64 / 1e9 / j["launched_for"].as_f64().unwrap();
     eprintln!(
         "cap 30: busy {:.2} s over {:.2} s of launching ({wall:.2} s wall): {frac:.3}; arbiter charged {:.2} s",
@@ -187,7 +188,7 @@ fn a_lone_tenant_keeps_the_gpu_busy() {
     let c = spawn_client(&bed, &token, &["kernel", "2", "2"]);
     let pid = c.id();
     let busy = watch_busy(&bed, &[pid], || !alive(pid));
-    let j = finish(c);
+    let j = finish(&bed, c);
     let frac = busy[&pid] as f64 / 1e9 / j["launched_for"].as_f64().unwrap();
     eprintln!("lone tenant: GPU busy {frac:.3} of its launching time");
     assert!(frac >= 0.8, "gating wasted the GPU: busy {frac:.3}");
@@ -213,7 +214,7 @@ fn every_launch_path_is_gated() {
         };
         let pid = c.id();
         let busy = watch_busy(&bed, &[pid], || !alive(pid));
-        let j = finish(c);
+        let j = finish(&bed, c);
         if mode == "c_ptsz" {
             assert_eq!(j["resolved"], "cuLaunchKernel_ptsz", "flag 2 hands out the _ptsz wrapper");
         }
@@ -250,7 +251,7 @@ fn synchronous_calls_inside_a_lease_do_not_deadlock() {
     let t = Instant::now();
     let busy = watch_busy(&bed, &pids, || !pids.iter().any(|&p| alive(p)) || t.elapsed() > Duration::from_secs(30));
     assert!(t.elapsed() < Duration::from_secs(30), "tenants hung");
-    let (ja, jb) = (finish(a), finish(b));
+    let (ja, jb) = (finish(&bed, a), finish(&bed, b));
     eprintln!(
         "sync: A {} launches busy {:.2} s; B {} launches busy {:.2} s",
         ja["launches"],
@@ -316,7 +317,7 @@ fn a_launcher_cancelled_while_waiting_for_a_lease_exits_cleanly() {
     let a = spawn_client(&bed, &a_token, &["kernel", "4", "2"]);
     std::thread::sleep(Duration::from_millis(300));
     let (status, stdout, stderr) = run(bed.tenant_command(&exe, &c_token).args(["12", "40"]));
-    let _ = finish(a);
+    let _ = finish(&bed, a);
     assert!(status.success(), "the client died: {status:?}\n{stdout}\n{stderr}");
     let j: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     eprintln!("cancel: {j}");
@@ -344,7 +345,7 @@ fn an_idle_holder_hands_back_early() {
     }
     assert!(alive(a_pid), "A lingers holding no work");
     let b = spawn_client(&bed, &b_token, &["sync", "0.3", "2"]);
-    let jb = finish(b);
+    let jb = finish(&bed, b);
     let first = jb["first_done_after"].as_f64().unwrap();
     eprintln!("early hand-back: B's first 2 ms kernel done {:.1} ms after it started", first * 1e3);
     assert!(first < 0.050, "B waited {:.1} ms for an idle holder", first * 1e3);
@@ -363,7 +364,7 @@ fn launches_keep_running_while_the_arbiter_restarts() {
     std::thread::sleep(Duration::from_millis(500));
     bed.start_arbiter();
     let busy = watch_busy(&bed, &[pid], || !alive(pid));
-    let j = finish(c);
+    let j = finish(&bed, c);
     let launched_for = j["launched_for"].as_f64().unwrap();
     let frac = busy[&pid] as f64 / 1e9 / launched_for;
     // Leases resume after the restart: the new arbiter charges the tenant again.
@@ -403,7 +404,7 @@ fn a_tenant_that_launches_around_the_gate_gets_at_most_15_percent_and_is_killed(
     let busy = watch_busy(&bed, &pids, || start.elapsed() > Duration::from_secs(10) || !alive(pids[1]));
     let status = low.wait().unwrap();
     let out = std::io::read_to_string(low.stdout.take().unwrap()).unwrap_or_default();
-    let jh = finish(high);
+    let jh = finish(&bed, high);
     let (bl, bh) = (busy.get(&pids[0]).copied().unwrap_or(0) as f64, busy[&pids[1]] as f64);
     let share_low = bl / (bl + bh);
     use std::os::unix::process::ExitStatusExt;
