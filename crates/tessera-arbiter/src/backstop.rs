@@ -320,6 +320,13 @@ impl ComputeBook {
     /// Records that allocation `id`'s processes used `used_ns` of GPU time during the last
     /// `elapsed_ns`, and that its leases total `leased_total` ns so far. The first observation
     /// of an allocation only sets its starting point.
+    ///
+    /// The debt is charged whenever it grows, but it calls for a kill only when, besides passing
+    /// the threshold, most of this interval's GPU time ran outside leases and `may_act` holds
+    /// (the caller's warm-up after an arbiter start is over): a tenant that takes part in
+    /// leasing has its drift (kernels finishing after a revoked lease, local leases while the
+    /// arbiter restarted) charged to its share, not punished; one that launches around the
+    /// gate altogether is killed.
     pub fn observe(
         &mut self,
         id: &str,
@@ -327,6 +334,7 @@ impl ComputeBook {
         leased_total: u64,
         elapsed_ns: u64,
         policy: &Policy,
+        may_act: bool,
     ) -> ComputeVerdict {
         let nothing = ComputeVerdict { charge_ns: 0, unleased_ns: 0, over: false };
         let Some(d) = self.per.get_mut(id) else {
@@ -344,7 +352,8 @@ impl ComputeBook {
         // Only debt that grows above zero is charged: kernel time reported a poll late first
         // pays back lease time it was granted earlier.
         let charge_ns = (d.debt_ns.max(0) - before).max(0) as u64;
-        let over = unleased_ns > policy.compute_threshold.as_nanos() as u64;
+        let mostly_unleased = i128::from(leased) * 2 < i128::from(used_ns);
+        let over = may_act && mostly_unleased && unleased_ns > policy.compute_threshold.as_nanos() as u64;
         if over {
             d.debt_ns = 0;
         }
@@ -506,6 +515,8 @@ pub struct Backstop {
     /// Per GPU index: the newest utilisation sample timestamp seen (µs since the epoch).
     last_seen: HashMap<u32, u64>,
     last_poll: Option<Instant>,
+    /// When this backstop started.
+    started: Instant,
     /// Compute is not readable on this system (logged once).
     compute_off: bool,
     /// Unknown host pids already reported.
@@ -523,6 +534,10 @@ impl std::fmt::Debug for Backstop {
         f.debug_struct("Backstop").field("policy", &self.policy).finish_non_exhaustive()
     }
 }
+
+/// After the backstop starts (an arbiter restart), tenants may still run on the local leases
+/// their interposer grants itself while the arbiter is away: no compute kill before this.
+pub const COMPUTE_WARMUP: Duration = Duration::from_secs(2);
 
 /// How long a host process may use a GPU unattributed before it is reported.
 pub const HOST_GRACE: Duration = Duration::from_secs(1);
@@ -565,6 +580,7 @@ impl Backstop {
             book: ComputeBook::default(),
             last_seen: HashMap::new(),
             last_poll: None,
+            started: Instant::now(),
             compute_off: false,
             reported: HashSet::new(),
             unknown_since: HashMap::new(),
@@ -698,7 +714,8 @@ impl Backstop {
                 continue;
             };
             let used: u64 = group.iter().map(|(_, ns)| ns).sum();
-            let v = self.book.observe(&w.id, used, leased, elapsed, &self.policy);
+            let may_act = self.started.elapsed() >= COMPUTE_WARMUP;
+            let v = self.book.observe(&w.id, used, leased, elapsed, &self.policy, may_act);
             if v.charge_ns > 0 {
                 self.arb.charge_unleased(&w.id, v.charge_ns);
                 self.counters.charged_ns.fetch_add(v.charge_ns, Ordering::Relaxed);
@@ -977,13 +994,13 @@ mod tests {
         let mut book = ComputeBook::default();
         let pol = policy();
         let mut leased = 0;
-        assert!(!book.observe("a", 0, leased, 250 * MS, &pol).over, "first sight sets the start");
+        assert!(!book.observe("a", 0, leased, 250 * MS, &pol, true).over, "first sight sets the start");
         // Kernel time reported when kernels end: up to one lease behind or ahead each poll.
         let mut charged = 0;
         for i in 0..400u64 {
             leased += 250 * MS;
             let used = if i % 2 == 0 { 150 * MS } else { 350 * MS };
-            let v = book.observe("a", used, leased, 250 * MS, &pol);
+            let v = book.observe("a", used, leased, 250 * MS, &pol, true);
             assert!(!v.over, "poll {i}: {v:?}");
             assert!(v.unleased_ns <= 100 * MS, "poll {i}: {v:?}");
             charged += v.charge_ns;
@@ -995,11 +1012,11 @@ mod tests {
     fn gpu_time_without_leases_is_charged_and_past_the_threshold_the_process_goes() {
         let mut book = ComputeBook::default();
         let pol = policy();
-        book.observe("a", 0, 0, 250 * MS, &pol);
+        book.observe("a", 0, 0, 250 * MS, &pol, true);
         // Half the GPU, no lease at all: 125 ms per poll, less 12.5 ms of slack.
         let mut over_at = None;
         for i in 1..=10 {
-            let v = book.observe("a", 125 * MS, 0, 250 * MS, &pol);
+            let v = book.observe("a", 125 * MS, 0, 250 * MS, &pol, true);
             assert_eq!(v.charge_ns, 112_500_000);
             if v.over {
                 over_at = Some(i);
@@ -1009,19 +1026,45 @@ mod tests {
         // 5 polls: 562.5 ms > 500 ms, 1.25 s after the bypass began.
         assert_eq!(over_at, Some(5));
         // The debt starts again after an action.
-        assert!(!book.observe("a", 125 * MS, 0, 250 * MS, &pol).over);
+        assert!(!book.observe("a", 125 * MS, 0, 250 * MS, &pol, true).over);
+    }
+
+    #[test]
+    fn a_tenant_that_leases_is_charged_for_drift_but_not_killed_and_warm_up_holds_kills() {
+        let mut book = ComputeBook::default();
+        let pol = policy();
+        book.observe("a", 0, 0, 250 * MS, &pol, true);
+        // Leases cover only 150 of every 250 ms of its GPU time (say, revoked leases whose
+        // kernels finish late): the debt grows and is charged, but it mostly leases: no kill.
+        let (mut leased, mut charged) = (0, 0);
+        for i in 0..20 {
+            leased += 150 * MS;
+            let v = book.observe("a", 250 * MS, leased, 250 * MS, &pol, true);
+            assert!(!v.over, "poll {i}: {v:?}");
+            charged += v.charge_ns;
+        }
+        assert_eq!(charged, 20 * 87_500_000, "every unleased ms beyond the slack is charged");
+        // No lease at all, but within the warm-up after a start: charged, no kill.
+        let mut b = ComputeBook::default();
+        b.observe("b", 0, 0, 250 * MS, &pol, false);
+        for _ in 0..20 {
+            let v = b.observe("b", 250 * MS, 0, 250 * MS, &pol, false);
+            assert!(!v.over && v.charge_ns > 0);
+        }
+        // Warm-up over: the first poll acts.
+        assert!(b.observe("b", 250 * MS, 0, 250 * MS, &pol, true).over);
     }
 
     #[test]
     fn unused_leases_bank_at_most_one_interval() {
         let mut book = ComputeBook::default();
         let pol = policy();
-        book.observe("a", 0, 0, 250 * MS, &pol);
+        book.observe("a", 0, 0, 250 * MS, &pol, true);
         // Ten idle leased seconds...
-        book.observe("a", 0, 10_000 * MS, 250 * MS, &pol);
+        book.observe("a", 0, 10_000 * MS, 250 * MS, &pol, true);
         // ...do not pay for a bypass later: 250 ms of credit, then the debt grows.
         let mut polls = 0;
-        while !book.observe("a", 250 * MS, 10_000 * MS, 250 * MS, &pol).over {
+        while !book.observe("a", 250 * MS, 10_000 * MS, 250 * MS, &pol, true).over {
             polls += 1;
             assert!(polls < 10);
         }
