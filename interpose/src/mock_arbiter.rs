@@ -27,6 +27,10 @@ pub struct Books {
     pub channels: HashMap<u64, UnixStream>,
     /// Answers to pressure: (seq, bytes).
     pub relinquished: Vec<(u64, u64)>,
+    /// Requests the real arbiter treats as protocol violations (it closes the connection):
+    /// a release of more than the connection holds, a `Redeclare` that is not the first
+    /// request. The mock closes too, and counts them so tests can assert there were none.
+    pub violations: Vec<TenantRequest>,
 }
 
 /// A running mock arbiter.
@@ -81,6 +85,11 @@ impl MockArbiter {
     /// Open connections.
     pub fn connections(&self) -> usize {
         self.books.lock().unwrap().per_conn.len()
+    }
+
+    /// Protocol violations seen so far (see [`Books::violations`]).
+    pub fn violations(&self) -> Vec<TenantRequest> {
+        self.books.lock().unwrap().violations.clone()
     }
 
     /// Requests seen so far.
@@ -164,10 +173,24 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
     }
     // Set when this connection is the pressure channel of connection `channel_of`.
     let mut channel_of = None;
+    let mut handled = 0u64;
     while let Ok(req) = read_frame::<_, TenantRequest>(&mut stream) {
+        handled += 1;
         let reply = {
             let mut b = books.lock().unwrap();
             b.log.push(req.clone());
+            // As the real arbiter: a lie closes the connection.
+            let held = |c: Option<u64>| c.and_then(|c| b.per_conn.get(&c).copied()).unwrap_or(0);
+            let lie = match req {
+                TenantRequest::Release { bytes } => bytes > held(Some(id)),
+                TenantRequest::Relinquish { bytes, .. } => bytes > held(channel_of),
+                TenantRequest::Redeclare { .. } => handled > 1,
+                _ => false,
+            };
+            if lie {
+                b.violations.push(req);
+                break;
+            }
             let total: u64 = b.per_conn.values().sum();
             match req {
                 TenantRequest::Subscribe { ticket } => {

@@ -994,6 +994,7 @@ mod tests {
         // The new arbiter's ledger is exact: 300 re-declared + 100 new.
         assert_eq!(arb2.in_use(), 400);
         assert_eq!(arb2.log()[0], TenantRequest::Redeclare { bytes: 300 });
+        assert!(arb2.violations().is_empty(), "{:?}", arb2.violations());
     }
 
     #[test]
@@ -1147,6 +1148,8 @@ mod tests {
         // The credit goes back once the process is idle; what the arbiter counts balances.
         arb.wait_for("all releases", |a| a.in_use() == 0);
         assert_eq!(s.credit(), 0);
+        // Never more released than held, on either connection.
+        assert!(arb.violations().is_empty(), "{:?}", arb.violations());
     }
 
     fn count(log: &[TenantRequest], f: impl Fn(&TenantRequest) -> bool) -> usize {
@@ -1276,5 +1279,6 @@ mod tests {
         assert_eq!(arb2.log()[0], TenantRequest::Redeclare { bytes: 350 });
         assert_eq!(s.held(), 350);
         assert_eq!(s.reserve(650), Ok(1000));
+        assert!(arb2.violations().is_empty(), "{:?}", arb2.violations());
     }
 }

@@ -12,7 +12,9 @@ pub type AccountKey = u64;
 /// Arbiter-wide connection number.
 pub type ConnId = u64;
 
-/// Errors of ledger operations; all are arbiter bugs or races with deletion, never tenant input.
+/// Errors of ledger operations. The first three are arbiter bugs or races with deletion; the
+/// others are a tenant's lies about its memory, refused with nothing changed (the caller
+/// closes that connection).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LedgerError {
     /// The account does not exist (never opened, or closed and drained).
@@ -29,6 +31,33 @@ pub enum LedgerError {
         /// Connection.
         conn: ConnId,
     },
+    /// A release of more than the connection holds.
+    #[error("released {asked} bytes but held only {held}")]
+    OverRelease {
+        /// Bytes the connection holds.
+        held: u64,
+        /// Bytes it asked to release.
+        asked: u64,
+    },
+    /// A redeclaration below what the connection is already known to hold.
+    #[error("redeclared {asked} bytes but already holds {held}")]
+    RedeclareBelow {
+        /// Bytes the connection holds.
+        held: u64,
+        /// Bytes declared.
+        asked: u64,
+    },
+    /// A redeclaration above the whole allocation's limit: no process of it could hold that.
+    #[error("redeclared {asked} bytes, above the allocation's limit of {limit}")]
+    RedeclareAboveLimit {
+        /// The account's limit.
+        limit: u64,
+        /// Bytes declared.
+        asked: u64,
+    },
+    /// A count would leave the range of `u64` (only lies get there: no GPU holds 2^64 bytes).
+    #[error("byte count overflow in account {0}")]
+    Overflow(AccountKey),
 }
 
 /// Outcome of a reservation.
@@ -70,12 +99,10 @@ pub enum Credit {
 /// Outcome of a release.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Released {
-    /// Bytes actually subtracted (at most what the connection held).
+    /// Bytes subtracted.
     pub freed: u64,
     /// Allocation-wide bytes in use after it.
     pub in_use: u64,
-    /// Bytes asked for beyond what the connection held (a tenant accounting bug), if any.
-    pub excess: u64,
 }
 
 /// What the admin API reports about one account.
@@ -98,6 +125,20 @@ struct Account {
     closed: bool,
     /// Bytes held per connection. Few entries (one per process), so a small map is fine.
     conns: HashMap<ConnId, u64>,
+}
+
+impl Account {
+    /// Adds `bytes` to `conn` (attached) and to the total, both or neither.
+    fn add(&mut self, key: AccountKey, conn: ConnId, bytes: u64) -> Result<(), LedgerError> {
+        let held = self.conns.get_mut(&conn).ok_or(LedgerError::UnknownConnection { key, conn })?;
+        let (Some(total), Some(mine)) = (self.in_use.checked_add(bytes), held.checked_add(bytes))
+        else {
+            return Err(LedgerError::Overflow(key));
+        };
+        self.in_use = total;
+        *held = mine;
+        Ok(())
+    }
 }
 
 /// Bytes held per allocation and connection.
@@ -188,8 +229,7 @@ impl Ledger {
                 in_use: acct.in_use,
             });
         }
-        acct.in_use += bytes;
-        *acct.conns.get_mut(&conn).expect("checked above") += bytes;
+        acct.add(key, conn, bytes)?;
         Ok(Reservation::Granted {
             in_use: acct.in_use,
         })
@@ -217,9 +257,12 @@ impl Ledger {
                 in_use: acct.in_use,
             });
         };
-        let granted = bytes + extra.min((acct.limit - after) / 2);
-        acct.in_use += granted;
-        *acct.conns.get_mut(&conn).expect("checked above") += granted;
+        // `after <= limit` above, so neither can fail; checked all the same.
+        let room = acct.limit.checked_sub(after).ok_or(LedgerError::Overflow(key))?;
+        let granted = bytes
+            .checked_add(extra.min(room / 2))
+            .ok_or(LedgerError::Overflow(key))?;
+        acct.add(key, conn, granted)?;
         Ok(Credit::Granted {
             bytes: granted,
             in_use: acct.in_use,
@@ -241,8 +284,9 @@ impl Ledger {
             .unwrap_or_default()
     }
 
-    /// Releases up to `bytes` held by `conn`. Asking for more than it holds frees what it
-    /// holds and reports the excess, so a buggy tenant cannot free another process's bytes.
+    /// Releases `bytes` held by `conn`. More than it holds is refused with nothing changed
+    /// ([`LedgerError::OverRelease`]): the tenant lies or lost count, and its connection is
+    /// closed rather than trusted with another process's bytes.
     pub fn release(
         &mut self,
         key: AccountKey,
@@ -250,19 +294,29 @@ impl Ledger {
         bytes: u64,
     ) -> Result<Released, LedgerError> {
         let acct = self.account(key, conn)?;
-        let held = acct.conns.get_mut(&conn).expect("checked above");
-        let freed = bytes.min(*held);
-        *held -= freed;
-        acct.in_use -= freed;
+        let held = acct.conns[&conn];
+        let left = held.checked_sub(bytes).ok_or(LedgerError::OverRelease {
+            held,
+            asked: bytes,
+        })?;
+        let in_use = acct
+            .in_use
+            .checked_sub(bytes)
+            .ok_or(LedgerError::Overflow(key))?;
+        acct.conns.insert(conn, left);
+        acct.in_use = in_use;
         Ok(Released {
-            freed,
-            in_use: acct.in_use,
-            excess: bytes - freed,
+            freed: bytes,
+            in_use,
         })
     }
 
     /// Sets what `conn` holds to `bytes` (after an arbiter restart the process declares its
-    /// live memory). Always accepted, even past the limit: the memory exists. Idempotent.
+    /// live memory). Accepted even when the allocation as a whole passes its limit (the memory
+    /// exists; a process that reserved after the restart but before an older one redeclared
+    /// can cause that), but never below what `conn` already holds, never above the limit for
+    /// one connection (no process of the allocation could have held more), and never past
+    /// `u64`. Idempotent.
     pub fn redeclare(
         &mut self,
         key: AccountKey,
@@ -270,10 +324,17 @@ impl Ledger {
         bytes: u64,
     ) -> Result<u64, LedgerError> {
         let acct = self.account(key, conn)?;
-        let held = acct.conns.get_mut(&conn).expect("checked above");
-        let before = *held;
-        *held = bytes;
-        acct.in_use = acct.in_use - before + bytes;
+        let held = acct.conns[&conn];
+        if bytes < held {
+            return Err(LedgerError::RedeclareBelow { held, asked: bytes });
+        }
+        if bytes > acct.limit {
+            return Err(LedgerError::RedeclareAboveLimit {
+                limit: acct.limit,
+                asked: bytes,
+            });
+        }
+        acct.add(key, conn, bytes - held)?;
         Ok(acct.in_use)
     }
 
@@ -288,11 +349,14 @@ impl Ledger {
             .conns
             .remove(&conn)
             .ok_or(LedgerError::UnknownConnection { key, conn })?;
-        acct.in_use -= held;
+        // The account's total is the sum of its connections': this cannot fail unless the
+        // ledger is broken, and then zero is the least wrong total.
+        let in_use = acct.in_use.checked_sub(held);
+        acct.in_use = in_use.unwrap_or(0);
         if acct.closed && acct.conns.is_empty() {
             self.accounts.remove(&key);
         }
-        Ok(held)
+        in_use.map(|_| held).ok_or(LedgerError::Overflow(key))
     }
 
     /// Limit and use of an account.
@@ -468,7 +532,7 @@ mod tests {
     }
 
     #[test]
-    fn release_is_saturating_per_connection() {
+    fn release_of_more_than_held_is_refused_and_changes_nothing() {
         let mut l = Ledger::new();
         l.open(1, 100);
         l.attach(1, 1).unwrap();
@@ -480,20 +544,20 @@ mod tests {
             Released {
                 freed: 10,
                 in_use: 70,
-                excess: 0
             }
         );
-        // Connection 1 holds 20: releasing 45 frees 20 and never touches connection 2's bytes.
+        // Connection 1 holds 20: releasing 45 is a lie, refused whole.
         assert_eq!(
-            l.release(1, 1, 45).unwrap(),
-            Released {
-                freed: 20,
-                in_use: 50,
-                excess: 25
-            }
+            l.release(1, 1, 45).unwrap_err(),
+            LedgerError::OverRelease { held: 20, asked: 45 }
         );
+        assert_eq!(l.release(1, 1, u64::MAX).unwrap_err(), LedgerError::OverRelease {
+            held: 20,
+            asked: u64::MAX
+        });
+        assert_eq!(l.held(1, 1), Some(20));
         assert_eq!(l.held(1, 2), Some(50));
-        assert_eq!(l.held(1, 1), Some(0));
+        assert_eq!(l.usage(1).unwrap().in_use, 70);
     }
 
     #[test]
@@ -519,6 +583,34 @@ mod tests {
             l.reserve(1, 1, 10).unwrap(),
             Reservation::Granted { in_use: 100 }
         ));
+    }
+
+    #[test]
+    fn redeclare_never_lowers_a_holding_passes_the_limit_alone_or_wraps() {
+        let mut l = Ledger::new();
+        l.open(1, 100);
+        l.attach(1, 1).unwrap();
+        l.attach(1, 2).unwrap();
+        l.reserve(1, 1, 60).unwrap();
+        assert_eq!(
+            l.redeclare(1, 1, 0).unwrap_err(),
+            LedgerError::RedeclareBelow { held: 60, asked: 0 }
+        );
+        assert_eq!(
+            l.redeclare(1, 2, 101).unwrap_err(),
+            LedgerError::RedeclareAboveLimit { limit: 100, asked: 101 }
+        );
+        assert!(l.redeclare(1, 2, u64::MAX).is_err());
+        assert_eq!(l.usage(1).unwrap().in_use, 60);
+        assert_eq!(l.held(1, 2), Some(0));
+        // At the edge of u64: a total that would wrap is refused, nothing changes.
+        l.open(2, u64::MAX);
+        l.attach(2, 3).unwrap();
+        l.attach(2, 4).unwrap();
+        l.redeclare(2, 3, u64::MAX - 5).unwrap();
+        assert_eq!(l.redeclare(2, 4, 10).unwrap_err(), LedgerError::Overflow(2));
+        assert_eq!(l.usage(2).unwrap().in_use, u64::MAX - 5);
+        assert_eq!(l.held(2, 4), Some(0));
     }
 
     #[test]

@@ -52,10 +52,24 @@ fn main() -> ExitCode {
     match runtime.block_on(run(config, gpus)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("tessera-arbiter: {e:#}");
+            eprintln!("tessera-arbiter: {}", one_message(&e));
             ExitCode::from(exit_code(&e))
         }
     }
+}
+
+/// The error and its causes on one line, each cause only once: most of our errors already
+/// print their source (`"state file X: {source}"`), which `{:#}` would repeat.
+fn one_message(e: &anyhow::Error) -> String {
+    let mut msg = e.to_string();
+    for cause in e.chain().skip(1) {
+        let cause = cause.to_string();
+        if !msg.contains(&cause) {
+            msg.push_str(": ");
+            msg.push_str(&cause);
+        }
+    }
+    msg
 }
 
 fn exit_code(e: &anyhow::Error) -> u8 {

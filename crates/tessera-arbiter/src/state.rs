@@ -36,6 +36,9 @@ pub enum StateError {
     /// Persisting failed; nothing changed.
     #[error("cannot persist allocations: {0}")]
     Store(#[from] StoreError),
+    /// The persisted allocations could not be read or break the rules of `create`.
+    #[error("cannot load allocations: {0}")]
+    Load(#[source] StoreError),
     /// A background task failed.
     #[error("internal error: {0}")]
     Internal(String),
@@ -48,7 +51,9 @@ impl StateError {
             StateError::Invalid(_) => AdminErrorKind::InvalidArgument,
             StateError::NotFound(_) => AdminErrorKind::NotFound,
             StateError::Exhausted(_) => AdminErrorKind::Exhausted,
-            StateError::Store(_) | StateError::Internal(_) => AdminErrorKind::Internal,
+            StateError::Store(_) | StateError::Load(_) | StateError::Internal(_) => {
+                AdminErrorKind::Internal
+            }
         }
     }
 }
@@ -71,6 +76,8 @@ struct LiveAlloc {
     scheduler: SchedulerHandle,
     /// Backstop actions on its processes.
     enforced: u64,
+    /// Tenant connections closed for lying about their memory (see [`Arbiter::note_violation`]).
+    violations: u64,
 }
 
 #[derive(Debug, Default)]
@@ -125,6 +132,74 @@ fn view(record: &AllocationRecord) -> AllocationView {
     }
 }
 
+/// Characters and lengths of a token: hex, as [`store::new_token`] makes them (64 digits), and
+/// never fewer than 128 bits' worth.
+const TOKEN_LEN: std::ops::RangeInclusive<usize> = 32..=256;
+/// Length of an id, as [`store::new_id`] makes them.
+const ID_LEN: usize = 8;
+
+/// Applies the rules of `create` (and of the generated ids and tokens) to persisted records;
+/// the error names the first bad record by index and id.
+fn check_records(records: &[AllocationRecord], gpus: &[GpuInfo]) -> Result<(), String> {
+    let is_hex = |s: &str| s.bytes().all(|b| b.is_ascii_hexdigit());
+    let mut ids = HashMap::new();
+    let mut tokens = HashMap::new();
+    // Per GPU UUID: shares and bytes promised so far.
+    let mut promised: HashMap<&str, (u32, u64)> = HashMap::new();
+    for (i, r) in records.iter().enumerate() {
+        let bad = |what: String| Err(format!("allocation #{i} (id {:?}): {what}", r.id));
+        if r.id.len() != ID_LEN || !is_hex(&r.id) {
+            return bad(format!("id is not {ID_LEN} hex digits"));
+        }
+        if let Some(j) = ids.insert(r.id.as_str(), i) {
+            return bad(format!("same id as allocation #{j}"));
+        }
+        if !TOKEN_LEN.contains(&r.token.len()) || !is_hex(&r.token) {
+            return bad(format!(
+                "token is not {} to {} hex digits",
+                TOKEN_LEN.start(),
+                TOKEN_LEN.end()
+            ));
+        }
+        if let Some(j) = tokens.insert(r.token.as_str(), i) {
+            return bad(format!("same token as allocation #{j}"));
+        }
+        if !(1..=100).contains(&r.share) {
+            return bad(format!("share {} is not in 1..=100", r.share));
+        }
+        if let Some(cap) = r.cap
+            && !(1..=100).contains(&cap)
+        {
+            return bad(format!("cap {cap} is not in 1..=100"));
+        }
+        if r.memory_limit == 0 {
+            return bad("memory limit is 0 bytes".into());
+        }
+        let sum = promised.entry(r.gpu_uuid.as_str()).or_default();
+        sum.0 = sum.0.saturating_add(r.share);
+        sum.1 = sum.1.saturating_add(r.memory_limit);
+        if sum.0 > 100 {
+            return bad(format!("brings GPU {}'s shares to {} of 100", r.gpu_uuid, sum.0));
+        }
+        // A GPU that is not present is not checked against: its size is unknown.
+        if let Some(g) = gpus.iter().find(|g| g.uuid == r.gpu_uuid) {
+            if r.memory_limit > g.memory_total {
+                return bad(format!(
+                    "memory limit {} bytes exceeds GPU {}'s {} bytes",
+                    r.memory_limit, g.uuid, g.memory_total
+                ));
+            }
+            if sum.1 > g.memory_total {
+                return bad(format!(
+                    "brings GPU {}'s promised memory to {} of {} bytes",
+                    g.uuid, sum.1, g.memory_total
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 impl Arbiter {
     /// Builds the state from the discovered GPUs and the persisted allocations. Persisted
     /// allocations are matched to GPUs by UUID (indexes may change between boots); one whose
@@ -134,7 +209,15 @@ impl Arbiter {
         store: Store,
         sched_params: SchedulerParams,
     ) -> Result<Arc<Self>, StateError> {
-        let mut records = store.load()?;
+        let mut records = store.load().map_err(StateError::Load)?;
+        // A hand-edited or damaged file must not bring in what Create would refuse (a share
+        // of 1000 blocks its GPU, an empty token lets anyone in); it is left as it is.
+        check_records(&records, &gpus).map_err(|reason| {
+            StateError::Load(StoreError::Corrupt {
+                path: store.path(),
+                reason,
+            })
+        })?;
         for r in &mut records {
             match gpus.iter().find(|g| g.uuid == r.gpu_uuid) {
                 Some(g) => r.gpu_index = g.index,
@@ -213,6 +296,7 @@ impl Arbiter {
                 record,
                 scheduler,
                 enforced: 0,
+                violations: 0,
             },
         );
     }
@@ -254,6 +338,16 @@ impl Arbiter {
         if let Some(a) = self.live().by_id.get_mut(id) {
             a.enforced += 1;
         }
+    }
+
+    /// A tenant connection of allocation `id` broke the protocol (released more than it held,
+    /// redeclared out of turn, ...) and is being closed; returns the allocation's count of such
+    /// closings since the arbiter started (0 once the allocation is deleted), for the log.
+    pub fn note_violation(&self, id: &str) -> u64 {
+        self.live().by_id.get_mut(id).map_or(0, |a| {
+            a.violations += 1;
+            a.violations
+        })
     }
 
     /// Every live allocation with the pids connected for it (for the backstop).

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use tessera_protocol::{FrameDecoder, Role, ServerHello, TenantReply, TenantRequest};
 
-use crate::ledger::{Credit, ConnId, Reservation};
+use crate::ledger::{ConnId, Credit, LedgerError, Reservation};
 use crate::pressure::{PressureError, PressureSink};
 use crate::scheduler::{Grant, GrantSink};
 use crate::state::{Arbiter, TenantBinding};
@@ -52,6 +52,15 @@ pub enum TenantError {
     /// A pressure-channel request that does not fit (bad ticket, relinquish elsewhere).
     #[error(transparent)]
     Pressure(#[from] PressureError),
+    /// The tenant lied about its memory (released more than it held, redeclared out of turn
+    /// or beyond its limit); counted per allocation.
+    #[error("protocol violation #{count} of this allocation: {what}")]
+    Violation {
+        /// What it did.
+        what: String,
+        /// Violations of the allocation so far.
+        count: u64,
+    },
 }
 
 /// How long a reservation that does not fit may wait, while other processes of its allocation
@@ -306,9 +315,13 @@ fn serve_requests(
     let mut buf = [0u8; READ_CHUNK];
     let mut out: Vec<u8> = Vec::with_capacity(256);
     let mut leasing = false;
+    // Requests handled so far: `Redeclare` is valid only as the first one.
+    let mut handled: u64 = 0;
     loop {
         // Handle every whole frame already buffered.
         while let Some(req) = dec.next::<TenantRequest>().map_err(WireError::from)? {
+            let first = handled == 0;
+            handled = handled.saturating_add(1);
             if req == TenantRequest::LeaseAcquire {
                 if !leasing {
                     leasing = true;
@@ -351,12 +364,14 @@ fn serve_requests(
                 }
                 TenantRequest::Relinquish { seq, bytes } => {
                     let mem = channel_of.ok_or(PressureError::NotAChannel)?;
-                    book_release(arb, b, mem, bytes);
+                    // Too much closes this channel; the memory connection keeps its holding
+                    // (over-counting only its own allocation).
+                    book_release(arb, b, mem, bytes)?;
                     arb.pressure().answered(mem, conn, seq)?;
                     // Wakes reservations waiting for room, or for this channel to catch up.
                     arb.pressure().note_freed();
                 }
-                req => handle(arb, b, conn, req, &mut out)?,
+                req => handle(arb, b, conn, req, first, &mut out)?,
             }
         }
         writer.write_replies(&mut out)?;
@@ -381,11 +396,13 @@ fn reply(out: &mut Vec<u8>, r: &TenantReply) -> Result<(), TenantError> {
     wire::push_frame(out, r).map_err(|e| WireError::from(e).into())
 }
 
+/// Handles one request; `first`: it is the first request of the connection.
 fn handle(
     arb: &Arbiter,
     b: &TenantBinding,
     conn: ConnId,
     req: TenantRequest,
+    first: bool,
     out: &mut Vec<u8>,
 ) -> Result<(), TenantError> {
     let key = b.key;
@@ -436,12 +453,22 @@ fn handle(
             return Err(PressureError::NotAChannel.into());
         }
         TenantRequest::Release { bytes } => {
-            book_release(arb, b, conn, bytes);
+            book_release(arb, b, conn, bytes)?;
             arb.pressure().note_freed();
         }
         TenantRequest::Redeclare { bytes } => {
+            // Only a process that reconnects declares what it holds, and it does so before
+            // anything else; later, it would undo what this connection reserved.
+            if !first {
+                return Err(violation(arb, b, "Redeclare after other requests".into()));
+            }
             let msg = match arb.with_ledger(|l| l.redeclare(key, conn, bytes)) {
                 Ok(in_use) => TenantReply::Reserved { in_use },
+                Err(
+                    e @ (LedgerError::RedeclareBelow { .. }
+                    | LedgerError::RedeclareAboveLimit { .. }
+                    | LedgerError::Overflow(_)),
+                ) => return Err(violation(arb, b, e.to_string())),
                 Err(e) => TenantReply::Error {
                     message: e.to_string(),
                 },
@@ -478,16 +505,32 @@ fn handle(
 }
 
 /// Releases `bytes` held by memory connection `holder` (a `Release` on it, or a `Relinquish` on
-/// its pressure channel); more than it holds is logged and never frees another's bytes.
-fn book_release(arb: &Arbiter, b: &TenantBinding, holder: ConnId, bytes: u64) {
+/// its pressure channel). More than it holds is a violation: nothing is freed and the
+/// connection that sent it is closed.
+fn book_release(
+    arb: &Arbiter,
+    b: &TenantBinding,
+    holder: ConnId,
+    bytes: u64,
+) -> Result<(), TenantError> {
     match arb.with_ledger(|l| l.release(b.key, holder, bytes)) {
-        Ok(r) if r.excess > 0 => crate::log!(
-            "tenant conn {holder} of {}: released {bytes} bytes but held only {}",
-            b.view.id,
-            r.freed
-        ),
-        Ok(_) => {}
-        Err(e) => crate::log!("tenant conn {holder} of {}: release: {e}", b.view.id),
+        Ok(_) => Ok(()),
+        Err(e @ (LedgerError::OverRelease { .. } | LedgerError::Overflow(_))) => {
+            Err(violation(arb, b, e.to_string()))
+        }
+        Err(e) => {
+            crate::log!("tenant conn {holder} of {}: release: {e}", b.view.id);
+            Ok(())
+        }
+    }
+}
+
+/// Counts a protocol violation of `b`'s allocation; the error closes the connection (which
+/// releases everything it held, as when a process exits) and is logged with the count.
+fn violation(arb: &Arbiter, b: &TenantBinding, what: String) -> TenantError {
+    TenantError::Violation {
+        what,
+        count: arb.note_violation(&b.view.id),
     }
 }
 

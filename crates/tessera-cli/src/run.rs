@@ -46,8 +46,9 @@ pub const DEFAULT_SHARE: u32 = 10;
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
     /// GPU by index or UUID.
-    #[arg(long, default_value = "0", value_name = "INDEX|UUID")]
-    pub gpu: String,
+    #[arg(long, default_value = "0", value_name = "INDEX|UUID", value_parser = parse_gpu_arg,
+          allow_hyphen_values = true)]
+    pub gpu: GpuSelector,
     /// Memory limit for all processes of the command together, e.g. 512MiB, 4GiB, 1.5G.
     #[arg(long, value_name = "SIZE", value_parser = parse_size_arg)]
     pub memory: u64,
@@ -188,6 +189,21 @@ pub fn parse_gpu(text: &str) -> GpuSelector {
     }
 }
 
+/// clap's parser for `--gpu`: like [`parse_gpu`], but a number that is no index (negative, or
+/// too large) is bad usage, not a UUID nobody has.
+fn parse_gpu_arg(text: &str) -> Result<GpuSelector, String> {
+    let t = text.trim();
+    if t.is_empty() {
+        return Err("expected a GPU index (0, 1, ...) or UUID (GPU-...)".into());
+    }
+    if t.parse::<i128>().is_ok() && t.parse::<u32>().is_err() {
+        return Err(format!(
+            "{t} is not a GPU index (0, 1, ...); give an index or a UUID (GPU-...)"
+        ));
+    }
+    Ok(parse_gpu(t))
+}
+
 /// Reports an admin client error on stderr and returns the [`Exit`] carrying the CLI's exit
 /// code: 3 when the arbiter cannot be reached (or hung up), 4 when it refused, 1 otherwise.
 pub fn classify(err: ClientError, socket: &Path) -> anyhow::Error {
@@ -307,7 +323,7 @@ pub fn main(args: RunArgs) -> anyhow::Result<u8> {
     );
     let (token, alloc) = admin
         .create(CreateAllocation {
-            gpu: parse_gpu(&args.gpu),
+            gpu: args.gpu.clone(),
             memory_limit: args.memory,
             share: args.share,
             cap: args.cap.then_some(args.share),
@@ -409,6 +425,10 @@ mod tests {
     fn gpu_selector_and_preload() {
         assert_eq!(parse_gpu("1"), GpuSelector::Index(1));
         assert_eq!(parse_gpu("GPU-ab"), GpuSelector::Uuid("GPU-ab".into()));
+        assert_eq!(parse_gpu_arg(" 2 "), Ok(GpuSelector::Index(2)));
+        assert!(parse_gpu_arg("-1").unwrap_err().contains("-1 is not a GPU index"));
+        assert!(parse_gpu_arg("99999999999").is_err());
+        assert!(parse_gpu_arg("").is_err());
         let p = Path::new("/opt/t/libtessera_interpose.so");
         assert_eq!(ld_preload(p, None), "/opt/t/libtessera_interpose.so");
         assert_eq!(

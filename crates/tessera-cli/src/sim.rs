@@ -10,7 +10,8 @@ use std::ffi::OsString;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
+use crate::usage;
 use tessera_sim_state::{ENV_CONTEXT_MEMORY, ENV_DIR, ENV_GPUS, MODELED_CONTEXT_MEMORY, SimSpec};
 
 /// Arguments of `tessera sim`.
@@ -42,33 +43,37 @@ pub fn main(args: SimArgs) -> anyhow::Result<u8> {
             .filter(|v| !v.trim().is_empty())
             .unwrap_or_else(|| tessera_sim_state::DEFAULT_GPUS.to_string()),
     };
-    let spec = SimSpec::parse(&gpus).with_context(|| format!("invalid GPU spec {gpus:?}"))?;
+    let spec = SimSpec::parse(&gpus).map_err(|e| usage(format!("invalid GPU spec {gpus:?}: {e}")))?;
     let state_dir = match &args.state_dir {
         Some(d) => d.clone(),
         None => tessera_sim_state::state_dir_from_env(),
     };
     if let Some(xid) = &args.inject_xid {
         if !args.command.is_empty() {
-            bail!("--inject-xid does not run a command; drop the command or the flag");
+            return Err(usage("--inject-xid does not run a command; drop the command or the flag"));
         }
         let (gpu, code) = xid
             .split_once(':')
             .and_then(|(g, c)| Some((g.trim().parse::<u32>().ok()?, c.trim().parse::<u64>().ok()?)))
-            .with_context(|| format!("--inject-xid {xid:?}: expected GPU:CODE, e.g. 0:79"))?;
+            .ok_or_else(|| usage(format!("--inject-xid {xid:?}: expected GPU:CODE, e.g. 0:79")))?;
         if gpu as usize >= spec.count() {
-            bail!("--inject-xid: GPU {gpu} does not exist ({} simulated)", spec.count());
+            return Err(usage(format!(
+                "--inject-xid: GPU {gpu} does not exist ({} simulated)",
+                spec.count()
+            )));
         }
         tessera_sim_state::inject_xid(&state_dir, gpu, code)?;
         eprintln!("tessera sim: injected XID {code} on GPU {gpu}");
         return Ok(0);
     }
     let Some((program, rest)) = args.command.split_first() else {
-        bail!("no command given: use `tessera sim [OPTIONS] -- COMMAND ARGS...`");
+        return Err(usage("no command given: use `tessera sim [OPTIONS] -- COMMAND ARGS...`"));
     };
     // The user's value wins (checked here, so a typo fails before the command starts).
     let context_memory = match std::env::var(ENV_CONTEXT_MEMORY) {
         Ok(v) => {
-            tessera_sim_state::parse_context_memory(&v)?;
+            tessera_sim_state::parse_context_memory(&v)
+                .map_err(|e| usage(format!("{ENV_CONTEXT_MEMORY}={v:?}: {e}")))?;
             v
         }
         Err(_) => MODELED_CONTEXT_MEMORY.to_string(),

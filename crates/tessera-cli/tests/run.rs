@@ -210,6 +210,14 @@ fn unreachable_arbiter_exits_3_and_refusals_exit_4() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown unit"));
+    // So is a GPU number that is no index.
+    let out = arb
+        .tessera(&["run", "--gpu", "-1", "--memory", "1GiB", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("-1 is not a GPU index") && !err.contains("UUID -1"), "{err}");
 }
 
 #[test]

@@ -142,12 +142,12 @@ fn exit_codes_and_bad_arguments() {
     assert!(text.starts_with(&format!("1x80GiB {}", state.path().display())), "{text}");
     assert!(text.contains("libcuda.so.1") && text.contains("libnvidia-ml.so.1"), "{text}");
     let bad = sim(state.path()).args(["--gpus", "2xlots", "--", "true"]).output().unwrap();
-    assert_eq!(bad.status.code(), Some(1));
+    assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("invalid GPU spec"));
     let none = sim(state.path()).output().unwrap();
-    assert_eq!(none.status.code(), Some(1));
+    assert_eq!(none.status.code(), Some(2));
     let xid = sim(state.path()).args(["--inject-xid", "3:79"]).output().unwrap();
-    assert_eq!(xid.status.code(), Some(1), "GPU 3 does not exist on 1x80GiB");
+    assert_eq!(xid.status.code(), Some(2), "GPU 3 does not exist on 1x80GiB");
     let xid = sim(state.path()).args(["--inject-xid", "0:79"]).status().unwrap();
     assert!(xid.success());
     let (events, _) = tessera_sim_state::read_xid_events(state.path(), 0);

@@ -167,7 +167,14 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("tessera-device-plugin: {e:#}");
+            // Each cause once: most errors already print their source, which `{:#}` repeats.
+            let mut msg = e.to_string();
+            for cause in e.chain().skip(1).map(ToString::to_string) {
+                if !msg.contains(&cause) {
+                    msg = format!("{msg}: {cause}");
+                }
+            }
+            eprintln!("tessera-device-plugin: {msg}");
             let code = e.downcast_ref::<PluginError>().map(exit_code).unwrap_or(1);
             ExitCode::from(code)
         }

@@ -119,13 +119,18 @@ impl Config {
             ));
         }
         // The tenant socket's folder is mounted into every container: the admin socket must
-        // not be reachable through it.
+        // not be reachable through it. Compared as resolved paths: `tenant/../tenant/x` or a
+        // symlinked folder would pass a textual check and still land in the mount.
         let tenant_dir = self.tenant_socket.parent().unwrap_or(Path::new("/"));
-        if self.admin_socket.starts_with(tenant_dir) {
+        let (tenant_real, admin_real) = (resolve(tenant_dir), resolve(&self.admin_socket));
+        if admin_real.starts_with(&tenant_real) {
             return bad(format!(
-                "the admin socket {} lies in the tenant socket's folder {}, which containers mount",
+                "the admin socket {} ({}) lies in the tenant socket's folder {} ({}), which \
+                 containers mount",
                 self.admin_socket.display(),
-                tenant_dir.display()
+                admin_real.display(),
+                tenant_dir.display(),
+                tenant_real.display()
             ));
         }
         if self.tenant_socket.file_name().is_none() || !self.container_socket_dir.is_absolute() {
@@ -404,6 +409,36 @@ async fn serve_generation(
     }
 }
 
+/// `path` made absolute with its longest existing ancestor canonicalized (symlinks and `..`
+/// resolved by the kernel) and the rest, which does not exist yet, normalized lexically.
+fn resolve(path: &Path) -> PathBuf {
+    use std::path::Component;
+    let abs = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/")).join(path)
+    };
+    let comps: Vec<Component<'_>> = abs.components().collect();
+    // The longest prefix that canonicalizes; `/` always does.
+    let (mut out, rest) = (0..=comps.len())
+        .rev()
+        .find_map(|n| {
+            let prefix: PathBuf = comps[..n].iter().collect();
+            std::fs::canonicalize(&prefix).ok().map(|p| (p, &comps[n..]))
+        })
+        .unwrap_or_else(|| (PathBuf::from("/"), &comps[..]));
+    for c in rest {
+        match c {
+            Component::ParentDir => {
+                out.pop();
+            }
+            Component::Normal(n) => out.push(n),
+            Component::CurDir | Component::RootDir | Component::Prefix(_) => {}
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -442,6 +477,9 @@ mod tests {
                 .contains("admin socket")
         );
         let mut c = cfg();
+        c.admin_socket = "/run/tessera/x/../tenant/admin.sock".into();
+        assert!(c.validate().unwrap_err().to_string().contains("admin socket"));
+        let mut c = cfg();
         c.shares_per_gpu = 0;
         assert!(c.validate().is_err());
         let mut c = cfg();
@@ -458,5 +496,33 @@ mod tests {
             c.resource_name = bad.into();
             assert!(c.validate().is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn an_admin_socket_reached_through_a_symlink_or_dotdot_is_in_the_tenant_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let tenant = dir.path().join("tenant");
+        std::fs::create_dir(&tenant).unwrap();
+        std::fs::create_dir(dir.path().join("x")).unwrap();
+        std::os::unix::fs::symlink(&tenant, dir.path().join("admin-dir")).unwrap();
+        let mut c = cfg();
+        c.tenant_socket = tenant.join("tessera.sock");
+        for admin in [
+            dir.path().join("admin-dir/admin.sock"),
+            dir.path().join("x/../tenant/admin.sock"),
+            dir.path().join("x/../tenant/new/../admin.sock"),
+            tenant.join("sub/admin.sock"),
+        ] {
+            c.admin_socket = admin.clone();
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains("admin socket"), "{}: {err}", admin.display());
+        }
+        // A tenant folder reached through a symlink is compared by what it resolves to too.
+        c.tenant_socket = dir.path().join("admin-dir/tessera.sock");
+        c.admin_socket = tenant.join("admin.sock");
+        assert!(c.validate().is_err());
+        // A sibling folder is fine.
+        c.admin_socket = dir.path().join("x/admin.sock");
+        c.validate().unwrap();
     }
 }

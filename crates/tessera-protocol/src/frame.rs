@@ -28,6 +28,11 @@ pub enum FrameError {
     /// The payload is not a valid message.
     #[error("malformed frame: {0}")]
     Malformed(#[from] postcard::Error),
+    /// The payload holds a valid message followed by bytes that belong to none: a frame of
+    /// another message type (e.g. an admin request on the tenant socket) can otherwise decode
+    /// as a shorter message of this one.
+    #[error("malformed frame: {0} trailing byte(s) after the message")]
+    Trailing(usize),
 }
 
 /// Encodes `msg` as one frame (header + payload).
@@ -42,9 +47,13 @@ pub fn encode<T: Serialize>(msg: &T) -> Result<Vec<u8>, FrameError> {
     Ok(buf)
 }
 
-/// Decodes one payload (without header).
+/// Decodes one payload (without header); the message must use every byte of it.
 pub fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, FrameError> {
-    Ok(postcard::from_bytes(payload)?)
+    let (msg, rest) = postcard::take_from_bytes(payload)?;
+    if !rest.is_empty() {
+        return Err(FrameError::Trailing(rest.len()));
+    }
+    Ok(msg)
 }
 
 /// Writes `msg` as one frame with a single `write_all`, so frames from one thread never interleave.

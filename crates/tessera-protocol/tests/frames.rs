@@ -82,3 +82,22 @@ fn hello_carries_magic_and_version() {
     assert_eq!(h.magic, tessera_protocol::MAGIC);
     assert_eq!(h.version, tessera_protocol::PROTOCOL_VERSION);
 }
+
+#[test]
+fn bytes_after_the_message_are_an_error() {
+    let mut bytes = frame::encode(&TenantRequest::Reserve { bytes: 1 }).unwrap();
+    bytes.push(0);
+    let len = (bytes.len() - HEADER_LEN) as u32;
+    bytes[..HEADER_LEN].copy_from_slice(&len.to_le_bytes());
+    let err = frame::read_frame::<_, TenantRequest>(&mut Cursor::new(&bytes)).unwrap_err();
+    assert!(matches!(err, FrameError::Trailing(1)), "{err:?}");
+    let mut dec = FrameDecoder::new();
+    dec.extend(&bytes);
+    assert!(matches!(dec.next::<TenantRequest>(), Err(FrameError::Trailing(1))));
+    // An admin request of the same variant index is no tenant request.
+    let delete = frame::encode(&tessera_protocol::AdminRequest::Delete { id: "abcd0001".into() }).unwrap();
+    assert!(matches!(
+        frame::read_frame::<_, TenantRequest>(&mut Cursor::new(&delete)),
+        Err(FrameError::Trailing(_))
+    ));
+}
