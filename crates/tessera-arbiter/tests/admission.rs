@@ -15,7 +15,7 @@ use tessera_protocol::client::{ClientError, TenantClient};
 use tessera_protocol::{ServerHello, TenantReply, TenantRequest, frame};
 
 /// The resident-memory bound docs/arbiter.md states for the default caps, MiB.
-const RSS_BOUND_MIB: u64 = 192;
+const RSS_BOUND_MIB: u64 = 160;
 
 /// Set in a flood child: `socket;connections;seconds`.
 const CHILD_ENV: &str = "TESSERA_ADMISSION_FLOOD";
