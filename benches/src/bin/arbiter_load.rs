@@ -214,7 +214,7 @@ fn idle(node: &SimNode, token: &str, n: usize, partial: usize) -> (u64, u64, u64
             }
         };
         if partial > 0 {
-            (&*t.stream()).write_all(&frame).expect("partial frame");
+            t.stream().write_all(&frame).expect("partial frame");
         }
         held.push(t);
     }

@@ -48,7 +48,10 @@ pub async fn serve(
     };
     match serve_inner(&arb, &mut stream, slot, timeout).await {
         Ok(()) | Err(AdminError::Wire(WireError::Closed)) => {}
-        Err(e) => crate::log!("{who}: closed: {e}"),
+        Err(e) => {
+            admission::drain_a_little(&stream);
+            crate::log!("{who}: closed: {e}");
+        }
     }
 }
 

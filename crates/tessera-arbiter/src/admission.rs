@@ -371,6 +371,14 @@ pub fn refuse_now(stream: &UnixStream, reason: &str) {
     }
 }
 
+/// Reads, without waiting, what a peer whose handshake failed already sent, up to one hello's
+/// worth: a socket closed with unread bytes resets the peer's next read, and a client that sent
+/// a little junk should see a plain close.
+pub fn drain_a_little(stream: &UnixStream) {
+    let mut buf = [0u8; wire::HELLO_FRAME_LIMIT];
+    let _ = stream.try_read(&mut buf);
+}
+
 /// Closes a connection refused at accept: no task, no thread, no answer. Without a `Refused`
 /// frame a client takes it for an arbiter that is not there yet and retries with its backoff
 /// (the interposer's `Refused` handling is for a bad token, and pauses much longer).
@@ -404,6 +412,7 @@ async fn tenant_handshake(
     let role = match wire::read_hello(&mut stream, adm.limits.handshake_timeout).await {
         Ok(r) => r,
         Err(e) => {
+            drain_a_little(&stream);
             if let WireError::BadVersion(_) = e {
                 refuse_now(&stream, &e.to_string());
             }
@@ -413,6 +422,7 @@ async fn tenant_handshake(
     };
     let Role::Tenant { token } = role else {
         let reason = "admin clients use the admin socket";
+        drain_a_little(&stream);
         refuse_now(&stream, reason);
         adm.failed(&who, &WireError::WrongRole(reason));
         return;
@@ -420,6 +430,7 @@ async fn tenant_handshake(
     let conn = arb.next_conn();
     let Some(binding) = arb.attach_tenant(&token, conn, pid) else {
         let reason = "unknown allocation token";
+        drain_a_little(&stream);
         refuse_now(&stream, reason);
         adm.failed(&who, &WireError::WrongRole(reason));
         return;
