@@ -1,12 +1,15 @@
 //! The admin socket (mode 0600, never mounted into containers): one task per connection,
-//! one reply per request, in order.
+//! one reply per request, in order. Its handshakes have the same deadline, `Hello` size limit
+//! and pending caps as the tenant socket's (its own counters).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tessera_protocol::{AdminReply, AdminRequest, FrameDecoder, Role, ServerHello};
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
 
+use crate::admission::{self, Admission, PendingSlot};
 use crate::state::Arbiter;
 use crate::wire::{self, WireError};
 
@@ -18,16 +21,37 @@ pub enum AdminError {
     Wire(#[from] WireError),
 }
 
-/// Serves one admin connection to its end.
-pub async fn serve(arb: Arc<Arbiter>, mut stream: UnixStream) {
+/// A new admin connection: counted as pending (or closed at once over the caps) until its
+/// handshake ends, then served to its end on the runtime.
+pub fn accept(arb: Arc<Arbiter>, adm: &Arc<Admission>, stream: UnixStream) {
+    let (uid, pid) = admission::peer(&stream);
+    match adm.begin(uid, pid) {
+        Ok(slot) => {
+            let timeout = adm.limits().handshake_timeout;
+            tokio::spawn(serve(arb, stream, slot, timeout));
+        }
+        Err(_) => admission::close_refused(stream),
+    }
+}
+
+/// Serves one admin connection to its end; `slot` is released when the handshake ends.
+pub async fn serve(
+    arb: Arc<Arbiter>,
+    mut stream: UnixStream,
+    slot: PendingSlot,
+    timeout: Duration,
+) {
     let pid = stream.peer_cred().ok().and_then(|c| c.pid());
     let who = match pid {
         Some(p) => format!("admin client pid {p}"),
         None => "admin client".to_owned(),
     };
-    match serve_inner(&arb, &mut stream).await {
+    match serve_inner(&arb, &mut stream, slot, timeout).await {
         Ok(()) | Err(AdminError::Wire(WireError::Closed)) => {}
-        Err(e) => crate::log!("{who}: closed: {e}"),
+        Err(e) => {
+            admission::drain_a_little(&stream);
+            crate::log!("{who}: closed: {e}");
+        }
     }
 }
 
@@ -41,9 +65,15 @@ async fn send<T: serde::Serialize>(stream: &mut UnixStream, msg: &T) -> Result<(
     Ok(())
 }
 
-async fn serve_inner(arb: &Arbiter, stream: &mut UnixStream) -> Result<(), AdminError> {
-    let mut dec = FrameDecoder::new();
-    match wire::read_hello(stream, &mut dec).await {
+async fn serve_inner(
+    arb: &Arbiter,
+    stream: &mut UnixStream,
+    slot: PendingSlot,
+    timeout: Duration,
+) -> Result<(), AdminError> {
+    let hello = wire::read_hello(stream, timeout).await;
+    drop(slot);
+    match hello {
         Ok(Role::Admin) => {}
         Ok(Role::Tenant { .. }) => {
             let reason = "tenants use the tenant socket";
@@ -73,6 +103,7 @@ async fn serve_inner(arb: &Arbiter, stream: &mut UnixStream) -> Result<(), Admin
         allocation: None,
     };
     send(stream, &welcome).await?;
+    let mut dec = FrameDecoder::new();
     loop {
         let req: AdminRequest = wire::read_msg(stream, &mut dec).await?;
         let reply = handle(arb, req).await;

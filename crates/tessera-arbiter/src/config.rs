@@ -55,4 +55,40 @@ pub struct Config {
     /// Tessera identity file is taken for a host process (reported, never killed).
     #[arg(long, default_value = "/proc/1/ns/mnt", value_name = "PATH")]
     pub host_mount_ns: PathBuf,
+    /// Deadline for a new connection's whole handshake (its `Hello` and the answer),
+    /// milliseconds; not per read, so a peer that trickles bytes is dropped all the same.
+    #[arg(long, default_value_t = 1000, value_name = "MS")]
+    pub handshake_timeout_ms: u64,
+    /// Connections that have not finished their handshake, all peers together; more are closed
+    /// at once (each socket counts its own).
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    pub max_pending_handshakes: usize,
+    /// Connections that have not finished their handshake per peer uid (`SO_PEERCRED`). Looser
+    /// than per pid: pods often share a uid (root).
+    #[arg(long, default_value_t = 128, value_name = "N")]
+    pub max_pending_per_uid: usize,
+    /// Connections that have not finished their handshake per peer pid (`SO_PEERCRED`).
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    pub max_pending_per_pid: usize,
+    /// Admitted tenant connections per allocation; more are refused after their `Hello`.
+    #[arg(long, default_value_t = 1024, value_name = "N")]
+    pub max_connections_per_allocation: usize,
+    /// Admitted tenant connections in total (each is served by a thread). With the other caps
+    /// it bounds the arbiter's memory: see docs/arbiter.md.
+    #[arg(long, default_value_t = 4096, value_name = "N")]
+    pub max_tenant_connections: usize,
+}
+
+impl Config {
+    /// The admission caps of these flags.
+    pub fn limits(&self) -> crate::admission::Limits {
+        crate::admission::Limits {
+            handshake_timeout: std::time::Duration::from_millis(self.handshake_timeout_ms.max(1)),
+            pending: self.max_pending_handshakes,
+            pending_per_uid: self.max_pending_per_uid,
+            pending_per_pid: self.max_pending_per_pid,
+            per_allocation: self.max_connections_per_allocation,
+            admitted: self.max_tenant_connections,
+        }
+    }
 }

@@ -1,6 +1,8 @@
 //! Tessera's per-node arbiter: the authority on GPU memory limits and compute shares.
 //!
 //! Modules:
+//! - [`admission`]: admission before cost: handshakes on the runtime under one deadline and a
+//!   small frame limit, caps on pending and admitted connections, refusal counters.
 //! - [`backstop`]: the memory backstop: NVML's per-process memory, attributed to allocations by
 //!   connected pids and their descendants, over-limit processes killed or reported.
 //! - [`config`]: command-line and environment configuration.
@@ -13,7 +15,7 @@
 //! - [`state`]: the shared state tying GPUs, allocations, ledger and schedulers together;
 //!   admin operations (create, list, delete).
 //! - [`wire`]: async framing helpers shared by the socket servers.
-//! - [`tenant`]: the tenant socket server (one task per connection).
+//! - [`tenant`]: the tenant socket server (one thread per admitted connection).
 //! - [`admin`]: the admin socket server.
 //! - [`server`]: start-up and shutdown wiring.
 //!
@@ -21,6 +23,7 @@
 //! [`server::Server`] until SIGTERM or SIGINT.
 
 pub mod admin;
+pub mod admission;
 pub mod backstop;
 pub mod config;
 pub mod gpus;

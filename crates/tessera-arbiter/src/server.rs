@@ -1,5 +1,6 @@
-//! Start-up and shutdown: binds both sockets, spawns the accept loops and the scheduler
-//! timers, and on shutdown removes the sockets and persists the allocations.
+//! Start-up and shutdown: binds both sockets, spawns the accept loops (each connection goes
+//! through [`crate::admission`] first) and the scheduler timers, and on shutdown removes the
+//! sockets and persists the allocations.
 
 use std::fs;
 use std::io;
@@ -12,11 +13,15 @@ use tessera_protocol::GpuInfo;
 use tokio::net::UnixListener;
 use tokio::task::JoinHandle;
 
+use crate::admin;
+use crate::admission::{self, Admission, Limits};
 use crate::config::Config;
 use crate::scheduler::SchedulerParams;
 use crate::state::{Arbiter, StateError};
 use crate::store::Store;
-use crate::{admin, tenant};
+
+/// How often refusals and failed handshakes are summed up in the log (when there were any).
+const REPORT_EVERY: Duration = Duration::from_secs(1);
 
 /// Errors of start-up and shutdown.
 #[derive(Debug, thiserror::Error)]
@@ -46,7 +51,38 @@ pub struct Server {
     arbiter: Arc<Arbiter>,
     socket: PathBuf,
     admin_socket: PathBuf,
+    tenant_admission: Arc<Admission>,
+    admin_admission: Arc<Admission>,
     tasks: Vec<JoinHandle<()>>,
+}
+
+/// Raises the soft limit on open files so the caps, not the limit, decide who gets in: an
+/// arbiter out of descriptors cannot even accept (and close) a connection, honest or not.
+fn raise_nofile(limits: &Limits) {
+    // Both sockets' pending caps, two per admitted tenant (its socket and the writer's clone),
+    // and room for state files, NVML and /proc.
+    let want = (2 * limits.pending + 2 * limits.admitted + 1024) as libc::rlim_t;
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `rl` is a valid rlimit to write into.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } != 0 || rl.rlim_cur >= want {
+        return;
+    }
+    let cur = want.min(rl.rlim_max);
+    let new = libc::rlimit {
+        rlim_cur: cur,
+        rlim_max: rl.rlim_max,
+    };
+    // SAFETY: `new` is a valid rlimit; only the soft limit changes, within the hard one.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &new) } != 0 || cur < want {
+        crate::log!(
+            "open files limited to {} (the caps want {want}): lower --max-tenant-connections \
+             or raise the hard limit",
+            cur.max(rl.rlim_cur)
+        );
+    }
 }
 
 /// Binds `path` with `mode`: removes a stale socket file first, binds under a temporary name,
@@ -84,14 +120,19 @@ fn bind(path: &Path, mode: u32) -> Result<UnixListener, ServerError> {
     Ok(listener)
 }
 
-fn accept_loop<F>(listener: UnixListener, arb: Arc<Arbiter>, serve: F) -> JoinHandle<()>
+fn accept_loop<F>(
+    listener: UnixListener,
+    arb: Arc<Arbiter>,
+    adm: Arc<Admission>,
+    serve: F,
+) -> JoinHandle<()>
 where
-    F: Fn(Arc<Arbiter>, tokio::net::UnixStream) + Send + 'static,
+    F: Fn(Arc<Arbiter>, &Arc<Admission>, tokio::net::UnixStream) + Send + 'static,
 {
     tokio::spawn(async move {
         loop {
             match listener.accept().await {
-                Ok((stream, _)) => serve(Arc::clone(&arb), stream),
+                Ok((stream, _)) => serve(Arc::clone(&arb), &adm, stream),
                 Err(e) => {
                     // E.g. out of file descriptors: keep serving the open connections.
                     crate::log!("accept failed: {e}");
@@ -120,15 +161,25 @@ impl Server {
                 return Err(e);
             }
         };
+        let limits = config.limits();
+        raise_nofile(&limits);
+        let tenant_admission = Admission::new(limits);
+        let admin_admission = Admission::new(limits);
         let mut tasks = vec![
-            accept_loop(tenant_listener, Arc::clone(&arbiter), |arb, stream| {
-                if let Err(e) = tenant::spawn(arb, stream) {
-                    crate::log!("tenant connection dropped: {e}");
-                }
-            }),
-            accept_loop(admin_listener, Arc::clone(&arbiter), |arb, stream| {
-                tokio::spawn(admin::serve(arb, stream));
-            }),
+            accept_loop(
+                tenant_listener,
+                Arc::clone(&arbiter),
+                Arc::clone(&tenant_admission),
+                admission::accept_tenant,
+            ),
+            accept_loop(
+                admin_listener,
+                Arc::clone(&arbiter),
+                Arc::clone(&admin_admission),
+                admin::accept,
+            ),
+            tokio::spawn(Arc::clone(&tenant_admission).report("tenant", REPORT_EVERY)),
+            tokio::spawn(Arc::clone(&admin_admission).report("admin", REPORT_EVERY)),
         ];
         let epoch = arbiter.epoch();
         for s in arbiter.schedulers() {
@@ -138,6 +189,8 @@ impl Server {
             arbiter,
             socket: config.socket.clone(),
             admin_socket: config.admin_socket.clone(),
+            tenant_admission,
+            admin_admission,
             tasks,
         })
     }
@@ -145,6 +198,16 @@ impl Server {
     /// The shared state.
     pub fn arbiter(&self) -> &Arc<Arbiter> {
         &self.arbiter
+    }
+
+    /// The tenant socket's caps and refusal counters.
+    pub fn tenant_admission(&self) -> &Arc<Admission> {
+        &self.tenant_admission
+    }
+
+    /// The admin socket's caps and refusal counters.
+    pub fn admin_admission(&self) -> &Arc<Admission> {
+        &self.admin_admission
     }
 
     /// Stops accepting, removes the sockets and persists the allocations.

@@ -4,7 +4,9 @@
 //! pays a Reserve round trip on every device allocation, and a thread blocked in `read` is
 //! woken straight by the kernel, which measured about twice as fast as a tokio task (whose
 //! wake-up goes through the reactor and a worker hand-off). A slow or stuck client only
-//! blocks its own thread.
+//! blocks its own thread. A connection gets its thread only once its `Hello` and token were
+//! accepted on the runtime, within the caps (see [`crate::admission`]): an unauthenticated
+//! peer never costs a thread.
 //!
 //! Connection threads are `SCHED_BATCH` (see [`batch_scheduling`]): a tenant's request then
 //! costs two context switches, not three or four. A connection that asks for a compute lease
@@ -29,13 +31,14 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tessera_protocol::{FrameDecoder, Role, ServerHello, TenantReply, TenantRequest};
+use tessera_protocol::{FrameDecoder, ServerHello, TenantReply, TenantRequest};
 
+use crate::admission::TenantSlot;
 use crate::ledger::{ConnId, Credit, LedgerError, Reservation};
 use crate::pressure::{PressureError, PressureSink};
 use crate::scheduler::{Grant, GrantSink};
 use crate::state::{Arbiter, TenantBinding};
-use crate::wire::{self, HANDSHAKE_TIMEOUT, READ_CHUNK, WireError};
+use crate::wire::{self, READ_CHUNK, WireError};
 
 /// Stack of a connection thread (it needs a read buffer and small frames only).
 const THREAD_STACK: usize = 256 * 1024;
@@ -75,16 +78,28 @@ fn io_err(e: std::io::Error) -> TenantError {
     WireError::Frame(e.into()).into()
 }
 
-/// Takes a freshly accepted connection and serves it on its own thread.
-pub fn spawn(arb: Arc<Arbiter>, stream: tokio::net::UnixStream) -> Result<(), TenantError> {
-    let pid = stream.peer_cred().ok().and_then(|c| c.pid());
+/// Largest request frame an admitted tenant may send. Every `TenantRequest` is under 40 bytes;
+/// the margin is for new variants. It bounds what one connection buffers (one frame plus one
+/// read) and so the arbiter's memory per connection (see docs/arbiter.md).
+pub const TENANT_FRAME_LIMIT: usize = 1024;
+
+/// Serves an admitted connection (its `Hello` was read and its token accepted on the runtime,
+/// see [`crate::admission`]) on its own thread, which first sends the `Welcome`. `slot` counts
+/// the connection against the caps until the thread ends.
+pub fn spawn(
+    arb: Arc<Arbiter>,
+    stream: tokio::net::UnixStream,
+    conn: ConnId,
+    pid: Option<i32>,
+    binding: TenantBinding,
+    slot: TenantSlot,
+) -> Result<(), TenantError> {
     let stream = stream.into_std().map_err(io_err)?;
     stream.set_nonblocking(false).map_err(io_err)?;
-    let conn = arb.next_conn();
     std::thread::Builder::new()
         .name(format!("tenant-{conn}"))
         .stack_size(THREAD_STACK)
-        .spawn(move || serve(arb, stream, conn, pid))
+        .spawn(move || serve(arb, stream, conn, pid, binding, slot))
         .map_err(TenantError::Spawn)?;
     Ok(())
 }
@@ -199,24 +214,32 @@ fn set_policy(policy: libc::c_int, name: &str) {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: `param` is a valid sched_param; pid 0 is the calling thread.
     if unsafe { libc::sched_setscheduler(0, policy, &param) } != 0 {
-        crate::log!("tenant thread not moved to {name}: {}", std::io::Error::last_os_error());
+        crate::log!(
+            "tenant thread not moved to {name}: {}",
+            std::io::Error::last_os_error()
+        );
     }
 }
 
-fn serve(arb: Arc<Arbiter>, mut stream: UnixStream, conn: ConnId, pid: Option<i32>) {
+fn serve(
+    arb: Arc<Arbiter>,
+    mut stream: UnixStream,
+    conn: ConnId,
+    pid: Option<i32>,
+    binding: TenantBinding,
+    _slot: TenantSlot,
+) {
     batch_scheduling();
     let who = match pid {
         Some(p) => format!("tenant conn {conn} (pid {p})"),
         None => format!("tenant conn {conn}"),
     };
-    let mut dec = FrameDecoder::new();
-    let binding = match handshake(&arb, &mut stream, &mut dec, conn, pid) {
-        Ok(b) => b,
-        Err(e) => {
-            crate::log!("{who}: closed at handshake: {e}");
-            return;
-        }
-    };
+    if let Err(e) = welcome(&mut stream, &binding) {
+        let _ = arb.detach_tenant(&binding, conn, pid);
+        crate::log!("{who}: closed at handshake: {e}");
+        return;
+    }
+    let mut dec = FrameDecoder::with_limit(TENANT_FRAME_LIMIT);
     // Set when this connection is the pressure channel of the process's memory connection.
     let mut channel_of = None;
     let result = match stream.try_clone() {
@@ -226,7 +249,15 @@ fn serve(arb: Arc<Arbiter>, mut stream: UnixStream, conn: ConnId, pid: Option<i3
                 lease_pending: Mutex::new(false),
                 granted: Condvar::new(),
             });
-            serve_requests(&arb, &binding, &mut stream, &mut dec, conn, &writer, &mut channel_of)
+            serve_requests(
+                &arb,
+                &binding,
+                &mut stream,
+                &mut dec,
+                conn,
+                &writer,
+                &mut channel_of,
+            )
         }
         Err(e) => Err(io_err(e)),
     };
@@ -244,63 +275,15 @@ fn serve(arb: Arc<Arbiter>, mut stream: UnixStream, conn: ConnId, pid: Option<i3
     }
 }
 
-fn handshake(
-    arb: &Arbiter,
-    stream: &mut UnixStream,
-    dec: &mut FrameDecoder,
-    conn: ConnId,
-    pid: Option<i32>,
-) -> Result<TenantBinding, TenantError> {
-    stream
-        .set_read_timeout(Some(HANDSHAKE_TIMEOUT))
-        .map_err(io_err)?;
-    let hello = wire::read_msg_blocking(stream, dec, HANDSHAKE_TIMEOUT)?;
-    let role = match wire::check_hello(hello) {
-        Ok(r) => r,
-        Err(e @ WireError::BadVersion(_)) => {
-            refuse(stream, &e.to_string());
-            return Err(e.into());
-        }
-        Err(e) => return Err(e.into()),
-    };
-    let Role::Tenant { token } = role else {
-        let reason = "admin clients use the admin socket";
-        refuse(stream, reason);
-        return Err(WireError::WrongRole(reason).into());
-    };
-    let Some(binding) = arb.attach_tenant(&token, conn, pid) else {
-        let reason = "unknown allocation token";
-        refuse(stream, reason);
-        return Err(WireError::WrongRole(reason).into());
-    };
+/// Sends the `Welcome` that ends an admitted tenant's handshake.
+fn welcome(stream: &mut UnixStream, binding: &TenantBinding) -> Result<(), TenantError> {
     let welcome = ServerHello::Welcome {
         version: tessera_protocol::PROTOCOL_VERSION,
         allocation: Some(binding.view.clone()),
     };
     let mut out = Vec::new();
-    let sent = wire::push_frame(&mut out, &welcome)
-        .map_err(|e| TenantError::Wire(e.into()))
-        .and_then(|()| stream.write_all(&out).map_err(io_err))
-        .and_then(|()| stream.set_read_timeout(None).map_err(io_err));
-    if let Err(e) = sent {
-        let _ = arb.detach_tenant(&binding, conn, pid);
-        return Err(e);
-    }
-    Ok(binding)
-}
-
-fn refuse(stream: &mut UnixStream, reason: &str) {
-    let mut out = Vec::new();
-    if wire::push_frame(
-        &mut out,
-        &ServerHello::Refused {
-            reason: reason.to_owned(),
-        },
-    )
-    .is_ok()
-    {
-        let _ = stream.write_all(&out);
-    }
+    wire::push_frame(&mut out, &welcome).map_err(|e| TenantError::Wire(e.into()))?;
+    stream.write_all(&out).map_err(io_err)
 }
 
 fn serve_requests(

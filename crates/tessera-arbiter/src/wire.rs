@@ -1,21 +1,27 @@
 //! Async framing helpers shared by the two socket servers.
 //!
-//! Reading goes through the protocol's [`FrameDecoder`] (which refuses frames over 64 KiB, so
-//! a connection buffers at most one frame plus one read); replies are encoded into a reused
-//! buffer so the hot path allocates nothing once warm.
+//! The first frame of a connection (its `Hello`) is read exactly, into a fixed buffer of
+//! [`HELLO_FRAME_LIMIT`] bytes, under one deadline: an unauthenticated peer costs little and not
+//! for long. Later frames go through the protocol's [`FrameDecoder`] (which refuses frames over
+//! its limit, so a connection buffers at most one frame plus one read); replies are encoded into
+//! a reused buffer so the hot path allocates nothing once warm.
 
 use std::time::Duration;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use std::io::Read;
 use tessera_protocol::frame::HEADER_LEN;
 use tessera_protocol::{FrameDecoder, FrameError, Hello, MAGIC, PROTOCOL_VERSION, Role};
 
 use tokio::io::{AsyncRead, AsyncReadExt};
 
-/// How long a new connection may take to send its `Hello`.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a new connection may take to send its whole `Hello` (one deadline, not per read:
+/// a peer that trickles a byte at a time is dropped all the same).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Largest `Hello` payload read. A tenant's is about 75 bytes (magic, version, a 64-hex-digit
+/// token); an unauthenticated peer makes the arbiter buffer at most this much.
+pub const HELLO_FRAME_LIMIT: usize = 512;
 
 /// Bytes read per `read` call.
 pub const READ_CHUNK: usize = 4096;
@@ -32,6 +38,9 @@ pub enum WireError {
     /// The peer sent nothing in time.
     #[error("no hello within {0:?}")]
     Timeout(Duration),
+    /// The first frame announces more than a `Hello` can be.
+    #[error("hello of {0} bytes exceeds the {HELLO_FRAME_LIMIT} byte limit")]
+    HelloTooLarge(usize),
     /// The hello does not carry Tessera's magic number.
     #[error("not a Tessera client (magic {0:#010x})")]
     BadMagic(u32),
@@ -66,42 +75,6 @@ where
     }
 }
 
-/// Blocking twin of [`read_msg`] (tenant connections run on their own threads). A read
-/// timeout set on the socket surfaces as [`WireError::Timeout`].
-pub fn read_msg_blocking<R: Read, T: DeserializeOwned>(
-    r: &mut R,
-    dec: &mut FrameDecoder,
-    timeout: Duration,
-) -> Result<T, WireError> {
-    let mut buf = [0u8; READ_CHUNK];
-    loop {
-        if let Some(msg) = dec.next()? {
-            return Ok(msg);
-        }
-        let n = match r.read(&mut buf) {
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                return Err(WireError::Timeout(timeout));
-            }
-            Err(e) => return Err(FrameError::Io(e).into()),
-        };
-        if n == 0 {
-            return Err(if dec.buffered() == 0 {
-                WireError::Closed
-            } else {
-                FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()).into()
-            });
-        }
-        dec.extend(&buf[..n]);
-    }
-}
-
 /// Checks a `Hello`'s magic and version.
 pub fn check_hello(hello: Hello) -> Result<Role, WireError> {
     if hello.magic != MAGIC {
@@ -113,14 +86,43 @@ pub fn check_hello(hello: Hello) -> Result<Role, WireError> {
     Ok(hello.role)
 }
 
-/// Reads and checks the `Hello` (magic, version), with a timeout.
+/// Reads exactly the first frame and decodes it as a `Hello`, refusing a length over
+/// [`HELLO_FRAME_LIMIT`] from the header. Bytes after the frame stay in the socket for whoever
+/// serves the connection next (a tenant may pipeline requests behind its hello).
+pub async fn read_small_hello<R: AsyncRead + Unpin>(r: &mut R) -> Result<Hello, WireError> {
+    let mut buf = [0u8; HEADER_LEN + HELLO_FRAME_LIMIT];
+    let mut got = 0;
+    while got < HEADER_LEN {
+        let n = r
+            .read(&mut buf[got..HEADER_LEN])
+            .await
+            .map_err(FrameError::Io)?;
+        if n == 0 {
+            return Err(if got == 0 {
+                WireError::Closed
+            } else {
+                FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()).into()
+            });
+        }
+        got += n;
+    }
+    let len = u32::from_le_bytes(buf[..HEADER_LEN].try_into().expect("4 bytes")) as usize;
+    if len > HELLO_FRAME_LIMIT {
+        return Err(WireError::HelloTooLarge(len));
+    }
+    let payload = &mut buf[HEADER_LEN..HEADER_LEN + len];
+    r.read_exact(payload).await.map_err(FrameError::Io)?;
+    Ok(tessera_protocol::frame::decode(payload)?)
+}
+
+/// Reads and checks the `Hello` (magic, version); the whole handshake gets `timeout`.
 pub async fn read_hello<R: AsyncRead + Unpin>(
     r: &mut R,
-    dec: &mut FrameDecoder,
+    timeout: Duration,
 ) -> Result<Role, WireError> {
-    let hello: Hello = tokio::time::timeout(HANDSHAKE_TIMEOUT, read_msg(r, dec))
+    let hello = tokio::time::timeout(timeout, read_small_hello(r))
         .await
-        .map_err(|_| WireError::Timeout(HANDSHAKE_TIMEOUT))??;
+        .map_err(|_| WireError::Timeout(timeout))??;
     check_hello(hello)
 }
 
@@ -174,23 +176,55 @@ mod tests {
         let mut h = Hello::new(Role::Admin);
         h.magic = 0xdead_beef;
         let bytes = frame::encode(&h).unwrap();
-        let err = read_hello(&mut &bytes[..], &mut FrameDecoder::new())
+        let err = read_hello(&mut &bytes[..], HANDSHAKE_TIMEOUT)
             .await
             .unwrap_err();
         assert!(matches!(err, WireError::BadMagic(0xdead_beef)));
         let mut h = Hello::new(Role::Admin);
         h.version = 99;
         let bytes = frame::encode(&h).unwrap();
-        let err = read_hello(&mut &bytes[..], &mut FrameDecoder::new())
+        let err = read_hello(&mut &bytes[..], HANDSHAKE_TIMEOUT)
             .await
             .unwrap_err();
         assert!(matches!(err, WireError::BadVersion(99)));
         let bytes = frame::encode(&Hello::new(Role::Admin)).unwrap();
         assert_eq!(
-            read_hello(&mut &bytes[..], &mut FrameDecoder::new())
+            read_hello(&mut &bytes[..], HANDSHAKE_TIMEOUT)
                 .await
                 .unwrap(),
             Role::Admin
         );
+    }
+
+    #[tokio::test]
+    async fn a_hello_is_read_alone_and_a_large_first_frame_is_refused_from_its_header() {
+        let mut bytes = frame::encode(&Hello::new(Role::Admin)).unwrap();
+        let hello_len = bytes.len();
+        bytes.extend(frame::encode(&TenantReply::Pong).unwrap());
+        let mut r = &bytes[..];
+        read_small_hello(&mut r).await.unwrap();
+        // What follows the hello is left for the connection's server.
+        assert_eq!(r.len(), bytes.len() - hello_len);
+        let big = ((HELLO_FRAME_LIMIT + 1) as u32).to_le_bytes();
+        let err = read_small_hello(&mut &big[..]).await.unwrap_err();
+        assert!(matches!(err, WireError::HelloTooLarge(513)), "{err}");
+        // A trickle is bounded by one deadline for the whole hello.
+        let (mut client, mut server) = tokio::io::duplex(64);
+        let started = std::time::Instant::now();
+        let trickle = tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            for b in frame::encode(&Hello::new(Role::Admin)).unwrap() {
+                if client.write_all(&[b]).await.is_err() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            }
+        });
+        let err = read_hello(&mut server, Duration::from_millis(100))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, WireError::Timeout(_)), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(1));
+        trickle.abort();
     }
 }

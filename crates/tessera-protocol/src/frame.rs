@@ -33,6 +33,14 @@ pub enum FrameError {
     /// as a shorter message of this one.
     #[error("malformed frame: {0} trailing byte(s) after the message")]
     Trailing(usize),
+    /// The announced payload is larger than the reader's own limit (below [`MAX_FRAME_LEN`]).
+    #[error("frame of {len} bytes exceeds this connection's {limit} byte limit")]
+    OverLimit {
+        /// Announced payload length.
+        len: usize,
+        /// The reader's limit.
+        limit: usize,
+    },
 }
 
 /// Encodes `msg` as one frame (header + payload).
@@ -95,15 +103,32 @@ pub fn read_frame<R: Read, T: DeserializeOwned>(r: &mut R) -> Result<T, FrameErr
 
 /// Incremental decoder for non-blocking or async readers: feed bytes as they come,
 /// take whole frames out. Partial frames stay buffered.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct FrameDecoder {
     buf: Vec<u8>,
+    /// Largest payload accepted by this decoder.
+    limit: usize,
+}
+
+impl Default for FrameDecoder {
+    fn default() -> Self {
+        Self::with_limit(MAX_FRAME_LEN)
+    }
 }
 
 impl FrameDecoder {
-    /// A decoder with an empty buffer.
+    /// A decoder with an empty buffer, accepting frames up to [`MAX_FRAME_LEN`].
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A decoder that refuses payloads over `limit` bytes (capped at [`MAX_FRAME_LEN`]): a
+    /// reader whose messages are all small bounds what an unfinished frame can make it buffer.
+    pub fn with_limit(limit: usize) -> Self {
+        Self {
+            buf: Vec::new(),
+            limit: limit.min(MAX_FRAME_LEN),
+        }
     }
 
     /// Appends received bytes.
@@ -127,6 +152,12 @@ impl FrameDecoder {
         let len = u32::from_le_bytes(self.buf[..HEADER_LEN].try_into().expect("4 bytes")) as usize;
         if len > MAX_FRAME_LEN {
             return Err(FrameError::TooLarge(len));
+        }
+        if len > self.limit {
+            return Err(FrameError::OverLimit {
+                len,
+                limit: self.limit,
+            });
         }
         if self.buf.len() < HEADER_LEN + len {
             return Ok(None);

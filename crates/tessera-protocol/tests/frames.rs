@@ -62,6 +62,24 @@ fn oversized_frame_is_refused_before_reading_payload() {
 }
 
 #[test]
+fn a_decoder_with_a_limit_refuses_larger_frames_from_the_header() {
+    let mut dec = FrameDecoder::with_limit(16);
+    // A whole small frame passes.
+    dec.extend(&frame::encode(&TenantRequest::Ping).unwrap());
+    assert_eq!(dec.next::<TenantRequest>().unwrap(), Some(TenantRequest::Ping));
+    // A 17-byte frame is refused from its header alone, before its payload arrives.
+    dec.extend(&17u32.to_le_bytes());
+    assert!(matches!(
+        dec.next::<TenantRequest>(),
+        Err(FrameError::OverLimit { len: 17, limit: 16 })
+    ));
+    // The limit never goes above MAX_FRAME_LEN.
+    let mut dec = FrameDecoder::with_limit(usize::MAX);
+    dec.extend(&(MAX_FRAME_LEN as u32 + 1).to_le_bytes());
+    assert!(matches!(dec.next::<TenantRequest>(), Err(FrameError::TooLarge(_))));
+}
+
+#[test]
 fn garbage_payload_is_malformed() {
     let mut bytes = 5u32.to_le_bytes().to_vec();
     bytes.extend([0xff, 0xff, 0xff, 0xff, 0xff]);

@@ -40,13 +40,25 @@ impl Arbiter {
         Self::start_in(tempfile::tempdir().unwrap())
     }
 
+    /// Starts an arbiter with extra command-line flags.
+    pub fn start_with_args(args: &[&str]) -> Self {
+        Self::start_in_with_args(tempfile::tempdir().unwrap(), args)
+    }
+
     /// Starts (or restarts) an arbiter whose files live in `dir`.
     pub fn start_in(dir: tempfile::TempDir) -> Self {
+        Self::start_in_with_args(dir, &[])
+    }
+
+    /// Starts an arbiter whose files live in `dir`, with extra flags.
+    pub fn start_in_with_args(dir: tempfile::TempDir, args: &[&str]) -> Self {
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap();
         let spec = spec(dir.path()).log_to(dir.path().join(format!("arbiter-{}.log", stamp.as_nanos())));
-        let process = spec.start();
+        let mut cmd = spec.command();
+        cmd.args(args);
+        let process = spec.start_command(cmd);
         Self {
             socket: spec.socket,
             admin_socket: spec.admin_socket,

@@ -1,0 +1,355 @@
+//! Admission before cost (the real `tessera-arbiter` binary): unauthenticated connections cost
+//! no thread and little memory, are dropped after one handshake deadline, and are capped, so a
+//! flood from other processes neither kills the arbiter nor keeps honest tenants out.
+
+mod common;
+
+use std::io::{ErrorKind, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use tessera_protocol::client::{ClientError, TenantClient};
+use tessera_protocol::{ServerHello, TenantReply, TenantRequest, frame};
+
+/// The resident-memory bound docs/arbiter.md states for the default caps, MiB.
+const RSS_BOUND_MIB: u64 = 160;
+
+/// Set in a flood child: `socket;connections;seconds`.
+const CHILD_ENV: &str = "TESSERA_ADMISSION_FLOOD";
+
+fn status_field(pid: i32, key: &str) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in /proc/{pid}/status"))
+}
+
+fn rss_kib(pid: i32) -> u64 {
+    status_field(pid, "VmRSS:")
+}
+
+fn threads(pid: i32) -> u64 {
+    status_field(pid, "Threads:")
+}
+
+fn create(arb: &Arbiter, limit: u64) -> String {
+    arb.admin()
+        .create(tessera_testkit::allocation(0, limit, 10, None))
+        .unwrap()
+        .0
+}
+
+/// Raises this process's open-file soft limit to its hard limit (a flood holds many sockets).
+fn raise_nofile() -> u64 {
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `rl` is a valid rlimit to write into.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) }, 0);
+    rl.rlim_cur = rl.rlim_max;
+    // SAFETY: `rl` is a valid rlimit within the hard limit.
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &rl) };
+    rl.rlim_cur
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    /// Connects and sends nothing.
+    Idle,
+    /// Sends one byte at a time.
+    Trickle,
+    /// Announces a 65,535-byte frame and sends most of it.
+    BigFrame,
+    /// Announces a frame just under the hello limit and never finishes it.
+    SmallFrame,
+}
+
+/// The flood: keeps `n` unauthenticated connections of mixed kinds open against `socket` for
+/// `secs`, reconnecting whatever the arbiter closes. Prints `connects=N closed=M`.
+fn flood(socket: &Path, n: usize, secs: f64) {
+    raise_nofile();
+    let kinds = [Kind::Idle, Kind::Trickle, Kind::BigFrame, Kind::SmallFrame];
+    let mut conns: Vec<(Kind, Option<UnixStream>)> =
+        (0..n).map(|i| (kinds[i % kinds.len()], None)).collect();
+    let mut big = 65_535u32.to_le_bytes().to_vec();
+    big.resize(4 + 65_000, 0xab);
+    let mut small = 500u32.to_le_bytes().to_vec();
+    small.resize(4 + 400, 0xcd);
+    let (mut connects, mut closed) = (0u64, 0u64);
+    let deadline = Instant::now() + Duration::from_secs_f64(secs);
+    let mut buf = [0u8; 256];
+    while Instant::now() < deadline {
+        // Paced, so two floods do not starve a 2-core machine of the CPU the test needs.
+        let mut budget = 150;
+        for (kind, slot) in conns.iter_mut() {
+            match slot {
+                None if budget > 0 => {
+                    budget -= 1;
+                    let Ok(mut s) = UnixStream::connect(socket) else {
+                        continue;
+                    };
+                    connects += 1;
+                    s.set_nonblocking(true).unwrap();
+                    let first: &[u8] = match kind {
+                        Kind::Idle => &[],
+                        // A 511-byte frame, whose payload then comes one byte per round.
+                        Kind::Trickle => &[0xff, 0x01, 0, 0],
+                        Kind::BigFrame => &big,
+                        Kind::SmallFrame => &small,
+                    };
+                    let _ = s.write(first);
+                    *slot = Some(s);
+                }
+                None => {}
+                Some(s) => {
+                    let gone = match s.read(&mut buf) {
+                        Ok(0) => true,
+                        Ok(_) => false,
+                        Err(e) => e.kind() != ErrorKind::WouldBlock,
+                    };
+                    let gone = gone
+                        || (*kind == Kind::Trickle
+                            && matches!(s.write(&[0]), Err(e) if e.kind() != ErrorKind::WouldBlock));
+                    if gone {
+                        closed += 1;
+                        *slot = None;
+                    }
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    println!("connects={connects} closed={closed}");
+}
+
+/// Not a test of its own: the body of a flood child process (see [`spawn_flood`]).
+#[test]
+fn flood_child() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let mut it = spec.split(';');
+    let socket = PathBuf::from(it.next().unwrap());
+    let n = it.next().unwrap().parse().unwrap();
+    let secs = it.next().unwrap().parse().unwrap();
+    flood(&socket, n, secs);
+}
+
+fn spawn_flood(socket: &Path, n: usize, secs: f64) -> std::process::Child {
+    Command::new(std::env::current_exe().unwrap())
+        .args(["flood_child", "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, format!("{};{n};{secs}", socket.display()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+fn counter(out: &str, key: &str) -> u64 {
+    out.split(&format!("{key}="))
+        .nth(1)
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {key} in {out:?}"))
+}
+
+fn reserve_release(t: &mut TenantClient) -> Duration {
+    let start = Instant::now();
+    match t.call(&TenantRequest::Reserve { bytes: MIB }).unwrap() {
+        TenantReply::Reserved { .. } => {}
+        other => panic!("{other:?}"),
+    }
+    t.send(&TenantRequest::Release { bytes: MIB }).unwrap();
+    start.elapsed()
+}
+
+#[test]
+fn a_flood_from_two_processes_costs_no_threads_and_keeps_honest_tenants_served() {
+    let arb = Arbiter::start();
+    let token = create(&arb, GIB);
+    let pid = arb.pid();
+    let mut honest = arb.tenant(&token);
+    honest
+        .stream()
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    reserve_release(&mut honest);
+    let base_threads = threads(pid);
+
+    let secs = 4.0;
+    let children = [
+        spawn_flood(&arb.socket, 1500, secs),
+        spawn_flood(&arb.socket, 1500, secs),
+    ];
+    let started = Instant::now();
+    let (mut peak_rss, mut peak_threads, mut slowest, mut calls) = (0, 0, Duration::ZERO, 0);
+    let mut admitted_after = None;
+    while started.elapsed() < Duration::from_secs_f64(secs) {
+        slowest = slowest.max(reserve_release(&mut honest));
+        calls += 1;
+        peak_rss = peak_rss.max(rss_kib(pid));
+        peak_threads = peak_threads.max(threads(pid));
+        if admitted_after.is_none() && started.elapsed() > Duration::from_secs(1) {
+            // A new tenant arriving in the middle of the flood.
+            let t0 = Instant::now();
+            let mut newcomer = loop {
+                match TenantClient::connect(&arb.socket, &token) {
+                    Ok(t) => break t,
+                    Err(e @ (ClientError::Refused(_) | ClientError::Frame(_))) => {
+                        assert!(t0.elapsed() < Duration::from_secs(5), "not admitted: {e}");
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            };
+            admitted_after = Some(t0.elapsed());
+            reserve_release(&mut newcomer);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut connects = 0;
+    for c in children {
+        let out = c.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "flood child: {text}");
+        connects += counter(&text, "connects");
+    }
+    // The arbiter lived, and still serves everyone.
+    reserve_release(&mut honest);
+    arb.tenant(&token);
+    assert_eq!(arb.admin().list().unwrap()[0].memory_used, 0);
+    let admitted_after = admitted_after.expect("no newcomer");
+    eprintln!(
+        "flood: {connects} connections in {secs} s; honest: {calls} reserve/release pairs, \
+         slowest {slowest:?}; newcomer admitted after {admitted_after:?}; arbiter peak RSS \
+         {peak_rss} KiB, peak threads {peak_threads} (before: {base_threads})"
+    );
+    assert!(connects >= 2000, "the flood did not flood: {connects}");
+    assert!(
+        admitted_after < Duration::from_secs(3),
+        "{admitted_after:?}"
+    );
+    assert!(slowest < Duration::from_secs(2), "{slowest:?}");
+    assert!(
+        peak_rss < RSS_BOUND_MIB * 1024,
+        "peak RSS {peak_rss} KiB over the stated bound"
+    );
+    // No thread per unauthenticated connection: only the newcomer's.
+    assert!(
+        peak_threads <= base_threads + 4,
+        "threads {base_threads} -> {peak_threads}"
+    );
+    // Refusals were counted and reported (per pid: each child holds at most 32 pending).
+    wait_until(Duration::from_secs(3), || {
+        arb.log_text().contains("admission on the tenant socket")
+    })
+    .expect("no admission report in the log");
+    let log = arb.log_text();
+    assert!(reported(&log, "pid") > 0, "{log}");
+    // Failed handshakes were not logged one line each.
+    let lines = log.matches("closed at handshake").count() as u64;
+    assert!(lines < connects / 4, "{lines} handshake lines for {connects} connections");
+}
+
+/// The last total the arbiter reported for the tenant socket's cap `key` (`pid`, `uid`, ...).
+fn reported(log: &str, key: &str) -> u64 {
+    log.lines()
+        .rev()
+        .filter(|l| l.contains("admission on the tenant socket"))
+        .find_map(|l| l.split("totals: ").nth(1))
+        .and_then(|t| t.split(&format!(" {key} ")).nth(1))
+        .and_then(|v| v.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Reads what the arbiter sends until it closes; the answer frame, if any.
+fn answer_then_eof(s: &mut UnixStream, within: Duration) -> Option<ServerHello> {
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).expect("not closed in time");
+    (!buf.is_empty()).then(|| frame::read_frame(&mut &buf[..]).unwrap())
+}
+
+#[test]
+fn a_trickled_hello_is_dropped_at_one_deadline_and_the_pid_cap_refuses_at_once() {
+    let arb = Arbiter::start();
+    let token = create(&arb, GIB);
+    // A 100-byte hello, one byte every 100 ms: that would keep a per-read timeout happy for
+    // 10 s.
+    let mut trickle = UnixStream::connect(&arb.socket).unwrap();
+    let bytes = [100u8, 0, 0, 0].into_iter().chain(std::iter::repeat(0));
+    let t0 = Instant::now();
+    let mut bytes = bytes.take(104);
+    let closed_after = loop {
+        let b = bytes.next().unwrap();
+        if trickle.write_all(&[b]).is_err() {
+            break t0.elapsed();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "still open");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        closed_after > Duration::from_millis(900) && closed_after < Duration::from_millis(2500),
+        "{closed_after:?}"
+    );
+
+    // 32 silent connections from this process fill its pending cap.
+    let silent: Vec<_> = (0..32)
+        .map(|_| UnixStream::connect(&arb.socket).unwrap())
+        .collect();
+    // Let the arbiter accept them all before the 33rd.
+    std::thread::sleep(Duration::from_millis(200));
+    let mut extra = UnixStream::connect(&arb.socket).unwrap();
+    let t0 = Instant::now();
+    // Closed at once, without an answer (a client retries as if the arbiter were not up).
+    assert_eq!(answer_then_eof(&mut extra, Duration::from_secs(5)), None);
+    assert!(t0.elapsed() < Duration::from_millis(500), "{:?}", t0.elapsed());
+    // Once the silent ones hit their deadline this process gets in again.
+    wait_until(Duration::from_secs(5), || {
+        TenantClient::connect(&arb.socket, &token).is_ok()
+    })
+    .expect("never admitted after the cap freed");
+    drop(silent);
+    wait_until(Duration::from_secs(3), || reported(&arb.log_text(), "pid") >= 1)
+        .unwrap_or_else(|| panic!("{}", arb.log_text()));
+    assert_eq!(reported(&arb.log_text(), "uid"), 0);
+}
+
+#[test]
+fn admitted_connections_are_capped_per_allocation_and_in_total() {
+    let arb = Arbiter::start_with_args(&[
+        "--max-connections-per-allocation",
+        "3",
+        "--max-tenant-connections",
+        "5",
+    ]);
+    let a = create(&arb, GIB);
+    let b = create(&arb, GIB);
+    let mut held: Vec<_> = (0..3).map(|_| arb.tenant(&a)).collect();
+    match TenantClient::connect(&arb.socket, &a) {
+        Err(ClientError::Refused(r)) => assert!(r.contains("3 connections"), "{r}"),
+        other => panic!("{other:?}"),
+    }
+    held.push(arb.tenant(&b));
+    held.push(arb.tenant(&b));
+    match TenantClient::connect(&arb.socket, &b) {
+        Err(ClientError::Refused(r)) => assert!(r.contains("5 tenant connections"), "{r}"),
+        other => panic!("{other:?}"),
+    }
+    // A closed connection frees its place once its thread has cleaned up.
+    held.remove(0);
+    wait_until(Duration::from_secs(5), || {
+        TenantClient::connect(&arb.socket, &a).map(|t| held.push(t)).is_ok()
+    })
+    .expect("the freed place was never given again");
+    for t in &mut held {
+        assert_eq!(t.call(&TenantRequest::Ping).unwrap(), TenantReply::Pong);
+    }
+}
