@@ -263,7 +263,7 @@ mod regressions {
     /// An identity file of exactly `MAX_IDENTITY_LEN` bytes without a final newline parses,
     /// but `render` adds the newline, and the rendering is one byte over the limit: the
     /// parser refuses what the renderer wrote. Unreachable from the device plugin (its
-    /// tokens are 32 hex digits), so documented rather than changed.
+    /// tokens are 64 hex digits), so documented rather than changed.
     #[test]
     fn identity_at_the_limit_without_final_newline_renders_over_it() {
         let text = format!("token={}", "t".repeat(MAX_IDENTITY_LEN - "token=".len()));
