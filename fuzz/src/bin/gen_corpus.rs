@@ -1,5 +1,5 @@
 //! Writes the seed corpus (`fuzz/corpus/<target>/seed-NN`) from `checks::seeds`.
-//! Run from `fuzz/`: `cargo run --bin gen_corpus`. Not a fuzz target.
+//! Run from `fuzz/`: `cargo afl build --release && target/release/gen_corpus`. Not a fuzz target.
 
 fn main() {
     for name in tessera_fuzz::checks::TARGETS {
