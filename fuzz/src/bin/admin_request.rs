@@ -1,0 +1,7 @@
+//! Fuzz target `admin_request`: see `tessera_fuzz::checks` for its input and invariants.
+
+fn main() {
+    afl::fuzz!(|data: &[u8]| {
+        tessera_fuzz::checks::run_target("admin_request", data);
+    });
+}
