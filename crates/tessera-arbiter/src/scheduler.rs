@@ -329,11 +329,15 @@ impl GpuScheduler {
     /// its virtual time and cap bucket pay for it as for a lease, so the fair queue gives the
     /// others that time back.
     pub fn charge_unleased(&mut self, key: AccountKey, ns: u64, now: u64) {
+        self.charge(key, ns, now);
+    }
+
+    /// Charges `ns` of GPU time to `key`: virtual time, cap bucket and the 10 s history.
+    /// Returns the allocation for the caller's own bookkeeping (`None`: unknown).
+    fn charge(&mut self, key: AccountKey, ns: u64, now: u64) -> Option<&mut Alloc> {
         let bucket = self.allocs.get(&key).map(|a| self.bucket(a, now));
         let window = self.params.window_ns;
-        let Some(a) = self.allocs.get_mut(&key) else {
-            return;
-        };
+        let a = self.allocs.get_mut(&key)?;
         a.vtime += ns as f64 / f64::from(a.share);
         if let Some(b) = bucket
             && a.cap.is_some()
@@ -343,6 +347,7 @@ impl GpuScheduler {
         }
         a.history.push_back((now, ns));
         prune(&mut a.history, now, window);
+        Some(a)
     }
 
     /// The lease outstanding, as (connection, lease id).
@@ -396,17 +401,9 @@ impl GpuScheduler {
         let held = now.saturating_sub(l.granted_at);
         let charged = busy_ns.max(held);
         let p = self.params;
-        let bucket = self.allocs.get(&l.key).map(|a| self.bucket(a, now));
-        let Some(a) = self.allocs.get_mut(&l.key) else {
+        let Some(a) = self.charge(l.key, charged, now) else {
             return;
         };
-        a.vtime += charged as f64 / f64::from(a.share);
-        if let Some(b) = bucket
-            && a.cap.is_some()
-        {
-            a.bucket_ns = b - charged as f64;
-            a.bucket_at = now;
-        }
         a.lease_ns = if early {
             (a.lease_ns / 2).max(p.min_lease_ns)
         } else if held >= l.duration_ns {
@@ -416,8 +413,6 @@ impl GpuScheduler {
         };
         a.last_lease_end = Some(now);
         a.leased_total_ns += charged;
-        a.history.push_back((now, charged));
-        prune(&mut a.history, now, p.window_ns);
     }
 
     fn dispatch(&mut self, now: u64) -> Vec<Grant> {

@@ -940,6 +940,18 @@ async fn a_container_gets_the_interposer_and_its_limit() {
     kubelet.stop().await;
 }
 
+/// A node whose plugin puts the interposer under /opt (the emulated containers share the
+/// host's /usr), registered with a fake kubelet that serves PodResources.
+async fn container_node() -> (Node, FakeKubelet, FakePodResources) {
+    let mut node = Node::start().await;
+    let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
+    let podres = FakePodResources::default();
+    podres.serve(&node.podres());
+    node.start_plugin_with(&["--container-lib-path", "/opt/tessera/libtessera_interpose.so"]);
+    within(15, "registration", kubelet.registrations.recv()).await.unwrap();
+    (node, kubelet, podres)
+}
+
 /// The simulated machine's variables as strings, for a container's environment.
 fn sim_env(node: &Node) -> Vec<(&'static str, String)> {
     node.sim
@@ -1010,12 +1022,7 @@ fn killed(status: &std::process::ExitStatus) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_container_that_unsets_its_token_or_fakes_its_socket_still_gets_its_limit() {
-    let mut node = Node::start().await;
-    let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
-    let podres = FakePodResources::default();
-    podres.serve(&node.podres());
-    node.start_plugin_with(&["--container-lib-path", "/opt/tessera/libtessera_interpose.so"]);
-    within(15, "registration", kubelet.registrations.recv()).await.unwrap();
+    let (node, kubelet, podres) = container_node().await;
     let resp = allocate_units(&node, &podres, 0..30, "p").await;
     let mut no_token = resp.clone();
     no_token.envs.remove("TESSERA_TOKEN");
@@ -1042,12 +1049,7 @@ async fn a_container_that_unsets_its_token_or_fakes_its_socket_still_gets_its_li
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_container_process_that_never_connects_is_attributed_by_its_identity_and_killed() {
-    let mut node = Node::start().await;
-    let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
-    let podres = FakePodResources::default();
-    podres.serve(&node.podres());
-    node.start_plugin_with(&["--container-lib-path", "/opt/tessera/libtessera_interpose.so"]);
-    within(15, "registration", kubelet.registrations.recv()).await.unwrap();
+    let (node, kubelet, podres) = container_node().await;
     let resp = allocate_units(&node, &podres, 0..30, "p").await;
     // A copy of ld.so that ignores /etc/ld.so.preload, or a static binary: the interposer is
     // never loaded and nothing ever connects to the arbiter.
@@ -1073,12 +1075,7 @@ async fn a_container_process_that_never_connects_is_attributed_by_its_identity_a
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_container_without_shares_that_reaches_the_gpu_is_killed_and_whole_gpus_are_left_alone() {
-    let mut node = Node::start().await;
-    let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
-    let podres = FakePodResources::default();
-    podres.serve(&node.podres());
-    node.start_plugin_with(&["--container-lib-path", "/opt/tessera/libtessera_interpose.so"]);
-    within(15, "registration", kubelet.registrations.recv()).await.unwrap();
+    let (node, kubelet, podres) = container_node().await;
     // A pod that asked for no shares but reached the device anyway (a privileged pod, or
     // NVIDIA_VISIBLE_DEVICES=all): no mount, no identity.
     let none = ContainerAllocateResponse::default();

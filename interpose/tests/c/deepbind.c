@@ -10,15 +10,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef void *CUcontext;
-typedef unsigned long long CUdeviceptr;
-CUresult cuInit(unsigned int);
-CUresult cuDeviceGet(CUdevice *, int);
-CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
-CUresult cuCtxSetCurrent(CUcontext);
-CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+#include "escape_client.h"
 
 typedef int (*deep_alloc_t)(size_t);
 
@@ -28,15 +20,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     size_t mib = strtoull(argv[1], NULL, 10);
-    CUdevice dev;
-    CUcontext ctx;
-    CUdeviceptr small;
-    if (cuInit(0) || cuDeviceGet(&dev, 0) || cuDevicePrimaryCtxRetain(&ctx, dev) || cuCtxSetCurrent(ctx)) {
-        fprintf(stderr, "no context\n");
-        return 1;
-    }
-    printf("hooked %d\n", cuMemAlloc_v2(&small, 64u << 20));
-    fflush(stdout);
+    hooked_start();
     void *lib = dlopen(argv[2], RTLD_NOW | RTLD_DEEPBIND);
     deep_alloc_t deep_alloc = lib ? (deep_alloc_t)dlsym(lib, "deepbind_alloc") : NULL;
     if (!deep_alloc) {

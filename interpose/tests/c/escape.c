@@ -9,29 +9,15 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef void *CUcontext;
-typedef unsigned long long CUdeviceptr;
-CUresult cuInit(unsigned int);
-CUresult cuDeviceGet(CUdevice *, int);
-CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
-CUresult cuCtxSetCurrent(CUcontext);
-CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+#include "escape_client.h"
 
 typedef void *(*dlsym_t)(void *, const char *);
 typedef CUresult (*alloc_t)(CUdeviceptr *, size_t);
 
 int main(int argc, char **argv) {
     size_t mib = argc > 1 ? strtoull(argv[1], NULL, 10) : 4096;
-    CUdevice dev;
-    CUcontext ctx;
-    CUdeviceptr small, big;
-    if (cuInit(0) || cuDeviceGet(&dev, 0) || cuDevicePrimaryCtxRetain(&ctx, dev) || cuCtxSetCurrent(ctx)) {
-        fprintf(stderr, "no context\n");
-        return 1;
-    }
-    printf("hooked %d\n", cuMemAlloc_v2(&small, 64u << 20));
+    CUdeviceptr big;
+    hooked_start();
     void *libc = dlopen("libc.so.6", RTLD_NOW | RTLD_NOLOAD);
     dlsym_t real_dlsym = libc ? (dlsym_t)dlvsym(libc, "dlsym", "GLIBC_2.34") : NULL;
     if (!real_dlsym && libc)
