@@ -4,13 +4,17 @@
 //! - [`sim`]: run any command on the simulated GPUs.
 //! - [`run`]: run a command under an enforced allocation, without Kubernetes.
 //! - [`status`]: show allocations per GPU, like `nvidia-smi`.
+//! - [`doctor`]: a checklist of what Tessera needs here, with the fix for each failure.
 //!
 //! Exit codes (documented in README.md):
 //! - `sim` and `run` pass the command's exit code through (128 + signal when it was killed);
 //! - 1: any other error; 2: bad usage (from clap, or a [`Usage`] error: a value clap cannot
 //!   check, e.g. a `--gpus` spec or an environment variable);
-//! - 3: the arbiter could not be reached; 4: the arbiter refused the request.
+//! - 3: the arbiter could not be reached; 4: the arbiter refused the request;
+//! - `doctor`: 0 when every check passed or was skipped, 1 when one failed, 2 bad usage.
 
+mod doctor;
+mod ffi;
 mod run;
 mod sim;
 mod status;
@@ -35,6 +39,11 @@ enum Command {
     Run(run::RunArgs),
     /// Show every allocation per GPU.
     Status(status::StatusArgs),
+    /// Check the driver, the arbiter, the interposer and an allocation; say how to fix failures.
+    Doctor(doctor::DoctorArgs),
+    /// The probe `tessera doctor` runs as a child under the interposer (internal).
+    #[command(name = "doctor-probe", hide = true)]
+    DoctorProbe(doctor::ProbeArgs),
 }
 
 /// An error carrying the exit code `main` should return.
@@ -87,6 +96,8 @@ fn main() -> ExitCode {
         Command::Sim(args) => sim::main(args),
         Command::Run(args) => run::main(args),
         Command::Status(args) => status::main(args),
+        Command::Doctor(args) => doctor::main(args),
+        Command::DoctorProbe(args) => doctor::probe_main(args),
     };
     match result {
         Ok(code) => ExitCode::from(code),
