@@ -61,7 +61,12 @@ pub struct DoctorArgs {
     pub interposer: Option<PathBuf>,
     /// Allocation token for the token check and the probe (ignored when the identity file
     /// exists: it names the token, as for the interposer).
-    #[arg(long, env = "TESSERA_TOKEN", value_name = "TOKEN", hide_env_values = true)]
+    #[arg(
+        long,
+        env = "TESSERA_TOKEN",
+        value_name = "TOKEN",
+        hide_env_values = true
+    )]
     pub token: Option<String>,
     /// Arbiter tenant socket [default: the identity file's, else /run/tessera/tessera.sock].
     #[arg(long, env = "TESSERA_SOCKET", value_name = "PATH")]
@@ -123,13 +128,28 @@ pub struct Check {
 
 impl Check {
     fn ok(name: &'static str, detail: impl Into<String>) -> Self {
-        Self { name, status: Status::Ok, detail: detail.into(), fix: None }
+        Self {
+            name,
+            status: Status::Ok,
+            detail: detail.into(),
+            fix: None,
+        }
     }
     fn fail(name: &'static str, detail: impl Into<String>, fix: impl Into<String>) -> Self {
-        Self { name, status: Status::Fail, detail: detail.into(), fix: Some(fix.into()) }
+        Self {
+            name,
+            status: Status::Fail,
+            detail: detail.into(),
+            fix: Some(fix.into()),
+        }
     }
     fn skip(name: &'static str, detail: impl Into<String>) -> Self {
-        Self { name, status: Status::Skip, detail: detail.into(), fix: None }
+        Self {
+            name,
+            status: Status::Skip,
+            detail: detail.into(),
+            fix: None,
+        }
     }
 }
 
@@ -174,8 +194,7 @@ impl Default for ProbeReport {
 
 /// Runs `tessera doctor`; returns the process exit code.
 pub fn main(args: DoctorArgs) -> anyhow::Result<u8> {
-    if args.identity_file.as_os_str() != CONTAINER_IDENTITY_FILE && !args.identity_file.exists()
-    {
+    if args.identity_file.as_os_str() != CONTAINER_IDENTITY_FILE && !args.identity_file.exists() {
         return Err(usage(format!(
             "--identity-file {}: no such file",
             args.identity_file.display()
@@ -185,7 +204,10 @@ pub fn main(args: DoctorArgs) -> anyhow::Result<u8> {
     let ok = !checks.iter().any(|c| c.status == Status::Fail);
     let report = Report { ok, checks };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report).map_err(DoctorError::from)?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).map_err(DoctorError::from)?
+        );
     } else {
         print!("{}", render(&report));
     }
@@ -242,13 +264,19 @@ fn preload_entries(text: &str) -> Vec<PathBuf> {
 
 /// The first entry that is a Tessera interposer (loads and exports the hooks).
 fn interposer_among(entries: &[PathBuf]) -> Option<PathBuf> {
-    entries.iter().find(|e| tessera_preload::check(e).is_ok()).cloned()
+    entries
+        .iter()
+        .find(|e| tessera_preload::check(e).is_ok())
+        .cloned()
 }
 
 fn run_checks(args: &DoctorArgs) -> Vec<Check> {
     let mut checks = Vec::new();
     let preload_list = std::fs::read_to_string(&args.ld_so_preload).ok();
-    let preloaded = preload_list.as_deref().map(preload_entries).unwrap_or_default();
+    let preloaded = preload_list
+        .as_deref()
+        .map(preload_entries)
+        .unwrap_or_default();
     let preloaded_interposer = interposer_among(&preloaded);
     let identity = read_identity(&args.identity_file);
     let in_container = identity.is_some() || preloaded_interposer.is_some();
@@ -279,7 +307,8 @@ fn run_checks(args: &DoctorArgs) -> Vec<Check> {
         (None, None) => {
             let env = std::env::var("LD_PRELOAD").unwrap_or_default();
             let named = preload_entries(&env).into_iter().find(|e| {
-                e.file_name().is_some_and(|n| n.to_string_lossy().contains("tessera"))
+                e.file_name()
+                    .is_some_and(|n| n.to_string_lossy().contains("tessera"))
             });
             match named {
                 Some(p) => (Some(p), "LD_PRELOAD"),
@@ -300,7 +329,10 @@ fn run_checks(args: &DoctorArgs) -> Vec<Check> {
             "pass --interposer PATH",
         ),
         Some(p) => match tessera_preload::check(p) {
-            Ok(()) => Check::ok("interposer", format!("{} ({source}) exports its hooks", p.display())),
+            Ok(()) => Check::ok(
+                "interposer",
+                format!("{} ({source}) exports its hooks", p.display()),
+            ),
             Err(e) => Check::fail(
                 "interposer",
                 e.to_string(),
@@ -315,16 +347,26 @@ fn run_checks(args: &DoctorArgs) -> Vec<Check> {
 
     // 4. Container wiring, token and GPU.
     checks.push(if !in_container {
-        Check::skip("preload", format!("not in a container (no {})", args.identity_file.display()))
+        Check::skip(
+            "preload",
+            format!("not in a container (no {})", args.identity_file.display()),
+        )
     } else if let Some(p) = &preloaded_interposer {
-        Check::ok("preload", format!("{} names {}", args.ld_so_preload.display(), p.display()))
+        Check::ok(
+            "preload",
+            format!("{} names {}", args.ld_so_preload.display(), p.display()),
+        )
     } else {
         Check::fail(
             "preload",
             format!(
                 "{} does not name a loadable interposer ({})",
                 args.ld_so_preload.display(),
-                if preloaded.is_empty() { "missing or empty".to_owned() } else { format!("{preloaded:?}") }
+                if preloaded.is_empty() {
+                    "missing or empty".to_owned()
+                } else {
+                    format!("{preloaded:?}")
+                }
             ),
             "the device plugin mounts it into containers that request tessera.dev/gpu-shares: \
              recreate the pod, and check the plugin's log (its mounts may have been refused)",
@@ -369,7 +411,9 @@ fn run_checks(args: &DoctorArgs) -> Vec<Check> {
 
     // 5. The probe.
     let probe = match (&allocation, &interposer) {
-        (None, _) => Err("no accepted allocation: pass --token and --socket to probe one".to_owned()),
+        (None, _) => {
+            Err("no accepted allocation: pass --token and --socket to probe one".to_owned())
+        }
         (Some(_), _) if !cuda_ok => Err("no CUDA driver".to_owned()),
         (Some(_), _) if !interposer_ok => Err("no loadable interposer".to_owned()),
         (Some(a), Some(i)) => Ok((a, run_probe(i, &socket, token.as_deref().unwrap_or(""), a))),
@@ -401,7 +445,14 @@ fn cuda_version(v: i32) -> String {
 /// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as NVML and `nvidia-smi -L` print it.
 fn format_uuid(b: &[u8; 16]) -> String {
     let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!("GPU-{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
 }
 
 fn check_driver() -> Check {
@@ -440,7 +491,10 @@ fn check_driver() -> Check {
             "libcuda.so.1 loads but this process sees no GPU",
             "check CUDA_VISIBLE_DEVICES (and NVIDIA_VISIBLE_DEVICES in a container)",
         ),
-        Ok((v, n)) => Check::ok("driver", format!("CUDA driver {}, {n} GPU(s) visible", cuda_version(v))),
+        Ok((v, n)) => Check::ok(
+            "driver",
+            format!("CUDA driver {}, {n} GPU(s) visible", cuda_version(v)),
+        ),
         Err(e) => Check::fail("driver", e, fix),
     }
 }
@@ -456,7 +510,9 @@ unsafe fn nvml_string(f: ffi::nvmlDeviceGetString_t, dev: ffi::nvmlDevice_t) -> 
         return "?".into();
     }
     // SAFETY: NVML NUL-terminates within the given length.
-    unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned()
+    unsafe { CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned()
 }
 
 fn check_nvml() -> Check {
@@ -470,9 +526,11 @@ fn check_nvml() -> Check {
     let r = unsafe {
         (|| -> Result<String, String> {
             let init: ffi::nvmlInit_t = lib.sym(c"nvmlInit_v2")?;
-            let version: ffi::nvmlSystemGetDriverVersion_t = lib.sym(c"nvmlSystemGetDriverVersion")?;
+            let version: ffi::nvmlSystemGetDriverVersion_t =
+                lib.sym(c"nvmlSystemGetDriverVersion")?;
             let count: ffi::nvmlDeviceGetCount_t = lib.sym(c"nvmlDeviceGetCount_v2")?;
-            let by_index: ffi::nvmlDeviceGetHandleByIndex_t = lib.sym(c"nvmlDeviceGetHandleByIndex_v2")?;
+            let by_index: ffi::nvmlDeviceGetHandleByIndex_t =
+                lib.sym(c"nvmlDeviceGetHandleByIndex_v2")?;
             let name: ffi::nvmlDeviceGetString_t = lib.sym(c"nvmlDeviceGetName")?;
             let uuid: ffi::nvmlDeviceGetString_t = lib.sym(c"nvmlDeviceGetUUID")?;
             let rc = init();
@@ -494,7 +552,11 @@ fn check_nvml() -> Check {
             for i in 0..n {
                 let mut dev = std::ptr::null_mut();
                 if by_index(i, &mut dev) == ffi::NVML_SUCCESS {
-                    gpus.push(format!("{i}: {} {}", nvml_string(name, dev), nvml_string(uuid, dev)));
+                    gpus.push(format!(
+                        "{i}: {} {}",
+                        nvml_string(name, dev),
+                        nvml_string(uuid, dev)
+                    ));
                 }
             }
             Ok(format!("driver {v}, {n} GPU(s): {}", gpus.join("; ")))
@@ -508,12 +570,14 @@ fn check_nvml() -> Check {
 
 /// One handshake on `socket`; the stream gets a timeout so a wedged arbiter cannot hang us.
 fn hello(socket: &Path, role: Role) -> Result<ServerHello, String> {
-    let mut s = UnixStream::connect(socket).map_err(|e| format!("cannot connect to {}: {e}", socket.display()))?;
+    let mut s = UnixStream::connect(socket)
+        .map_err(|e| format!("cannot connect to {}: {e}", socket.display()))?;
     let t = Some(Duration::from_secs(10));
     let _ = s.set_read_timeout(t);
     let _ = s.set_write_timeout(t);
     frame::write_frame(&mut s, &Hello::new(role)).map_err(|e| e.to_string())?;
-    frame::read_frame(&mut s).map_err(|e| format!("{} answered no handshake: {e}", socket.display()))
+    frame::read_frame(&mut s)
+        .map_err(|e| format!("{} answered no handshake: {e}", socket.display()))
 }
 
 fn version_refusal(reason: &str) -> bool {
@@ -524,21 +588,30 @@ fn check_arbiter(socket: &Path) -> Check {
     let fix_down = "start tessera-arbiter (systemd: `systemctl start tessera-arbiter`; \
                     Kubernetes: the tessera DaemonSet), or point --socket / TESSERA_SOCKET at \
                     its tenant socket";
-    let fix_version = "run a tessera CLI and arbiter of the same release (protocol versions differ)";
+    let fix_version =
+        "run a tessera CLI and arbiter of the same release (protocol versions differ)";
     // An admin hello on the tenant socket is refused by role, after the version is checked:
     // it proves the arbiter is there and speaks our version without needing a token.
     match hello(socket, Role::Admin) {
         Err(e) => Check::fail("arbiter", e, fix_down),
-        Ok(ServerHello::Refused { reason }) if version_refusal(&reason) => {
-            Check::fail("arbiter", format!("{}: {reason}", socket.display()), fix_version)
-        }
+        Ok(ServerHello::Refused { reason }) if version_refusal(&reason) => Check::fail(
+            "arbiter",
+            format!("{}: {reason}", socket.display()),
+            fix_version,
+        ),
         Ok(ServerHello::Refused { .. }) => Check::ok(
             "arbiter",
-            format!("{} answers, protocol version {PROTOCOL_VERSION}", socket.display()),
+            format!(
+                "{} answers, protocol version {PROTOCOL_VERSION}",
+                socket.display()
+            ),
         ),
         Ok(ServerHello::Welcome { .. }) => Check::fail(
             "arbiter",
-            format!("{} welcomed an admin client: it is the admin socket", socket.display()),
+            format!(
+                "{} welcomed an admin client: it is the admin socket",
+                socket.display()
+            ),
             "point --socket / TESSERA_SOCKET at the tenant socket (tessera.sock), not admin.sock",
         ),
     }
@@ -547,12 +620,16 @@ fn check_arbiter(socket: &Path) -> Check {
 fn check_admin(explicit: Option<&Path>) -> Check {
     let path = explicit.map_or_else(|| PathBuf::from(DEFAULT_ADMIN_SOCKET), Path::to_path_buf);
     if explicit.is_none() && !path.exists() {
-        return Check::skip("admin", format!("{} not here (normal in a container)", path.display()));
+        return Check::skip(
+            "admin",
+            format!("{} not here (normal in a container)", path.display()),
+        );
     }
     match hello(&path, Role::Admin) {
-        Ok(ServerHello::Welcome { version, .. }) => {
-            Check::ok("admin", format!("{} answers, protocol version {version}", path.display()))
-        }
+        Ok(ServerHello::Welcome { version, .. }) => Check::ok(
+            "admin",
+            format!("{} answers, protocol version {version}", path.display()),
+        ),
         Ok(ServerHello::Refused { reason }) => Check::fail(
             "admin",
             format!("{} refused: {reason}", path.display()),
@@ -572,8 +649,16 @@ fn check_admin(explicit: Option<&Path>) -> Check {
 }
 
 fn check_token(socket: &Path, token: &str) -> (Check, Option<AllocationView>) {
-    match hello(socket, Role::Tenant { token: token.to_owned() }) {
-        Ok(ServerHello::Welcome { allocation: Some(a), version }) => (
+    match hello(
+        socket,
+        Role::Tenant {
+            token: token.to_owned(),
+        },
+    ) {
+        Ok(ServerHello::Welcome {
+            allocation: Some(a),
+            version,
+        }) => (
             Check::ok(
                 "token",
                 format!(
@@ -588,8 +673,14 @@ fn check_token(socket: &Path, token: &str) -> (Check, Option<AllocationView>) {
             ),
             Some(a),
         ),
-        Ok(ServerHello::Welcome { allocation: None, .. }) => (
-            Check::fail("token", "welcomed without an allocation", "point --socket at the tenant socket"),
+        Ok(ServerHello::Welcome {
+            allocation: None, ..
+        }) => (
+            Check::fail(
+                "token",
+                "welcomed without an allocation",
+                "point --socket at the tenant socket",
+            ),
             None,
         ),
         Ok(ServerHello::Refused { reason }) => (
@@ -603,7 +694,11 @@ fn check_token(socket: &Path, token: &str) -> (Check, Option<AllocationView>) {
             None,
         ),
         Err(e) => (
-            Check::fail("token", e, "check that the arbiter is running and the socket is its tenant socket"),
+            Check::fail(
+                "token",
+                e,
+                "check that the arbiter is running and the socket is its tenant socket",
+            ),
             None,
         ),
     }
@@ -626,23 +721,37 @@ fn check_gpu(a: &AllocationView) -> Check {
             .and_then(|init| Ok((init, lib.sym::<ffi::cuDeviceGetUuid_t>(c"cuDeviceGetUuid")?)))
             .map(|(init, get)| {
                 let rc = init(0);
-                if rc != ffi::CUDA_SUCCESS { rc } else { get(&mut uuid, 0) }
+                if rc != ffi::CUDA_SUCCESS {
+                    rc
+                } else {
+                    get(&mut uuid, 0)
+                }
             })
     };
     match rc {
         Ok(ffi::CUDA_SUCCESS) => {
             let seen = format_uuid(&uuid);
             if seen.eq_ignore_ascii_case(&a.gpu_uuid) {
-                Check::ok("gpu", format!("CUDA device 0 is {seen}, the allocation's GPU"))
+                Check::ok(
+                    "gpu",
+                    format!("CUDA device 0 is {seen}, the allocation's GPU"),
+                )
             } else {
                 Check::fail(
                     "gpu",
-                    format!("CUDA device 0 is {seen}, but the allocation is on {}", a.gpu_uuid),
+                    format!(
+                        "CUDA device 0 is {seen}, but the allocation is on {}",
+                        a.gpu_uuid
+                    ),
                     fix,
                 )
             }
         }
-        Ok(rc) => Check::fail("gpu", format!("cuDeviceGetUuid(0) failed: CUresult {rc}"), fix),
+        Ok(rc) => Check::fail(
+            "gpu",
+            format!("cuDeviceGetUuid(0) failed: CUresult {rc}"),
+            fix,
+        ),
         Err(e) => Check::fail("gpu", e, fix),
     }
 }
@@ -656,8 +765,17 @@ fn run_probe(
 ) -> Result<ProbeReport, String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot locate tessera: {e}"))?;
     let mut child = Command::new(exe)
-        .args(["doctor-probe", "--limit", &a.memory_limit.to_string(), "--gpu-uuid", &a.gpu_uuid])
-        .env("LD_PRELOAD", crate::run::ld_preload(interposer, std::env::var_os("LD_PRELOAD")))
+        .args([
+            "doctor-probe",
+            "--limit",
+            &a.memory_limit.to_string(),
+            "--gpu-uuid",
+            &a.gpu_uuid,
+        ])
+        .env(
+            "LD_PRELOAD",
+            crate::run::ld_preload(interposer, std::env::var_os("LD_PRELOAD")),
+        )
         .env("TESSERA_TOKEN", token)
         .env("TESSERA_SOCKET", socket)
         .env_remove("TESSERA_ADMIN_SOCKET")
@@ -689,7 +807,10 @@ fn run_probe(
     let _ = child.stdout.take().map(|mut s| s.read_to_string(&mut out));
     let _ = child.stderr.take().map(|mut s| s.read_to_string(&mut err));
     let report: ProbeReport = serde_json::from_str(out.trim()).map_err(|_| {
-        format!("it exited with {status} and no report; stderr: {}", err.trim())
+        format!(
+            "it exited with {status} and no report; stderr: {}",
+            err.trim()
+        )
     })?;
     match report.error.clone() {
         Some(e) => Err(e),
@@ -747,7 +868,13 @@ fn judge_probe(a: &AllocationView, p: &ProbeReport) -> Vec<Check> {
         Err(e) => format!("unreadable ({e})"),
     };
     out.push(if p.memget_total == limit && p.nvml_total == Ok(limit) {
-        Check::ok("memory-info", format!("cuMemGetInfo and NVML both report a total of {}", human(limit)))
+        Check::ok(
+            "memory-info",
+            format!(
+                "cuMemGetInfo and NVML both report a total of {}",
+                human(limit)
+            ),
+        )
     } else {
         Check::fail(
             "memory-info",
@@ -761,7 +888,13 @@ fn judge_probe(a: &AllocationView, p: &ProbeReport) -> Vec<Check> {
         )
     });
     out.push(match &p.kernel {
-        Ok(ms) => Check::ok("kernel", format!("a {} ms gated kernel completed in {ms:.1} ms", KERNEL_NS / 1_000_000)),
+        Ok(ms) => Check::ok(
+            "kernel",
+            format!(
+                "a {} ms gated kernel completed in {ms:.1} ms",
+                KERNEL_NS / 1_000_000
+            ),
+        ),
         Err(e) => Check::fail(
             "kernel",
             e.clone(),
@@ -774,13 +907,23 @@ fn judge_probe(a: &AllocationView, p: &ProbeReport) -> Vec<Check> {
 
 /// The hidden `doctor-probe` subcommand: runs under the interposer, prints a [`ProbeReport`].
 pub fn probe_main(args: ProbeArgs) -> anyhow::Result<u8> {
-    let report = probe(&args).unwrap_or_else(|e| ProbeReport { error: Some(e), ..Default::default() });
-    println!("{}", serde_json::to_string(&report).map_err(DoctorError::from)?);
+    let report = probe(&args).unwrap_or_else(|e| ProbeReport {
+        error: Some(e),
+        ..Default::default()
+    });
+    println!(
+        "{}",
+        serde_json::to_string(&report).map_err(DoctorError::from)?
+    );
     Ok(0)
 }
 
 fn cu(what: &str, rc: ffi::CUresult) -> Result<(), String> {
-    if rc == ffi::CUDA_SUCCESS { Ok(()) } else { Err(format!("{what} failed: CUresult {rc}")) }
+    if rc == ffi::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("{what} failed: CUresult {rc}"))
+    }
 }
 
 fn probe(args: &ProbeArgs) -> Result<ProbeReport, String> {
@@ -794,7 +937,10 @@ fn probe(args: &ProbeArgs) -> Result<ProbeReport, String> {
         // SAFETY: a NUL-terminated name and a valid out-pointer; a null status is allowed.
         let rc = unsafe { get_proc(name.as_ptr(), &mut p, version, 0, std::ptr::null_mut()) };
         if rc != ffi::CUDA_SUCCESS || p.is_null() {
-            return Err(format!("cannot resolve {}: CUresult {rc}", name.to_string_lossy()));
+            return Err(format!(
+                "cannot resolve {}: CUresult {rc}",
+                name.to_string_lossy()
+            ));
         }
         Ok(p)
     };
@@ -806,7 +952,11 @@ fn probe(args: &ProbeArgs) -> Result<ProbeReport, String> {
         }};
     }
     let init = entry!(ffi::cuInit_t, c"cuInit", 2000);
-    let retain = entry!(ffi::cuDevicePrimaryCtxRetain_t, c"cuDevicePrimaryCtxRetain", 7000);
+    let retain = entry!(
+        ffi::cuDevicePrimaryCtxRetain_t,
+        c"cuDevicePrimaryCtxRetain",
+        7000
+    );
     let set_current = entry!(ffi::cuCtxSetCurrent_t, c"cuCtxSetCurrent", 4000);
     let alloc = entry!(ffi::cuMemAlloc_t, c"cuMemAlloc", 3020);
     let free = entry!(ffi::cuMemFree_t, c"cuMemFree", 3020);
@@ -818,7 +968,7 @@ fn probe(args: &ProbeArgs) -> Result<ProbeReport, String> {
     let launch = entry!(ffi::cuLaunchKernel_t, c"cuLaunchKernel", 4000);
 
     let mut r = ProbeReport::default();
-    // SAFETY (this block): every pointer passed is a live local or a handle the driver gave.
+    // SAFETY: every pointer passed is a live local or a handle the driver gave.
     unsafe {
         cu("cuInit", init(0))?;
         let mut ctx = std::ptr::null_mut();
@@ -847,9 +997,15 @@ fn probe(args: &ProbeArgs) -> Result<ProbeReport, String> {
         }
         r.kernel = (|| {
             let mut module = std::ptr::null_mut();
-            cu("cuModuleLoadData", load(&mut module, SPIN_PTX.as_ptr().cast()))?;
+            cu(
+                "cuModuleLoadData",
+                load(&mut module, SPIN_PTX.as_ptr().cast()),
+            )?;
             let mut spin = std::ptr::null_mut();
-            cu("cuModuleGetFunction", getf(&mut spin, module, c"spin".as_ptr()))?;
+            cu(
+                "cuModuleGetFunction",
+                getf(&mut spin, module, c"spin".as_ptr()),
+            )?;
             let mut stream = std::ptr::null_mut();
             cu("cuStreamCreate", stream_create(&mut stream, 0))?;
             let mut ns = KERNEL_NS;
@@ -857,7 +1013,19 @@ fn probe(args: &ProbeArgs) -> Result<ProbeReport, String> {
             let start = Instant::now();
             cu(
                 "cuLaunchKernel",
-                launch(spin, 1, 1, 1, 1, 1, 1, 0, stream, params.as_mut_ptr(), std::ptr::null_mut()),
+                launch(
+                    spin,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    0,
+                    stream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                ),
             )?;
             cu("cuStreamSynchronize", sync(stream))?;
             Ok(start.elapsed().as_secs_f64() * 1000.0)
@@ -882,7 +1050,9 @@ fn nvml_total(uuid: &str) -> Result<u64, String> {
         let mut dev = std::ptr::null_mut();
         let rc = by_uuid(c_uuid.as_ptr(), &mut dev);
         if rc != ffi::NVML_SUCCESS {
-            return Err(format!("nvmlDeviceGetHandleByUUID({uuid}): nvmlReturn {rc}"));
+            return Err(format!(
+                "nvmlDeviceGetHandleByUUID({uuid}): nvmlReturn {rc}"
+            ));
         }
         let mut m = ffi::nvmlMemory_t::default();
         let rc = mem(dev, &mut m);
@@ -900,7 +1070,10 @@ mod tests {
     #[test]
     fn preload_lists_split_like_the_loader() {
         let e = preload_entries("# by tessera\n/a/lib.so /b/c.so:/d.so\n\n\t/e.so # x\n");
-        assert_eq!(e, ["/a/lib.so", "/b/c.so", "/d.so", "/e.so"].map(PathBuf::from));
+        assert_eq!(
+            e,
+            ["/a/lib.so", "/b/c.so", "/d.so", "/e.so"].map(PathBuf::from)
+        );
     }
 
     #[test]
@@ -910,7 +1083,14 @@ mod tests {
     }
 
     fn alloc(limit: u64) -> AllocationView {
-        AllocationView { id: "a".into(), gpu_index: 0, gpu_uuid: "GPU-x".into(), memory_limit: limit, share: 10, cap: None }
+        AllocationView {
+            id: "a".into(),
+            gpu_index: 0,
+            gpu_uuid: "GPU-x".into(),
+            memory_limit: limit,
+            share: 10,
+            cap: None,
+        }
     }
 
     #[test]
@@ -927,7 +1107,11 @@ mod tests {
         let verdict = |r: &ProbeReport| judge_probe(&a, r)[0].status;
         assert_eq!(verdict(&p(3 * GIB, Some(2))), Status::Ok);
         assert_eq!(verdict(&p(4 * GIB, Some(2))), Status::Ok);
-        assert_eq!(verdict(&p(2 * GIB, Some(2))), Status::Fail, "the card ran out first");
+        assert_eq!(
+            verdict(&p(2 * GIB, Some(2))),
+            Status::Fail,
+            "the card ran out first"
+        );
         assert_eq!(verdict(&p(6 * GIB, None)), Status::Fail, "not enforced");
         assert_eq!(verdict(&p(3 * GIB, Some(999))), Status::Fail);
         let all = judge_probe(&a, &p(3 * GIB, Some(2)));

@@ -126,7 +126,11 @@ impl Lib {
     /// # Safety
     /// `F` must be the C function pointer type of `name`.
     pub unsafe fn sym<F: Copy>(&self, name: &CStr) -> Result<F, String> {
-        assert_eq!(size_of::<F>(), size_of::<*mut c_void>(), "F must be a function pointer");
+        assert_eq!(
+            size_of::<F>(),
+            size_of::<*mut c_void>(),
+            "F must be a function pointer"
+        );
         // SAFETY: a live handle and a NUL-terminated name.
         let p = unsafe { libc::dlsym(self.0, name.as_ptr()) };
         if p.is_null() {

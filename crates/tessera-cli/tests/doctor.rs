@@ -40,7 +40,10 @@ fn verdict<'t>(text: &'t str, name: &str) -> (&'t str, Option<&'t str>) {
     let mut lines = text.lines();
     while let Some(l) = lines.next() {
         if l.split_whitespace().nth(1) == Some(name) {
-            let fix = lines.next().map(str::trim).filter(|f| f.starts_with("fix: "));
+            let fix = lines
+                .next()
+                .map(str::trim)
+                .filter(|f| f.starts_with("fix: "));
             return (l, fix);
         }
     }
@@ -51,13 +54,19 @@ fn verdict<'t>(text: &'t str, name: &str) -> (&'t str, Option<&'t str>) {
 fn assert_fails(text: &str, name: &str, detail: &str, fix: &str) {
     let (line, fix_line) = verdict(text, name);
     assert!(line.starts_with("FAIL"), "{name} should fail:\n{text}");
-    assert!(line.contains(detail), "{name} detail lacks {detail:?}:\n{text}");
+    assert!(
+        line.contains(detail),
+        "{name} detail lacks {detail:?}:\n{text}"
+    );
     let fix_line = fix_line.unwrap_or_else(|| panic!("no fix under {name}:\n{text}"));
     assert!(fix_line.contains(fix), "{name} fix lacks {fix:?}:\n{text}");
 }
 
 fn token_on(arb: &Arbiter, gpu: u32, limit: u64) -> String {
-    arb.admin().create(allocation(gpu, limit, 30, None)).unwrap().0
+    arb.admin()
+        .create(allocation(gpu, limit, 30, None))
+        .unwrap()
+        .0
 }
 
 #[test]
@@ -68,7 +77,11 @@ fn healthy_container_passes_every_check() {
     // The container's view, as the device plugin mounts it: the identity file names the token
     // and socket, ld.so.preload names the interposer.
     let identity = arb.dir.path().join("tenant");
-    std::fs::write(&identity, format!("token={token}\nsocket={}\n", arb.socket.display())).unwrap();
+    std::fs::write(
+        &identity,
+        format!("token={token}\nsocket={}\n", arb.socket.display()),
+    )
+    .unwrap();
     let preload = arb.dir.path().join("ld.so.preload");
     std::fs::write(&preload, format!("{}\n", interposer.display())).unwrap();
     let (code, text) = run(doctor(&arb, &["--identity-file"])
@@ -77,15 +90,31 @@ fn healthy_container_passes_every_check() {
         .env("CUDA_VISIBLE_DEVICES", gpu_uuid(0)));
     assert_eq!(code, Some(0), "{text}");
     for name in [
-        "driver", "nvml", "arbiter", "admin", "interposer", "preload", "token", "gpu", "limit",
-        "memory-info", "kernel",
+        "driver",
+        "nvml",
+        "arbiter",
+        "admin",
+        "interposer",
+        "preload",
+        "token",
+        "gpu",
+        "limit",
+        "memory-info",
+        "kernel",
     ] {
         assert!(verdict(&text, name).0.starts_with("ok"), "{name}:\n{text}");
     }
-    assert!(verdict(&text, "limit").0.contains("at 4.00 GiB held of the 4.00 GiB limit"), "{text}");
+    assert!(
+        verdict(&text, "limit")
+            .0
+            .contains("at 4.00 GiB held of the 4.00 GiB limit"),
+        "{text}"
+    );
     assert!(text.ends_with("11 ok, 0 failed, 0 skipped\n"), "{text}");
     // The probe's memory went with the probe.
-    let freed = wait_until(Duration::from_secs(10), || arb.admin().list().unwrap()[0].memory_used == 0);
+    let freed = wait_until(Duration::from_secs(10), || {
+        arb.admin().list().unwrap()[0].memory_used == 0
+    });
     assert!(freed.is_some(), "{:?}", arb.admin().list());
 }
 
@@ -93,8 +122,16 @@ fn healthy_container_passes_every_check() {
 fn json_has_every_check_and_no_allocation_skips_the_probe() {
     let arb = Arbiter::start();
     let interposer = interposer_in(arb.dir.path());
-    let out = doctor(&arb, &["--json", "--interposer"]).arg(&interposer).output().unwrap();
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = doctor(&arb, &["--json", "--interposer"])
+        .arg(&interposer)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["ok"], true);
     let checks = v["checks"].as_array().unwrap();
@@ -119,7 +156,12 @@ fn arbiter_down() {
         .arg("--interposer")
         .arg(&interposer));
     assert_eq!(code, Some(1), "{text}");
-    assert_fails(&text, "arbiter", "cannot connect to", "start tessera-arbiter");
+    assert_fails(
+        &text,
+        "arbiter",
+        "cannot connect to",
+        "start tessera-arbiter",
+    );
     assert!(verdict(&text, "token").0.starts_with("skip"), "{text}");
 }
 
@@ -127,7 +169,10 @@ fn arbiter_down() {
 fn interposer_not_loadable() {
     let arb = Arbiter::start();
     let token = token_on(&arb, 0, 2 * GIB);
-    let (code, text) = run(&mut doctor(&arb, &["--token", &token, "--interposer", "/bin/true"]));
+    let (code, text) = run(&mut doctor(
+        &arb,
+        &["--token", &token, "--interposer", "/bin/true"],
+    ));
     assert_eq!(code, Some(1), "{text}");
     assert_fails(
         &text,
@@ -150,7 +195,11 @@ fn wrong_gpu_visible() {
     assert_fails(
         &text,
         "gpu",
-        &format!("CUDA device 0 is {}, but the allocation is on {}", gpu_uuid(0), gpu_uuid(1)),
+        &format!(
+            "CUDA device 0 is {}, but the allocation is on {}",
+            gpu_uuid(0),
+            gpu_uuid(1)
+        ),
         &format!("CUDA_VISIBLE_DEVICES={}", gpu_uuid(1)),
     );
 }
@@ -192,7 +241,10 @@ fn limit_not_in_effect_when_the_card_runs_out_first() {
     let mut child = outsider.spawn().unwrap();
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut outsider = KillOnDrop::new(child);
-    let held = lines.find(|l| l.as_ref().is_ok_and(|l| l.contains("holds"))).unwrap().unwrap();
+    let held = lines
+        .find(|l| l.as_ref().is_ok_and(|l| l.contains("holds")))
+        .unwrap()
+        .unwrap();
     assert!(held.contains("holds 76 GiB"), "{held}");
 
     let token = token_on(&arb, 0, 8 * GIB);
