@@ -1,5 +1,5 @@
 //! Compute sharing: every kernel launch is gated on a time-slice lease from the arbiter
-//! (contract in notes/COMPUTE.md).
+//! (contract in docs/arbiter.md and docs/interposer.md, "Compute sharing").
 //!
 //! - **Fast path**: a launch takes one credit (`fetch_sub` on one atomic) and notes its stream
 //!   through a per-thread cache; no lock, no allocation, no round trip. Credits exist only while
