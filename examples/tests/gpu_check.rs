@@ -18,7 +18,15 @@ fn gpu_check_script_writes_every_row_on_the_simulated_gpu() {
     let started = Instant::now();
     let run = Command::new("bash")
         .arg(&script)
-        .args(["--sim", "--share-seconds", "2", "--bench-seconds", "1", "--ledger-seconds", "3"])
+        .args([
+            "--sim",
+            "--share-seconds",
+            "2",
+            "--bench-seconds",
+            "1",
+            "--ledger-seconds",
+            "3",
+        ])
         .arg("--bin")
         .arg(target_dir())
         .arg("--python")
@@ -32,13 +40,30 @@ fn gpu_check_script_writes_every_row_on_the_simulated_gpu() {
         .unwrap();
     let took = started.elapsed();
     let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(run.status.success(), "run.sh failed: {}\n{stderr}", run.status);
+    assert!(
+        run.status.success(),
+        "run.sh failed: {}\n{stderr}",
+        run.status
+    );
     assert!(took < Duration::from_secs(120), "run.sh took {took:?}");
     let table = std::fs::read_to_string(&out).unwrap();
-    assert_eq!(String::from_utf8_lossy(&run.stdout).trim(), table.trim(), "stdout is the table");
-    assert!(table.starts_with("## Tessera gpu-check: SIMULATED GPU"), "{table}");
-    assert!(table.contains("| step | measure | result | target | met |"), "{table}");
-    assert!(!table.contains("failed"), "a step failed:\n{table}\n{stderr}");
+    assert_eq!(
+        String::from_utf8_lossy(&run.stdout).trim(),
+        table.trim(),
+        "stdout is the table"
+    );
+    assert!(
+        table.starts_with("## Tessera gpu-check: SIMULATED GPU"),
+        "{table}"
+    );
+    assert!(
+        table.contains("| step | measure | result | target | met |"),
+        "{table}"
+    );
+    assert!(
+        !table.contains("failed"),
+        "a step failed:\n{table}\n{stderr}"
+    );
 
     let rows: Vec<Vec<&str>> = table
         .lines()
@@ -62,14 +87,20 @@ fn gpu_check_script_writes_every_row_on_the_simulated_gpu() {
         ("4 overhead", "CuPy"),
         ("4 overhead", "JAX"),
     ] {
-        assert!(find(step, measure)[2].starts_with("skipped: "), "{step} {measure}:\n{table}");
+        assert!(
+            find(step, measure)[2].starts_with("skipped: "),
+            "{step} {measure}:\n{table}"
+        );
     }
     assert!(find("1 limit", "nvidia-smi")[2].starts_with("skipped: "));
 
     // The limit is exact on the simulated GPU: 30% of 80 GiB.
     let total = find("1 limit 30%", "cuda-bindings: cuMemGetInfo total");
     assert_eq!((total[2], total[4]), ("24.00 GiB", "yes"), "{table}");
-    for measure in ["cuda-bindings: cuMemAlloc refused", "cuda-bindings: cuMemCreate (VMM)"] {
+    for measure in [
+        "cuda-bindings: cuMemAlloc refused",
+        "cuda-bindings: cuMemCreate (VMM)",
+    ] {
         let r = find("1 limit 30%", measure);
         assert_eq!(r[4], "yes", "{measure}: {r:?}");
         assert!(r[2].starts_with("CUDA_ERROR_OUT_OF_MEMORY after"), "{r:?}");
@@ -84,11 +115,17 @@ fn gpu_check_script_writes_every_row_on_the_simulated_gpu() {
         ("4 overhead", "large kernels"),
         ("4 overhead", "loop of tiny kernels"),
         ("4 overhead", "CUDA-graph replay"),
-        ("5 ledger vs NVML", "memory: ledger memory_used vs NVML used"),
+        (
+            "5 ledger vs NVML",
+            "memory: ledger memory_used vs NVML used",
+        ),
         ("5 ledger vs NVML", "GPU time of the run"),
     ] {
         let r = find(step, measure);
-        assert!(r[2].chars().any(|c| c.is_ascii_digit()), "{step} {measure}: {r:?}");
+        assert!(
+            r[2].chars().any(|c| c.is_ascii_digit()),
+            "{step} {measure}: {r:?}"
+        );
         assert!(!r[2].contains('?'), "{step} {measure}: {r:?}");
         if measure != "work done" {
             assert!(["yes", "NO"].contains(&r[4]), "{step} {measure}: {r:?}");
