@@ -163,7 +163,7 @@ pub fn parse_size(text: &str) -> Result<u64, SizeError> {
     };
     let scale = 10u128.pow(frac.len() as u32);
     let frac_bytes = frac_v * mult;
-    if frac_bytes % scale != 0 {
+    if !frac_bytes.is_multiple_of(scale) {
         return Err(SizeError::Fraction(text.into()));
     }
     let bytes = int_v

@@ -252,8 +252,8 @@ fn nvml_thread(
         }
         if last_enum.elapsed() >= poll {
             last_enum = Instant::now();
-            if let Ok(now) = enumerate(&nvml) {
-                if now != devs {
+            if let Ok(now) = enumerate(&nvml)
+                && now != devs {
                     for gone in devs.iter().filter(|d| !now.iter().any(|n| n.1 == d.1)) {
                         eprintln!(
                             "tessera-device-plugin: GPU {} vanished: withdrawing its units",
@@ -264,7 +264,6 @@ fn nvml_thread(
                     events = register_events(&nvml, events, &devs, &mut registered);
                     changed = true;
                 }
-            }
         }
         if changed {
             let _ = tx.send(snapshot(&devs, &bad));

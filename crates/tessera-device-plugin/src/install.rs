@@ -170,11 +170,10 @@ fn remove_stale_temps(dir: &Path) {
         };
         let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
         // Leave a temporary of a live installer alone (an init container racing the plugin).
-        if let Some(pid) = pid {
-            if pid != std::process::id() && Path::new(&format!("/proc/{pid}")).exists() {
+        if let Some(pid) = pid
+            && pid != std::process::id() && Path::new(&format!("/proc/{pid}")).exists() {
                 continue;
             }
-        }
         let _ = std::fs::remove_file(e.path());
     }
 }

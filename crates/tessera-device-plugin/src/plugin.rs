@@ -399,13 +399,12 @@ async fn serve_generation(
         if file_id(own_sock) != own_id {
             return Ok(End::Restart("our socket was removed (kubelet restart?)"));
         }
-        if let Some(kid) = registered {
-            if file_id(kubelet_sock) != Some(kid) {
+        if let Some(kid) = registered
+            && file_id(kubelet_sock) != Some(kid) {
                 return Ok(End::Restart(
                     "kubelet.sock was re-created (kubelet restart)",
                 ));
             }
-        }
     }
 }
 

@@ -41,7 +41,7 @@ fn validate(d: &CudaArray3dDescriptor) -> Res {
         && (!cubemap
             || (d.width == d.height
                 && d.depth > 0
-                && d.depth % 6 == 0
+                && d.depth.is_multiple_of(6)
                 && (layered || d.depth == 6)));
     if !shape_ok || ![1, 2, 4].contains(&d.num_channels) {
         return Err(CUDA_ERROR_INVALID_VALUE);

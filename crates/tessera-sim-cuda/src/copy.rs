@@ -135,7 +135,7 @@ fn stream_or_ctx(stream: Option<(Handle, bool)>) -> Res {
 /// Fills `rows` rows of `n` elements of `width` bytes, `pitch` bytes apart.
 fn memset_rows(dst: u64, pitch: usize, value: u32, width: usize, n: usize, rows: usize) -> Res {
     // The driver requires D16/D32 destinations (and pitches) aligned to the element size.
-    if dst as usize % width != 0 || (rows > 1 && pitch % width != 0) {
+    if !(dst as usize).is_multiple_of(width) || (rows > 1 && !pitch.is_multiple_of(width)) {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let row_bytes = n.checked_mul(width).ok_or(CUDA_ERROR_INVALID_VALUE)?;

@@ -127,7 +127,7 @@ fn drop_mappings(maps: &[(usize, usize, usize)]) {
 }
 
 fn aligned(v: usize) -> bool {
-    v % GRANULARITY == 0
+    v.is_multiple_of(GRANULARITY)
 }
 
 /// `cuMemGetAllocationGranularity`: 2 MiB.

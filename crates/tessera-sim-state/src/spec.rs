@@ -158,9 +158,9 @@ pub fn context_memory_from_env() -> Result<u64, SpecError> {
 }
 
 fn format_size(bytes: u64) -> String {
-    if bytes % (1 << 30) == 0 {
+    if bytes.is_multiple_of(1 << 30) {
         format!("{}GiB", bytes >> 30)
-    } else if bytes % (1 << 20) == 0 {
+    } else if bytes.is_multiple_of(1 << 20) {
         format!("{}MiB", bytes >> 20)
     } else {
         format!("{bytes}B")
