@@ -111,9 +111,11 @@ fn an_escape_is_killed(bed: &Bed, id: &str, mut cmd: std::process::Command, how:
     back.expect("the card back under the limit plus the tolerance");
     assert!(t.elapsed() < Duration::from_secs(1), "killed and back after {:?}", t.elapsed());
     wait_until(Duration::from_secs(2), || bed.status(id).enforced == 1).expect("counted");
-    let log = bed.arbiter_log();
+    // The count comes before the kill, the log line after it: wait for the line.
     let line = format!("backstop: pid {pid} of allocation {id} killed");
-    assert!(log.contains(&line) && log.contains("it connected"), "{log}");
+    wait_until(Duration::from_secs(2), || bed.arbiter_log().contains(&line))
+        .unwrap_or_else(|| panic!("no log line for the kill\n{}", bed.arbiter_log()));
+    assert!(bed.arbiter_log().contains("it connected"), "{}", bed.arbiter_log());
 }
 
 #[test]
