@@ -17,15 +17,15 @@
 //! && target/release/arbiter_load` (`--scale F` multiplies every count and the flood's length,
 //! e.g. 0.1 for a quick look).
 
-use std::io::{ErrorKind, Read, Write};
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::io::Write;
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use tessera_benches::{SimNode, exit_with_parent, number_flag};
+use tessera_testkit::flood::raise_nofile;
 use tessera_protocol::client::{ClientError, TenantClient};
 use tessera_protocol::{CreateAllocation, GpuSelector, TenantReply, TenantRequest};
 
@@ -55,30 +55,6 @@ fn threads(pid: u32) -> u64 {
 fn alive(pid: u32) -> bool {
     // SAFETY: signal 0 only checks that the process exists.
     unsafe { libc::kill(pid as i32, 0) == 0 }
-}
-
-/// Raises this process's open-file limit (the arbiters it starts inherit it): to 65,536 where
-/// allowed (an admitted connection costs the arbiter two descriptors), else to the hard limit.
-/// Returns the soft limit.
-fn raise_nofile() -> u64 {
-    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: `rl` is a valid rlimit to write into.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } != 0 {
-        return 0;
-    }
-    let want: libc::rlim_t = 65_536;
-    if rl.rlim_max < want {
-        let up = libc::rlimit { rlim_cur: want, rlim_max: want };
-        // SAFETY: `up` is a valid rlimit; raising the hard limit needs CAP_SYS_RESOURCE and
-        // simply fails without it.
-        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &up) } == 0 {
-            return want;
-        }
-    }
-    rl.rlim_cur = rl.rlim_max;
-    // SAFETY: `rl` is a valid rlimit within the hard limit.
-    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &rl) };
-    rl.rlim_cur
 }
 
 fn create(node: &SimNode, limit: u64) -> String {
@@ -235,67 +211,6 @@ fn idle(node: &SimNode, token: &str, n: usize, partial: usize) -> (u64, u64, u64
     (before, after, thr, percentile(&lat, 0.5))
 }
 
-#[derive(Clone, Copy, PartialEq)]
-enum Kind {
-    Idle,
-    Trickle,
-    BigFrame,
-    SmallFrame,
-}
-
-/// A flood child: keeps `n` unauthenticated connections coming against `socket` for `secs`,
-/// reconnecting whatever the arbiter closes. Prints `connects=N`.
-fn flood_child(socket: &Path, n: usize, secs: f64) {
-    raise_nofile();
-    let kinds = [Kind::Idle, Kind::Trickle, Kind::BigFrame, Kind::SmallFrame];
-    let mut conns: Vec<(Kind, Option<UnixStream>)> =
-        (0..n).map(|i| (kinds[i % kinds.len()], None)).collect();
-    let mut big = 65_535u32.to_le_bytes().to_vec();
-    big.resize(4 + 65_000, 0xab);
-    let mut small = 500u32.to_le_bytes().to_vec();
-    small.resize(4 + 400, 0xcd);
-    let mut connects = 0u64;
-    let deadline = Instant::now() + Duration::from_secs_f64(secs);
-    let mut buf = [0u8; 256];
-    while Instant::now() < deadline {
-        let mut budget = 400;
-        for (kind, slot) in conns.iter_mut() {
-            match slot {
-                None if budget > 0 => {
-                    budget -= 1;
-                    let Ok(s) = UnixStream::connect(socket) else { continue };
-                    connects += 1;
-                    let _ = s.set_nonblocking(true);
-                    let first: &[u8] = match kind {
-                        Kind::Idle => &[],
-                        Kind::Trickle => &[0xff, 0x01, 0, 0],
-                        Kind::BigFrame => &big,
-                        Kind::SmallFrame => &small,
-                    };
-                    let _ = (&s).write(first);
-                    *slot = Some(s);
-                }
-                None => {}
-                Some(s) => {
-                    let mut gone = match s.read(&mut buf) {
-                        Ok(0) => true,
-                        Ok(_) => false,
-                        Err(e) => e.kind() != ErrorKind::WouldBlock,
-                    };
-                    if *kind == Kind::Trickle && !gone {
-                        gone = matches!(s.write(&[0]), Err(e) if e.kind() != ErrorKind::WouldBlock);
-                    }
-                    if gone {
-                        *slot = None;
-                    }
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    println!("connects={connects}");
-}
-
 struct Flood {
     connects: u64,
     rss_kib: u64,
@@ -418,7 +333,8 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("--flood-child") {
         let socket = PathBuf::from(&args[2]);
-        flood_child(&socket, args[3].parse().expect("count"), args[4].parse().expect("seconds"));
+        let c = tessera_testkit::flood::flood(&socket, args[3].parse().expect("count"), args[4].parse().expect("seconds"), 400);
+        println!("connects={}", c.connects);
         return;
     }
     let scale = number_flag(WHO, "--scale", 1.0);

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -44,90 +44,6 @@ fn create(arb: &Arbiter, limit: u64) -> String {
         .0
 }
 
-/// Raises this process's open-file soft limit to its hard limit (a flood holds many sockets).
-fn raise_nofile() -> u64 {
-    let mut rl = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: `rl` is a valid rlimit to write into.
-    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) }, 0);
-    rl.rlim_cur = rl.rlim_max;
-    // SAFETY: `rl` is a valid rlimit within the hard limit.
-    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &rl) };
-    rl.rlim_cur
-}
-
-#[derive(Clone, Copy, PartialEq)]
-enum Kind {
-    /// Connects and sends nothing.
-    Idle,
-    /// Sends one byte at a time.
-    Trickle,
-    /// Announces a 65,535-byte frame and sends most of it.
-    BigFrame,
-    /// Announces a frame just under the hello limit and never finishes it.
-    SmallFrame,
-}
-
-/// The flood: keeps `n` unauthenticated connections of mixed kinds open against `socket` for
-/// `secs`, reconnecting whatever the arbiter closes. Prints `connects=N closed=M`.
-fn flood(socket: &Path, n: usize, secs: f64) {
-    raise_nofile();
-    let kinds = [Kind::Idle, Kind::Trickle, Kind::BigFrame, Kind::SmallFrame];
-    let mut conns: Vec<(Kind, Option<UnixStream>)> =
-        (0..n).map(|i| (kinds[i % kinds.len()], None)).collect();
-    let mut big = 65_535u32.to_le_bytes().to_vec();
-    big.resize(4 + 65_000, 0xab);
-    let mut small = 500u32.to_le_bytes().to_vec();
-    small.resize(4 + 400, 0xcd);
-    let (mut connects, mut closed) = (0u64, 0u64);
-    let deadline = Instant::now() + Duration::from_secs_f64(secs);
-    let mut buf = [0u8; 256];
-    while Instant::now() < deadline {
-        // Paced, so two floods do not starve a 2-core machine of the CPU the test needs.
-        let mut budget = 150;
-        for (kind, slot) in conns.iter_mut() {
-            match slot {
-                None if budget > 0 => {
-                    budget -= 1;
-                    let Ok(mut s) = UnixStream::connect(socket) else {
-                        continue;
-                    };
-                    connects += 1;
-                    s.set_nonblocking(true).unwrap();
-                    let first: &[u8] = match kind {
-                        Kind::Idle => &[],
-                        // A 511-byte frame, whose payload then comes one byte per round.
-                        Kind::Trickle => &[0xff, 0x01, 0, 0],
-                        Kind::BigFrame => &big,
-                        Kind::SmallFrame => &small,
-                    };
-                    let _ = s.write(first);
-                    *slot = Some(s);
-                }
-                None => {}
-                Some(s) => {
-                    let gone = match s.read(&mut buf) {
-                        Ok(0) => true,
-                        Ok(_) => false,
-                        Err(e) => e.kind() != ErrorKind::WouldBlock,
-                    };
-                    let gone = gone
-                        || (*kind == Kind::Trickle
-                            && matches!(s.write(&[0]), Err(e) if e.kind() != ErrorKind::WouldBlock));
-                    if gone {
-                        closed += 1;
-                        *slot = None;
-                    }
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    println!("connects={connects} closed={closed}");
-}
-
 /// Not a test of its own: the body of a flood child process (see [`spawn_flood`]).
 #[test]
 fn flood_child() {
@@ -138,7 +54,8 @@ fn flood_child() {
     let socket = PathBuf::from(it.next().unwrap());
     let n = it.next().unwrap().parse().unwrap();
     let secs = it.next().unwrap().parse().unwrap();
-    flood(&socket, n, secs);
+    let c = tessera_testkit::flood::flood(&socket, n, secs, 150);
+    println!("connects={} closed={}", c.connects, c.closed);
 }
 
 fn spawn_flood(socket: &Path, n: usize, secs: f64) -> std::process::Child {

@@ -9,12 +9,15 @@
 //! - [`arbiter`]: the real `tessera-arbiter` on a simulated GPU, with temp sockets and state,
 //!   waited for until it serves.
 //! - [`process`]: kill-on-drop children, exit codes, polling with a timeout.
+//! - [`flood`]: a flood of unauthenticated connections against an arbiter socket (admission
+//!   test, `arbiter_load`).
 //!
 //! Helpers panic with a message naming what is missing: they run inside tests, where a panic
 //! is the failure report.
 
 pub mod arbiter;
 pub mod artifacts;
+pub mod flood;
 pub mod process;
 pub mod python;
 pub mod sim;

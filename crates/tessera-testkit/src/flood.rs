@@ -1,0 +1,111 @@
+//! A flood of unauthenticated connections against an arbiter socket, for the admission test and
+//! the `arbiter_load` benchmark: idle ones, ones trickling a frame a byte at a time, and ones
+//! holding an unfinished large frame or an unfinished hello.
+
+use std::io::{ErrorKind, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// Raises this process's open-file limit (a flood holds many sockets, and arbiters started
+/// from here inherit it): to 65,536 where allowed, else the soft limit to the hard one.
+/// Returns the soft limit (0 when it cannot be read).
+pub fn raise_nofile() -> u64 {
+    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: `rl` is a valid rlimit to write into.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } != 0 {
+        return 0;
+    }
+    let want: libc::rlim_t = 65_536;
+    if rl.rlim_max < want {
+        let up = libc::rlimit { rlim_cur: want, rlim_max: want };
+        // SAFETY: `up` is a valid rlimit; raising the hard limit needs CAP_SYS_RESOURCE and
+        // simply fails without it.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &up) } == 0 {
+            return want;
+        }
+    }
+    rl.rlim_cur = rl.rlim_max;
+    // SAFETY: `rl` is a valid rlimit within the hard limit.
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &rl) };
+    rl.rlim_cur
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    /// Connects and sends nothing.
+    Idle,
+    /// Sends one byte at a time.
+    Trickle,
+    /// Announces a 65,535-byte frame and sends most of it.
+    BigFrame,
+    /// Announces a frame just under the hello limit and never finishes it.
+    SmallFrame,
+}
+
+/// What one flood did.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FloodCount {
+    /// Connections opened.
+    pub connects: u64,
+    /// Connections the arbiter closed.
+    pub closed: u64,
+}
+
+/// Keeps `n` unauthenticated connections of mixed kinds open against `socket` for `secs`,
+/// reconnecting whatever the arbiter closes, at most `per_round` new connections every 10 ms
+/// (paced, so a flood does not starve a small machine of the CPU the rest of the run needs).
+pub fn flood(socket: &Path, n: usize, secs: f64, per_round: usize) -> FloodCount {
+    raise_nofile();
+    let kinds = [Kind::Idle, Kind::Trickle, Kind::BigFrame, Kind::SmallFrame];
+    let mut conns: Vec<(Kind, Option<UnixStream>)> =
+        (0..n).map(|i| (kinds[i % kinds.len()], None)).collect();
+    let mut big = 65_535u32.to_le_bytes().to_vec();
+    big.resize(4 + 65_000, 0xab);
+    let mut small = 500u32.to_le_bytes().to_vec();
+    small.resize(4 + 400, 0xcd);
+    let mut count = FloodCount::default();
+    let deadline = Instant::now() + Duration::from_secs_f64(secs);
+    let mut buf = [0u8; 256];
+    while Instant::now() < deadline {
+        let mut budget = per_round;
+        for (kind, slot) in conns.iter_mut() {
+            match slot {
+                None if budget > 0 => {
+                    budget -= 1;
+                    let Ok(mut s) = UnixStream::connect(socket) else {
+                        continue;
+                    };
+                    count.connects += 1;
+                    s.set_nonblocking(true).expect("non-blocking flood socket");
+                    let first: &[u8] = match kind {
+                        Kind::Idle => &[],
+                        // A 511-byte frame, whose payload then comes one byte per round.
+                        Kind::Trickle => &[0xff, 0x01, 0, 0],
+                        Kind::BigFrame => &big,
+                        Kind::SmallFrame => &small,
+                    };
+                    let _ = s.write(first);
+                    *slot = Some(s);
+                }
+                None => {}
+                Some(s) => {
+                    let gone = match s.read(&mut buf) {
+                        Ok(0) => true,
+                        Ok(_) => false,
+                        Err(e) => e.kind() != ErrorKind::WouldBlock,
+                    };
+                    let gone = gone
+                        || (*kind == Kind::Trickle
+                            && matches!(s.write(&[0]), Err(e) if e.kind() != ErrorKind::WouldBlock));
+                    if gone {
+                        count.closed += 1;
+                        *slot = None;
+                    }
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    count
+}
