@@ -20,7 +20,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 pub use tessera_protocol::identity::CONTAINER_IDENTITY_FILE;
-use tessera_protocol::identity::{Identity, MAX_IDENTITY_LEN};
+use tessera_protocol::identity::Identity;
 
 /// The process's settings, read once.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,23 +37,23 @@ pub struct Config {
 }
 
 impl Config {
-    /// Builds the configuration from the identity file's content (`None`: no such file;
-    /// `Some(Err)`: it exists but could not be read) and a variable lookup.
+    /// Builds the configuration from the identity file (`None`: no such file; `Some(Err)`: it
+    /// exists but could not be read or parsed) and a variable lookup.
     pub fn from_sources(
-        identity: Option<Result<String, String>>,
+        identity: Option<Result<Identity, String>>,
         get: impl Fn(&str) -> Option<OsString>,
     ) -> Self {
         let non_empty = |k: &str| get(k).filter(|v| !v.is_empty());
         let real_libcuda =
             non_empty("TESSERA_REAL_LIBCUDA").and_then(|v| CString::new(v.into_vec()).ok());
-        match identity.map(|r| r.and_then(|t| Identity::parse(&t).map_err(|e| e.to_string()))) {
+        match identity {
             Some(Ok(id)) => Self { token: Some(id.token), socket: id.socket, real_libcuda, identity_error: None },
             Some(Err(e)) => Self {
                 // Enforcing, with nothing to connect with: closed.
                 token: Some(String::new()),
                 socket: None,
                 real_libcuda,
-                identity_error: Some(format!("{CONTAINER_IDENTITY_FILE}: {e}")),
+                identity_error: Some(e),
             },
             None => {
                 let token = non_empty("TESSERA_TOKEN").map(|v| v.to_string_lossy().trim().to_owned());
@@ -81,29 +81,14 @@ impl Config {
     }
 }
 
-/// Reads the identity file: `None` when there is none.
-fn read_identity_file() -> Option<Result<String, String>> {
-    use std::io::Read;
-    match std::fs::File::open(CONTAINER_IDENTITY_FILE) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => Some(Err(e.to_string())),
-        Ok(f) => {
-            let mut text = String::new();
-            Some(
-                f.take(MAX_IDENTITY_LEN as u64 + 1)
-                    .read_to_string(&mut text)
-                    .map(|_| text)
-                    .map_err(|e| e.to_string()),
-            )
-        }
-    }
-}
-
 static CONFIG: OnceLock<Config> = OnceLock::new();
 
 /// The process configuration (read on first use).
 pub fn get() -> &'static Config {
-    CONFIG.get_or_init(|| Config::from_sources(read_identity_file(), |k| std::env::var_os(k)))
+    CONFIG.get_or_init(|| {
+        let identity = Identity::read(std::path::Path::new(CONTAINER_IDENTITY_FILE));
+        Config::from_sources(identity, |k| std::env::var_os(k))
+    })
 }
 
 #[cfg(test)]
@@ -155,7 +140,7 @@ mod tests {
 
     #[test]
     fn the_identity_file_wins_over_the_environment() {
-        let file = "token=from-file\nsocket=/run/tessera/tessera.sock\n".to_owned();
+        let file = Identity::parse("token=from-file\nsocket=/run/tessera/tessera.sock\n").unwrap();
         // The tenant unset its token and pointed the socket at a fake arbiter.
         let c = Config::from_sources(Some(Ok(file.clone())), env(&[("TESSERA_SOCKET", "/tmp/fake.sock")]));
         assert_eq!(c.token.as_deref(), Some("from-file"));
@@ -165,15 +150,31 @@ mod tests {
         assert_eq!(c.token.as_deref(), Some("from-file"));
     }
 
+    /// A file whose read fails, as an unreadable identity file's does.
+    struct BrokenRead;
+
+    impl std::io::Read for BrokenRead {
+        fn read(&mut self, _: &mut [u8]) -> std::io::Result<usize> {
+            Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, "permission denied"))
+        }
+    }
+
     #[test]
     fn an_identity_file_that_cannot_be_used_closes_the_process() {
-        for bad in [Err("permission denied".to_owned()), Ok(String::new()), Ok("token=x\nlimit=9\n".into())] {
-            let c = Config::from_sources(Some(bad.clone()), env(&[("TESSERA_TOKEN", "t"), ("TESSERA_SOCKET", "/s")]));
-            assert!(c.enforcing() && c.closed(), "{bad:?}: {c:?}");
+        let path = std::path::Path::new(CONTAINER_IDENTITY_FILE);
+        let unreadable = Identity::read_from(BrokenRead).map_err(|e| format!("{}: {e}", path.display()));
+        for (what, text) in [("empty", ""), ("unknown key", "token=x\nlimit=9\n")] {
+            let bad = Identity::read_from(text.as_bytes()).map_err(|e| format!("{}: {e}", path.display()));
+            assert!(bad.is_err(), "{what}");
+            let c = Config::from_sources(Some(bad), env(&[("TESSERA_TOKEN", "t"), ("TESSERA_SOCKET", "/s")]));
+            assert!(c.enforcing() && c.closed(), "{what}: {c:?}");
             assert!(c.identity_error.as_deref().unwrap().starts_with(CONTAINER_IDENTITY_FILE));
         }
+        let c = Config::from_sources(Some(unreadable), env(&[("TESSERA_TOKEN", "t"), ("TESSERA_SOCKET", "/s")]));
+        assert!(c.enforcing() && c.closed(), "unreadable: {c:?}");
+        assert!(c.identity_error.as_deref().unwrap().contains("permission denied"));
         // A file without a socket line cannot reach the arbiter either.
-        let c = Config::from_sources(Some(Ok("token=t\n".into())), env(&[("TESSERA_SOCKET", "/s")]));
+        let c = Config::from_sources(Some(Identity::parse("token=t\n").map_err(|e| e.to_string())), env(&[("TESSERA_SOCKET", "/s")]));
         assert!(c.closed());
     }
 }

@@ -37,7 +37,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tessera_protocol::identity::{CONTAINER_IDENTITY_FILE, Identity, MAX_IDENTITY_LEN};
+use tessera_protocol::identity::{CONTAINER_IDENTITY_FILE, Identity};
 
 use crate::state::Arbiter;
 
@@ -482,10 +482,7 @@ pub fn read_identity(pid: i32) -> Option<Identity> {
     if !file.metadata().ok()?.is_file() {
         return None;
     }
-    let mut text = String::new();
-    use std::io::Read;
-    file.take(MAX_IDENTITY_LEN as u64 + 1).read_to_string(&mut text).ok()?;
-    Identity::parse(&text).ok()
+    Identity::read_from(file).ok()
 }
 
 /// Counters of the backstop, for the log and tests.

@@ -238,19 +238,6 @@ pub fn render(r: &Report) -> String {
     out
 }
 
-/// The identity file: `None` when absent, `Some(Err)` when present but unusable.
-fn read_identity(path: &Path) -> Option<Result<Identity, String>> {
-    if !path.exists() {
-        return None;
-    }
-    Some(
-        std::fs::read_to_string(path)
-            .map_err(|e| e.to_string())
-            .and_then(|t| Identity::parse(&t).map_err(|e| e.to_string()))
-            .map_err(|e| format!("{}: {e}", path.display())),
-    )
-}
-
 /// Entries of a preload list (`/etc/ld.so.preload` or `LD_PRELOAD`): separated by spaces,
 /// tabs, newlines or ':'; `#` starts a comment in the file.
 fn preload_entries(text: &str) -> Vec<PathBuf> {
@@ -278,7 +265,7 @@ fn run_checks(args: &DoctorArgs) -> Vec<Check> {
         .map(preload_entries)
         .unwrap_or_default();
     let preloaded_interposer = interposer_among(&preloaded);
-    let identity = read_identity(&args.identity_file);
+    let identity = Identity::read(&args.identity_file);
     let in_container = identity.is_some() || preloaded_interposer.is_some();
 
     // 1. Driver and NVML.

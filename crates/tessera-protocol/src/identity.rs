@@ -75,6 +75,29 @@ impl Identity {
         Ok(Self { token, socket, allocation })
     }
 
+    /// Reads and parses an identity file from `file`, reading at most one byte more than
+    /// [`MAX_IDENTITY_LEN`] (a larger file is refused by [`Identity::parse`] without being read
+    /// whole). Errors are said in words, for logs and checklists.
+    pub fn read_from(file: impl std::io::Read) -> Result<Self, String> {
+        use std::io::Read;
+        let mut text = String::new();
+        file.take(MAX_IDENTITY_LEN as u64 + 1)
+            .read_to_string(&mut text)
+            .map_err(|e| e.to_string())?;
+        Self::parse(&text).map_err(|e| e.to_string())
+    }
+
+    /// Reads the identity file at `path`: `None` when there is none, `Some(Err)` when it exists
+    /// but cannot be opened, read or parsed (the error names the path).
+    pub fn read(path: &std::path::Path) -> Option<Result<Self, String>> {
+        let named = |e: String| format!("{}: {e}", path.display());
+        match std::fs::File::open(path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => Some(Err(named(e.to_string()))),
+            Ok(f) => Some(Self::read_from(f).map_err(named)),
+        }
+    }
+
     /// The file's text.
     pub fn render(&self) -> String {
         let mut out = format!("token={}\n", self.token);
@@ -108,6 +131,22 @@ mod tests {
     fn comments_blank_lines_and_spaces_are_fine() {
         let id = Identity::parse("# made by tessera-device-plugin\n\n token = xyz \n").unwrap();
         assert_eq!(id.token, "xyz");
+    }
+
+    #[test]
+    fn read_tells_absent_from_unusable() {
+        let dir = std::env::temp_dir().join(format!("tessera-identity-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tenant");
+        assert_eq!(Identity::read(&path), None, "absent");
+        std::fs::write(&path, "token=abc\n").unwrap();
+        assert_eq!(Identity::read(&path).unwrap().unwrap().token, "abc");
+        std::fs::write(&path, "token\n").unwrap();
+        let err = Identity::read(&path).unwrap().unwrap_err();
+        assert!(err.starts_with(&path.display().to_string()) && err.contains("line 1"), "{err}");
+        std::fs::write(&path, "#".repeat(MAX_IDENTITY_LEN * 3)).unwrap();
+        assert!(Identity::read(&path).unwrap().unwrap_err().contains("longer than"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
