@@ -31,8 +31,8 @@ use std::os::unix::net::UnixStream;
 use std::process::{Child, Command, Stdio};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use tessera_protocol::{TenantReply, TenantRequest};
 use interposer_bed::{AllocFn, Bed, Echo, FreeFn, interleaved_medians, write_summary};
+use tessera_protocol::{TenantReply, TenantRequest};
 
 const SIZE: usize = 1 << 20;
 
@@ -119,7 +119,10 @@ impl ProcEcho {
         let (client, server) = UnixStream::pair().unwrap();
         let fd = server.as_raw_fd();
         let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.arg("--bench").env(ECHO_CHILD, "1").stdin(Stdio::null()).stdout(Stdio::null());
+        cmd.arg("--bench")
+            .env(ECHO_CHILD, "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
         if batch {
             cmd.env(ECHO_BATCH, "1");
         }
@@ -147,7 +150,10 @@ impl ProcEcho {
         if std::env::var_os(ECHO_BATCH).is_some() {
             let param = libc::sched_param { sched_priority: 0 };
             // SAFETY: a valid sched_param; pid 0 is this (single-threaded) process.
-            assert_eq!(unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) }, 0);
+            assert_eq!(
+                unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) },
+                0
+            );
         }
         let mut buf = [0u8; 16];
         while s.read_exact(&mut buf).is_ok() {
@@ -179,8 +185,14 @@ fn bench(c: &mut Criterion) {
     }
     // One CPU for everything (see `Bed::start`): the comparison with the echo stays fair.
     let bed = Bed::start(64 << 30, 50, None, Some(0));
-    let (raw_alloc, raw_free) = (bed.raw::<AllocFn>("cuMemAlloc_v2"), bed.raw::<FreeFn>("cuMemFree_v2"));
-    let (hook_alloc, hook_free) = (bed.hooked::<AllocFn>("cuMemAlloc_v2"), bed.hooked::<FreeFn>("cuMemFree_v2"));
+    let (raw_alloc, raw_free) = (
+        bed.raw::<AllocFn>("cuMemAlloc_v2"),
+        bed.raw::<FreeFn>("cuMemFree_v2"),
+    );
+    let (hook_alloc, hook_free) = (
+        bed.hooked::<AllocFn>("cuMemAlloc_v2"),
+        bed.hooked::<FreeFn>("cuMemFree_v2"),
+    );
     let hook_info = bed.hooked::<MemInfoFn>("cuMemGetInfo_v2");
     // First intercepted call connects to the arbiter.
     pair(hook_alloc, hook_free);
@@ -193,11 +205,24 @@ fn bench(c: &mut Criterion) {
     // The protocol's own cost of one pair as the interposer speaks it: the free's Release rides
     // in the same write as the next Reserve, then one reply is read.
     let mut proto = bed.tenant_client();
-    let mut frames = tessera_protocol::frame::encode(&TenantRequest::Release { bytes: SIZE as u64 }).unwrap();
-    frames.extend(tessera_protocol::frame::encode(&TenantRequest::Reserve { bytes: SIZE as u64 }).unwrap());
-    assert!(matches!(proto.call(&TenantRequest::Reserve { bytes: SIZE as u64 }).unwrap(), TenantReply::Reserved { .. }));
+    let mut frames =
+        tessera_protocol::frame::encode(&TenantRequest::Release { bytes: SIZE as u64 }).unwrap();
+    frames.extend(
+        tessera_protocol::frame::encode(&TenantRequest::Reserve { bytes: SIZE as u64 }).unwrap(),
+    );
+    assert!(matches!(
+        proto
+            .call(&TenantRequest::Reserve { bytes: SIZE as u64 })
+            .unwrap(),
+        TenantReply::Reserved { .. }
+    ));
     let mut proto2 = bed.tenant_client();
-    assert!(matches!(proto2.call(&TenantRequest::Reserve { bytes: SIZE as u64 }).unwrap(), TenantReply::Reserved { .. }));
+    assert!(matches!(
+        proto2
+            .call(&TenantRequest::Reserve { bytes: SIZE as u64 })
+            .unwrap(),
+        TenantReply::Reserved { .. }
+    ));
 
     if let Ok(what) = std::env::var(PROFILE) {
         // Profiling mode: one pattern in a loop and nothing else, so that `perf stat` (which
@@ -207,7 +232,9 @@ fn bench(c: &mut Criterion) {
         let mut f: Box<dyn FnMut()> = match what.as_str() {
             "echo" => Box::new(|| pecho.round_trip()),
             "batch-echo" => Box::new(|| becho.round_trip()),
-            "ping" => Box::new(|| assert_eq!(ping.call(&TenantRequest::Ping).unwrap(), TenantReply::Pong)),
+            "ping" => {
+                Box::new(|| assert_eq!(ping.call(&TenantRequest::Ping).unwrap(), TenantReply::Pong))
+            }
             "pair" => Box::new(|| pair(hook_alloc, hook_free)),
             "cold" => Box::new(|| cold_pair(hook_alloc, hook_free, &mut sizes)),
             "miss" => {
@@ -215,13 +242,18 @@ fn bench(c: &mut Criterion) {
                 Box::new(move || miss_pair(hook_alloc, hook_free, Some(hook_info), &mut leaps))
             }
             "direct" => Box::new(|| cold_pair(raw_alloc, raw_free, &mut sizes)),
-            other => panic!("{PROFILE}={other}: expected echo, batch-echo, ping, pair, cold, miss or direct"),
+            other => panic!(
+                "{PROFILE}={other}: expected echo, batch-echo, ping, pair, cold, miss or direct"
+            ),
         };
         let t = std::time::Instant::now();
         for _ in 0..n {
             f();
         }
-        println!("{what}: {:.2} us per iteration over {n}", t.elapsed().as_nanos() as f64 / f64::from(n) / 1e3);
+        println!(
+            "{what}: {:.2} us per iteration over {n}",
+            t.elapsed().as_nanos() as f64 / f64::from(n) / 1e3
+        );
         // Return (not exit): dropping the bed stops the arbiter, which would otherwise outlive
         // us holding every inherited descriptor (a `flock` on the benchmark lock included).
         return;
@@ -229,15 +261,29 @@ fn bench(c: &mut Criterion) {
 
     let mut g = c.benchmark_group("alloc_overhead");
     g.bench_function("unix_socket_round_trip", |b| b.iter(|| echo.round_trip()));
-    g.bench_function("unix_socket_round_trip_process", |b| b.iter(|| pecho.round_trip()));
-    g.bench_function("unix_socket_round_trip_process_batch", |b| b.iter(|| becho.round_trip()));
-    g.bench_function("direct_alloc_free", |b| b.iter(|| pair(raw_alloc, raw_free)));
-    g.bench_function("intercepted_alloc_free", |b| b.iter(|| pair(hook_alloc, hook_free)));
+    g.bench_function("unix_socket_round_trip_process", |b| {
+        b.iter(|| pecho.round_trip())
+    });
+    g.bench_function("unix_socket_round_trip_process_batch", |b| {
+        b.iter(|| becho.round_trip())
+    });
+    g.bench_function("direct_alloc_free", |b| {
+        b.iter(|| pair(raw_alloc, raw_free))
+    });
+    g.bench_function("intercepted_alloc_free", |b| {
+        b.iter(|| pair(hook_alloc, hook_free))
+    });
     let mut sizes = Growing(0);
-    g.bench_function("direct_alloc_free_cold", |b| b.iter(|| cold_pair(raw_alloc, raw_free, &mut sizes)));
-    g.bench_function("intercepted_alloc_free_cold", |b| b.iter(|| cold_pair(hook_alloc, hook_free, &mut sizes)));
+    g.bench_function("direct_alloc_free_cold", |b| {
+        b.iter(|| cold_pair(raw_alloc, raw_free, &mut sizes))
+    });
+    g.bench_function("intercepted_alloc_free_cold", |b| {
+        b.iter(|| cold_pair(hook_alloc, hook_free, &mut sizes))
+    });
     let mut leaps = Leaping(0);
-    g.bench_function("direct_alloc_free_miss", |b| b.iter(|| miss_pair(raw_alloc, raw_free, None, &mut leaps)));
+    g.bench_function("direct_alloc_free_miss", |b| {
+        b.iter(|| miss_pair(raw_alloc, raw_free, None, &mut leaps))
+    });
     let mut leaps = Leaping(0);
     g.bench_function("intercepted_alloc_free_miss", |b| {
         b.iter(|| miss_pair(hook_alloc, hook_free, Some(hook_info), &mut leaps))
@@ -282,8 +328,18 @@ fn bench(c: &mut Criterion) {
             &mut || miss_pair(hook_alloc, hook_free, Some(hook_info), &mut hooked_leaps),
         ],
     );
-    let (rtt, direct, hooked, prtt, arbiter_rtt, proto_rtt, proto_direct, direct_cold, hooked_cold, brtt) =
-        (m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7], m[8], m[9]);
+    let (
+        rtt,
+        direct,
+        hooked,
+        prtt,
+        arbiter_rtt,
+        proto_rtt,
+        proto_direct,
+        direct_cold,
+        hooked_cold,
+        brtt,
+    ) = (m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7], m[8], m[9]);
     let (direct_miss, hooked_miss) = (m[10], m[11]);
     let added = hooked - direct;
     let added_cold = hooked_cold - direct_cold;

@@ -41,15 +41,29 @@ impl Kernel {
         type Load = unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> CUresult;
         type GetFn = unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *const i8) -> CUresult;
         type StreamCreate = unsafe extern "C" fn(*mut *mut c_void, u32) -> CUresult;
-        let (mut m, mut f, mut s) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
+        let (mut m, mut f, mut s) = (
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        );
         // SAFETY: the simulated driver's entry points with their C signatures and a current
         // context; the PTX text is NUL-terminated.
         unsafe {
-            assert_eq!(bed.raw::<Load>("cuModuleLoadData")(&mut m, PTX.as_ptr().cast()), 0);
-            assert_eq!(bed.raw::<GetFn>("cuModuleGetFunction")(&mut f, m, c"spin".as_ptr()), 0);
+            assert_eq!(
+                bed.raw::<Load>("cuModuleLoadData")(&mut m, PTX.as_ptr().cast()),
+                0
+            );
+            assert_eq!(
+                bed.raw::<GetFn>("cuModuleGetFunction")(&mut f, m, c"spin".as_ptr()),
+                0
+            );
             assert_eq!(bed.raw::<StreamCreate>("cuStreamCreate")(&mut s, 0), 0);
         }
-        Self { f, stream: s, sync: bed.raw::<StreamSync>("cuStreamSynchronize") }
+        Self {
+            f,
+            stream: s,
+            sync: bed.raw::<StreamSync>("cuStreamSynchronize"),
+        }
     }
 
     /// One launch of a kernel that takes no engine time.
@@ -58,7 +72,21 @@ impl Kernel {
         let mut ns: u64 = 0;
         let mut params = [(&raw mut ns).cast::<c_void>()];
         // SAFETY: a valid function, stream and parameter array for the simulated driver.
-        let r = unsafe { l(self.f, 1, 1, 1, 32, 1, 1, 0, self.stream, params.as_mut_ptr(), std::ptr::null_mut()) };
+        let r = unsafe {
+            l(
+                self.f,
+                1,
+                1,
+                1,
+                32,
+                1,
+                1,
+                0,
+                self.stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
         assert_eq!(r, 0);
     }
 

@@ -13,29 +13,42 @@ use interposer_bed::{interleaved_medians, profile_dir, write_summary};
 
 fn spawn(preload: Option<&std::path::Path>, token: bool) {
     let mut cmd = Command::new("/bin/true");
-    cmd.env_clear().env("PATH", "/usr/bin:/bin").stdin(Stdio::null());
+    cmd.env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .stdin(Stdio::null());
     if let Some(p) = preload {
         cmd.env("LD_PRELOAD", p);
     }
     if token {
-        cmd.env("TESSERA_TOKEN", "0123456789abcdef").env("TESSERA_SOCKET", "/nonexistent/tessera.sock");
+        cmd.env("TESSERA_TOKEN", "0123456789abcdef")
+            .env("TESSERA_SOCKET", "/nonexistent/tessera.sock");
     }
     assert!(cmd.status().unwrap().success());
 }
 
 fn bench(c: &mut Criterion) {
     let lib = profile_dir().join("libtessera_interpose.so");
-    assert!(lib.exists(), "{} missing: cargo build --release -p tessera-interpose", lib.display());
+    assert!(
+        lib.exists(),
+        "{} missing: cargo build --release -p tessera-interpose",
+        lib.display()
+    );
     let mut g = c.benchmark_group("startup");
     g.bench_function("true", |b| b.iter(|| spawn(None, false)));
     g.bench_function("true_preloaded", |b| b.iter(|| spawn(Some(&lib), false)));
-    g.bench_function("true_preloaded_with_token", |b| b.iter(|| spawn(Some(&lib), true)));
+    g.bench_function("true_preloaded_with_token", |b| {
+        b.iter(|| spawn(Some(&lib), true))
+    });
     g.finish();
 
     let m = interleaved_medians(
         100,
         10,
-        &mut [&mut || spawn(None, false), &mut || spawn(Some(&lib), false), &mut || spawn(Some(&lib), true)],
+        &mut [
+            &mut || spawn(None, false),
+            &mut || spawn(Some(&lib), false),
+            &mut || spawn(Some(&lib), true),
+        ],
     );
     let summary = format!(
         "startup medians: /bin/true {:.3} ms, preloaded {:.3} ms (+{:.3} ms), preloaded with a token {:.3} ms (+{:.3} ms)\n",

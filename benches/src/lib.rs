@@ -128,7 +128,15 @@ impl SimNode {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        Self { dir, sim_dir, lib_dir, socket, admin_socket, gpus: gpus.to_owned(), arbiter }
+        Self {
+            dir,
+            sim_dir,
+            lib_dir,
+            socket,
+            admin_socket,
+            gpus: gpus.to_owned(),
+            arbiter,
+        }
     }
 
     /// `program` with the node's simulated GPUs and sockets in its environment (and no
@@ -184,7 +192,13 @@ pub fn exit_with_parent(cmd: &mut Command) {
     // signal is tied to the thread that forks, so callers start children from their main thread.
     unsafe {
         cmd.pre_exec(|| {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0);
+            libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGTERM as libc::c_ulong,
+                0,
+                0,
+                0,
+            );
             Ok(())
         });
     }

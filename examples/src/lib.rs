@@ -47,13 +47,17 @@ impl Driver {
     pub fn load() -> Result<Self, String> {
         // SAFETY: loading the driver library runs its initialisers, which is what any CUDA
         // program does; nothing of ours is borrowed across it.
-        let lib = unsafe { libloading::Library::new("libcuda.so.1") }
-            .map_err(|e| format!("libcuda.so.1 not found ({e}): run me under `tessera sim -- ...`"))?;
+        let lib = unsafe { libloading::Library::new("libcuda.so.1") }.map_err(|e| {
+            format!("libcuda.so.1 not found ({e}): run me under `tessera sim -- ...`")
+        })?;
         // SAFETY: cuGetProcAddress_v2 has the GetProc signature in every driver since 12.0.
         let get_proc = unsafe { lib.get::<GetProc>(b"cuGetProcAddress_v2\0") }
             .map(|s| *s)
             .map_err(|e| format!("cuGetProcAddress_v2 missing: {e}"))?;
-        Ok(Self { _lib: lib, get_proc })
+        Ok(Self {
+            _lib: lib,
+            get_proc,
+        })
     }
 
     /// Resolves `name` at ABI `version` and casts it to the function type `F`.
@@ -61,11 +65,19 @@ impl Driver {
     /// # Safety
     /// `F` must be the C function pointer type of `name` at `version`.
     pub unsafe fn sym<F: Copy>(&self, name: &CStr, version: i32) -> F {
-        assert_eq!(size_of::<F>(), size_of::<*mut c_void>(), "F must be a function pointer");
+        assert_eq!(
+            size_of::<F>(),
+            size_of::<*mut c_void>(),
+            "F must be a function pointer"
+        );
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: a valid NUL-terminated name and out-pointer; a null status is allowed.
-        let rc = unsafe { (self.get_proc)(name.as_ptr(), &mut p, version, 0, std::ptr::null_mut()) };
-        assert!(rc == 0 && !p.is_null(), "cannot resolve {name:?}: CUresult {rc}");
+        let rc =
+            unsafe { (self.get_proc)(name.as_ptr(), &mut p, version, 0, std::ptr::null_mut()) };
+        assert!(
+            rc == 0 && !p.is_null(),
+            "cannot resolve {name:?}: CUresult {rc}"
+        );
         // SAFETY: F is a function pointer of the same size (asserted) and, by the caller's
         // contract, of the right signature.
         unsafe { std::mem::transmute_copy(&p) }

@@ -47,7 +47,12 @@ impl Config {
         let real_libcuda =
             non_empty("TESSERA_REAL_LIBCUDA").and_then(|v| CString::new(v.into_vec()).ok());
         match identity {
-            Some(Ok(id)) => Self { token: Some(id.token), socket: id.socket, real_libcuda, identity_error: None },
+            Some(Ok(id)) => Self {
+                token: Some(id.token),
+                socket: id.socket,
+                real_libcuda,
+                identity_error: None,
+            },
             Some(Err(e)) => Self {
                 // Enforcing, with nothing to connect with: closed.
                 token: Some(String::new()),
@@ -56,10 +61,16 @@ impl Config {
                 identity_error: Some(e),
             },
             None => {
-                let token = non_empty("TESSERA_TOKEN").map(|v| v.to_string_lossy().trim().to_owned());
+                let token =
+                    non_empty("TESSERA_TOKEN").map(|v| v.to_string_lossy().trim().to_owned());
                 let token = token.filter(|t| !t.is_empty());
                 let socket = non_empty("TESSERA_SOCKET").map(PathBuf::from);
-                Self { token, socket, real_libcuda, identity_error: None }
+                Self {
+                    token,
+                    socket,
+                    real_libcuda,
+                    identity_error: None,
+                }
             }
         }
     }
@@ -97,8 +108,10 @@ mod tests {
     use std::collections::HashMap;
 
     fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<OsString> {
-        let m: HashMap<String, OsString> =
-            pairs.iter().map(|(k, v)| (k.to_string(), OsString::from(v))).collect();
+        let m: HashMap<String, OsString> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), OsString::from(v)))
+            .collect();
         move |k| m.get(k).cloned()
     }
 
@@ -135,14 +148,20 @@ mod tests {
         assert_eq!(c.token.as_deref(), Some("abc"));
         assert_eq!(c.socket, Some(PathBuf::from("/run/t.sock")));
         assert!(!c.closed());
-        assert_eq!(c.real_libcuda.as_deref().map(|s| s.to_bytes()), Some(&b"/opt/libcuda.so.1"[..]));
+        assert_eq!(
+            c.real_libcuda.as_deref().map(|s| s.to_bytes()),
+            Some(&b"/opt/libcuda.so.1"[..])
+        );
     }
 
     #[test]
     fn the_identity_file_wins_over_the_environment() {
         let file = Identity::parse("token=from-file\nsocket=/run/tessera/tessera.sock\n").unwrap();
         // The tenant unset its token and pointed the socket at a fake arbiter.
-        let c = Config::from_sources(Some(Ok(file.clone())), env(&[("TESSERA_SOCKET", "/tmp/fake.sock")]));
+        let c = Config::from_sources(
+            Some(Ok(file.clone())),
+            env(&[("TESSERA_SOCKET", "/tmp/fake.sock")]),
+        );
         assert_eq!(c.token.as_deref(), Some("from-file"));
         assert_eq!(c.socket, Some(PathBuf::from("/run/tessera/tessera.sock")));
         assert!(!c.closed());
@@ -155,26 +174,50 @@ mod tests {
 
     impl std::io::Read for BrokenRead {
         fn read(&mut self, _: &mut [u8]) -> std::io::Result<usize> {
-            Err(std::io::Error::new(std::io::ErrorKind::PermissionDenied, "permission denied"))
+            Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                "permission denied",
+            ))
         }
     }
 
     #[test]
     fn an_identity_file_that_cannot_be_used_closes_the_process() {
         let path = std::path::Path::new(CONTAINER_IDENTITY_FILE);
-        let unreadable = Identity::read_from(BrokenRead).map_err(|e| format!("{}: {e}", path.display()));
+        let unreadable =
+            Identity::read_from(BrokenRead).map_err(|e| format!("{}: {e}", path.display()));
         for (what, text) in [("empty", ""), ("unknown key", "token=x\nlimit=9\n")] {
-            let bad = Identity::read_from(text.as_bytes()).map_err(|e| format!("{}: {e}", path.display()));
+            let bad = Identity::read_from(text.as_bytes())
+                .map_err(|e| format!("{}: {e}", path.display()));
             assert!(bad.is_err(), "{what}");
-            let c = Config::from_sources(Some(bad), env(&[("TESSERA_TOKEN", "t"), ("TESSERA_SOCKET", "/s")]));
+            let c = Config::from_sources(
+                Some(bad),
+                env(&[("TESSERA_TOKEN", "t"), ("TESSERA_SOCKET", "/s")]),
+            );
             assert!(c.enforcing() && c.closed(), "{what}: {c:?}");
-            assert!(c.identity_error.as_deref().unwrap().starts_with(CONTAINER_IDENTITY_FILE));
+            assert!(
+                c.identity_error
+                    .as_deref()
+                    .unwrap()
+                    .starts_with(CONTAINER_IDENTITY_FILE)
+            );
         }
-        let c = Config::from_sources(Some(unreadable), env(&[("TESSERA_TOKEN", "t"), ("TESSERA_SOCKET", "/s")]));
+        let c = Config::from_sources(
+            Some(unreadable),
+            env(&[("TESSERA_TOKEN", "t"), ("TESSERA_SOCKET", "/s")]),
+        );
         assert!(c.enforcing() && c.closed(), "unreadable: {c:?}");
-        assert!(c.identity_error.as_deref().unwrap().contains("permission denied"));
+        assert!(
+            c.identity_error
+                .as_deref()
+                .unwrap()
+                .contains("permission denied")
+        );
         // A file without a socket line cannot reach the arbiter either.
-        let c = Config::from_sources(Some(Identity::parse("token=t\n").map_err(|e| e.to_string())), env(&[("TESSERA_SOCKET", "/s")]));
+        let c = Config::from_sources(
+            Some(Identity::parse("token=t\n").map_err(|e| e.to_string())),
+            env(&[("TESSERA_SOCKET", "/s")]),
+        );
         assert!(c.closed());
     }
 }

@@ -66,22 +66,33 @@ impl Conn {
         timeout: Option<Duration>,
     ) -> Result<(Self, AllocationView), ConnError> {
         let _no_cancel = NoCancel::new();
-        let stream = UnixStream::connect(path)
-            .map_err(|source| ConnError::Connect { path: path.display().to_string(), source })?;
+        let stream = UnixStream::connect(path).map_err(|source| ConnError::Connect {
+            path: path.display().to_string(),
+            source,
+        })?;
         // The handshake is always bounded, whatever the caller wants later.
         let hs = Some(timeout.unwrap_or(Duration::from_secs(5)));
         stream.set_read_timeout(hs)?;
         stream.set_write_timeout(hs)?;
-        let mut conn = Self { stream, rbuf: vec![0; 1024], rlen: 0 };
-        conn.send_blocking(&Hello::new(Role::Tenant { token: token.to_owned() }))?;
+        let mut conn = Self {
+            stream,
+            rbuf: vec![0; 1024],
+            rlen: 0,
+        };
+        conn.send_blocking(&Hello::new(Role::Tenant {
+            token: token.to_owned(),
+        }))?;
         let hello: ServerHello = conn.recv()?;
         conn.stream.set_read_timeout(timeout)?;
         conn.stream.set_write_timeout(timeout)?;
         match hello {
-            ServerHello::Welcome { allocation: Some(a), .. } => Ok((conn, a)),
-            ServerHello::Welcome { allocation: None, .. } => {
-                Err(ConnError::Frame("welcome without allocation".into()))
-            }
+            ServerHello::Welcome {
+                allocation: Some(a),
+                ..
+            } => Ok((conn, a)),
+            ServerHello::Welcome {
+                allocation: None, ..
+            } => Err(ConnError::Frame("welcome without allocation".into())),
             ServerHello::Refused { reason } => Err(ConnError::Refused(reason)),
         }
     }
@@ -99,7 +110,11 @@ impl Conn {
     /// Sends `Release { release }` (when non-zero) and `req` in one `send`, then waits for the
     /// reply to `req`: a free's release rides along with the next request instead of waking
     /// the arbiter on its own.
-    pub fn call_after_release(&mut self, release: u64, req: &TenantRequest) -> Result<TenantReply, ConnError> {
+    pub fn call_after_release(
+        &mut self,
+        release: u64,
+        req: &TenantRequest,
+    ) -> Result<TenantReply, ConnError> {
         let _no_cancel = NoCancel::new();
         let mut buf = [0u8; 2 * SEND_BUF];
         let mut len = 0;
@@ -117,7 +132,12 @@ impl Conn {
         let (buf, len) = encode(req)?;
         // SAFETY: `buf` is valid for `len` bytes and the fd is open for the life of `self`.
         let n = unsafe {
-            libc::send(self.fd(), buf.as_ptr().cast(), len, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
+            libc::send(
+                self.fd(),
+                buf.as_ptr().cast(),
+                len,
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            )
         };
         if n == len as isize {
             return Ok(());
@@ -143,7 +163,8 @@ impl Conn {
     /// True when a whole frame is already buffered (read from the socket, not yet decoded).
     pub fn has_buffered_frame(&self) -> bool {
         self.rlen >= HEADER_LEN && {
-            let len = u32::from_le_bytes(self.rbuf[..HEADER_LEN].try_into().expect("4 bytes")) as usize;
+            let len =
+                u32::from_le_bytes(self.rbuf[..HEADER_LEN].try_into().expect("4 bytes")) as usize;
             self.rlen >= HEADER_LEN + len
         }
     }
@@ -160,7 +181,12 @@ impl Conn {
         while off < len {
             // SAFETY: `buf[off..len]` is valid and the fd is open for the life of `self`.
             let n = unsafe {
-                libc::send(self.fd(), buf[off..].as_ptr().cast(), len - off, libc::MSG_NOSIGNAL)
+                libc::send(
+                    self.fd(),
+                    buf[off..].as_ptr().cast(),
+                    len - off,
+                    libc::MSG_NOSIGNAL,
+                )
             };
             if n < 0 {
                 let e = io::Error::last_os_error();
@@ -198,7 +224,14 @@ impl Conn {
             }
             let room = &mut self.rbuf[self.rlen..];
             // SAFETY: `room` is valid writable memory of its length; the fd is open.
-            let n = unsafe { libc::recv(self.stream.as_raw_fd(), room.as_mut_ptr().cast(), room.len(), 0) };
+            let n = unsafe {
+                libc::recv(
+                    self.stream.as_raw_fd(),
+                    room.as_mut_ptr().cast(),
+                    room.len(),
+                    0,
+                )
+            };
             if n == 0 {
                 return Err(ConnError::Closed);
             }
@@ -267,7 +300,11 @@ mod tests {
         for req in [
             TenantRequest::Reserve { bytes: 600 << 20 },
             TenantRequest::Release { bytes: 1 },
-            TenantRequest::LeaseRelease { lease_id: 9, busy_ns: 12345, early: true },
+            TenantRequest::LeaseRelease {
+                lease_id: 9,
+                busy_ns: 12345,
+                early: true,
+            },
         ] {
             let (buf, len) = encode(&req).unwrap();
             assert_eq!(&buf[..len], &frame::encode(&req).unwrap()[..]);
@@ -276,7 +313,9 @@ mod tests {
 
     #[test]
     fn oversized_messages_are_an_error_not_a_crash() {
-        let hello = Hello::new(Role::Tenant { token: "x".repeat(4000) });
+        let hello = Hello::new(Role::Tenant {
+            token: "x".repeat(4000),
+        });
         assert!(matches!(encode(&hello), Err(ConnError::Frame(_))));
     }
 }

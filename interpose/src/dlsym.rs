@@ -149,14 +149,19 @@ mod tests {
         // SAFETY: RTLD_DEFAULT (null) and a NUL-terminated name.
         let p = unsafe { dlsym_hooked(std::ptr::null_mut(), c"getpid".as_ptr()) };
         // SAFETY: RTLD_DEFAULT is a valid pseudo-handle.
-        assert_eq!(p, unsafe { driver::lookup(std::ptr::null_mut(), c"getpid") });
+        assert_eq!(p, unsafe {
+            driver::lookup(std::ptr::null_mut(), c"getpid")
+        });
         assert!(!p.is_null());
     }
 
     #[test]
     fn hooked_dlsym_answers() {
         let h = HookId::MemGetInfo_v2.hook();
-        assert!(resolve_dlsym(h, std::ptr::null_mut()).is_null(), "absent stays absent");
+        assert!(
+            resolve_dlsym(h, std::ptr::null_mut()).is_null(),
+            "absent stays absent"
+        );
         let w = h.wrapper.0 as *mut c_void;
         assert_eq!(resolve_dlsym(h, w), w, "our own export is returned as is");
         let fake = 0x1234usize as *mut c_void;
@@ -170,11 +175,17 @@ mod tests {
     fn proc_address_maps_variants_and_aliases() {
         let fake_async = 0x5000usize as *mut c_void;
         let got = resolve_proc(b"cuMemAllocAsync", 12000, 2, fake_async);
-        assert_eq!(got, HookId::MemAllocAsync_ptsz.hook().wrapper.0 as *mut c_void);
+        assert_eq!(
+            got,
+            HookId::MemAllocAsync_ptsz.hook().wrapper.0 as *mut c_void
+        );
         let got = resolve_proc(b"cuMemAllocAsync", 12000, 0, 0x5008usize as *mut c_void);
         assert_eq!(got, HookId::MemAllocAsync.hook().wrapper.0 as *mut c_void);
         let gpa = resolve_proc(b"cuGetProcAddress", 13000, 0, 0x6000usize as *mut c_void);
-        assert_eq!(gpa, HookId::GetProcAddress_v2.hook().wrapper.0 as *mut c_void);
+        assert_eq!(
+            gpa,
+            HookId::GetProcAddress_v2.hook().wrapper.0 as *mut c_void
+        );
         // Unhooked names are untouched.
         let other = 0x7000usize as *mut c_void;
         assert_eq!(resolve_proc(b"cuCtxGetDevice", 13000, 0, other), other);

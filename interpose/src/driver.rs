@@ -92,8 +92,14 @@ struct LibState {
     handle: AtomicPtr<c_void>,
 }
 
-static CUDA: LibState = LibState { state: AtomicU8::new(UNLOADED), handle: AtomicPtr::new(std::ptr::null_mut()) };
-static NVML: LibState = LibState { state: AtomicU8::new(UNLOADED), handle: AtomicPtr::new(std::ptr::null_mut()) };
+static CUDA: LibState = LibState {
+    state: AtomicU8::new(UNLOADED),
+    handle: AtomicPtr::new(std::ptr::null_mut()),
+};
+static NVML: LibState = LibState {
+    state: AtomicU8::new(UNLOADED),
+    handle: AtomicPtr::new(std::ptr::null_mut()),
+};
 
 thread_local! {
     static LOADING_HERE: Cell<bool> = const { Cell::new(false) };
@@ -108,7 +114,10 @@ pub fn ensure(lib: Lib) -> *mut c_void {
         Lib::Nvml => &NVML,
     };
     loop {
-        match st.state.compare_exchange(UNLOADED, LOADING, Ordering::AcqRel, Ordering::Acquire) {
+        match st
+            .state
+            .compare_exchange(UNLOADED, LOADING, Ordering::AcqRel, Ordering::Acquire)
+        {
             Ok(_) => {
                 LOADING_HERE.with(|c| c.set(true));
                 let h = load(lib);
@@ -131,7 +140,10 @@ pub fn ensure(lib: Lib) -> *mut c_void {
 fn load(lib: Lib) -> *mut c_void {
     let cfg = crate::config::get();
     let (path, probe): (&CStr, &CStr) = match lib {
-        Lib::Cuda => (cfg.real_libcuda.as_deref().unwrap_or(c"libcuda.so.1"), c"cuInit"),
+        Lib::Cuda => (
+            cfg.real_libcuda.as_deref().unwrap_or(c"libcuda.so.1"),
+            c"cuInit",
+        ),
         Lib::Nvml => (c"libnvidia-ml.so.1", c"nvmlInit_v2"),
     };
     let h = open(path);
@@ -152,7 +164,11 @@ fn load(lib: Lib) -> *mut c_void {
             .unwrap_or(std::ptr::null_mut());
     }
     if !probe_fn.is_null() && object_base(probe_fn) == self_base() {
-        tlog!(Error, "{} resolves to the interposer itself; refusing it", path.to_string_lossy());
+        tlog!(
+            Error,
+            "{} resolves to the interposer itself; refusing it",
+            path.to_string_lossy()
+        );
         return std::ptr::null_mut();
     }
     for hook in HOOKS.iter().filter(|k| k.lib == lib) {

@@ -28,8 +28,11 @@ pub struct Dl_info {
 pub type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
 
 unsafe extern "C" {
-    pub fn dlvsym(handle: *mut c_void, symbol: *const c_char, version: *const c_char)
-    -> *mut c_void;
+    pub fn dlvsym(
+        handle: *mut c_void,
+        symbol: *const c_char,
+        version: *const c_char,
+    ) -> *mut c_void;
     pub fn dlopen(filename: *const c_char, flags: c_int) -> *mut c_void;
     pub fn dladdr(addr: *const c_void, info: *mut Dl_info) -> c_int;
     pub fn pthread_atfork(

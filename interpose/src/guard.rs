@@ -70,7 +70,9 @@ mod tests {
     #[test]
     fn guard_is_per_thread() {
         let _g = enter().unwrap();
-        std::thread::spawn(|| assert!(enter().is_some())).join().unwrap();
+        std::thread::spawn(|| assert!(enter().is_some()))
+            .join()
+            .unwrap();
     }
 
     #[test]

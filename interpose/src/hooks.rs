@@ -58,7 +58,15 @@ unsafe fn cuda<F: Copy>(
     logic: impl FnOnce(F, &'static Process) -> Outcome<CUresult>,
 ) -> CUresult {
     // SAFETY: forwarded contract.
-    unsafe { run(id, CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_UNKNOWN, pass, logic) }
+    unsafe {
+        run(
+            id,
+            CUDA_ERROR_NOT_INITIALIZED,
+            CUDA_ERROR_UNKNOWN,
+            pass,
+            logic,
+        )
+    }
 }
 
 /// Reads an out-parameter the driver has just written, only when it succeeded.
@@ -68,7 +76,11 @@ unsafe fn cuda<F: Copy>(
 #[inline(always)]
 unsafe fn written<T: Copy + Default>(r: CUresult, p: *const T) -> T {
     // SAFETY: per the contract.
-    if r == CUDA_SUCCESS { unsafe { *p } } else { T::default() }
+    if r == CUDA_SUCCESS {
+        unsafe { *p }
+    } else {
+        T::default()
+    }
 }
 
 // ---- allocation ---------------------------------------------------------------------------
@@ -81,15 +93,19 @@ unsafe fn written<T: Copy + Default>(r: CUresult, p: *const T) -> T {
 pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
     // SAFETY: the type is this entry point's signature; arguments are forwarded unchanged.
     unsafe {
-        cuda::<cuMemAlloc_v2_t>(HookId::MemAlloc_v2, |real| real(dptr, bytesize), |real, p| {
-            if dptr.is_null() {
-                return Outcome::PassThrough;
-            }
-            memory::allocate(p, Kind::Ptr, bytesize as u64, || {
-                let r = real(dptr, bytesize);
-                (r, written(r, dptr))
-            })
-        })
+        cuda::<cuMemAlloc_v2_t>(
+            HookId::MemAlloc_v2,
+            |real| real(dptr, bytesize),
+            |real, p| {
+                if dptr.is_null() {
+                    return Outcome::PassThrough;
+                }
+                memory::allocate(p, Kind::Ptr, bytesize as u64, || {
+                    let r = real(dptr, bytesize);
+                    (r, written(r, dptr))
+                })
+            },
+        )
     }
 }
 
@@ -98,18 +114,26 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) 
 /// # Safety
 /// C contract of `cuMemAllocManaged`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut CUdeviceptr, bytesize: usize, flags: c_uint) -> CUresult {
+pub unsafe extern "C" fn cuMemAllocManaged(
+    dptr: *mut CUdeviceptr,
+    bytesize: usize,
+    flags: c_uint,
+) -> CUresult {
     // SAFETY: as for cuMemAlloc_v2.
     unsafe {
-        cuda::<cuMemAllocManaged_t>(HookId::MemAllocManaged, |real| real(dptr, bytesize, flags), |real, p| {
-            if dptr.is_null() {
-                return Outcome::PassThrough;
-            }
-            memory::allocate(p, Kind::Ptr, bytesize as u64, || {
-                let r = real(dptr, bytesize, flags);
-                (r, written(r, dptr))
-            })
-        })
+        cuda::<cuMemAllocManaged_t>(
+            HookId::MemAllocManaged,
+            |real| real(dptr, bytesize, flags),
+            |real, p| {
+                if dptr.is_null() {
+                    return Outcome::PassThrough;
+                }
+                memory::allocate(p, Kind::Ptr, bytesize as u64, || {
+                    let r = real(dptr, bytesize, flags);
+                    (r, written(r, dptr))
+                })
+            },
+        )
     }
 }
 
@@ -160,18 +184,26 @@ macro_rules! alloc_async {
         /// # Safety
         /// C contract of `cuMemAllocAsync`.
         #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn $name(dptr: *mut CUdeviceptr, bytesize: usize, stream: CUstream) -> CUresult {
+        pub unsafe extern "C" fn $name(
+            dptr: *mut CUdeviceptr,
+            bytesize: usize,
+            stream: CUstream,
+        ) -> CUresult {
             // SAFETY: as for cuMemAlloc_v2.
             unsafe {
-                cuda::<cuMemAllocAsync_t>(HookId::$id, |real| real(dptr, bytesize, stream), |real, p| {
-                    if dptr.is_null() {
-                        return Outcome::PassThrough;
-                    }
-                    memory::allocate(p, Kind::Ptr, bytesize as u64, || {
-                        let r = real(dptr, bytesize, stream);
-                        (r, written(r, dptr))
-                    })
-                })
+                cuda::<cuMemAllocAsync_t>(
+                    HookId::$id,
+                    |real| real(dptr, bytesize, stream),
+                    |real, p| {
+                        if dptr.is_null() {
+                            return Outcome::PassThrough;
+                        }
+                        memory::allocate(p, Kind::Ptr, bytesize as u64, || {
+                            let r = real(dptr, bytesize, stream);
+                            (r, written(r, dptr))
+                        })
+                    },
+                )
             }
         }
     };
@@ -227,22 +259,28 @@ pub unsafe extern "C" fn cuMemCreate(
 ) -> CUresult {
     // SAFETY: as for cuMemAlloc_v2; `prop` is read only when non-null.
     unsafe {
-        cuda::<cuMemCreate_t>(HookId::MemCreate, |real| real(handle, size, prop, flags), |real, p| {
-            if handle.is_null() || prop.is_null() {
-                return Outcome::PassThrough;
-            }
-            let location = (*prop).location.type_;
-            if matches!(
-                location,
-                CU_MEM_LOCATION_TYPE_HOST | CU_MEM_LOCATION_TYPE_HOST_NUMA | CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT
-            ) {
-                return Outcome::PassThrough;
-            }
-            memory::vmm_create(p, size as u64, || {
-                let r = real(handle, size, prop, flags);
-                (r, written(r, handle))
-            })
-        })
+        cuda::<cuMemCreate_t>(
+            HookId::MemCreate,
+            |real| real(handle, size, prop, flags),
+            |real, p| {
+                if handle.is_null() || prop.is_null() {
+                    return Outcome::PassThrough;
+                }
+                let location = (*prop).location.type_;
+                if matches!(
+                    location,
+                    CU_MEM_LOCATION_TYPE_HOST
+                        | CU_MEM_LOCATION_TYPE_HOST_NUMA
+                        | CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT
+                ) {
+                    return Outcome::PassThrough;
+                }
+                memory::vmm_create(p, size as u64, || {
+                    let r = real(handle, size, prop, flags);
+                    (r, written(r, handle))
+                })
+            },
+        )
     }
 }
 
@@ -251,20 +289,33 @@ pub unsafe extern "C" fn cuMemCreate(
 /// # Safety
 /// C contract of `cuArrayCreate_v2`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArrayCreate_v2(array: *mut CUarray, desc: *const CUDA_ARRAY_DESCRIPTOR) -> CUresult {
+pub unsafe extern "C" fn cuArrayCreate_v2(
+    array: *mut CUarray,
+    desc: *const CUDA_ARRAY_DESCRIPTOR,
+) -> CUresult {
     // SAFETY: as for cuMemAlloc_v2; `desc` is read only when non-null.
     unsafe {
-        cuda::<cuArrayCreate_v2_t>(HookId::ArrayCreate_v2, |real| real(array, desc), |real, p| {
-            if array.is_null() || desc.is_null() {
-                return Outcome::PassThrough;
-            }
-            let d = *desc;
-            let bytes = memory::array_bytes(d.Width as u64, d.Height as u64, 0, d.Format, d.NumChannels);
-            memory::allocate(p, Kind::Array, bytes, || {
-                let r = real(array, desc);
-                (r, written(r, array) as u64)
-            })
-        })
+        cuda::<cuArrayCreate_v2_t>(
+            HookId::ArrayCreate_v2,
+            |real| real(array, desc),
+            |real, p| {
+                if array.is_null() || desc.is_null() {
+                    return Outcome::PassThrough;
+                }
+                let d = *desc;
+                let bytes = memory::array_bytes(
+                    d.Width as u64,
+                    d.Height as u64,
+                    0,
+                    d.Format,
+                    d.NumChannels,
+                );
+                memory::allocate(p, Kind::Array, bytes, || {
+                    let r = real(array, desc);
+                    (r, written(r, array) as u64)
+                })
+            },
+        )
     }
 }
 
@@ -273,21 +324,33 @@ pub unsafe extern "C" fn cuArrayCreate_v2(array: *mut CUarray, desc: *const CUDA
 /// # Safety
 /// C contract of `cuArray3DCreate_v2`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuArray3DCreate_v2(array: *mut CUarray, desc: *const CUDA_ARRAY3D_DESCRIPTOR) -> CUresult {
+pub unsafe extern "C" fn cuArray3DCreate_v2(
+    array: *mut CUarray,
+    desc: *const CUDA_ARRAY3D_DESCRIPTOR,
+) -> CUresult {
     // SAFETY: as for cuArrayCreate_v2.
     unsafe {
-        cuda::<cuArray3DCreate_v2_t>(HookId::Array3DCreate_v2, |real| real(array, desc), |real, p| {
-            if array.is_null() || desc.is_null() {
-                return Outcome::PassThrough;
-            }
-            let d = *desc;
-            let bytes =
-                memory::array_bytes(d.Width as u64, d.Height as u64, d.Depth as u64, d.Format, d.NumChannels);
-            memory::allocate(p, Kind::Array, bytes, || {
-                let r = real(array, desc);
-                (r, written(r, array) as u64)
-            })
-        })
+        cuda::<cuArray3DCreate_v2_t>(
+            HookId::Array3DCreate_v2,
+            |real| real(array, desc),
+            |real, p| {
+                if array.is_null() || desc.is_null() {
+                    return Outcome::PassThrough;
+                }
+                let d = *desc;
+                let bytes = memory::array_bytes(
+                    d.Width as u64,
+                    d.Height as u64,
+                    d.Depth as u64,
+                    d.Format,
+                    d.NumChannels,
+                );
+                memory::allocate(p, Kind::Array, bytes, || {
+                    let r = real(array, desc);
+                    (r, written(r, array) as u64)
+                })
+            },
+        )
     }
 }
 
@@ -303,25 +366,29 @@ pub unsafe extern "C" fn cuMipmappedArrayCreate(
 ) -> CUresult {
     // SAFETY: as for cuArrayCreate_v2.
     unsafe {
-        cuda::<cuMipmappedArrayCreate_t>(HookId::MipmappedArrayCreate, |real| real(array, desc, levels), |real, p| {
-            if array.is_null() || desc.is_null() {
-                return Outcome::PassThrough;
-            }
-            let d = *desc;
-            let bytes = memory::mipmap_bytes(
-                d.Width as u64,
-                d.Height as u64,
-                d.Depth as u64,
-                d.Format,
-                d.NumChannels,
-                d.Flags,
-                levels,
-            );
-            memory::allocate(p, Kind::Mipmap, bytes, || {
-                let r = real(array, desc, levels);
-                (r, written(r, array) as u64)
-            })
-        })
+        cuda::<cuMipmappedArrayCreate_t>(
+            HookId::MipmappedArrayCreate,
+            |real| real(array, desc, levels),
+            |real, p| {
+                if array.is_null() || desc.is_null() {
+                    return Outcome::PassThrough;
+                }
+                let d = *desc;
+                let bytes = memory::mipmap_bytes(
+                    d.Width as u64,
+                    d.Height as u64,
+                    d.Depth as u64,
+                    d.Format,
+                    d.NumChannels,
+                    d.Flags,
+                    levels,
+                );
+                memory::allocate(p, Kind::Mipmap, bytes, || {
+                    let r = real(array, desc, levels);
+                    (r, written(r, array) as u64)
+                })
+            },
+        )
     }
 }
 
@@ -335,9 +402,11 @@ pub unsafe extern "C" fn cuMipmappedArrayCreate(
 pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     // SAFETY: the type is this entry point's signature; arguments are forwarded unchanged.
     unsafe {
-        cuda::<cuMemFree_v2_t>(HookId::MemFree_v2, |real| real(dptr), |real, p| {
-            memory::free(p, Kind::Ptr, dptr, || real(dptr))
-        })
+        cuda::<cuMemFree_v2_t>(
+            HookId::MemFree_v2,
+            |real| real(dptr),
+            |real, p| memory::free(p, Kind::Ptr, dptr, || real(dptr)),
+        )
     }
 }
 
@@ -351,9 +420,11 @@ macro_rules! free_async {
         pub unsafe extern "C" fn $name(dptr: CUdeviceptr, stream: CUstream) -> CUresult {
             // SAFETY: as for cuMemFree_v2.
             unsafe {
-                cuda::<cuMemFreeAsync_t>(HookId::$id, |real| real(dptr, stream), |real, p| {
-                    memory::free(p, Kind::Ptr, dptr, || real(dptr, stream))
-                })
+                cuda::<cuMemFreeAsync_t>(
+                    HookId::$id,
+                    |real| real(dptr, stream),
+                    |real, p| memory::free(p, Kind::Ptr, dptr, || real(dptr, stream)),
+                )
             }
         }
     };
@@ -370,9 +441,11 @@ free_async!(cuMemFreeAsync_ptsz, MemFreeAsync_ptsz);
 pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
     // SAFETY: as for cuMemFree_v2.
     unsafe {
-        cuda::<cuMemRelease_t>(HookId::MemRelease, |real| real(handle), |real, p| {
-            memory::vmm_release(p, handle, || real(handle))
-        })
+        cuda::<cuMemRelease_t>(
+            HookId::MemRelease,
+            |real| real(handle),
+            |real, p| memory::vmm_release(p, handle, || real(handle)),
+        )
     }
 }
 
@@ -393,7 +466,11 @@ pub unsafe extern "C" fn cuMemMap(
         cuda::<cuMemMap_t>(
             HookId::MemMap,
             |real| real(ptr, size, offset, handle, flags),
-            |real, p| memory::vmm_map(p, ptr, size as u64, handle, || real(ptr, size, offset, handle, flags)),
+            |real, p| {
+                memory::vmm_map(p, ptr, size as u64, handle, || {
+                    real(ptr, size, offset, handle, flags)
+                })
+            },
         )
     }
 }
@@ -406,9 +483,11 @@ pub unsafe extern "C" fn cuMemMap(
 pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
     // SAFETY: the type is this entry point's signature; arguments are forwarded unchanged.
     unsafe {
-        cuda::<cuMemUnmap_t>(HookId::MemUnmap, |real| real(ptr, size), |real, p| {
-            memory::vmm_unmap(p, ptr, size as u64, || real(ptr, size))
-        })
+        cuda::<cuMemUnmap_t>(
+            HookId::MemUnmap,
+            |real| real(ptr, size),
+            |real, p| memory::vmm_unmap(p, ptr, size as u64, || real(ptr, size)),
+        )
     }
 }
 
@@ -420,9 +499,11 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
 pub unsafe extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUresult {
     // SAFETY: the type is this entry point's signature; arguments are forwarded unchanged.
     unsafe {
-        cuda::<cuMemAddressFree_t>(HookId::MemAddressFree, |real| real(ptr, size), |real, p| {
-            memory::vmm_unmap(p, ptr, size as u64, || real(ptr, size))
-        })
+        cuda::<cuMemAddressFree_t>(
+            HookId::MemAddressFree,
+            |real| real(ptr, size),
+            |real, p| memory::vmm_unmap(p, ptr, size as u64, || real(ptr, size)),
+        )
     }
 }
 
@@ -492,9 +573,11 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
 pub unsafe extern "C" fn cuArrayDestroy(array: CUarray) -> CUresult {
     // SAFETY: as for cuMemFree_v2.
     unsafe {
-        cuda::<cuArrayDestroy_t>(HookId::ArrayDestroy, |real| real(array), |real, p| {
-            memory::free(p, Kind::Array, array as u64, || real(array))
-        })
+        cuda::<cuArrayDestroy_t>(
+            HookId::ArrayDestroy,
+            |real| real(array),
+            |real, p| memory::free(p, Kind::Array, array as u64, || real(array)),
+        )
     }
 }
 
@@ -506,9 +589,11 @@ pub unsafe extern "C" fn cuArrayDestroy(array: CUarray) -> CUresult {
 pub unsafe extern "C" fn cuMipmappedArrayDestroy(array: CUmipmappedArray) -> CUresult {
     // SAFETY: as for cuMemFree_v2.
     unsafe {
-        cuda::<cuMipmappedArrayDestroy_t>(HookId::MipmappedArrayDestroy, |real| real(array), |real, p| {
-            memory::free(p, Kind::Mipmap, array as u64, || real(array))
-        })
+        cuda::<cuMipmappedArrayDestroy_t>(
+            HookId::MipmappedArrayDestroy,
+            |real| real(array),
+            |real, p| memory::free(p, Kind::Mipmap, array as u64, || real(array)),
+        )
     }
 }
 
@@ -523,22 +608,26 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
     // SAFETY: the driver validates the context and writes the out-parameters first; we only
     // overwrite the non-null ones after it succeeded.
     unsafe {
-        cuda::<cuMemGetInfo_v2_t>(HookId::MemGetInfo_v2, |real| real(free, total), |real, p| {
-            if free.is_null() || total.is_null() {
-                return Outcome::PassThrough;
-            }
-            let (mut f, mut t) = (0usize, 0usize);
-            let r = real(&mut f, &mut t);
-            if r != CUDA_SUCCESS {
-                return Outcome::Handled(r);
-            }
-            let Some((vf, vt)) = memory::virtual_mem_info(p, f as u64) else {
-                return Outcome::Handled(CUDA_ERROR_OPERATING_SYSTEM);
-            };
-            *free = vf as usize;
-            *total = vt as usize;
-            Outcome::Handled(CUDA_SUCCESS)
-        })
+        cuda::<cuMemGetInfo_v2_t>(
+            HookId::MemGetInfo_v2,
+            |real| real(free, total),
+            |real, p| {
+                if free.is_null() || total.is_null() {
+                    return Outcome::PassThrough;
+                }
+                let (mut f, mut t) = (0usize, 0usize);
+                let r = real(&mut f, &mut t);
+                if r != CUDA_SUCCESS {
+                    return Outcome::Handled(r);
+                }
+                let Some((vf, vt)) = memory::virtual_mem_info(p, f as u64) else {
+                    return Outcome::Handled(CUDA_ERROR_OPERATING_SYSTEM);
+                };
+                *free = vf as usize;
+                *total = vt as usize;
+                Outcome::Handled(CUDA_SUCCESS)
+            },
+        )
     }
 }
 
@@ -550,22 +639,26 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
 pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -> CUresult {
     // SAFETY: as for cuMemGetInfo_v2.
     unsafe {
-        cuda::<cuDeviceTotalMem_v2_t>(HookId::DeviceTotalMem_v2, |real| real(bytes, dev), |real, p| {
-            if bytes.is_null() {
-                return Outcome::PassThrough;
-            }
-            let r = real(bytes, dev);
-            if r != CUDA_SUCCESS {
-                return Outcome::Handled(r);
-            }
-            match p.session.limit() {
-                Some(limit) => {
-                    *bytes = limit as usize;
-                    Outcome::Handled(CUDA_SUCCESS)
+        cuda::<cuDeviceTotalMem_v2_t>(
+            HookId::DeviceTotalMem_v2,
+            |real| real(bytes, dev),
+            |real, p| {
+                if bytes.is_null() {
+                    return Outcome::PassThrough;
                 }
-                None => Outcome::Handled(CUDA_ERROR_OPERATING_SYSTEM),
-            }
-        })
+                let r = real(bytes, dev);
+                if r != CUDA_SUCCESS {
+                    return Outcome::Handled(r);
+                }
+                match p.session.limit() {
+                    Some(limit) => {
+                        *bytes = limit as usize;
+                        Outcome::Handled(CUDA_SUCCESS)
+                    }
+                    None => Outcome::Handled(CUDA_ERROR_OPERATING_SYSTEM),
+                }
+            },
+        )
     }
 }
 
@@ -574,7 +667,10 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -
 /// # Safety
 /// C contract of `nvmlDeviceGetMemoryInfo`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(device: nvmlDevice_t, memory: *mut nvmlMemory_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
+    device: nvmlDevice_t,
+    memory: *mut nvmlMemory_t,
+) -> nvmlReturn_t {
     // SAFETY: the type is this entry point's signature; `memory` is written by the real call
     // and then overwritten only on success.
     unsafe {
@@ -646,7 +742,13 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
 ///
 /// # Safety
 /// `symbol` is NUL-terminated and `pfn` valid (both checked non-null by the caller).
-unsafe fn after_proc(r: CUresult, symbol: *const c_char, pfn: *mut *mut c_void, version: c_int, flags: u64) {
+unsafe fn after_proc(
+    r: CUresult,
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: u64,
+) {
     if r != CUDA_SUCCESS || symbol.is_null() || pfn.is_null() {
         return;
     }
@@ -697,7 +799,8 @@ pub unsafe extern "C" fn cuGetProcAddress_v2(
     status: *mut c_int,
 ) -> CUresult {
     // SAFETY: as for cuGetProcAddress.
-    let Some(real) = (unsafe { driver::real::<cuGetProcAddress_v2_t>(HookId::GetProcAddress_v2) }) else {
+    let Some(real) = (unsafe { driver::real::<cuGetProcAddress_v2_t>(HookId::GetProcAddress_v2) })
+    else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
     // SAFETY: forwarding unchanged.
@@ -772,7 +875,10 @@ macro_rules! launch_kernel_ex {
                             return Outcome::PassThrough;
                         }
                         let stream = (*config).hStream;
-                        Outcome::Handled(p.gate.launch(stream, $ptsz, || real(config, f, params, extra)))
+                        Outcome::Handled(
+                            p.gate
+                                .launch(stream, $ptsz, || real(config, f, params, extra)),
+                        )
                     },
                 )
             }
@@ -817,7 +923,11 @@ macro_rules! launch_coop {
     };
 }
 launch_coop!(cuLaunchCooperativeKernel, LaunchCooperativeKernel, false);
-launch_coop!(cuLaunchCooperativeKernel_ptsz, LaunchCooperativeKernel_ptsz, true);
+launch_coop!(
+    cuLaunchCooperativeKernel_ptsz,
+    LaunchCooperativeKernel_ptsz,
+    true
+);
 
 macro_rules! graph_launch {
     ($name:ident, $id:ident, $ptsz:expr) => {
@@ -829,9 +939,11 @@ macro_rules! graph_launch {
         pub unsafe extern "C" fn $name(exec: CUgraphExec, stream: CUstream) -> CUresult {
             // SAFETY: as for cuLaunchKernel.
             unsafe {
-                cuda::<cuGraphLaunch_t>(HookId::$id, |real| real(exec, stream), |real, p| {
-                    Outcome::Handled(p.gate.launch(stream, $ptsz, || real(exec, stream)))
-                })
+                cuda::<cuGraphLaunch_t>(
+                    HookId::$id,
+                    |real| real(exec, stream),
+                    |real, p| Outcome::Handled(p.gate.launch(stream, $ptsz, || real(exec, stream))),
+                )
             }
         }
     };
@@ -847,9 +959,11 @@ graph_launch!(cuGraphLaunch_ptsz, GraphLaunch_ptsz, true);
 pub unsafe extern "C" fn cuStreamDestroy_v2(stream: CUstream) -> CUresult {
     // SAFETY: the type is this entry point's signature; arguments forwarded unchanged.
     unsafe {
-        cuda::<cuStreamDestroy_v2_t>(HookId::StreamDestroy_v2, |real| real(stream), |real, p| {
-            Outcome::Handled(p.gate.stream_destroyed(stream, || real(stream)))
-        })
+        cuda::<cuStreamDestroy_v2_t>(
+            HookId::StreamDestroy_v2,
+            |real| real(stream),
+            |real, p| Outcome::Handled(p.gate.stream_destroyed(stream, || real(stream))),
+        )
     }
 }
 
@@ -880,8 +994,13 @@ synchronise!(cuStreamSynchronize, StreamSynchronize, cuStreamSynchronize_t,
     "`cuStreamSynchronize`: once it returns, the launch gate looks for a drain.", (stream: CUstream));
 synchronise!(cuStreamSynchronize_ptsz, StreamSynchronize_ptsz, cuStreamSynchronize_t,
     "`cuStreamSynchronize_ptsz`: as `cuStreamSynchronize`.", (stream: CUstream));
-synchronise!(cuCtxSynchronize, CtxSynchronize, cuCtxSynchronize_t,
-    "`cuCtxSynchronize`: as `cuStreamSynchronize`.", ());
+synchronise!(
+    cuCtxSynchronize,
+    CtxSynchronize,
+    cuCtxSynchronize_t,
+    "`cuCtxSynchronize`: as `cuStreamSynchronize`.",
+    ()
+);
 synchronise!(cuCtxSynchronize_v2, CtxSynchronize_v2, cuCtxSynchronize_v2_t,
     "`cuCtxSynchronize_v2` (CUDA 13): as `cuStreamSynchronize`.", (ctx: CUcontext));
 synchronise!(cuEventSynchronize, EventSynchronize, cuEventSynchronize_t,

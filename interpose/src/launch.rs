@@ -45,7 +45,9 @@ use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicPtr, AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{
+    AtomicBool, AtomicI32, AtomicI64, AtomicPtr, AtomicU8, AtomicU64, AtomicUsize, Ordering,
+};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -234,7 +236,9 @@ pub struct Gate {
 
 impl std::fmt::Debug for Gate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Gate").field("credits", &self.credits.load(Ordering::Relaxed)).finish_non_exhaustive()
+        f.debug_struct("Gate")
+            .field("credits", &self.credits.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
     }
 }
 
@@ -283,7 +287,12 @@ impl Gate {
     /// Gates one launch: takes a credit (waiting for a lease if none), runs `launch`, and
     /// counts it on its stream.
     #[inline]
-    pub fn launch(&'static self, stream: CUstream, ptsz: bool, launch: impl FnOnce() -> CUresult) -> CUresult {
+    pub fn launch(
+        &'static self,
+        stream: CUstream,
+        ptsz: bool,
+        launch: impl FnOnce() -> CUresult,
+    ) -> CUresult {
         let (handle, kind) = classify(stream, ptsz);
         let slot = self.slot(handle, kind);
         if slot.is_some_and(|s| s.kind.load(Ordering::Relaxed) == u8::MAX) {
@@ -322,7 +331,12 @@ impl Gate {
     }
 
     #[cold]
-    fn register(&'static self, handle: usize, kind: StreamKind, epoch: u64) -> Option<&'static Slot> {
+    fn register(
+        &'static self,
+        handle: usize,
+        kind: StreamKind,
+        epoch: u64,
+    ) -> Option<&'static Slot> {
         let api = api()?;
         let mut ctx = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; the driver writes the calling thread's context.
@@ -336,23 +350,31 @@ impl Gate {
             s.in_use.load(Ordering::Acquire)
                 && s.handle.load(Ordering::Relaxed) == handle
                 && s.ctx.load(Ordering::Relaxed) == ctx
-                && (s.kind.load(Ordering::Relaxed) == kind as u8 || s.kind.load(Ordering::Relaxed) == u8::MAX)
+                && (s.kind.load(Ordering::Relaxed) == kind as u8
+                    || s.kind.load(Ordering::Relaxed) == u8::MAX)
         });
         let idx = match found {
             Some(i) => i,
             None => {
-                let i = self.slots.iter().position(|s| !s.in_use.load(Ordering::Acquire))?;
+                let i = self
+                    .slots
+                    .iter()
+                    .position(|s| !s.in_use.load(Ordering::Acquire))?;
                 let s = &self.slots[i];
                 s.handle.store(handle, Ordering::Relaxed);
                 s.ctx.store(ctx, Ordering::Relaxed);
-                s.base.store(s.launches.load(Ordering::Acquire), Ordering::Relaxed);
+                s.base
+                    .store(s.launches.load(Ordering::Acquire), Ordering::Relaxed);
                 s.generation.fetch_add(1, Ordering::AcqRel);
                 s.in_use.store(true, Ordering::Release);
                 i
             }
         };
         let s = &self.slots[idx];
-        s.kind.store(if capturing { u8::MAX } else { kind as u8 }, Ordering::Relaxed);
+        s.kind.store(
+            if capturing { u8::MAX } else { kind as u8 },
+            Ordering::Relaxed,
+        );
         s.used_epoch.store(epoch, Ordering::Release);
         CACHE.with(|c| c.set((me, handle, kind as u8, idx + 1, epoch)));
         Some(s)
@@ -360,7 +382,11 @@ impl Gate {
 
     /// Forgets a stream the application destroys (called before the real destroy, with the
     /// table lock held across it so the manager never records on a dead stream).
-    pub fn stream_destroyed(&'static self, stream: CUstream, destroy: impl FnOnce() -> CUresult) -> CUresult {
+    pub fn stream_destroyed(
+        &'static self,
+        stream: CUstream,
+        destroy: impl FnOnce() -> CUresult,
+    ) -> CUresult {
         let handle = stream as usize;
         let _t = self.lock_table();
         if handle > 2 {
@@ -386,7 +412,10 @@ impl Gate {
         if !sh.manager_started {
             sh.manager_started = true;
             if api().is_none() {
-                tlog!(Warn, "the driver lacks the event API: kernel launches are not gated");
+                tlog!(
+                    Warn,
+                    "the driver lacks the event API: kernel launches are not gated"
+                );
                 self.credits.store(UNGATED, Ordering::Release);
                 return;
             }
@@ -395,7 +424,10 @@ impl Gate {
                 .stack_size(256 * 1024)
                 .spawn(move || self.manage());
             if spawned.is_err() {
-                tlog!(Warn, "cannot start the lease manager; launches are not gated");
+                tlog!(
+                    Warn,
+                    "cannot start the lease manager; launches are not gated"
+                );
                 self.credits.store(UNGATED, Ordering::Release);
                 return;
             }
@@ -451,7 +483,10 @@ impl Gate {
             }
             None => {
                 if !m.local {
-                    tlog!(Warn, "arbiter unreachable: local leases keep launches bounded until it is back");
+                    tlog!(
+                        Warn,
+                        "arbiter unreachable: local leases keep launches bounded until it is back"
+                    );
                     m.local = true;
                 }
                 m.begin(None, LOCAL_LEASE.as_nanos() as u64)
@@ -580,11 +615,16 @@ fn idle_at_end(
     waiters: u32,
     since_launch: Duration,
 ) -> bool {
-    drained_for.is_some_and(|d| d + DRAIN_IDLE >= drain_idle) && untouched && waiters == 0 && since_launch >= IDLE
+    drained_for.is_some_and(|d| d + DRAIN_IDLE >= drain_idle)
+        && untouched
+        && waiters == 0
+        && since_launch >= IDLE
 }
 
 fn is_capturing(api: Api, handle: usize) -> bool {
-    let Some(f) = api.is_capturing else { return false };
+    let Some(f) = api.is_capturing else {
+        return false;
+    };
     let mut status: i32 = 0;
     // SAFETY: out-pointer to a local; `handle` is the application's live stream.
     let r = unsafe { f(handle as CUstream, &mut status) };
@@ -682,7 +722,9 @@ impl Manager {
         if self.conn.is_some() {
             return true;
         }
-        let Some(path) = self.gate.socket.as_deref() else { return false };
+        let Some(path) = self.gate.socket.as_deref() else {
+            return false;
+        };
         match Conn::connect(path, &self.gate.token, Some(GRANT_TIMEOUT)) {
             Ok((c, _)) => {
                 self.gate.lease_fd.store(c.fd(), Ordering::Release);
@@ -709,7 +751,10 @@ impl Manager {
             }
             let conn = self.conn.as_mut().expect("connected");
             match conn.call(&TenantRequest::LeaseAcquire) {
-                Ok(TenantReply::LeaseGranted { lease_id, duration_ns }) => return Some((lease_id, duration_ns)),
+                Ok(TenantReply::LeaseGranted {
+                    lease_id,
+                    duration_ns,
+                }) => return Some((lease_id, duration_ns)),
                 Ok(other) => {
                     tlog!(Warn, "unexpected answer to LeaseAcquire: {other:?}");
                     self.drop_conn();
@@ -764,7 +809,11 @@ impl Manager {
         if kind == u8::MAX {
             return None;
         }
-        let handle = if kind == StreamKind::Explicit as u8 { slot.handle.load(Ordering::Relaxed) } else { 0 };
+        let handle = if kind == StreamKind::Explicit as u8 {
+            slot.handle.load(Ordering::Relaxed)
+        } else {
+            0
+        };
         if handle != 0 && is_capturing(api, handle) {
             return None;
         }
@@ -779,13 +828,20 @@ impl Manager {
             unsafe { (api.ev_destroy)(ev) };
             return None;
         }
-        Some(Sample { ev, ctx, launches, backlogged: false })
+        Some(Sample {
+            ev,
+            ctx,
+            launches,
+            backlogged: false,
+        })
     }
 
     /// Polls slot `i`'s samples; updates what is complete and the per-launch estimate.
     fn poll(&mut self, api: Api, i: usize, lease_start: Instant) {
         loop {
-            let Some(front) = self.tracks[i].pending.front() else { return };
+            let Some(front) = self.tracks[i].pending.front() else {
+                return;
+            };
             // SAFETY: our own recorded event.
             match unsafe { (api.ev_query)(front.ev) } {
                 CUDA_SUCCESS => {}
@@ -808,7 +864,9 @@ impl Manager {
                         (r == CUDA_SUCCESS).then(|| f64::from(ms.max(0.0)) * 1e6 / n as f64)
                     }
                     // First sample on this stream: the time since it was first seen bounds it.
-                    None => Some(t.first_seen.unwrap_or(lease_start).elapsed().as_nanos() as f64 / n as f64),
+                    None => Some(
+                        t.first_seen.unwrap_or(lease_start).elapsed().as_nanos() as f64 / n as f64,
+                    ),
                 };
                 if let Some(per) = per {
                     t.est_ns = if t.est_ns == 0.0 {
@@ -880,13 +938,25 @@ impl Manager {
         // First credits: with no estimate yet, one probe launch.
         let first = self.credits_for(Duration::from_nanos(duration_ns), 0.0, 0);
         self.gate.set_credits(first);
-        Begun { lease_id, duration_ns, start, epoch, first }
+        Begun {
+            lease_id,
+            duration_ns,
+            start,
+            epoch,
+            first,
+        }
     }
 
     /// Runs a begun lease to its end (on the manager thread): refills, watches for the drain,
     /// reports.
     fn run_lease(&mut self, begun: Begun) {
-        let Begun { lease_id, duration_ns, start, epoch, first } = begun;
+        let Begun {
+            lease_id,
+            duration_ns,
+            start,
+            epoch,
+            first,
+        } = begun;
         self.gap.decay();
         let drain_idle = self.gap.drain_idle();
         let deadline = start + Duration::from_nanos(duration_ns);
@@ -913,7 +983,12 @@ impl Manager {
                     self.gate.watch.store(true, Ordering::Release);
                 }
                 if !sh.synced {
-                    sh = self.gate.manager.wait_timeout(sh, wait).unwrap_or_else(|e| e.into_inner()).0;
+                    sh = self
+                        .gate
+                        .manager
+                        .wait_timeout(sh, wait)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
                 }
                 if sh.synced {
                     sync_wakes += 1;
@@ -950,13 +1025,17 @@ impl Manager {
                 }
                 used
             };
-            let total: u64 = used.iter().map(|&i| self.gate.slots[i].launches.load(Ordering::Acquire)).sum();
+            let total: u64 = used
+                .iter()
+                .map(|&i| self.gate.slots[i].launches.load(Ordering::Acquire))
+                .sum();
             // A credit taken is a launch under way, even before the driver returned it.
             let took = credit_taken(handed, self.gate.credits.load(Ordering::Acquire));
             let mut launched = total != last_total || took;
             let drained = used.iter().all(|&i| {
                 let t = &self.tracks[i];
-                t.pending.is_empty() && t.completed >= self.gate.slots[i].launches.load(Ordering::Acquire)
+                t.pending.is_empty()
+                    && t.completed >= self.gate.slots[i].launches.load(Ordering::Acquire)
             });
             if last_total == u64::MAX && drained {
                 // First look, and what the launcher did since the grant has already completed
@@ -988,7 +1067,9 @@ impl Manager {
                 early = true;
                 break;
             }
-            if drained_since.is_some() && deadline.saturating_duration_since(now).as_nanos() as f64 <= MARGIN_NS {
+            if drained_since.is_some()
+                && deadline.saturating_duration_since(now).as_nanos() as f64 <= MARGIN_NS
+            {
                 // Nothing in flight and too little time left to hand out a launch: the lease
                 // is used up; holding it to the deadline would only leave the GPU idle.
                 break;
@@ -1011,7 +1092,10 @@ impl Manager {
             };
             watch = drained_since.is_none() && !launched;
             // Refill: what may still be launched so that the work in flight ends by the deadline.
-            let max_est = used.iter().map(|&i| self.tracks[i].est_ns).fold(0.0, f64::max);
+            let max_est = used
+                .iter()
+                .map(|&i| self.tracks[i].est_ns)
+                .fold(0.0, f64::max);
             if max_est > 0.0 {
                 self.default_est = max_est;
             }
@@ -1019,8 +1103,15 @@ impl Manager {
             let mut unknown = 0u64;
             for &i in &used {
                 let t = &self.tracks[i];
-                let left = self.gate.slots[i].launches.load(Ordering::Acquire).saturating_sub(t.completed);
-                let est = if t.est_ns > 0.0 { t.est_ns } else { self.default_est };
+                let left = self.gate.slots[i]
+                    .launches
+                    .load(Ordering::Acquire)
+                    .saturating_sub(t.completed);
+                let est = if t.est_ns > 0.0 {
+                    t.est_ns
+                } else {
+                    self.default_est
+                };
                 if est > 0.0 {
                     outstanding += left as f64 * est;
                 } else {
@@ -1057,7 +1148,10 @@ impl Manager {
             self.gate.stats.early.fetch_add(1, Ordering::Relaxed);
             self.handed_back = drained_since;
         }
-        self.gate.stats.busy_ns.fetch_add(busy_ns, Ordering::Relaxed);
+        self.gate
+            .stats
+            .busy_ns
+            .fetch_add(busy_ns, Ordering::Relaxed);
         tlog!(
             Debug,
             "lease {lease_id:?}: {:.1} ms granted, busy {:.1} ms, early {early}, synchronise wakes {sync_wakes}, drain wait {} us",
@@ -1067,7 +1161,11 @@ impl Manager {
         );
         if let Some(lease_id) = lease_id
             && let Some(conn) = self.conn.as_mut()
-            && let Err(e) = conn.send_nowait(&TenantRequest::LeaseRelease { lease_id, busy_ns, early })
+            && let Err(e) = conn.send_nowait(&TenantRequest::LeaseRelease {
+                lease_id,
+                busy_ns,
+                early,
+            })
         {
             tlog!(Info, "LeaseRelease not sent: {e}");
             self.drop_conn();
@@ -1112,7 +1210,9 @@ impl Manager {
         let total = |m: &mut Self| -> u64 {
             let _t = m.gate.lock_table();
             let used = m.used(epoch);
-            used.iter().map(|&i| m.gate.slots[i].launches.load(Ordering::Acquire)).sum()
+            used.iter()
+                .map(|&i| m.gate.slots[i].launches.load(Ordering::Acquire))
+                .sum()
         };
         let settle = Instant::now() + Duration::from_millis(2);
         let mut seen = total(self);
@@ -1140,7 +1240,9 @@ impl Manager {
         let mut sleep = Duration::from_micros(50);
         loop {
             // SAFETY: our own recorded events.
-            let all = ends.iter().all(|(_, s)| unsafe { (api.ev_query)(s.ev) } != CUDA_ERROR_NOT_READY);
+            let all = ends
+                .iter()
+                .all(|(_, s)| unsafe { (api.ev_query)(s.ev) } != CUDA_ERROR_NOT_READY);
             if all || Instant::now() >= bound {
                 break;
             }
@@ -1174,12 +1276,27 @@ mod tests {
 
     #[test]
     fn streams_are_classified_by_variant() {
-        assert_eq!(classify(std::ptr::null_mut(), false), (0, StreamKind::Legacy));
-        assert_eq!(classify(std::ptr::null_mut(), true), (0, StreamKind::PerThread));
+        assert_eq!(
+            classify(std::ptr::null_mut(), false),
+            (0, StreamKind::Legacy)
+        );
+        assert_eq!(
+            classify(std::ptr::null_mut(), true),
+            (0, StreamKind::PerThread)
+        );
         assert_eq!(classify(1usize as CUstream, true), (0, StreamKind::Legacy));
-        assert_eq!(classify(2usize as CUstream, false), (0, StreamKind::PerThread));
-        assert_eq!(classify(0x5000usize as CUstream, false), (0x5000, StreamKind::Explicit));
-        assert_eq!(classify(0x5000usize as CUstream, true), (0x5000, StreamKind::Explicit));
+        assert_eq!(
+            classify(2usize as CUstream, false),
+            (0, StreamKind::PerThread)
+        );
+        assert_eq!(
+            classify(0x5000usize as CUstream, false),
+            (0x5000, StreamKind::Explicit)
+        );
+        assert_eq!(
+            classify(0x5000usize as CUstream, true),
+            (0x5000, StreamKind::Explicit)
+        );
     }
 
     #[test]
@@ -1187,42 +1304,91 @@ mod tests {
         let mut g = RelaunchGap::default();
         assert_eq!(g.drain_idle(), DRAIN_IDLE, "nothing learnt: the floor");
         g.observe(Duration::from_micros(40));
-        assert_eq!(g.drain_idle(), DRAIN_IDLE, "a prompt relaunch keeps the floor");
+        assert_eq!(
+            g.drain_idle(),
+            DRAIN_IDLE,
+            "a prompt relaunch keeps the floor"
+        );
         g.observe(Duration::from_micros(600));
-        assert_eq!(g.drain_idle(), Duration::from_micros(1200), "twice the longest recent gap");
+        assert_eq!(
+            g.drain_idle(),
+            Duration::from_micros(1200),
+            "twice the longest recent gap"
+        );
         g.observe(Duration::from_micros(300));
-        assert_eq!(g.drain_idle(), Duration::from_micros(1200), "a shorter gap does not lower it");
+        assert_eq!(
+            g.drain_idle(),
+            Duration::from_micros(1200),
+            "a shorter gap does not lower it"
+        );
         g.observe(Duration::from_millis(40));
-        assert_eq!(g.drain_idle(), Duration::from_micros(1200), "a real pause is not a gap");
+        assert_eq!(
+            g.drain_idle(),
+            Duration::from_micros(1200),
+            "a real pause is not a gap"
+        );
         g.observe(Duration::from_micros(1500));
         assert_eq!(g.drain_idle(), MAX_DRAIN_IDLE, "capped");
         for _ in 0..40 {
             g.decay();
         }
-        assert_eq!(g.drain_idle(), DRAIN_IDLE, "forgotten after a few dozen leases");
+        assert_eq!(
+            g.drain_idle(),
+            DRAIN_IDLE,
+            "forgotten after a few dozen leases"
+        );
     }
 
     #[test]
     fn a_lease_ending_on_an_idle_holder_is_reported_early() {
         let long = IDLE + Duration::from_micros(1);
         let now = Some(Duration::ZERO);
-        assert!(idle_at_end(now, DRAIN_IDLE, true, 0, long), "drained, quiet, nobody waiting");
-        assert!(!idle_at_end(None, DRAIN_IDLE, true, 0, long), "work in flight (a synchronise pending)");
-        assert!(!idle_at_end(now, DRAIN_IDLE, false, 0, long), "a credit was taken since the last look");
-        assert!(!idle_at_end(now, DRAIN_IDLE, true, 1, long), "a launcher waits for the next lease");
-        assert!(!idle_at_end(now, DRAIN_IDLE, true, 0, IDLE / 2), "launched just now");
+        assert!(
+            idle_at_end(now, DRAIN_IDLE, true, 0, long),
+            "drained, quiet, nobody waiting"
+        );
+        assert!(
+            !idle_at_end(None, DRAIN_IDLE, true, 0, long),
+            "work in flight (a synchronise pending)"
+        );
+        assert!(
+            !idle_at_end(now, DRAIN_IDLE, false, 0, long),
+            "a credit was taken since the last look"
+        );
+        assert!(
+            !idle_at_end(now, DRAIN_IDLE, true, 1, long),
+            "a launcher waits for the next lease"
+        );
+        assert!(
+            !idle_at_end(now, DRAIN_IDLE, true, 0, IDLE / 2),
+            "launched just now"
+        );
         // A process seen to work 0.6 ms on the host between its drains and launches (drain
         // wait 1.2 ms): drained 0.3 ms is its gap, not idleness; drained 1 ms is.
         let learnt = Duration::from_micros(1200);
-        assert!(!idle_at_end(Some(Duration::from_micros(300)), learnt, true, 0, long));
-        assert!(idle_at_end(Some(Duration::from_millis(1)), learnt, true, 0, long));
+        assert!(!idle_at_end(
+            Some(Duration::from_micros(300)),
+            learnt,
+            true,
+            0,
+            long
+        ));
+        assert!(idle_at_end(
+            Some(Duration::from_millis(1)),
+            learnt,
+            true,
+            0,
+            long
+        ));
     }
 
     #[test]
     fn a_closed_gate_fails_every_launch_without_running_it() {
         let gate: &'static Gate = Box::leak(Box::new(Gate::new(None, "t".into()).closed()));
         for _ in 0..3 {
-            let r = gate.launch(std::ptr::null_mut(), false, || panic!("a closed gate ran a launch"));
+            let r = gate.launch(std::ptr::null_mut(), false, || {
+                panic!("a closed gate ran a launch")
+            });
             assert_eq!(r, CUDA_ERROR_NOT_PERMITTED);
         }
         assert_eq!(gate.credits.load(Ordering::Relaxed), 0, "no credit leaked");
@@ -1248,6 +1414,9 @@ mod tests {
         assert_eq!(m.credits_for(Duration::from_millis(20), 30e6, 0), 0);
         // Tiny kernels: capped.
         m.default_est = 10.0;
-        assert_eq!(m.credits_for(Duration::from_millis(100), 0.0, 0), MAX_CREDITS);
+        assert_eq!(
+            m.credits_for(Duration::from_millis(100), 0.0, 0),
+            MAX_CREDITS
+        );
     }
 }

@@ -39,7 +39,9 @@ impl Hasher for KeyHasher {
         }
     }
     fn write_u64(&mut self, v: u64) {
-        self.0 = (self.0 ^ v).wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(29);
+        self.0 = (self.0 ^ v)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .rotate_left(29);
     }
     fn write_u8(&mut self, v: u8) {
         self.write_u64(u64::from(v) << 56);
@@ -139,7 +141,14 @@ impl Ledger {
     /// destroyed behind our back), which the caller must release; that entry's mappings are
     /// forgotten with it.
     pub fn create_handle(&mut self, handle: u64, bytes: u64) -> Option<u64> {
-        let old = self.handles.insert(handle, HandleEntry { bytes, refs: 1, maps: 0 });
+        let old = self.handles.insert(
+            handle,
+            HandleEntry {
+                bytes,
+                refs: 1,
+                maps: 0,
+            },
+        );
         if old.is_some() {
             self.mappings.retain(|_, m| m.handle != handle);
         }
@@ -204,7 +213,10 @@ impl Ledger {
 
     /// True when a recorded mapping starts in `[va, va + size)`.
     pub fn has_mappings_in(&self, va: u64, size: u64) -> bool {
-        self.mappings.range(va..va.saturating_add(size)).next().is_some()
+        self.mappings
+            .range(va..va.saturating_add(size))
+            .next()
+            .is_some()
     }
 
     /// Takes out every recorded mapping that starts in `[va, va + size)` before `cuMemUnmap`
@@ -212,17 +224,24 @@ impl Ledger {
     /// mapping leaves the ledger; [`Unmapped::bytes`] is what to release once the driver
     /// succeeded.
     pub fn unmap_begin(&mut self, va: u64, size: u64) -> Unmapped {
-        let starts: Vec<u64> = self.mappings.range(va..va.saturating_add(size)).map(|(k, _)| *k).collect();
+        let starts: Vec<u64> = self
+            .mappings
+            .range(va..va.saturating_add(size))
+            .map(|(k, _)| *k)
+            .collect();
         let mut out = Unmapped::default();
         for k in starts {
-            let Some(m) = self.mappings.remove(&k) else { continue };
+            let Some(m) = self.mappings.remove(&k) else {
+                continue;
+            };
             out.maps.push(m);
             let unused = self.handles.get_mut(&m.handle).is_some_and(|e| {
                 e.maps = e.maps.saturating_sub(1);
                 e.refs == 0 && e.maps == 0
             });
             if unused {
-                out.gone.extend(self.handles.remove(&m.handle).map(|e| (m.handle, e)));
+                out.gone
+                    .extend(self.handles.remove(&m.handle).map(|e| (m.handle, e)));
             }
         }
         out
@@ -261,7 +280,14 @@ mod tests {
         assert_eq!(l.remove(Kind::Ptr, 0x1000), Some(10));
         assert_eq!(l.remove(Kind::Ptr, 0x1000), None, "double free is not ours");
         assert_eq!(l.remove(Kind::Array, 0x1000), Some(20));
-        assert_eq!(l.release_begin(0x1000), Some(Release::Last(HandleEntry { bytes: 40, refs: 1, maps: 0 })));
+        assert_eq!(
+            l.release_begin(0x1000),
+            Some(Release::Last(HandleEntry {
+                bytes: 40,
+                refs: 1,
+                maps: 0
+            }))
+        );
         assert!(l.is_empty());
     }
 
@@ -309,7 +335,11 @@ mod tests {
         l.create_handle(H, 4 * MB2);
         assert_eq!(l.map_handle(0x1000_0000, 4 * MB2, H), 0);
         assert_eq!(release(&mut l, H), 0, "still mapped: nothing released");
-        assert_eq!(l.total(), 4 * MB2, "released but mapped memory stays counted");
+        assert_eq!(
+            l.total(),
+            4 * MB2,
+            "released but mapped memory stays counted"
+        );
         assert_eq!(unmap(&mut l, 0x1000_0000, 4 * MB2), 4 * MB2);
         assert!(l.is_empty());
         assert_eq!(l.mapping_count(), 0);
@@ -320,7 +350,11 @@ mod tests {
         let mut l = Ledger::default();
         l.create_handle(H, MB2);
         l.map_handle(0x1000_0000, MB2, H);
-        assert_eq!(unmap(&mut l, 0x1000_0000, MB2), 0, "the handle is still referenced");
+        assert_eq!(
+            unmap(&mut l, 0x1000_0000, MB2),
+            0,
+            "the handle is still referenced"
+        );
         assert_eq!(l.total(), MB2);
         assert_eq!(release(&mut l, H), MB2);
         assert!(l.is_empty());
@@ -335,7 +369,11 @@ mod tests {
         assert_eq!(release(&mut l, H), 0);
         assert_eq!(release(&mut l, H), 0);
         assert_eq!(l.handle(H).unwrap().refs, 1);
-        assert_eq!(release(&mut l, H), MB2, "the third release is the last reference");
+        assert_eq!(
+            release(&mut l, H),
+            MB2,
+            "the third release is the last reference"
+        );
         assert_eq!(l.release_begin(H), None, "a fourth one is not ours");
         assert!(!l.retain_handle(H), "an unknown handle is never retained");
     }
@@ -348,7 +386,14 @@ mod tests {
         l.map_handle(0x2000_0000, MB2, H);
         assert_eq!(release(&mut l, H), 0);
         assert_eq!(unmap(&mut l, 0x2000_0000, MB2), 0, "one mapping is left");
-        assert_eq!(l.handle(H), Some(HandleEntry { bytes: MB2, refs: 0, maps: 1 }));
+        assert_eq!(
+            l.handle(H),
+            Some(HandleEntry {
+                bytes: MB2,
+                refs: 0,
+                maps: 1
+            })
+        );
         assert_eq!(unmap(&mut l, 0x1000_0000, MB2), MB2);
         assert!(l.is_empty());
     }
@@ -388,14 +433,28 @@ mod tests {
         let r = l.release_begin(H).unwrap();
         assert!(l.is_empty(), "the last reference leaves at once");
         l.release_undo(H, r);
-        assert_eq!(l.handle(H), Some(HandleEntry { bytes: MB2, refs: 1, maps: 0 }));
+        assert_eq!(
+            l.handle(H),
+            Some(HandleEntry {
+                bytes: MB2,
+                refs: 1,
+                maps: 0
+            })
+        );
         l.map_handle(0x1000_0000, MB2, H);
         let r = l.release_begin(H).unwrap();
         assert_eq!(r, Release::NotLast);
         let u = l.unmap_begin(0x1000_0000, MB2);
         assert_eq!(u.bytes(), MB2);
         l.unmap_undo(u);
-        assert_eq!(l.handle(H), Some(HandleEntry { bytes: MB2, refs: 0, maps: 1 }));
+        assert_eq!(
+            l.handle(H),
+            Some(HandleEntry {
+                bytes: MB2,
+                refs: 0,
+                maps: 1
+            })
+        );
         assert_eq!(l.mapping_count(), 1);
         l.release_undo(H, r);
         assert_eq!(l.handle(H).unwrap().refs, 1);

@@ -78,7 +78,10 @@ impl fmt::Write for LineBuf {
 
 /// Writes one line to stderr. Use the [`tlog!`](crate::tlog) macro instead.
 pub fn write(level: Level, args: fmt::Arguments<'_>) {
-    let mut line = LineBuf { buf: [0; 512], len: 0 };
+    let mut line = LineBuf {
+        buf: [0; 512],
+        len: 0,
+    };
     let tag = match level {
         Level::Off => "",
         Level::Error => "error",
@@ -123,7 +126,10 @@ mod tests {
 
     #[test]
     fn long_lines_are_truncated_not_overflowed() {
-        let mut line = LineBuf { buf: [0; 512], len: 0 };
+        let mut line = LineBuf {
+            buf: [0; 512],
+            len: 0,
+        };
         let long = "x".repeat(2000);
         let _ = write!(line, "{long}");
         assert_eq!(line.len, 511);

@@ -62,7 +62,11 @@ fn reserve_then(
 
 /// `cuMemCreate` on the device: reserved like any allocation, booked as a handle with one
 /// reference and no mapping.
-pub fn vmm_create(p: &'static Process, bytes: u64, driver: impl FnOnce() -> (CUresult, u64)) -> Outcome<CUresult> {
+pub fn vmm_create(
+    p: &'static Process,
+    bytes: u64,
+    driver: impl FnOnce() -> (CUresult, u64),
+) -> Outcome<CUresult> {
     reserve_then(p, bytes, driver, |handle| {
         let replaced = p.ledger().create_handle(handle, bytes);
         if let Some(old) = replaced {
@@ -73,7 +77,11 @@ pub fn vmm_create(p: &'static Process, bytes: u64, driver: impl FnOnce() -> (CUr
 
 /// `cuMemRelease`: one reference goes; the bytes are released only with the last reference
 /// of a handle no longer mapped. Handles not counted here pass through.
-pub fn vmm_release(p: &'static Process, handle: u64, driver: impl FnOnce() -> CUresult) -> Outcome<CUresult> {
+pub fn vmm_release(
+    p: &'static Process,
+    handle: u64,
+    driver: impl FnOnce() -> CUresult,
+) -> Outcome<CUresult> {
     let Some(taken) = p.ledger().release_begin(handle) else {
         return Outcome::PassThrough;
     };
@@ -88,7 +96,13 @@ pub fn vmm_release(p: &'static Process, handle: u64, driver: impl FnOnce() -> CU
 
 /// `cuMemMap`: a mapping of a counted handle is recorded by its address (and keeps the
 /// handle's memory counted until it is unmapped).
-pub fn vmm_map(p: &'static Process, va: u64, size: u64, handle: u64, driver: impl FnOnce() -> CUresult) -> Outcome<CUresult> {
+pub fn vmm_map(
+    p: &'static Process,
+    va: u64,
+    size: u64,
+    handle: u64,
+    driver: impl FnOnce() -> CUresult,
+) -> Outcome<CUresult> {
     let r = driver();
     if r == CUDA_SUCCESS {
         let stale = p.ledger().map_handle(va, size, handle);
@@ -102,7 +116,12 @@ pub fn vmm_map(p: &'static Process, va: u64, size: u64, handle: u64, driver: imp
 /// `cuMemUnmap` (and `cuMemAddressFree`, which unmaps what is left): every recorded mapping
 /// starting in the range goes; a handle left with no reference and no mapping is released.
 /// A range with no recorded mapping passes through.
-pub fn vmm_unmap(p: &'static Process, va: u64, size: u64, driver: impl FnOnce() -> CUresult) -> Outcome<CUresult> {
+pub fn vmm_unmap(
+    p: &'static Process,
+    va: u64,
+    size: u64,
+    driver: impl FnOnce() -> CUresult,
+) -> Outcome<CUresult> {
     let taken = {
         let mut l = p.ledger();
         if !l.has_mappings_in(va, size) {
@@ -125,7 +144,10 @@ pub fn vmm_unmap(p: &'static Process, va: u64, size: u64, driver: impl FnOnce() 
 /// `cuMemRetainAllocationHandle` (and `cuMemImportFromShareableHandle`): the handle the
 /// driver answers gains a reference when it is counted here (a handle of another process is
 /// that process's to count).
-pub fn vmm_retain(p: &'static Process, driver: impl FnOnce() -> (CUresult, u64)) -> Outcome<CUresult> {
+pub fn vmm_retain(
+    p: &'static Process,
+    driver: impl FnOnce() -> (CUresult, u64),
+) -> Outcome<CUresult> {
     let (r, handle) = driver();
     if r == CUDA_SUCCESS {
         let _ = p.ledger().retain_handle(handle);
@@ -156,7 +178,10 @@ pub fn allocate_pitch(
         return Outcome::PassThrough;
     }
     if let Err(e) = p.session.reserve(estimate) {
-        tlog!(Debug, "pitched allocation of ~{estimate} bytes refused: {e}");
+        tlog!(
+            Debug,
+            "pitched allocation of ~{estimate} bytes refused: {e}"
+        );
         return Outcome::Handled(CUDA_ERROR_OUT_OF_MEMORY);
     }
     let (r, ptr, pitch) = driver();
@@ -167,7 +192,10 @@ pub fn allocate_pitch(
     let actual = pitch.saturating_mul(height);
     if actual > estimate {
         if let Err(e) = p.session.reserve(actual - estimate) {
-            tlog!(Debug, "pitched allocation of {actual} bytes refused after the fact: {e}");
+            tlog!(
+                Debug,
+                "pitched allocation of {actual} bytes refused after the fact: {e}"
+            );
             undo(ptr);
             p.session.release(estimate);
             return Outcome::Handled(CUDA_ERROR_OUT_OF_MEMORY);
@@ -181,12 +209,20 @@ pub fn allocate_pitch(
 
 /// Conservative size of a pitched allocation before the driver answers.
 pub fn pitch_estimate(width: u64, height: u64) -> u64 {
-    width.div_ceil(PITCH_ALIGN).saturating_mul(PITCH_ALIGN).saturating_mul(height)
+    width
+        .div_ceil(PITCH_ALIGN)
+        .saturating_mul(PITCH_ALIGN)
+        .saturating_mul(height)
 }
 
 /// Frees a known object: forgets it, calls the driver, releases on success (restores the
 /// entry if the driver failed). Unknown objects pass through untouched.
-pub fn free(p: &'static Process, kind: Kind, key: u64, driver: impl FnOnce() -> CUresult) -> Outcome<CUresult> {
+pub fn free(
+    p: &'static Process,
+    kind: Kind,
+    key: u64,
+    driver: impl FnOnce() -> CUresult,
+) -> Outcome<CUresult> {
     let Some(bytes) = p.ledger().remove(kind, key) else {
         return Outcome::PassThrough;
     };
@@ -211,14 +247,14 @@ pub fn virtual_mem_info(p: &'static Process, real_free: u64) -> Option<(u64, u64
 /// per element (the widest), so nothing is under-counted.
 pub fn element_bytes(format: u32, channels: u32) -> u64 {
     let per_channel: u64 = match format {
-        0x01 | 0x08 => 1,                      // (UN)SIGNED_INT8
-        0x02 | 0x09 | 0x10 => 2,               // (UN)SIGNED_INT16, HALF
-        0x03 | 0x0a | 0x20 => 4,               // (UN)SIGNED_INT32, FLOAT
-        0xb0 => 2,                             // NV12 (1.5 bytes per pixel, rounded up)
-        0xc0 | 0xc6 => 1,                      // UNORM/SNORM_INT8X1
-        0xc1 | 0xc7 | 0xc3 | 0xc9 => 2,        // INT8X2, INT16X1
-        0xc2 | 0xc8 | 0xc4 | 0xca => 4,        // INT8X4, INT16X2
-        0xc5 | 0xcb => 8,                      // INT16X4
+        0x01 | 0x08 => 1,               // (UN)SIGNED_INT8
+        0x02 | 0x09 | 0x10 => 2,        // (UN)SIGNED_INT16, HALF
+        0x03 | 0x0a | 0x20 => 4,        // (UN)SIGNED_INT32, FLOAT
+        0xb0 => 2,                      // NV12 (1.5 bytes per pixel, rounded up)
+        0xc0 | 0xc6 => 1,               // UNORM/SNORM_INT8X1
+        0xc1 | 0xc7 | 0xc3 | 0xc9 => 2, // INT8X2, INT16X1
+        0xc2 | 0xc8 | 0xc4 | 0xca => 4, // INT8X4, INT16X2
+        0xc5 | 0xcb => 8,               // INT16X4
         _ => 16,
     };
     // Packed formats (0xc0..) carry their channel count in the format; the descriptor says 1.
@@ -273,7 +309,11 @@ mod tests {
         assert_eq!(pitch_estimate(512, 10), 5120);
         assert_eq!(pitch_estimate(513, 2), 2048);
         assert_eq!(pitch_estimate(0, 100), 0);
-        assert_eq!(pitch_estimate(u64::MAX, 2), u64::MAX, "saturates, never wraps");
+        assert_eq!(
+            pitch_estimate(u64::MAX, 2),
+            u64::MAX,
+            "saturates, never wraps"
+        );
     }
 
     #[test]

@@ -74,7 +74,13 @@ impl MockArbiter {
                 }
             }
         });
-        Self { path: path.to_owned(), stop, books, streams, thread: Some(thread) }
+        Self {
+            path: path.to_owned(),
+            stop,
+            books,
+            streams,
+            thread: Some(thread),
+        }
     }
 
     /// Bytes in use across all connections.
@@ -108,10 +114,21 @@ impl MockArbiter {
             b.channels.len()
         };
         self.wait_for("relinquish", |a| {
-            a.books.lock().unwrap().relinquished.iter().filter(|(s, _)| *s == seq).count() == n
+            a.books
+                .lock()
+                .unwrap()
+                .relinquished
+                .iter()
+                .filter(|(s, _)| *s == seq)
+                .count()
+                == n
         });
         let b = self.books.lock().unwrap();
-        b.relinquished.iter().filter(|(s, _)| *s == seq).map(|(_, bytes)| bytes).sum()
+        b.relinquished
+            .iter()
+            .filter(|(s, _)| *s == seq)
+            .map(|(_, bytes)| bytes)
+            .sum()
     }
 
     /// Open pressure channels.
@@ -152,10 +169,17 @@ impl Drop for MockArbiter {
 }
 
 fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) {
-    let Ok(hello) = read_frame::<_, Hello>(&mut stream) else { return };
+    let Ok(hello) = read_frame::<_, Hello>(&mut stream) else {
+        return;
+    };
     let ok = matches!(&hello.role, Role::Tenant { token } if token == TOKEN);
     if !ok {
-        let _ = write_frame(&mut stream, &ServerHello::Refused { reason: "unknown token".into() });
+        let _ = write_frame(
+            &mut stream,
+            &ServerHello::Refused {
+                reason: "unknown token".into(),
+            },
+        );
         return;
     }
     let view = AllocationView {
@@ -167,7 +191,15 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
         cap: None,
     };
     books.lock().unwrap().per_conn.insert(id, 0);
-    if write_frame(&mut stream, &ServerHello::Welcome { version: 1, allocation: Some(view) }).is_err() {
+    if write_frame(
+        &mut stream,
+        &ServerHello::Welcome {
+            version: 1,
+            allocation: Some(view),
+        },
+    )
+    .is_err()
+    {
         books.lock().unwrap().per_conn.remove(&id);
         return;
     }
@@ -222,38 +254,62 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
     b.channels.remove(&id);
 }
 
-fn serve_one(req: TenantRequest, b: &mut Books, id: u64, total: u64, limit: u64) -> Option<TenantReply> {
+fn serve_one(
+    req: TenantRequest,
+    b: &mut Books,
+    id: u64,
+    total: u64,
+    limit: u64,
+) -> Option<TenantReply> {
     let mine = b.per_conn.get_mut(&id).expect("own entry");
-            match req {
-                TenantRequest::Reserve { bytes } => {
-                    if total + bytes <= limit {
-                        *mine += bytes;
-                        Some(TenantReply::Reserved { in_use: total + bytes })
-                    } else {
-                        Some(TenantReply::Denied { limit, in_use: total })
-                    }
-                }
-                TenantRequest::Release { bytes } => {
-                    *mine = mine.saturating_sub(bytes);
-                    None
-                }
-                TenantRequest::Redeclare { bytes } => {
-                    *mine = bytes;
-                    Some(TenantReply::Reserved { in_use: total + bytes })
-                }
-                TenantRequest::ReserveCredit { bytes, extra, .. } => {
-                    if total + bytes <= limit {
-                        let granted = bytes + extra.min((limit - total - bytes) / 2);
-                        *mine += granted;
-                        Some(TenantReply::Granted { bytes: granted, in_use: total + granted })
-                    } else {
-                        Some(TenantReply::Denied { limit, in_use: total })
-                    }
-                }
-                // The ticket is the connection's own number.
-                TenantRequest::Ticket => Some(TenantReply::Ticket { ticket: id }),
-                TenantRequest::MemInfo => Some(TenantReply::MemInfo { limit, in_use: total }),
-                TenantRequest::Ping => Some(TenantReply::Pong),
-                other => Some(TenantReply::Error { message: format!("mock does not serve {other:?}") }),
+    match req {
+        TenantRequest::Reserve { bytes } => {
+            if total + bytes <= limit {
+                *mine += bytes;
+                Some(TenantReply::Reserved {
+                    in_use: total + bytes,
+                })
+            } else {
+                Some(TenantReply::Denied {
+                    limit,
+                    in_use: total,
+                })
             }
+        }
+        TenantRequest::Release { bytes } => {
+            *mine = mine.saturating_sub(bytes);
+            None
+        }
+        TenantRequest::Redeclare { bytes } => {
+            *mine = bytes;
+            Some(TenantReply::Reserved {
+                in_use: total + bytes,
+            })
+        }
+        TenantRequest::ReserveCredit { bytes, extra, .. } => {
+            if total + bytes <= limit {
+                let granted = bytes + extra.min((limit - total - bytes) / 2);
+                *mine += granted;
+                Some(TenantReply::Granted {
+                    bytes: granted,
+                    in_use: total + granted,
+                })
+            } else {
+                Some(TenantReply::Denied {
+                    limit,
+                    in_use: total,
+                })
+            }
+        }
+        // The ticket is the connection's own number.
+        TenantRequest::Ticket => Some(TenantReply::Ticket { ticket: id }),
+        TenantRequest::MemInfo => Some(TenantReply::MemInfo {
+            limit,
+            in_use: total,
+        }),
+        TenantRequest::Ping => Some(TenantReply::Pong),
+        other => Some(TenantReply::Error {
+            message: format!("mock does not serve {other:?}"),
+        }),
+    }
 }

@@ -158,7 +158,9 @@ pub struct Session {
 
 impl std::fmt::Debug for Session {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Session").field("socket", &self.socket).finish_non_exhaustive()
+        f.debug_struct("Session")
+            .field("socket", &self.socket)
+            .finish_non_exhaustive()
     }
 }
 
@@ -206,7 +208,9 @@ impl Session {
 
     /// Bytes this process has allocated (held at the arbiter, less unused credit).
     pub fn held(&self) -> u64 {
-        self.held.load(Ordering::Acquire).saturating_sub(self.credit.load(Ordering::Acquire))
+        self.held
+            .load(Ordering::Acquire)
+            .saturating_sub(self.credit.load(Ordering::Acquire))
     }
 
     /// Unused credit: bytes the arbiter counts for this process that it has not allocated.
@@ -216,7 +220,9 @@ impl Session {
 
     /// The allocation's limit, if a `Welcome` was ever received.
     pub fn known_limit(&self) -> Option<u64> {
-        self.limit_known.load(Ordering::Acquire).then(|| self.limit.load(Ordering::Acquire))
+        self.limit_known
+            .load(Ordering::Acquire)
+            .then(|| self.limit.load(Ordering::Acquire))
     }
 
     /// True while a connection is open.
@@ -281,7 +287,11 @@ impl Session {
             let extra = s.extra();
             let req = if s.has_channel() {
                 let given_back = s.given_back.load(Ordering::Acquire);
-                TenantRequest::ReserveCredit { bytes: need, extra, given_back }
+                TenantRequest::ReserveCredit {
+                    bytes: need,
+                    extra,
+                    given_back,
+                }
             } else {
                 TenantRequest::Reserve { bytes: need }
             };
@@ -375,12 +385,17 @@ impl Session {
             Ok(c) => c,
             Err(_) => return false,
         };
-        let Some(ch) = channel.as_mut() else { return false };
+        let Some(ch) = channel.as_mut() else {
+            return false;
+        };
         let bytes = self.drop_credit_above(0);
         if bytes == 0 {
             return true;
         }
-        let sent = ch.send_nowait(&TenantRequest::Relinquish { seq: UNASKED, bytes });
+        let sent = ch.send_nowait(&TenantRequest::Relinquish {
+            seq: UNASKED,
+            bytes,
+        });
         if sent.is_ok() {
             self.given_back.fetch_add(1, Ordering::AcqRel);
             return true;
@@ -431,7 +446,8 @@ impl Session {
             return Some((limit, in_use));
         }
         // Nothing known yet: wait like an allocation would.
-        self.limit().map(|l| (l, self.last_in_use.load(Ordering::Acquire).max(self.held())))
+        self.limit()
+            .map(|l| (l, self.last_in_use.load(Ordering::Acquire).max(self.held())))
     }
 
     /// The allocation's limit; connects (waiting up to the outage bound) if none is known.
@@ -478,7 +494,11 @@ impl Session {
                         return Err(SessionError::Unavailable);
                     }
                     let until = at.min(deadline);
-                    std::thread::sleep(until.saturating_duration_since(now).max(Duration::from_millis(1)));
+                    std::thread::sleep(
+                        until
+                            .saturating_duration_since(now)
+                            .max(Duration::from_millis(1)),
+                    );
                 }
             }
         }
@@ -528,7 +548,12 @@ impl Session {
             if credit <= keep {
                 return 0;
             }
-            match self.credit.compare_exchange_weak(credit, keep, Ordering::SeqCst, Ordering::SeqCst) {
+            match self.credit.compare_exchange_weak(
+                credit,
+                keep,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            ) {
                 Ok(_) => {
                     let bytes = credit - keep;
                     self.held.fetch_sub(bytes, Ordering::SeqCst);
@@ -553,7 +578,10 @@ impl Session {
             if let Some(ch) = channel.as_mut() {
                 // Blocking (bounded by the connection's timeout): a full socket means the
                 // arbiter is busy, not that the bytes may be dropped.
-                match ch.send_blocking(&TenantRequest::Relinquish { seq: UNASKED, bytes }) {
+                match ch.send_blocking(&TenantRequest::Relinquish {
+                    seq: UNASKED,
+                    bytes,
+                }) {
                     Ok(()) => {
                         self.given_back.fetch_add(1, Ordering::AcqRel);
                         return;
@@ -605,8 +633,14 @@ impl Session {
         let Some(path) = self.socket.as_deref() else {
             if !link.refused {
                 match &crate::config::get().identity_error {
-                    Some(e) => tlog!(Error, "cannot prove this process's allocation ({e}): every allocation is refused and every launch fails"),
-                    None => tlog!(Error, "TESSERA_TOKEN is set but TESSERA_SOCKET is not: every allocation is refused and every launch fails"),
+                    Some(e) => tlog!(
+                        Error,
+                        "cannot prove this process's allocation ({e}): every allocation is refused and every launch fails"
+                    ),
+                    None => tlog!(
+                        Error,
+                        "TESSERA_TOKEN is set but TESSERA_SOCKET is not: every allocation is refused and every launch fails"
+                    ),
                 }
             }
             link.refused = true;
@@ -623,7 +657,9 @@ impl Session {
                         TenantReply::Reserved { in_use } => {
                             self.last_in_use.store(in_use, Ordering::Release)
                         }
-                        other => return Err(ConnError::Frame(format!("Redeclare answered {other:?}"))),
+                        other => {
+                            return Err(ConnError::Frame(format!("Redeclare answered {other:?}")));
+                        }
                     }
                 }
                 Ok((conn, view))
@@ -640,7 +676,12 @@ impl Session {
                 if link.ever_connected {
                     tlog!(Info, "reconnected to the arbiter; re-declared {held} bytes");
                 } else {
-                    tlog!(Debug, "connected to the arbiter: allocation {} limit {}", view.id, view.memory_limit);
+                    tlog!(
+                        Debug,
+                        "connected to the arbiter: allocation {} limit {}",
+                        view.id,
+                        view.memory_limit
+                    );
                 }
                 link.conn = Some(conn);
                 link.generation += 1;
@@ -704,7 +745,10 @@ impl Session {
                 self.channel_fd.store(ch.fd(), Ordering::Release);
                 *self.channel.lock().unwrap_or_else(|e| e.into_inner()) = Some(ch);
             }
-            Err(e) => tlog!(Info, "no pressure channel ({e}); this process keeps no memory credit"),
+            Err(e) => tlog!(
+                Info,
+                "no pressure channel ({e}); this process keeps no memory credit"
+            ),
         }
     }
 
@@ -766,7 +810,11 @@ impl Session {
         let (woken, mut pressed) = if before > self.keep() {
             (true, false)
         } else {
-            wait_either(self.wake_fd.load(Ordering::Acquire), self.channel_fd.load(Ordering::Acquire), self.policy.tick)
+            wait_either(
+                self.wake_fd.load(Ordering::Acquire),
+                self.channel_fd.load(Ordering::Acquire),
+                self.policy.tick,
+            )
         };
         if pressed {
             self.answer_pressure();
@@ -810,7 +858,9 @@ impl Session {
         // Connected (the common case): nothing to do, and no lock taken.
         let reconnected = self.conn_fd.load(Ordering::Acquire) >= 0 || {
             let mut link = self.lock();
-            !link.ever_connected || link.conn.is_some() || self.ensure_connected(&mut link, Instant::now())
+            !link.ever_connected
+                || link.conn.is_some()
+                || self.ensure_connected(&mut link, Instant::now())
         };
         if !reconnected {
             std::thread::sleep(self.policy.tick.min(self.policy.backoff_max));
@@ -833,7 +883,10 @@ impl Session {
         // SAFETY: eventfd has no memory preconditions.
         let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if efd < 0 {
-            tlog!(Warn, "cannot create the watcher's eventfd; frees send their release at once");
+            tlog!(
+                Warn,
+                "cannot create the watcher's eventfd; frees send their release at once"
+            );
         }
         let spawned = std::thread::Builder::new()
             .name("tessera-watch".into())
@@ -850,7 +903,10 @@ impl Session {
                 true
             }
             Err(_) => {
-                tlog!(Warn, "cannot start the watcher thread; reconnection waits for the next call");
+                tlog!(
+                    Warn,
+                    "cannot start the watcher thread; reconnection waits for the next call"
+                );
                 if efd >= 0 {
                     // SAFETY: our own eventfd, never published.
                     unsafe { libc::close(efd) };
@@ -888,8 +944,16 @@ fn wait_either(wake: RawFd, chan: RawFd, tick: Duration) -> (bool, bool) {
         return (false, false);
     }
     let mut pfd = [
-        libc::pollfd { fd: wake, events: libc::POLLIN, revents: 0 },
-        libc::pollfd { fd: chan, events: libc::POLLIN, revents: 0 },
+        libc::pollfd {
+            fd: wake,
+            events: libc::POLLIN,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: chan,
+            events: libc::POLLIN,
+            revents: 0,
+        },
     ];
     let ms = tick.as_millis().min(i32::MAX as u128) as i32;
     // Sub-millisecond waits round up so the release delay is not a busy loop.
@@ -899,7 +963,9 @@ fn wait_either(wake: RawFd, chan: RawFd, tick: Duration) -> (bool, bool) {
     if n <= 0 {
         return (false, false);
     }
-    let ready = |p: &libc::pollfd| p.fd >= 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0;
+    let ready = |p: &libc::pollfd| {
+        p.fd >= 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
+    };
     (ready(&pfd[0]), ready(&pfd[1]))
 }
 
@@ -913,7 +979,11 @@ fn hung_up(fd: RawFd) -> bool {
     if fd < 0 {
         return false;
     }
-    let mut pfd = libc::pollfd { fd, events: libc::POLLRDHUP, revents: 0 };
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
     // SAFETY: `pfd` is a valid pollfd array of length 1; a zero timeout never blocks. A stale
     // fd number at worst reports another file's state; the caller re-checks the generation.
     let n = unsafe { libc::poll(&mut pfd, 1, 0) };
@@ -939,7 +1009,11 @@ mod tests {
     }
 
     fn session(path: &std::path::Path, token: &str, p: Policy) -> &'static Session {
-        Box::leak(Box::new(Session::new(Some(path.to_owned()), token.to_owned(), p)))
+        Box::leak(Box::new(Session::new(
+            Some(path.to_owned()),
+            token.to_owned(),
+            p,
+        )))
     }
 
     #[test]
@@ -952,7 +1026,13 @@ mod tests {
         assert_eq!(arb.connections(), 0);
         assert_eq!(s.reserve(600), Ok(600));
         assert_eq!(s.known_limit(), Some(1000));
-        assert_eq!(s.reserve(600), Err(SessionError::Denied { limit: 1000, in_use: 600 }));
+        assert_eq!(
+            s.reserve(600),
+            Err(SessionError::Denied {
+                limit: 1000,
+                in_use: 600
+            })
+        );
         assert_eq!(s.held(), 600);
         s.release(600);
         assert_eq!(s.held(), 0);
@@ -963,7 +1043,12 @@ mod tests {
         assert_eq!(arb.connections(), 1);
         let log = arb.log();
         assert!(log.contains(&TenantRequest::Release { bytes: 600 }));
-        assert_eq!(log.iter().filter(|r| matches!(r, TenantRequest::Reserve { .. })).count(), 3);
+        assert_eq!(
+            log.iter()
+                .filter(|r| matches!(r, TenantRequest::Reserve { .. }))
+                .count(),
+            3
+        );
     }
 
     #[test]
@@ -978,7 +1063,11 @@ mod tests {
         // A free while the arbiter is down never waits.
         let t = Instant::now();
         s.release(200);
-        assert!(t.elapsed() < Duration::from_millis(100), "free waited {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_millis(100),
+            "free waited {:?}",
+            t.elapsed()
+        );
         assert_eq!(s.held(), 300);
         // The arbiter comes back after 300 ms; the allocation waits for it.
         let sock2 = sock.clone();
@@ -989,7 +1078,10 @@ mod tests {
         let t = Instant::now();
         assert_eq!(s.reserve(100), Ok(400));
         let waited = t.elapsed();
-        assert!(waited >= Duration::from_millis(250), "did not wait: {waited:?}");
+        assert!(
+            waited >= Duration::from_millis(250),
+            "did not wait: {waited:?}"
+        );
         let arb2 = back.join().unwrap();
         // The new arbiter's ledger is exact: 300 re-declared + 100 new.
         assert_eq!(arb2.in_use(), 400);
@@ -1005,7 +1097,10 @@ mod tests {
         let t = Instant::now();
         assert_eq!(s.reserve(1), Err(SessionError::Unavailable));
         let waited = t.elapsed();
-        assert!(waited >= Duration::from_millis(300) && waited < Duration::from_secs(2), "{waited:?}");
+        assert!(
+            waited >= Duration::from_millis(300) && waited < Duration::from_secs(2),
+            "{waited:?}"
+        );
         assert_eq!(s.mem_info(), None);
         assert_eq!(s.held(), 0);
     }
@@ -1019,12 +1114,20 @@ mod tests {
         let t = Instant::now();
         assert_eq!(s.reserve(1), Err(SessionError::Unavailable));
         assert_eq!(s.reserve(1), Err(SessionError::Unavailable));
-        assert!(t.elapsed() < Duration::from_millis(500), "{:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_millis(500),
+            "{:?}",
+            t.elapsed()
+        );
     }
 
     #[test]
     fn token_without_socket_refuses_everything() {
-        let s: &'static Session = Box::leak(Box::new(Session::new(None, TOKEN.into(), policy(3000, false))));
+        let s: &'static Session = Box::leak(Box::new(Session::new(
+            None,
+            TOKEN.into(),
+            policy(3000, false),
+        )));
         let t = Instant::now();
         assert_eq!(s.reserve(1), Err(SessionError::Unavailable));
         assert!(t.elapsed() < Duration::from_millis(500));
@@ -1047,7 +1150,13 @@ mod tests {
         assert!(s.connected());
         // Known use survives; a new reservation is counted on top.
         assert_eq!(s.reserve(300), Ok(1000));
-        assert_eq!(s.reserve(1), Err(SessionError::Denied { limit: 1000, in_use: 1000 }));
+        assert_eq!(
+            s.reserve(1),
+            Err(SessionError::Denied {
+                limit: 1000,
+                in_use: 1000
+            })
+        );
     }
 
     const MIB: u64 = 1 << 20;
@@ -1064,7 +1173,11 @@ mod tests {
 
     fn slow_flush(p: Policy) -> Policy {
         // The watcher does not announce a free before the next allocation in these tests.
-        Policy { release_delay: Duration::from_secs(5), tick: Duration::from_secs(5), ..p }
+        Policy {
+            release_delay: Duration::from_secs(5),
+            tick: Duration::from_secs(5),
+            ..p
+        }
     }
 
     #[test]
@@ -1076,14 +1189,25 @@ mod tests {
         assert_eq!(granule(GIB), 32 * MIB);
         assert_eq!(s.reserve(600 * MIB), Ok(600 * MIB));
         arb.wait_for("channel", |a| a.channels() == 1);
-        assert_eq!(mem_log(&arb), vec![TenantRequest::ReserveCredit { bytes: 600 * MIB, extra: 32 * MIB, given_back: 0 }]);
+        assert_eq!(
+            mem_log(&arb),
+            vec![TenantRequest::ReserveCredit {
+                bytes: 600 * MIB,
+                extra: 32 * MIB,
+                given_back: 0
+            }]
+        );
         assert_eq!((s.held(), s.credit()), (600 * MIB, 32 * MIB));
         // A free becomes credit; a larger allocation puts it all towards the request.
         s.release(600 * MIB);
         assert_eq!(s.reserve(700 * MIB), Ok(700 * MIB));
         assert_eq!(
             mem_log(&arb)[1..],
-            [TenantRequest::ReserveCredit { bytes: 68 * MIB, extra: 32 * MIB, given_back: 0 }]
+            [TenantRequest::ReserveCredit {
+                bytes: 68 * MIB,
+                extra: 32 * MIB,
+                given_back: 0
+            }]
         );
         assert_eq!((s.held(), s.credit()), (700 * MIB, 32 * MIB));
         assert_eq!(arb.in_use(), 732 * MIB);
@@ -1095,29 +1219,48 @@ mod tests {
     }
 
     #[test]
-    fn a_free_above_the_kept_credit_is_announced_within_the_delay_and_an_idle_process_returns_the_rest() {
+    fn a_free_above_the_kept_credit_is_announced_within_the_delay_and_an_idle_process_returns_the_rest()
+     {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("t.sock");
         let arb = MockArbiter::start(&sock, GIB);
-        let s = session(&sock, TOKEN, Policy { tick: Duration::from_millis(100), ..policy(3000, true) });
+        let s = session(
+            &sock,
+            TOKEN,
+            Policy {
+                tick: Duration::from_millis(100),
+                ..policy(3000, true)
+            },
+        );
         s.reserve(600 * MIB).unwrap();
         arb.wait_for("channel", |a| a.channels() == 1);
         let t = Instant::now();
         s.release(600 * MIB);
         // Down to the two granules kept, within a few milliseconds.
         arb.wait_for("flush above keep", |a| a.in_use() == 64 * MIB);
-        assert!(t.elapsed() < Duration::from_millis(90), "flushed after {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_millis(90),
+            "flushed after {:?}",
+            t.elapsed()
+        );
         assert_eq!(s.credit(), 64 * MIB);
         // Untouched for a tick: given back.
         arb.wait_for("idle return", |a| a.in_use() == 0);
         assert_eq!((s.held(), s.credit()), (0, 0));
         // Given back unasked on the pressure channel (ordered before any answer to a pressure).
         let log = mem_log(&arb);
-        assert!(!log.iter().any(|r| matches!(r, TenantRequest::Release { .. })), "{log:?}");
+        assert!(
+            !log.iter()
+                .any(|r| matches!(r, TenantRequest::Release { .. })),
+            "{log:?}"
+        );
         let released: u64 = log
             .iter()
             .map(|r| match r {
-                TenantRequest::Relinquish { seq: UNASKED, bytes } => *bytes,
+                TenantRequest::Relinquish {
+                    seq: UNASKED,
+                    bytes,
+                } => *bytes,
                 _ => 0,
             })
             .sum();
@@ -1157,7 +1300,10 @@ mod tests {
     }
 
     fn is_reserve(r: &TenantRequest) -> bool {
-        matches!(r, TenantRequest::Reserve { .. } | TenantRequest::ReserveCredit { .. })
+        matches!(
+            r,
+            TenantRequest::Reserve { .. } | TenantRequest::ReserveCredit { .. }
+        )
     }
 
     #[test]
@@ -1173,7 +1319,12 @@ mod tests {
         assert_eq!(s.held(), 0);
         s.reserve(600 * MIB).unwrap();
         assert_eq!(s.held(), 600 * MIB);
-        assert_eq!(mem_log(&arb).len(), 1, "local reservation reached the arbiter: {:?}", arb.log());
+        assert_eq!(
+            mem_log(&arb).len(),
+            1,
+            "local reservation reached the arbiter: {:?}",
+            arb.log()
+        );
         assert_eq!(arb.in_use(), 632 * MIB);
         // A smaller one, and one within the granule, are local too.
         s.release(600 * MIB);
@@ -1184,7 +1335,10 @@ mod tests {
         // The credit never grants past the limit: the arbiter's count covers it.
         assert_eq!(
             s.reserve(393 * MIB),
-            Err(SessionError::Denied { limit: GIB, in_use: 632 * MIB })
+            Err(SessionError::Denied {
+                limit: GIB,
+                in_use: 632 * MIB
+            })
         );
         assert_eq!((s.held(), s.credit()), (632 * MIB, 0));
         assert_eq!(count(&mem_log(&arb), is_reserve), 2);
@@ -1216,7 +1370,14 @@ mod tests {
         let arb = MockArbiter::start(&sock, GIB);
         // An idle tick of 1 s: long enough not to return the credit during the test, short
         // enough to see the pressed mark wear off.
-        let s = session(&sock, TOKEN, Policy { tick: Duration::from_secs(1), ..slow_flush(policy(3000, true)) });
+        let s = session(
+            &sock,
+            TOKEN,
+            Policy {
+                tick: Duration::from_secs(1),
+                ..slow_flush(policy(3000, true))
+            },
+        );
         s.reserve(300 * MIB).unwrap();
         s.reserve(100 * MIB).unwrap();
         s.release(300 * MIB);
@@ -1225,7 +1386,11 @@ mod tests {
         assert!(credit >= 300 * MIB);
         let t = Instant::now();
         assert_eq!(arb.press_all(7), credit);
-        assert!(t.elapsed() < Duration::from_secs(1), "answered after {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "answered after {:?}",
+            t.elapsed()
+        );
         assert_eq!(arb.in_use(), 100 * MIB);
         assert_eq!((s.held(), s.credit()), (100 * MIB, 0));
         // Pressed lately: no credit asked for or kept.
@@ -1233,14 +1398,21 @@ mod tests {
         s.reserve(50 * MIB).unwrap();
         assert_eq!(
             mem_log(&arb).last(),
-            Some(&TenantRequest::ReserveCredit { bytes: 50 * MIB, extra: 0, given_back: 1 })
+            Some(&TenantRequest::ReserveCredit {
+                bytes: 50 * MIB,
+                extra: 0,
+                given_back: 1
+            })
         );
         // A second pressure with nothing to give answers 0.
         assert_eq!(arb.press_all(8), 0);
         // The pressed mark wears off: credit again.
         let t = Instant::now();
         while s.keep() == 0 {
-            assert!(t.elapsed() < Duration::from_secs(5), "the pressed mark never wore off");
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "the pressed mark never wore off"
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
         assert!(t.elapsed() >= PRESSED_FOR - Duration::from_millis(20));
@@ -1258,7 +1430,13 @@ mod tests {
         assert_eq!(arb.channels(), 0);
         s.release(100 * MIB);
         arb.wait_for("release", |a| a.in_use() == 0);
-        assert_eq!(mem_log(&arb), vec![TenantRequest::Reserve { bytes: 100 * MIB }, TenantRequest::Release { bytes: 100 * MIB }]);
+        assert_eq!(
+            mem_log(&arb),
+            vec![
+                TenantRequest::Reserve { bytes: 100 * MIB },
+                TenantRequest::Release { bytes: 100 * MIB }
+            ]
+        );
     }
 
     #[test]
@@ -1267,7 +1445,14 @@ mod tests {
         let sock = dir.path().join("t.sock");
         let arb = MockArbiter::start(&sock, 1000);
         // The watcher, woken by the free, sleeps the release delay before it looks at the socket.
-        let s = session(&sock, TOKEN, Policy { release_delay: Duration::from_millis(300), ..policy(3000, true) });
+        let s = session(
+            &sock,
+            TOKEN,
+            Policy {
+                release_delay: Duration::from_millis(300),
+                ..policy(3000, true)
+            },
+        );
         s.reserve(400).unwrap();
         s.reserve(100).unwrap();
         s.release(400);

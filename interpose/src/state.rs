@@ -29,7 +29,11 @@ pub struct Process {
 impl Process {
     /// A process state with the given session and launch gate.
     pub fn new(session: Session, gate: Gate) -> Self {
-        Self { session, ledger: Mutex::new(Ledger::default()), gate }
+        Self {
+            session,
+            ledger: Mutex::new(Ledger::default()),
+            gate,
+        }
     }
 
     /// The ledger, even after a panic elsewhere poisoned its lock (its data stays consistent:
@@ -58,9 +62,18 @@ fn create() -> Option<&'static Process> {
     let token = cfg.token.clone()?;
     let fresh = Box::into_raw(Box::new(Process::new(
         Session::new(cfg.socket.clone(), token.clone(), Policy::default()),
-        if cfg.closed() { Gate::new(None, token).closed() } else { Gate::new(cfg.socket.clone(), token) },
+        if cfg.closed() {
+            Gate::new(None, token).closed()
+        } else {
+            Gate::new(cfg.socket.clone(), token)
+        },
     )));
-    match PROCESS.compare_exchange(std::ptr::null_mut(), fresh, Ordering::AcqRel, Ordering::Acquire) {
+    match PROCESS.compare_exchange(
+        std::ptr::null_mut(),
+        fresh,
+        Ordering::AcqRel,
+        Ordering::Acquire,
+    ) {
         // SAFETY: we just published `fresh`; it is never freed.
         Ok(_) => Some(unsafe { &*fresh }),
         Err(winner) => {
@@ -83,7 +96,10 @@ pub fn register_atfork() {
     // SAFETY: the handler is a plain function that lives as long as the process.
     let rc = unsafe { crate::ffi::pthread_atfork(None, None, Some(atfork_child)) };
     if rc != 0 {
-        tlog!(Warn, "pthread_atfork failed ({rc}); a forked child would share its parent's connection");
+        tlog!(
+            Warn,
+            "pthread_atfork failed ({rc}); a forked child would share its parent's connection"
+        );
     }
 }
 

@@ -164,7 +164,10 @@ pub fn by_name(name: &[u8]) -> Option<&'static Hook> {
 pub fn by_base(base: &[u8], version: i32, flags: u64) -> Option<&'static Hook> {
     let per_thread = flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM != 0;
     let mut legacy = None;
-    for h in HOOKS.iter().filter(|h| h.lib == Lib::Cuda && h.base.as_bytes() == base) {
+    for h in HOOKS
+        .iter()
+        .filter(|h| h.lib == Lib::Cuda && h.base.as_bytes() == base)
+    {
         if version < h.since || version >= h.until {
             continue;
         }
@@ -201,23 +204,43 @@ mod tests {
         for (i, a) in HOOKS.iter().enumerate() {
             for b in &HOOKS[i + 1..] {
                 assert_ne!(a.name, b.name);
-                assert_ne!(a.wrapper.0, b.wrapper.0, "{:?} and {:?} share a wrapper", a.name, b.name);
+                assert_ne!(
+                    a.wrapper.0, b.wrapper.0,
+                    "{:?} and {:?} share a wrapper",
+                    a.name, b.name
+                );
             }
             let name = a.name.to_str().unwrap();
-            assert!(name.starts_with(a.base), "{name} does not extend {}", a.base);
+            assert!(
+                name.starts_with(a.base),
+                "{name} does not extend {}",
+                a.base
+            );
             assert_eq!(a.per_thread, name.ends_with("_ptsz"), "{name}");
             assert!(a.since < a.until);
         }
         assert_eq!(HookId::MemAlloc_v2.hook().name, c"cuMemAlloc_v2");
-        assert_eq!(HookId::NvmlMemoryInfo_v2.hook().name, c"nvmlDeviceGetMemoryInfo_v2");
+        assert_eq!(
+            HookId::NvmlMemoryInfo_v2.hook().name,
+            c"nvmlDeviceGetMemoryInfo_v2"
+        );
     }
 
     #[test]
     fn exact_names_resolve() {
         assert_eq!(by_name(b"cuMemAlloc_v2").unwrap().name, c"cuMemAlloc_v2");
-        assert_eq!(by_name(b"cuLaunchKernel_ptsz").unwrap().name, c"cuLaunchKernel_ptsz");
-        assert_eq!(by_name(b"nvmlDeviceGetMemoryInfo").unwrap().name, c"nvmlDeviceGetMemoryInfo");
-        assert!(by_name(b"cuMemAlloc").is_none(), "the 32-bit v1 entry point is not this hook");
+        assert_eq!(
+            by_name(b"cuLaunchKernel_ptsz").unwrap().name,
+            c"cuLaunchKernel_ptsz"
+        );
+        assert_eq!(
+            by_name(b"nvmlDeviceGetMemoryInfo").unwrap().name,
+            c"nvmlDeviceGetMemoryInfo"
+        );
+        assert!(
+            by_name(b"cuMemAlloc").is_none(),
+            "the 32-bit v1 entry point is not this hook"
+        );
         assert!(by_name(b"cuCtxCreate_v2").is_none());
         assert!(by_name(b"malloc").is_none());
         assert!(by_name(b"").is_none());
@@ -230,10 +253,16 @@ mod tests {
         assert_eq!(name(b"cuMemAlloc", 3020, 0), Some("cuMemAlloc_v2"));
         assert_eq!(name(b"cuMemAlloc", 2000, 0), None, "v1 is not hooked");
         // Flag 2 = per-thread default stream.
-        assert_eq!(name(b"cuMemAllocAsync", 12000, 2), Some("cuMemAllocAsync_ptsz"));
+        assert_eq!(
+            name(b"cuMemAllocAsync", 12000, 2),
+            Some("cuMemAllocAsync_ptsz")
+        );
         assert_eq!(name(b"cuMemAllocAsync", 12000, 1), Some("cuMemAllocAsync"));
         assert_eq!(name(b"cuMemAllocAsync", 12000, 0), Some("cuMemAllocAsync"));
-        assert_eq!(name(b"cuLaunchKernel", 12000, 2), Some("cuLaunchKernel_ptsz"));
+        assert_eq!(
+            name(b"cuLaunchKernel", 12000, 2),
+            Some("cuLaunchKernel_ptsz")
+        );
         assert_eq!(name(b"cuGraphLaunch", 10000, 2), Some("cuGraphLaunch_ptsz"));
         // No _ptsz twin: flag 2 still gets the plain variant.
         assert_eq!(name(b"cuMemAlloc", 12000, 2), Some("cuMemAlloc_v2"));
@@ -241,21 +270,62 @@ mod tests {
         // VMM: every call that changes how long a handle's memory lives.
         assert_eq!(name(b"cuMemMap", 12000, 0), Some("cuMemMap"));
         assert_eq!(name(b"cuMemUnmap", 13000, 2), Some("cuMemUnmap"));
-        assert_eq!(name(b"cuMemAddressFree", 12000, 0), Some("cuMemAddressFree"));
-        assert_eq!(name(b"cuMemRetainAllocationHandle", 11000, 0), Some("cuMemRetainAllocationHandle"));
-        assert_eq!(name(b"cuMemRetainAllocationHandle", 10020, 0), None, "before the API existed");
-        assert_eq!(name(b"cuMemImportFromShareableHandle", 12000, 0), Some("cuMemImportFromShareableHandle"));
+        assert_eq!(
+            name(b"cuMemAddressFree", 12000, 0),
+            Some("cuMemAddressFree")
+        );
+        assert_eq!(
+            name(b"cuMemRetainAllocationHandle", 11000, 0),
+            Some("cuMemRetainAllocationHandle")
+        );
+        assert_eq!(
+            name(b"cuMemRetainAllocationHandle", 10020, 0),
+            None,
+            "before the API existed"
+        );
+        assert_eq!(
+            name(b"cuMemImportFromShareableHandle", 12000, 0),
+            Some("cuMemImportFromShareableHandle")
+        );
         // cuGetProcAddress itself changed signature at 12000.
-        assert_eq!(name(b"cuGetProcAddress", 11080, 0), Some("cuGetProcAddress"));
-        assert_eq!(name(b"cuGetProcAddress", 12000, 0), Some("cuGetProcAddress_v2"));
-        assert_eq!(name(b"cuGetProcAddress", 13000, 2), Some("cuGetProcAddress_v2"));
-        assert_eq!(name(b"cuMemAllocAsync", 11000, 0), None, "before the API existed");
+        assert_eq!(
+            name(b"cuGetProcAddress", 11080, 0),
+            Some("cuGetProcAddress")
+        );
+        assert_eq!(
+            name(b"cuGetProcAddress", 12000, 0),
+            Some("cuGetProcAddress_v2")
+        );
+        assert_eq!(
+            name(b"cuGetProcAddress", 13000, 2),
+            Some("cuGetProcAddress_v2")
+        );
+        assert_eq!(
+            name(b"cuMemAllocAsync", 11000, 0),
+            None,
+            "before the API existed"
+        );
         // Synchronisation: the launch gate hears of drains through every variant.
-        assert_eq!(name(b"cuStreamSynchronize", 12000, 0), Some("cuStreamSynchronize"));
-        assert_eq!(name(b"cuStreamSynchronize", 12000, 2), Some("cuStreamSynchronize_ptsz"));
-        assert_eq!(name(b"cuCtxSynchronize", 12080, 0), Some("cuCtxSynchronize"));
-        assert_eq!(name(b"cuCtxSynchronize", 13000, 0), Some("cuCtxSynchronize_v2"));
-        assert_eq!(name(b"cuEventSynchronize", 13000, 2), Some("cuEventSynchronize"));
+        assert_eq!(
+            name(b"cuStreamSynchronize", 12000, 0),
+            Some("cuStreamSynchronize")
+        );
+        assert_eq!(
+            name(b"cuStreamSynchronize", 12000, 2),
+            Some("cuStreamSynchronize_ptsz")
+        );
+        assert_eq!(
+            name(b"cuCtxSynchronize", 12080, 0),
+            Some("cuCtxSynchronize")
+        );
+        assert_eq!(
+            name(b"cuCtxSynchronize", 13000, 0),
+            Some("cuCtxSynchronize_v2")
+        );
+        assert_eq!(
+            name(b"cuEventSynchronize", 13000, 2),
+            Some("cuEventSynchronize")
+        );
         // NVML is never resolved through cuGetProcAddress.
         assert_eq!(name(b"nvmlDeviceGetMemoryInfo", 13000, 0), None);
     }

@@ -19,22 +19,35 @@ fn a_child_that_goes_around_the_interposer_is_killed_within_a_second() {
     // The parent connects (its first allocation) and stays honest.
     assert_eq!(parent.ask(&format!("alloc {}", 100 * MIB))["alloc"], 0);
     let spawned = parent.ask(&format!("spawn_bare {}", 4 * GIB));
-    assert_eq!(spawned["child_alloc"], 0, "the bare child got its memory from the driver: {spawned}");
+    assert_eq!(
+        spawned["child_alloc"], 0,
+        "the bare child got its memory from the driver: {spawned}"
+    );
     let child = spawned["child"].as_u64().unwrap() as u32;
     let t = Instant::now();
     assert!(bed.sim_used() >= 4 * GIB, "the card holds the bypass");
     let killed = wait_until(Duration::from_secs(3), || !alive(child));
-    let took = killed.unwrap_or_else(|| panic!("the bypassing child was not killed\n{}", bed.arbiter_log()));
+    let took = killed
+        .unwrap_or_else(|| panic!("the bypassing child was not killed\n{}", bed.arbiter_log()));
     eprintln!("bypass of 4 GiB under a 1 GiB limit: killed {took:?} after its allocation returned");
-    assert!(t.elapsed() < Duration::from_secs(1), "killed after {:?}", t.elapsed());
-    wait_until(Duration::from_secs(2), || bed.sim_used() <= GIB).expect("the card back under the limit");
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "killed after {:?}",
+        t.elapsed()
+    );
+    wait_until(Duration::from_secs(2), || bed.sim_used() <= GIB)
+        .expect("the card back under the limit");
     // The log line and the count follow the kill.
     let line = format!("pid {child} of allocation");
     wait_until(Duration::from_secs(2), || bed.arbiter_log().contains(&line))
         .unwrap_or_else(|| panic!("no log line\n{}", bed.arbiter_log()));
     let log = bed.arbiter_log();
-    assert!(log.contains("killed") && log.contains("never connected"), "{log}");
-    wait_until(Duration::from_secs(2), || bed.status(&id).enforced == 1).expect("counted for `tessera status`");
+    assert!(
+        log.contains("killed") && log.contains("never connected"),
+        "{log}"
+    );
+    wait_until(Duration::from_secs(2), || bed.status(&id).enforced == 1)
+        .expect("counted for `tessera status`");
     // The honest parent is untouched and keeps working.
     assert_eq!(parent.ask(&format!("alloc {}", 100 * MIB))["alloc"], 0);
     assert!(parent.exit().success());
@@ -48,7 +61,9 @@ fn in_report_mode_the_bypass_is_logged_and_left_running() {
     assert_eq!(parent.ask(&format!("alloc {}", 100 * MIB))["alloc"], 0);
     let spawned = parent.ask(&format!("spawn_bare {}", 2 * GIB));
     let child = spawned["child"].as_u64().unwrap() as u32;
-    let reported = wait_until(Duration::from_secs(3), || bed.arbiter_log().contains("reported"));
+    let reported = wait_until(Duration::from_secs(3), || {
+        bed.arbiter_log().contains("reported")
+    });
     assert!(reported.is_some(), "no report\n{}", bed.arbiter_log());
     std::thread::sleep(Duration::from_millis(300));
     assert!(alive(child), "report mode must not kill");
@@ -61,7 +76,12 @@ fn honest_processes_of_an_allocation_at_its_limit_are_never_touched() {
     // nothing more.
     let context = 300 * MIB;
     let tolerance = (context / MIB).to_string();
-    let bed = Bed::with_arbiter_args(&["--backstop-interval-ms", "50", "--backstop-tolerance-mib", &tolerance]);
+    let bed = Bed::with_arbiter_args(&[
+        "--backstop-interval-ms",
+        "50",
+        "--backstop-tolerance-mib",
+        &tolerance,
+    ]);
     assert_eq!(bed.context_bytes(), context);
     let (token, id) = bed.create(GIB);
     // Two processes fill the limit exactly, a forked child adds its own share; the backstop
@@ -72,15 +92,26 @@ fn honest_processes_of_an_allocation_at_its_limit_are_never_touched() {
     assert_eq!(b.ask(&format!("alloc {}", 400 * MIB))["alloc"], 0);
     let forked = a.ask(&format!("fork_child {}", 224 * MIB));
     assert_eq!(a.read()["child_alloc"], 0);
-    assert_eq!(a.ask(&format!("alloc {}", MIB))["alloc"], 2, "the limit is full");
+    assert_eq!(
+        a.ask(&format!("alloc {}", MIB))["alloc"],
+        2,
+        "the limit is full"
+    );
     std::thread::sleep(Duration::from_millis(500));
     // The limit's allocations plus the two contexts (the forked child uses its parent's).
     assert_eq!(bed.sim_used(), GIB + 2 * context);
-    let done = a.ask(&format!("release_child {} {}", forked["release_fd"], forked["forked"]));
+    let done = a.ask(&format!(
+        "release_child {} {}",
+        forked["release_fd"], forked["forked"]
+    ));
     assert_eq!(done["child_status"], 0, "the honest child was touched");
     assert!(a.exit().success());
     assert!(b.exit().success());
-    assert!(!bed.arbiter_log().contains("backstop: pid"), "{}", bed.arbiter_log());
+    assert!(
+        !bed.arbiter_log().contains("backstop: pid"),
+        "{}",
+        bed.arbiter_log()
+    );
     wait_until(Duration::from_secs(5), || bed.used(&id) == 0).expect("ledger back to zero");
 }
 
@@ -105,17 +136,30 @@ fn an_escape_is_killed(bed: &Bed, id: &str, mut cmd: std::process::Command, how:
     let took = t.elapsed();
     eprintln!("escape through {how}: killed {took:?} after its allocation");
     use std::os::unix::process::ExitStatusExt;
-    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}\n{}", bed.arbiter_log());
+    assert_eq!(
+        status.signal(),
+        Some(libc::SIGKILL),
+        "{status:?}\n{}",
+        bed.arbiter_log()
+    );
     // NVML's truth, within a second of the escape: a dead process's record is dead at once.
     let back = wait_until(Duration::from_secs(2), || bed.sim_used() <= GIB + TOLERANCE);
     back.expect("the card back under the limit plus the tolerance");
-    assert!(t.elapsed() < Duration::from_secs(1), "killed and back after {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "killed and back after {:?}",
+        t.elapsed()
+    );
     wait_until(Duration::from_secs(2), || bed.status(id).enforced == 1).expect("counted");
     // The count comes before the kill, the log line after it: wait for the line.
     let line = format!("backstop: pid {pid} of allocation {id} killed");
     wait_until(Duration::from_secs(2), || bed.arbiter_log().contains(&line))
         .unwrap_or_else(|| panic!("no log line for the kill\n{}", bed.arbiter_log()));
-    assert!(bed.arbiter_log().contains("it connected"), "{}", bed.arbiter_log());
+    assert!(
+        bed.arbiter_log().contains("it connected"),
+        "{}",
+        bed.arbiter_log()
+    );
 }
 
 #[test]

@@ -28,7 +28,10 @@ fn busy_by_pid(bed: &Bed) -> HashMap<u32, u64> {
 /// The Python client under the interposer with `token`, output piped.
 fn client(bed: &Bed, token: &str, args: &[&str]) -> Command {
     let mut cmd = bed.tenant_command(&python(), token);
-    cmd.arg(script("compute_client.py")).args(args).stdout(Stdio::piped()).stderr(Stdio::piped());
+    cmd.arg(script("compute_client.py"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     cmd
 }
 
@@ -40,8 +43,16 @@ fn spawn_client(bed: &Bed, token: &str, args: &[&str]) -> Child {
 /// action would be there).
 fn finish(bed: &Bed, c: Child) -> serde_json::Value {
     let out = c.wait_with_output().unwrap();
-    let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "client failed ({:?}): {so}\n{se}\narbiter log:\n{}", out.status, bed.arbiter_log());
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success(),
+        "client failed ({:?}): {so}\n{se}\narbiter log:\n{}",
+        out.status,
+        bed.arbiter_log()
+    );
     last_json(&so, &se)
 }
 
@@ -89,8 +100,15 @@ fn shares_30_70_split_the_gpu_time() {
         bed.status(&a_id).gpu_time_10s_ns as f64 / 1e9,
         bed.status(&b_id).gpu_time_10s_ns as f64 / 1e9,
     );
-    assert!((0.2..=0.4).contains(&share_a), "A (share 30) got {share_a:.3} of the GPU time");
-    assert!(device > 0.75 * 4e9, "the GPU idled: {:.2} s busy", device / 1e9);
+    assert!(
+        (0.2..=0.4).contains(&share_a),
+        "A (share 30) got {share_a:.3} of the GPU time"
+    );
+    assert!(
+        device > 0.75 * 4e9,
+        "the GPU idled: {:.2} s busy",
+        device / 1e9
+    );
 }
 
 #[test]
@@ -117,7 +135,10 @@ fn a_tenant_that_synchronises_after_every_launch_keeps_its_share() {
         bb / 1e9,
         jb["launches"],
     );
-    assert!(share_a >= 0.40, "A (share 50, synchronising) got only {share_a:.3} of the GPU time");
+    assert!(
+        share_a >= 0.40,
+        "A (share 50, synchronising) got only {share_a:.3} of the GPU time"
+    );
 }
 
 #[test]
@@ -129,7 +150,10 @@ fn a_tenant_with_host_work_between_steps_keeps_its_share() {
     let bed = Bed::new();
     let (a_token, _) = bed.create_with(GIB, 50, None);
     let (b_token, _) = bed.create_with(GIB, 50, None);
-    let a = client(&bed, &a_token, &["sync_host", "3", "2"]).env("TESSERA_LOG", "debug").spawn().unwrap();
+    let a = client(&bed, &a_token, &["sync_host", "3", "2"])
+        .env("TESSERA_LOG", "debug")
+        .spawn()
+        .unwrap();
     let b = spawn_client(&bed, &b_token, &["kernel", "3", "2"]);
     let pids = [a.id(), b.id()];
     let busy = watch_busy(&bed, &pids, || !pids.iter().any(|&p| alive(p)));
@@ -155,7 +179,10 @@ fn a_tenant_with_host_work_between_steps_keeps_its_share() {
     );
     // A's own host work leaves the GPU idle for ~23% of its turns, so its fair fraction of the
     // busy time is below half.
-    assert!(share_a >= 0.33, "A (share 50, host work between steps) got only {share_a:.3} of the GPU time");
+    assert!(
+        share_a >= 0.33,
+        "A (share 50, host work between steps) got only {share_a:.3} of the GPU time"
+    );
 }
 
 #[test]
@@ -194,7 +221,6 @@ fn a_lone_tenant_keeps_the_gpu_busy() {
     assert!(frac >= 0.8, "gating wasted the GPU: busy {frac:.3}");
 }
 
-
 #[test]
 fn every_launch_path_is_gated() {
     let _serial = serial();
@@ -216,7 +242,10 @@ fn every_launch_path_is_gated() {
         let busy = watch_busy(&bed, &[pid], || !alive(pid));
         let j = finish(&bed, c);
         if mode == "c_ptsz" {
-            assert_eq!(j["resolved"], "cuLaunchKernel_ptsz", "flag 2 hands out the _ptsz wrapper");
+            assert_eq!(
+                j["resolved"], "cuLaunchKernel_ptsz",
+                "flag 2 hands out the _ptsz wrapper"
+            );
         }
         let charged = bed.status(&id).gpu_time_10s_ns;
         eprintln!(
@@ -249,7 +278,9 @@ fn synchronous_calls_inside_a_lease_do_not_deadlock() {
     let b = spawn_client(&bed, &b_token, &["kernel", "2", "2"]);
     let pids = [a.id(), b.id()];
     let t = Instant::now();
-    let busy = watch_busy(&bed, &pids, || !pids.iter().any(|&p| alive(p)) || t.elapsed() > Duration::from_secs(30));
+    let busy = watch_busy(&bed, &pids, || {
+        !pids.iter().any(|&p| alive(p)) || t.elapsed() > Duration::from_secs(30)
+    });
     assert!(t.elapsed() < Duration::from_secs(30), "tenants hung");
     let (ja, jb) = (finish(&bed, a), finish(&bed, b));
     eprintln!(
@@ -260,11 +291,18 @@ fn synchronous_calls_inside_a_lease_do_not_deadlock() {
         busy[&pids[1]] as f64 / 1e9
     );
     assert!(ja["launches"].as_u64().unwrap() >= 10);
-    assert!(busy[&pids[0]] > 300_000_000 && busy[&pids[1]] > 300_000_000, "both must progress: {busy:?}");
+    assert!(
+        busy[&pids[0]] > 300_000_000 && busy[&pids[1]] > 300_000_000,
+        "both must progress: {busy:?}"
+    );
     // Equal shares: neither the syncing tenant nor the steady one takes most of the GPU (its
     // kernels, longer than a lease, run one per lease and their overrun is charged).
     let frac_a = busy[&pids[0]] as f64 / (busy[&pids[0]] + busy[&pids[1]]) as f64;
-    assert!((0.3..=0.7).contains(&frac_a), "equal shares split {frac_a:.3} / {:.3}", 1.0 - frac_a);
+    assert!(
+        (0.3..=0.7).contains(&frac_a),
+        "equal shares split {frac_a:.3} / {:.3}",
+        1.0 - frac_a
+    );
 }
 
 #[test]
@@ -288,7 +326,10 @@ fn every_synchronise_wakes_the_lease_manager() {
         assert!(status.success(), "{mode}: {stdout}\n{stderr}");
         if mode == "c_ptsz" {
             let j: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
-            assert_eq!(j["resolved_sync"], "cuStreamSynchronize_ptsz", "flag 2 hands out the _ptsz wrapper");
+            assert_eq!(
+                j["resolved_sync"], "cuStreamSynchronize_ptsz",
+                "flag 2 hands out the _ptsz wrapper"
+            );
         }
         let wakes: Vec<u64> = stderr
             .lines()
@@ -296,10 +337,17 @@ fn every_synchronise_wakes_the_lease_manager() {
             .filter_map(|v| v.split(',').next()?.trim().parse().ok())
             .collect();
         let total: u64 = wakes.iter().sum();
-        eprintln!("{mode}: {} leases, {total} synchronise wake-ups", wakes.len());
+        eprintln!(
+            "{mode}: {} leases, {total} synchronise wake-ups",
+            wakes.len()
+        );
         assert!(!wakes.is_empty(), "{mode}: no lease was logged:\n{stderr}");
         // About 150 kernels of 2 ms, each waited for: the hook fires on nearly all of them.
-        assert!(total >= 20, "{mode}: only {total} synchronise wake-ups in {} leases", wakes.len());
+        assert!(
+            total >= 20,
+            "{mode}: only {total} synchronise wake-ups in {} leases",
+            wakes.len()
+        );
         bed.admin().delete(&id).unwrap();
     }
 }
@@ -318,11 +366,20 @@ fn a_launcher_cancelled_while_waiting_for_a_lease_exits_cleanly() {
     std::thread::sleep(Duration::from_millis(300));
     let (status, stdout, stderr) = run(bed.tenant_command(&exe, &c_token).args(["12", "40"]));
     let _ = finish(&bed, a);
-    assert!(status.success(), "the client died: {status:?}\n{stdout}\n{stderr}");
+    assert!(
+        status.success(),
+        "the client died: {status:?}\n{stdout}\n{stderr}"
+    );
     let j: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
     eprintln!("cancel: {j}");
-    assert_eq!(j["cancelled"], 12, "every launcher thread ends by cancellation: {j}");
-    assert!(j["launches"].as_u64().unwrap() > 0, "the launchers never ran: {j}");
+    assert_eq!(
+        j["cancelled"], 12,
+        "every launcher thread ends by cancellation: {j}"
+    );
+    assert!(
+        j["launches"].as_u64().unwrap() > 0,
+        "the launchers never ran: {j}"
+    );
 }
 
 #[test]
@@ -347,8 +404,15 @@ fn an_idle_holder_hands_back_early() {
     let b = spawn_client(&bed, &b_token, &["sync", "0.3", "2"]);
     let jb = finish(&bed, b);
     let first = jb["first_done_after"].as_f64().unwrap();
-    eprintln!("early hand-back: B's first 2 ms kernel done {:.1} ms after it started", first * 1e3);
-    assert!(first < 0.050, "B waited {:.1} ms for an idle holder", first * 1e3);
+    eprintln!(
+        "early hand-back: B's first 2 ms kernel done {:.1} ms after it started",
+        first * 1e3
+    );
+    assert!(
+        first < 0.050,
+        "B waited {:.1} ms for an idle holder",
+        first * 1e3
+    );
     assert!(a.wait().unwrap().success());
 }
 
@@ -375,9 +439,18 @@ fn launches_keep_running_while_the_arbiter_restarts() {
         j["launches"],
         charged as f64 / 1e9
     );
-    assert!(frac > 0.7, "the tenant stalled across the restart: busy {frac:.3}");
-    assert!(frac < 1.2 && tail < 0.5, "work in flight was not bounded during the outage: {tail:.3} s queued");
-    assert!(charged > 500_000_000, "gating did not resume after the restart");
+    assert!(
+        frac > 0.7,
+        "the tenant stalled across the restart: busy {frac:.3}"
+    );
+    assert!(
+        frac < 1.2 && tail < 0.5,
+        "work in flight was not bounded during the outage: {tail:.3} s queued"
+    );
+    assert!(
+        charged > 500_000_000,
+        "gating did not resume after the restart"
+    );
 }
 
 #[test]
@@ -401,11 +474,16 @@ fn a_tenant_that_launches_around_the_gate_gets_at_most_15_percent_and_is_killed(
         .spawn()
         .unwrap();
     let pids = [low.id(), high.id()];
-    let busy = watch_busy(&bed, &pids, || start.elapsed() > Duration::from_secs(10) || !alive(pids[1]));
+    let busy = watch_busy(&bed, &pids, || {
+        start.elapsed() > Duration::from_secs(10) || !alive(pids[1])
+    });
     let status = low.wait().unwrap();
     let out = std::io::read_to_string(low.stdout.take().unwrap()).unwrap_or_default();
     let jh = finish(&bed, high);
-    let (bl, bh) = (busy.get(&pids[0]).copied().unwrap_or(0) as f64, busy[&pids[1]] as f64);
+    let (bl, bh) = (
+        busy.get(&pids[0]).copied().unwrap_or(0) as f64,
+        busy[&pids[1]] as f64,
+    );
     let share_low = bl / (bl + bh);
     use std::os::unix::process::ExitStatusExt;
     eprintln!(
@@ -417,9 +495,20 @@ fn a_tenant_that_launches_around_the_gate_gets_at_most_15_percent_and_is_killed(
         jh["launches"],
         bed.status(&low_id).gpu_time_10s_ns as f64 / 1e9,
     );
-    assert!(out.starts_with("bypassing"), "the client never went around the gate: {out}");
-    assert!(share_low <= 0.15, "the bypassing share-10 tenant got {share_low:.3} of the GPU time");
-    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}\n{}", bed.arbiter_log());
+    assert!(
+        out.starts_with("bypassing"),
+        "the client never went around the gate: {out}"
+    );
+    assert!(
+        share_low <= 0.15,
+        "the bypassing share-10 tenant got {share_low:.3} of the GPU time"
+    );
+    assert_eq!(
+        status.signal(),
+        Some(libc::SIGKILL),
+        "{status:?}\n{}",
+        bed.arbiter_log()
+    );
     let log = bed.arbiter_log();
     assert!(log.contains("outside its leases"), "{log}");
     assert!(bed.status(&low_id).enforced >= 1, "counted");

@@ -15,9 +15,17 @@ fn as_u64(v: &serde_json::Value) -> u64 {
 
 /// Asserts the 600 + 600 MiB pattern of `mem_client.py limits` for one API.
 fn assert_twice(out: &serde_json::Value, label: &str) {
-    let get = |k: &str| out[format!("{label}_{k}")].as_i64().unwrap_or_else(|| panic!("{label}_{k} missing: {out}"));
+    let get = |k: &str| {
+        out[format!("{label}_{k}")]
+            .as_i64()
+            .unwrap_or_else(|| panic!("{label}_{k} missing: {out}"))
+    };
     assert_eq!(get("first"), 0, "{label}: first 600 MiB");
-    assert_eq!(get("second"), OOM, "{label}: second 600 MiB must be refused with OUT_OF_MEMORY");
+    assert_eq!(
+        get("second"),
+        OOM,
+        "{label}: second 600 MiB must be refused with OUT_OF_MEMORY"
+    );
     assert_eq!(get("free"), 0, "{label}: free");
     assert_eq!(get("after_free"), 0, "{label}: succeeds after the free");
     assert_eq!(get("free_info"), GIB as i64, "{label}: everything released");
@@ -25,22 +33,46 @@ fn assert_twice(out: &serde_json::Value, label: &str) {
 
 fn assert_limits_output(out: &serde_json::Value) {
     let start = &out["start"];
-    assert_eq!(as_u64(&start["device_total"]), GIB, "cuDeviceTotalMem_v2 shows the limit");
-    assert_eq!(as_u64(&start["total"]), GIB, "cuMemGetInfo_v2 total is the limit");
+    assert_eq!(
+        as_u64(&start["device_total"]),
+        GIB,
+        "cuDeviceTotalMem_v2 shows the limit"
+    );
+    assert_eq!(
+        as_u64(&start["total"]),
+        GIB,
+        "cuMemGetInfo_v2 total is the limit"
+    );
     assert_eq!(as_u64(&start["free"]), GIB);
     let nvml = &start["nvml"];
     assert_eq!(nvml["rc"], 0);
-    assert_eq!(as_u64(&nvml["total"]), GIB, "nvmlDeviceGetMemoryInfo shows the limit");
-    assert_eq!(as_u64(&nvml["total_v2"]), GIB, "nvmlDeviceGetMemoryInfo_v2 shows the limit");
+    assert_eq!(
+        as_u64(&nvml["total"]),
+        GIB,
+        "nvmlDeviceGetMemoryInfo shows the limit"
+    );
+    assert_eq!(
+        as_u64(&nvml["total_v2"]),
+        GIB,
+        "nvmlDeviceGetMemoryInfo_v2 shows the limit"
+    );
     let held = &out["held_info"];
     assert_eq!(as_u64(&held["free"]), GIB - 600 * MIB, "600 MiB held");
     assert_eq!(as_u64(&held["nvml"]["used"]), 600 * MIB);
     assert_eq!(as_u64(&held["nvml"]["free_v2"]), GIB - 600 * MIB);
-    for api in ["alloc", "managed", "async", "pool", "pitch", "vmm", "array", "array3d", "mipmap"] {
+    for api in [
+        "alloc", "managed", "async", "pool", "pitch", "vmm", "array", "array3d", "mipmap",
+    ] {
         assert_twice(out, api);
     }
-    assert_eq!(out["mixed_array_over_plain"], OOM, "arrays and linear memory share one limit");
-    assert_ne!(out["free_unknown"], 0, "unknown pointer freed by the driver, not by us");
+    assert_eq!(
+        out["mixed_array_over_plain"], OOM,
+        "arrays and linear memory share one limit"
+    );
+    assert_ne!(
+        out["free_unknown"], 0,
+        "unknown pointer freed by the driver, not by us"
+    );
     assert_eq!(as_u64(&out["end"]["free"]), GIB);
 }
 
@@ -52,7 +84,8 @@ fn every_allocation_api_is_held_to_the_limit() {
     assert!(st.success(), "client failed: {st}\n{out}\n{err}");
     assert_limits_output(&last_json(&out, &err));
     // The arbiter sees the exit as its socket closing, a moment after `wait` returns.
-    wait_until(Duration::from_secs(2), || bed.used(&id) == 0).expect("nothing left in the ledger after exit");
+    wait_until(Duration::from_secs(2), || bed.used(&id) == 0)
+        .expect("nothing left in the ledger after exit");
     assert_eq!(bed.sim_used(), 0);
 }
 
@@ -85,9 +118,16 @@ fn tessera_run_under_tessera_sim_shows_and_enforces_a_one_gib_card() {
         .env_remove("TESSERA_SOCKET")
         .env_remove("TESSERA_ADMIN_SOCKET");
     let (st, out, err) = run(&mut cmd);
-    assert!(st.success(), "tessera run failed: {st}\n{out}\n{err}\n{}", bed.arbiter_log());
+    assert!(
+        st.success(),
+        "tessera run failed: {st}\n{out}\n{err}\n{}",
+        bed.arbiter_log()
+    );
     assert_limits_output(&last_json(&out, &err));
-    assert!(bed.admin().list().unwrap().is_empty(), "tessera run deletes its allocation");
+    assert!(
+        bed.admin().list().unwrap().is_empty(),
+        "tessera run deletes its allocation"
+    );
     assert_eq!(bed.sim_used(), 0);
 }
 
@@ -102,15 +142,25 @@ fn without_a_token_everything_passes_through() {
     let (st, out, err) = run(&mut cmd);
     assert!(st.success(), "{out}\n{err}");
     let info = last_json(&out, &err);
-    assert_eq!(as_u64(&info["device_total"]), 80 * GIB, "the whole simulated card: {info}");
+    assert_eq!(
+        as_u64(&info["device_total"]),
+        80 * GIB,
+        "the whole simulated card: {info}"
+    );
     assert_eq!(as_u64(&info["total"]), 80 * GIB);
     assert_eq!(as_u64(&info["nvml"]["total"]), 80 * GIB);
     // Allocations far above any limit go through, and no connection was made.
     let mut cmd = bed.sim_command(&python());
-    cmd.env("LD_PRELOAD", interposer()).arg(script("mem_client.py")).args(["race", "3", &(20 * GIB).to_string()]);
+    cmd.env("LD_PRELOAD", interposer())
+        .arg(script("mem_client.py"))
+        .args(["race", "3", &(20 * GIB).to_string()]);
     let (st, out, err) = run(&mut cmd);
     assert!(st.success(), "{out}\n{err}");
-    assert_eq!(last_json(&out, &err)["0"], 3, "all three 20 GiB allocations succeed");
+    assert_eq!(
+        last_json(&out, &err)["0"],
+        3,
+        "all three 20 GiB allocations succeed"
+    );
     assert!(bed.admin().list().unwrap().is_empty());
 }
 
@@ -134,18 +184,31 @@ fn eight_processes_race_to_the_limit() {
     let mut pids: Vec<_> = racers.iter().map(|c| c.id()).collect();
     let start = Instant::now();
     while !pids.is_empty() {
-        let a = admin.list().unwrap().into_iter().find(|a| a.id == id).unwrap();
+        let a = admin
+            .list()
+            .unwrap()
+            .into_iter()
+            .find(|a| a.id == id)
+            .unwrap();
         max_ledger = max_ledger.max(a.memory_used);
         peak_procs = peak_procs.max(a.processes);
         max_card = max_card.max(bed.sim_allocated());
         samples += 1;
-        pids.retain(|&pid| std::path::Path::new(&format!("/proc/{pid}/stat")).exists() && !zombie(pid));
-        assert!(start.elapsed() < Duration::from_secs(180), "racers did not finish");
+        pids.retain(|&pid| {
+            std::path::Path::new(&format!("/proc/{pid}/stat")).exists() && !zombie(pid)
+        });
+        assert!(
+            start.elapsed() < Duration::from_secs(180),
+            "racers did not finish"
+        );
     }
     let (mut ok, mut oom) = (0u64, 0u64);
     for c in racers {
         let out = c.wait_with_output().unwrap();
-        let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let (so, se) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
         assert!(out.status.success(), "racer failed: {so}\n{se}");
         let counts = last_json(&so, &se);
         for (k, v) in counts.as_object().unwrap() {
@@ -164,9 +227,15 @@ fn eight_processes_race_to_the_limit() {
     assert_eq!(ok + oom, 8000);
     // Three fit, eight race: the ledger reached three at once. Refusals may be 0: a process
     // that does not fit waits (up to 50 ms) for the others' frees instead of failing.
-    assert!(max_ledger >= 3 * size, "the limit must have been contended: max ledger {max_ledger}");
+    assert!(
+        max_ledger >= 3 * size,
+        "the limit must have been contended: max ledger {max_ledger}"
+    );
     assert!(max_ledger <= GIB, "ledger passed the limit: {max_ledger}");
-    assert!(max_card <= GIB, "the card held more than the limit: {max_card}");
+    assert!(
+        max_card <= GIB,
+        "the card held more than the limit: {max_card}"
+    );
     assert!(samples > 10, "too few samples to mean anything: {samples}");
     // A process's connections (memory, pressure channel) close one after the other.
     wait_until(Duration::from_secs(5), || {
@@ -178,7 +247,11 @@ fn eight_processes_race_to_the_limit() {
 
 fn zombie(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| s.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')))
+        .map(|s| {
+            s.rsplit(')')
+                .next()
+                .is_some_and(|rest| rest.trim_start().starts_with('Z'))
+        })
         .unwrap_or(true)
 }
 
@@ -190,13 +263,20 @@ fn sigkill_frees_memory_in_the_arbiter() {
     assert_eq!(s.ask(&format!("alloc {}", 600 * MIB))["alloc"], 0);
     // Credit taken ahead of need is counted until the idle process gives it back.
     assert!(bed.used(&id) >= 600 * MIB);
-    wait_until(Duration::from_secs(5), || bed.used(&id) == 600 * MIB).expect("idle credit returned");
+    wait_until(Duration::from_secs(5), || bed.used(&id) == 600 * MIB)
+        .expect("idle credit returned");
     let mut admin = bed.admin();
     s.child.kill().unwrap();
     let t = Instant::now();
     let mut took = None;
     while t.elapsed() < Duration::from_secs(5) {
-        let used = admin.list().unwrap().into_iter().find(|a| a.id == id).unwrap().memory_used;
+        let used = admin
+            .list()
+            .unwrap()
+            .into_iter()
+            .find(|a| a.id == id)
+            .unwrap()
+            .memory_used;
         if used == 0 {
             took = Some(t.elapsed());
             break;
@@ -233,7 +313,11 @@ fn arbiter_restart_under_running_tenants() {
     // While it is down: a free applies at once; the tenants keep running.
     let t = Instant::now();
     assert_eq!(b.ask("free_all")["free_all"], serde_json::json!([0, 0]));
-    assert!(t.elapsed() < Duration::from_millis(500), "a free waited for the arbiter: {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "a free waited for the arbiter: {:?}",
+        t.elapsed()
+    );
     std::thread::sleep(Duration::from_millis(300));
     bed.start_arbiter();
     // The idle tenants re-declare on their own: the ledger matches what they hold.
@@ -241,17 +325,34 @@ fn arbiter_restart_under_running_tenants() {
         let s = bed.status(&id);
         s.memory_used == 700 * MIB && s.processes >= 2
     });
-    assert!(matched.is_some(), "ledger after restart: {:?}\n{}", bed.status(&id), bed.arbiter_log());
+    assert!(
+        matched.is_some(),
+        "ledger after restart: {:?}\n{}",
+        bed.status(&id),
+        bed.arbiter_log()
+    );
     // Everyone keeps working.
     assert_eq!(b.ask(&format!("alloc {}", 300 * MIB))["alloc"], 0);
     assert_eq!(a.ask(&format!("alloc {}", 100 * MIB))["alloc"], 0);
     let out = racer.wait_with_output().unwrap();
-    let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
     assert!(out.status.success(), "the racing tenant failed: {so}\n{se}");
-    assert_eq!(last_json(&so, &se), serde_json::json!({"0": 4000}), "no allocation failed across the restart");
-    wait_until(Duration::from_secs(5), || bed.used(&id) == 1100 * MIB).expect("ledger = 800 + 300 MiB");
+    assert_eq!(
+        last_json(&so, &se),
+        serde_json::json!({"0": 4000}),
+        "no allocation failed across the restart"
+    );
+    wait_until(Duration::from_secs(5), || bed.used(&id) == 1100 * MIB)
+        .expect("ledger = 800 + 300 MiB");
     // Plus the two tenants' contexts (the racer has ended).
-    assert_eq!(bed.sim_used(), 1100 * MIB + 2 * bed.context_bytes(), "the card agrees");
+    assert_eq!(
+        bed.sim_used(),
+        1100 * MIB + 2 * bed.context_bytes(),
+        "the card agrees"
+    );
     assert!(a.exit().success());
     assert!(b.exit().success());
     wait_until(Duration::from_secs(5), || bed.used(&id) == 0).expect("ledger back to zero");
@@ -295,8 +396,12 @@ fn forked_child_is_accounted_separately() {
     let st = bed.status(&id);
     assert_eq!(st.processes, 2, "the child has its own connection");
     assert!(st.memory_used >= 500 * MIB);
-    wait_until(Duration::from_secs(5), || bed.used(&id) == 500 * MIB).expect("idle credit returned");
-    let done = s.ask(&format!("release_child {} {}", forked["release_fd"], forked["forked"]));
+    wait_until(Duration::from_secs(5), || bed.used(&id) == 500 * MIB)
+        .expect("idle credit returned");
+    let done = s.ask(&format!(
+        "release_child {} {}",
+        forked["release_fd"], forked["forked"]
+    ));
     assert_eq!(done["child_status"], 0);
     wait_until(Duration::from_secs(5), || {
         let s = bed.status(&id);

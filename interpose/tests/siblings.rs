@@ -16,20 +16,27 @@ fn mem_tenant() -> std::path::PathBuf {
 }
 
 fn mkfifo(path: &std::path::Path) {
-    let st = std::process::Command::new("mkfifo").arg(path).status().expect("mkfifo");
+    let st = std::process::Command::new("mkfifo")
+        .arg(path)
+        .status()
+        .expect("mkfifo");
     assert!(st.success(), "mkfifo {}", path.display());
 }
 
 /// The JSON line a `mem_tenant` prints at its end.
 fn counts(c: Child) -> serde_json::Value {
     let out = c.wait_with_output().unwrap();
-    let (so, se) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let (so, se) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
     assert!(out.status.success(), "mem_tenant failed: {so}\n{se}");
     last_json(&so, &se)
 }
 
 fn u(v: &serde_json::Value, k: &str) -> u64 {
-    v[k].as_u64().unwrap_or_else(|| panic!("{k} missing in {v}"))
+    v[k].as_u64()
+        .unwrap_or_else(|| panic!("{k} missing in {v}"))
 }
 
 /// Samples the ledger and the card until `done`; returns their peaks.
@@ -38,10 +45,18 @@ fn peaks(bed: &Bed, id: &str, mut done: impl FnMut() -> bool) -> (u64, u64) {
     let (mut ledger, mut card) = (0u64, 0u64);
     let start = Instant::now();
     while !done() {
-        let a = admin.list().unwrap().into_iter().find(|a| a.id == id).unwrap();
+        let a = admin
+            .list()
+            .unwrap()
+            .into_iter()
+            .find(|a| a.id == id)
+            .unwrap();
         ledger = ledger.max(a.memory_used);
         card = card.max(bed.sim_allocated());
-        assert!(start.elapsed() < Duration::from_secs(120), "tenants did not finish");
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "tenants did not finish"
+        );
         std::thread::sleep(Duration::from_millis(1));
     }
     (ledger, card)
@@ -93,7 +108,10 @@ fn a_free_in_one_process_is_counted_by_the_next_allocation_in_another() {
         0,
         "an allocation that began after the other process's free returned was refused"
     );
-    assert!(ledger <= limit && card <= limit, "ledger {ledger} card {card}");
+    assert!(
+        ledger <= limit && card <= limit,
+        "ledger {ledger} card {card}"
+    );
     wait_until(Duration::from_secs(5), || bed.used(&id) == 0).expect("ledger back to zero");
 }
 
@@ -109,7 +127,13 @@ fn churning_processes_are_rarely_refused_and_none_is_starved() {
     let tenants: Vec<Child> = (0..8)
         .map(|_| {
             bed.tenant_command(&mem_tenant(), &token)
-                .args(["churn", "--bytes", &chunk.to_string(), "--seconds", &seconds.to_string()])
+                .args([
+                    "churn",
+                    "--bytes",
+                    &chunk.to_string(),
+                    "--seconds",
+                    &seconds.to_string(),
+                ])
                 .args(["--start-ns", &start_ns.to_string()])
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -136,8 +160,14 @@ fn churning_processes_are_rarely_refused_and_none_is_starved() {
         (refusals as f64) < 0.01 * total as f64,
         "{refusals} of {total} allocations refused (target under 1%)"
     );
-    assert!(ledger <= limit && card <= limit, "ledger {ledger} card {card}");
-    assert!(min * 2 >= max, "a process was starved: grants per process {grants:?}");
+    assert!(
+        ledger <= limit && card <= limit,
+        "ledger {ledger} card {card}"
+    );
+    assert!(
+        min * 2 >= max,
+        "a process was starved: grants per process {grants:?}"
+    );
     wait_until(Duration::from_secs(5), || bed.used(&id) == 0).expect("ledger back to zero");
 }
 
@@ -160,7 +190,11 @@ fn a_memory_query_counts_other_processes_unused_credit_as_free() {
     assert_eq!(v(&info["total"]), GIB);
     assert_eq!(v(&info["free"]), GIB - 100 * MIB, "cuMemGetInfo_v2: {info}");
     assert_eq!(v(&info["nvml"]["free"]), GIB - 100 * MIB, "NVML: {info}");
-    assert_eq!(v(&info["nvml"]["free_v2"]), GIB - 100 * MIB, "NVML v2: {info}");
+    assert_eq!(
+        v(&info["nvml"]["free_v2"]),
+        GIB - 100 * MIB,
+        "NVML v2: {info}"
+    );
     assert!(a.exit().success());
     assert!(b.exit().success());
 }

@@ -24,13 +24,18 @@ struct Vmm {
 /// A tenant of `bed` (its own 1 GiB allocation) running the VMM client; (id, client).
 fn tenant(bed: &Bed) -> (String, Served) {
     let (token, id) = bed.create(GIB);
-    (id, Served::start_script(bed.tenant_command(&python(), &token), "vmm_client.py", &[]))
+    (
+        id,
+        Served::start_script(bed.tenant_command(&python(), &token), "vmm_client.py", &[]),
+    )
 }
 
 /// Runs one step on `client`; its result code.
 fn rc(client: &mut Served, cmd: &str) -> i64 {
     let a = client.ask(cmd);
-    a["rc"].as_i64().unwrap_or_else(|| panic!("{cmd}: bad answer {a}"))
+    a["rc"]
+        .as_i64()
+        .unwrap_or_else(|| panic!("{cmd}: bad answer {a}"))
 }
 
 impl Vmm {
@@ -57,15 +62,24 @@ impl Vmm {
     fn holds(&self, mib: u64, when: &str) {
         // Plus the client's context.
         let card = mib * MIB + self.bed.context_bytes();
-        assert_eq!(self.bed.sim_used(), card, "{when}: the simulated GPU holds {mib} MiB");
-        assert_eq!(self.bed.used(&self.id), mib * MIB, "{when}: the arbiter counts what the GPU holds");
+        assert_eq!(
+            self.bed.sim_used(),
+            card,
+            "{when}: the simulated GPU holds {mib} MiB"
+        );
+        assert_eq!(
+            self.bed.used(&self.id),
+            mib * MIB,
+            "{when}: the arbiter counts what the GPU holds"
+        );
     }
 
     /// Ends the client; nothing may stay counted or held.
     fn finish(self) {
         let Vmm { bed, id, client } = self;
         assert!(client.exit().success());
-        wait_until(Duration::from_secs(2), || bed.used(&id) == 0).expect("nothing left in the ledger after exit");
+        wait_until(Duration::from_secs(2), || bed.used(&id) == 0)
+            .expect("nothing left in the ledger after exit");
         assert_eq!(bed.sim_used(), 0);
     }
 }
@@ -172,7 +186,11 @@ fn released_but_mapped_memory_still_holds_the_limit() {
     t.step("reserve r 768");
     t.step("map r 0 h 768");
     t.step("release h");
-    assert_eq!(t.rc("alloc 512"), OOM, "768 MiB still mapped + 512 MiB is past the 1 GiB limit");
+    assert_eq!(
+        t.rc("alloc 512"),
+        OOM,
+        "768 MiB still mapped + 512 MiB is past the 1 GiB limit"
+    );
     t.holds(768, "the refused allocation took nothing");
     t.step("unmap r 0 768");
     assert_eq!(t.rc("alloc 512"), 0, "fits once the mapping is gone");
@@ -207,13 +225,29 @@ fn an_imported_handle_is_counted_once_by_its_creator() {
     b_step(&mut b, "reserve r 512");
     b_step(&mut b, "map r 0 h 512");
     let used = |id: &str| a.bed.used(id);
-    assert_eq!((used(&a.id), used(&b_id)), (512 * MIB, 0), "charged to the creator only");
+    assert_eq!(
+        (used(&a.id), used(&b_id)),
+        (512 * MIB, 0),
+        "charged to the creator only"
+    );
     let contexts = 2 * a.bed.context_bytes();
-    assert_eq!(a.bed.sim_used(), 512 * MIB + contexts, "one copy of the memory on the GPU");
+    assert_eq!(
+        a.bed.sim_used(),
+        512 * MIB + contexts,
+        "one copy of the memory on the GPU"
+    );
     b_step(&mut b, "release h");
-    assert_eq!(rc(&mut b, "alloc 1024"), 0, "the importer can still take its whole limit");
+    assert_eq!(
+        rc(&mut b, "alloc 1024"),
+        0,
+        "the importer can still take its whole limit"
+    );
     b_step(&mut b, "unmap r 0 512");
-    assert_eq!((used(&a.id), used(&b_id)), (512 * MIB, 0), "unmapping a foreign handle releases nothing");
+    assert_eq!(
+        (used(&a.id), used(&b_id)),
+        (512 * MIB, 0),
+        "unmapping a foreign handle releases nothing"
+    );
     b_step(&mut b, "free_va r");
     assert!(b.exit().success());
     a.step("release h");
@@ -237,12 +271,24 @@ fn the_release_at_once_idiom_is_refused_at_create_and_the_card_never_holds_more_
     let mut c_out = std::io::BufRead::lines(std::io::BufReader::new(c.stdout.take().unwrap()));
     let mut c = tessera_testkit::KillOnDrop::new(c);
     let mut line = || c_out.next().and_then(Result::ok).unwrap_or_default();
-    assert_eq!(line(), "create 4096 2", "4 GiB under a 1 GiB limit is refused at cuMemCreate");
+    assert_eq!(
+        line(),
+        "create 4096 2",
+        "4 GiB under a 1 GiB limit is refused at cuMemCreate"
+    );
     assert_eq!(line(), "create 512 0");
     assert_eq!(line(), "mapped 512 0");
     assert_eq!(line(), "create 512 0");
-    assert_eq!(line(), "mapped 512 0", "released at once, mapped: the limit is full");
-    assert_eq!(line(), "create 512 2", "released-but-mapped memory still counts");
+    assert_eq!(
+        line(),
+        "mapped 512 0",
+        "released at once, mapped: the limit is full"
+    );
+    assert_eq!(
+        line(),
+        "create 512 2",
+        "released-but-mapped memory still counts"
+    );
     assert_eq!(line(), "done");
     // NVML's truth over five backstop polls, mappings in place: exactly the limit (plus the
     // context every process has), so the
@@ -259,6 +305,10 @@ fn the_release_at_once_idiom_is_refused_at_create_and_the_card_never_holds_more_
     assert!(alive(pid), "refused, not killed\n{}", bed.arbiter_log());
     assert_eq!(bed.used(&id), GIB, "the arbiter counts what the card holds");
     assert_eq!(bed.status(&id).enforced, 0);
-    assert!(!bed.arbiter_log().contains("backstop: pid"), "{}", bed.arbiter_log());
+    assert!(
+        !bed.arbiter_log().contains("backstop: pid"),
+        "{}",
+        bed.arbiter_log()
+    );
     c.kill_and_reap();
 }

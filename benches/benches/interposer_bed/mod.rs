@@ -110,7 +110,14 @@ impl Bed {
                 Library::new(artifact("libtessera_interpose.so")).unwrap(),
             )
         };
-        let bed = Self { _arbiter: arbiter, _dir: dir, socket, token, sim, interposer };
+        let bed = Self {
+            _arbiter: arbiter,
+            _dir: dir,
+            socket,
+            token,
+            sim,
+            interposer,
+        };
         bed.make_context_current();
         bed
     }
@@ -144,7 +151,10 @@ impl Bed {
         unsafe {
             assert_eq!(self.raw::<Init>("cuInit")(0), 0);
             assert_eq!(self.raw::<DeviceGet>("cuDeviceGet")(&mut dev, 0), 0);
-            assert_eq!(self.raw::<Retain>("cuDevicePrimaryCtxRetain")(&mut ctx, dev), 0);
+            assert_eq!(
+                self.raw::<Retain>("cuDevicePrimaryCtxRetain")(&mut ctx, dev),
+                0
+            );
             assert_eq!(self.raw::<SetCurrent>("cuCtxSetCurrent")(ctx), 0);
         }
     }

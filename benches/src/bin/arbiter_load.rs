@@ -25,9 +25,9 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use tessera_benches::{SimNode, exit_with_parent, number_flag};
-use tessera_testkit::flood::raise_nofile;
 use tessera_protocol::client::{ClientError, TenantClient};
 use tessera_protocol::{CreateAllocation, GpuSelector, TenantReply, TenantRequest};
+use tessera_testkit::flood::raise_nofile;
 
 const WHO: &str = "arbiter_load";
 const MIB: u64 = 1 << 20;
@@ -114,7 +114,8 @@ fn honest(n: usize, pairs: usize, leases: usize) -> Honest {
     let started = Instant::now();
     let workers: Vec<_> = (0..n)
         .map(|_| {
-            let (socket, token, barrier) = (node.socket.clone(), token.clone(), Arc::clone(&barrier));
+            let (socket, token, barrier) =
+                (node.socket.clone(), token.clone(), Arc::clone(&barrier));
             std::thread::Builder::new()
                 .stack_size(256 << 10)
                 .spawn(move || {
@@ -131,11 +132,15 @@ fn honest(n: usize, pairs: usize, leases: usize) -> Honest {
                     let mut reserve = Vec::with_capacity(pairs);
                     for _ in 0..pairs {
                         let t0 = Instant::now();
-                        match t.call(&TenantRequest::Reserve { bytes: MIB }).expect("reserve") {
+                        match t
+                            .call(&TenantRequest::Reserve { bytes: MIB })
+                            .expect("reserve")
+                        {
                             TenantReply::Reserved { .. } => {}
                             other => panic!("{other:?}"),
                         }
-                        t.send(&TenantRequest::Release { bytes: MIB }).expect("release");
+                        t.send(&TenantRequest::Release { bytes: MIB })
+                            .expect("release");
                         reserve.push(t0.elapsed());
                     }
                     barrier.wait();
@@ -146,8 +151,12 @@ fn honest(n: usize, pairs: usize, leases: usize) -> Honest {
                             TenantReply::LeaseGranted { lease_id, .. } => lease_id,
                             other => panic!("{other:?}"),
                         };
-                        t.send(&TenantRequest::LeaseRelease { lease_id, busy_ns: 0, early: true })
-                            .expect("lease release");
+                        t.send(&TenantRequest::LeaseRelease {
+                            lease_id,
+                            busy_ns: 0,
+                            early: true,
+                        })
+                        .expect("lease release");
                         lease.push(t0.elapsed());
                     }
                     (reserve, lease)
@@ -166,7 +175,14 @@ fn honest(n: usize, pairs: usize, leases: usize) -> Honest {
     let (rss_kib, threads) = peaks.join().unwrap();
     reserve.sort();
     lease.sort();
-    Honest { tenants: n, reserve, lease, rss_kib, threads, secs }
+    Honest {
+        tenants: n,
+        reserve,
+        lease,
+        rss_kib,
+        threads,
+        secs,
+    }
 }
 
 /// Connects `n` tenants and keeps them; optionally each sends an unfinished frame of `partial`
@@ -176,7 +192,9 @@ fn idle(node: &SimNode, token: &str, n: usize, partial: usize) -> (u64, u64, u64
     let pid = node.arbiter_pid();
     std::thread::sleep(Duration::from_millis(300));
     let before = rss_kib(pid);
-    let mut frame = ((partial.saturating_sub(4)) as u32 + 1).to_le_bytes().to_vec();
+    let mut frame = ((partial.saturating_sub(4)) as u32 + 1)
+        .to_le_bytes()
+        .to_vec();
     frame.resize(partial, 0);
     let mut held = Vec::with_capacity(n);
     for i in 0..n {
@@ -201,8 +219,12 @@ fn idle(node: &SimNode, token: &str, n: usize, partial: usize) -> (u64, u64, u64
     let mut lat: Vec<Duration> = (0..2000)
         .map(|_| {
             let t0 = Instant::now();
-            probe.call(&TenantRequest::Reserve { bytes: MIB }).expect("reserve");
-            probe.send(&TenantRequest::Release { bytes: MIB }).expect("release");
+            probe
+                .call(&TenantRequest::Reserve { bytes: MIB })
+                .expect("reserve");
+            probe
+                .send(&TenantRequest::Release { bytes: MIB })
+                .expect("release");
             t0.elapsed()
         })
         .collect();
@@ -229,7 +251,9 @@ fn flood(per_child: usize, secs: f64) -> Flood {
     let pid = node.arbiter_pid();
     let token = create(&node, 64 << 30);
     let mut honest = TenantClient::connect(&node.socket, &token).expect("honest tenant");
-    let _ = honest.stream().set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = honest
+        .stream()
+        .set_read_timeout(Some(Duration::from_secs(5)));
     let stop = Arc::new(AtomicBool::new(false));
     let peaks = sampler(pid, Arc::clone(&stop));
     let exe = std::env::current_exe().expect("current_exe");
@@ -333,7 +357,12 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("--flood-child") {
         let socket = PathBuf::from(&args[2]);
-        let c = tessera_testkit::flood::flood(&socket, args[3].parse().expect("count"), args[4].parse().expect("seconds"), 400);
+        let c = tessera_testkit::flood::flood(
+            &socket,
+            args[3].parse().expect("count"),
+            args[4].parse().expect("seconds"),
+            400,
+        );
         println!("connects={}", c.connects);
         return;
     }
@@ -346,8 +375,16 @@ fn main() {
     println!("honest tenants: Reserve+Release pairs and lease round trips");
     println!(
         "{:>8} {:>8} {:>12} {:>12} {:>8} {:>12} {:>12} {:>10} {:>8} {:>7}",
-        "tenants", "pairs", "pair p50 us", "pair p99 us", "leases", "lease p50 us", "lease p99 us",
-        "RSS MiB", "threads", "secs"
+        "tenants",
+        "pairs",
+        "pair p50 us",
+        "pair p99 us",
+        "leases",
+        "lease p50 us",
+        "lease p99 us",
+        "RSS MiB",
+        "threads",
+        "secs"
     );
     for n in [1, 100, 1000] {
         let n = count(n as f64).min(1000);
@@ -373,7 +410,13 @@ fn main() {
     println!("admitted connections: arbiter RSS per connection");
     println!(
         "{:>12} {:>26} {:>12} {:>12} {:>12} {:>8} {:>16}",
-        "connections", "each holding", "RSS before", "RSS after", "KiB/conn", "threads", "pair p50 us"
+        "connections",
+        "each holding",
+        "RSS before",
+        "RSS after",
+        "KiB/conn",
+        "threads",
+        "pair p50 us"
     );
     // Each admitted connection costs the arbiter two descriptors (it inherits this limit).
     let fit = (nofile.saturating_sub(1600) / 2) as usize;
@@ -381,14 +424,20 @@ fn main() {
     if idle_n < count(10_000.0) {
         println!("(idle connections scaled down to {idle_n}: open files limited to {nofile})");
     }
-    for (n, partial, what) in
-        [(idle_n, 0, "nothing"), (count(1000.0), 4 + 1023, "an unfinished 1 KiB frame")]
-    {
+    for (n, partial, what) in [
+        (idle_n, 0, "nothing"),
+        (count(1000.0), 4 + 1023, "an unfinished 1 KiB frame"),
+    ] {
         // A fresh arbiter per row: freed thread stacks and heap are kept for reuse.
         let node = SimNode::start_with(
             WHO,
             "1x80GiB",
-            &["--max-tenant-connections", "12000", "--max-connections-per-allocation", "12000"],
+            &[
+                "--max-tenant-connections",
+                "12000",
+                "--max-connections-per-allocation",
+                "12000",
+            ],
         );
         let token = create(&node, 64 << 30);
         let (before, after, thr, p50) = idle(&node, &token, n, partial);
@@ -416,8 +465,16 @@ fn main() {
     adm.sort();
     println!(
         "{:>12} {:>12} {:>8} {:>6} {:>10} {:>10} {:>12} {:>12} {:>18} {:>14}",
-        "connections", "peak RSS", "threads", "lived", "pairs ok", "failed", "pair p99 us",
-        "pair max us", "admitted (n/fail)", "admission max"
+        "connections",
+        "peak RSS",
+        "threads",
+        "lived",
+        "pairs ok",
+        "failed",
+        "pair p99 us",
+        "pair max us",
+        "admitted (n/fail)",
+        "admission max"
     );
     println!(
         "{:>12} {:>8.1} MiB {:>8} {:>6} {:>10} {:>10} {:>12} {:>12} {:>18} {:>11.1} ms",

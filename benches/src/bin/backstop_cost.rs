@@ -29,13 +29,23 @@ fn cpu_ns(pid: u32) -> u64 {
     tasks
         .filter_map(Result::ok)
         .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next().and_then(|n| n.parse::<u64>().ok()))
+        .filter_map(|s| {
+            s.split_whitespace()
+                .next()
+                .and_then(|n| n.parse::<u64>().ok())
+        })
         .sum()
 }
 
 /// Runs the load against an arbiter started with `args`; returns (arbiter CPU seconds over the
 /// window, processes NVML listed at the end).
-fn measure(args: &[&str], seconds: f64, tessera: &Path, tenant: &Path, interposer: &Path) -> (f64, usize) {
+fn measure(
+    args: &[&str],
+    seconds: f64,
+    tessera: &Path,
+    tenant: &Path,
+    interposer: &Path,
+) -> (f64, usize) {
     let node = SimNode::start_with("backstop_cost", "1x80GiB", args);
     let script = format!(
         "for i in $(seq {PER_ALLOCATION}); do \"$T\" hold --bytes {} --seconds {} & done; wait",
@@ -60,14 +70,19 @@ fn measure(args: &[&str], seconds: f64, tessera: &Path, tenant: &Path, interpose
     let t = Instant::now();
     let want = (ALLOCATIONS * PER_ALLOCATION) as u64 * (64 << 20);
     while tessera_sim_state::device_memory_used(&node.sim_dir, 0).unwrap_or(0) < want {
-        assert!(t.elapsed() < Duration::from_secs(60), "the tenants did not start");
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the tenants did not start"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let pid = node.arbiter_pid();
     let before = cpu_ns(pid);
     std::thread::sleep(Duration::from_secs_f64(seconds));
     let used = cpu_ns(pid).saturating_sub(before) as f64 / 1e9;
-    let procs = tessera_sim_state::read_processes(&node.sim_dir).map(|p| p.len()).unwrap_or(0);
+    let procs = tessera_sim_state::read_processes(&node.sim_dir)
+        .map(|p| p.len())
+        .unwrap_or(0);
     for mut g in groups {
         let _ = g.kill();
         let _ = g.wait();
@@ -82,14 +97,43 @@ fn main() {
     let tenant = need("backstop_cost", "mem_tenant");
     let interposer = need("backstop_cost", "libtessera_interpose.so");
     eprintln!("backstop_cost: arbiter with the backstop every 250 ms, {seconds} s ...");
-    let (on, procs_on) = measure(&["--backstop-interval-ms", "250"], seconds, &tessera, &tenant, &interposer);
+    let (on, procs_on) = measure(
+        &["--backstop-interval-ms", "250"],
+        seconds,
+        &tessera,
+        &tenant,
+        &interposer,
+    );
     eprintln!("backstop_cost: arbiter with the backstop off, {seconds} s ...");
-    let (off, procs_off) = measure(&["--backstop-interval-ms", "0"], seconds, &tessera, &tenant, &interposer);
+    let (off, procs_off) = measure(
+        &["--backstop-interval-ms", "0"],
+        seconds,
+        &tessera,
+        &tenant,
+        &interposer,
+    );
     let polls = seconds / 0.25;
-    println!("Tessera memory backstop: arbiter CPU over {seconds} s, {ALLOCATIONS} allocations x {PER_ALLOCATION} GPU processes (simulated GPU)");
-    println!("{:<28} {:>10} {:>12} {:>10}", "arbiter", "processes", "CPU s", "CPU %");
-    println!("{:<28} {:>10} {:>12.3} {:>9.2}%", "backstop every 250 ms", procs_on, on, 100.0 * on / seconds);
-    println!("{:<28} {:>10} {:>12.3} {:>9.2}%", "backstop off", procs_off, off, 100.0 * off / seconds);
+    println!(
+        "Tessera memory backstop: arbiter CPU over {seconds} s, {ALLOCATIONS} allocations x {PER_ALLOCATION} GPU processes (simulated GPU)"
+    );
+    println!(
+        "{:<28} {:>10} {:>12} {:>10}",
+        "arbiter", "processes", "CPU s", "CPU %"
+    );
+    println!(
+        "{:<28} {:>10} {:>12.3} {:>9.2}%",
+        "backstop every 250 ms",
+        procs_on,
+        on,
+        100.0 * on / seconds
+    );
+    println!(
+        "{:<28} {:>10} {:>12.3} {:>9.2}%",
+        "backstop off",
+        procs_off,
+        off,
+        100.0 * off / seconds
+    );
     println!(
         "difference: {:.3} CPU s = {:.2} ms per poll ({polls:.0} polls of {procs_on} processes)",
         on - off,

@@ -36,7 +36,6 @@ struct Bench {
     scale: f64,
 }
 
-
 /// A running tenant: its real pid (the compute_tenant process, not `tessera run`) and the
 /// lines it printed after it.
 struct Tenant {
@@ -121,10 +120,19 @@ fn busy_between(s: &[Sample], pid: Option<u32>, t0: u64, t1: u64) -> (u64, u64) 
 impl Bench {
     fn start(scale: f64) -> Self {
         let need = |name| tessera_benches::need("compute_share", name);
-        let (tessera, tenant, interposer) =
-            (need("tessera"), need("compute_tenant"), need("libtessera_interpose.so"));
+        let (tessera, tenant, interposer) = (
+            need("tessera"),
+            need("compute_tenant"),
+            need("libtessera_interpose.so"),
+        );
         let node = tessera_benches::SimNode::start("compute_share", "1x80GiB");
-        Self { node, tessera, tenant, interposer, scale }
+        Self {
+            node,
+            tessera,
+            tenant,
+            interposer,
+            scale,
+        }
     }
 
     fn secs(&self, s: f64) -> f64 {
@@ -383,7 +391,10 @@ fn scenario_idle_reclaim(b: &Bench, rows: &mut Vec<Row>) {
             Some((end - waited, end))
         })
         .collect();
-    let mut lat: Vec<u64> = idle.iter().filter_map(|&t| reclaim_latency(&waits, t)).collect();
+    let mut lat: Vec<u64> = idle
+        .iter()
+        .filter_map(|&t| reclaim_latency(&waits, t))
+        .collect();
     lat.sort_unstable();
     let q = |p: f64| {
         lat.get(((lat.len() as f64 - 1.0) * p).round() as usize)
@@ -393,7 +404,13 @@ fn scenario_idle_reclaim(b: &Bench, rows: &mut Vec<Row>) {
     rows.push(Row(
         "idle reclaim latency".into(),
         "p99 <= 2 ms".into(),
-        format!("p50 {} p90 {} p99 {} max {}", ms(q(0.5)), ms(q(0.9)), ms(q(0.99)), ms(q(1.0))),
+        format!(
+            "p50 {} p90 {} p99 {} max {}",
+            ms(q(0.5)),
+            ms(q(0.9)),
+            ms(q(0.99)),
+            ms(q(1.0))
+        ),
         format!(
             "{} hand-overs of {} idle points ({} before the holder's sync returned)",
             lat.len(),
@@ -456,11 +473,7 @@ fn main() {
                     .filter(|n| !n.is_empty())
                     .map(str::to_owned)
                     .collect();
-                if names.is_empty()
-                    || names
-                        .iter()
-                        .any(|n| !SCENARIOS.contains(&n.as_str()))
-                {
+                if names.is_empty() || names.iter().any(|n| !SCENARIOS.contains(&n.as_str())) {
                     eprintln!("compute_share: --only needs scenario names\n{usage}");
                     std::process::exit(2);
                 }
@@ -558,7 +571,11 @@ mod tests {
     #[test]
     fn each_idle_point_is_matched_with_the_wait_it_ended() {
         // B waited 10-13.4 ms (A's burst), then 56-59.2 ms; a refill wait at 40-40.3 ms.
-        let waits = [(10 * MS, 13_400_000), (40 * MS, 40_300_000), (56 * MS, 59_200_000)];
+        let waits = [
+            (10 * MS, 13_400_000),
+            (40 * MS, 40_300_000),
+            (56 * MS, 59_200_000),
+        ];
         assert_eq!(reclaim_latency(&waits, 13 * MS), Some(400_000));
         // Handed over before the holder's thread came back from its synchronise: 0.
         assert_eq!(reclaim_latency(&waits, 59_500_000), Some(0));

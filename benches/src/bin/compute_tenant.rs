@@ -92,7 +92,10 @@ fn main() {
         check("cuDevicePrimaryCtxRetain", retain(&mut ctx, 0));
         check("cuCtxSetCurrent", set_current(ctx));
         let mut module = std::ptr::null_mut();
-        check("cuModuleLoadData", load(&mut module, SPIN_PTX.as_ptr().cast()));
+        check(
+            "cuModuleLoadData",
+            load(&mut module, SPIN_PTX.as_ptr().cast()),
+        );
         let mut func = std::ptr::null_mut();
         check(
             "cuModuleGetFunction",

@@ -32,7 +32,10 @@ struct Args {
 
 fn parse_args() -> Args {
     let usage = "usage: mem_share [--seconds S] [--rounds N]";
-    let mut a = Args { seconds: 10, rounds: 1000 };
+    let mut a = Args {
+        seconds: 10,
+        rounds: 1000,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let value = it.next().and_then(|v| v.parse::<u64>().ok());
@@ -71,7 +74,9 @@ impl Bench {
     fn run(&self, tessera: bool, script: &str) -> Outcome {
         let mut cmd = if tessera {
             let mut c = self.node.command(&self.tessera);
-            c.args(["run", "--memory", "4GiB", "--interposer"]).arg(&self.interposer).arg("--");
+            c.args(["run", "--memory", "4GiB", "--interposer"])
+                .arg(&self.interposer)
+                .arg("--");
             c
         } else {
             self.node.command(Path::new("/bin/sh"))
@@ -119,7 +124,13 @@ impl Bench {
             grants.push(field(line, "grants"));
             refusals += field(line, "refusals");
         }
-        Outcome { grants, refusals, ledger_peak, card_peak, wall }
+        Outcome {
+            grants,
+            refusals,
+            ledger_peak,
+            card_peak,
+            wall,
+        }
     }
 }
 
@@ -134,13 +145,24 @@ fn gib(b: u64) -> String {
 
 fn row(name: &str, o: &Outcome, tessera: bool) -> [String; 6] {
     let total = o.grants.iter().sum::<u64>() + o.refusals;
-    let (min, max) = (o.grants.iter().min().copied().unwrap_or(0), o.grants.iter().max().copied().unwrap_or(0));
+    let (min, max) = (
+        o.grants.iter().min().copied().unwrap_or(0),
+        o.grants.iter().max().copied().unwrap_or(0),
+    );
     [
         name.to_owned(),
         format!("{total} in {:.1} s", o.wall.as_secs_f64()),
-        format!("{} ({:.3}%)", o.refusals, 100.0 * o.refusals as f64 / total.max(1) as f64),
+        format!(
+            "{} ({:.3}%)",
+            o.refusals,
+            100.0 * o.refusals as f64 / total.max(1) as f64
+        ),
         format!("{min}..{max}"),
-        if tessera { gib(o.ledger_peak) } else { "-".into() },
+        if tessera {
+            gib(o.ledger_peak)
+        } else {
+            "-".into()
+        },
         format!("{} (limit {})", gib(o.card_peak), gib(LIMIT)),
     ]
 }
@@ -176,17 +198,44 @@ fn main() {
     let _ = std::fs::remove_file(bench.node.dir.path().join("ba"));
     eprintln!("mem_share: churn with Tessera, {} s ...", args.seconds);
     let o = bench.run(true, &churn(monotonic_ns() + 500_000_000));
-    rows.push(row(&format!("churn 8 x {} MiB, Tessera", chunk >> 20), &o, true));
+    rows.push(row(
+        &format!("churn 8 x {} MiB, Tessera", chunk >> 20),
+        &o,
+        true,
+    ));
     eprintln!("mem_share: churn without Tessera, {} s ...", args.seconds);
     let o = bench.run(false, &churn(monotonic_ns() + 200_000_000));
-    rows.push(row(&format!("churn 8 x {} MiB, no limit", chunk >> 20), &o, false));
+    rows.push(row(
+        &format!("churn 8 x {} MiB, no limit", chunk >> 20),
+        &o,
+        false,
+    ));
 
     println!("Tessera memory sharing between processes of one 4 GiB allocation (simulated GPU)");
-    let head = ["scenario", "allocations", "refused", "grants/process", "ledger peak", "card peak"];
-    let widths: Vec<usize> =
-        (0..6).map(|i| rows.iter().map(|r| r[i].len()).chain([head[i].len()]).max().unwrap_or(0)).collect();
+    let head = [
+        "scenario",
+        "allocations",
+        "refused",
+        "grants/process",
+        "ledger peak",
+        "card peak",
+    ];
+    let widths: Vec<usize> = (0..6)
+        .map(|i| {
+            rows.iter()
+                .map(|r| r[i].len())
+                .chain([head[i].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
     let line = |cells: &[String]| {
-        cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect::<Vec<_>>().join("  ")
+        cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect::<Vec<_>>()
+            .join("  ")
     };
     println!("{}", line(&head.map(str::to_owned)));
     for r in &rows {

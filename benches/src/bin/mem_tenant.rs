@@ -62,7 +62,9 @@ struct Args {
 
 fn parse_args() -> Result<Args, String> {
     let mut it = std::env::args().skip(1);
-    let mode = it.next().ok_or("usage: mem_tenant handoff|churn|hold|vmm|fork [flags]")?;
+    let mode = it
+        .next()
+        .ok_or("usage: mem_tenant handoff|churn|hold|vmm|fork [flags]")?;
     let (mut first, mut rounds, mut input, mut output) = (None, 1000, None, None);
     let (mut seconds, mut start_ns, mut bytes) = (10.0, 0, None);
     while let Some(flag) = it.next() {
@@ -168,7 +170,10 @@ fn vmm_round(driver: &Driver, bytes: u64) -> Result<(), ()> {
         usage: 0,
         reserved: [0; 4],
     };
-    let access = AccessDesc { location: MemLocation { kind: 1, id: 0 }, flags: 3 };
+    let access = AccessDesc {
+        location: MemLocation { kind: 1, id: 0 },
+        flags: 3,
+    };
     // SAFETY: each `sym` names the documented C signature of the VMM entry point; the
     // structures are laid out as cuda.h declares them; every handle and range is released.
     unsafe {
@@ -176,12 +181,14 @@ fn vmm_round(driver: &Driver, bytes: u64) -> Result<(), ()> {
             driver.sym(c"cuMemCreate", 10020);
         let reserve: unsafe extern "C" fn(*mut u64, usize, usize, u64, u64) -> u32 =
             driver.sym(c"cuMemAddressReserve", 10020);
-        let map: unsafe extern "C" fn(u64, usize, usize, u64, u64) -> u32 = driver.sym(c"cuMemMap", 10020);
+        let map: unsafe extern "C" fn(u64, usize, usize, u64, u64) -> u32 =
+            driver.sym(c"cuMemMap", 10020);
         let set_access: unsafe extern "C" fn(u64, usize, *const AccessDesc, usize) -> u32 =
             driver.sym(c"cuMemSetAccess", 10020);
         let release: unsafe extern "C" fn(u64) -> u32 = driver.sym(c"cuMemRelease", 10020);
         let unmap: unsafe extern "C" fn(u64, usize) -> u32 = driver.sym(c"cuMemUnmap", 10020);
-        let address_free: unsafe extern "C" fn(u64, usize) -> u32 = driver.sym(c"cuMemAddressFree", 10020);
+        let address_free: unsafe extern "C" fn(u64, usize) -> u32 =
+            driver.sym(c"cuMemAddressFree", 10020);
         let mut h = 0u64;
         match create(&mut h, size as usize, &prop, 0) {
             0 => {}
@@ -190,7 +197,10 @@ fn vmm_round(driver: &Driver, bytes: u64) -> Result<(), ()> {
         }
         let mut va = 0u64;
         let steps = [
-            ("cuMemAddressReserve", reserve(&mut va, size as usize, 0, 0, 0)),
+            (
+                "cuMemAddressReserve",
+                reserve(&mut va, size as usize, 0, 0, 0),
+            ),
             ("cuMemMap", map(va, size as usize, 0, h, 0)),
             ("cuMemSetAccess", set_access(va, size as usize, &access, 1)),
             ("cuMemRelease", release(h)),
@@ -230,18 +240,33 @@ fn main() {
         let free: Free = driver.sym(c"cuMemFree", 3020);
         (alloc, free)
     };
-    let mut c = Counts { grants: 0, refusals: 0, first_try_refusals: 0 };
+    let mut c = Counts {
+        grants: 0,
+        refusals: 0,
+        first_try_refusals: 0,
+    };
     match args.mode {
-        Mode::Handoff { first, rounds, input, output } => {
+        Mode::Handoff {
+            first,
+            rounds,
+            input,
+            output,
+        } => {
             // FIFOs: opening blocks until the other side opens too; open in an order that
             // cannot deadlock (the first process writes first).
             let (mut rx, mut tx) = if first {
-                let tx = File::options().write(true).open(&output).unwrap_or_else(|e| fail(&e.to_string()));
+                let tx = File::options()
+                    .write(true)
+                    .open(&output)
+                    .unwrap_or_else(|e| fail(&e.to_string()));
                 let rx = File::open(&input).unwrap_or_else(|e| fail(&e.to_string()));
                 (rx, tx)
             } else {
                 let rx = File::open(&input).unwrap_or_else(|e| fail(&e.to_string()));
-                let tx = File::options().write(true).open(&output).unwrap_or_else(|e| fail(&e.to_string()));
+                let tx = File::options()
+                    .write(true)
+                    .open(&output)
+                    .unwrap_or_else(|e| fail(&e.to_string()));
                 (rx, tx)
             };
             let mut byte = [0u8; 1];

@@ -53,7 +53,9 @@ impl Load<'_> {
 
 /// Sums `"key":N` over the JSON lines a group printed.
 fn sum(out: &str, key: &str) -> u64 {
-    out.lines().filter_map(|l| tessera_benches::tenant_field(l, key)).sum()
+    out.lines()
+        .filter_map(|l| tessera_benches::tenant_field(l, key))
+        .sum()
 }
 
 fn finish(mut c: Child) -> String {
@@ -71,24 +73,50 @@ fn finish(mut c: Child) -> String {
 
 fn main() {
     let minutes = tessera_benches::number_flag("soak", "--minutes", 10.0);
-    let (tessera, interposer) = (need("soak", "tessera"), need("soak", "libtessera_interpose.so"));
+    let (tessera, interposer) = (
+        need("soak", "tessera"),
+        need("soak", "libtessera_interpose.so"),
+    );
     let (tenant, compute) = (need("soak", "mem_tenant"), need("soak", "compute_tenant"));
     let node = SimNode::start_with(
         "soak",
         "1x80GiB",
-        &["--backstop-interval-ms", "50", "--backstop-tolerance-mib", "300"],
+        &[
+            "--backstop-interval-ms",
+            "50",
+            "--backstop-tolerance-mib",
+            "300",
+        ],
     );
-    let load = Load { node: &node, tessera: &tessera, interposer: &interposer, tenant: &tenant };
+    let load = Load {
+        node: &node,
+        tessera: &tessera,
+        interposer: &interposer,
+        tenant: &tenant,
+    };
     let total = Duration::from_secs_f64(minutes * 60.0);
     let start = Instant::now();
     let secs = total.as_secs_f64();
     let holders: Vec<Child> = (0..4)
-        .map(|_| load.run("1GiB", &format!("\"$T\" hold --bytes {GIB} --seconds {secs}")))
+        .map(|_| {
+            load.run(
+                "1GiB",
+                &format!("\"$T\" hold --bytes {GIB} --seconds {secs}"),
+            )
+        })
         .collect();
     let compute_script = format!("\"{}\" --seconds {secs} > /dev/null", compute.display());
-    let computes: Vec<Child> = (0..2).map(|_| load.run("256MiB", &compute_script)).collect();
-    let vmm = load.run("1GiB", &format!("\"$T\" vmm --bytes {} --seconds {secs}", 512 << 20));
-    let forker = load.run("512MiB", &format!("\"$T\" fork --bytes {} --seconds {secs}", 256 << 20));
+    let computes: Vec<Child> = (0..2)
+        .map(|_| load.run("256MiB", &compute_script))
+        .collect();
+    let vmm = load.run(
+        "1GiB",
+        &format!("\"$T\" vmm --bytes {} --seconds {secs}", 512 << 20),
+    );
+    let forker = load.run(
+        "512MiB",
+        &format!("\"$T\" fork --bytes {} --seconds {secs}", 256 << 20),
+    );
     let rounds = (secs * 2000.0) as u64;
     let handoff = load.run(
         "4GiB",
@@ -126,16 +154,29 @@ fn main() {
     let allocations = node.admin().list().unwrap_or_default();
     let enforced: u64 = allocations.iter().map(|a| a.enforced).sum();
     node.kill_gpu_processes();
-    println!("Tessera soak: honest tenants under the backstop (poll 50 ms, tolerance = 300 MiB context), simulated GPU");
-    println!("duration            {:.1} min", start.elapsed().as_secs_f64() / 60.0);
-    println!("churn waves         {waves} x 8 processes at a 4 GiB limit: {grants} allocations, {refusals} refused");
+    println!(
+        "Tessera soak: honest tenants under the backstop (poll 50 ms, tolerance = 300 MiB context), simulated GPU"
+    );
+    println!(
+        "duration            {:.1} min",
+        start.elapsed().as_secs_f64() / 60.0
+    );
+    println!(
+        "churn waves         {waves} x 8 processes at a 4 GiB limit: {grants} allocations, {refusals} refused"
+    );
     println!(
         "VMM idiom           {} rounds of 512 MiB (create, map, release at once, unmap), {} refused",
         sum(&vmm_out, "grants"),
         sum(&vmm_out, "refusals")
     );
-    println!("forked children     {} (each allocated and freed 256 MiB), {} refused", sum(&fork_out, "grants"), sum(&fork_out, "refusals"));
-    println!("alongside           hand-off 2 x 3 GiB, 4 processes holding their whole 1 GiB limit, 2 kernel launchers");
+    println!(
+        "forked children     {} (each allocated and freed 256 MiB), {} refused",
+        sum(&fork_out, "grants"),
+        sum(&fork_out, "refusals")
+    );
+    println!(
+        "alongside           hand-off 2 x 3 GiB, 4 processes holding their whole 1 GiB limit, 2 kernel launchers"
+    );
     println!("backstop actions    {enforced} (must be 0)");
     if enforced != 0 {
         std::process::exit(1);

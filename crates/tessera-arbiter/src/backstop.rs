@@ -183,15 +183,19 @@ pub fn attribute(watched: &[Watched], pids: &[i32], view: &dyn ProcView) -> Hash
         .enumerate()
         .flat_map(|(i, w)| w.pids.iter().map(move |p| (*p, i)))
         .collect();
-    let by_token: HashMap<&str, usize> =
-        watched.iter().enumerate().map(|(i, w)| (w.token.as_str(), i)).collect();
+    let by_token: HashMap<&str, usize> = watched
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.token.as_str(), i))
+        .collect();
     let mut out = HashMap::new();
     for &pid in pids {
         let owner = match connected_ancestor(pid, &by_pid, view) {
             Some(i) => Owner::Allocation(i),
             None => match view.origin(pid) {
                 Origin::Host => Owner::UnknownHost,
-                Origin::Container { token } => match token.as_deref().and_then(|t| by_token.get(t)) {
+                Origin::Container { token } => match token.as_deref().and_then(|t| by_token.get(t))
+                {
                     Some(&i) => Owner::Allocation(i),
                     None => Owner::UnknownContainer,
                 },
@@ -203,7 +207,11 @@ pub fn attribute(watched: &[Watched], pids: &[i32], view: &dyn ProcView) -> Hash
 }
 
 /// `pid` itself or its nearest ancestor connected for an allocation.
-fn connected_ancestor(pid: i32, by_pid: &HashMap<i32, usize>, view: &dyn ProcView) -> Option<usize> {
+fn connected_ancestor(
+    pid: i32,
+    by_pid: &HashMap<i32, usize>,
+    view: &dyn ProcView,
+) -> Option<usize> {
     let mut p = pid;
     // Bounded: a pid cycle (a reused pid read mid-change) cannot loop forever.
     for _ in 0..64 {
@@ -283,7 +291,11 @@ pub fn decide(
                 pid,
                 allocation: Some(w.id.clone()),
                 unconnected: !connected.contains(&pid),
-                reason: Reason::Memory { used, total, allowed },
+                reason: Reason::Memory {
+                    used,
+                    total,
+                    allowed,
+                },
             });
         }
     }
@@ -336,9 +348,19 @@ impl ComputeBook {
         policy: &Policy,
         may_act: bool,
     ) -> ComputeVerdict {
-        let nothing = ComputeVerdict { charge_ns: 0, unleased_ns: 0, over: false };
+        let nothing = ComputeVerdict {
+            charge_ns: 0,
+            unleased_ns: 0,
+            over: false,
+        };
         let Some(d) = self.per.get_mut(id) else {
-            self.per.insert(id.to_owned(), Debt { leased_seen: leased_total, debt_ns: 0 });
+            self.per.insert(
+                id.to_owned(),
+                Debt {
+                    leased_seen: leased_total,
+                    debt_ns: 0,
+                },
+            );
             return nothing;
         };
         let leased = leased_total.saturating_sub(d.leased_seen);
@@ -353,11 +375,16 @@ impl ComputeBook {
         // pays back lease time it was granted earlier.
         let charge_ns = (d.debt_ns.max(0) - before).max(0) as u64;
         let mostly_unleased = i128::from(leased) * 2 < i128::from(used_ns);
-        let over = may_act && mostly_unleased && unleased_ns > policy.compute_threshold.as_nanos() as u64;
+        let over =
+            may_act && mostly_unleased && unleased_ns > policy.compute_threshold.as_nanos() as u64;
         if over {
             d.debt_ns = 0;
         }
-        ComputeVerdict { charge_ns, unleased_ns, over }
+        ComputeVerdict {
+            charge_ns,
+            unleased_ns,
+            over,
+        }
     }
 
     /// Forgets allocations no longer live.
@@ -404,7 +431,13 @@ impl ProcFs {
             Ok(l) => (Some(l), None),
             Err(e) => (None, Some(e)),
         };
-        (Self { host_mnt, cache: Default::default() }, err)
+        (
+            Self {
+                host_mnt,
+                cache: Default::default(),
+            },
+            err,
+        )
     }
 
     /// Clears the per-poll cache (a pid and a namespace may be reused between polls).
@@ -447,7 +480,12 @@ impl ProcView for ProcFs {
 pub fn read_identity(pid: i32) -> Option<Identity> {
     let root = CString::new(format!("/proc/{pid}/root")).ok()?;
     // SAFETY: a valid C string; the descriptor returned is owned below.
-    let dir = unsafe { libc::open(root.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) };
+    let dir = unsafe {
+        libc::open(
+            root.as_ptr(),
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
     if dir < 0 {
         return None;
     }
@@ -476,7 +514,9 @@ pub fn read_identity(pid: i32) -> Option<Identity> {
     // SAFETY: fstatvfs fills the zeroed struct for an open descriptor.
     let mut vfs: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
-    if unsafe { libc::fstatvfs(file.as_raw_fd(), &mut vfs) } != 0 || vfs.f_flag & libc::ST_RDONLY == 0 {
+    if unsafe { libc::fstatvfs(file.as_raw_fd(), &mut vfs) } != 0
+        || vfs.f_flag & libc::ST_RDONLY == 0
+    {
         return None;
     }
     if !file.metadata().ok()?.is_file() {
@@ -528,7 +568,9 @@ pub struct Backstop {
 
 impl std::fmt::Debug for Backstop {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Backstop").field("policy", &self.policy).finish_non_exhaustive()
+        f.debug_struct("Backstop")
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
     }
 }
 
@@ -540,7 +582,9 @@ pub const COMPUTE_WARMUP: Duration = Duration::from_secs(2);
 pub const HOST_GRACE: Duration = Duration::from_secs(1);
 
 fn now_us() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 impl Backstop {
@@ -557,7 +601,9 @@ impl Backstop {
             builder.lib_path(lib);
         }
         let nvml = builder.init().map_err(|e| crate::gpus::GpusError::Load {
-            lib: lib.map_or("libnvidia-ml.so.1".into(), |l| l.to_string_lossy().into_owned()),
+            lib: lib.map_or("libnvidia-ml.so.1".into(), |l| {
+                l.to_string_lossy().into_owned()
+            }),
             reason: e.to_string(),
         })?;
         let (procfs, err) = ProcFs::new(host_ns);
@@ -598,7 +644,10 @@ impl Backstop {
                     nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => b,
                     nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => 0,
                 };
-                out.push(GpuProcess { pid: p.pid as i32, used });
+                out.push(GpuProcess {
+                    pid: p.pid as i32,
+                    used,
+                });
             }
         }
         Ok(out)
@@ -623,13 +672,16 @@ impl Backstop {
                 Ok(s) => s,
                 Err(nvml_wrapper::error::NvmlError::NotFound) => Vec::new(),
                 Err(e) => {
-                    crate::log!("backstop: per-process GPU time unavailable ({e}); compute bypass is not policed");
+                    crate::log!(
+                        "backstop: per-process GPU time unavailable ({e}); compute bypass is not policed"
+                    );
                     self.compute_off = true;
                     return HashMap::new();
                 }
             };
             let newest = samples.iter().map(|s| s.timestamp).max().unwrap_or(0);
-            self.last_seen.insert(i, newest.max(since).max(now_us().saturating_sub(1)));
+            self.last_seen
+                .insert(i, newest.max(since).max(now_us().saturating_sub(1)));
             let mut per: HashMap<i32, (u64, u64)> = HashMap::new();
             for s in samples {
                 let e = per.entry(s.pid as i32).or_default();
@@ -647,7 +699,9 @@ impl Backstop {
     pub fn poll(&mut self) -> Vec<Action> {
         self.counters.polls.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
-        let elapsed = self.last_poll.map(|t| now.duration_since(t).as_nanos() as u64);
+        let elapsed = self
+            .last_poll
+            .map(|t| now.duration_since(t).as_nanos() as u64);
         self.last_poll = Some(now);
         let procs = match self.gpu_processes() {
             Ok(p) => p,
@@ -667,13 +721,19 @@ impl Backstop {
         self.procfs.clear();
         self.reported.retain(|p| pids.binary_search(p).is_ok());
         let owners = attribute(&watched, &pids, &self.procfs);
-        self.unknown_since.retain(|p, _| owners.get(p) == Some(&Owner::UnknownHost));
+        self.unknown_since
+            .retain(|p, _| owners.get(p) == Some(&Owner::UnknownHost));
         for (&pid, owner) in &owners {
             if *owner == Owner::UnknownHost {
                 self.unknown_since.entry(pid).or_insert(now);
             }
         }
-        let mut actions = decide(&watched, &memory, &owners, self.policy.per_process_tolerance);
+        let mut actions = decide(
+            &watched,
+            &memory,
+            &owners,
+            self.policy.per_process_tolerance,
+        );
         if let Some(elapsed) = elapsed {
             actions.extend(self.compute(&watched, &owners, &gpu_ns, elapsed));
         }
@@ -712,10 +772,14 @@ impl Backstop {
             };
             let used: u64 = group.iter().map(|(_, ns)| ns).sum();
             let may_act = self.started.elapsed() >= COMPUTE_WARMUP;
-            let v = self.book.observe(&w.id, used, leased, elapsed, &self.policy, may_act);
+            let v = self
+                .book
+                .observe(&w.id, used, leased, elapsed, &self.policy, may_act);
             if v.charge_ns > 0 {
                 self.arb.charge_unleased(&w.id, v.charge_ns);
-                self.counters.charged_ns.fetch_add(v.charge_ns, Ordering::Relaxed);
+                self.counters
+                    .charged_ns
+                    .fetch_add(v.charge_ns, Ordering::Relaxed);
             }
             if v.over {
                 let connected: HashSet<i32> = w.pids.iter().copied().collect();
@@ -724,7 +788,10 @@ impl Backstop {
                         pid,
                         allocation: Some(w.id.clone()),
                         unconnected: !connected.contains(&pid),
-                        reason: Reason::Compute { gpu_ns: ns, unleased_ns: v.unleased_ns },
+                        reason: Reason::Compute {
+                            gpu_ns: ns,
+                            unleased_ns: v.unleased_ns,
+                        },
                     });
                 }
             }
@@ -737,13 +804,26 @@ impl Backstop {
     fn act(&mut self, a: &Action) -> bool {
         let kill = match (&a.reason, self.policy.enforce) {
             (_, Enforce::Report) => false,
-            (Reason::Unknown { container: false, .. }, _) => false,
-            (Reason::Unknown { container: true, .. }, _) => self.policy.unknown == Unknown::Kill,
+            (
+                Reason::Unknown {
+                    container: false, ..
+                },
+                _,
+            ) => false,
+            (
+                Reason::Unknown {
+                    container: true, ..
+                },
+                _,
+            ) => self.policy.unknown == Unknown::Kill,
             _ => true,
         };
         if let Reason::Unknown { container, .. } = a.reason {
             let young = !container
-                && self.unknown_since.get(&a.pid).is_none_or(|t| t.elapsed() < HOST_GRACE);
+                && self
+                    .unknown_since
+                    .get(&a.pid)
+                    .is_none_or(|t| t.elapsed() < HOST_GRACE);
             if young {
                 return false;
             }
@@ -774,15 +854,32 @@ impl Backstop {
         } else {
             "reported"
         };
-        let how = if a.unconnected { "never connected to the arbiter" } else { "connected" };
+        let how = if a.unconnected {
+            "never connected to the arbiter"
+        } else {
+            "connected"
+        };
         match (&a.reason, &a.allocation) {
-            (Reason::Memory { used, total, allowed }, Some(id)) => crate::log!(
+            (
+                Reason::Memory {
+                    used,
+                    total,
+                    allowed,
+                },
+                Some(id),
+            ) => crate::log!(
                 "backstop: pid {} of allocation {id} {verdict}: it held {used} bytes, its \
                  allocation's processes {total} bytes, allowed {allowed} (limit plus \
                  tolerance); it {how}",
                 a.pid
             ),
-            (Reason::Compute { gpu_ns, unleased_ns }, Some(id)) => crate::log!(
+            (
+                Reason::Compute {
+                    gpu_ns,
+                    unleased_ns,
+                },
+                Some(id),
+            ) => crate::log!(
                 "backstop: pid {} of allocation {id} {verdict}: its allocation used {} ms of \
                  GPU time outside its leases (threshold {} ms), this process {} ms in the last \
                  {} ms; it {how}",
@@ -797,7 +894,11 @@ impl Backstop {
                  belongs to no allocation{}",
                 if *container { "container" } else { "host" },
                 a.pid,
-                if *container { " (no Tessera identity in its container)" } else { "" }
+                if *container {
+                    " (no Tessera identity in its container)"
+                } else {
+                    ""
+                }
             ),
             (_, None) => {}
         }
@@ -821,7 +922,13 @@ mod tests {
     const MS: u64 = 1_000_000;
 
     fn w(id: &str, limit: u64, pids: &[i32]) -> Watched {
-        Watched { id: id.into(), limit, pids: pids.to_vec(), token: format!("tok-{id}"), share: 50 }
+        Watched {
+            id: id.into(),
+            limit,
+            pids: pids.to_vec(),
+            token: format!("tok-{id}"),
+            share: 50,
+        }
     }
 
     fn p(pid: i32, used: u64) -> GpuProcess {
@@ -841,7 +948,9 @@ mod tests {
         }
         fn origin(&self, pid: i32) -> Origin {
             match self.containers.get(&pid) {
-                Some(token) => Origin::Container { token: token.clone() },
+                Some(token) => Origin::Container {
+                    token: token.clone(),
+                },
                 None => Origin::Host,
             }
         }
@@ -853,7 +962,15 @@ mod tests {
         let owners = attribute(watched, &pids, view);
         decide(watched, &memory, &owners, tol)
             .into_iter()
-            .filter(|a| !matches!(a.reason, Reason::Unknown { container: false, .. }))
+            .filter(|a| {
+                !matches!(
+                    a.reason,
+                    Reason::Unknown {
+                        container: false,
+                        ..
+                    }
+                )
+            })
             .collect()
     }
 
@@ -877,7 +994,10 @@ mod tests {
     fn a_descendant_that_never_connected_is_charged_to_its_ancestor_and_killed_first() {
         let a = [w("a", 1000 * MIB, &[10])];
         // 10 -> 20 -> 30: 30 started without the interposer and took 4 GiB.
-        let view = Fake { parents: HashMap::from([(30, 20), (20, 10)]), ..Default::default() };
+        let view = Fake {
+            parents: HashMap::from([(30, 20), (20, 10)]),
+            ..Default::default()
+        };
         let procs = [p(10, 900 * MIB), p(30, 4096 * MIB), p(99, 8192 * MIB)];
         let acts = run(&a, &procs, &view, 0);
         assert_eq!(acts.len(), 1, "{acts:?}");
@@ -906,7 +1026,10 @@ mod tests {
     #[test]
     fn a_parent_cycle_ends() {
         let a = [w("a", MIB, &[1])];
-        let view = Fake { parents: HashMap::from([(5, 6), (6, 5)]), ..Default::default() };
+        let view = Fake {
+            parents: HashMap::from([(5, 6), (6, 5)]),
+            ..Default::default()
+        };
         assert!(run(&a, &[p(5, 10 * MIB)], &view, 0).is_empty());
     }
 
@@ -926,7 +1049,14 @@ mod tests {
         let acts = run(&a, &procs, &view, 0);
         // The largest goes; the 1 GiB left fits.
         assert_eq!(acts.len(), 1, "{acts:?}");
-        assert_eq!((acts[0].pid, acts[0].allocation.as_deref(), acts[0].unconnected), (40, Some("a"), true));
+        assert_eq!(
+            (
+                acts[0].pid,
+                acts[0].allocation.as_deref(),
+                acts[0].unconnected
+            ),
+            (40, Some("a"), true)
+        );
     }
 
     const GIB: u64 = 1 << 30;
@@ -936,12 +1066,17 @@ mod tests {
         let a = [w("a", GIB, &[1])];
         let view = Fake {
             containers: HashMap::from([
-                (60, None),                      // a container without any identity
-                (61, Some("forged".into())),     // an identity naming no allocation
+                (60, None),                  // a container without any identity
+                (61, Some("forged".into())), // an identity naming no allocation
             ]),
             ..Default::default()
         };
-        let procs = [p(1, 10 * MIB), p(60, 10 * MIB), p(61, 10 * MIB), p(70, 10 * MIB)];
+        let procs = [
+            p(1, 10 * MIB),
+            p(60, 10 * MIB),
+            p(61, 10 * MIB),
+            p(70, 10 * MIB),
+        ];
         let memory = memory_per_pid(&procs);
         let owners = attribute(&a, &[1, 60, 61, 70], &view);
         assert_eq!(owners[&1], Owner::Allocation(0));
@@ -971,7 +1106,10 @@ mod tests {
     fn connection_beats_the_identity_file() {
         // A process that connected for b is b's, whatever file its container has.
         let a = [w("a", GIB, &[]), w("b", GIB, &[7])];
-        let view = Fake { containers: HashMap::from([(7, Some("tok-a".into()))]), ..Default::default() };
+        let view = Fake {
+            containers: HashMap::from([(7, Some("tok-a".into()))]),
+            ..Default::default()
+        };
         assert_eq!(attribute(&a, &[7], &view)[&7], Owner::Allocation(1));
     }
 
@@ -991,7 +1129,10 @@ mod tests {
         let mut book = ComputeBook::default();
         let pol = policy();
         let mut leased = 0;
-        assert!(!book.observe("a", 0, leased, 250 * MS, &pol, true).over, "first sight sets the start");
+        assert!(
+            !book.observe("a", 0, leased, 250 * MS, &pol, true).over,
+            "first sight sets the start"
+        );
         // Kernel time reported when kernels end: up to one lease behind or ahead each poll.
         let mut charged = 0;
         for i in 0..400u64 {
@@ -1002,7 +1143,10 @@ mod tests {
             assert!(v.unleased_ns <= 100 * MS, "poll {i}: {v:?}");
             charged += v.charge_ns;
         }
-        assert_eq!(charged, 0, "late kernel time pays back earlier lease time, nothing is charged");
+        assert_eq!(
+            charged, 0,
+            "late kernel time pays back earlier lease time, nothing is charged"
+        );
     }
 
     #[test]
@@ -1040,7 +1184,11 @@ mod tests {
             assert!(!v.over, "poll {i}: {v:?}");
             charged += v.charge_ns;
         }
-        assert_eq!(charged, 20 * 87_500_000, "every unleased ms beyond the slack is charged");
+        assert_eq!(
+            charged,
+            20 * 87_500_000,
+            "every unleased ms beyond the slack is charged"
+        );
         // No lease at all, but within the warm-up after a start: charged, no kill.
         let mut b = ComputeBook::default();
         b.observe("b", 0, 0, 250 * MS, &pol, false);
@@ -1061,7 +1209,10 @@ mod tests {
         book.observe("a", 0, 10_000 * MS, 250 * MS, &pol, true);
         // ...do not pay for a bypass later: 250 ms of credit, then the debt grows.
         let mut polls = 0;
-        while !book.observe("a", 250 * MS, 10_000 * MS, 250 * MS, &pol, true).over {
+        while !book
+            .observe("a", 250 * MS, 10_000 * MS, 250 * MS, &pol, true)
+            .over
+        {
             polls += 1;
             assert!(polls < 10);
         }
@@ -1071,8 +1222,14 @@ mod tests {
     #[test]
     fn the_culprit_is_unconnected_first_then_the_busiest() {
         let connected = HashSet::from([1, 2]);
-        assert_eq!(compute_culprit(&[(1, 50), (2, 90), (3, 10)], &connected), Some((3, 10)));
-        assert_eq!(compute_culprit(&[(1, 50), (2, 90)], &connected), Some((2, 90)));
+        assert_eq!(
+            compute_culprit(&[(1, 50), (2, 90), (3, 10)], &connected),
+            Some((3, 10))
+        );
+        assert_eq!(
+            compute_culprit(&[(1, 50), (2, 90)], &connected),
+            Some((2, 90))
+        );
         assert_eq!(compute_culprit(&[(1, 0)], &connected), None);
     }
 

@@ -130,7 +130,10 @@ struct Account {
 impl Account {
     /// Adds `bytes` to `conn` (attached) and to the total, both or neither.
     fn add(&mut self, key: AccountKey, conn: ConnId, bytes: u64) -> Result<(), LedgerError> {
-        let held = self.conns.get_mut(&conn).ok_or(LedgerError::UnknownConnection { key, conn })?;
+        let held = self
+            .conns
+            .get_mut(&conn)
+            .ok_or(LedgerError::UnknownConnection { key, conn })?;
         let (Some(total), Some(mine)) = (self.in_use.checked_add(bytes), held.checked_add(bytes))
         else {
             return Err(LedgerError::Overflow(key));
@@ -258,7 +261,10 @@ impl Ledger {
             });
         };
         // `after <= limit` above, so neither can fail; checked all the same.
-        let room = acct.limit.checked_sub(after).ok_or(LedgerError::Overflow(key))?;
+        let room = acct
+            .limit
+            .checked_sub(after)
+            .ok_or(LedgerError::Overflow(key))?;
         let granted = bytes
             .checked_add(extra.min(room / 2))
             .ok_or(LedgerError::Overflow(key))?;
@@ -295,10 +301,9 @@ impl Ledger {
     ) -> Result<Released, LedgerError> {
         let acct = self.account(key, conn)?;
         let held = acct.conns[&conn];
-        let left = held.checked_sub(bytes).ok_or(LedgerError::OverRelease {
-            held,
-            asked: bytes,
-        })?;
+        let left = held
+            .checked_sub(bytes)
+            .ok_or(LedgerError::OverRelease { held, asked: bytes })?;
         let in_use = acct
             .in_use
             .checked_sub(bytes)
@@ -512,22 +517,37 @@ mod tests {
         // 40 + at most half of the 60 left: 30.
         assert_eq!(
             l.reserve_credit(1, 1, 40, 1000).unwrap(),
-            Credit::Granted { bytes: 70, in_use: 70 }
+            Credit::Granted {
+                bytes: 70,
+                in_use: 70
+            }
         );
         assert_eq!(
             l.reserve_credit(1, 2, 31, 0).unwrap(),
-            Credit::Denied { limit: 100, in_use: 70 }
+            Credit::Denied {
+                limit: 100,
+                in_use: 70
+            }
         );
         assert_eq!(
             l.reserve_credit(1, 2, 30, 10).unwrap(),
-            Credit::Granted { bytes: 30, in_use: 100 }
+            Credit::Granted {
+                bytes: 30,
+                in_use: 100
+            }
         );
         assert_eq!(l.others_holding(1, 1), vec![2]);
         l.release(1, 2, 30).unwrap();
-        assert!(l.others_holding(1, 1).is_empty(), "a connection holding nothing has no credit");
+        assert!(
+            l.others_holding(1, 1).is_empty(),
+            "a connection holding nothing has no credit"
+        );
         assert_eq!(
             l.reserve_credit(1, 2, u64::MAX, 1).unwrap(),
-            Credit::Denied { limit: 100, in_use: 70 }
+            Credit::Denied {
+                limit: 100,
+                in_use: 70
+            }
         );
     }
 
@@ -549,12 +569,18 @@ mod tests {
         // Connection 1 holds 20: releasing 45 is a lie, refused whole.
         assert_eq!(
             l.release(1, 1, 45).unwrap_err(),
-            LedgerError::OverRelease { held: 20, asked: 45 }
+            LedgerError::OverRelease {
+                held: 20,
+                asked: 45
+            }
         );
-        assert_eq!(l.release(1, 1, u64::MAX).unwrap_err(), LedgerError::OverRelease {
-            held: 20,
-            asked: u64::MAX
-        });
+        assert_eq!(
+            l.release(1, 1, u64::MAX).unwrap_err(),
+            LedgerError::OverRelease {
+                held: 20,
+                asked: u64::MAX
+            }
+        );
         assert_eq!(l.held(1, 1), Some(20));
         assert_eq!(l.held(1, 2), Some(50));
         assert_eq!(l.usage(1).unwrap().in_use, 70);
@@ -598,7 +624,10 @@ mod tests {
         );
         assert_eq!(
             l.redeclare(1, 2, 101).unwrap_err(),
-            LedgerError::RedeclareAboveLimit { limit: 100, asked: 101 }
+            LedgerError::RedeclareAboveLimit {
+                limit: 100,
+                asked: 101
+            }
         );
         assert!(l.redeclare(1, 2, u64::MAX).is_err());
         assert_eq!(l.usage(1).unwrap().in_use, 60);

@@ -375,7 +375,11 @@ mod tests {
         let first = hub.press(1, &[10]);
         let second = hub.press(1, &[10]);
         assert_eq!((first.sent, second.sent), (1, 1));
-        assert_eq!(sink.got.lock().unwrap().len(), 1, "one frame queued at most");
+        assert_eq!(
+            sink.got.lock().unwrap().len(),
+            1,
+            "one frame queued at most"
+        );
         let seq = sink.got.lock().unwrap()[0];
         // Unasked give-backs settle nothing (but are counted).
         hub.answered(10, 11, 0).unwrap();
@@ -433,7 +437,10 @@ mod tests {
         freer.join().unwrap();
         // Nothing more is freed: the wait ends at its deadline.
         let t = Instant::now();
-        hub.wait_freed(hub.freed_count(), Instant::now() + Duration::from_millis(30));
+        hub.wait_freed(
+            hub.freed_count(),
+            Instant::now() + Duration::from_millis(30),
+        );
         assert!(t.elapsed() >= Duration::from_millis(25));
     }
 

@@ -866,7 +866,10 @@ mod tests {
         sim.join(1, 10);
         sim.run(10 * S);
         let a = sim.fraction(1, 0, 10 * S);
-        assert!((27.0..=32.0).contains(&a), "capped tenant alone got {a:.1}%");
+        assert!(
+            (27.0..=32.0).contains(&a),
+            "capped tenant alone got {a:.1}%"
+        );
         for w in 0..10 {
             let a = sim.fraction(1, w * S, (w + 1) * S);
             assert!(a <= 33.0, "window {w}: {a:.1}%");
@@ -1032,7 +1035,11 @@ mod tests {
         assert_eq!(s.leased_total(9, 0), None);
         let g = s.acquire(2, 20, 0);
         assert_eq!(g.unwrap().len(), 1);
-        assert_eq!(s.leased_total(2, 30 * MS), Some(30 * MS), "the running lease counts");
+        assert_eq!(
+            s.leased_total(2, 30 * MS),
+            Some(30 * MS),
+            "the running lease counts"
+        );
         s.release(20, 1, 0, true, 40 * MS);
         assert_eq!(s.leased_total(2, 50 * MS), Some(40 * MS));
         // Allocation 1 used 500 ms around the gate: at share 10 that is 5 s of virtual time,
@@ -1046,7 +1053,10 @@ mod tests {
         assert!(s.acquire(1, 10, 61 * MS).unwrap().is_empty());
         assert!(s.acquire(2, 21, 62 * MS).unwrap().is_empty());
         let g = s.release(20, 2, 0, true, 70 * MS);
-        assert_eq!(g[0].conn, 21, "the allocation that went around the gate waits");
+        assert_eq!(
+            g[0].conn, 21,
+            "the allocation that went around the gate waits"
+        );
     }
 
     #[test]

@@ -179,7 +179,10 @@ fn check_records(records: &[AllocationRecord], gpus: &[GpuInfo]) -> Result<(), S
         sum.0 = sum.0.saturating_add(r.share);
         sum.1 = sum.1.saturating_add(r.memory_limit);
         if sum.0 > 100 {
-            return bad(format!("brings GPU {}'s shares to {} of 100", r.gpu_uuid, sum.0));
+            return bad(format!(
+                "brings GPU {}'s shares to {} of 100",
+                r.gpu_uuid, sum.0
+            ));
         }
         // A GPU that is not present is not checked against: its size is unknown.
         if let Some(g) = gpus.iter().find(|g| g.uuid == r.gpu_uuid) {
@@ -371,13 +374,21 @@ impl Arbiter {
 
     /// GPU time granted to allocation `id` in leases so far, ns (for the backstop).
     pub fn leased_total(&self, id: &str) -> Option<u64> {
-        let (key, sched) = self.live().by_id.get(id).map(|a| (a.key, a.scheduler.clone()))?;
+        let (key, sched) = self
+            .live()
+            .by_id
+            .get(id)
+            .map(|a| (a.key, a.scheduler.clone()))?;
         sched.leased_total(key, self.now_ns())
     }
 
     /// Charges GPU time allocation `id` used outside its leases (seen by the backstop).
     pub fn charge_unleased(&self, id: &str, ns: u64) {
-        let found = self.live().by_id.get(id).map(|a| (a.key, a.scheduler.clone()));
+        let found = self
+            .live()
+            .by_id
+            .get(id)
+            .map(|a| (a.key, a.scheduler.clone()));
         if let Some((key, sched)) = found {
             sched.charge_unleased(key, ns, self.now_ns());
         }

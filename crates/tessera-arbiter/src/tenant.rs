@@ -405,16 +405,19 @@ fn handle(
             };
             reply(out, &msg)?;
         }
-        TenantRequest::ReserveCredit { bytes, extra, given_back } => {
+        TenantRequest::ReserveCredit {
+            bytes,
+            extra,
+            given_back,
+        } => {
             let attempt = |l: &mut crate::ledger::Ledger| l.reserve_credit(key, conn, bytes, extra);
-            let msg =
-                match reserve_pressing(arb, b, conn, given_back, attempt) {
-                    Ok(Credit::Granted { bytes, in_use }) => TenantReply::Granted { bytes, in_use },
-                    Ok(Credit::Denied { limit, in_use }) => TenantReply::Denied { limit, in_use },
-                    Err(e) => TenantReply::Error {
-                        message: e.to_string(),
-                    },
-                };
+            let msg = match reserve_pressing(arb, b, conn, given_back, attempt) {
+                Ok(Credit::Granted { bytes, in_use }) => TenantReply::Granted { bytes, in_use },
+                Ok(Credit::Denied { limit, in_use }) => TenantReply::Denied { limit, in_use },
+                Err(e) => TenantReply::Error {
+                    message: e.to_string(),
+                },
+            };
             reply(out, &msg)?;
         }
         TenantRequest::Ticket => {

@@ -171,7 +171,10 @@ fn a_flood_from_two_processes_costs_no_threads_and_keeps_honest_tenants_served()
     assert!(reported(&log, "pid") > 0, "{log}");
     // Failed handshakes were not logged one line each.
     let lines = log.matches("closed at handshake").count() as u64;
-    assert!(lines < connects / 4, "{lines} handshake lines for {connects} connections");
+    assert!(
+        lines < connects / 4,
+        "{lines} handshake lines for {connects} connections"
+    );
 }
 
 /// The last total the arbiter reported for the tenant socket's cap `key` (`pid`, `uid`, ...).
@@ -227,15 +230,21 @@ fn a_trickled_hello_is_dropped_at_one_deadline_and_the_pid_cap_refuses_at_once()
     let t0 = Instant::now();
     // Closed at once, without an answer (a client retries as if the arbiter were not up).
     assert_eq!(answer_then_eof(&mut extra, Duration::from_secs(5)), None);
-    assert!(t0.elapsed() < Duration::from_millis(500), "{:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        t0.elapsed()
+    );
     // Once the silent ones hit their deadline this process gets in again.
     wait_until(Duration::from_secs(5), || {
         TenantClient::connect(&arb.socket, &token).is_ok()
     })
     .expect("never admitted after the cap freed");
     drop(silent);
-    wait_until(Duration::from_secs(3), || reported(&arb.log_text(), "pid") >= 1)
-        .unwrap_or_else(|| panic!("{}", arb.log_text()));
+    wait_until(Duration::from_secs(3), || {
+        reported(&arb.log_text(), "pid") >= 1
+    })
+    .unwrap_or_else(|| panic!("{}", arb.log_text()));
     assert_eq!(reported(&arb.log_text(), "uid"), 0);
 }
 
@@ -263,7 +272,9 @@ fn admitted_connections_are_capped_per_allocation_and_in_total() {
     // A closed connection frees its place once its thread has cleaned up.
     held.remove(0);
     wait_until(Duration::from_secs(5), || {
-        TenantClient::connect(&arb.socket, &a).map(|t| held.push(t)).is_ok()
+        TenantClient::connect(&arb.socket, &a)
+            .map(|t| held.push(t))
+            .is_ok()
     })
     .expect("the freed place was never given again");
     for t in &mut held {

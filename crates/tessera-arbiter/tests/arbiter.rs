@@ -14,8 +14,8 @@ use common::*;
 use tessera_protocol::client::{AdminClient, ClientError, TenantClient};
 use tessera_protocol::frame;
 use tessera_protocol::{
-    AdminErrorKind, AdminRequest, CreateAllocation, GpuSelector, Hello, Role, ServerHello, TenantReply,
-    TenantRequest,
+    AdminErrorKind, AdminRequest, CreateAllocation, GpuSelector, Hello, Role, ServerHello,
+    TenantReply, TenantRequest,
 };
 
 fn create(admin: &mut AdminClient, gpu: u32, limit: u64, share: u32) -> (String, String) {
@@ -552,12 +552,16 @@ fn with_channel(arb: &Arbiter, token: &str) -> (TenantClient, TenantClient) {
         panic!("no ticket");
     };
     let mut ch = arb.tenant(token);
-    assert_eq!(ch.call(&TenantRequest::Subscribe { ticket }).unwrap(), TenantReply::Subscribed);
+    assert_eq!(
+        ch.call(&TenantRequest::Subscribe { ticket }).unwrap(),
+        TenantReply::Subscribed
+    );
     (mem, ch)
 }
 
 #[test]
-fn pressure_takes_credit_back_before_a_refusal_and_forged_channel_frames_close_only_their_connection() {
+fn pressure_takes_credit_back_before_a_refusal_and_forged_channel_frames_close_only_their_connection()
+ {
     let arb = Arbiter::start();
     let mut admin = arb.admin();
     let (token, id) = create(&mut admin, 0, 1000 * MIB, 50);
@@ -565,20 +569,33 @@ fn pressure_takes_credit_back_before_a_refusal_and_forged_channel_frames_close_o
     let (mut a, mut a_ch) = with_channel(&arb, &token);
     // 600 MiB plus credit: half of the 400 MiB left at most, so 100 MiB as asked.
     assert_eq!(
-        a.call(&TenantRequest::ReserveCredit { bytes: 600 * MIB, extra: 100 * MIB, given_back: 0 }).unwrap(),
-        TenantReply::Granted { bytes: 700 * MIB, in_use: 700 * MIB }
+        a.call(&TenantRequest::ReserveCredit {
+            bytes: 600 * MIB,
+            extra: 100 * MIB,
+            given_back: 0
+        })
+        .unwrap(),
+        TenantReply::Granted {
+            bytes: 700 * MIB,
+            in_use: 700 * MIB
+        }
     );
     // B needs 400 MiB: only with A's unused 100 MiB back. A's channel answers the pressure.
     let answer = std::thread::spawn(move || {
         let TenantReply::Pressure { seq } = frame::read_frame(&mut a_ch.stream()).unwrap() else {
             panic!("expected a pressure");
         };
-        a_ch.send(&TenantRequest::Relinquish { seq, bytes: 100 * MIB }).unwrap();
+        a_ch.send(&TenantRequest::Relinquish {
+            seq,
+            bytes: 100 * MIB,
+        })
+        .unwrap();
         a_ch
     });
     let mut b = arb.tenant(&token);
     assert_eq!(
-        b.call(&TenantRequest::Reserve { bytes: 400 * MIB }).unwrap(),
+        b.call(&TenantRequest::Reserve { bytes: 400 * MIB })
+            .unwrap(),
         TenantReply::Reserved { in_use: 1000 * MIB }
     );
     let mut a_ch = answer.join().unwrap();
@@ -590,15 +607,23 @@ fn pressure_takes_credit_back_before_a_refusal_and_forged_channel_frames_close_o
         let TenantReply::Pressure { seq } = frame::read_frame(&mut a_ch.stream()).unwrap() else {
             panic!("expected a pressure");
         };
-        a_ch.send(&TenantRequest::Relinquish { seq, bytes: 0 }).unwrap();
+        a_ch.send(&TenantRequest::Relinquish { seq, bytes: 0 })
+            .unwrap();
         a_ch
     });
     let t = std::time::Instant::now();
     assert_eq!(
         b.call(&TenantRequest::Reserve { bytes: MIB }).unwrap(),
-        TenantReply::Denied { limit: 1000 * MIB, in_use: 1000 * MIB }
+        TenantReply::Denied {
+            limit: 1000 * MIB,
+            in_use: 1000 * MIB
+        }
     );
-    assert!(t.elapsed() < Duration::from_secs(1), "refusal took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "refusal took {:?}",
+        t.elapsed()
+    );
     let mut a_ch = answer.join().unwrap();
 
     // Forgeries. A ticket that was never issued:
@@ -606,28 +631,51 @@ fn pressure_takes_credit_back_before_a_refusal_and_forged_channel_frames_close_o
     c.send(&TenantRequest::Subscribe { ticket: 12345 }).unwrap();
     expect_closed(c.stream().try_clone().unwrap());
     // A ticket of another allocation's connection:
-    let TenantReply::Ticket { ticket } = a.call(&TenantRequest::Ticket).unwrap() else { panic!() };
+    let TenantReply::Ticket { ticket } = a.call(&TenantRequest::Ticket).unwrap() else {
+        panic!()
+    };
     let mut stranger = arb.tenant(&other_token);
     stranger.send(&TenantRequest::Subscribe { ticket }).unwrap();
     expect_closed(stranger.stream().try_clone().unwrap());
     // Relinquish on a connection that is no channel:
     let mut d = arb.tenant(&token);
-    d.send(&TenantRequest::Relinquish { seq: 0, bytes: 400 * MIB }).unwrap();
+    d.send(&TenantRequest::Relinquish {
+        seq: 0,
+        bytes: 400 * MIB,
+    })
+    .unwrap();
     expect_closed(d.stream().try_clone().unwrap());
     // A channel that claims to give back more than its process holds is a liar: the channel
     // is closed and nothing is freed (never B's bytes, and not A's either).
-    a_ch.send(&TenantRequest::Relinquish { seq: 0, bytes: 100 * GIB }).unwrap();
+    a_ch.send(&TenantRequest::Relinquish {
+        seq: 0,
+        bytes: 100 * GIB,
+    })
+    .unwrap();
     assert_eof(a_ch.stream().try_clone().unwrap());
     assert_eq!(used(&mut admin, &id), 1000 * MIB);
     // Everyone else was served throughout.
     assert_eq!(b.call(&TenantRequest::Ping).unwrap(), TenantReply::Pong);
     assert_eq!(used(&mut admin, &other_id), 0);
-    a.send(&TenantRequest::Release { bytes: 600 * MIB }).unwrap();
+    a.send(&TenantRequest::Release { bytes: 600 * MIB })
+        .unwrap();
     assert_eq!(
-        a.call(&TenantRequest::ReserveCredit { bytes: 600 * MIB, extra: 0, given_back: 2 }).unwrap(),
-        TenantReply::Granted { bytes: 600 * MIB, in_use: 1000 * MIB }
+        a.call(&TenantRequest::ReserveCredit {
+            bytes: 600 * MIB,
+            extra: 0,
+            given_back: 2
+        })
+        .unwrap(),
+        TenantReply::Granted {
+            bytes: 600 * MIB,
+            in_use: 1000 * MIB
+        }
     );
-    assert!(arb.log_text().contains("protocol violation #1"), "{}", arb.log_text());
+    assert!(
+        arb.log_text().contains("protocol violation #1"),
+        "{}",
+        arb.log_text()
+    );
 }
 
 /// The arbiter closed `s`: EOF comes (whatever was in flight before it is skipped), no hang.
@@ -651,18 +699,30 @@ fn assert_limit_holds(arb: &Arbiter, token: &str, limit: u64, in_use: u64) {
     assert_eq!(mem_info(arb, token), (limit, in_use));
     let mut c = arb.tenant(token);
     assert_eq!(
-        c.call(&TenantRequest::Reserve { bytes: limit - in_use + 1 }).unwrap(),
+        c.call(&TenantRequest::Reserve {
+            bytes: limit - in_use + 1
+        })
+        .unwrap(),
         TenantReply::Denied { limit, in_use }
     );
     assert_eq!(
-        c.call(&TenantRequest::Reserve { bytes: limit - in_use }).unwrap(),
+        c.call(&TenantRequest::Reserve {
+            bytes: limit - in_use
+        })
+        .unwrap(),
         TenantReply::Reserved { in_use: limit }
     );
     assert_eq!(
         c.call(&TenantRequest::Reserve { bytes: 1 }).unwrap(),
-        TenantReply::Denied { limit, in_use: limit }
+        TenantReply::Denied {
+            limit,
+            in_use: limit
+        }
     );
-    c.send(&TenantRequest::Release { bytes: limit - in_use }).unwrap();
+    c.send(&TenantRequest::Release {
+        bytes: limit - in_use,
+    })
+    .unwrap();
     assert_eq!(c.call(&TenantRequest::Ping).unwrap(), TenantReply::Pong);
 }
 
@@ -672,19 +732,32 @@ fn release_of_more_than_held_closes_the_connection_and_frees_nothing_of_others()
     let mut admin = arb.admin();
     let (token, id) = create(&mut admin, 0, GIB, 10);
     let mut honest = arb.tenant(&token);
-    honest.call(&TenantRequest::Reserve { bytes: 300 * MIB }).unwrap();
+    honest
+        .call(&TenantRequest::Reserve { bytes: 300 * MIB })
+        .unwrap();
     let mut liar = arb.tenant(&token);
-    liar.call(&TenantRequest::Reserve { bytes: 200 * MIB }).unwrap();
+    liar.call(&TenantRequest::Reserve { bytes: 200 * MIB })
+        .unwrap();
     // 500 MiB would free 300 MiB of the honest process's bytes if the ledger believed it.
-    liar.send(&TenantRequest::Release { bytes: 500 * MIB }).unwrap();
+    liar.send(&TenantRequest::Release { bytes: 500 * MIB })
+        .unwrap();
     assert_eof(liar.stream().try_clone().unwrap());
     // The liar's own 200 MiB go as when it exits; the honest 300 MiB stay.
-    wait_until(Duration::from_secs(5), || used(&mut admin, &id) == 300 * MIB)
-        .expect("the liar's holding released on close");
+    wait_until(Duration::from_secs(5), || {
+        used(&mut admin, &id) == 300 * MIB
+    })
+    .expect("the liar's holding released on close");
     assert_limit_holds(&arb, &token, GIB, 300 * MIB);
-    assert_eq!(honest.call(&TenantRequest::Ping).unwrap(), TenantReply::Pong);
+    assert_eq!(
+        honest.call(&TenantRequest::Ping).unwrap(),
+        TenantReply::Pong
+    );
     let log = arb.log_text();
-    assert!(log.contains("protocol violation #1") && log.contains("released 524288000 bytes but held only 209715200"), "{log}");
+    assert!(
+        log.contains("protocol violation #1")
+            && log.contains("released 524288000 bytes but held only 209715200"),
+        "{log}"
+    );
 }
 
 #[test]
@@ -694,26 +767,34 @@ fn redeclare_is_only_the_first_request_of_a_connection() {
     let (token, id) = create(&mut admin, 0, GIB, 10);
     // Reserve, then "Redeclare 0" to forget it and reserve again: closed.
     let mut c = arb.tenant(&token);
-    c.call(&TenantRequest::Reserve { bytes: 900 * MIB }).unwrap();
+    c.call(&TenantRequest::Reserve { bytes: 900 * MIB })
+        .unwrap();
     c.send(&TenantRequest::Redeclare { bytes: 0 }).unwrap();
     assert_eof(c.stream().try_clone().unwrap());
     wait_until(Duration::from_secs(5), || used(&mut admin, &id) == 0).expect("released on close");
     // After any other request (even a Ping), too.
     let mut c = arb.tenant(&token);
     assert_eq!(c.call(&TenantRequest::Ping).unwrap(), TenantReply::Pong);
-    c.send(&TenantRequest::Redeclare { bytes: 100 * MIB }).unwrap();
+    c.send(&TenantRequest::Redeclare { bytes: 100 * MIB })
+        .unwrap();
     assert_eof(c.stream().try_clone().unwrap());
     // First is fine (a reconnecting process); a second one is not.
     let mut c = arb.tenant(&token);
     assert_eq!(
-        c.call(&TenantRequest::Redeclare { bytes: 100 * MIB }).unwrap(),
+        c.call(&TenantRequest::Redeclare { bytes: 100 * MIB })
+            .unwrap(),
         TenantReply::Reserved { in_use: 100 * MIB }
     );
-    c.send(&TenantRequest::Redeclare { bytes: 100 * MIB }).unwrap();
+    c.send(&TenantRequest::Redeclare { bytes: 100 * MIB })
+        .unwrap();
     assert_eof(c.stream().try_clone().unwrap());
     wait_until(Duration::from_secs(5), || used(&mut admin, &id) == 0).expect("released on close");
     assert_limit_holds(&arb, &token, GIB, 0);
-    assert!(arb.log_text().contains("protocol violation #3"), "{}", arb.log_text());
+    assert!(
+        arb.log_text().contains("protocol violation #3"),
+        "{}",
+        arb.log_text()
+    );
 }
 
 #[test]
@@ -723,7 +804,9 @@ fn redeclare_near_u64_max_is_refused_and_the_limit_still_holds() {
     let (token, id) = create(&mut admin, 0, GIB, 10);
     let mut first = arb.tenant(&token);
     assert_eq!(
-        first.call(&TenantRequest::Redeclare { bytes: 512 * MIB }).unwrap(),
+        first
+            .call(&TenantRequest::Redeclare { bytes: 512 * MIB })
+            .unwrap(),
         TenantReply::Reserved { in_use: 512 * MIB }
     );
     // Each would wrap the allocation's total to a small number, or pass the limit alone.
@@ -748,7 +831,9 @@ fn trailing_bytes_after_a_message_close_the_connection_on_both_sockets() {
         s.write_all(&hello_bytes(
             tessera_protocol::MAGIC,
             1,
-            Role::Tenant { token: token.clone() },
+            Role::Tenant {
+                token: token.clone(),
+            },
         ))
         .unwrap();
         let w: ServerHello = frame::read_frame(&mut s).unwrap();
@@ -757,7 +842,8 @@ fn trailing_bytes_after_a_message_close_the_connection_on_both_sockets() {
     };
     // A Reserve with one byte too many.
     let mut s = tenant_hello();
-    s.write_all(&frame::encode(&TenantRequest::Reserve { bytes: 100 * MIB }).unwrap()).unwrap();
+    s.write_all(&frame::encode(&TenantRequest::Reserve { bytes: 100 * MIB }).unwrap())
+        .unwrap();
     let r: TenantReply = frame::read_frame(&mut s).unwrap();
     assert_eq!(r, TenantReply::Reserved { in_use: 100 * MIB });
     let mut padded = frame::encode(&TenantRequest::Reserve { bytes: 100 * MIB }).unwrap();
@@ -769,11 +855,13 @@ fn trailing_bytes_after_a_message_close_the_connection_on_both_sockets() {
     wait_until(Duration::from_secs(5), || used(&mut admin, &id) == 0).expect("released on close");
     // An admin Delete on the tenant socket used to decode as MemInfo (same variant index).
     let mut s = tenant_hello();
-    s.write_all(&frame::encode(&AdminRequest::Delete { id: id.clone() }).unwrap()).unwrap();
+    s.write_all(&frame::encode(&AdminRequest::Delete { id: id.clone() }).unwrap())
+        .unwrap();
     assert_eof(s);
     // And on the admin socket: a List with a trailing byte.
     let mut s = UnixStream::connect(&arb.admin_socket).unwrap();
-    s.write_all(&hello_bytes(tessera_protocol::MAGIC, 1, Role::Admin)).unwrap();
+    s.write_all(&hello_bytes(tessera_protocol::MAGIC, 1, Role::Admin))
+        .unwrap();
     let w: ServerHello = frame::read_frame(&mut s).unwrap();
     assert!(matches!(w, ServerHello::Welcome { .. }), "{w:?}");
     let mut padded = frame::encode(&AdminRequest::List).unwrap();
@@ -784,7 +872,11 @@ fn trailing_bytes_after_a_message_close_the_connection_on_both_sockets() {
     assert_eof(s);
     assert_eq!(admin.list().unwrap().len(), 1, "nothing deleted");
     assert_limit_holds(&arb, &token, GIB, 0);
-    assert!(arb.log_text().contains("trailing byte"), "{}", arb.log_text());
+    assert!(
+        arb.log_text().contains("trailing byte"),
+        "{}",
+        arb.log_text()
+    );
 }
 
 /// Runs the arbiter on `dir` expecting it to stop by itself; kills it after 20 s.
@@ -794,12 +886,17 @@ fn run_to_exit(dir: &std::path::Path) -> (i32, String) {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let status = wait_until(Duration::from_secs(20), || child.try_wait().unwrap().is_some());
+    let status = wait_until(Duration::from_secs(20), || {
+        child.try_wait().unwrap().is_some()
+    });
     if status.is_none() {
         let _ = child.kill();
     }
     let out = child.wait_with_output().unwrap();
-    (code(out.status), String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        code(out.status),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 #[test]
@@ -815,15 +912,27 @@ fn a_state_file_breaking_the_rules_of_create_stops_the_arbiter_with_exit_5() {
     let good: serde_json::Value = serde_json::from_slice(&fs::read(&path).unwrap()).unwrap();
     type Edit = fn(&mut serde_json::Value);
     let cases: [(&str, Edit, &str); 5] = [
-        ("share 1000", |v| v["allocations"][1]["share"] = 1000.into(), "share"),
-        ("limit 0", |v| v["allocations"][1]["memory_limit"] = 0.into(), "memory limit"),
+        (
+            "share 1000",
+            |v| v["allocations"][1]["share"] = 1000.into(),
+            "share",
+        ),
+        (
+            "limit 0",
+            |v| v["allocations"][1]["memory_limit"] = 0.into(),
+            "memory limit",
+        ),
         ("cap 0", |v| v["allocations"][1]["cap"] = 0.into(), "cap 0"),
         (
             "duplicate ids",
             |v| v["allocations"][1]["id"] = v["allocations"][0]["id"].clone(),
             "same id",
         ),
-        ("empty token", |v| v["allocations"][1]["token"] = "".into(), "token"),
+        (
+            "empty token",
+            |v| v["allocations"][1]["token"] = "".into(),
+            "token",
+        ),
     ];
     for (name, edit, why) in cases {
         let mut v = good.clone();
@@ -832,7 +941,11 @@ fn a_state_file_breaking_the_rules_of_create_stops_the_arbiter_with_exit_5() {
         fs::write(&path, &bytes).unwrap();
         let (code, err) = run_to_exit(dir.path());
         assert_eq!(code, 5, "{name}: {err}");
-        assert_eq!(fs::read(&path).unwrap(), bytes, "{name}: file left untouched");
+        assert_eq!(
+            fs::read(&path).unwrap(),
+            bytes,
+            "{name}: file left untouched"
+        );
         // The record is named (its index, and its id, which the duplicate case shares with #0).
         assert!(err.contains("allocation #1"), "{name}: {err}");
         let named = if name == "duplicate ids" { &id0 } else { &id1 };

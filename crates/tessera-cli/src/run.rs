@@ -247,8 +247,9 @@ fn interposer_path(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
     // LD_PRELOAD entries are separated by ':' and spaces, and a relative one is searched
     // for like a library name, so hand the loader an absolute path.
     let path = std::fs::canonicalize(&path).unwrap_or(path);
-    tessera_preload::check(&path)
-        .map_err(|e| anyhow::anyhow!("{e} (without the interposer the limits would not be enforced)"))?;
+    tessera_preload::check(&path).map_err(|e| {
+        anyhow::anyhow!("{e} (without the interposer the limits would not be enforced)")
+    })?;
     let text = path.to_string_lossy();
     if text.contains([':', ' ']) {
         bail!(
@@ -426,7 +427,11 @@ mod tests {
         assert_eq!(parse_gpu("1"), GpuSelector::Index(1));
         assert_eq!(parse_gpu("GPU-ab"), GpuSelector::Uuid("GPU-ab".into()));
         assert_eq!(parse_gpu_arg(" 2 "), Ok(GpuSelector::Index(2)));
-        assert!(parse_gpu_arg("-1").unwrap_err().contains("-1 is not a GPU index"));
+        assert!(
+            parse_gpu_arg("-1")
+                .unwrap_err()
+                .contains("-1 is not a GPU index")
+        );
         assert!(parse_gpu_arg("99999999999").is_err());
         assert!(parse_gpu_arg("").is_err());
         let p = Path::new("/opt/t/libtessera_interpose.so");

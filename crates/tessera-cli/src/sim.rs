@@ -10,8 +10,8 @@ use std::ffi::OsString;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 
-use anyhow::Context;
 use crate::usage;
+use anyhow::Context;
 use tessera_sim_state::{ENV_CONTEXT_MEMORY, ENV_DIR, ENV_GPUS, MODELED_CONTEXT_MEMORY, SimSpec};
 
 /// Arguments of `tessera sim`.
@@ -30,7 +30,11 @@ pub struct SimArgs {
     #[arg(long, value_name = "GPU:CODE")]
     pub inject_xid: Option<String>,
     /// The command to run, after `--`.
-    #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "COMMAND")]
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "COMMAND"
+    )]
     pub command: Vec<OsString>,
 }
 
@@ -43,19 +47,26 @@ pub fn main(args: SimArgs) -> anyhow::Result<u8> {
             .filter(|v| !v.trim().is_empty())
             .unwrap_or_else(|| tessera_sim_state::DEFAULT_GPUS.to_string()),
     };
-    let spec = SimSpec::parse(&gpus).map_err(|e| usage(format!("invalid GPU spec {gpus:?}: {e}")))?;
+    let spec =
+        SimSpec::parse(&gpus).map_err(|e| usage(format!("invalid GPU spec {gpus:?}: {e}")))?;
     let state_dir = match &args.state_dir {
         Some(d) => d.clone(),
         None => tessera_sim_state::state_dir_from_env(),
     };
     if let Some(xid) = &args.inject_xid {
         if !args.command.is_empty() {
-            return Err(usage("--inject-xid does not run a command; drop the command or the flag"));
+            return Err(usage(
+                "--inject-xid does not run a command; drop the command or the flag",
+            ));
         }
         let (gpu, code) = xid
             .split_once(':')
             .and_then(|(g, c)| Some((g.trim().parse::<u32>().ok()?, c.trim().parse::<u64>().ok()?)))
-            .ok_or_else(|| usage(format!("--inject-xid {xid:?}: expected GPU:CODE, e.g. 0:79")))?;
+            .ok_or_else(|| {
+                usage(format!(
+                    "--inject-xid {xid:?}: expected GPU:CODE, e.g. 0:79"
+                ))
+            })?;
         if gpu as usize >= spec.count() {
             return Err(usage(format!(
                 "--inject-xid: GPU {gpu} does not exist ({} simulated)",
@@ -67,7 +78,9 @@ pub fn main(args: SimArgs) -> anyhow::Result<u8> {
         return Ok(0);
     }
     let Some((program, rest)) = args.command.split_first() else {
-        return Err(usage("no command given: use `tessera sim [OPTIONS] -- COMMAND ARGS...`"));
+        return Err(usage(
+            "no command given: use `tessera sim [OPTIONS] -- COMMAND ARGS...`",
+        ));
     };
     // The user's value wins (checked here, so a typo fails before the command starts).
     let context_memory = match std::env::var(ENV_CONTEXT_MEMORY) {

@@ -237,7 +237,10 @@ pub fn table(s: &StatusJson) -> String {
         for a in enforced {
             line(
                 &mut out,
-                &format!("ENFORCED {}: {} process(es) killed or reported (arbiter log)", a.id, a.enforced),
+                &format!(
+                    "ENFORCED {}: {} process(es) killed or reported (arbiter log)",
+                    a.id, a.enforced
+                ),
             );
         }
         rule(&mut out, &[WIDTH - 2]);
@@ -336,13 +339,21 @@ mod tests {
 
     #[test]
     fn backstop_actions_are_listed_under_the_table() {
-        let gpus = [GpuInfo { index: 0, uuid: "GPU-a".into(), name: "Sim".into(), memory_total: 80 << 30 }];
+        let gpus = [GpuInfo {
+            index: 0,
+            uuid: "GPU-a".into(),
+            name: "Sim".into(),
+            memory_total: 80 << 30,
+        }];
         let mut a = alloc("c108be5a", "GPU-a", 20);
         let quiet = table(&build(&gpus, std::slice::from_ref(&a)));
         assert!(!quiet.contains("ENFORCED"), "{quiet}");
         a.enforced = 2;
         let t = table(&build(&gpus, &[a]));
-        assert!(t.contains("ENFORCED c108be5a: 2 process(es) killed or reported"), "{t}");
+        assert!(
+            t.contains("ENFORCED c108be5a: 2 process(es) killed or reported"),
+            "{t}"
+        );
         assert!(t.lines().all(|l| l.chars().count() == WIDTH), "{t}");
     }
 

@@ -57,7 +57,10 @@ fn run_sets_env_passes_exit_code_and_deletes_the_allocation() {
         format!("{}:/nonexistent/libother.so", fake.display())
     );
     // The command sees exactly its allocation's GPU, and not the admin socket.
-    assert!(text.contains(&format!("visible={}\n", gpu_uuid(0))), "{text}");
+    assert!(
+        text.contains(&format!("visible={}\n", gpu_uuid(0))),
+        "{text}"
+    );
     assert!(text.contains("admin=unset\n"), "{text}");
     // While the command ran, its allocation existed with the asked limits.
     let json_start = text.find('{').unwrap();
@@ -217,7 +220,10 @@ fn unreachable_arbiter_exits_3_and_refusals_exit_4() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("-1 is not a GPU index") && !err.contains("UUID -1"), "{err}");
+    assert!(
+        err.contains("-1 is not a GPU index") && !err.contains("UUID -1"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -229,10 +235,14 @@ fn a_file_that_is_not_the_interposer_is_refused_and_nothing_runs() {
     // (the loader would skip the first two with a warning and run the command unlimited).
     let text = arb.dir.path().join("libtessera_interpose.so");
     std::fs::write(&text, "not a library").unwrap();
-    let libc_so = ["/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib/x86_64-linux-gnu/libc.so.6", "/lib64/libc.so.6"]
-        .into_iter()
-        .find(|p| std::path::Path::new(p).exists())
-        .expect("libc.so.6");
+    let libc_so = [
+        "/lib/x86_64-linux-gnu/libc.so.6",
+        "/usr/lib/x86_64-linux-gnu/libc.so.6",
+        "/lib64/libc.so.6",
+    ]
+    .into_iter()
+    .find(|p| std::path::Path::new(p).exists())
+    .expect("libc.so.6");
     let cases = [
         ("/bin/true".to_owned(), "does not load"),
         (text.display().to_string(), "does not load"),
@@ -240,14 +250,30 @@ fn a_file_that_is_not_the_interposer_is_refused_and_nothing_runs() {
     ];
     for (file, why) in cases {
         let out = arb
-            .tessera(&["run", "--memory", "64MiB", "--interposer", &file, "--", "sh", "-c", &touch])
+            .tessera(&[
+                "run",
+                "--memory",
+                "64MiB",
+                "--interposer",
+                &file,
+                "--",
+                "sh",
+                "-c",
+                &touch,
+            ])
             .output()
             .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{file}: {err}");
-        assert!(err.contains(why) && err.contains("limits would not be enforced"), "{file}: {err}");
+        assert!(
+            err.contains(why) && err.contains("limits would not be enforced"),
+            "{file}: {err}"
+        );
         assert!(!marker.exists(), "{file}: the command must not run");
-        assert!(arb.admin().list().unwrap().is_empty(), "{file}: no allocation left behind");
+        assert!(
+            arb.admin().list().unwrap().is_empty(),
+            "{file}: no allocation left behind"
+        );
     }
 }
 
@@ -255,7 +281,8 @@ fn a_file_that_is_not_the_interposer_is_refused_and_nothing_runs() {
 fn the_command_sees_only_its_gpu_and_not_the_admin_socket() {
     let arb = Arbiter::start();
     let lib = interposer_in(arb.dir.path());
-    let script = r#"echo "visible=$CUDA_VISIBLE_DEVICES"; echo "admin=${TESSERA_ADMIN_SOCKET-unset}""#;
+    let script =
+        r#"echo "visible=$CUDA_VISIBLE_DEVICES"; echo "admin=${TESSERA_ADMIN_SOCKET-unset}""#;
     let out = arb
         .tessera(&["run", "--gpu", "1", "--memory", "64MiB", "--interposer"])
         .arg(&lib)
@@ -263,7 +290,12 @@ fn the_command_sees_only_its_gpu_and_not_the_admin_socket() {
         .env("CUDA_VISIBLE_DEVICES", "0")
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = stdout(&out);
     assert_eq!(text, format!("visible={}\nadmin=unset\n", gpu_uuid(1)));
     // Set by flag rather than inherited: still not passed on.
@@ -276,7 +308,10 @@ fn the_command_sees_only_its_gpu_and_not_the_admin_socket() {
         .env_remove("TESSERA_ADMIN_SOCKET")
         .output()
         .unwrap();
-    assert_eq!(stdout(&out), format!("visible={}\nadmin=unset\n", gpu_uuid(1)));
+    assert_eq!(
+        stdout(&out),
+        format!("visible={}\nadmin=unset\n", gpu_uuid(1))
+    );
 }
 
 #[test]
@@ -284,25 +319,50 @@ fn a_cuda_command_sees_and_uses_only_its_allocations_gpu() {
     use std::io::BufRead;
     let arb = Arbiter::start();
     let lib = interposer_in(arb.dir.path());
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/sim_visible.py");
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/sim_visible.py");
     let mut cmd = arb.tessera(&["run", "--gpu", "1", "--memory", "1GiB", "--interposer"]);
-    cmd.arg(&lib).arg("--").arg(tessera_testkit::python()).arg(&script).args(["256", "1000000"]);
-    let mut child = arb.sim.apply(&mut cmd).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    cmd.arg(&lib)
+        .arg("--")
+        .arg(tessera_testkit::python())
+        .arg(&script)
+        .args(["256", "1000000"]);
+    let mut child = arb
+        .sim
+        .apply(&mut cmd)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
     let stdin = child.stdin.take();
     let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
     let mut child = tessera_testkit::KillOnDrop::new(child);
-    let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+    let v: serde_json::Value =
+        serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("{e}: {line:?}"));
     assert_eq!(v["count"], 1, "one GPU visible: {v}");
     assert_eq!(v["devices"][0]["uuid"], gpu_uuid(1));
-    assert_eq!(v["devices"][0]["total"], GIB, "the card is as large as the limit");
+    assert_eq!(
+        v["devices"][0]["total"], GIB,
+        "the card is as large as the limit"
+    );
     assert_eq!(v["nvml_count"], 2, "NVML still lists the node's GPUs");
     let used = |g| tessera_sim_state::device_memory_used(&arb.sim.dir, g).unwrap();
     // Plus the client's context, on GPU 1 too.
     let context = arb.sim.context_bytes();
-    assert_eq!((used(0), used(1)), (0, 256 * MIB + context), "the memory is on GPU 1");
+    assert_eq!(
+        (used(0), used(1)),
+        (0, 256 * MIB + context),
+        "the memory is on GPU 1"
+    );
     let a = arb.admin().list().unwrap();
-    assert_eq!((a.len(), a[0].gpu_index, a[0].memory_used), (1, 1, 256 * MIB), "and counted there");
+    assert_eq!(
+        (a.len(), a[0].gpu_index, a[0].memory_used),
+        (1, 1, 256 * MIB),
+        "and counted there"
+    );
     drop(stdin);
     assert_eq!(child.wait().unwrap().code(), Some(0));
     assert!(arb.admin().list().unwrap().is_empty());

@@ -1,8 +1,8 @@
 //! Integration tests of `tessera sim` with real, unmodified CUDA clients (NVIDIA's
 //! `cuda-bindings`). Each test uses its own state folder so tests run in parallel.
 
-use std::os::unix::process::ExitStatusExt;
 use std::io::{BufRead, BufReader};
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use tessera_testkit::{KillOnDrop, python};
 
 fn script(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/python")
+        .join(name)
 }
 
 fn sim(state: &Path) -> Command {
@@ -38,10 +40,19 @@ fn cuda_bindings_client_runs_on_simulated_gpus() {
     assert_eq!(v["devices"].as_array().unwrap().len(), 2);
     assert_eq!(v["total"].as_u64().unwrap(), 80 << 30);
     assert_eq!(v["driver_version"].as_i64().unwrap(), 13000);
-    let ms: Vec<f64> = v["kernel_ms"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    let ms: Vec<f64> = v["kernel_ms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
     // Launches return at once; the kernels' time shows on the events.
     assert!(v["submit_s"].as_f64().unwrap() < 0.1);
-    assert!((200.0..240.0).contains(&ms[2]), "alone, a 200 ms kernel measured {}", ms[2]);
+    assert!(
+        (200.0..240.0).contains(&ms[2]),
+        "alone, a 200 ms kernel measured {}",
+        ms[2]
+    );
 }
 
 struct Worker {
@@ -100,11 +111,20 @@ fn two_processes_share_memory_and_serialise_kernels() {
     for mut w in [a, b] {
         assert!(w.child.wait().unwrap().success());
     }
-    assert!(wall >= Duration::from_millis(1800), "kernels overlapped: {wall:?}");
+    assert!(
+        wall >= Duration::from_millis(1800),
+        "kernels overlapped: {wall:?}"
+    );
     assert!(wall < Duration::from_secs(20), "too slow: {wall:?}");
     let busy = tessera_sim_state::device_busy_ns(state.path(), 0);
-    assert!((2_000_000_000..2_400_000_000).contains(&busy), "engine busy {busy} ns");
-    assert_eq!(tessera_sim_state::device_memory_used(state.path(), 0).unwrap(), 0);
+    assert!(
+        (2_000_000_000..2_400_000_000).contains(&busy),
+        "engine busy {busy} ns"
+    );
+    assert_eq!(
+        tessera_sim_state::device_memory_used(state.path(), 0).unwrap(),
+        0
+    );
 }
 
 #[test]
@@ -115,7 +135,10 @@ fn sigkilled_process_leaves_no_memory_behind() {
     let pid: i32 = w.expect("ready").parse().unwrap();
     w.expect("done");
     // Plus its context: `tessera sim` models a real card's 300 MiB.
-    assert_eq!(tessera_sim_state::device_memory_used(state.path(), 0).unwrap(), (5 << 30) + (300 << 20));
+    assert_eq!(
+        tessera_sim_state::device_memory_used(state.path(), 0).unwrap(),
+        (5 << 30) + (300 << 20)
+    );
     let procs = tessera_sim_state::read_processes(state.path()).unwrap();
     assert_eq!(procs.len(), 1);
     assert_eq!(procs[0].pid, pid as u32);
@@ -124,32 +147,73 @@ fn sigkilled_process_leaves_no_memory_behind() {
     let status = w.child.wait().unwrap();
     // `tessera sim` execs the command: the pid it printed is `tessera sim`'s own.
     assert_eq!(pid as u32, w.child.id(), "tessera sim execs its command");
-    assert_eq!(status.signal(), Some(libc::SIGKILL), "the command's end is tessera sim's");
-    assert_eq!(tessera_sim_state::device_memory_used(state.path(), 0).unwrap(), 0);
-    assert!(tessera_sim_state::read_processes(state.path()).unwrap().is_empty());
+    assert_eq!(
+        status.signal(),
+        Some(libc::SIGKILL),
+        "the command's end is tessera sim's"
+    );
+    assert_eq!(
+        tessera_sim_state::device_memory_used(state.path(), 0).unwrap(),
+        0
+    );
+    assert!(
+        tessera_sim_state::read_processes(state.path())
+            .unwrap()
+            .is_empty()
+    );
 }
 
 #[test]
 fn exit_codes_and_bad_arguments() {
     let state = tempfile::tempdir().unwrap();
-    let st = sim(state.path()).args(["--", "sh", "-c", "exit 7"]).status().unwrap();
+    let st = sim(state.path())
+        .args(["--", "sh", "-c", "exit 7"])
+        .status()
+        .unwrap();
     assert_eq!(st.code(), Some(7));
     let out = sim(state.path())
-        .args(["--", "sh", "-c", "echo $TESSERA_SIM_GPUS $TESSERA_SIM_DIR; ls $(echo $LD_LIBRARY_PATH | cut -d: -f1)"])
+        .args([
+            "--",
+            "sh",
+            "-c",
+            "echo $TESSERA_SIM_GPUS $TESSERA_SIM_DIR; ls $(echo $LD_LIBRARY_PATH | cut -d: -f1)",
+        ])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.starts_with(&format!("1x80GiB {}", state.path().display())), "{text}");
-    assert!(text.contains("libcuda.so.1") && text.contains("libnvidia-ml.so.1"), "{text}");
-    let bad = sim(state.path()).args(["--gpus", "2xlots", "--", "true"]).output().unwrap();
+    assert!(
+        text.starts_with(&format!("1x80GiB {}", state.path().display())),
+        "{text}"
+    );
+    assert!(
+        text.contains("libcuda.so.1") && text.contains("libnvidia-ml.so.1"),
+        "{text}"
+    );
+    let bad = sim(state.path())
+        .args(["--gpus", "2xlots", "--", "true"])
+        .output()
+        .unwrap();
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("invalid GPU spec"));
     let none = sim(state.path()).output().unwrap();
     assert_eq!(none.status.code(), Some(2));
-    let xid = sim(state.path()).args(["--inject-xid", "3:79"]).output().unwrap();
-    assert_eq!(xid.status.code(), Some(2), "GPU 3 does not exist on 1x80GiB");
-    let xid = sim(state.path()).args(["--inject-xid", "0:79"]).status().unwrap();
+    let xid = sim(state.path())
+        .args(["--inject-xid", "3:79"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        xid.status.code(),
+        Some(2),
+        "GPU 3 does not exist on 1x80GiB"
+    );
+    let xid = sim(state.path())
+        .args(["--inject-xid", "0:79"])
+        .status()
+        .unwrap();
     assert!(xid.success());
     let (events, _) = tessera_sim_state::read_xid_events(state.path(), 0);
-    assert_eq!(events, vec![tessera_sim_state::XidEvent { gpu: 0, code: 79 }]);
+    assert_eq!(
+        events,
+        vec![tessera_sim_state::XidEvent { gpu: 0, code: 79 }]
+    );
 }

@@ -28,7 +28,10 @@ fn nvml_wrapper_sees_devices_memory_utilization_processes_and_xids() {
     assert_eq!(d1.memory_info().unwrap().total, 24 << 30);
     let uuid = d1.uuid().unwrap();
     assert!(uuid.starts_with("GPU-") && uuid.len() == 40);
-    assert_eq!(nvml.device_by_uuid(uuid.as_str()).unwrap().index().unwrap(), 1);
+    assert_eq!(
+        nvml.device_by_uuid(uuid.as_str()).unwrap().index().unwrap(),
+        1
+    );
     assert_eq!(d1.pci_info().unwrap().bus_id, "00000000:02:00.0");
     let d0 = nvml.device_by_index(0).unwrap();
     assert_eq!(d0.memory_info().unwrap().used, 0);
@@ -58,14 +61,19 @@ fn nvml_wrapper_sees_devices_memory_utilization_processes_and_xids() {
     assert!(util > 0, "utilization stayed 0 while a kernel ran");
     let procs = d0.running_compute_processes().unwrap();
     assert_eq!(procs.len(), 1);
-    assert_eq!(procs[0].used_gpu_memory, UsedGpuMemory::Used((2 << 30) + context));
+    assert_eq!(
+        procs[0].used_gpu_memory,
+        UsedGpuMemory::Used((2 << 30) + context)
+    );
     assert!(d1.running_compute_processes().unwrap().is_empty());
     assert!(child.wait().unwrap().success());
     assert_eq!(d0.memory_info().unwrap().used, 0);
 
     // XID events injected by the CLI reach a registered event set.
     let set = nvml.create_event_set().unwrap();
-    let set = d1.register_events(EventTypes::CRITICAL_XID_ERROR, set).unwrap();
+    let set = d1
+        .register_events(EventTypes::CRITICAL_XID_ERROR, set)
+        .unwrap();
     assert!(set.wait(50).is_err(), "no event yet");
     let st = Command::new(env!("CARGO_BIN_EXE_tessera"))
         .args(["sim", "--gpus", "1x16GiB,1x24GiB", "--state-dir"])
@@ -75,7 +83,10 @@ fn nvml_wrapper_sees_devices_memory_utilization_processes_and_xids() {
         .unwrap();
     assert!(st.success());
     let ev = set.wait(5000).unwrap();
-    assert!(matches!(ev.event_data, Some(nvml_wrapper::enums::event::XidError::Value(79))));
+    assert!(matches!(
+        ev.event_data,
+        Some(nvml_wrapper::enums::event::XidError::Value(79))
+    ));
     assert_eq!(ev.device.index().unwrap(), 1);
     tessera_sim_state::inject_xid(state.path(), 0, 48).unwrap();
     assert!(set.wait(200).is_err(), "GPU 0 is not registered");

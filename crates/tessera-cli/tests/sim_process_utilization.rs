@@ -14,7 +14,10 @@ use nvml_wrapper::error::NvmlError;
 use tessera_testkit::{KillOnDrop, artifact, python};
 
 fn now_us() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros() as u64
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64
 }
 
 #[test]
@@ -32,7 +35,10 @@ fn per_process_sm_util_times_window_adds_up_to_each_process_kernel_time() {
     let dev = nvml.device_by_index(0).unwrap();
     let mut last_seen = now_us();
     assert!(
-        matches!(dev.process_utilization_stats(last_seen), Err(NvmlError::NotFound)),
+        matches!(
+            dev.process_utilization_stats(last_seen),
+            Err(NvmlError::NotFound)
+        ),
         "nothing ran yet"
     );
 
@@ -51,7 +57,12 @@ fn per_process_sm_util_times_window_adds_up_to_each_process_kernel_time() {
         let mut out = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         out.read_line(&mut line).unwrap();
-        let pid: u32 = line.trim().strip_prefix("ready ").expect("ready PID").parse().unwrap();
+        let pid: u32 = line
+            .trim()
+            .strip_prefix("ready ")
+            .expect("ready PID")
+            .parse()
+            .unwrap();
         // The `done` line arrives while the poller polls: a thread waits for it.
         let (tx, done) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -103,11 +114,20 @@ fn per_process_sm_util_times_window_adds_up_to_each_process_kernel_time() {
     let got = |pid: u32| busy_us.get(&pid).copied().unwrap_or(0.0) / 1e6;
     let (a_s, b_s) = (got(a_pid), got(b_pid));
     eprintln!("A {a_s:.4} s, B {b_s:.4} s over {windows} answers");
-    assert!((a_s - 1.0).abs() < 0.05, "A ran 1 s of kernels; smUtil × windows says {a_s:.3} s");
-    assert!((b_s - 0.5).abs() < 0.03, "B ran 0.5 s of kernels; smUtil × windows says {b_s:.3} s");
+    assert!(
+        (a_s - 1.0).abs() < 0.05,
+        "A ran 1 s of kernels; smUtil × windows says {a_s:.3} s"
+    );
+    assert!(
+        (b_s - 0.5).abs() < 0.03,
+        "B ran 0.5 s of kernels; smUtil × windows says {b_s:.3} s"
+    );
     assert_eq!(busy_us.len(), 2, "only A and B ran: {busy_us:?}");
 
     // Idle since the last answer: nothing to report.
-    assert!(matches!(dev.process_utilization_stats(last_seen), Err(NvmlError::NotFound)));
+    assert!(matches!(
+        dev.process_utilization_stats(last_seen),
+        Err(NvmlError::NotFound)
+    ));
     drop((a, b));
 }

@@ -168,7 +168,9 @@ fn memory_and_kernels_go_to_the_physical_gpu_behind_the_ordinal() {
     assert_eq!(tessera_sim_state::device_busy_ns(&dir, 0), 0);
     let processes = tessera_sim_state::read_processes(&dir).unwrap();
     assert!(
-        processes.iter().any(|p| p.mem_bytes[2] == (256 << 20) + context),
+        processes
+            .iter()
+            .any(|p| p.mem_bytes[2] == (256 << 20) + context),
         "charged to GPU 2 in the process record"
     );
     drop(stdin);

@@ -253,17 +253,18 @@ fn nvml_thread(
         if last_enum.elapsed() >= poll {
             last_enum = Instant::now();
             if let Ok(now) = enumerate(&nvml)
-                && now != devs {
-                    for gone in devs.iter().filter(|d| !now.iter().any(|n| n.1 == d.1)) {
-                        eprintln!(
-                            "tessera-device-plugin: GPU {} vanished: withdrawing its units",
-                            gone.1
-                        );
-                    }
-                    devs = now;
-                    events = register_events(&nvml, events, &devs, &mut registered);
-                    changed = true;
+                && now != devs
+            {
+                for gone in devs.iter().filter(|d| !now.iter().any(|n| n.1 == d.1)) {
+                    eprintln!(
+                        "tessera-device-plugin: GPU {} vanished: withdrawing its units",
+                        gone.1
+                    );
                 }
+                devs = now;
+                events = register_events(&nvml, events, &devs, &mut registered);
+                changed = true;
+            }
         }
         if changed {
             let _ = tx.send(snapshot(&devs, &bad));

@@ -38,7 +38,11 @@ pub fn write(dir: &Path, id: &str, identity: &Identity) -> Result<PathBuf, Ident
         let path = path.to_owned();
         move |source| IdentityError::Io { path, source }
     };
-    std::fs::DirBuilder::new().recursive(true).mode(0o711).create(dir).map_err(io(dir))?;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o711)
+        .create(dir)
+        .map_err(io(dir))?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).map_err(io(dir))?;
     let mut bytes = [0u8; 8];
     getrandom::fill(&mut bytes).map_err(|e| IdentityError::Random(e.to_string()))?;
@@ -76,11 +80,31 @@ mod tests {
     fn written_files_parse_are_private_to_find_and_are_swept_with_their_allocation() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("identity");
-        let id = Identity { token: "secret".into(), socket: Some("/run/tessera/tessera.sock".into()), allocation: Some("a1".into()) };
+        let id = Identity {
+            token: "secret".into(),
+            socket: Some("/run/tessera/tessera.sock".into()),
+            allocation: Some("a1".into()),
+        };
         let p1 = write(&dir, "a1", &id).unwrap();
-        let p2 = write(&dir, "b2", &Identity { token: "t2".into(), socket: None, allocation: None }).unwrap();
-        assert_ne!(p1.file_name(), Some(std::ffi::OsStr::new("a1")), "a random suffix");
-        assert_eq!(Identity::parse(&std::fs::read_to_string(&p1).unwrap()).unwrap(), id);
+        let p2 = write(
+            &dir,
+            "b2",
+            &Identity {
+                token: "t2".into(),
+                socket: None,
+                allocation: None,
+            },
+        )
+        .unwrap();
+        assert_ne!(
+            p1.file_name(),
+            Some(std::ffi::OsStr::new("a1")),
+            "a random suffix"
+        );
+        assert_eq!(
+            Identity::parse(&std::fs::read_to_string(&p1).unwrap()).unwrap(),
+            id
+        );
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode(&dir), 0o711);
         assert_eq!(mode(&p1), 0o644);

@@ -171,9 +171,11 @@ fn remove_stale_temps(dir: &Path) {
         let pid = rest.split('-').next().and_then(|p| p.parse::<u32>().ok());
         // Leave a temporary of a live installer alone (an init container racing the plugin).
         if let Some(pid) = pid
-            && pid != std::process::id() && Path::new(&format!("/proc/{pid}")).exists() {
-                continue;
-            }
+            && pid != std::process::id()
+            && Path::new(&format!("/proc/{pid}")).exists()
+        {
+            continue;
+        }
         let _ = std::fs::remove_file(e.path());
     }
 }
@@ -262,6 +264,9 @@ mod tests {
         // A file that is there but does not load as the interposer is refused too.
         let err = find_interposer(Some(&src)).unwrap_err();
         assert!(matches!(err, InstallError::NotInterposer(_)), "{err}");
-        assert!(err.to_string().contains("refusing to install it for pods"), "{err}");
+        assert!(
+            err.to_string().contains("refusing to install it for pods"),
+            "{err}"
+        );
     }
 }

@@ -400,11 +400,12 @@ async fn serve_generation(
             return Ok(End::Restart("our socket was removed (kubelet restart?)"));
         }
         if let Some(kid) = registered
-            && file_id(kubelet_sock) != Some(kid) {
-                return Ok(End::Restart(
-                    "kubelet.sock was re-created (kubelet restart)",
-                ));
-            }
+            && file_id(kubelet_sock) != Some(kid)
+        {
+            return Ok(End::Restart(
+                "kubelet.sock was re-created (kubelet restart)",
+            ));
+        }
     }
 }
 
@@ -415,7 +416,9 @@ fn resolve(path: &Path) -> PathBuf {
     let abs = if path.is_absolute() {
         path.to_path_buf()
     } else {
-        std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/")).join(path)
+        std::env::current_dir()
+            .unwrap_or_else(|_| PathBuf::from("/"))
+            .join(path)
     };
     let comps: Vec<Component<'_>> = abs.components().collect();
     // The longest prefix that canonicalizes; `/` always does.
@@ -423,7 +426,9 @@ fn resolve(path: &Path) -> PathBuf {
         .rev()
         .find_map(|n| {
             let prefix: PathBuf = comps[..n].iter().collect();
-            std::fs::canonicalize(&prefix).ok().map(|p| (p, &comps[n..]))
+            std::fs::canonicalize(&prefix)
+                .ok()
+                .map(|p| (p, &comps[n..]))
         })
         .unwrap_or_else(|| (PathBuf::from("/"), &comps[..]));
     for c in rest {
@@ -477,7 +482,12 @@ mod tests {
         );
         let mut c = cfg();
         c.admin_socket = "/run/tessera/x/../tenant/admin.sock".into();
-        assert!(c.validate().unwrap_err().to_string().contains("admin socket"));
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("admin socket")
+        );
         let mut c = cfg();
         c.shares_per_gpu = 0;
         assert!(c.validate().is_err());

@@ -527,7 +527,13 @@ mod tests {
             container_lib_path: "/usr/lib/tessera/libtessera_interpose.so".into(),
             host_identity_dir: "/var/lib/tessera/identity".into(),
         };
-        let r = fraction_response(&m, "GPU-a", "tok", "a1", Path::new("/var/lib/tessera/identity/a1.x"));
+        let r = fraction_response(
+            &m,
+            "GPU-a",
+            "tok",
+            "a1",
+            Path::new("/var/lib/tessera/identity/a1.x"),
+        );
         assert_eq!(r.envs[ENV_TOKEN], "tok");
         assert_eq!(r.envs[ENV_SOCKET], "/run/tessera/tessera.sock");
         assert_eq!(r.envs[ENV_VISIBLE], "GPU-a");

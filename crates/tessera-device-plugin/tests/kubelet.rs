@@ -546,7 +546,10 @@ async fn register_list_prefer_allocate_and_clean_up() {
     assert_eq!(resp.mounts[0].container_path, "/etc/tessera/tenant");
     assert!(resp.mounts[0].read_only);
     let identity = std::fs::read_to_string(&resp.mounts[0].host_path).unwrap();
-    assert!(identity.contains("token=") && !identity.contains("socket="), "{identity}");
+    assert!(
+        identity.contains("token=") && !identity.contains("socket="),
+        "{identity}"
+    );
     let allocs = node.allocations();
     assert_eq!(allocs.len(), 2);
     assert!(
@@ -740,8 +743,18 @@ async fn bad_flags_and_missing_interposer_exit_with_documented_codes() {
         let out = run(&["--install-only", "--interposer", bad.to_str().unwrap()]);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(3), "{}: {err}", bad.display());
-        assert!(err.contains("does not load as a shared library") && err.contains("refusing"), "{err}");
-        assert!(!dir.path().join("lib").exists() || std::fs::read_dir(dir.path().join("lib")).unwrap().next().is_none(), "nothing installed");
+        assert!(
+            err.contains("does not load as a shared library") && err.contains("refusing"),
+            "{err}"
+        );
+        assert!(
+            !dir.path().join("lib").exists()
+                || std::fs::read_dir(dir.path().join("lib"))
+                    .unwrap()
+                    .next()
+                    .is_none(),
+            "nothing installed"
+        );
     }
     // --install-only installs and exits 0.
     let out = run(&["--install-only"]);
@@ -947,8 +960,13 @@ async fn container_node() -> (Node, FakeKubelet, FakePodResources) {
     let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
     let podres = FakePodResources::default();
     podres.serve(&node.podres());
-    node.start_plugin_with(&["--container-lib-path", "/opt/tessera/libtessera_interpose.so"]);
-    within(15, "registration", kubelet.registrations.recv()).await.unwrap();
+    node.start_plugin_with(&[
+        "--container-lib-path",
+        "/opt/tessera/libtessera_interpose.so",
+    ]);
+    within(15, "registration", kubelet.registrations.recv())
+        .await
+        .unwrap();
     (node, kubelet, podres)
 }
 
@@ -961,7 +979,10 @@ fn arbiter_log_with(node: &Node, needle: &str) -> String {
         if log.contains(needle) {
             return log;
         }
-        assert!(t.elapsed() < Duration::from_secs(3), "no {needle:?} in the arbiter log:\n{log}");
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "no {needle:?} in the arbiter log:\n{log}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -1026,7 +1047,12 @@ fn run_tenant(
         out.push('\n');
     }
     let status = child.wait().unwrap();
-    (out, err.join().unwrap(), status, held_at.map(|t| t.elapsed()))
+    (
+        out,
+        err.join().unwrap(),
+        status,
+        held_at.map(|t| t.elapsed()),
+    )
 }
 
 fn killed(status: &std::process::ExitStatus) -> bool {
@@ -1041,18 +1067,33 @@ async fn a_container_that_unsets_its_token_or_fakes_its_socket_still_gets_its_li
     let mut no_token = resp.clone();
     no_token.envs.remove("TESSERA_TOKEN");
     let mut fake_socket = resp.clone();
-    fake_socket.envs.insert("TESSERA_SOCKET".into(), "/tmp/fake-arbiter.sock".into());
-    fake_socket.envs.insert("TESSERA_TOKEN".into(), "forged".into());
-    for (what, r) in [("token unset", &no_token), ("socket and token forged", &fake_socket)] {
+    fake_socket
+        .envs
+        .insert("TESSERA_SOCKET".into(), "/tmp/fake-arbiter.sock".into());
+    fake_socket
+        .envs
+        .insert("TESSERA_TOKEN".into(), "forged".into());
+    for (what, r) in [
+        ("token unset", &no_token),
+        ("socket and token forged", &fake_socket),
+    ] {
         let (out, err, status, _) = tokio::task::block_in_place(|| {
-            run_tenant(&node, r, &sim_env(&node), &["--grab-gib", "40", "--seconds", "0.2"])
+            run_tenant(
+                &node,
+                r,
+                &sim_env(&node),
+                &["--grab-gib", "40", "--seconds", "0.2"],
+            )
         });
         let shown = format!("{what}\nstdout:\n{out}\nstderr:\n{err}");
         // The interposer took token and socket from the read-only identity file: it reached
         // the real arbiter (the card shows the allocation's 24 GiB) and the 25th GiB was
         // refused with CUDA_ERROR_OUT_OF_MEMORY.
         assert!(out.contains("24 GiB"), "{shown}");
-        assert!(out.contains("holds 24 GiB; the next 1 GiB was refused: CUDA_ERROR_OUT_OF_MEMORY"), "{shown}");
+        assert!(
+            out.contains("holds 24 GiB; the next 1 GiB was refused: CUDA_ERROR_OUT_OF_MEMORY"),
+            "{shown}"
+        );
         assert!(status.success(), "{shown}\n{status:?}");
     }
     // The card never held more than the limit, and nobody was killed.
@@ -1068,15 +1109,26 @@ async fn a_container_process_that_never_connects_is_attributed_by_its_identity_a
     // A copy of ld.so that ignores /etc/ld.so.preload, or a static binary: the interposer is
     // never loaded and nothing ever connects to the arbiter.
     let mut bare = resp.clone();
-    bare.mounts.retain(|m| m.container_path != "/etc/ld.so.preload");
+    bare.mounts
+        .retain(|m| m.container_path != "/etc/ld.so.preload");
     let (out, err, status, after) = tokio::task::block_in_place(|| {
-        run_tenant(&node, &bare, &sim_env(&node), &["--grab-gib", "40", "--seconds", "10"])
+        run_tenant(
+            &node,
+            &bare,
+            &sim_env(&node),
+            &["--grab-gib", "40", "--seconds", "10"],
+        )
     });
     let shown = format!("stdout:\n{out}\nstderr:\n{err}");
-    assert!(out.contains("holds 40 GiB"), "the driver gave it 40 GiB: {shown}");
+    assert!(
+        out.contains("holds 40 GiB"),
+        "the driver gave it 40 GiB: {shown}"
+    );
     assert!(killed(&status), "{status:?}\n{shown}");
     let after = after.unwrap();
-    eprintln!("a container process over its limit that never connected: killed {after:?} after it took 40 GiB");
+    eprintln!(
+        "a container process over its limit that never connected: killed {after:?} after it took 40 GiB"
+    );
     assert!(after < Duration::from_secs(1), "killed after {after:?}");
     let used = tessera_sim_state::device_memory_used(&node.sim.dir, 0).unwrap();
     assert!(used < 24 << 30, "the card gave the memory back: {used}");
@@ -1093,7 +1145,12 @@ async fn a_container_without_shares_that_reaches_the_gpu_is_killed_and_whole_gpu
     // NVIDIA_VISIBLE_DEVICES=all): no mount, no identity.
     let none = ContainerAllocateResponse::default();
     let (out, err, status, _) = tokio::task::block_in_place(|| {
-        run_tenant(&node, &none, &sim_env(&node), &["--grab-gib", "1", "--seconds", "10"])
+        run_tenant(
+            &node,
+            &none,
+            &sim_env(&node),
+            &["--grab-gib", "1", "--seconds", "10"],
+        )
     });
     assert!(killed(&status), "{status:?}\n{out}\n{err}");
     let log = arbiter_log_with(&node, "unknown container process");
@@ -1111,11 +1168,20 @@ async fn a_container_without_shares_that_reaches_the_gpu_is_killed_and_whole_gpu
     assert_eq!(whole.mounts[0].container_path, "/etc/tessera/tenant");
     let env = sim_env(&node);
     let (out, err, status, _) = tokio::task::block_in_place(|| {
-        run_tenant(&node, &whole, &env, &["--grab-gib", "60", "--seconds", "1.5"])
+        run_tenant(
+            &node,
+            &whole,
+            &env,
+            &["--grab-gib", "60", "--seconds", "1.5"],
+        )
     });
     assert!(status.success(), "{status:?}\n{out}\n{err}");
     assert!(out.contains("holds 60 GiB"), "{out}");
     let log = std::fs::read_to_string(node.dir.path().join("arbiter.log")).unwrap();
-    assert_eq!(log.matches("killed").count(), 1, "only the pod without shares: {log}");
+    assert_eq!(
+        log.matches("killed").count(),
+        1,
+        "only the pod without shares: {log}"
+    );
     kubelet.stop().await;
 }

@@ -40,8 +40,10 @@ pub enum ClientError {
 }
 
 fn connect(path: &Path, role: Role) -> Result<(UnixStream, ServerHello), ClientError> {
-    let mut stream = UnixStream::connect(path)
-        .map_err(|source| ClientError::Connect { path: path.display().to_string(), source })?;
+    let mut stream = UnixStream::connect(path).map_err(|source| ClientError::Connect {
+        path: path.display().to_string(),
+        source,
+    })?;
     frame::write_frame(&mut stream, &Hello::new(role))?;
     let hello: ServerHello = frame::read_frame(&mut stream)?;
     Ok((stream, hello))
@@ -57,14 +59,20 @@ pub struct TenantClient {
 impl TenantClient {
     /// Connects and performs the handshake with `token`.
     pub fn connect(path: &Path, token: &str) -> Result<Self, ClientError> {
-        let (stream, hello) = connect(path, Role::Tenant { token: token.to_owned() })?;
+        let (stream, hello) = connect(
+            path,
+            Role::Tenant {
+                token: token.to_owned(),
+            },
+        )?;
         match hello {
-            ServerHello::Welcome { allocation: Some(allocation), .. } => {
-                Ok(Self { stream, allocation })
-            }
-            ServerHello::Welcome { allocation: None, .. } => {
-                Err(ClientError::Unexpected("welcome without allocation".into()))
-            }
+            ServerHello::Welcome {
+                allocation: Some(allocation),
+                ..
+            } => Ok(Self { stream, allocation }),
+            ServerHello::Welcome {
+                allocation: None, ..
+            } => Err(ClientError::Unexpected("welcome without allocation".into())),
             ServerHello::Refused { reason } => Err(ClientError::Refused(reason)),
         }
     }

@@ -71,8 +71,14 @@ impl Identity {
                 other => return Err(IdentityError::UnknownKey(i + 1, other.to_owned())),
             }
         }
-        let token = token.filter(|t| !t.is_empty()).ok_or(IdentityError::NoToken)?;
-        Ok(Self { token, socket, allocation })
+        let token = token
+            .filter(|t| !t.is_empty())
+            .ok_or(IdentityError::NoToken)?;
+        Ok(Self {
+            token,
+            socket,
+            allocation,
+        })
     }
 
     /// Reads and parses an identity file from `file`, reading at most one byte more than
@@ -123,7 +129,11 @@ mod tests {
             allocation: Some("a-1".into()),
         };
         assert_eq!(Identity::parse(&id.render()), Ok(id));
-        let bare = Identity { token: "t".into(), socket: None, allocation: None };
+        let bare = Identity {
+            token: "t".into(),
+            socket: None,
+            allocation: None,
+        };
         assert_eq!(Identity::parse(&bare.render()), Ok(bare));
     }
 
@@ -143,9 +153,17 @@ mod tests {
         assert_eq!(Identity::read(&path).unwrap().unwrap().token, "abc");
         std::fs::write(&path, "token\n").unwrap();
         let err = Identity::read(&path).unwrap().unwrap_err();
-        assert!(err.starts_with(&path.display().to_string()) && err.contains("line 1"), "{err}");
+        assert!(
+            err.starts_with(&path.display().to_string()) && err.contains("line 1"),
+            "{err}"
+        );
         std::fs::write(&path, "#".repeat(MAX_IDENTITY_LEN * 3)).unwrap();
-        assert!(Identity::read(&path).unwrap().unwrap_err().contains("longer than"));
+        assert!(
+            Identity::read(&path)
+                .unwrap()
+                .unwrap_err()
+                .contains("longer than")
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -158,6 +176,9 @@ mod tests {
             Identity::parse("token=a\nlimit=80GiB\n"),
             Err(IdentityError::UnknownKey(2, "limit".into()))
         );
-        assert_eq!(Identity::parse(&"#".repeat(5000)), Err(IdentityError::TooLong));
+        assert_eq!(
+            Identity::parse(&"#".repeat(5000)),
+            Err(IdentityError::TooLong)
+        );
     }
 }

@@ -36,7 +36,11 @@ pub struct Hello {
 impl Hello {
     /// A hello for this build's version.
     pub fn new(role: Role) -> Self {
-        Self { magic: crate::MAGIC, version: crate::PROTOCOL_VERSION, role }
+        Self {
+            magic: crate::MAGIC,
+            version: crate::PROTOCOL_VERSION,
+            role,
+        }
     }
 }
 

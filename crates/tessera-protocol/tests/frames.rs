@@ -15,12 +15,17 @@ fn round_trip_blocking() {
     let b: TenantRequest = frame::read_frame(&mut cur).unwrap();
     assert_eq!(a, TenantRequest::Reserve { bytes: 600 << 20 });
     assert_eq!(b, TenantRequest::Release { bytes: 7 });
-    assert!(matches!(frame::read_frame::<_, TenantRequest>(&mut cur), Err(FrameError::Closed)));
+    assert!(matches!(
+        frame::read_frame::<_, TenantRequest>(&mut cur),
+        Err(FrameError::Closed)
+    ));
 }
 
 #[test]
 fn decoder_handles_byte_by_byte_input() {
-    let hello = Hello::new(Role::Tenant { token: "ab".repeat(32) });
+    let hello = Hello::new(Role::Tenant {
+        token: "ab".repeat(32),
+    });
     let mut bytes = frame::encode(&hello).unwrap();
     bytes.extend(frame::encode(&Hello::new(Role::Admin)).unwrap());
     let mut dec = FrameDecoder::new();
@@ -42,7 +47,10 @@ fn truncated_frame_is_an_error_not_a_hang() {
     let err = frame::read_frame::<_, TenantReply>(&mut cur).unwrap_err();
     assert!(matches!(err, FrameError::Io(_)), "{err:?}");
     let mut cur = Cursor::new(&bytes[..2]);
-    assert!(matches!(frame::read_frame::<_, TenantReply>(&mut cur), Err(FrameError::Io(_))));
+    assert!(matches!(
+        frame::read_frame::<_, TenantReply>(&mut cur),
+        Err(FrameError::Io(_))
+    ));
 }
 
 #[test]
@@ -55,9 +63,14 @@ fn oversized_frame_is_refused_before_reading_payload() {
     ));
     let mut dec = FrameDecoder::new();
     dec.extend(&u32::MAX.to_le_bytes());
-    assert!(matches!(dec.next::<TenantRequest>(), Err(FrameError::TooLarge(_))));
+    assert!(matches!(
+        dec.next::<TenantRequest>(),
+        Err(FrameError::TooLarge(_))
+    ));
     // Encoding refuses too.
-    let huge = Role::Tenant { token: "x".repeat(MAX_FRAME_LEN + 10) };
+    let huge = Role::Tenant {
+        token: "x".repeat(MAX_FRAME_LEN + 10),
+    };
     assert!(matches!(frame::encode(&huge), Err(FrameError::TooLarge(_))));
 }
 
@@ -66,7 +79,10 @@ fn a_decoder_with_a_limit_refuses_larger_frames_from_the_header() {
     let mut dec = FrameDecoder::with_limit(16);
     // A whole small frame passes.
     dec.extend(&frame::encode(&TenantRequest::Ping).unwrap());
-    assert_eq!(dec.next::<TenantRequest>().unwrap(), Some(TenantRequest::Ping));
+    assert_eq!(
+        dec.next::<TenantRequest>().unwrap(),
+        Some(TenantRequest::Ping)
+    );
     // A 17-byte frame is refused from its header alone, before its payload arrives.
     dec.extend(&17u32.to_le_bytes());
     assert!(matches!(
@@ -76,7 +92,10 @@ fn a_decoder_with_a_limit_refuses_larger_frames_from_the_header() {
     // The limit never goes above MAX_FRAME_LEN.
     let mut dec = FrameDecoder::with_limit(usize::MAX);
     dec.extend(&(MAX_FRAME_LEN as u32 + 1).to_le_bytes());
-    assert!(matches!(dec.next::<TenantRequest>(), Err(FrameError::TooLarge(_))));
+    assert!(matches!(
+        dec.next::<TenantRequest>(),
+        Err(FrameError::TooLarge(_))
+    ));
 }
 
 #[test]
@@ -90,7 +109,10 @@ fn garbage_payload_is_malformed() {
     ));
     let mut dec = FrameDecoder::new();
     dec.extend(&bytes);
-    assert!(matches!(dec.next::<TenantRequest>(), Err(FrameError::Malformed(_))));
+    assert!(matches!(
+        dec.next::<TenantRequest>(),
+        Err(FrameError::Malformed(_))
+    ));
     assert_eq!(HEADER_LEN, 4);
 }
 
@@ -111,9 +133,15 @@ fn bytes_after_the_message_are_an_error() {
     assert!(matches!(err, FrameError::Trailing(1)), "{err:?}");
     let mut dec = FrameDecoder::new();
     dec.extend(&bytes);
-    assert!(matches!(dec.next::<TenantRequest>(), Err(FrameError::Trailing(1))));
+    assert!(matches!(
+        dec.next::<TenantRequest>(),
+        Err(FrameError::Trailing(1))
+    ));
     // An admin request of the same variant index is no tenant request.
-    let delete = frame::encode(&tessera_protocol::AdminRequest::Delete { id: "abcd0001".into() }).unwrap();
+    let delete = frame::encode(&tessera_protocol::AdminRequest::Delete {
+        id: "abcd0001".into(),
+    })
+    .unwrap();
     assert!(matches!(
         frame::read_frame::<_, TenantRequest>(&mut Cursor::new(&delete)),
         Err(FrameError::Trailing(_))

@@ -257,9 +257,21 @@ fn table() -> &'static [Entry] {
             e!("cuMemAddressFree", 10020, cuMemAddressFree),
             e!("cuMemMap", 10020, cuMemMap),
             e!("cuMemUnmap", 10020, cuMemUnmap),
-            e!("cuMemRetainAllocationHandle", 11000, cuMemRetainAllocationHandle),
-            e!("cuMemExportToShareableHandle", 10020, cuMemExportToShareableHandle),
-            e!("cuMemImportFromShareableHandle", 10020, cuMemImportFromShareableHandle),
+            e!(
+                "cuMemRetainAllocationHandle",
+                11000,
+                cuMemRetainAllocationHandle
+            ),
+            e!(
+                "cuMemExportToShareableHandle",
+                10020,
+                cuMemExportToShareableHandle
+            ),
+            e!(
+                "cuMemImportFromShareableHandle",
+                10020,
+                cuMemImportFromShareableHandle
+            ),
             e!("cuMemSetAccess", 10020, cuMemSetAccess),
             e!(
                 "cuMemGetAllocationGranularity",

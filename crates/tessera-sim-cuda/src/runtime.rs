@@ -56,10 +56,17 @@ pub fn visible_devices(spec: &SimSpec, value: Option<&str>) -> Vec<u32> {
     let mut out: Vec<u32> = Vec::new();
     for entry in value.split(',').map(str::trim) {
         let found = if !entry.is_empty() && entry.bytes().all(|b| b.is_ascii_digit()) {
-            entry.parse::<usize>().ok().and_then(|i| spec.gpus.get(i)).map(|g| g.index)
+            entry
+                .parse::<usize>()
+                .ok()
+                .and_then(|i| spec.gpus.get(i))
+                .map(|g| g.index)
         } else if entry.len() > 4 && entry[..4].eq_ignore_ascii_case("GPU-") {
             let want = entry.to_ascii_lowercase();
-            let mut matches = spec.gpus.iter().filter(|g| g.uuid.to_ascii_lowercase().starts_with(&want));
+            let mut matches = spec
+                .gpus
+                .iter()
+                .filter(|g| g.uuid.to_ascii_lowercase().starts_with(&want));
             match (matches.next(), matches.next()) {
                 (Some(g), None) => Some(g.index),
                 _ => None,
@@ -256,7 +263,11 @@ mod tests {
     fn indexes_select_and_reorder() {
         assert_eq!(v(Some("1")), vec![1]);
         assert_eq!(v(Some("0,2")), vec![0, 2]);
-        assert_eq!(v(Some("2,0")), vec![2, 0], "ordinals follow the list's order");
+        assert_eq!(
+            v(Some("2,0")),
+            vec![2, 0],
+            "ordinals follow the list's order"
+        );
         assert_eq!(v(Some(" 2 , 1 ")), vec![2, 1]);
     }
 
@@ -267,10 +278,22 @@ mod tests {
         let u2 = s.gpus[2].uuid.clone();
         assert_eq!(visible_devices(&s, Some(&u1)), vec![1]);
         assert_eq!(visible_devices(&s, Some(&format!("{u2},{u1}"))), vec![2, 1]);
-        assert_eq!(visible_devices(&s, Some(&u2[..12])), vec![2], "a unique prefix");
+        assert_eq!(
+            visible_devices(&s, Some(&u2[..12])),
+            vec![2],
+            "a unique prefix"
+        );
         assert_eq!(visible_devices(&s, Some(&u2.to_ascii_uppercase())), vec![2]);
-        assert_eq!(visible_devices(&s, Some(&format!("0,{u2}"))), vec![0, 2], "mixed forms");
-        assert_eq!(visible_devices(&s, Some("GPU-")), Vec::<u32>::new(), "matches all: ambiguous");
+        assert_eq!(
+            visible_devices(&s, Some(&format!("0,{u2}"))),
+            vec![0, 2],
+            "mixed forms"
+        );
+        assert_eq!(
+            visible_devices(&s, Some("GPU-")),
+            Vec::<u32>::new(),
+            "matches all: ambiguous"
+        );
         assert_eq!(visible_devices(&s, Some("GPU-zzzz")), Vec::<u32>::new());
     }
 

@@ -171,7 +171,8 @@ pub unsafe extern "C" fn cuMemCreate(
             .try_alloc(g.index, size as u64)
             .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
         // The name carries the device, for an importer to find it.
-        let name = std::ffi::CString::new(format!("{MEMFD_PREFIX}{}", g.index)).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
+        let name = std::ffi::CString::new(format!("{MEMFD_PREFIX}{}", g.index))
+            .map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
         // SAFETY: memfd_create with a NUL-terminated name.
         let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
         // SAFETY: fd is our fresh memfd (checked >= 0 first).
@@ -270,7 +271,10 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
 /// The device of a memfd made by `cuMemCreate` (in any process), from its name.
 fn exported_device(fd: i32) -> Option<u32> {
     let link = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
-    let name = link.to_str()?.strip_prefix("/memfd:")?.strip_prefix(MEMFD_PREFIX)?;
+    let name = link
+        .to_str()?
+        .strip_prefix("/memfd:")?
+        .strip_prefix(MEMFD_PREFIX)?;
     name.split(' ').next()?.parse().ok()
 }
 

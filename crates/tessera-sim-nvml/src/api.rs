@@ -229,7 +229,10 @@ pub unsafe extern "C" fn nvmlDeviceGetCount(n: *mut u32) -> nvmlReturn_t {
 
 /// `nvmlDeviceGetHandleByIndex_v2`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(i: u32, h: *mut nvmlDevice_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
+    i: u32,
+    h: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
     guard(|| {
         if i as usize >= state()?.spec.count() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
@@ -246,7 +249,11 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex(i: u32, h: *mut nvmlDevice_t
     unsafe { nvmlDeviceGetHandleByIndex_v2(i, h) }
 }
 
-fn by_string(s: *const c_char, h: *mut nvmlDevice_t, pick: fn(&GpuInfo, &str) -> bool) -> nvmlReturn_t {
+fn by_string(
+    s: *const c_char,
+    h: *mut nvmlDevice_t,
+    pick: fn(&GpuInfo, &str) -> bool,
+) -> nvmlReturn_t {
     guard(|| {
         let st = state()?;
         if s.is_null() {
@@ -254,7 +261,12 @@ fn by_string(s: *const c_char, h: *mut nvmlDevice_t, pick: fn(&GpuInfo, &str) ->
         }
         // SAFETY: non-null C string from the caller.
         let s = unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned();
-        let g = st.spec.gpus.iter().find(|g| pick(g, &s)).ok_or(NVML_ERROR_NOT_FOUND)?;
+        let g = st
+            .spec
+            .gpus
+            .iter()
+            .find(|g| pick(g, &s))
+            .ok_or(NVML_ERROR_NOT_FOUND)?;
         // SAFETY: caller's out-pointer, null-checked by put.
         unsafe { put(h, handle_of(g.index)) }
     })
@@ -262,13 +274,19 @@ fn by_string(s: *const c_char, h: *mut nvmlDevice_t, pick: fn(&GpuInfo, &str) ->
 
 /// `nvmlDeviceGetHandleByUUID`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(uuid: *const c_char, h: *mut nvmlDevice_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
+    uuid: *const c_char,
+    h: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
     by_string(uuid, h, |g, s| g.uuid.eq_ignore_ascii_case(s))
 }
 
 /// `nvmlDeviceGetHandleByPciBusId_v2`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(id: *const c_char, h: *mut nvmlDevice_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(
+    id: *const c_char,
+    h: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
     by_string(id, h, |g, s| {
         g.pci_bus_id_nvml().eq_ignore_ascii_case(s) || g.pci_bus_id_cuda().eq_ignore_ascii_case(s)
     })
@@ -276,7 +294,11 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByPciBusId_v2(id: *const c_char, h: 
 
 /// `nvmlDeviceGetName`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetName(h: nvmlDevice_t, buf: *mut c_char, len: u32) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetName(
+    h: nvmlDevice_t,
+    buf: *mut c_char,
+    len: u32,
+) -> nvmlReturn_t {
     guard(|| {
         let g = device(h)?;
         // SAFETY: caller's buffer of `len` bytes.
@@ -286,7 +308,11 @@ pub unsafe extern "C" fn nvmlDeviceGetName(h: nvmlDevice_t, buf: *mut c_char, le
 
 /// `nvmlDeviceGetUUID`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetUUID(h: nvmlDevice_t, buf: *mut c_char, len: u32) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetUUID(
+    h: nvmlDevice_t,
+    buf: *mut c_char,
+    len: u32,
+) -> nvmlReturn_t {
     guard(|| {
         let g = device(h)?;
         // SAFETY: caller's buffer of `len` bytes.
@@ -313,7 +339,11 @@ pub unsafe extern "C" fn nvmlDeviceGetMinorNumber(h: nvmlDevice_t, i: *mut u32) 
 
 /// `nvmlDeviceGetCudaComputeCapability`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(h: nvmlDevice_t, major: *mut i32, minor: *mut i32) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetCudaComputeCapability(
+    h: nvmlDevice_t,
+    major: *mut i32,
+    minor: *mut i32,
+) -> nvmlReturn_t {
     guard(|| {
         device(h)?;
         // SAFETY: caller's out-pointers, null-checked by put.
@@ -332,7 +362,10 @@ fn used(g: &GpuInfo) -> Result<u64, nvmlReturn_t> {
 
 /// `nvmlDeviceGetMemoryInfo`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(h: nvmlDevice_t, m: *mut nvmlMemory_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
+    h: nvmlDevice_t,
+    m: *mut nvmlMemory_t,
+) -> nvmlReturn_t {
     guard(|| {
         let g = device(h)?;
         let u = used(g)?;
@@ -352,7 +385,10 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(h: nvmlDevice_t, m: *mut nvmlMe
 
 /// `nvmlDeviceGetMemoryInfo_v2`: the caller sets `version` to `NVML_STRUCT_VERSION(Memory, 2)`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(h: nvmlDevice_t, m: *mut nvmlMemory_v2_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
+    h: nvmlDevice_t,
+    m: *mut nvmlMemory_v2_t,
+) -> nvmlReturn_t {
     guard(|| {
         let g = device(h)?;
         if m.is_null() {
@@ -383,10 +419,14 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(h: nvmlDevice_t, m: *mut nvm
 /// `nvmlDeviceGetUtilizationRates`: gpu = engine busy share of the last second; memory = share
 /// of the card in use.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(h: nvmlDevice_t, u: *mut nvmlUtilization_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
+    h: nvmlDevice_t,
+    u: *mut nvmlUtilization_t,
+) -> nvmlReturn_t {
     guard(|| {
         let g = device(h)?;
-        let busy = tessera_sim_state::device_utilization(&state()?.dir, g.index, Duration::from_secs(1));
+        let busy =
+            tessera_sim_state::device_utilization(&state()?.dir, g.index, Duration::from_secs(1));
         let mem = used(g)? as f64 / g.total_bytes as f64;
         // SAFETY: caller's out-pointer, null-checked by put.
         unsafe {
@@ -401,7 +441,12 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(h: nvmlDevice_t, u: *mut 
     })
 }
 
-fn processes(h: nvmlDevice_t, count: *mut u32, infos: *mut nvmlProcessInfo_t, graphics: bool) -> nvmlReturn_t {
+fn processes(
+    h: nvmlDevice_t,
+    count: *mut u32,
+    infos: *mut nvmlProcessInfo_t,
+    graphics: bool,
+) -> nvmlReturn_t {
     guard(|| {
         let g = device(h)?;
         if count.is_null() {
@@ -442,19 +487,31 @@ fn processes(h: nvmlDevice_t, count: *mut u32, infos: *mut nvmlProcessInfo_t, gr
 
 /// `nvmlDeviceGetComputeRunningProcesses_v3`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(h: nvmlDevice_t, c: *mut u32, i: *mut nvmlProcessInfo_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+    h: nvmlDevice_t,
+    c: *mut u32,
+    i: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
     processes(h, c, i, false)
 }
 
 /// `nvmlDeviceGetComputeRunningProcesses_v2` (same struct layout).
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v2(h: nvmlDevice_t, c: *mut u32, i: *mut nvmlProcessInfo_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v2(
+    h: nvmlDevice_t,
+    c: *mut u32,
+    i: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
     processes(h, c, i, false)
 }
 
 /// `nvmlDeviceGetGraphicsRunningProcesses_v3`: none on a compute-only simulation.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v3(h: nvmlDevice_t, c: *mut u32, i: *mut nvmlProcessInfo_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetGraphicsRunningProcesses_v3(
+    h: nvmlDevice_t,
+    c: *mut u32,
+    i: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
     processes(h, c, i, true)
 }
 
@@ -487,13 +544,19 @@ fn pci_info(h: nvmlDevice_t, p: *mut nvmlPciInfo_t) -> nvmlReturn_t {
 
 /// `nvmlDeviceGetPciInfo_v3`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(h: nvmlDevice_t, p: *mut nvmlPciInfo_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v3(
+    h: nvmlDevice_t,
+    p: *mut nvmlPciInfo_t,
+) -> nvmlReturn_t {
     pci_info(h, p)
 }
 
 /// `nvmlDeviceGetPciInfo_v2`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v2(h: nvmlDevice_t, p: *mut nvmlPciInfo_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetPciInfo_v2(
+    h: nvmlDevice_t,
+    p: *mut nvmlPciInfo_t,
+) -> nvmlReturn_t {
     pci_info(h, p)
 }
 
@@ -641,7 +704,10 @@ unsafe fn event_set<'a>(set: nvmlEventSet_t) -> Result<&'a Mutex<EventSet>, nvml
 
 /// `nvmlDeviceGetSupportedEventTypes`: XID critical errors.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(h: nvmlDevice_t, types: *mut u64) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(
+    h: nvmlDevice_t,
+    types: *mut u64,
+) -> nvmlReturn_t {
     guard(|| {
         device(h)?;
         // SAFETY: caller's out-pointer, null-checked by put.
@@ -651,7 +717,11 @@ pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(h: nvmlDevice_t, types
 
 /// `nvmlDeviceRegisterEvents`.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceRegisterEvents(h: nvmlDevice_t, types: u64, set: nvmlEventSet_t) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlDeviceRegisterEvents(
+    h: nvmlDevice_t,
+    types: u64,
+    set: nvmlEventSet_t,
+) -> nvmlReturn_t {
     guard(|| {
         let g = device(h)?;
         if types & !NVML_EVENT_TYPE_XID_CRITICAL_ERROR != 0 {
@@ -669,7 +739,11 @@ pub unsafe extern "C" fn nvmlDeviceRegisterEvents(h: nvmlDevice_t, types: u64, s
 
 /// `nvmlEventSetWait_v2`: waits up to `timeout_ms` for an XID on a registered device.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlEventSetWait_v2(set: nvmlEventSet_t, data: *mut nvmlEventData_t, timeout_ms: u32) -> nvmlReturn_t {
+pub unsafe extern "C" fn nvmlEventSetWait_v2(
+    set: nvmlEventSet_t,
+    data: *mut nvmlEventData_t,
+    timeout_ms: u32,
+) -> nvmlReturn_t {
     guard(|| {
         let st = state()?;
         if data.is_null() {
@@ -684,7 +758,8 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(set: nvmlEventSet_t, data: *mut nvm
                 let (events, next) = tessera_sim_state::read_xid_events(&st.dir, s.offset);
                 s.offset = next;
                 let regs = s.registered.clone();
-                s.pending.extend(events.into_iter().filter(|e| regs.contains(&e.gpu)));
+                s.pending
+                    .extend(events.into_iter().filter(|e| regs.contains(&e.gpu)));
                 if let Some(e) = s.pending.pop_front() {
                     // SAFETY: non-null out-struct from the caller.
                     return unsafe {
@@ -723,4 +798,3 @@ pub unsafe extern "C" fn nvmlEventSetFree(set: nvmlEventSet_t) -> nvmlReturn_t {
         Ok(())
     })
 }
-

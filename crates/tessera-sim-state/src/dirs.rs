@@ -94,8 +94,8 @@ pub fn prepare_lib_dir(state_dir: &Path, built_lib_dir: &Path) -> Result<PathBuf
         }
         let tmp = lib.join(format!(".{name}.{}", std::process::id()));
         let _ = std::fs::remove_file(&tmp);
-        let made = std::os::unix::fs::symlink(&target, &tmp)
-            .and_then(|()| std::fs::rename(&tmp, &dest));
+        let made =
+            std::os::unix::fs::symlink(&target, &tmp).and_then(|()| std::fs::rename(&tmp, &dest));
         made.map_err(|source| DirsError::Create {
             path: dest.clone(),
             source,

@@ -130,12 +130,15 @@ impl Engine {
             }
         }
         // A holder killed while updating left the counter odd: even it again.
-        let _ = self.word(3).fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
-            (v % 2 == 1).then_some(v + 1)
-        });
+        let _ = self
+            .word(3)
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
+                (v % 2 == 1).then_some(v + 1)
+            });
         let start = monotonic_ns();
         self.word(3).fetch_add(1, Ordering::SeqCst);
-        self.word(2).store(u64::from(std::process::id()), Ordering::SeqCst);
+        self.word(2)
+            .store(u64::from(std::process::id()), Ordering::SeqCst);
         self.word(1).store(start, Ordering::SeqCst);
         self.word(3).fetch_add(1, Ordering::SeqCst);
         let deadline = start + ns;
@@ -173,7 +176,8 @@ impl Engine {
                 self.word(slot + 1).store(0, Ordering::Relaxed);
                 self.word(slot).store(idx, Ordering::Relaxed);
             }
-            self.word(slot + 1).fetch_add(bucket_end - t, Ordering::Relaxed);
+            self.word(slot + 1)
+                .fetch_add(bucket_end - t, Ordering::Relaxed);
             t = bucket_end;
         }
     }
@@ -185,12 +189,19 @@ impl Engine {
     fn pid_slot(&self, pid: u32) -> Option<usize> {
         let slots = (0..PID_SLOTS).map(|i| PIDS_AT + 2 * i);
         let mine = u64::from(pid);
-        if let Some(s) = slots.clone().find(|&s| self.word(s).load(Ordering::Relaxed) == mine) {
+        if let Some(s) = slots
+            .clone()
+            .find(|&s| self.word(s).load(Ordering::Relaxed) == mine)
+        {
             return Some(s);
         }
-        let free = slots.clone().find(|&s| self.word(s).load(Ordering::Relaxed) == 0);
+        let free = slots
+            .clone()
+            .find(|&s| self.word(s).load(Ordering::Relaxed) == 0);
         let claim = free.or_else(|| {
-            slots.clone().find(|&s| pid_dead(self.word(s).load(Ordering::Relaxed)))
+            slots
+                .clone()
+                .find(|&s| pid_dead(self.word(s).load(Ordering::Relaxed)))
         })?;
         // Busy time first, then the pid: a lock-free reader never credits the dead owner's
         // total to the new one.
@@ -250,7 +261,9 @@ pub fn process_busy_ns(dir: &Path, gpu: u32) -> (u64, Vec<(u32, u64)>) {
     };
     let counter = || {
         let mut b = [0u8; 8];
-        file.read_exact_at(&mut b, 3 * 8).ok().map(|()| u64::from_ne_bytes(b))
+        file.read_exact_at(&mut b, 3 * 8)
+            .ok()
+            .map(|()| u64::from_ne_bytes(b))
     };
     // A read while the holder moves a kernel's time into its slot could count it twice or not
     // at all: retry until the change counter is even and unchanged around the read (a holder
@@ -321,7 +334,10 @@ mod tests {
             })
             .collect();
         let spans: Vec<(u64, u64)> = threads.into_iter().map(|t| t.join().unwrap()).collect();
-        assert!(t0.elapsed() >= Duration::from_millis(195), "kernels overlapped");
+        assert!(
+            t0.elapsed() >= Duration::from_millis(195),
+            "kernels overlapped"
+        );
         assert!(spans[0].1 <= spans[1].0 || spans[1].1 <= spans[0].0);
         let busy = device_busy_ns(&d, 0);
         assert!((200_000_000..300_000_000).contains(&busy), "busy {busy}");
@@ -331,7 +347,10 @@ mod tests {
         let (_, per_pid) = process_busy_ns(&d, 0);
         assert_eq!(per_pid.len(), 1);
         assert_eq!(per_pid[0].0, std::process::id());
-        assert!((200_000_000..300_000_000).contains(&per_pid[0].1), "{per_pid:?}");
+        assert!(
+            (200_000_000..300_000_000).contains(&per_pid[0].1),
+            "{per_pid:?}"
+        );
     }
 
     #[test]
@@ -343,7 +362,10 @@ mod tests {
         let (_, per_pid) = process_busy_ns(dir.path(), 0);
         t.join().unwrap();
         assert_eq!(per_pid.len(), 1);
-        assert!((50_000_000..300_000_000).contains(&per_pid[0].1), "{per_pid:?}");
+        assert!(
+            (50_000_000..300_000_000).contains(&per_pid[0].1),
+            "{per_pid:?}"
+        );
     }
 
     #[test]
@@ -355,15 +377,23 @@ mod tests {
             e.word(PIDS_AT + 2 * i).store(1, Ordering::SeqCst);
         }
         e.run(1_000_000);
-        assert!(device_busy_ns(dir.path(), 0) >= 1_000_000, "the device still counts");
+        assert!(
+            device_busy_ns(dir.path(), 0) >= 1_000_000,
+            "the device still counts"
+        );
         let (_, per_pid) = process_busy_ns(dir.path(), 0);
         assert!(per_pid.iter().all(|&(pid, _)| pid == 1));
         // A dead process's slot (a pid above any pid_max) is taken over, its total reset.
-        e.word(PIDS_AT + 2 * 7).store(u64::from(i32::MAX as u32 - 1), Ordering::SeqCst);
-        e.word(PIDS_AT + 2 * 7 + 1).store(123_456_789_000, Ordering::SeqCst);
+        e.word(PIDS_AT + 2 * 7)
+            .store(u64::from(i32::MAX as u32 - 1), Ordering::SeqCst);
+        e.word(PIDS_AT + 2 * 7 + 1)
+            .store(123_456_789_000, Ordering::SeqCst);
         e.run(1_000_000);
         let (_, per_pid) = process_busy_ns(dir.path(), 0);
-        let me = per_pid.iter().find(|&&(pid, _)| pid == std::process::id()).unwrap();
+        let me = per_pid
+            .iter()
+            .find(|&&(pid, _)| pid == std::process::id())
+            .unwrap();
         assert!((1_000_000..100_000_000).contains(&me.1), "{me:?}");
     }
 }

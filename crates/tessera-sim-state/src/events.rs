@@ -85,7 +85,10 @@ mod tests {
         inject_xid(dir.path(), 1, 79).unwrap();
         inject_xid(dir.path(), 0, 48).unwrap();
         let (ev, next) = read_xid_events(dir.path(), start);
-        assert_eq!(ev, vec![XidEvent { gpu: 1, code: 79 }, XidEvent { gpu: 0, code: 48 }]);
+        assert_eq!(
+            ev,
+            vec![XidEvent { gpu: 1, code: 79 }, XidEvent { gpu: 0, code: 48 }]
+        );
         assert!(read_xid_events(dir.path(), next).0.is_empty());
     }
 }

@@ -356,11 +356,11 @@ impl Ledger {
         if !opened {
             // Closing never needs the flock: returning memory cannot overcommit the card.
             return self.with_mine(|m| {
-                let prev = m.word(base + W_CTX).fetch_update(
-                    Ordering::SeqCst,
-                    Ordering::SeqCst,
-                    |v| Some(v.saturating_sub(1)),
-                );
+                let prev =
+                    m.word(base + W_CTX)
+                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
+                            Some(v.saturating_sub(1))
+                        });
                 if prev == Ok(1) {
                     m.word(base + W_CTX_MEM).store(0, Ordering::SeqCst);
                 }
@@ -582,13 +582,27 @@ mod tests {
         let second = Ledger::open(dir.path(), vec![1000]).unwrap();
         first.try_alloc(0, 64).unwrap();
         second.try_alloc(0, 400).unwrap();
-        assert_eq!(device_memory_used(dir.path(), 0).unwrap(), 464, "neither record replaced the other");
+        assert_eq!(
+            device_memory_used(dir.path(), 0).unwrap(),
+            464,
+            "neither record replaced the other"
+        );
         let procs = read_processes(dir.path()).unwrap();
         assert_eq!(procs.len(), 1, "one process: {procs:?}");
-        assert_eq!((procs[0].pid, procs[0].mem_bytes[0]), (std::process::id(), 464));
-        assert!(second.try_alloc(0, 537).is_err(), "the card's room counts both copies");
+        assert_eq!(
+            (procs[0].pid, procs[0].mem_bytes[0]),
+            (std::process::id(), 464)
+        );
+        assert!(
+            second.try_alloc(0, 537).is_err(),
+            "the card's room counts both copies"
+        );
         drop(second);
-        assert_eq!(device_memory_used(dir.path(), 0).unwrap(), 64, "the second copy's record only went");
+        assert_eq!(
+            device_memory_used(dir.path(), 0).unwrap(),
+            64,
+            "the second copy's record only went"
+        );
         assert_eq!(record_pid("12.3"), Some(12));
         assert_eq!(record_pid("12.x"), None);
         assert_eq!(record_pid(".new-12"), None);
@@ -604,7 +618,10 @@ mod tests {
         l.context_changed(0, true).unwrap();
         assert_eq!(device_memory_used(dir.path(), 0).unwrap(), 300);
         let procs = read_processes(dir.path()).unwrap();
-        assert_eq!((procs[0].mem_bytes[0], procs[0].context_bytes[0]), (300, 300));
+        assert_eq!(
+            (procs[0].mem_bytes[0], procs[0].context_bytes[0]),
+            (300, 300)
+        );
         assert_eq!(procs[0].contexts[0], 2);
         // Context memory counts against the card like allocations.
         assert!(matches!(

@@ -10,7 +10,9 @@ pub enum SpecError {
     Empty,
     #[error("bad GPU spec item {0:?}: expected COUNTxSIZE such as 2x80GiB")]
     BadItem(String),
-    #[error("bad memory size {0:?}: expected a number with a unit (GiB, MiB, KiB, GB, MB, KB or B)")]
+    #[error(
+        "bad memory size {0:?}: expected a number with a unit (GiB, MiB, KiB, GB, MB, KB or B)"
+    )]
     BadSize(String),
     #[error("{0} GPUs requested; at most {MAX_GPUS} are supported")]
     TooMany(usize),
@@ -132,7 +134,9 @@ pub fn parse_size(text: &str) -> Result<u64, SpecError> {
         "tb" => 1_000_000_000_000,
         _ => return Err(SpecError::BadSize(text.to_string())),
     };
-    let value: f64 = num.parse().map_err(|_| SpecError::BadSize(text.to_string()))?;
+    let value: f64 = num
+        .parse()
+        .map_err(|_| SpecError::BadSize(text.to_string()))?;
     let bytes = value * mult as f64;
     if !(bytes >= 1.0 && bytes < (1u64 << 50) as f64) {
         return Err(SpecError::BadSize(text.to_string()));
@@ -143,7 +147,11 @@ pub fn parse_size(text: &str) -> Result<u64, SpecError> {
 /// Parses a context memory size: `300MiB`, `0` (none) or empty (none).
 pub fn parse_context_memory(text: &str) -> Result<u64, SpecError> {
     let t = text.trim();
-    if t.is_empty() || t.trim_end_matches(|c: char| c.is_ascii_alphabetic()).parse::<f64>() == Ok(0.0) {
+    if t.is_empty()
+        || t.trim_end_matches(|c: char| c.is_ascii_alphabetic())
+            .parse::<f64>()
+            == Ok(0.0)
+    {
         return Ok(0);
     }
     parse_size(t).map_err(|_| SpecError::BadContextMemory(text.to_string()))
@@ -211,16 +219,31 @@ mod tests {
         let s = SimSpec::parse("1x16GiB, 1x24GiB").unwrap();
         assert_eq!(s.gpus[0].total_bytes, 16 << 30);
         assert_eq!(s.gpus[1].total_bytes, 24 << 30);
-        assert_eq!(SimSpec::parse("512MiB").unwrap().gpus[0].total_bytes, 512 << 20);
+        assert_eq!(
+            SimSpec::parse("512MiB").unwrap().gpus[0].total_bytes,
+            512 << 20
+        );
     }
 
     #[test]
     fn rejects_bad_specs() {
         assert_eq!(SimSpec::parse(""), Err(SpecError::Empty));
-        assert!(matches!(SimSpec::parse("0x80GiB"), Err(SpecError::BadItem(_))));
-        assert!(matches!(SimSpec::parse("2x80Zib"), Err(SpecError::BadSize(_))));
-        assert!(matches!(SimSpec::parse("axGiB"), Err(SpecError::BadItem(_))));
-        assert!(matches!(SimSpec::parse("17x1GiB"), Err(SpecError::TooMany(17))));
+        assert!(matches!(
+            SimSpec::parse("0x80GiB"),
+            Err(SpecError::BadItem(_))
+        ));
+        assert!(matches!(
+            SimSpec::parse("2x80Zib"),
+            Err(SpecError::BadSize(_))
+        ));
+        assert!(matches!(
+            SimSpec::parse("axGiB"),
+            Err(SpecError::BadItem(_))
+        ));
+        assert!(matches!(
+            SimSpec::parse("17x1GiB"),
+            Err(SpecError::TooMany(17))
+        ));
     }
 
     #[test]
@@ -233,7 +256,10 @@ mod tests {
             parse_context_memory("lots"),
             Err(SpecError::BadContextMemory(v)) if v == "lots"
         ));
-        assert!(matches!(parse_context_memory("-5MiB"), Err(SpecError::BadContextMemory(_))));
+        assert!(matches!(
+            parse_context_memory("-5MiB"),
+            Err(SpecError::BadContextMemory(_))
+        ));
     }
 
     #[test]
@@ -247,7 +273,10 @@ mod tests {
         assert!(u.starts_with("GPU-"));
         let parts: Vec<usize> = u[4..].split('-').map(str::len).collect();
         assert_eq!(parts, vec![8, 4, 4, 4, 12]);
-        assert_ne!(SimSpec::parse("1x16GiB").unwrap().gpus[0].uuid, a.gpus[0].uuid);
+        assert_ne!(
+            SimSpec::parse("1x16GiB").unwrap().gpus[0].uuid,
+            a.gpus[0].uuid
+        );
         assert_eq!(a.gpus[1].pci_bus_id_nvml(), "00000000:02:00.0");
     }
 }

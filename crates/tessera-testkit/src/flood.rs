@@ -11,14 +11,20 @@ use std::time::{Duration, Instant};
 /// from here inherit it): to 65,536 where allowed, else the soft limit to the hard one.
 /// Returns the soft limit (0 when it cannot be read).
 pub fn raise_nofile() -> u64 {
-    let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     // SAFETY: `rl` is a valid rlimit to write into.
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) } != 0 {
         return 0;
     }
     let want: libc::rlim_t = 65_536;
     if rl.rlim_max < want {
-        let up = libc::rlimit { rlim_cur: want, rlim_max: want };
+        let up = libc::rlimit {
+            rlim_cur: want,
+            rlim_max: want,
+        };
         // SAFETY: `up` is a valid rlimit; raising the hard limit needs CAP_SYS_RESOURCE and
         // simply fails without it.
         if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &up) } == 0 {

@@ -36,8 +36,9 @@ impl SimGpu {
     pub fn prepare_with_hint(dir: &Path, gpus: &str, hint: &str) -> Self {
         let built = tessera_sim_state::find_built_lib_dir(Some(&target_dir()))
             .unwrap_or_else(|e| panic!("{e}: {hint}"));
-        let lib_dir = tessera_sim_state::prepare_lib_dir(dir, &built)
-            .unwrap_or_else(|e| panic!("cannot prepare the simulated GPU in {}: {e}", dir.display()));
+        let lib_dir = tessera_sim_state::prepare_lib_dir(dir, &built).unwrap_or_else(|e| {
+            panic!("cannot prepare the simulated GPU in {}: {e}", dir.display())
+        });
         Self {
             dir: dir.to_path_buf(),
             lib_dir,

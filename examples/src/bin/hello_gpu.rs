@@ -18,22 +18,32 @@ fn main() {
     unsafe {
         let init: unsafe extern "C" fn(u32) -> u32 = d.sym(c"cuInit", 2000);
         let count: unsafe extern "C" fn(*mut i32) -> u32 = d.sym(c"cuDeviceGetCount", 2000);
-        let name: unsafe extern "C" fn(*mut c_char, i32, i32) -> u32 = d.sym(c"cuDeviceGetName", 2000);
+        let name: unsafe extern "C" fn(*mut c_char, i32, i32) -> u32 =
+            d.sym(c"cuDeviceGetName", 2000);
         let total: unsafe extern "C" fn(*mut usize, i32) -> u32 = d.sym(c"cuDeviceTotalMem", 3020);
-        let retain: unsafe extern "C" fn(*mut *mut c_void, i32) -> u32 = d.sym(c"cuDevicePrimaryCtxRetain", 7000);
+        let retain: unsafe extern "C" fn(*mut *mut c_void, i32) -> u32 =
+            d.sym(c"cuDevicePrimaryCtxRetain", 7000);
         let set_current: unsafe extern "C" fn(*mut c_void) -> u32 = d.sym(c"cuCtxSetCurrent", 4000);
         let alloc: unsafe extern "C" fn(*mut u64, usize) -> u32 = d.sym(c"cuMemAlloc", 3020);
         let free: unsafe extern "C" fn(u64) -> u32 = d.sym(c"cuMemFree", 3020);
-        let info: unsafe extern "C" fn(*mut usize, *mut usize) -> u32 = d.sym(c"cuMemGetInfo", 3020);
-        let htod: unsafe extern "C" fn(u64, *const c_void, usize) -> u32 = d.sym(c"cuMemcpyHtoD", 3020);
-        let dtoh: unsafe extern "C" fn(*mut c_void, u64, usize) -> u32 = d.sym(c"cuMemcpyDtoH", 3020);
-        let load: unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> u32 = d.sym(c"cuModuleLoadData", 2000);
+        let info: unsafe extern "C" fn(*mut usize, *mut usize) -> u32 =
+            d.sym(c"cuMemGetInfo", 3020);
+        let htod: unsafe extern "C" fn(u64, *const c_void, usize) -> u32 =
+            d.sym(c"cuMemcpyHtoD", 3020);
+        let dtoh: unsafe extern "C" fn(*mut c_void, u64, usize) -> u32 =
+            d.sym(c"cuMemcpyDtoH", 3020);
+        let load: unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> u32 =
+            d.sym(c"cuModuleLoadData", 2000);
         let getf: unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *const c_char) -> u32 =
             d.sym(c"cuModuleGetFunction", 2000);
-        let stream_create: unsafe extern "C" fn(*mut *mut c_void, u32) -> u32 = d.sym(c"cuStreamCreate", 2000);
-        let stream_sync: unsafe extern "C" fn(*mut c_void) -> u32 = d.sym(c"cuStreamSynchronize", 2000);
-        let ev_create: unsafe extern "C" fn(*mut *mut c_void, u32) -> u32 = d.sym(c"cuEventCreate", 2000);
-        let ev_record: unsafe extern "C" fn(*mut c_void, *mut c_void) -> u32 = d.sym(c"cuEventRecord", 2000);
+        let stream_create: unsafe extern "C" fn(*mut *mut c_void, u32) -> u32 =
+            d.sym(c"cuStreamCreate", 2000);
+        let stream_sync: unsafe extern "C" fn(*mut c_void) -> u32 =
+            d.sym(c"cuStreamSynchronize", 2000);
+        let ev_create: unsafe extern "C" fn(*mut *mut c_void, u32) -> u32 =
+            d.sym(c"cuEventCreate", 2000);
+        let ev_record: unsafe extern "C" fn(*mut c_void, *mut c_void) -> u32 =
+            d.sym(c"cuEventRecord", 2000);
         let ev_elapsed: unsafe extern "C" fn(*mut f32, *mut c_void, *mut c_void) -> u32 =
             d.sym(c"cuEventElapsedTime", 12080);
         let launch: LaunchKernel = d.sym(c"cuLaunchKernel", 4000);
@@ -59,14 +69,26 @@ fn main() {
         println!("allocated 40 GiB: {} GiB free of {} GiB", f >> 30, t >> 30);
         let msg = b"hello from the simulated GPU";
         let mut back = [0u8; 28];
-        check("cuMemcpyHtoD", htod(dptr, msg.as_ptr() as *const c_void, msg.len()));
-        check("cuMemcpyDtoH", dtoh(back.as_mut_ptr() as *mut c_void, dptr, back.len()));
+        check(
+            "cuMemcpyHtoD",
+            htod(dptr, msg.as_ptr() as *const c_void, msg.len()),
+        );
+        check(
+            "cuMemcpyDtoH",
+            dtoh(back.as_mut_ptr() as *mut c_void, dptr, back.len()),
+        );
         println!("copied back: {:?}", String::from_utf8_lossy(&back));
 
         let mut module = std::ptr::null_mut();
         let mut spin = std::ptr::null_mut();
-        check("cuModuleLoadData", load(&mut module, PTX.as_ptr() as *const c_void));
-        check("cuModuleGetFunction", getf(&mut spin, module, c"spin".as_ptr()));
+        check(
+            "cuModuleLoadData",
+            load(&mut module, PTX.as_ptr() as *const c_void),
+        );
+        check(
+            "cuModuleGetFunction",
+            getf(&mut spin, module, c"spin".as_ptr()),
+        );
         let mut streams = [std::ptr::null_mut(); 2];
         let mut events = [std::ptr::null_mut(); 4];
         for s in &mut streams {
@@ -80,7 +102,22 @@ fn main() {
             let mut ns: u64 = 100_000_000 * (i as u64 + 1);
             let mut params = [&mut ns as *mut u64 as *mut c_void];
             check("cuEventRecord", ev_record(events[2 * i], s));
-            check("cuLaunchKernel", launch(spin, 1, 1, 1, 1, 1, 1, 0, s, params.as_mut_ptr(), std::ptr::null_mut()));
+            check(
+                "cuLaunchKernel",
+                launch(
+                    spin,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    0,
+                    s,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                ),
+            );
             check("cuEventRecord", ev_record(events[2 * i + 1], s));
         }
         let submitted = t0.elapsed();
@@ -94,7 +131,10 @@ fn main() {
         );
         for i in 0..2 {
             let mut ms = 0f32;
-            check("cuEventElapsedTime", ev_elapsed(&mut ms, events[2 * i], events[2 * i + 1]));
+            check(
+                "cuEventElapsedTime",
+                ev_elapsed(&mut ms, events[2 * i], events[2 * i + 1]),
+            );
             println!("stream {i}: events measured {ms:.1} ms");
         }
         check("cuMemFree", free(dptr));

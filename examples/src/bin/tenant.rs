@@ -24,13 +24,20 @@ struct Args {
 }
 
 fn parse() -> Result<Args, String> {
-    let mut a = Args { name: "tenant".into(), grab_gib: 4, seconds: 3.0, kernel_us: 1000 };
+    let mut a = Args {
+        name: "tenant".into(),
+        grab_gib: 4,
+        seconds: 3.0,
+        kernel_us: 1000,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
         match flag.as_str() {
             "--name" => a.name = value()?,
-            "--grab-gib" => a.grab_gib = value()?.parse().map_err(|e| format!("--grab-gib: {e}"))?,
+            "--grab-gib" => {
+                a.grab_gib = value()?.parse().map_err(|e| format!("--grab-gib: {e}"))?
+            }
             "--seconds" => a.seconds = value()?.parse().map_err(|e| format!("--seconds: {e}"))?,
             "--kernel-us" => {
                 a.kernel_us = value()?.parse().map_err(|e| format!("--kernel-us: {e}"))?
@@ -85,7 +92,10 @@ fn main() {
 
         check("cuInit", init(0));
         let mut buf = [0 as c_char; 96];
-        check("cuDeviceGetName", name(buf.as_mut_ptr(), buf.len() as i32, 0));
+        check(
+            "cuDeviceGetName",
+            name(buf.as_mut_ptr(), buf.len() as i32, 0),
+        );
         let mut card = 0usize;
         check("cuDeviceTotalMem", total(&mut card, 0));
         let mut ctx = std::ptr::null_mut();
@@ -117,14 +127,23 @@ fn main() {
                 "{n}: holds {} GiB; the next 1 GiB was refused: CUDA_ERROR_OUT_OF_MEMORY",
                 held.len()
             ),
-            Some(rc) => println!("{n}: holds {} GiB; the next 1 GiB failed: CUresult {rc}", held.len()),
+            Some(rc) => println!(
+                "{n}: holds {} GiB; the next 1 GiB failed: CUresult {rc}",
+                held.len()
+            ),
             None => println!("{n}: holds {} GiB", held.len()),
         }
 
         let mut module = std::ptr::null_mut();
         let mut spin = std::ptr::null_mut();
-        check("cuModuleLoadData", load(&mut module, SPIN_PTX.as_ptr() as *const c_void));
-        check("cuModuleGetFunction", getf(&mut spin, module, c"spin".as_ptr()));
+        check(
+            "cuModuleLoadData",
+            load(&mut module, SPIN_PTX.as_ptr() as *const c_void),
+        );
+        check(
+            "cuModuleGetFunction",
+            getf(&mut spin, module, c"spin".as_ptr()),
+        );
         let mut stream = std::ptr::null_mut();
         check("cuStreamCreate", stream_create(&mut stream, 0));
         // A ring of events keeps a few kernels in flight without letting the queue grow.
@@ -145,7 +164,19 @@ fn main() {
             let mut params = [&mut ns as *mut u64 as *mut c_void];
             check(
                 "cuLaunchKernel",
-                launch(spin, 1, 1, 1, 1, 1, 1, 0, stream, params.as_mut_ptr(), std::ptr::null_mut()),
+                launch(
+                    spin,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    0,
+                    stream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                ),
             );
             check("cuEventRecord", ev_record(events[slot], stream));
             launched += 1;

@@ -25,7 +25,9 @@ pub fn interposer() -> PathBuf {
 
 /// A test script's path.
 pub fn script(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/python")
+        .join(name)
 }
 
 /// A simulated GPU and an arbiter serving it, all in one temp folder.
@@ -75,8 +77,12 @@ impl Bed {
     pub fn start_arbiter(&mut self) {
         assert!(self.arbiter.is_none(), "already running");
         self.starts += 1;
-        let spec = ArbiterSpec::in_dir(artifact("tessera-arbiter"), self.dir.path(), self.sim.clone())
-            .log_to(self.log_path(self.starts));
+        let spec = ArbiterSpec::in_dir(
+            artifact("tessera-arbiter"),
+            self.dir.path(),
+            self.sim.clone(),
+        )
+        .log_to(self.log_path(self.starts));
         let mut cmd = spec.command();
         cmd.args(&self.arbiter_args);
         self.arbiter = Some(spec.start_command(cmd));
@@ -89,7 +95,9 @@ impl Bed {
 
     /// Every arbiter log so far.
     pub fn arbiter_log(&self) -> String {
-        (1..=self.starts).map(|n| read_log(&self.log_path(n))).collect()
+        (1..=self.starts)
+            .map(|n| read_log(&self.log_path(n)))
+            .collect()
     }
 
     pub fn admin(&self) -> AdminClient {
@@ -112,7 +120,12 @@ impl Bed {
 
     /// The arbiter's view of an allocation.
     pub fn status(&self, id: &str) -> AllocationStatus {
-        self.admin().list().unwrap().into_iter().find(|a| a.id == id).expect("allocation listed")
+        self.admin()
+            .list()
+            .unwrap()
+            .into_iter()
+            .find(|a| a.id == id)
+            .expect("allocation listed")
     }
 
     /// Bytes the arbiter counts for an allocation.
@@ -194,14 +207,22 @@ fn cc(bed: &Bed, name: &str, output: &str, flags: &[&str]) -> PathBuf {
         .args(["-lcuda", "-ldl", "-lpthread"])
         .output()
         .expect("a C compiler (cc) is needed");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     out_path
 }
 
 /// True while `pid` exists and is not a zombie.
 pub fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| !s.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')))
+        .map(|s| {
+            !s.rsplit(')')
+                .next()
+                .is_some_and(|rest| rest.trim_start().starts_with('Z'))
+        })
         .unwrap_or(false)
 }
 
@@ -217,9 +238,11 @@ pub fn run(cmd: &mut Command) -> (ExitStatus, String, String) {
 
 /// The last JSON line of a program's output.
 pub fn last_json(stdout: &str, stderr: &str) -> serde_json::Value {
-    let line = stdout.lines().rev().find(|l| l.starts_with('{')).unwrap_or_else(|| {
-        panic!("no JSON output; stdout: {stdout}\nstderr: {stderr}")
-    });
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("no JSON output; stdout: {stdout}\nstderr: {stderr}"));
     serde_json::from_str(line).unwrap()
 }
 
@@ -250,7 +273,12 @@ impl Served {
             .unwrap();
         let stdin = child.stdin.take().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut s = Self { child: KillOnDrop::new(child), stdin, stdout, pid: 0 };
+        let mut s = Self {
+            child: KillOnDrop::new(child),
+            stdin,
+            stdout,
+            pid: 0,
+        };
         let ready = s.read();
         s.pid = ready["ready"].as_i64().expect("ready line") as i32;
         s
@@ -260,7 +288,11 @@ impl Served {
     pub fn read(&mut self) -> serde_json::Value {
         let mut line = String::new();
         let n = self.stdout.read_line(&mut line).unwrap();
-        assert!(n > 0, "the served process ended (status {:?})", self.child.try_wait());
+        assert!(
+            n > 0,
+            "the served process ended (status {:?})",
+            self.child.try_wait()
+        );
         serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad line {line:?}: {e}"))
     }
 

@@ -55,7 +55,8 @@ impl Arbiter {
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap();
-        let spec = spec(dir.path()).log_to(dir.path().join(format!("arbiter-{}.log", stamp.as_nanos())));
+        let spec =
+            spec(dir.path()).log_to(dir.path().join(format!("arbiter-{}.log", stamp.as_nanos())));
         let mut cmd = spec.command();
         cmd.args(args);
         let process = spec.start_command(cmd);

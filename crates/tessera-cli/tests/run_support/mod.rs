@@ -72,5 +72,7 @@ pub fn interposer_in(dir: &Path) -> PathBuf {
 
 /// The UUID of the simulated GPU `index` of [`Arbiter`]'s machine.
 pub fn gpu_uuid(index: usize) -> String {
-    tessera_sim_state::SimSpec::parse("2x80GiB").unwrap().gpus[index].uuid.clone()
+    tessera_sim_state::SimSpec::parse("2x80GiB").unwrap().gpus[index]
+        .uuid
+        .clone()
 }
