@@ -427,6 +427,10 @@ pub fn samples() -> Samples {
             }),
             AdminRequest::List,
             AdminRequest::Delete { id: "a-1".into() },
+            AdminRequest::UpdateLabels {
+                id: "a-1".into(),
+                labels: status.labels.clone(),
+            },
         ],
         admin_reply: vec![
             AdminReply::Gpus(vec![
@@ -448,6 +452,7 @@ pub fn samples() -> Samples {
                 token: "ab".repeat(16),
                 allocation: status.clone(),
             },
+            AdminReply::Updated(status.clone()),
             AdminReply::Allocations(vec![status.clone(), status]),
             AdminReply::Deleted,
             AdminReply::Error {

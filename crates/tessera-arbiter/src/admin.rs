@@ -136,6 +136,16 @@ async fn handle(arb: &Arbiter, req: AdminRequest) -> AdminReply {
             }
         }
         AdminRequest::List => AdminReply::Allocations(arb.list().await),
+        AdminRequest::UpdateLabels { id, labels } => match arb.update_labels(&id, labels).await {
+            Ok(a) => {
+                crate::log!("labels of allocation {id} updated");
+                AdminReply::Updated(a)
+            }
+            Err(e) => AdminReply::Error {
+                kind: e.kind(),
+                message: e.to_string(),
+            },
+        },
         AdminRequest::Delete { id } => match arb.delete(&id).await {
             Ok(()) => {
                 crate::log!("deleted allocation {id}");

@@ -7,13 +7,14 @@
 //! - `live` (sync, short): tokens, the ledger and the per-GPU bookkeeping used by every
 //!   tenant request; held only for a few map operations, never across I/O.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use tessera_protocol::{
     AdminErrorKind, AllocationStatus, AllocationView, CreateAllocation, GpuInfo, GpuSelector,
+    MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS,
 };
 
 use crate::ledger::{AccountKey, ConnId, Ledger, LedgerError};
@@ -198,6 +199,32 @@ fn check_records(records: &[AllocationRecord], gpus: &[GpuInfo]) -> Result<(), S
                     g.uuid, sum.1, g.memory_total
                 ));
             }
+        }
+    }
+    Ok(())
+}
+
+/// Checks labels against the admin API's bounds: they are kept, persisted, listed and exported
+/// as metric labels, so an admin client cannot make them grow without end.
+fn check_labels(labels: &BTreeMap<String, String>) -> Result<(), StateError> {
+    if labels.len() > MAX_LABELS {
+        return Err(StateError::Invalid(format!(
+            "{} labels, at most {MAX_LABELS} allowed",
+            labels.len()
+        )));
+    }
+    for (k, v) in labels {
+        if k.is_empty() || k.len() > MAX_LABEL_KEY {
+            return Err(StateError::Invalid(format!(
+                "label key of {} bytes, 1 to {MAX_LABEL_KEY} allowed",
+                k.len()
+            )));
+        }
+        if v.len() > MAX_LABEL_VALUE {
+            return Err(StateError::Invalid(format!(
+                "label {k:?} has a value of {} bytes, at most {MAX_LABEL_VALUE} allowed",
+                v.len()
+            )));
         }
     }
     Ok(())
@@ -478,6 +505,7 @@ impl Arbiter {
                 "memory limit must be above 0 bytes".into(),
             ));
         }
+        check_labels(&req.labels)?;
         if req.memory_limit > gpu.memory_total {
             return Err(StateError::Invalid(format!(
                 "memory limit {} bytes exceeds GPU {}'s {} bytes",
@@ -553,6 +581,37 @@ impl Arbiter {
             }
         }
         Ok(())
+    }
+
+    /// Merges `labels` into an allocation's labels (an empty value removes the key) and
+    /// persists; nothing changes if the result breaks the label bounds or cannot be written.
+    pub async fn update_labels(
+        &self,
+        id: &str,
+        labels: BTreeMap<String, String>,
+    ) -> Result<AllocationStatus, StateError> {
+        let mut records = self.admin.lock().await;
+        let Some(pos) = records.iter().position(|r| r.id == id) else {
+            return Err(StateError::NotFound(id.to_owned()));
+        };
+        let mut merged = records[pos].labels.clone();
+        for (k, v) in labels {
+            if v.is_empty() {
+                merged.remove(&k);
+            } else {
+                merged.insert(k, v);
+            }
+        }
+        check_labels(&merged)?;
+        let mut next = records.clone();
+        next[pos].labels = merged.clone();
+        self.persist(next.clone()).await?;
+        *records = next;
+        if let Some(a) = self.live().by_id.get_mut(id) {
+            a.record.labels = merged;
+        }
+        self.status_of(id)
+            .ok_or_else(|| StateError::NotFound(id.to_owned()))
     }
 
     async fn persist(&self, records: Vec<AllocationRecord>) -> Result<(), StateError> {

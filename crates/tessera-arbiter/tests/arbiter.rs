@@ -441,6 +441,59 @@ fn bad_input_on_either_socket_closes_only_that_connection() {
 }
 
 #[test]
+fn labels_merge_persist_across_a_restart_and_stay_bounded() {
+    let arb = Arbiter::start();
+    let mut admin = arb.admin();
+    let (_, a) = admin
+        .create(CreateAllocation {
+            gpu: GpuSelector::Index(0),
+            memory_limit: GIB,
+            share: 10,
+            cap: None,
+            labels: BTreeMap::from([("tessera.dev/units".into(), "0-9".into())]),
+        })
+        .unwrap();
+    let pod = BTreeMap::from([
+        ("namespace".to_owned(), "ml".to_owned()),
+        ("pod".to_owned(), "trainer-0".to_owned()),
+        ("container".to_owned(), "main".to_owned()),
+    ]);
+    let updated = admin.update_labels(&a.id, pod).unwrap();
+    assert_eq!(updated.labels.len(), 4, "{:?}", updated.labels);
+    assert_eq!(updated.labels["pod"], "trainer-0");
+    assert_eq!(updated.labels["tessera.dev/units"], "0-9");
+    // An empty value removes the key; the others stay.
+    let updated = admin
+        .update_labels(&a.id, BTreeMap::from([("container".into(), String::new())]))
+        .unwrap();
+    assert!(!updated.labels.contains_key("container"));
+    assert_eq!(admin.list().unwrap()[0].labels, updated.labels);
+
+    // Bounds: too many labels, a huge value, an empty key, an unknown id. Nothing changes.
+    let many: BTreeMap<_, _> = (0..40).map(|i| (format!("k{i}"), "v".to_owned())).collect();
+    let huge = BTreeMap::from([("pod".to_owned(), "x".repeat(5000))]);
+    let empty_key = BTreeMap::from([(String::new(), "v".to_owned())]);
+    for bad in [many, huge, empty_key] {
+        match admin.update_labels(&a.id, bad) {
+            Err(ClientError::Admin { kind, .. }) => {
+                assert_eq!(kind, AdminErrorKind::InvalidArgument)
+            }
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+    }
+    match admin.update_labels("deadbeef", BTreeMap::new()) {
+        Err(ClientError::Admin { kind, .. }) => assert_eq!(kind, AdminErrorKind::NotFound),
+        other => panic!("expected NotFound, got {other:?}"),
+    }
+    assert_eq!(admin.list().unwrap()[0].labels, updated.labels);
+
+    // Persisted: a restarted arbiter lists the same labels.
+    let (_, dir) = arb.stop_keep_dir();
+    let arb = Arbiter::start_in(dir);
+    assert_eq!(arb.admin().list().unwrap()[0].labels, updated.labels);
+}
+
+#[test]
 fn deleted_allocation_denies_reserves_but_serves_releases() {
     let arb = Arbiter::start();
     let mut admin = arb.admin();

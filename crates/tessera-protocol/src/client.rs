@@ -1,6 +1,7 @@
 //! Blocking clients over a Unix socket: [`TenantClient`] for the interposer and
 //! [`AdminClient`] for the CLI and the device plugin.
 
+use std::collections::BTreeMap;
 use std::io;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -158,6 +159,23 @@ impl AdminClient {
     pub fn delete(&mut self, id: &str) -> Result<(), ClientError> {
         match self.call(&AdminRequest::Delete { id: id.to_owned() })? {
             AdminReply::Deleted => Ok(()),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Merges `labels` into an allocation's labels (an empty value removes the key); returns
+    /// the allocation as it is now.
+    pub fn update_labels(
+        &mut self,
+        id: &str,
+        labels: BTreeMap<String, String>,
+    ) -> Result<AllocationStatus, ClientError> {
+        let req = AdminRequest::UpdateLabels {
+            id: id.to_owned(),
+            labels,
+        };
+        match self.call(&req)? {
+            AdminReply::Updated(a) => Ok(a),
             other => Err(ClientError::Unexpected(format!("{other:?}"))),
         }
     }

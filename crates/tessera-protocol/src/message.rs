@@ -246,7 +246,23 @@ pub enum AdminRequest {
         /// The allocation's public id.
         id: String,
     },
+    /// Merges labels into an allocation's labels (an empty value removes the key); answered by
+    /// `Updated`. The device plugin names the pod this way once PodResources tells it.
+    UpdateLabels {
+        /// The allocation's public id.
+        id: String,
+        /// Keys to set; a key with an empty value is removed.
+        labels: BTreeMap<String, String>,
+    },
 }
+
+/// Most labels one allocation keeps, and the longest key and value (bytes). Labels travel in
+/// every admin `List` reply and become metric labels, so they stay small.
+pub const MAX_LABELS: usize = 32;
+/// Longest label key, bytes (a Kubernetes qualified name is at most 253 + 1 + 63).
+pub const MAX_LABEL_KEY: usize = 317;
+/// Longest label value, bytes.
+pub const MAX_LABEL_VALUE: usize = 1024;
 
 /// One GPU of the node.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -327,4 +343,6 @@ pub enum AdminReply {
         /// Human-readable reason.
         message: String,
     },
+    /// Answer to `UpdateLabels`: the allocation with its new labels.
+    Updated(AllocationStatus),
 }
