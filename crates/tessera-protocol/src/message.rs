@@ -256,6 +256,14 @@ pub enum AdminRequest {
     },
 }
 
+/// Allocation label naming the pod's namespace (written by the device plugin from
+/// PodResources; exported as the metric label `namespace`).
+pub const LABEL_NAMESPACE: &str = "tessera.dev/namespace";
+/// Allocation label naming the pod (metric label `pod`).
+pub const LABEL_POD: &str = "tessera.dev/pod";
+/// Allocation label naming the container (metric label `container`).
+pub const LABEL_CONTAINER: &str = "tessera.dev/container";
+
 /// Most labels one allocation keeps, and the longest key and value (bytes). Labels travel in
 /// every admin `List` reply and become metric labels, so they stay small.
 pub const MAX_LABELS: usize = 32;
