@@ -2,6 +2,8 @@
 //! one reply per request, in order. Its handshakes have the same deadline, `Hello` size limit
 //! and pending caps as the tenant socket's (its own counters).
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 use std::time::Duration;
 

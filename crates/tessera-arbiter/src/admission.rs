@@ -12,6 +12,8 @@
 //! logged at most once per second ([`Admission::report`]), and individual handshake failures
 //! at most [`FAILURE_LINES_PER_SEC`] lines per second.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};

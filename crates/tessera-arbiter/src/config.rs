@@ -1,5 +1,7 @@
 //! Command-line and environment configuration of the daemon.
 
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 
 /// Default tenant socket (mounted into containers).

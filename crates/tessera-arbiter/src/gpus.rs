@@ -3,6 +3,8 @@
 //! The daemon uses [`NvmlDiscovery`] (NVML through `nvml-wrapper`, loaded at run time, so the
 //! simulated `libnvidia-ml.so.1` works when it is on `LD_LIBRARY_PATH`).
 
+#![forbid(unsafe_code)]
+
 use std::ffi::OsString;
 
 use tessera_protocol::GpuInfo;

@@ -5,6 +5,8 @@
 //! of an allocation. Connections are tracked individually so that a process that dies (its
 //! socket closes) gives back exactly what it held.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 
 /// Internal key of an allocation in the ledger (not its public id).

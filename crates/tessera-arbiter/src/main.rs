@@ -7,6 +7,8 @@
 //! - 4: a socket could not be created (or another arbiter is serving on it);
 //! - 5: the state directory or state file is unusable (a corrupt file is left untouched).
 
+#![forbid(unsafe_code)]
+
 use std::process::ExitCode;
 
 use clap::Parser;

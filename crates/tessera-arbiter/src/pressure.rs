@@ -13,6 +13,8 @@
 //!
 //! This module is the registry and the rendezvous; the ledger is touched by the caller.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;

@@ -28,6 +28,8 @@
 //!   if it is next by virtual time, the GPU waits up to `rerequest_window_ns` for that request
 //!   instead of going to a waiter that is further behind (an early hand-back never waits).
 
+#![forbid(unsafe_code)]
+
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};

@@ -7,6 +7,8 @@
 //! - `live` (sync, short): tokens, the ledger and the per-GPU bookkeeping used by every
 //!   tenant request; held only for a few map operations, never across I/O.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};

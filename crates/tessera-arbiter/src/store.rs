@@ -5,6 +5,8 @@
 //! the directory fsynced, so a crash leaves either the old or the new file, never a torn one.
 //! Reserve and Release never touch the disk.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};

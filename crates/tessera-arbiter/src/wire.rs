@@ -6,6 +6,8 @@
 //! its limit, so a connection buffers at most one frame plus one read); replies are encoded into
 //! a reused buffer so the hot path allocates nothing once warm.
 
+#![forbid(unsafe_code)]
+
 use std::time::Duration;
 
 use serde::Serialize;
