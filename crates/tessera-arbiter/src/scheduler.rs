@@ -1,5 +1,5 @@
-//! Compute sharing: per-GPU time-slice leases (the contract is in `docs/arbiter.md` and
-//! `docs/interposer.md`, "Compute sharing").
+//! Compute sharing: per-GPU time-slice leases (the contract and the policy in prose:
+//! `docs/compute.md`).
 //!
 //! [`GpuScheduler`] is pure (time is a parameter, in ns on any monotonic clock), so tests drive
 //! it with a fake clock. [`SchedulerHandle`] wraps it for the daemon: a mutex, the senders
