@@ -364,14 +364,7 @@ fn serve_requests(
                 r => break r.map_err(io_err)?,
             }
         };
-        if n == 0 {
-            return Err(if dec.buffered() == 0 {
-                WireError::Closed.into()
-            } else {
-                io_err(std::io::ErrorKind::UnexpectedEof.into())
-            });
-        }
-        dec.extend(&buf[..n]);
+        wire::feed(dec, &buf[..n])?;
     }
 }
 
