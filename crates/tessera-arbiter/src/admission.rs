@@ -308,7 +308,7 @@ impl Admission {
         if w.lines < FAILURE_LINES_PER_SEC {
             w.lines += 1;
             drop(w);
-            crate::log!("{who}: closed at handshake: {e}");
+            tracing::info!("{who}: closed at handshake: {e}");
         } else {
             w.suppressed += 1;
         }
@@ -335,7 +335,7 @@ impl Admission {
             }
             let suppressed = std::mem::take(&mut lock(&self.log).suppressed);
             let (pending, admitted) = self.current();
-            crate::log!(
+            tracing::warn!(
                 "admission on the {socket} socket: {} refused, {} failed handshakes ({suppressed} \
                  not logged) since the last report; totals: refused pending {} uid {} pid {} \
                  allocation {} admitted {}, failed {}; now {pending} pending, {admitted} admitted",
@@ -458,7 +458,7 @@ async fn tenant_handshake(
         tenant_slot,
     ) {
         let _ = arb.detach_tenant(&binding, conn, pid);
-        crate::log!("{who} of {id}: dropped: {e}");
+        tracing::info!("{who} of {id}: dropped: {e}");
     }
 }
 

@@ -42,9 +42,9 @@ pub enum StateError {
     /// The persisted allocations could not be read or break the rules of `create`.
     #[error("cannot load allocations: {0}")]
     Load(#[source] StoreError),
-    /// A background task failed.
+    /// The background task writing the state failed.
     #[error("internal error: {0}")]
-    Internal(String),
+    Internal(#[source] tokio::task::JoinError),
 }
 
 impl StateError {
@@ -253,9 +253,10 @@ impl Arbiter {
         for r in &mut records {
             match gpus.iter().find(|g| g.uuid == r.gpu_uuid) {
                 Some(g) => r.gpu_index = g.index,
-                None => eprintln!(
-                    "tessera-arbiter: allocation {} is on GPU {} which is not present; kept",
-                    r.id, r.gpu_uuid
+                None => tracing::warn!(
+                    "allocation {} is on GPU {} which is not present; kept",
+                    r.id,
+                    r.gpu_uuid
                 ),
             }
         }
@@ -620,7 +621,7 @@ impl Arbiter {
         let store = self.store.clone();
         tokio::task::spawn_blocking(move || store.save(&records))
             .await
-            .map_err(|e| StateError::Internal(e.to_string()))??;
+            .map_err(StateError::Internal)??;
         Ok(())
     }
 

@@ -49,7 +49,7 @@ pub enum StoreError {
     },
     /// The system's random source failed.
     #[error("random source failed: {0}")]
-    Random(String),
+    Random(#[source] getrandom::Error),
 }
 
 /// One allocation as persisted.
@@ -171,7 +171,7 @@ impl Store {
 
 fn random_hex(bytes: usize) -> Result<String, StoreError> {
     let mut buf = vec![0u8; bytes];
-    getrandom::fill(&mut buf).map_err(|e| StoreError::Random(e.to_string()))?;
+    getrandom::fill(&mut buf).map_err(StoreError::Random)?;
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 

@@ -214,7 +214,7 @@ fn set_policy(policy: libc::c_int, name: &str) {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: `param` is a valid sched_param; pid 0 is the calling thread.
     if unsafe { libc::sched_setscheduler(0, policy, &param) } != 0 {
-        crate::log!(
+        tracing::warn!(
             "tenant thread not moved to {name}: {}",
             std::io::Error::last_os_error()
         );
@@ -236,7 +236,7 @@ fn serve(
     };
     if let Err(e) = welcome(&mut stream, &binding) {
         let _ = arb.detach_tenant(&binding, conn, pid);
-        crate::log!("{who}: closed at handshake: {e}");
+        tracing::info!("{who}: closed at handshake: {e}");
         return;
     }
     let mut dec = FrameDecoder::with_limit(TENANT_FRAME_LIMIT);
@@ -270,8 +270,10 @@ fn serve(
     let id = &binding.view.id;
     match (result, freed) {
         (Err(TenantError::Wire(WireError::Closed)), Ok(_)) | (Ok(()), Ok(_)) => {}
-        (Err(e), Ok(freed)) => crate::log!("{who} of {id}: closed: {e} (released {freed} bytes)"),
-        (_, Err(e)) => crate::log!("{who} of {id}: ledger: {e}"),
+        (Err(e), Ok(freed)) => {
+            tracing::info!("{who} of {id}: closed: {e} (released {freed} bytes)")
+        }
+        (_, Err(e)) => tracing::error!("{who} of {id}: ledger: {e}"),
     }
 }
 
@@ -498,7 +500,7 @@ fn book_release(
             Err(violation(arb, b, e.to_string()))
         }
         Err(e) => {
-            crate::log!("tenant conn {holder} of {}: release: {e}", b.view.id);
+            tracing::warn!("tenant conn {holder} of {}: release: {e}", b.view.id);
             Ok(())
         }
     }
