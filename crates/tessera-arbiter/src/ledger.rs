@@ -386,7 +386,9 @@ impl Ledger {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
+
+    use parking_lot::Mutex;
 
     use super::*;
 
@@ -466,7 +468,7 @@ mod tests {
         let limit = 1000u64;
         let ledger = Arc::new(Mutex::new(Ledger::new()));
         {
-            let mut l = ledger.lock().unwrap();
+            let mut l = ledger.lock();
             l.open(1, limit);
             for conn in 0..8 {
                 l.attach(1, conn).unwrap();
@@ -479,13 +481,13 @@ mod tests {
                     let mut granted = 0u64;
                     for i in 0..1000u64 {
                         let bytes = 1 + (i + conn) % 7;
-                        let r = ledger.lock().unwrap().reserve(1, conn, bytes).unwrap();
+                        let r = ledger.lock().reserve(1, conn, bytes).unwrap();
                         match r {
                             Reservation::Granted { in_use } => {
                                 assert!(in_use <= limit);
                                 granted += bytes;
                                 if i % 3 == 0 {
-                                    ledger.lock().unwrap().release(1, conn, bytes).unwrap();
+                                    ledger.lock().release(1, conn, bytes).unwrap();
                                     granted -= bytes;
                                 }
                             }
@@ -497,7 +499,7 @@ mod tests {
             })
             .collect();
         let total: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
-        let mut l = ledger.lock().unwrap();
+        let mut l = ledger.lock();
         let usage = l.usage(1).unwrap();
         assert_eq!(
             usage.in_use, total,

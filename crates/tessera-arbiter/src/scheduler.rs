@@ -31,9 +31,10 @@
 #![forbid(unsafe_code)]
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use parking_lot::{Mutex, MutexGuard};
 use tokio::sync::Notify;
 
 use crate::ledger::{AccountKey, ConnId};
@@ -559,7 +560,7 @@ impl SchedulerHandle {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.0.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.0.inner.lock()
     }
 
     fn apply(&self, now: u64, f: impl FnOnce(&mut GpuScheduler) -> Vec<Grant>) {

@@ -10,9 +10,11 @@
 #![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use parking_lot::{Mutex, MutexGuard};
 
 use tessera_protocol::{
     AdminErrorKind, AllocationStatus, AllocationView, CreateAllocation, GpuInfo, GpuSelector,
@@ -297,13 +299,12 @@ impl Arbiter {
 
     /// Every scheduler (the server starts a timer task for each).
     pub fn schedulers(&self) -> Vec<SchedulerHandle> {
-        self.schedulers.lock().unwrap().values().cloned().collect()
+        self.schedulers.lock().values().cloned().collect()
     }
 
     fn scheduler_for(&self, uuid: &str) -> SchedulerHandle {
         self.schedulers
             .lock()
-            .unwrap()
             .entry(uuid.to_owned())
             .or_insert_with(|| SchedulerHandle::new(uuid.to_owned(), self.sched_params))
             .clone()
@@ -311,7 +312,7 @@ impl Arbiter {
 
     fn live(&self) -> MutexGuard<'_, Live> {
         // A panic while holding the lock would be a bug; the data (plain maps) stays usable.
-        self.live.lock().unwrap_or_else(|e| e.into_inner())
+        self.live.lock()
     }
 
     fn insert_live(&self, record: AllocationRecord) {

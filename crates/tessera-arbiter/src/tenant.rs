@@ -28,7 +28,9 @@
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tessera_protocol::{FrameDecoder, ServerHello, TenantReply, TenantRequest};
@@ -114,7 +116,7 @@ struct ConnWriter {
 
 impl ConnWriter {
     fn lock(&self) -> MutexGuard<'_, bool> {
-        self.lease_pending.lock().unwrap_or_else(|e| e.into_inner())
+        self.lease_pending.lock()
     }
 
     /// Writes replies once no lease grant is outstanding (replies stay in request order).
@@ -124,10 +126,7 @@ impl ConnWriter {
         }
         let mut pending = self.lock();
         while *pending {
-            pending = self
-                .granted
-                .wait(pending)
-                .unwrap_or_else(|e| e.into_inner());
+            self.granted.wait(&mut pending);
         }
         (&self.stream).write_all(out).map_err(io_err)?;
         out.clear();
@@ -161,7 +160,7 @@ impl PressureSink for ConnWriter {
     fn press(&self, seq: u64) -> bool {
         // Never wait here (the caller holds the pressure registry): a connection whose thread
         // is writing is skipped this round.
-        let Ok(_guard) = self.lease_pending.try_lock() else {
+        let Some(_guard) = self.lease_pending.try_lock() else {
             return false;
         };
         self.send_now(&TenantReply::Pressure { seq })
@@ -317,10 +316,7 @@ fn serve_requests(
                 {
                     let mut pending = writer.lock();
                     while *pending {
-                        pending = writer
-                            .granted
-                            .wait(pending)
-                            .unwrap_or_else(|e| e.into_inner());
+                        writer.granted.wait(&mut pending);
                     }
                     *pending = true;
                 }
