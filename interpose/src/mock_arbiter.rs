@@ -10,8 +10,10 @@ use std::io::ErrorKind;
 use std::net::Shutdown;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+
+use parking_lot::Mutex;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -64,7 +66,7 @@ impl MockArbiter {
                 match listener.accept() {
                     Ok((stream, _)) => {
                         stream.set_nonblocking(false).unwrap();
-                        st.lock().unwrap().push(stream.try_clone().unwrap());
+                        st.lock().push(stream.try_clone().unwrap());
                         next_id += 1;
                         let (b, id) = (b.clone(), next_id);
                         std::thread::spawn(move || serve(stream, id, limit, b));
@@ -87,29 +89,29 @@ impl MockArbiter {
 
     /// Bytes in use across all connections.
     pub fn in_use(&self) -> u64 {
-        self.books.lock().unwrap().per_conn.values().sum()
+        self.books.lock().per_conn.values().sum()
     }
 
     /// Open connections.
     pub fn connections(&self) -> usize {
-        self.books.lock().unwrap().per_conn.len()
+        self.books.lock().per_conn.len()
     }
 
     /// Protocol violations seen so far (see [`Books::violations`]).
     pub fn violations(&self) -> Vec<TenantRequest> {
-        self.books.lock().unwrap().violations.clone()
+        self.books.lock().violations.clone()
     }
 
     /// Requests seen so far.
     pub fn log(&self) -> Vec<TenantRequest> {
-        self.books.lock().unwrap().log.clone()
+        self.books.lock().log.clone()
     }
 
     /// Presses every pressure channel with `seq` and waits for all answers; returns the bytes
     /// given back.
     pub fn press_all(&self, seq: u64) -> u64 {
         let n = {
-            let b = self.books.lock().unwrap();
+            let b = self.books.lock();
             for mut ch in b.channels.values() {
                 write_frame(&mut ch, &TenantReply::Pressure { seq }).unwrap();
             }
@@ -118,14 +120,13 @@ impl MockArbiter {
         self.wait_for("relinquish", |a| {
             a.books
                 .lock()
-                .unwrap()
                 .relinquished
                 .iter()
                 .filter(|(s, _)| *s == seq)
                 .count()
                 == n
         });
-        let b = self.books.lock().unwrap();
+        let b = self.books.lock();
         b.relinquished
             .iter()
             .filter(|(s, _)| *s == seq)
@@ -135,7 +136,7 @@ impl MockArbiter {
 
     /// Open pressure channels.
     pub fn channels(&self) -> usize {
-        self.books.lock().unwrap().channels.len()
+        self.books.lock().channels.len()
     }
 
     /// Waits until `f` holds (or panics after 5 s).
@@ -157,7 +158,7 @@ impl MockArbiter {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        for s in self.streams.lock().unwrap().drain(..) {
+        for s in self.streams.lock().drain(..) {
             let _ = s.shutdown(Shutdown::Both);
         }
         let _ = std::fs::remove_file(&self.path);
@@ -192,7 +193,7 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
         share: 50,
         cap: None,
     };
-    books.lock().unwrap().per_conn.insert(id, 0);
+    books.lock().per_conn.insert(id, 0);
     if write_frame(
         &mut stream,
         &ServerHello::Welcome {
@@ -202,7 +203,7 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
     )
     .is_err()
     {
-        books.lock().unwrap().per_conn.remove(&id);
+        books.lock().per_conn.remove(&id);
         return;
     }
     // Set when this connection is the pressure channel of connection `channel_of`.
@@ -211,7 +212,7 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
     while let Ok(req) = read_frame::<_, TenantRequest>(&mut stream) {
         handled += 1;
         let reply = {
-            let mut b = books.lock().unwrap();
+            let mut b = books.lock();
             b.log.push(req.clone());
             // As the real arbiter: a lie closes the connection.
             let held = |c: Option<u64>| c.and_then(|c| b.per_conn.get(&c).copied()).unwrap_or(0);
@@ -251,7 +252,7 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
             break;
         }
     }
-    let mut b = books.lock().unwrap();
+    let mut b = books.lock();
     b.per_conn.remove(&id);
     b.channels.remove(&id);
 }

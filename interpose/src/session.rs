@@ -30,9 +30,9 @@
 use std::os::fd::RawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
+use parking_lot::{Mutex, MutexGuard};
 use tessera_protocol::{TenantReply, TenantRequest};
 
 use crate::conn::{Conn, ConnError};
@@ -381,9 +381,8 @@ impl Session {
     /// Gives all the credit back at once on the pressure channel (one `send`, no wait); false
     /// when the channel is busy or gone (the watcher then does it).
     fn give_back_now(&self) -> bool {
-        let mut channel = match self.channel.try_lock() {
-            Ok(c) => c,
-            Err(_) => return false,
+        let Some(mut channel) = self.channel.try_lock() else {
+            return false;
         };
         let Some(ch) = channel.as_mut() else {
             return false;
@@ -505,8 +504,9 @@ impl Session {
     }
 
     fn lock(&self) -> MutexGuard<'_, Link> {
-        // A panic inside the lock leaves consistent data (every update is a single store).
-        self.link.lock().unwrap_or_else(|e| e.into_inner())
+        // No poisoning: a panic inside the lock leaves consistent data (every update is a
+        // single store).
+        self.link.lock()
     }
 
     /// Runs `f` under the link lock. Without a watcher, pending releases are flushed after.
@@ -523,10 +523,8 @@ impl Session {
     /// Announces credit above what is kept if the lock is free; otherwise its holder will.
     fn try_flush(&'static self) {
         while self.credit.load(Ordering::SeqCst) > self.keep() {
-            let mut link = match self.link.try_lock() {
-                Ok(l) => l,
-                Err(TryLockError::Poisoned(p)) => p.into_inner(),
-                Err(TryLockError::WouldBlock) => return,
+            let Some(mut link) = self.link.try_lock() else {
+                return;
             };
             self.flush_locked(&mut link, self.keep());
         }
@@ -574,7 +572,7 @@ impl Session {
             return;
         }
         {
-            let mut channel = self.channel.lock().unwrap_or_else(|e| e.into_inner());
+            let mut channel = self.channel.lock();
             if let Some(ch) = channel.as_mut() {
                 // Blocking (bounded by the connection's timeout): a full socket means the
                 // arbiter is busy, not that the bytes may be dropped.
@@ -618,7 +616,7 @@ impl Session {
 
     fn close_channel(&self) {
         self.channel_fd.store(-1, Ordering::Release);
-        *self.channel.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.channel.lock() = None;
     }
 
     /// Connects if needed (respecting the backoff); on a new connection re-declares what is
@@ -743,7 +741,7 @@ impl Session {
             Ok((ch, answers)) => {
                 self.given_back.store(answers, Ordering::Release);
                 self.channel_fd.store(ch.fd(), Ordering::Release);
-                *self.channel.lock().unwrap_or_else(|e| e.into_inner()) = Some(ch);
+                *self.channel.lock() = Some(ch);
             }
             Err(e) => tlog!(
                 Info,
@@ -754,7 +752,7 @@ impl Session {
 
     /// Answers every `Pressure` waiting on the channel: all unused credit goes back at once.
     fn answer_pressure(&'static self) {
-        let mut guard = self.channel.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.channel.lock();
         let Some(ch) = guard.as_mut() else { return };
         loop {
             let seq = match ch.recv_reply() {

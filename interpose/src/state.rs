@@ -6,7 +6,6 @@
 //! (CUDA allocations do not survive fork). The parent's state is leaked in the child, never
 //! dropped: its locks may have been held by threads that do not exist there.
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use crate::config;
@@ -21,7 +20,7 @@ pub struct Process {
     /// The arbiter session.
     pub session: Session,
     /// Live objects and their sizes.
-    pub ledger: Mutex<Ledger>,
+    pub ledger: parking_lot::Mutex<Ledger>,
     /// Kernel launch gating (compute leases).
     pub gate: Gate,
 }
@@ -31,15 +30,15 @@ impl Process {
     pub fn new(session: Session, gate: Gate) -> Self {
         Self {
             session,
-            ledger: Mutex::new(Ledger::default()),
+            ledger: parking_lot::Mutex::new(Ledger::default()),
             gate,
         }
     }
 
     /// The ledger, even after a panic elsewhere poisoned its lock (its data stays consistent:
     /// every operation is a single map update).
-    pub fn ledger(&self) -> std::sync::MutexGuard<'_, Ledger> {
-        self.ledger.lock().unwrap_or_else(|e| e.into_inner())
+    pub fn ledger(&self) -> parking_lot::MutexGuard<'_, Ledger> {
+        self.ledger.lock()
     }
 }
 
