@@ -19,18 +19,18 @@ use crate::memory::{self, Outcome};
 use crate::state::{self, Process};
 use crate::table::HookId;
 
-/// The common frame of every hook.
+/// The common frame of every hook (`CUresult` and `nvmlReturn_t` are both `u32`).
 ///
 /// # Safety
 /// `F` must be the C signature of `id`'s entry point.
 #[inline(always)]
 unsafe fn run<F: Copy>(
     id: HookId,
-    missing: c_int,
-    panicked: c_int,
-    pass: impl FnOnce(F) -> c_int,
-    logic: impl FnOnce(F, &'static Process) -> Outcome<c_int>,
-) -> c_int {
+    missing: u32,
+    panicked: u32,
+    pass: impl FnOnce(F) -> u32,
+    logic: impl FnOnce(F, &'static Process) -> Outcome<u32>,
+) -> u32 {
     // SAFETY: the caller guarantees `F` matches `id`.
     let Some(real) = (unsafe { driver::real::<F>(id) }) else {
         return missing;
@@ -266,7 +266,7 @@ pub unsafe extern "C" fn cuMemCreate(
                 if handle.is_null() || prop.is_null() {
                     return Outcome::PassThrough;
                 }
-                let location = (*prop).location.type_;
+                let location = (*prop).location.kind;
                 if matches!(
                     location,
                     CU_MEM_LOCATION_TYPE_HOST
@@ -304,11 +304,11 @@ pub unsafe extern "C" fn cuArrayCreate_v2(
                 }
                 let d = *desc;
                 let bytes = memory::array_bytes(
-                    d.Width as u64,
-                    d.Height as u64,
+                    d.width as u64,
+                    d.height as u64,
                     0,
-                    d.Format,
-                    d.NumChannels,
+                    d.format,
+                    d.num_channels,
                 );
                 memory::allocate(p, Kind::Array, bytes, || {
                     let r = real(array, desc);
@@ -339,11 +339,11 @@ pub unsafe extern "C" fn cuArray3DCreate_v2(
                 }
                 let d = *desc;
                 let bytes = memory::array_bytes(
-                    d.Width as u64,
-                    d.Height as u64,
-                    d.Depth as u64,
-                    d.Format,
-                    d.NumChannels,
+                    d.width as u64,
+                    d.height as u64,
+                    d.depth as u64,
+                    d.format,
+                    d.num_channels,
                 );
                 memory::allocate(p, Kind::Array, bytes, || {
                     let r = real(array, desc);
@@ -375,12 +375,12 @@ pub unsafe extern "C" fn cuMipmappedArrayCreate(
                 }
                 let d = *desc;
                 let bytes = memory::mipmap_bytes(
-                    d.Width as u64,
-                    d.Height as u64,
-                    d.Depth as u64,
-                    d.Format,
-                    d.NumChannels,
-                    d.Flags,
+                    d.width as u64,
+                    d.height as u64,
+                    d.depth as u64,
+                    d.format,
+                    d.num_channels,
+                    d.flags,
                     levels,
                 );
                 memory::allocate(p, Kind::Mipmap, bytes, || {
@@ -874,7 +874,7 @@ macro_rules! launch_kernel_ex {
                         if config.is_null() {
                             return Outcome::PassThrough;
                         }
-                        let stream = (*config).hStream;
+                        let stream = (*config).h_stream;
                         Outcome::Handled(
                             p.gate
                                 .launch(stream, $ptsz, || real(config, f, params, extra)),

@@ -100,7 +100,7 @@ pub unsafe extern "C" fn cuGraphAddKernelNode_v2(
     g: Handle,
     deps: *const Handle,
     ndeps: usize,
-    params: *const CudaKernelNodeParams,
+    params: *const CUDA_KERNEL_NODE_PARAMS,
 ) -> CUresult {
     guard(|| {
         rt()?;
@@ -114,8 +114,8 @@ pub unsafe extern "C" fn cuGraphAddKernelNode_v2(
         let ns = unsafe {
             check_launch(
                 p.func,
-                [p.grid_dim_x, p.grid_dim_y, p.grid_dim_z],
-                [p.block_dim_x, p.block_dim_y, p.block_dim_z],
+                p.shape.grid,
+                p.shape.block,
                 p.kernel_params,
                 p.extra,
             )

@@ -400,8 +400,8 @@ fn launch_ex(
     let c = unsafe { &*cfg };
     launch(
         f,
-        [c.grid_dim_x, c.grid_dim_y, c.grid_dim_z],
-        [c.block_dim_x, c.block_dim_y, c.block_dim_z],
+        c.shape.grid,
+        c.shape.block,
         c.h_stream,
         params,
         extra,

@@ -477,7 +477,7 @@ stream_getter!(cuStreamGetCtx, cuStreamGetCtx_ptsz, Handle, |s| s
     .map_or(std::ptr::null_mut(), |c| c.id as Handle));
 
 /// A `CUhostFn`.
-pub type HostFn = unsafe extern "C" fn(*mut std::ffi::c_void);
+pub type HostFn = CUhostFn;
 
 /// The stream operation that calls `f(data)`.
 pub fn host_op(f: HostFn, data: usize) -> Op {
