@@ -8,9 +8,8 @@
 
 #![allow(non_snake_case)]
 
-use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::ffi::{c_int, c_uint, c_void};
 
-use crate::dlsym::resolve_proc;
 use crate::driver;
 use crate::ffi::*;
 use crate::guard;
@@ -734,82 +733,6 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
             },
         )
     }
-}
-
-// ---- cuGetProcAddress ---------------------------------------------------------------------
-
-/// Rewrites `*pfn` after a successful real `cuGetProcAddress`.
-///
-/// # Safety
-/// `symbol` is NUL-terminated and `pfn` valid (both checked non-null by the caller).
-unsafe fn after_proc(
-    r: CUresult,
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    version: c_int,
-    flags: u64,
-) {
-    if r != CUDA_SUCCESS || symbol.is_null() || pfn.is_null() {
-        return;
-    }
-    if !crate::config::get().enforcing() {
-        return;
-    }
-    // SAFETY: per the contract.
-    unsafe {
-        let name = CStr::from_ptr(symbol).to_bytes();
-        *pfn = resolve_proc(name, version, flags, *pfn);
-    }
-}
-
-/// `cuGetProcAddress` (CUDA 11.3 signature).
-///
-/// # Safety
-/// C contract of `cuGetProcAddress`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetProcAddress(
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    version: c_int,
-    flags: u64,
-) -> CUresult {
-    // SAFETY: the type is this entry point's signature; arguments are forwarded unchanged.
-    let Some(real) = (unsafe { driver::real::<cuGetProcAddress_t>(HookId::GetProcAddress) }) else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    // SAFETY: forwarding unchanged.
-    let r = unsafe { real(symbol, pfn, version, flags) };
-    if let Some(_g) = guard::enter() {
-        // SAFETY: pointers are checked inside; the driver just answered for them.
-        guard::no_unwind((), || unsafe { after_proc(r, symbol, pfn, version, flags) });
-    }
-    r
-}
-
-/// `cuGetProcAddress_v2` (CUDA 12 signature, with the symbol status).
-///
-/// # Safety
-/// C contract of `cuGetProcAddress_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetProcAddress_v2(
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    version: c_int,
-    flags: u64,
-    status: *mut c_int,
-) -> CUresult {
-    // SAFETY: as for cuGetProcAddress.
-    let Some(real) = (unsafe { driver::real::<cuGetProcAddress_v2_t>(HookId::GetProcAddress_v2) })
-    else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    // SAFETY: forwarding unchanged.
-    let r = unsafe { real(symbol, pfn, version, flags, status) };
-    if let Some(_g) = guard::enter() {
-        // SAFETY: as for cuGetProcAddress.
-        guard::no_unwind((), || unsafe { after_proc(r, symbol, pfn, version, flags) });
-    }
-    r
 }
 
 // ---- launches (gated by `launch`) ---------------------------------------------------------
