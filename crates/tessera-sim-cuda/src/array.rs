@@ -1,9 +1,9 @@
 //! CUDA arrays and mipmapped arrays: charged to the device as width x height x depth x element
 //! size (every level for mipmapped arrays), never backed by host memory.
 
-use std::sync::Arc;
+use std::sync::{Arc, Once};
 
-use crate::context::current;
+use crate::context::{self, current};
 use crate::ffi::*;
 use crate::runtime::{Registry, Res, guard, next_handle, put, rt};
 
@@ -82,6 +82,8 @@ fn clamp_levels(d: &CUDA_ARRAY3D_DESCRIPTOR, levels: u32) -> u32 {
 
 fn create(h: *mut Handle, bytes: u64, mipmapped: bool) -> Res {
     let c = current()?;
+    static CLEANUP: Once = Once::new();
+    context::on_destroy(&CLEANUP, destroy_all_of_ctx);
     if h.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }

@@ -10,7 +10,8 @@ use std::sync::{Arc, Mutex};
 use crate::context::current;
 use crate::ffi::*;
 use crate::runtime::{Registry, Res, guard, next_handle, put, rt};
-use crate::stream::{Op, resolve};
+use crate::stream::Op;
+use crate::stream_api::resolve;
 
 /// A loaded module.
 pub struct Module {
