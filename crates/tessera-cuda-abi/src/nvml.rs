@@ -11,12 +11,19 @@ pub type nvmlDevice_t = *mut c_void;
 pub type nvmlEventSet_t = *mut c_void;
 
 pub const NVML_SUCCESS: nvmlReturn_t = 0;
+/// `nvmlInit` has not been called.
 pub const NVML_ERROR_UNINITIALIZED: nvmlReturn_t = 1;
+/// A null pointer or an out-of-range argument.
 pub const NVML_ERROR_INVALID_ARGUMENT: nvmlReturn_t = 2;
+/// The device cannot do this.
 pub const NVML_ERROR_NOT_SUPPORTED: nvmlReturn_t = 3;
+/// No such device or object.
 pub const NVML_ERROR_NOT_FOUND: nvmlReturn_t = 6;
+/// The caller's buffer is too small; the count needed was written back.
 pub const NVML_ERROR_INSUFFICIENT_SIZE: nvmlReturn_t = 7;
+/// Nothing happened within the time asked for (event waits).
 pub const NVML_ERROR_TIMEOUT: nvmlReturn_t = 10;
+/// A versioned struct carries a version this library does not know.
 pub const NVML_ERROR_ARGUMENT_VERSION_MISMATCH: nvmlReturn_t = 25;
 pub const NVML_ERROR_UNKNOWN: nvmlReturn_t = 999;
 

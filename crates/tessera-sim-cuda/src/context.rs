@@ -5,8 +5,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, Once, OnceLock, Weak};
 
 use crate::ffi::*;
+use crate::queue::{Stream, StreamKind, StreamOwner};
 use crate::runtime::{Registry, Res, gpu, guard, next_handle, ordinal, put, rt};
-use crate::stream::{Stream, StreamKind, StreamOwner};
 
 /// One context: a device, its legacy default stream and the streams made in it.
 pub struct Context {
@@ -77,7 +77,7 @@ impl Context {
         self.synchronize();
         self.legacy.close();
         for s in self.other_streams() {
-            crate::stream::forget_stream(s.id);
+            crate::queue::forget_stream(s.id);
             s.close();
         }
         let cleanups = CLEANUPS.lock().unwrap_or_else(|e| e.into_inner()).clone();

@@ -10,7 +10,7 @@ use crate::context::current;
 use crate::ffi::*;
 use crate::memory::{check_any, check_device, copy};
 use crate::runtime::{Res, guard};
-use crate::stream_api::resolve;
+use crate::stream::resolve;
 
 macro_rules! memcpy_fns {
     ($sync:ident, $sync_pt:ident, $async_:ident, $async_pt:ident, $d:ty, $s:ty, $check:expr) => {

@@ -8,9 +8,9 @@ use std::sync::{Arc, Mutex};
 
 use crate::ffi::*;
 use crate::module::check_launch;
+use crate::queue::{Capture, Node, Nodes, Op, StreamKind, host_op};
 use crate::runtime::{Registry, guard, next_handle, put, rt};
-use crate::stream::{Capture, Node, Nodes, Op, StreamKind, host_op};
-use crate::stream_api::resolve;
+use crate::stream::resolve;
 
 /// A graph under construction.
 pub struct Graph {

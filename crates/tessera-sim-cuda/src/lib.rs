@@ -5,14 +5,14 @@
 //! parameter, read as a u64, is the nanoseconds of engine time a launch occupies.
 //!
 //! Modules:
-//! - [`ffi`]: C types, constants and struct layouts of `cuda.h`.
+//! - [`ffi`]: the CUDA driver ABI (`tessera-cuda-abi`, re-exported) and the simulator's `Handle`.
 //! - [`runtime`]: process-wide state after `cuInit`, handle registries, the panic guard.
 //! - [`errors`]: `cuGetErrorName` / `cuGetErrorString`.
 //! - [`device`]: device queries and attributes.
 //! - [`context`]: primary and explicit contexts, the per-thread context stack, and the clean-ups
 //!   other modules register for a destroyed context.
-//! - [`stream`]: streams (a worker thread each), events, the engine hand-off, captures.
-//! - [`stream_api`]: the stream and event entry points; stream handles in the current context.
+//! - [`queue`]: streams (a worker thread each), events, the engine hand-off, captures.
+//! - [`stream`]: the stream and event entry points; stream handles in the current context.
 //! - [`memory`]: the address-range table, allocations, pools, pointer attributes.
 //! - [`copy`]: 1D and 2D copies and memsets.
 //! - [`vmm`]: virtual memory management (`cuMemCreate`, reservations, `cuMemMap`, access).
@@ -37,7 +37,7 @@ pub mod graph;
 pub mod memory;
 pub mod module;
 pub mod proc_address;
+pub mod queue;
 pub mod runtime;
 pub mod stream;
-pub mod stream_api;
 pub mod vmm;

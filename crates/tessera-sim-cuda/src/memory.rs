@@ -11,9 +11,9 @@ use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
 
 use crate::context::{self, current};
 use crate::ffi::*;
+use crate::queue::Op;
 use crate::runtime::{Registry, Res, gpu, guard, next_handle, ordinal, physical_gpu, put, rt};
-use crate::stream::Op;
-use crate::stream_api::resolve;
+use crate::stream::resolve;
 
 /// What kind of memory a range is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

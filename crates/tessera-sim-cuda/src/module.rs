@@ -9,9 +9,9 @@ use std::sync::{Arc, Mutex};
 
 use crate::context::current;
 use crate::ffi::*;
+use crate::queue::Op;
 use crate::runtime::{Registry, Res, guard, next_handle, put, rt};
-use crate::stream::Op;
-use crate::stream_api::resolve;
+use crate::stream::resolve;
 
 /// A loaded module.
 pub struct Module {

@@ -19,7 +19,7 @@ use crate::graph::*;
 use crate::memory::*;
 use crate::module::*;
 use crate::runtime::*;
-use crate::stream_api::*;
+use crate::stream::*;
 use crate::vmm::*;
 
 /// One table row.

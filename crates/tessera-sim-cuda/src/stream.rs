@@ -1,353 +1,396 @@
-//! Streams, events and the hand-off of kernels to the shared device engine.
-//!
-//! Each stream has a FIFO of operations and, once used, one worker thread that runs them in
-//! order; `cuLaunchKernel` only enqueues. A kernel operation holds the device's cross-process
-//! engine (`tessera_sim_state::Engine`) for its duration. The legacy default stream
-//! synchronises with the other blocking streams of its context through `WaitStream`
-//! operations inserted at enqueue time.
-//!
-//! A stream sees the context that owns it only through [`StreamOwner`], and a capture only as
-//! the node list it records into, so this module imports neither `context` nor `graph`; the
-//! entry points that resolve handles in the current context are in `stream_api`.
+//! The stream and event entry points (`cuStream*`, `cuEvent*`, `cuLaunchHostFunc*`) and the
+//! resolution of a stream handle in the calling thread's current context.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex};
 
-use tessera_sim_state::Engine;
-use tessera_sim_state::clock::monotonic_ns;
-
+use crate::context::current;
 use crate::ffi::*;
-use crate::runtime::{Registry, next_handle, rt};
+use crate::queue::{
+    EVENTS, Event, EventState, HostFn, Op, STREAMS, Stream, StreamKind, host_op, lock,
+};
+use crate::runtime::{Res, guard, next_handle, put, rt};
 
-/// What a stream needs of the context that owns it (implemented by `context::Context`).
-pub trait StreamOwner: Send + Sync {
-    /// The context's handle.
-    fn id(&self) -> usize;
-    /// The context's legacy default stream.
-    fn legacy(&self) -> &Arc<Stream>;
-    /// The context's live streams other than the legacy one.
-    fn other_streams(&self) -> Vec<Arc<Stream>>;
-}
+struct PerThread(HashMap<usize, Arc<Stream>>);
 
-/// One node of a graph, and one recorded step of a captured stream.
-#[derive(Clone, Copy)]
-pub enum Node {
-    /// A kernel occupying the engine this many ns.
-    Kernel(u64),
-    /// A host function and its argument.
-    Host(HostFn, usize),
-}
-
-/// A graph's node list, shared with the capture that records into it.
-pub type Nodes = Arc<Mutex<Vec<Node>>>;
-
-/// A stream capture in progress: what the stream is given is appended to a graph instead of run.
-pub struct Capture {
-    /// The handle of the graph being recorded.
-    pub graph: usize,
-    nodes: Nodes,
-}
-
-impl Capture {
-    /// A capture into graph `graph`, whose nodes are `nodes`.
-    pub fn new(graph: usize, nodes: Nodes) -> Self {
-        Self { graph, nodes }
-    }
-
-    /// Records a kernel launch into the captured graph.
-    pub fn add_kernel(&self, ns: u64) {
-        lock(&self.nodes).push(Node::Kernel(ns));
-    }
-
-    /// Records a host function into the captured graph.
-    pub fn add_host(&self, f: HostFn, data: usize) {
-        lock(&self.nodes).push(Node::Host(f, data));
-    }
-}
-
-/// Which of the kinds of stream this is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum StreamKind {
-    Legacy,
-    PerThread,
-    Normal,
-}
-
-/// One queued operation.
-pub enum Op {
-    /// Occupy the engine this many ns.
-    Kernel(u64),
-    /// Mark an event reached (generation).
-    Record(Arc<Event>, u64),
-    /// Wait until an event generation is reached.
-    WaitEvent(Arc<Event>, u64),
-    /// Wait until another stream has completed up to a sequence number.
-    WaitStream(Arc<Stream>, u64),
-    /// Run host code (cuLaunchHostFunc, stream-ordered frees).
-    Host(Box<dyn FnOnce() + Send>),
-}
-
-struct Queue {
-    ops: VecDeque<(u64, Op)>,
-    submitted: u64,
-    completed: u64,
-    worker: bool,
-    closing: bool,
-    capture: Option<Arc<Capture>>,
-}
-
-/// A stream.
-pub struct Stream {
-    pub id: usize,
-    pub device: u32,
-    pub kind: StreamKind,
-    pub flags: u32,
-    pub priority: i32,
-    pub ctx: Weak<dyn StreamOwner>,
-    q: Mutex<Queue>,
-    wake: Condvar,
-    done: Condvar,
-}
-
-pub static STREAMS: Registry<Stream> = Registry::new();
-
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-impl Stream {
-    pub fn new(
-        ctx: Weak<dyn StreamOwner>,
-        device: u32,
-        kind: StreamKind,
-        flags: u32,
-        priority: i32,
-    ) -> Arc<Stream> {
-        Arc::new(Stream {
-            id: next_handle(),
-            device,
-            kind,
-            flags,
-            priority,
-            ctx,
-            q: Mutex::new(Queue {
-                ops: VecDeque::new(),
-                submitted: 0,
-                completed: 0,
-                worker: false,
-                closing: false,
-                capture: None,
-            }),
-            wake: Condvar::new(),
-            done: Condvar::new(),
-        })
-    }
-
-    pub(crate) fn blocking(&self) -> bool {
-        self.flags & CU_STREAM_NON_BLOCKING == 0
-    }
-
-    /// (submitted, completed) sequence numbers.
-    pub(crate) fn counts(&self) -> (u64, u64) {
-        let q = lock(&self.q);
-        (q.submitted, q.completed)
-    }
-
-    /// The capture this stream is recording into, if any.
-    pub fn capture(&self) -> Option<Arc<Capture>> {
-        lock(&self.q).capture.clone()
-    }
-
-    pub fn set_capture(&self, c: Option<Arc<Capture>>) {
-        lock(&self.q).capture = c;
-    }
-
-    /// Enqueues `op` after the implicit waits the legacy default stream requires.
-    pub fn enqueue(self: &Arc<Self>, op: Op) {
-        let mut waits = Vec::new();
-        if self.blocking()
-            && let Some(ctx) = self.ctx.upgrade()
-        {
-            if self.kind == StreamKind::Legacy {
-                for s in ctx.other_streams() {
-                    if s.blocking() {
-                        let (sub, comp) = s.counts();
-                        if sub > comp {
-                            waits.push(Op::WaitStream(s, sub));
-                        }
-                    }
-                }
-            } else {
-                let (sub, comp) = ctx.legacy().counts();
-                if sub > comp {
-                    waits.push(Op::WaitStream(ctx.legacy().clone(), sub));
-                }
-            }
-        }
-        let mut q = lock(&self.q);
-        for op in waits.into_iter().chain(std::iter::once(op)) {
-            q.submitted += 1;
-            let seq = q.submitted;
-            q.ops.push_back((seq, op));
-        }
-        if !q.worker {
-            q.worker = true;
-            let me = self.clone();
-            let spawned = std::thread::Builder::new()
-                .name("tessera-sim-stream".into())
-                .spawn(move || me.work());
-            if spawned.is_err() {
-                q.worker = false;
-            }
-        }
-        drop(q);
-        self.wake.notify_one();
-    }
-
-    pub(crate) fn work(self: Arc<Self>) {
-        let mut engine: Option<Engine> = None;
-        loop {
-            let (seq, op) = {
-                let mut q = lock(&self.q);
-                loop {
-                    if let Some(x) = q.ops.pop_front() {
-                        break x;
-                    }
-                    if q.closing {
-                        q.worker = false;
-                        return;
-                    }
-                    q = self.wake.wait(q).unwrap_or_else(|e| e.into_inner());
-                }
-            };
-            match op {
-                Op::Kernel(ns) => self.run_kernel(&mut engine, ns),
-                Op::Record(ev, gen_) => ev.complete(gen_),
-                Op::WaitEvent(ev, gen_) => ev.wait_for(gen_),
-                Op::WaitStream(s, target) => s.wait_seq(target),
-                Op::Host(f) => {
-                    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
-                }
-            }
-            let mut q = lock(&self.q);
-            q.completed = seq;
-            drop(q);
-            self.done.notify_all();
+impl Drop for PerThread {
+    fn drop(&mut self) {
+        for s in self.0.values() {
+            s.close();
         }
     }
-
-    pub(crate) fn run_kernel(&self, engine: &mut Option<Engine>, ns: u64) {
-        if ns == 0 {
-            return;
-        }
-        let Ok(rt) = rt() else { return };
-        if engine.is_none() {
-            *engine = Engine::open(&rt.dir, self.device).ok();
-        }
-        match engine {
-            Some(e) => {
-                let (start, end) = e.run(ns);
-                let _ = rt.ledger.add_busy(self.device, end - start);
-            }
-            // The state folder vanished: still take the time, unshared.
-            None => std::thread::sleep(std::time::Duration::from_nanos(
-                ns.min(tessera_sim_state::engine::MAX_KERNEL_NS),
-            )),
-        }
-    }
-
-    pub(crate) fn wait_seq(&self, target: u64) {
-        let mut q = lock(&self.q);
-        while q.completed < target {
-            q = self.done.wait(q).unwrap_or_else(|e| e.into_inner());
-        }
-    }
-
-    /// Waits for everything submitted so far.
-    pub fn synchronize(&self) {
-        let target = lock(&self.q).submitted;
-        self.wait_seq(target);
-    }
-
-    /// Whether all submitted work is done.
-    pub fn idle(&self) -> bool {
-        let (s, c) = self.counts();
-        s == c
-    }
-
-    /// Lets the worker exit once the queue drains.
-    pub fn close(&self) {
-        lock(&self.q).closing = true;
-        self.wake.notify_all();
-    }
 }
 
-/// Drops a stream handle from the registry.
-pub fn forget_stream(id: usize) {
-    STREAMS.remove(id);
+thread_local! {
+    static PER_THREAD: RefCell<PerThread> = RefCell::new(PerThread(HashMap::new()));
 }
 
-/// An event.
-pub struct Event {
-    pub id: usize,
-    pub flags: u32,
-    pub(crate) st: Mutex<EventState>,
-    pub(crate) cv: Condvar,
-}
-
-pub(crate) struct EventState {
-    pub(crate) recorded: u64,
-    pub(crate) done: u64,
-    pub(crate) ts_ns: u64,
-}
-
-pub static EVENTS: Registry<Event> = Registry::new();
-
-impl Event {
-    pub(crate) fn complete(&self, gen_: u64) {
-        let mut st = lock(&self.st);
-        st.done = st.done.max(gen_);
-        if gen_ == st.recorded {
-            st.ts_ns = monotonic_ns();
-        }
-        drop(st);
-        self.cv.notify_all();
-    }
-
-    pub(crate) fn wait_for(&self, gen_: u64) {
-        let mut st = lock(&self.st);
-        while st.done < gen_ {
-            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
-        }
-    }
-
-    /// Records this event on `s` (counted as a new generation).
-    pub fn record(self: &Arc<Self>, s: &Arc<Stream>) {
-        if s.capture().is_some() {
-            return;
-        }
-        let gen_ = {
-            let mut st = lock(&self.st);
-            st.recorded += 1;
-            st.recorded
-        };
-        s.enqueue(Op::Record(self.clone(), gen_));
-    }
-
-    /// The generation to wait for, if the event has been recorded and is not reached yet.
-    pub fn pending(&self) -> Option<u64> {
-        let st = lock(&self.st);
-        (st.done < st.recorded).then_some(st.recorded)
-    }
-}
-
-/// A `CUhostFn`.
-pub type HostFn = CUhostFn;
-
-/// The stream operation that calls `f(data)`.
-pub fn host_op(f: HostFn, data: usize) -> Op {
-    // SAFETY: the caller registered `f` to be called with `data` once the stream gets there.
-    Op::Host(Box::new(move || unsafe {
-        f(data as *mut std::ffi::c_void)
+fn per_thread_stream() -> Result<Arc<Stream>, CUresult> {
+    let ctx = current()?;
+    Ok(PER_THREAD.with(|m| {
+        m.borrow_mut()
+            .0
+            .entry(ctx.id)
+            .or_insert_with(|| ctx.new_stream(StreamKind::PerThread, 0, 0))
+            .clone()
     }))
+}
+
+/// Resolves a stream handle: 0 is the legacy default stream (per-thread in `_ptsz` entry
+/// points, `ptds`), `CU_STREAM_LEGACY` and `CU_STREAM_PER_THREAD` are the special handles.
+pub fn resolve(h: Handle, ptds: bool) -> Result<Arc<Stream>, CUresult> {
+    match h as usize {
+        0 if ptds => per_thread_stream(),
+        0 | CU_STREAM_LEGACY => Ok(current()?.legacy.clone()),
+        CU_STREAM_PER_THREAD => per_thread_stream(),
+        id => {
+            rt()?;
+            STREAMS.get(id).ok_or(CUDA_ERROR_INVALID_HANDLE)
+        }
+    }
+}
+
+fn event(h: Handle) -> Result<Arc<Event>, CUresult> {
+    rt()?;
+    EVENTS.get(h as usize).ok_or(CUDA_ERROR_INVALID_HANDLE)
+}
+
+fn create_stream(ph: *mut Handle, flags: u32, priority: i32) -> Res {
+    if ph.is_null() || flags > CU_STREAM_NON_BLOCKING {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let ctx = current()?;
+    let s = ctx.new_stream(StreamKind::Normal, flags, priority.clamp(-5, 0));
+    STREAMS.insert(s.id, s.clone());
+    // SAFETY: non-null out-pointer from the caller.
+    unsafe { put(ph, s.id as Handle) }
+}
+
+/// `cuStreamCreate`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamCreate(ph: *mut Handle, flags: u32) -> CUresult {
+    guard(|| create_stream(ph, flags, 0))
+}
+
+/// `cuStreamCreateWithPriority`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamCreateWithPriority(
+    ph: *mut Handle,
+    flags: u32,
+    priority: i32,
+) -> CUresult {
+    guard(|| create_stream(ph, flags, priority))
+}
+
+/// `cuStreamDestroy_v2`: returns at once; queued work still completes.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamDestroy_v2(h: Handle) -> CUresult {
+    guard(|| {
+        rt()?;
+        let s = STREAMS
+            .remove(h as usize)
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        s.close();
+        Ok(())
+    })
+}
+
+fn stream_sync(h: Handle, ptds: bool) -> CUresult {
+    guard(|| {
+        resolve(h, ptds)?.synchronize();
+        Ok(())
+    })
+}
+
+fn stream_query(h: Handle, ptds: bool) -> CUresult {
+    guard(|| {
+        if resolve(h, ptds)?.idle() {
+            Ok(())
+        } else {
+            Err(CUDA_ERROR_NOT_READY)
+        }
+    })
+}
+
+/// `cuStreamSynchronize`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamSynchronize(h: Handle) -> CUresult {
+    stream_sync(h, false)
+}
+
+/// `cuStreamSynchronize_ptsz`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamSynchronize_ptsz(h: Handle) -> CUresult {
+    stream_sync(h, true)
+}
+
+/// `cuStreamQuery`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamQuery(h: Handle) -> CUresult {
+    stream_query(h, false)
+}
+
+/// `cuStreamQuery_ptsz`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamQuery_ptsz(h: Handle) -> CUresult {
+    stream_query(h, true)
+}
+
+fn stream_wait_event(h: Handle, ev: Handle, ptds: bool) -> CUresult {
+    guard(|| {
+        let s = resolve(h, ptds)?;
+        let e = event(ev)?;
+        if s.capture().is_some() {
+            return Ok(());
+        }
+        if let Some(gen_) = e.pending() {
+            s.enqueue(Op::WaitEvent(e, gen_));
+        }
+        Ok(())
+    })
+}
+
+/// `cuStreamWaitEvent`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamWaitEvent(h: Handle, ev: Handle, _flags: u32) -> CUresult {
+    stream_wait_event(h, ev, false)
+}
+
+/// `cuStreamWaitEvent_ptsz`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuStreamWaitEvent_ptsz(h: Handle, ev: Handle, _flags: u32) -> CUresult {
+    stream_wait_event(h, ev, true)
+}
+
+fn stream_get(h: Handle, ptds: bool, f: impl FnOnce(&Arc<Stream>) -> Res) -> CUresult {
+    guard(|| f(&resolve(h, ptds)?))
+}
+
+macro_rules! stream_getter {
+    ($name:ident, $ptsz:ident, $t:ty, |$s:ident| $val:expr) => {
+        #[doc = concat!("`", stringify!($name), "`.")]
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $name(h: Handle, out: *mut $t) -> CUresult {
+            // SAFETY: caller's out-pointer, null-checked by put.
+            stream_get(h, false, |$s| unsafe { put(out, $val) })
+        }
+        #[doc = concat!("`", stringify!($ptsz), "`.")]
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $ptsz(h: Handle, out: *mut $t) -> CUresult {
+            // SAFETY: caller's out-pointer, null-checked by put.
+            stream_get(h, true, |$s| unsafe { put(out, $val) })
+        }
+    };
+}
+
+stream_getter!(cuStreamGetPriority, cuStreamGetPriority_ptsz, i32, |s| s
+    .priority);
+stream_getter!(cuStreamGetFlags, cuStreamGetFlags_ptsz, u32, |s| s.flags);
+stream_getter!(cuStreamGetId, cuStreamGetId_ptsz, u64, |s| s.id as u64);
+stream_getter!(cuStreamGetCtx, cuStreamGetCtx_ptsz, Handle, |s| s
+    .ctx
+    .upgrade()
+    .map_or(std::ptr::null_mut(), |c| c.id() as Handle));
+
+fn launch_host_func(
+    h: Handle,
+    f: Option<HostFn>,
+    data: *mut std::ffi::c_void,
+    ptds: bool,
+) -> CUresult {
+    guard(|| {
+        let f = f.ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let s = resolve(h, ptds)?;
+        match s.capture() {
+            Some(c) => c.add_host(f, data as usize),
+            None => s.enqueue(host_op(f, data as usize)),
+        }
+        Ok(())
+    })
+}
+
+/// `cuLaunchHostFunc`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuLaunchHostFunc(
+    h: Handle,
+    f: Option<HostFn>,
+    data: *mut std::ffi::c_void,
+) -> CUresult {
+    launch_host_func(h, f, data, false)
+}
+
+/// `cuLaunchHostFunc_ptsz`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuLaunchHostFunc_ptsz(
+    h: Handle,
+    f: Option<HostFn>,
+    data: *mut std::ffi::c_void,
+) -> CUresult {
+    launch_host_func(h, f, data, true)
+}
+
+/// `CU_HOST_TASK_BLOCKING` and `CU_HOST_TASK_SPINWAIT`: how the stream waits for the function;
+/// both run it the same way here.
+const HOST_TASK_SYNC_MODES: u32 = 2;
+
+/// `cuLaunchHostFunc_v2` (CUDA 13.2): adds a sync mode.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuLaunchHostFunc_v2(
+    h: Handle,
+    f: Option<HostFn>,
+    data: *mut std::ffi::c_void,
+    sync_mode: u32,
+) -> CUresult {
+    launch_host_func_v2(h, f, data, sync_mode, false)
+}
+
+/// `cuLaunchHostFunc_v2_ptsz`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuLaunchHostFunc_v2_ptsz(
+    h: Handle,
+    f: Option<HostFn>,
+    data: *mut std::ffi::c_void,
+    sync_mode: u32,
+) -> CUresult {
+    launch_host_func_v2(h, f, data, sync_mode, true)
+}
+
+/// The `_v2` entry points: a sync mode the driver knows, then as `cuLaunchHostFunc`.
+fn launch_host_func_v2(
+    h: Handle,
+    f: Option<HostFn>,
+    data: *mut std::ffi::c_void,
+    sync_mode: u32,
+    ptds: bool,
+) -> CUresult {
+    if sync_mode >= HOST_TASK_SYNC_MODES {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    launch_host_func(h, f, data, ptds)
+}
+
+/// `cuEventCreate`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuEventCreate(ph: *mut Handle, flags: u32) -> CUresult {
+    guard(|| {
+        if ph.is_null() || flags > 0xF {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        current()?;
+        let e = Arc::new(Event {
+            id: next_handle(),
+            flags,
+            st: Mutex::new(EventState {
+                recorded: 0,
+                done: 0,
+                ts_ns: 0,
+            }),
+            cv: Condvar::new(),
+        });
+        EVENTS.insert(e.id, e.clone());
+        // SAFETY: non-null out-pointer from the caller.
+        unsafe { put(ph, e.id as Handle) }
+    })
+}
+
+/// `cuEventDestroy_v2`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventDestroy_v2(h: Handle) -> CUresult {
+    guard(|| {
+        rt()?;
+        EVENTS
+            .remove(h as usize)
+            .map(|_| ())
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)
+    })
+}
+
+fn event_record(ev: Handle, h: Handle, ptds: bool) -> CUresult {
+    guard(|| {
+        let e = event(ev)?;
+        let s = resolve(h, ptds)?;
+        e.record(&s);
+        Ok(())
+    })
+}
+
+/// `cuEventRecord`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventRecord(ev: Handle, h: Handle) -> CUresult {
+    event_record(ev, h, false)
+}
+
+/// `cuEventRecord_ptsz`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventRecord_ptsz(ev: Handle, h: Handle) -> CUresult {
+    event_record(ev, h, true)
+}
+
+/// `cuEventRecordWithFlags`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventRecordWithFlags(ev: Handle, h: Handle, _flags: u32) -> CUresult {
+    event_record(ev, h, false)
+}
+
+/// `cuEventRecordWithFlags_ptsz`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventRecordWithFlags_ptsz(ev: Handle, h: Handle, _flags: u32) -> CUresult {
+    event_record(ev, h, true)
+}
+
+/// `cuEventQuery`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventQuery(ev: Handle) -> CUresult {
+    guard(|| match event(ev)?.pending() {
+        Some(_) => Err(CUDA_ERROR_NOT_READY),
+        None => Ok(()),
+    })
+}
+
+/// `cuEventSynchronize`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuEventSynchronize(ev: Handle) -> CUresult {
+    guard(|| {
+        let e = event(ev)?;
+        if let Some(gen_) = e.pending() {
+            e.wait_for(gen_);
+        }
+        Ok(())
+    })
+}
+
+/// `cuEventElapsedTime` (and `_v2`): milliseconds between the two events' completions.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuEventElapsedTime(ms: *mut f32, start: Handle, end: Handle) -> CUresult {
+    guard(|| {
+        if ms.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let (a, b) = (event(start)?, event(end)?);
+        if (a.flags | b.flags) & CU_EVENT_DISABLE_TIMING != 0 {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
+        let (sa, sb) = (lock(&a.st), lock(&b.st));
+        if sa.recorded == 0 || sb.recorded == 0 {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
+        if sa.done < sa.recorded || sb.done < sb.recorded {
+            return Err(CUDA_ERROR_NOT_READY);
+        }
+        let diff = sb.ts_ns as i128 - sa.ts_ns as i128;
+        // SAFETY: non-null out-pointer from the caller.
+        unsafe { put(ms, (diff as f64 / 1e6) as f32) }
+    })
+}
+
+/// `cuEventElapsedTime_v2` (CUDA 12.8+, same contract).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuEventElapsedTime_v2(
+    ms: *mut f32,
+    start: Handle,
+    end: Handle,
+) -> CUresult {
+    // SAFETY: same contract as cuEventElapsedTime.
+    unsafe { cuEventElapsedTime(ms, start, end) }
 }
