@@ -151,10 +151,8 @@ impl ProcEcho {
         if std::env::var_os(ECHO_BATCH).is_some() {
             let param = libc::sched_param { sched_priority: 0 };
             // SAFETY: a valid sched_param; pid 0 is this (single-threaded) process.
-            assert_eq!(
-                unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) },
-                0
-            );
+            let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
+            assert_eq!(rc, 0);
         }
         let mut buf = [0u8; 16];
         while s.read_exact(&mut buf).is_ok() {

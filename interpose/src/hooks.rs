@@ -74,8 +74,8 @@ unsafe fn cuda<F: Copy>(
 /// `p` is non-null and points to a `T` the driver initialised when `r` is success.
 #[inline(always)]
 unsafe fn written<T: Copy + Default>(r: CUresult, p: *const T) -> T {
-    // SAFETY: per the contract.
     if r == CUDA_SUCCESS {
+        // SAFETY: per the contract.
         unsafe { *p }
     } else {
         T::default()
