@@ -14,6 +14,8 @@
 //! `TESSERA_REAL_LIBCUDA` and `TESSERA_LOG` are read from the environment in every case.
 //! There is deliberately no variable that turns enforcement off while a token is present.
 
+#![forbid(unsafe_code)]
+
 use std::ffi::{CString, OsString};
 use std::os::unix::ffi::OsStringExt;
 use std::path::PathBuf;

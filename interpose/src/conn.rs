@@ -38,6 +38,10 @@ pub enum ConnError {
     Closed,
     /// A frame could not be encoded or decoded.
     #[error("bad frame: {0}")]
+    Codec(#[source] postcard::Error),
+    /// A frame was well formed but not what the protocol allows here (its length, or a reply
+    /// of the wrong kind).
+    #[error("bad frame: {0}")]
     Frame(String),
     /// The arbiter refused the handshake (bad token, deleted allocation, version).
     #[error("arbiter refused: {0}")]
@@ -216,7 +220,7 @@ impl Conn {
                 }
                 if self.rlen >= total {
                     let msg = postcard::from_bytes(&self.rbuf[HEADER_LEN..total])
-                        .map_err(|e| ConnError::Frame(e.to_string()));
+                        .map_err(ConnError::Codec);
                     self.rbuf.copy_within(total..self.rlen, 0);
                     self.rlen -= total;
                     return msg;
@@ -284,7 +288,7 @@ fn encode_into<T: Serialize>(msg: &T, buf: &mut [u8]) -> Result<usize, ConnError
         return Err(ConnError::Frame("no room for a frame".into()));
     }
     let len = postcard::to_slice(msg, &mut buf[HEADER_LEN..])
-        .map_err(|e| ConnError::Frame(e.to_string()))?
+        .map_err(ConnError::Codec)?
         .len();
     buf[..HEADER_LEN].copy_from_slice(&(len as u32).to_le_bytes());
     Ok(HEADER_LEN + len)
@@ -316,6 +320,6 @@ mod tests {
         let hello = Hello::new(Role::Tenant {
             token: "x".repeat(4000),
         });
-        assert!(matches!(encode(&hello), Err(ConnError::Frame(_))));
+        assert!(matches!(encode(&hello), Err(ConnError::Codec(_))));
     }
 }

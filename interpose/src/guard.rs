@@ -4,6 +4,8 @@
 //! in the global scope), and our own code may call `dlsym` (the Rust runtime does, for weak
 //! symbols). Inside a hook, any nested hook passes straight through to the real function.
 
+#![forbid(unsafe_code)]
+
 use std::cell::Cell;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 

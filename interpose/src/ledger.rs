@@ -10,6 +10,8 @@
 //! process, which was charged for them) are not in the ledger: mapping and releasing them
 //! releases nothing.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 

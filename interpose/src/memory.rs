@@ -5,6 +5,8 @@
 //! releases if the driver fails; every free of a known object releases after the driver
 //! succeeds (one-way, no round trip). A refused reservation is `CUDA_ERROR_OUT_OF_MEMORY`.
 
+#![forbid(unsafe_code)]
+
 use crate::ffi::{CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CUresult};
 use crate::ledger::{Kind, Release};
 use crate::state::Process;

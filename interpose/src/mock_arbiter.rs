@@ -3,6 +3,8 @@
 //! (every connection shut down, socket removed) to test outages. The real arbiter is tested
 //! against the interposer by the integration tests.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 use std::io::ErrorKind;
 use std::net::Shutdown;

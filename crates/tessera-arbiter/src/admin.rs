@@ -2,6 +2,8 @@
 //! one reply per request, in order. Its handshakes have the same deadline, `Hello` size limit
 //! and pending caps as the tenant socket's (its own counters).
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -50,7 +52,7 @@ pub async fn serve(
         Ok(()) | Err(AdminError::Wire(WireError::Closed)) => {}
         Err(e) => {
             admission::drain_a_little(&stream);
-            crate::log!("{who}: closed: {e}");
+            tracing::info!("{who}: closed: {e}");
         }
     }
 }
@@ -119,7 +121,7 @@ async fn handle(arb: &Arbiter, req: AdminRequest) -> AdminReply {
             match arb.create(c).await {
                 Ok((token, allocation)) => {
                     let cap = cap.map_or("no cap".to_owned(), |c| format!("cap {c}%"));
-                    crate::log!(
+                    tracing::info!(
                         "created allocation {} on GPU {} ({limit} bytes, share {share}, {cap})",
                         allocation.id,
                         allocation.gpu_index
@@ -127,7 +129,7 @@ async fn handle(arb: &Arbiter, req: AdminRequest) -> AdminReply {
                     AdminReply::Created { token, allocation }
                 }
                 Err(e) => {
-                    crate::log!("refused to create an allocation on {gpu:?}: {e}");
+                    tracing::warn!("refused to create an allocation on {gpu:?}: {e}");
                     AdminReply::Error {
                         kind: e.kind(),
                         message: e.to_string(),
@@ -138,7 +140,7 @@ async fn handle(arb: &Arbiter, req: AdminRequest) -> AdminReply {
         AdminRequest::List => AdminReply::Allocations(arb.list().await),
         AdminRequest::UpdateLabels { id, labels } => match arb.update_labels(&id, labels).await {
             Ok(a) => {
-                crate::log!("labels of allocation {id} updated");
+                tracing::info!("labels of allocation {id} updated");
                 AdminReply::Updated(a)
             }
             Err(e) => AdminReply::Error {
@@ -148,7 +150,7 @@ async fn handle(arb: &Arbiter, req: AdminRequest) -> AdminReply {
         },
         AdminRequest::Delete { id } => match arb.delete(&id).await {
             Ok(()) => {
-                crate::log!("deleted allocation {id}");
+                tracing::info!("deleted allocation {id}");
                 AdminReply::Deleted
             }
             Err(e) => AdminReply::Error {

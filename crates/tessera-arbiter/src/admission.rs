@@ -12,11 +12,14 @@
 //! logged at most once per second ([`Admission::report`]), and individual handshake failures
 //! at most [`FAILURE_LINES_PER_SEC`] lines per second.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
 use tessera_protocol::{Role, ServerHello};
 use tokio::net::UnixStream;
 
@@ -132,10 +135,6 @@ pub struct Admission {
     log: Mutex<LogWindow>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// Decrements a per-peer count, dropping the entry at zero (the maps hold live peers only).
 fn release<K: std::hash::Hash + Eq>(map: &mut HashMap<K, usize>, k: K) {
     if let Some(n) = map.get_mut(&k) {
@@ -156,7 +155,7 @@ pub struct PendingSlot {
 
 impl Drop for PendingSlot {
     fn drop(&mut self) {
-        let mut p = lock(&self.adm.pending);
+        let mut p = self.adm.pending.lock();
         p.total -= 1;
         if let Some(uid) = self.uid {
             release(&mut p.by_uid, uid);
@@ -176,7 +175,7 @@ pub struct TenantSlot {
 
 impl Drop for TenantSlot {
     fn drop(&mut self) {
-        let mut a = lock(&self.adm.admitted);
+        let mut a = self.adm.admitted.lock();
         a.total -= 1;
         release(&mut a.by_account, self.key);
     }
@@ -218,7 +217,7 @@ impl Admission {
         pid: Option<i32>,
     ) -> Result<PendingSlot, AdmissionError> {
         let l = &self.limits;
-        let mut p = lock(&self.pending);
+        let mut p = self.pending.lock();
         let refused = if p.total >= l.pending {
             Some((AdmissionError::Pending(p.total), &self.refused_pending))
         } else if uid.is_some_and(|u| p.by_uid.get(&u).is_some_and(|&n| n >= l.pending_per_uid)) {
@@ -256,7 +255,7 @@ impl Admission {
     /// refusal is counted).
     pub fn admit(self: &Arc<Self>, key: AccountKey) -> Result<TenantSlot, AdmissionError> {
         let l = &self.limits;
-        let mut a = lock(&self.admitted);
+        let mut a = self.admitted.lock();
         if a.total >= l.admitted {
             self.refused_admitted.fetch_add(1, Ordering::Relaxed);
             return Err(AdmissionError::Admitted(a.total));
@@ -277,7 +276,7 @@ impl Admission {
 
     /// Connections now pending and admitted.
     pub fn current(&self) -> (usize, usize) {
-        (lock(&self.pending).total, lock(&self.admitted).total)
+        (self.pending.lock().total, self.admitted.lock().total)
     }
 
     /// Refusals and failures since start.
@@ -298,7 +297,7 @@ impl Admission {
     /// [`FAILURE_LINES_PER_SEC`] lines (a flood must not turn into a flood of log lines).
     pub fn failed(&self, who: &str, e: &WireError) {
         self.failed.fetch_add(1, Ordering::Relaxed);
-        let mut w = lock(&self.log);
+        let mut w = self.log.lock();
         if w.start.elapsed() >= Duration::from_secs(1) {
             w.start = Instant::now();
             w.lines = 0;
@@ -306,7 +305,7 @@ impl Admission {
         if w.lines < FAILURE_LINES_PER_SEC {
             w.lines += 1;
             drop(w);
-            crate::log!("{who}: closed at handshake: {e}");
+            tracing::info!("{who}: closed at handshake: {e}");
         } else {
             w.suppressed += 1;
         }
@@ -331,9 +330,9 @@ impl Admission {
             if refused(&now) == refused(&last) && now.failed == last.failed {
                 continue;
             }
-            let suppressed = std::mem::take(&mut lock(&self.log).suppressed);
+            let suppressed = std::mem::take(&mut self.log.lock().suppressed);
             let (pending, admitted) = self.current();
-            crate::log!(
+            tracing::warn!(
                 "admission on the {socket} socket: {} refused, {} failed handshakes ({suppressed} \
                  not logged) since the last report; totals: refused pending {} uid {} pid {} \
                  allocation {} admitted {}, failed {}; now {pending} pending, {admitted} admitted",
@@ -456,7 +455,7 @@ async fn tenant_handshake(
         tenant_slot,
     ) {
         let _ = arb.detach_tenant(&binding, conn, pid);
-        crate::log!("{who} of {id}: dropped: {e}");
+        tracing::info!("{who} of {id}: dropped: {e}");
     }
 }
 
@@ -502,7 +501,7 @@ mod tests {
         assert_eq!(adm.current(), (0, 0));
         // Freed slots are reusable; the maps forget peers at zero.
         let _again = adm.begin(Some(1000), Some(10)).unwrap();
-        assert!(lock(&adm.pending).by_pid.len() == 1 && lock(&adm.pending).by_uid.len() == 1);
+        assert!(adm.pending.lock().by_pid.len() == 1 && adm.pending.lock().by_uid.len() == 1);
     }
 
     #[test]
@@ -519,6 +518,6 @@ mod tests {
         assert_eq!(adm.current(), (0, 1));
         let _a = adm.admit(1).unwrap();
         drop(b);
-        assert_eq!(lock(&adm.admitted).by_account.len(), 1);
+        assert_eq!(adm.admitted.lock().by_account.len(), 1);
     }
 }

@@ -600,15 +600,17 @@ impl Backstop {
         if let Some(lib) = lib {
             builder.lib_path(lib);
         }
-        let nvml = builder.init().map_err(|e| crate::gpus::GpusError::Load {
-            lib: lib.map_or("libnvidia-ml.so.1".into(), |l| {
-                l.to_string_lossy().into_owned()
-            }),
-            reason: e.to_string(),
-        })?;
+        let nvml = builder
+            .init()
+            .map_err(|source| crate::gpus::GpusError::Load {
+                lib: lib.map_or("libnvidia-ml.so.1".into(), |l| {
+                    l.to_string_lossy().into_owned()
+                }),
+                source,
+            })?;
         let (procfs, err) = ProcFs::new(host_ns);
         if let Some(e) = err {
-            crate::log!(
+            tracing::warn!(
                 "backstop: cannot read the host's mount namespace {} ({e}): processes without a \
                  Tessera identity are treated as host processes (reported, never killed); run \
                  with hostPID and CAP_SYS_PTRACE, or pass --host-mount-ns",
@@ -672,7 +674,7 @@ impl Backstop {
                 Ok(s) => s,
                 Err(nvml_wrapper::error::NvmlError::NotFound) => Vec::new(),
                 Err(e) => {
-                    crate::log!(
+                    tracing::warn!(
                         "backstop: per-process GPU time unavailable ({e}); compute bypass is not policed"
                     );
                     self.compute_off = true;
@@ -707,7 +709,7 @@ impl Backstop {
             Ok(p) => p,
             Err(e) => {
                 if self.counters.failed_polls.fetch_add(1, Ordering::Relaxed) == 0 {
-                    crate::log!("backstop: cannot read GPU processes from NVML: {e}");
+                    tracing::warn!("backstop: cannot read GPU processes from NVML: {e}");
                 }
                 return Vec::new();
             }
@@ -867,7 +869,7 @@ impl Backstop {
                     allowed,
                 },
                 Some(id),
-            ) => crate::log!(
+            ) => tracing::warn!(
                 "backstop: pid {} of allocation {id} {verdict}: it held {used} bytes, its \
                  allocation's processes {total} bytes, allowed {allowed} (limit plus \
                  tolerance); it {how}",
@@ -879,7 +881,7 @@ impl Backstop {
                     unleased_ns,
                 },
                 Some(id),
-            ) => crate::log!(
+            ) => tracing::warn!(
                 "backstop: pid {} of allocation {id} {verdict}: its allocation used {} ms of \
                  GPU time outside its leases (threshold {} ms), this process {} ms in the last \
                  {} ms; it {how}",
@@ -889,7 +891,7 @@ impl Backstop {
                 gpu_ns / 1_000_000,
                 self.policy.interval.as_millis()
             ),
-            (Reason::Unknown { container, used }, _) => crate::log!(
+            (Reason::Unknown { container, used }, _) => tracing::warn!(
                 "backstop: unknown {} process {} {verdict}: it uses a GPU ({used} bytes) and \
                  belongs to no allocation{}",
                 if *container { "container" } else { "host" },

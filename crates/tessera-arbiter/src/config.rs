@@ -1,5 +1,7 @@
 //! Command-line and environment configuration of the daemon.
 
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 
 /// Default tenant socket (mounted into containers).
@@ -23,6 +25,15 @@ pub struct Config {
     /// Directory of the persisted allocations (created with mode 0700).
     #[arg(long, default_value = DEFAULT_STATE_DIR)]
     pub state_dir: PathBuf,
+    /// Log format: `text` (lines for people) or `json` (one object per line, for cluster log
+    /// pipelines). Levels come from `RUST_LOG` (default `info`).
+    #[arg(
+        long,
+        env = "TESSERA_LOG_FORMAT",
+        default_value = "text",
+        value_name = "text|json"
+    )]
+    pub log_format: tessera_log::LogFormat,
     /// NVML library to load instead of `libnvidia-ml.so.1` from the loader's search path.
     #[arg(long, value_name = "PATH")]
     pub nvml_lib: Option<PathBuf>,

@@ -3,6 +3,8 @@
 //! The daemon uses [`NvmlDiscovery`] (NVML through `nvml-wrapper`, loaded at run time, so the
 //! simulated `libnvidia-ml.so.1` works when it is on `LD_LIBRARY_PATH`).
 
+#![forbid(unsafe_code)]
+
 use std::ffi::OsString;
 
 use tessera_protocol::GpuInfo;
@@ -11,20 +13,20 @@ use tessera_protocol::GpuInfo;
 #[derive(Debug, thiserror::Error)]
 pub enum GpusError {
     /// NVML could not be loaded or initialised.
-    #[error("cannot load NVML ({lib}): {reason}")]
+    #[error("cannot load NVML ({lib}): {source}")]
     Load {
         /// Library looked for.
         lib: String,
         /// Cause.
-        reason: String,
+        source: nvml_wrapper::error::NvmlError,
     },
     /// NVML loaded but a query failed.
-    #[error("NVML query {call} failed: {reason}")]
+    #[error("NVML query {call} failed: {source}")]
     Query {
         /// What was asked.
         call: String,
         /// Cause.
-        reason: String,
+        source: nvml_wrapper::error::NvmlError,
     },
 }
 
@@ -63,13 +65,13 @@ impl GpuDiscovery for NvmlDiscovery {
         if let Some(lib) = &self.lib {
             builder.lib_path(lib);
         }
-        let nvml = builder.init().map_err(|e| GpusError::Load {
+        let nvml = builder.init().map_err(|source| GpusError::Load {
             lib: lib_name,
-            reason: e.to_string(),
+            source,
         })?;
-        let q = |call: &str, e: nvml_wrapper::error::NvmlError| GpusError::Query {
+        let q = |call: &str, source: nvml_wrapper::error::NvmlError| GpusError::Query {
             call: call.into(),
-            reason: e.to_string(),
+            source,
         };
         let count = nvml.device_count().map_err(|e| q("device_count", e))?;
         let mut gpus = Vec::with_capacity(count as usize);

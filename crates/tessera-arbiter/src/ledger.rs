@@ -5,6 +5,8 @@
 //! of an allocation. Connections are tracked individually so that a process that dies (its
 //! socket closes) gives back exactly what it held.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 
 /// Internal key of an allocation in the ledger (not its public id).
@@ -384,7 +386,9 @@ impl Ledger {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
+
+    use parking_lot::Mutex;
 
     use super::*;
 
@@ -464,7 +468,7 @@ mod tests {
         let limit = 1000u64;
         let ledger = Arc::new(Mutex::new(Ledger::new()));
         {
-            let mut l = ledger.lock().unwrap();
+            let mut l = ledger.lock();
             l.open(1, limit);
             for conn in 0..8 {
                 l.attach(1, conn).unwrap();
@@ -477,13 +481,13 @@ mod tests {
                     let mut granted = 0u64;
                     for i in 0..1000u64 {
                         let bytes = 1 + (i + conn) % 7;
-                        let r = ledger.lock().unwrap().reserve(1, conn, bytes).unwrap();
+                        let r = ledger.lock().reserve(1, conn, bytes).unwrap();
                         match r {
                             Reservation::Granted { in_use } => {
                                 assert!(in_use <= limit);
                                 granted += bytes;
                                 if i % 3 == 0 {
-                                    ledger.lock().unwrap().release(1, conn, bytes).unwrap();
+                                    ledger.lock().release(1, conn, bytes).unwrap();
                                     granted -= bytes;
                                 }
                             }
@@ -495,7 +499,7 @@ mod tests {
             })
             .collect();
         let total: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
-        let mut l = ledger.lock().unwrap();
+        let mut l = ledger.lock();
         let usage = l.usage(1).unwrap();
         assert_eq!(
             usage.in_use, total,

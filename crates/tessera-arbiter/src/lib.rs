@@ -20,7 +20,8 @@
 //! - [`server`]: start-up and shutdown wiring.
 //!
 //! The daemon (`src/main.rs`) parses a [`config::Config`], discovers GPUs and runs a
-//! [`server::Server`] until SIGTERM or SIGINT.
+//! [`server::Server`] until SIGTERM or SIGINT. Logs go through `tracing` (levels from
+//! `RUST_LOG`, `--log-format text|json`; set up by `tessera-log`).
 
 pub mod admin;
 pub mod admission;
@@ -35,11 +36,3 @@ pub mod state;
 pub mod store;
 pub mod tenant;
 pub mod wire;
-
-/// Logs one line to stderr, prefixed with the daemon's name.
-#[macro_export]
-macro_rules! log {
-    ($($arg:tt)*) => {
-        eprintln!("tessera-arbiter: {}", format_args!($($arg)*))
-    };
-}

@@ -13,8 +13,12 @@
 //!
 //! This module is the registry and the rendezvous; the ledger is touched by the caller.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
 use crate::ledger::{AccountKey, ConnId};
@@ -107,7 +111,7 @@ impl PressureHub {
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // Every update leaves the maps consistent; a panic elsewhere cannot tear them.
-        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.lock()
     }
 
     /// A one-use ticket for memory connection `conn` of account `key`. `ticket` is the
@@ -235,28 +239,23 @@ impl PressureHub {
 
     /// The count of frees so far (see [`PressureHub::wait_freed`]).
     pub fn freed_count(&self) -> u64 {
-        *self.freed.lock().unwrap_or_else(|e| e.into_inner())
+        *self.freed.lock()
     }
 
     /// Something was freed in the ledger: wakes reservations waiting for room.
     pub fn note_freed(&self) {
-        *self.freed.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        *self.freed.lock() += 1;
         self.freed_cv.notify_all();
     }
 
     /// Waits until a free after `seen` (a [`PressureHub::freed_count`]) or `deadline`.
     pub fn wait_freed(&self, seen: u64, deadline: Instant) {
-        let mut n = self.freed.lock().unwrap_or_else(|e| e.into_inner());
+        let mut n = self.freed.lock();
         while *n == seen {
-            let now = Instant::now();
-            if now >= deadline {
+            if Instant::now() >= deadline {
                 return;
             }
-            n = self
-                .freed_cv
-                .wait_timeout(n, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            self.freed_cv.wait_until(&mut n, deadline);
         }
     }
 
@@ -270,16 +269,11 @@ impl PressureHub {
                 i.outstanding.remove(&round.seq);
                 return true;
             }
-            let now = Instant::now();
-            if now >= deadline {
+            if Instant::now() >= deadline {
                 i.outstanding.remove(&round.seq);
                 return false;
             }
-            i = self
-                .answered
-                .wait_timeout(i, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            self.answered.wait_until(&mut i, deadline);
         }
     }
 }
@@ -302,7 +296,7 @@ mod tests {
             if self.broken.load(Ordering::SeqCst) {
                 return false;
             }
-            self.got.lock().unwrap().push(seq);
+            self.got.lock().push(seq);
             true
         }
     }
@@ -349,9 +343,9 @@ mod tests {
         // Connection 30 is of another account: never pressed for account 1.
         let round = hub.press(1, &[10, 20, 30, 40]);
         assert_eq!(round.sent, 2);
-        assert_eq!(a.got.lock().unwrap().len(), 1);
-        assert!(other.got.lock().unwrap().is_empty());
-        let seq = a.got.lock().unwrap()[0];
+        assert_eq!(a.got.lock().len(), 1);
+        assert!(other.got.lock().is_empty());
+        let seq = a.got.lock()[0];
         let h = Arc::clone(&hub);
         let answer = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(20));
@@ -375,12 +369,8 @@ mod tests {
         let first = hub.press(1, &[10]);
         let second = hub.press(1, &[10]);
         assert_eq!((first.sent, second.sent), (1, 1));
-        assert_eq!(
-            sink.got.lock().unwrap().len(),
-            1,
-            "one frame queued at most"
-        );
-        let seq = sink.got.lock().unwrap()[0];
+        assert_eq!(sink.got.lock().len(), 1, "one frame queued at most");
+        let seq = sink.got.lock()[0];
         // Unasked give-backs settle nothing (but are counted).
         hub.answered(10, 11, 0).unwrap();
         assert_eq!(hub.channel_frames(10), Some(1));
@@ -391,7 +381,7 @@ mod tests {
         assert!(hub.wait(second, soon()));
         // Owing nothing again: the next round sends a frame.
         hub.press(1, &[10]);
-        assert_eq!(sink.got.lock().unwrap().len(), 2);
+        assert_eq!(sink.got.lock().len(), 2);
     }
 
     #[test]

@@ -1,5 +1,5 @@
-//! Compute sharing: per-GPU time-slice leases (the contract is in `docs/arbiter.md` and
-//! `docs/interposer.md`, "Compute sharing").
+//! Compute sharing: per-GPU time-slice leases (the contract and the policy in prose:
+//! `docs/compute.md`).
 //!
 //! [`GpuScheduler`] is pure (time is a parameter, in ns on any monotonic clock), so tests drive
 //! it with a fake clock. [`SchedulerHandle`] wraps it for the daemon: a mutex, the senders
@@ -28,10 +28,13 @@
 //!   if it is next by virtual time, the GPU waits up to `rerequest_window_ns` for that request
 //!   instead of going to a waiter that is further behind (an early hand-back never waits).
 
+#![forbid(unsafe_code)]
+
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use parking_lot::{Mutex, MutexGuard};
 use tokio::sync::Notify;
 
 use crate::ledger::{AccountKey, ConnId};
@@ -557,7 +560,7 @@ impl SchedulerHandle {
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
-        self.0.inner.lock().unwrap_or_else(|e| e.into_inner())
+        self.0.inner.lock()
     }
 
     fn apply(&self, now: u64, f: impl FnOnce(&mut GpuScheduler) -> Vec<Grant>) {

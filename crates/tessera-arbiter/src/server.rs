@@ -77,7 +77,7 @@ fn raise_nofile(limits: &Limits) {
     };
     // SAFETY: `new` is a valid rlimit; only the soft limit changes, within the hard one.
     if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &new) } != 0 || cur < want {
-        crate::log!(
+        tracing::warn!(
             "open files limited to {} (the caps want {want}): lower --max-tenant-connections \
              or raise the hard limit",
             cur.max(rl.rlim_cur)
@@ -135,7 +135,7 @@ where
                 Ok((stream, _)) => serve(Arc::clone(&arb), &adm, stream),
                 Err(e) => {
                     // E.g. out of file descriptors: keep serving the open connections.
-                    crate::log!("accept failed: {e}");
+                    tracing::warn!("accept failed: {e}");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             }
@@ -219,7 +219,7 @@ impl Server {
             if let Err(e) = fs::remove_file(p)
                 && e.kind() != io::ErrorKind::NotFound
             {
-                crate::log!("cannot remove {}: {e}", p.display());
+                tracing::warn!("cannot remove {}: {e}", p.display());
             }
         }
         self.arbiter.persist_all().await?;

@@ -7,10 +7,14 @@
 //! - `live` (sync, short): tokens, the ledger and the per-GPU bookkeeping used by every
 //!   tenant request; held only for a few map operations, never across I/O.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use parking_lot::{Mutex, MutexGuard};
 
 use tessera_protocol::{
     AdminErrorKind, AllocationStatus, AllocationView, CreateAllocation, GpuInfo, GpuSelector,
@@ -40,9 +44,9 @@ pub enum StateError {
     /// The persisted allocations could not be read or break the rules of `create`.
     #[error("cannot load allocations: {0}")]
     Load(#[source] StoreError),
-    /// A background task failed.
+    /// The background task writing the state failed.
     #[error("internal error: {0}")]
-    Internal(String),
+    Internal(#[source] tokio::task::JoinError),
 }
 
 impl StateError {
@@ -251,9 +255,10 @@ impl Arbiter {
         for r in &mut records {
             match gpus.iter().find(|g| g.uuid == r.gpu_uuid) {
                 Some(g) => r.gpu_index = g.index,
-                None => eprintln!(
-                    "tessera-arbiter: allocation {} is on GPU {} which is not present; kept",
-                    r.id, r.gpu_uuid
+                None => tracing::warn!(
+                    "allocation {} is on GPU {} which is not present; kept",
+                    r.id,
+                    r.gpu_uuid
                 ),
             }
         }
@@ -294,13 +299,12 @@ impl Arbiter {
 
     /// Every scheduler (the server starts a timer task for each).
     pub fn schedulers(&self) -> Vec<SchedulerHandle> {
-        self.schedulers.lock().unwrap().values().cloned().collect()
+        self.schedulers.lock().values().cloned().collect()
     }
 
     fn scheduler_for(&self, uuid: &str) -> SchedulerHandle {
         self.schedulers
             .lock()
-            .unwrap()
             .entry(uuid.to_owned())
             .or_insert_with(|| SchedulerHandle::new(uuid.to_owned(), self.sched_params))
             .clone()
@@ -308,7 +312,7 @@ impl Arbiter {
 
     fn live(&self) -> MutexGuard<'_, Live> {
         // A panic while holding the lock would be a bug; the data (plain maps) stays usable.
-        self.live.lock().unwrap_or_else(|e| e.into_inner())
+        self.live.lock()
     }
 
     fn insert_live(&self, record: AllocationRecord) {
@@ -618,7 +622,7 @@ impl Arbiter {
         let store = self.store.clone();
         tokio::task::spawn_blocking(move || store.save(&records))
             .await
-            .map_err(|e| StateError::Internal(e.to_string()))??;
+            .map_err(StateError::Internal)??;
         Ok(())
     }
 

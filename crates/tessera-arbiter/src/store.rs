@@ -5,6 +5,8 @@
 //! the directory fsynced, so a crash leaves either the old or the new file, never a torn one.
 //! Reserve and Release never touch the disk.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
@@ -47,7 +49,7 @@ pub enum StoreError {
     },
     /// The system's random source failed.
     #[error("random source failed: {0}")]
-    Random(String),
+    Random(#[source] getrandom::Error),
 }
 
 /// One allocation as persisted.
@@ -169,7 +171,7 @@ impl Store {
 
 fn random_hex(bytes: usize) -> Result<String, StoreError> {
     let mut buf = vec![0u8; bytes];
-    getrandom::fill(&mut buf).map_err(|e| StoreError::Random(e.to_string()))?;
+    getrandom::fill(&mut buf).map_err(StoreError::Random)?;
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 

@@ -28,7 +28,9 @@
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tessera_protocol::{FrameDecoder, ServerHello, TenantReply, TenantRequest};
@@ -114,7 +116,7 @@ struct ConnWriter {
 
 impl ConnWriter {
     fn lock(&self) -> MutexGuard<'_, bool> {
-        self.lease_pending.lock().unwrap_or_else(|e| e.into_inner())
+        self.lease_pending.lock()
     }
 
     /// Writes replies once no lease grant is outstanding (replies stay in request order).
@@ -124,10 +126,7 @@ impl ConnWriter {
         }
         let mut pending = self.lock();
         while *pending {
-            pending = self
-                .granted
-                .wait(pending)
-                .unwrap_or_else(|e| e.into_inner());
+            self.granted.wait(&mut pending);
         }
         (&self.stream).write_all(out).map_err(io_err)?;
         out.clear();
@@ -161,7 +160,7 @@ impl PressureSink for ConnWriter {
     fn press(&self, seq: u64) -> bool {
         // Never wait here (the caller holds the pressure registry): a connection whose thread
         // is writing is skipped this round.
-        let Ok(_guard) = self.lease_pending.try_lock() else {
+        let Some(_guard) = self.lease_pending.try_lock() else {
             return false;
         };
         self.send_now(&TenantReply::Pressure { seq })
@@ -214,7 +213,7 @@ fn set_policy(policy: libc::c_int, name: &str) {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: `param` is a valid sched_param; pid 0 is the calling thread.
     if unsafe { libc::sched_setscheduler(0, policy, &param) } != 0 {
-        crate::log!(
+        tracing::warn!(
             "tenant thread not moved to {name}: {}",
             std::io::Error::last_os_error()
         );
@@ -236,7 +235,7 @@ fn serve(
     };
     if let Err(e) = welcome(&mut stream, &binding) {
         let _ = arb.detach_tenant(&binding, conn, pid);
-        crate::log!("{who}: closed at handshake: {e}");
+        tracing::info!("{who}: closed at handshake: {e}");
         return;
     }
     let mut dec = FrameDecoder::with_limit(TENANT_FRAME_LIMIT);
@@ -270,8 +269,10 @@ fn serve(
     let id = &binding.view.id;
     match (result, freed) {
         (Err(TenantError::Wire(WireError::Closed)), Ok(_)) | (Ok(()), Ok(_)) => {}
-        (Err(e), Ok(freed)) => crate::log!("{who} of {id}: closed: {e} (released {freed} bytes)"),
-        (_, Err(e)) => crate::log!("{who} of {id}: ledger: {e}"),
+        (Err(e), Ok(freed)) => {
+            tracing::info!("{who} of {id}: closed: {e} (released {freed} bytes)")
+        }
+        (_, Err(e)) => tracing::error!("{who} of {id}: ledger: {e}"),
     }
 }
 
@@ -315,10 +316,7 @@ fn serve_requests(
                 {
                     let mut pending = writer.lock();
                     while *pending {
-                        pending = writer
-                            .granted
-                            .wait(pending)
-                            .unwrap_or_else(|e| e.into_inner());
+                        writer.granted.wait(&mut pending);
                     }
                     *pending = true;
                 }
@@ -364,14 +362,7 @@ fn serve_requests(
                 r => break r.map_err(io_err)?,
             }
         };
-        if n == 0 {
-            return Err(if dec.buffered() == 0 {
-                WireError::Closed.into()
-            } else {
-                io_err(std::io::ErrorKind::UnexpectedEof.into())
-            });
-        }
-        dec.extend(&buf[..n]);
+        wire::feed(dec, &buf[..n])?;
     }
 }
 
@@ -505,7 +496,7 @@ fn book_release(
             Err(violation(arb, b, e.to_string()))
         }
         Err(e) => {
-            crate::log!("tenant conn {holder} of {}: release: {e}", b.view.id);
+            tracing::warn!("tenant conn {holder} of {}: release: {e}", b.view.id);
             Ok(())
         }
     }

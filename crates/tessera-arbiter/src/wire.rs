@@ -6,6 +6,8 @@
 //! its limit, so a connection buffers at most one frame plus one read); replies are encoded into
 //! a reused buffer so the hot path allocates nothing once warm.
 
+#![forbid(unsafe_code)]
+
 use std::time::Duration;
 
 use serde::Serialize;
@@ -52,6 +54,54 @@ pub enum WireError {
     WrongRole(&'static str),
 }
 
+/// How much one `read` may take from the socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Take {
+    /// As much as the buffer holds (later frames: fewer system calls).
+    Chunk,
+    /// Never past the end of the frame being read (the hello: what follows it is left in the
+    /// socket for whoever serves the connection next).
+    Exact,
+}
+
+/// Gives `chunk`, the result of one `read`, to `dec`. An empty chunk is the peer's end of
+/// stream: a clean close between frames, a truncated frame otherwise.
+pub fn feed(dec: &mut FrameDecoder, chunk: &[u8]) -> Result<(), WireError> {
+    if chunk.is_empty() {
+        return Err(if dec.buffered() == 0 {
+            WireError::Closed
+        } else {
+            FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()).into()
+        });
+    }
+    dec.extend(chunk);
+    Ok(())
+}
+
+/// The one frame read loop: reads through `buf` into `dec` until one whole message is decoded.
+async fn read_with<R, T>(
+    r: &mut R,
+    dec: &mut FrameDecoder,
+    buf: &mut [u8],
+    take: Take,
+) -> Result<T, WireError>
+where
+    R: AsyncRead + Unpin,
+    T: DeserializeOwned,
+{
+    loop {
+        if let Some(msg) = dec.next()? {
+            return Ok(msg);
+        }
+        let want = match take {
+            Take::Chunk => buf.len(),
+            Take::Exact => dec.needed().min(buf.len()),
+        };
+        let n = r.read(&mut buf[..want]).await.map_err(FrameError::Io)?;
+        feed(dec, &buf[..n])?;
+    }
+}
+
 /// Reads into `dec` until one whole message is decoded.
 pub async fn read_msg<R, T>(r: &mut R, dec: &mut FrameDecoder) -> Result<T, WireError>
 where
@@ -59,20 +109,7 @@ where
     T: DeserializeOwned,
 {
     let mut buf = [0u8; READ_CHUNK];
-    loop {
-        if let Some(msg) = dec.next()? {
-            return Ok(msg);
-        }
-        let n = r.read(&mut buf).await.map_err(FrameError::Io)?;
-        if n == 0 {
-            return Err(if dec.buffered() == 0 {
-                WireError::Closed
-            } else {
-                FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()).into()
-            });
-        }
-        dec.extend(&buf[..n]);
-    }
+    read_with(r, dec, &mut buf, Take::Chunk).await
 }
 
 /// Checks a `Hello`'s magic and version.
@@ -90,29 +127,16 @@ pub fn check_hello(hello: Hello) -> Result<Role, WireError> {
 /// [`HELLO_FRAME_LIMIT`] from the header. Bytes after the frame stay in the socket for whoever
 /// serves the connection next (a tenant may pipeline requests behind its hello).
 pub async fn read_small_hello<R: AsyncRead + Unpin>(r: &mut R) -> Result<Hello, WireError> {
+    let mut dec = FrameDecoder::with_limit(HELLO_FRAME_LIMIT);
     let mut buf = [0u8; HEADER_LEN + HELLO_FRAME_LIMIT];
-    let mut got = 0;
-    while got < HEADER_LEN {
-        let n = r
-            .read(&mut buf[got..HEADER_LEN])
-            .await
-            .map_err(FrameError::Io)?;
-        if n == 0 {
-            return Err(if got == 0 {
-                WireError::Closed
-            } else {
-                FrameError::Io(std::io::ErrorKind::UnexpectedEof.into()).into()
-            });
-        }
-        got += n;
-    }
-    let len = u32::from_le_bytes(buf[..HEADER_LEN].try_into().expect("4 bytes")) as usize;
-    if len > HELLO_FRAME_LIMIT {
-        return Err(WireError::HelloTooLarge(len));
-    }
-    let payload = &mut buf[HEADER_LEN..HEADER_LEN + len];
-    r.read_exact(payload).await.map_err(FrameError::Io)?;
-    Ok(tessera_protocol::frame::decode(payload)?)
+    read_with(r, &mut dec, &mut buf, Take::Exact)
+        .await
+        .map_err(|e| match e {
+            WireError::Frame(FrameError::OverLimit { len, .. } | FrameError::TooLarge(len)) => {
+                WireError::HelloTooLarge(len)
+            }
+            e => e,
+        })
 }
 
 /// Reads and checks the `Hello` (magic, version); the whole handshake gets `timeout`.

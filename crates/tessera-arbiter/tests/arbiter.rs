@@ -226,6 +226,42 @@ fn missing_nvml_exits_3_and_corrupt_state_exits_5() {
 }
 
 #[test]
+fn logs_are_json_lines_on_request_and_a_bad_rust_log_exits_2() {
+    let arb = Arbiter::start_with_args(&["--log-format", "json"]);
+    let mut admin = arb.admin();
+    create(&mut admin, 0, GIB, 10);
+    let log = arb.log_text();
+    let mut messages = Vec::new();
+    for line in log.lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: not JSON: {line}"));
+        assert!(
+            v["level"].is_string() && v["timestamp"].is_string(),
+            "{line}"
+        );
+        messages.push(
+            v["fields"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+        );
+    }
+    assert!(
+        messages.iter().any(|m| m.starts_with("created allocation")),
+        "{messages:?}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let out = arbiter_command(dir.path())
+        .env("RUST_LOG", "tessera_arbiter=loud")
+        .output()
+        .unwrap();
+    assert_eq!(code(out.status), 2);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("RUST_LOG"), "{err}");
+}
+
+#[test]
 fn racing_reserves_from_8_connections_never_pass_the_limit() {
     let arb = Arbiter::start();
     let mut admin = arb.admin();

@@ -6,6 +6,8 @@
 //! and execs the command: it replaces this process, so its exit status, and any signal sent to
 //! `tessera sim`, are the command's own.
 
+#![forbid(unsafe_code)]
+
 use std::ffi::OsString;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;

@@ -6,6 +6,8 @@
 //! gpu_percent_10s, labels, created_unix, enforced}]}], "unplaced": [...]}`, where `unplaced` lists
 //! allocations whose GPU is not on the node any more (same fields plus `gpu_uuid`).
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;

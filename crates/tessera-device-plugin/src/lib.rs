@@ -17,6 +17,8 @@
 //! - [`podresources`]: stale allocation clean-up through the PodResources `List`.
 //! - [`plugin`]: configuration and the serve / register / re-register life cycle.
 
+#![forbid(unsafe_code)]
+
 pub mod arbiter;
 pub mod health;
 pub mod identity;

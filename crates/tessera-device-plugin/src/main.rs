@@ -4,6 +4,8 @@
 //! 2 bad flags; 3 the interposer could not be found or installed; 4 the kubelet refused the
 //! registration; 5 no way to list the GPUs (`--gpu-source nvml` and NVML failed).
 
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;

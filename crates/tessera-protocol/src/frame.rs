@@ -141,6 +141,17 @@ impl FrameDecoder {
         self.buf.len()
     }
 
+    /// Bytes still missing before the next frame is whole: the rest of its header, or of its
+    /// payload once the header is in (0 when a whole frame is buffered). A reader that must not
+    /// take bytes past one frame reads at most this many.
+    pub fn needed(&self) -> usize {
+        if self.buf.len() < HEADER_LEN {
+            return HEADER_LEN - self.buf.len();
+        }
+        let len = u32::from_le_bytes(self.buf[..HEADER_LEN].try_into().expect("4 bytes")) as usize;
+        (HEADER_LEN + len).saturating_sub(self.buf.len())
+    }
+
     /// Returns the next whole frame's message, `Ok(None)` if more bytes are needed.
     /// An error means the stream is unusable and the connection should be closed.
     // Not an `Iterator`: each call may fail and the target type varies per call.

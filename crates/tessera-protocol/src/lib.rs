@@ -13,6 +13,8 @@
 //! [`message::Welcome`] or an error; every later frame is one request or one reply.
 //! Encoding is `postcard` (stable, documented wire format).
 
+#![forbid(unsafe_code)]
+
 pub mod client;
 pub mod frame;
 pub mod identity;

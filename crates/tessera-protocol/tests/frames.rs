@@ -147,3 +147,23 @@ fn bytes_after_the_message_are_an_error() {
         Err(FrameError::Trailing(_))
     ));
 }
+
+#[test]
+fn needed_counts_the_bytes_to_the_end_of_the_next_frame() {
+    let bytes = frame::encode(&TenantRequest::Reserve { bytes: 1 << 20 }).unwrap();
+    let mut dec = FrameDecoder::new();
+    assert_eq!(dec.needed(), HEADER_LEN);
+    // Reading exactly `needed` bytes at a time ends on the frame boundary, never past it.
+    let mut at = 0;
+    while dec.needed() > 0 {
+        let n = dec.needed().min(2);
+        dec.extend(&bytes[at..at + n]);
+        at += n;
+    }
+    assert_eq!(at, bytes.len());
+    assert_eq!(
+        dec.next::<TenantRequest>().unwrap(),
+        Some(TenantRequest::Reserve { bytes: 1 << 20 })
+    );
+    assert_eq!(dec.needed(), HEADER_LEN);
+}

@@ -3,6 +3,8 @@
 //! `events` in the state folder is an append-only text file, one `GPU CODE` line per event;
 //! readers remember the byte offset they have consumed.
 
+#![forbid(unsafe_code)]
+
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};

@@ -25,8 +25,9 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+
+use parking_lot::Mutex;
 
 use crate::MAX_GPUS;
 
@@ -273,7 +274,7 @@ impl Ledger {
 
     /// Runs `f` on this process's record, creating it if needed (again after a fork).
     fn with_mine<T>(&self, f: impl FnOnce(&Mine) -> T) -> Result<T, LedgerError> {
-        let mut guard = self.mine.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.mine.lock();
         if guard.as_ref().is_none_or(|m| m.pid != pid()) {
             let _flock = FlockGuard::lock(&self.mem_lock);
             *guard = Some(self.create_record()?);
@@ -284,7 +285,7 @@ impl Ledger {
     /// Reserves `bytes` of device memory on `gpu` if the card has room (counting every live
     /// process), else [`LedgerError::OutOfMemory`].
     pub fn try_alloc(&self, gpu: u32, bytes: u64) -> Result<(), LedgerError> {
-        let mut guard = self.mine.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.mine.lock();
         let _flock = FlockGuard::lock(&self.mem_lock);
         let mine = self.charge(&mut guard, gpu, bytes)?;
         mine.word(HEADER_WORDS + gpu as usize * GPU_WORDS + W_MEM)
@@ -324,7 +325,7 @@ impl Ledger {
         if gpu as usize >= MAX_GPUS {
             return;
         }
-        let guard = self.mine.lock().unwrap_or_else(|e| e.into_inner());
+        let guard = self.mine.lock();
         if let Some(m) = guard.as_ref().filter(|m| m.pid == pid()) {
             let w = m.word(HEADER_WORDS + gpu as usize * GPU_WORDS + W_MEM);
             let _ = w.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
@@ -366,7 +367,7 @@ impl Ledger {
                 }
             });
         }
-        let mut guard = self.mine.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.mine.lock();
         let first = guard
             .as_ref()
             .filter(|m| m.pid == pid())
@@ -390,7 +391,7 @@ impl Ledger {
 
     /// Bytes this process's allocations hold on `gpu` (context memory not included).
     pub fn my_mem(&self, gpu: u32) -> u64 {
-        let guard = self.mine.lock().unwrap_or_else(|e| e.into_inner());
+        let guard = self.mine.lock();
         match guard.as_ref().filter(|m| m.pid == pid()) {
             Some(m) if (gpu as usize) < MAX_GPUS => m
                 .word(HEADER_WORDS + gpu as usize * GPU_WORDS + W_MEM)
@@ -402,7 +403,7 @@ impl Ledger {
 
 impl Drop for Ledger {
     fn drop(&mut self) {
-        let guard = self.mine.lock().unwrap_or_else(|e| e.into_inner());
+        let guard = self.mine.lock();
         if let Some(m) = guard.as_ref().filter(|m| m.pid == pid()) {
             for slot in &RECORD_FDS {
                 let _ = slot.compare_exchange(m.fd, -1, Ordering::SeqCst, Ordering::SeqCst);

@@ -1,6 +1,8 @@
 //! `TESSERA_SIM_GPUS` and `TESSERA_SIM_CONTEXT_MEMORY` parsing and the identity of each
 //! simulated GPU.
 
+#![forbid(unsafe_code)]
+
 use crate::{DEFAULT_GPUS, ENV_CONTEXT_MEMORY, ENV_GPUS, MAX_GPUS};
 
 /// Errors of [`SimSpec::parse`].

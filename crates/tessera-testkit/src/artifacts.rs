@@ -1,5 +1,7 @@
 //! Built artifacts next to the test executable.
 
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 
 /// What to run when an artifact is missing (CI builds everything before testing).

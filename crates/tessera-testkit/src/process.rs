@@ -1,5 +1,7 @@
 //! Child processes that never outlive their test, exit codes, bounded waits.
 
+#![forbid(unsafe_code)]
+
 use std::ops::{Deref, DerefMut};
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, ExitStatus};

@@ -1,5 +1,7 @@
 //! The Python that runs the real `cuda-bindings` clients.
 
+#![forbid(unsafe_code)]
+
 use std::path::{Path, PathBuf};
 
 /// Names the interpreter explicitly, ahead of the workspace's virtual environment.

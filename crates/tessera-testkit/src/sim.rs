@@ -1,5 +1,7 @@
 //! A simulated GPU in a test's temp folder.
 
+#![forbid(unsafe_code)]
+
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Command;
