@@ -143,12 +143,12 @@ impl Stream {
         })
     }
 
-    pub(crate) fn blocking(&self) -> bool {
+    fn blocking(&self) -> bool {
         self.flags & CU_STREAM_NON_BLOCKING == 0
     }
 
     /// (submitted, completed) sequence numbers.
-    pub(crate) fn counts(&self) -> (u64, u64) {
+    fn counts(&self) -> (u64, u64) {
         let q = lock(&self.q);
         (q.submitted, q.completed)
     }
@@ -204,7 +204,7 @@ impl Stream {
         self.wake.notify_one();
     }
 
-    pub(crate) fn work(self: Arc<Self>) {
+    fn work(self: Arc<Self>) {
         let mut engine: Option<Engine> = None;
         loop {
             let (seq, op) = {
@@ -236,7 +236,7 @@ impl Stream {
         }
     }
 
-    pub(crate) fn run_kernel(&self, engine: &mut Option<Engine>, ns: u64) {
+    fn run_kernel(&self, engine: &mut Option<Engine>, ns: u64) {
         if ns == 0 {
             return;
         }
@@ -256,7 +256,7 @@ impl Stream {
         }
     }
 
-    pub(crate) fn wait_seq(&self, target: u64) {
+    fn wait_seq(&self, target: u64) {
         let mut q = lock(&self.q);
         while q.completed < target {
             q = self.done.wait(q).unwrap_or_else(|e| e.into_inner());
@@ -304,7 +304,7 @@ pub(crate) struct EventState {
 pub static EVENTS: Registry<Event> = Registry::new();
 
 impl Event {
-    pub(crate) fn complete(&self, gen_: u64) {
+    fn complete(&self, gen_: u64) {
         let mut st = lock(&self.st);
         st.done = st.done.max(gen_);
         if gen_ == st.recorded {
