@@ -31,7 +31,10 @@ use std::os::unix::net::UnixStream;
 use std::process::{Child, Command, Stdio};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use interposer_bed::{AllocFn, Bed, Echo, FreeFn, interleaved_medians, write_summary};
+use interposer_bed::{Bed, Echo, interleaved_medians, write_summary};
+use tessera_cuda_abi::{
+    cuMemAlloc_v2_t as AllocFn, cuMemFree_v2_t as FreeFn, cuMemGetInfo_v2_t as MemInfoFn,
+};
 use tessera_protocol::{TenantReply, TenantRequest};
 
 const SIZE: usize = 1 << 20;
@@ -78,8 +81,6 @@ impl Leaping {
         (SIZE + self.0 * LEAP, self.0 == 0)
     }
 }
-
-type MemInfoFn = unsafe extern "C" fn(*mut usize, *mut usize) -> i32;
 
 fn miss_pair(alloc: AllocFn, free: FreeFn, info: Option<MemInfoFn>, sizes: &mut Leaping) {
     let (size, wrapped) = sizes.next();

@@ -11,22 +11,12 @@ use std::ffi::c_void;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use interposer_bed::{Bed, CUresult, write_summary};
+use interposer_bed::{Bed, write_summary};
 
-type Launch = unsafe extern "C" fn(
-    *mut c_void,
-    u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    *mut c_void,
-    *mut *mut c_void,
-    *mut *mut c_void,
-) -> CUresult;
-type StreamSync = unsafe extern "C" fn(*mut c_void) -> CUresult;
+use tessera_cuda_abi::{
+    cuLaunchKernel_t as Launch, cuModuleGetFunction_t, cuModuleLoadData_t, cuStreamCreate_t,
+    cuStreamSynchronize_t as StreamSync,
+};
 
 const PTX: &[u8] = b".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry spin(.param .u64 ns)\n{\n    ret;\n}\n\0";
 
@@ -38,9 +28,6 @@ struct Kernel {
 
 impl Kernel {
     fn new(bed: &Bed) -> Self {
-        type Load = unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> CUresult;
-        type GetFn = unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *const i8) -> CUresult;
-        type StreamCreate = unsafe extern "C" fn(*mut *mut c_void, u32) -> CUresult;
         let (mut m, mut f, mut s) = (
             std::ptr::null_mut(),
             std::ptr::null_mut(),
@@ -50,14 +37,18 @@ impl Kernel {
         // context; the PTX text is NUL-terminated.
         unsafe {
             assert_eq!(
-                bed.raw::<Load>("cuModuleLoadData")(&mut m, PTX.as_ptr().cast()),
+                bed.raw::<cuModuleLoadData_t>("cuModuleLoadData")(&mut m, PTX.as_ptr().cast()),
                 0
             );
             assert_eq!(
-                bed.raw::<GetFn>("cuModuleGetFunction")(&mut f, m, c"spin".as_ptr()),
+                bed.raw::<cuModuleGetFunction_t>("cuModuleGetFunction")(
+                    &mut f,
+                    m,
+                    c"spin".as_ptr()
+                ),
                 0
             );
-            assert_eq!(bed.raw::<StreamCreate>("cuStreamCreate")(&mut s, 0), 0);
+            assert_eq!(bed.raw::<cuStreamCreate_t>("cuStreamCreate")(&mut s, 0), 0);
         }
         Self {
             f,

@@ -10,25 +10,16 @@
 //! This library holds the one piece both need: [`Driver`], `dlopen("libcuda.so.1")` followed by
 //! `cuGetProcAddress_v2` for every entry point.
 
-use std::ffi::{CStr, c_char, c_void};
+use std::ffi::{CStr, c_void};
 
-/// `cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, symbolStatus)`.
-type GetProc = unsafe extern "C" fn(*const c_char, *mut *mut c_void, i32, u64, *mut i32) -> u32;
+/// The CUDA driver ABI (`tessera-cuda-abi`): the function-pointer type of every entry point the
+/// examples resolve.
+pub use tessera_cuda_abi as abi;
 
-/// `cuLaunchKernel`'s C signature.
-pub type LaunchKernel = unsafe extern "C" fn(
-    *mut c_void,
-    u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    u32,
-    *mut c_void,
-    *mut *mut c_void,
-    *mut *mut c_void,
-) -> u32;
+use abi::{
+    CUDA_SUCCESS, CUdevice, CUresult, cuCtxSetCurrent_t, cuDevicePrimaryCtxRetain_t,
+    cuGetProcAddress_v2_t as GetProc, cuInit_t,
+};
 
 /// A PTX module with one kernel, `spin`, whose only parameter is its duration in ns on the
 /// simulated GPU (the simulator's convention; on a real GPU it is an empty kernel).
@@ -75,7 +66,7 @@ impl Driver {
         let rc =
             unsafe { (self.get_proc)(name.as_ptr(), &mut p, version, 0, std::ptr::null_mut()) };
         assert!(
-            rc == 0 && !p.is_null(),
+            rc == CUDA_SUCCESS && !p.is_null(),
             "cannot resolve {name:?}: CUresult {rc}"
         );
         // SAFETY: F is a function pointer of the same size (asserted) and, by the caller's
@@ -84,7 +75,40 @@ impl Driver {
     }
 }
 
+impl Driver {
+    /// `cuInit(0)`, then `device`'s primary context made current on this thread: how every
+    /// program here starts. `Err` names the call that failed and its `CUresult`.
+    pub fn init_primary_context(&self, device: CUdevice) -> Result<(), String> {
+        // SAFETY: each type is the documented C signature of the entry point at that version.
+        let (init, retain, set_current) = unsafe {
+            (
+                self.sym::<cuInit_t>(c"cuInit", 2000),
+                self.sym::<cuDevicePrimaryCtxRetain_t>(c"cuDevicePrimaryCtxRetain", 7000),
+                self.sym::<cuCtxSetCurrent_t>(c"cuCtxSetCurrent", 4000),
+            )
+        };
+        let fail = |what: &str, rc: CUresult| Err(format!("{what} failed with CUresult {rc}"));
+        // SAFETY: plain flags; the out-pointer is a live local; `ctx` was just retained.
+        unsafe {
+            let rc = init(0);
+            if rc != CUDA_SUCCESS {
+                return fail("cuInit", rc);
+            }
+            let mut ctx = std::ptr::null_mut();
+            let rc = retain(&mut ctx, device);
+            if rc != CUDA_SUCCESS {
+                return fail("cuDevicePrimaryCtxRetain", rc);
+            }
+            let rc = set_current(ctx);
+            if rc != CUDA_SUCCESS {
+                return fail("cuCtxSetCurrent", rc);
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Panics with the call's name unless `rc` is `CUDA_SUCCESS`.
-pub fn check(what: &str, rc: u32) {
-    assert_eq!(rc, 0, "{what} failed with CUresult {rc}");
+pub fn check(what: &str, rc: CUresult) {
+    assert_eq!(rc, CUDA_SUCCESS, "{what} failed with CUresult {rc}");
 }

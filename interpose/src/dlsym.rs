@@ -1,4 +1,4 @@
-//! Our `dlsym`, and the logic behind `cuGetProcAddress`.
+//! Our `dlsym` and `cuGetProcAddress`, and the wrapper of every hooked variant they hand out.
 //!
 //! CUDA clients (the runtime, `cuda-bindings`) `dlopen("libcuda.so.1")` and `dlsym` their way
 //! in: `dlsym(handle, ..)` never sees an `LD_PRELOAD` library's exports, so we override `dlsym`
@@ -11,13 +11,97 @@
 //! one that called. On x86-64 a naked trampoline tail-jumps to the real `dlsym` for `RTLD_NEXT`
 //! with the caller's return address intact, so such look-ups stay exact. On other
 //! architectures `RTLD_NEXT` look-ups are answered relative to the interposer.
+//!
+//! [`WRAPPERS`] pairs each row of [`crate::table`] with its shim: the shims call through the
+//! table, so the pairing sits here, above both, and no module below names a shim.
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 
 use crate::driver;
+use crate::ffi::{
+    CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS, CUresult, cuGetProcAddress_t, cuGetProcAddress_v2_t,
+};
 use crate::guard;
-use crate::table::{self, Hook};
+use crate::hooks as h;
+use crate::table::{self, HOOKS, Hook, HookId};
 use crate::tlog;
+
+/// Address of one of our wrappers (a plain code address, shareable between threads).
+#[derive(Debug, Clone, Copy)]
+pub struct Wrapper(pub *const c_void);
+
+// SAFETY: a code address is immutable and valid for the life of the process.
+unsafe impl Sync for Wrapper {}
+// SAFETY: as above.
+unsafe impl Send for Wrapper {}
+
+/// Builds [`WRAPPERS`] by id, so the order of the list below does not matter; a missing or
+/// repeated id leaves a null slot, which the tests catch.
+macro_rules! wrappers {
+    ($($id:ident => $f:path,)*) => {{
+        const _: () = assert!([$(stringify!($id)),*].len() == HOOKS.len());
+        let mut w = [Wrapper(std::ptr::null()); HOOKS.len()];
+        $(w[HookId::$id as usize] = Wrapper($f as *const c_void);)*
+        w
+    }};
+}
+
+/// Our wrapper of each hooked variant, indexed by [`HookId`].
+pub static WRAPPERS: [Wrapper; HOOKS.len()] = wrappers! {
+    GetProcAddress => cuGetProcAddress,
+    GetProcAddress_v2 => cuGetProcAddress_v2,
+    MemAlloc_v2 => h::cuMemAlloc_v2,
+    MemAllocPitch_v2 => h::cuMemAllocPitch_v2,
+    MemAllocManaged => h::cuMemAllocManaged,
+    MemAllocAsync => h::cuMemAllocAsync,
+    MemAllocAsync_ptsz => h::cuMemAllocAsync_ptsz,
+    MemAllocFromPoolAsync => h::cuMemAllocFromPoolAsync,
+    MemAllocFromPoolAsync_ptsz => h::cuMemAllocFromPoolAsync_ptsz,
+    MemCreate => h::cuMemCreate,
+    MemRelease => h::cuMemRelease,
+    MemMap => h::cuMemMap,
+    MemUnmap => h::cuMemUnmap,
+    MemAddressFree => h::cuMemAddressFree,
+    MemRetainAllocationHandle => h::cuMemRetainAllocationHandle,
+    MemImportFromShareableHandle => h::cuMemImportFromShareableHandle,
+    ArrayCreate_v2 => h::cuArrayCreate_v2,
+    Array3DCreate_v2 => h::cuArray3DCreate_v2,
+    MipmappedArrayCreate => h::cuMipmappedArrayCreate,
+    MemFree_v2 => h::cuMemFree_v2,
+    MemFreeAsync => h::cuMemFreeAsync,
+    MemFreeAsync_ptsz => h::cuMemFreeAsync_ptsz,
+    ArrayDestroy => h::cuArrayDestroy,
+    MipmappedArrayDestroy => h::cuMipmappedArrayDestroy,
+    MemGetInfo_v2 => h::cuMemGetInfo_v2,
+    DeviceTotalMem_v2 => h::cuDeviceTotalMem_v2,
+    LaunchKernel => h::cuLaunchKernel,
+    LaunchKernel_ptsz => h::cuLaunchKernel_ptsz,
+    LaunchKernelEx => h::cuLaunchKernelEx,
+    LaunchKernelEx_ptsz => h::cuLaunchKernelEx_ptsz,
+    LaunchCooperativeKernel => h::cuLaunchCooperativeKernel,
+    LaunchCooperativeKernel_ptsz => h::cuLaunchCooperativeKernel_ptsz,
+    GraphLaunch => h::cuGraphLaunch,
+    GraphLaunch_ptsz => h::cuGraphLaunch_ptsz,
+    StreamDestroy_v2 => h::cuStreamDestroy_v2,
+    StreamSynchronize => h::cuStreamSynchronize,
+    StreamSynchronize_ptsz => h::cuStreamSynchronize_ptsz,
+    CtxSynchronize => h::cuCtxSynchronize,
+    CtxSynchronize_v2 => h::cuCtxSynchronize_v2,
+    EventSynchronize => h::cuEventSynchronize,
+    NvmlMemoryInfo => h::nvmlDeviceGetMemoryInfo,
+    NvmlMemoryInfo_v2 => h::nvmlDeviceGetMemoryInfo_v2,
+};
+
+/// Our wrapper of `hook`.
+#[inline]
+pub fn wrapper(hook: &Hook) -> *mut c_void {
+    WRAPPERS[hook.id as usize].0 as *mut c_void
+}
+
+/// True when `p` is one of our wrappers.
+pub fn is_wrapper(p: *const c_void) -> bool {
+    WRAPPERS.iter().any(|w| w.0 == p)
+}
 
 /// The `dlsym` logic for every handle but `RTLD_NEXT`.
 ///
@@ -52,20 +136,20 @@ pub fn resolve_dlsym(hook: &'static Hook, found: *mut c_void) -> *mut c_void {
         // The handle does not have it: do not invent it.
         return found;
     }
-    if table::is_wrapper(found) {
+    if is_wrapper(found) {
         return found;
     }
     // Fill every slot from the real library first, so `found` only fills gaps.
     driver::ensure(hook.lib);
     hook.adopt(found);
     tlog!(Trace, "dlsym({}) -> wrapper", hook.name.to_string_lossy());
-    hook.wrapper.0 as *mut c_void
+    wrapper(hook)
 }
 
 /// What `cuGetProcAddress(symbol, .., version, flags)` hands out when the driver resolved it
 /// to `found`.
 pub fn resolve_proc(symbol: &[u8], version: c_int, flags: u64, found: *mut c_void) -> *mut c_void {
-    if found.is_null() || table::is_wrapper(found) {
+    if found.is_null() || is_wrapper(found) {
         return found;
     }
     let hook = table::by_base(symbol, version, flags).or_else(|| table::by_real(found));
@@ -78,10 +162,86 @@ pub fn resolve_proc(symbol: &[u8], version: c_int, flags: u64, found: *mut c_voi
                 String::from_utf8_lossy(symbol),
                 h.name.to_string_lossy()
             );
-            h.wrapper.0 as *mut c_void
+            wrapper(h)
         }
         None => found,
     }
+}
+
+// ---- cuGetProcAddress ---------------------------------------------------------------------
+
+/// Rewrites `*pfn` after a successful real `cuGetProcAddress`.
+///
+/// # Safety
+/// `symbol` is NUL-terminated and `pfn` valid (both checked non-null by the caller).
+unsafe fn after_proc(
+    r: CUresult,
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: u64,
+) {
+    if r != CUDA_SUCCESS || symbol.is_null() || pfn.is_null() {
+        return;
+    }
+    if !crate::config::get().enforcing() {
+        return;
+    }
+    // SAFETY: per the contract.
+    unsafe {
+        let name = CStr::from_ptr(symbol).to_bytes();
+        *pfn = resolve_proc(name, version, flags, *pfn);
+    }
+}
+
+/// `cuGetProcAddress` (CUDA 11.3 signature).
+///
+/// # Safety
+/// C contract of `cuGetProcAddress`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: u64,
+) -> CUresult {
+    // SAFETY: the type is this entry point's signature; arguments are forwarded unchanged.
+    let Some(real) = (unsafe { driver::real::<cuGetProcAddress_t>(HookId::GetProcAddress) }) else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: forwarding unchanged.
+    let r = unsafe { real(symbol, pfn, version, flags) };
+    if let Some(_g) = guard::enter() {
+        // SAFETY: pointers are checked inside; the driver just answered for them.
+        guard::no_unwind((), || unsafe { after_proc(r, symbol, pfn, version, flags) });
+    }
+    r
+}
+
+/// `cuGetProcAddress_v2` (CUDA 12 signature, with the symbol status).
+///
+/// # Safety
+/// C contract of `cuGetProcAddress_v2`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGetProcAddress_v2(
+    symbol: *const c_char,
+    pfn: *mut *mut c_void,
+    version: c_int,
+    flags: u64,
+    status: *mut c_int,
+) -> CUresult {
+    // SAFETY: as for cuGetProcAddress.
+    let Some(real) = (unsafe { driver::real::<cuGetProcAddress_v2_t>(HookId::GetProcAddress_v2) })
+    else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    // SAFETY: forwarding unchanged.
+    let r = unsafe { real(symbol, pfn, version, flags, status) };
+    if let Some(_g) = guard::enter() {
+        // SAFETY: as for cuGetProcAddress.
+        guard::no_unwind((), || unsafe { after_proc(r, symbol, pfn, version, flags) });
+    }
+    r
 }
 
 /// `dlsym` itself. On x86-64: `RTLD_NEXT` tail-jumps to glibc with the caller's return
@@ -142,7 +302,6 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *m
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::table::HookId;
 
     #[test]
     fn unhooked_names_pass_through() {
@@ -162,7 +321,7 @@ mod tests {
             resolve_dlsym(h, std::ptr::null_mut()).is_null(),
             "absent stays absent"
         );
-        let w = h.wrapper.0 as *mut c_void;
+        let w = wrapper(h);
         assert_eq!(resolve_dlsym(h, w), w, "our own export is returned as is");
         let fake = 0x1234usize as *mut c_void;
         assert_eq!(resolve_dlsym(h, fake), w);
@@ -175,17 +334,11 @@ mod tests {
     fn proc_address_maps_variants_and_aliases() {
         let fake_async = 0x5000usize as *mut c_void;
         let got = resolve_proc(b"cuMemAllocAsync", 12000, 2, fake_async);
-        assert_eq!(
-            got,
-            HookId::MemAllocAsync_ptsz.hook().wrapper.0 as *mut c_void
-        );
+        assert_eq!(got, wrapper(HookId::MemAllocAsync_ptsz.hook()));
         let got = resolve_proc(b"cuMemAllocAsync", 12000, 0, 0x5008usize as *mut c_void);
-        assert_eq!(got, HookId::MemAllocAsync.hook().wrapper.0 as *mut c_void);
+        assert_eq!(got, wrapper(HookId::MemAllocAsync.hook()));
         let gpa = resolve_proc(b"cuGetProcAddress", 13000, 0, 0x6000usize as *mut c_void);
-        assert_eq!(
-            gpa,
-            HookId::GetProcAddress_v2.hook().wrapper.0 as *mut c_void
-        );
+        assert_eq!(gpa, wrapper(HookId::GetProcAddress_v2.hook()));
         // Unhooked names are untouched.
         let other = 0x7000usize as *mut c_void;
         assert_eq!(resolve_proc(b"cuCtxGetDevice", 13000, 0, other), other);
@@ -195,7 +348,35 @@ mod tests {
         assert!(!real.is_null(), "adopted above");
         assert_eq!(
             resolve_proc(b"cuMemAllocAsync_ptsz", 13000, 0, real),
-            HookId::MemAllocAsync_ptsz.hook().wrapper.0 as *mut c_void
+            wrapper(HookId::MemAllocAsync_ptsz.hook())
         );
+    }
+
+    #[test]
+    fn every_row_has_its_own_wrapper() {
+        for (i, a) in HOOKS.iter().enumerate() {
+            let w = wrapper(a);
+            assert!(!w.is_null(), "{:?} has no wrapper", a.name);
+            assert!(is_wrapper(w));
+            for b in &HOOKS[i + 1..] {
+                assert_ne!(
+                    w,
+                    wrapper(b),
+                    "{:?} and {:?} share a wrapper",
+                    a.name,
+                    b.name
+                );
+            }
+        }
+        assert_eq!(
+            wrapper(HookId::MemAlloc_v2.hook()),
+            h::cuMemAlloc_v2 as *mut c_void
+        );
+        assert_eq!(
+            wrapper(HookId::GetProcAddress_v2.hook()),
+            cuGetProcAddress_v2 as *mut c_void
+        );
+        assert!(!is_wrapper(std::ptr::null()));
+        assert!(table::by_real(std::ptr::null_mut()).is_none());
     }
 }

@@ -171,8 +171,13 @@ fn load(lib: Lib) -> *mut c_void {
         );
         return std::ptr::null_mut();
     }
+    let me = self_base();
     for hook in HOOKS.iter().filter(|k| k.lib == lib) {
-        hook.adopt(find(hook.name));
+        // Never one of our own exports (a hook must not call itself).
+        let p = find(hook.name);
+        if !p.is_null() && object_base(p) != me {
+            hook.adopt(p);
+        }
     }
     tlog!(Debug, "real {} loaded", path.to_string_lossy());
     h

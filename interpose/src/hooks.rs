@@ -8,9 +8,8 @@
 
 #![allow(non_snake_case)]
 
-use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+use std::ffi::{c_int, c_uint, c_void};
 
-use crate::dlsym::resolve_proc;
 use crate::driver;
 use crate::ffi::*;
 use crate::guard;
@@ -19,18 +18,18 @@ use crate::memory::{self, Outcome};
 use crate::state::{self, Process};
 use crate::table::HookId;
 
-/// The common frame of every hook.
+/// The common frame of every hook (`CUresult` and `nvmlReturn_t` are both `u32`).
 ///
 /// # Safety
 /// `F` must be the C signature of `id`'s entry point.
 #[inline(always)]
 unsafe fn run<F: Copy>(
     id: HookId,
-    missing: c_int,
-    panicked: c_int,
-    pass: impl FnOnce(F) -> c_int,
-    logic: impl FnOnce(F, &'static Process) -> Outcome<c_int>,
-) -> c_int {
+    missing: u32,
+    panicked: u32,
+    pass: impl FnOnce(F) -> u32,
+    logic: impl FnOnce(F, &'static Process) -> Outcome<u32>,
+) -> u32 {
     // SAFETY: the caller guarantees `F` matches `id`.
     let Some(real) = (unsafe { driver::real::<F>(id) }) else {
         return missing;
@@ -266,7 +265,7 @@ pub unsafe extern "C" fn cuMemCreate(
                 if handle.is_null() || prop.is_null() {
                     return Outcome::PassThrough;
                 }
-                let location = (*prop).location.type_;
+                let location = (*prop).location.kind;
                 if matches!(
                     location,
                     CU_MEM_LOCATION_TYPE_HOST
@@ -304,11 +303,11 @@ pub unsafe extern "C" fn cuArrayCreate_v2(
                 }
                 let d = *desc;
                 let bytes = memory::array_bytes(
-                    d.Width as u64,
-                    d.Height as u64,
+                    d.width as u64,
+                    d.height as u64,
                     0,
-                    d.Format,
-                    d.NumChannels,
+                    d.format,
+                    d.num_channels,
                 );
                 memory::allocate(p, Kind::Array, bytes, || {
                     let r = real(array, desc);
@@ -339,11 +338,11 @@ pub unsafe extern "C" fn cuArray3DCreate_v2(
                 }
                 let d = *desc;
                 let bytes = memory::array_bytes(
-                    d.Width as u64,
-                    d.Height as u64,
-                    d.Depth as u64,
-                    d.Format,
-                    d.NumChannels,
+                    d.width as u64,
+                    d.height as u64,
+                    d.depth as u64,
+                    d.format,
+                    d.num_channels,
                 );
                 memory::allocate(p, Kind::Array, bytes, || {
                     let r = real(array, desc);
@@ -375,12 +374,12 @@ pub unsafe extern "C" fn cuMipmappedArrayCreate(
                 }
                 let d = *desc;
                 let bytes = memory::mipmap_bytes(
-                    d.Width as u64,
-                    d.Height as u64,
-                    d.Depth as u64,
-                    d.Format,
-                    d.NumChannels,
-                    d.Flags,
+                    d.width as u64,
+                    d.height as u64,
+                    d.depth as u64,
+                    d.format,
+                    d.num_channels,
+                    d.flags,
                     levels,
                 );
                 memory::allocate(p, Kind::Mipmap, bytes, || {
@@ -736,82 +735,6 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     }
 }
 
-// ---- cuGetProcAddress ---------------------------------------------------------------------
-
-/// Rewrites `*pfn` after a successful real `cuGetProcAddress`.
-///
-/// # Safety
-/// `symbol` is NUL-terminated and `pfn` valid (both checked non-null by the caller).
-unsafe fn after_proc(
-    r: CUresult,
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    version: c_int,
-    flags: u64,
-) {
-    if r != CUDA_SUCCESS || symbol.is_null() || pfn.is_null() {
-        return;
-    }
-    if !crate::config::get().enforcing() {
-        return;
-    }
-    // SAFETY: per the contract.
-    unsafe {
-        let name = CStr::from_ptr(symbol).to_bytes();
-        *pfn = resolve_proc(name, version, flags, *pfn);
-    }
-}
-
-/// `cuGetProcAddress` (CUDA 11.3 signature).
-///
-/// # Safety
-/// C contract of `cuGetProcAddress`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetProcAddress(
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    version: c_int,
-    flags: u64,
-) -> CUresult {
-    // SAFETY: the type is this entry point's signature; arguments are forwarded unchanged.
-    let Some(real) = (unsafe { driver::real::<cuGetProcAddress_t>(HookId::GetProcAddress) }) else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    // SAFETY: forwarding unchanged.
-    let r = unsafe { real(symbol, pfn, version, flags) };
-    if let Some(_g) = guard::enter() {
-        // SAFETY: pointers are checked inside; the driver just answered for them.
-        guard::no_unwind((), || unsafe { after_proc(r, symbol, pfn, version, flags) });
-    }
-    r
-}
-
-/// `cuGetProcAddress_v2` (CUDA 12 signature, with the symbol status).
-///
-/// # Safety
-/// C contract of `cuGetProcAddress_v2`.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuGetProcAddress_v2(
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    version: c_int,
-    flags: u64,
-    status: *mut c_int,
-) -> CUresult {
-    // SAFETY: as for cuGetProcAddress.
-    let Some(real) = (unsafe { driver::real::<cuGetProcAddress_v2_t>(HookId::GetProcAddress_v2) })
-    else {
-        return CUDA_ERROR_NOT_INITIALIZED;
-    };
-    // SAFETY: forwarding unchanged.
-    let r = unsafe { real(symbol, pfn, version, flags, status) };
-    if let Some(_g) = guard::enter() {
-        // SAFETY: as for cuGetProcAddress.
-        guard::no_unwind((), || unsafe { after_proc(r, symbol, pfn, version, flags) });
-    }
-    r
-}
-
 // ---- launches (gated by `launch`) ---------------------------------------------------------
 
 macro_rules! launch_kernel {
@@ -874,7 +797,7 @@ macro_rules! launch_kernel_ex {
                         if config.is_null() {
                             return Outcome::PassThrough;
                         }
-                        let stream = (*config).hStream;
+                        let stream = (*config).h_stream;
                         Outcome::Handled(
                             p.gate
                                 .launch(stream, $ptsz, || real(config, f, params, extra)),

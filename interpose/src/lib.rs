@@ -2,13 +2,15 @@
 //! GPU memory limit (and, with `launch`, its compute share) inside a CUDA process.
 //!
 //! Modules:
-//! - [`ffi`]: raw C declarations (loader, CUDA driver and NVML types).
+//! - [`ffi`]: raw C declarations (loader, fork, cancellation) and the CUDA driver and NVML ABI
+//!   (`tessera-cuda-abi`, re-exported).
 //! - [`config`]: the four environment variables it reads; limits never come from there.
 //! - [`log`]: leveled, allocation-free logging to stderr (`TESSERA_LOG`).
 //! - [`guard`]: the per-thread re-entry guard and the panic barrier at the C boundary.
-//! - [`table`]: every hooked variant, its version range, wrapper and real-function slot.
+//! - [`table`]: every hooked variant, its version range and real-function slot.
 //! - [`driver`]: the real `dlsym`, the real driver and NVML, never resolved through ourselves.
-//! - [`dlsym`]: our `dlsym` (with an exact `RTLD_NEXT` trampoline) and `cuGetProcAddress` mapping.
+//! - [`dlsym`]: our `dlsym` (with an exact `RTLD_NEXT` trampoline), our `cuGetProcAddress`, and
+//!   the wrapper of each table row they hand out.
 //! - [`conn`]: one blocking, `SIGPIPE`-free connection to the arbiter's tenant socket.
 //! - [`session`]: reserve / release / re-declare, reconnection, behaviour while the arbiter is down.
 //! - [`ledger`]: live objects and their charged sizes.
@@ -16,6 +18,9 @@
 //! - [`memory`]: the accounting logic behind each allocation, free and memory query.
 //! - [`launch`]: kernel launch gating on compute leases (credits, events, lease manager).
 //! - [`hooks`]: the exported `extern "C"` shims.
+//!
+//! The modules form no import circle (checked by `tessera-cuda-abi`'s `import_cycles` test):
+//! the table sits below the driver loader, the shims above both, the wrappers above the shims.
 //!
 //! Without `TESSERA_TOKEN` every hook passes straight through and `dlsym` hands out the real
 //! functions, so an unconfigured process pays one atomic load per intercepted call at most.

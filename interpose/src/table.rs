@@ -1,6 +1,10 @@
 //! The table of hooked entry points: one row per exact variant (`cuMemAllocAsync` and
 //! `cuMemAllocAsync_ptsz` are two rows), with the base name and CUDA version range under which
-//! `cuGetProcAddress` hands it out, our wrapper, and the slot holding the real function.
+//! `cuGetProcAddress` hands it out, and the slot holding the real function.
+//!
+//! Our wrapper of each row is not here: the shims are defined above this module (they call
+//! through the real-function slots), so the rows they produce live on their side, in
+//! [`crate::dlsym`], and the dependency runs one way.
 //!
 //! Version thresholds mirror `cuda.h` / `cudaTypedefs.h` (CUDA 13): e.g. `cuMemAlloc` at
 //! version >= 3020 is `cuMemAlloc_v2`; `cuGetProcAddress` at >= 12000 is `cuGetProcAddress_v2`.
@@ -9,7 +13,6 @@ use std::ffi::{CStr, c_void};
 use std::sync::atomic::{AtomicPtr, Ordering};
 
 use crate::ffi::CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
-use crate::hooks as h;
 
 /// Which library a hooked symbol belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,18 +23,11 @@ pub enum Lib {
     Nvml,
 }
 
-/// Address of one of our wrappers (a plain code address, shareable between threads).
-#[derive(Debug, Clone, Copy)]
-pub struct Wrapper(pub *const c_void);
-
-// SAFETY: a code address is immutable and valid for the life of the process.
-unsafe impl Sync for Wrapper {}
-// SAFETY: as above.
-unsafe impl Send for Wrapper {}
-
 /// One hooked variant.
 #[derive(Debug)]
 pub struct Hook {
+    /// This row's index.
+    pub id: HookId,
     /// Exact exported name, e.g. `cuMemAllocAsync_ptsz`.
     pub name: &'static CStr,
     /// Name callers pass to `cuGetProcAddress`, e.g. `cuMemAllocAsync`.
@@ -44,8 +40,6 @@ pub struct Hook {
     pub per_thread: bool,
     /// Owning library.
     pub lib: Lib,
-    /// Our replacement.
-    pub wrapper: Wrapper,
     /// The real function, once known.
     pub real: AtomicPtr<c_void>,
 }
@@ -57,10 +51,10 @@ impl Hook {
         self.real.load(Ordering::Acquire)
     }
 
-    /// Records `p` as the real function unless one is already known. Our own wrapper is never
-    /// recorded (it would make the hook call itself).
+    /// Records `p` as the real function unless one is already known. Callers never pass one
+    /// of our own wrappers (it would make the hook call itself).
     pub fn adopt(&self, p: *mut c_void) {
-        if p.is_null() || is_wrapper(p) {
+        if p.is_null() {
             return;
         }
         let _ = self.real.compare_exchange(
@@ -75,7 +69,7 @@ impl Hook {
 const MAX: i32 = i32::MAX;
 
 macro_rules! hook_table {
-    ($( $id:ident: $lib:ident $name:literal, $base:literal, $since:expr, $until:expr, $pt:expr, $wrapper:path; )*) => {
+    ($( $id:ident: $lib:ident $name:literal, $base:literal, $since:expr, $until:expr, $pt:expr; )*) => {
         /// Index of each hooked variant in [`HOOKS`].
         #[derive(Debug, Clone, Copy, PartialEq, Eq)]
         #[repr(usize)]
@@ -85,13 +79,13 @@ macro_rules! hook_table {
         /// Every hooked variant.
         pub static HOOKS: [Hook; [$(stringify!($id)),*].len()] = [$(
             Hook {
+                id: HookId::$id,
                 name: $name,
                 base: $base,
                 since: $since,
                 until: $until,
                 per_thread: $pt,
                 lib: Lib::$lib,
-                wrapper: Wrapper($wrapper as *const c_void),
                 real: AtomicPtr::new(std::ptr::null_mut()),
             }
         ),*];
@@ -99,48 +93,48 @@ macro_rules! hook_table {
 }
 
 hook_table! {
-    GetProcAddress: Cuda c"cuGetProcAddress", "cuGetProcAddress", 11030, 12000, false, h::cuGetProcAddress;
-    GetProcAddress_v2: Cuda c"cuGetProcAddress_v2", "cuGetProcAddress", 12000, MAX, false, h::cuGetProcAddress_v2;
-    MemAlloc_v2: Cuda c"cuMemAlloc_v2", "cuMemAlloc", 3020, MAX, false, h::cuMemAlloc_v2;
-    MemAllocPitch_v2: Cuda c"cuMemAllocPitch_v2", "cuMemAllocPitch", 3020, MAX, false, h::cuMemAllocPitch_v2;
-    MemAllocManaged: Cuda c"cuMemAllocManaged", "cuMemAllocManaged", 6000, MAX, false, h::cuMemAllocManaged;
-    MemAllocAsync: Cuda c"cuMemAllocAsync", "cuMemAllocAsync", 11020, MAX, false, h::cuMemAllocAsync;
-    MemAllocAsync_ptsz: Cuda c"cuMemAllocAsync_ptsz", "cuMemAllocAsync", 11020, MAX, true, h::cuMemAllocAsync_ptsz;
-    MemAllocFromPoolAsync: Cuda c"cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync", 11020, MAX, false, h::cuMemAllocFromPoolAsync;
-    MemAllocFromPoolAsync_ptsz: Cuda c"cuMemAllocFromPoolAsync_ptsz", "cuMemAllocFromPoolAsync", 11020, MAX, true, h::cuMemAllocFromPoolAsync_ptsz;
-    MemCreate: Cuda c"cuMemCreate", "cuMemCreate", 10020, MAX, false, h::cuMemCreate;
-    MemRelease: Cuda c"cuMemRelease", "cuMemRelease", 10020, MAX, false, h::cuMemRelease;
-    MemMap: Cuda c"cuMemMap", "cuMemMap", 10020, MAX, false, h::cuMemMap;
-    MemUnmap: Cuda c"cuMemUnmap", "cuMemUnmap", 10020, MAX, false, h::cuMemUnmap;
-    MemAddressFree: Cuda c"cuMemAddressFree", "cuMemAddressFree", 10020, MAX, false, h::cuMemAddressFree;
-    MemRetainAllocationHandle: Cuda c"cuMemRetainAllocationHandle", "cuMemRetainAllocationHandle", 11000, MAX, false, h::cuMemRetainAllocationHandle;
-    MemImportFromShareableHandle: Cuda c"cuMemImportFromShareableHandle", "cuMemImportFromShareableHandle", 10020, MAX, false, h::cuMemImportFromShareableHandle;
-    ArrayCreate_v2: Cuda c"cuArrayCreate_v2", "cuArrayCreate", 3020, MAX, false, h::cuArrayCreate_v2;
-    Array3DCreate_v2: Cuda c"cuArray3DCreate_v2", "cuArray3DCreate", 3020, MAX, false, h::cuArray3DCreate_v2;
-    MipmappedArrayCreate: Cuda c"cuMipmappedArrayCreate", "cuMipmappedArrayCreate", 5000, MAX, false, h::cuMipmappedArrayCreate;
-    MemFree_v2: Cuda c"cuMemFree_v2", "cuMemFree", 3020, MAX, false, h::cuMemFree_v2;
-    MemFreeAsync: Cuda c"cuMemFreeAsync", "cuMemFreeAsync", 11020, MAX, false, h::cuMemFreeAsync;
-    MemFreeAsync_ptsz: Cuda c"cuMemFreeAsync_ptsz", "cuMemFreeAsync", 11020, MAX, true, h::cuMemFreeAsync_ptsz;
-    ArrayDestroy: Cuda c"cuArrayDestroy", "cuArrayDestroy", 2000, MAX, false, h::cuArrayDestroy;
-    MipmappedArrayDestroy: Cuda c"cuMipmappedArrayDestroy", "cuMipmappedArrayDestroy", 5000, MAX, false, h::cuMipmappedArrayDestroy;
-    MemGetInfo_v2: Cuda c"cuMemGetInfo_v2", "cuMemGetInfo", 3020, MAX, false, h::cuMemGetInfo_v2;
-    DeviceTotalMem_v2: Cuda c"cuDeviceTotalMem_v2", "cuDeviceTotalMem", 3020, MAX, false, h::cuDeviceTotalMem_v2;
-    LaunchKernel: Cuda c"cuLaunchKernel", "cuLaunchKernel", 4000, MAX, false, h::cuLaunchKernel;
-    LaunchKernel_ptsz: Cuda c"cuLaunchKernel_ptsz", "cuLaunchKernel", 4000, MAX, true, h::cuLaunchKernel_ptsz;
-    LaunchKernelEx: Cuda c"cuLaunchKernelEx", "cuLaunchKernelEx", 11060, MAX, false, h::cuLaunchKernelEx;
-    LaunchKernelEx_ptsz: Cuda c"cuLaunchKernelEx_ptsz", "cuLaunchKernelEx", 11060, MAX, true, h::cuLaunchKernelEx_ptsz;
-    LaunchCooperativeKernel: Cuda c"cuLaunchCooperativeKernel", "cuLaunchCooperativeKernel", 9000, MAX, false, h::cuLaunchCooperativeKernel;
-    LaunchCooperativeKernel_ptsz: Cuda c"cuLaunchCooperativeKernel_ptsz", "cuLaunchCooperativeKernel", 9000, MAX, true, h::cuLaunchCooperativeKernel_ptsz;
-    GraphLaunch: Cuda c"cuGraphLaunch", "cuGraphLaunch", 10000, MAX, false, h::cuGraphLaunch;
-    GraphLaunch_ptsz: Cuda c"cuGraphLaunch_ptsz", "cuGraphLaunch", 10000, MAX, true, h::cuGraphLaunch_ptsz;
-    StreamDestroy_v2: Cuda c"cuStreamDestroy_v2", "cuStreamDestroy", 4000, MAX, false, h::cuStreamDestroy_v2;
-    StreamSynchronize: Cuda c"cuStreamSynchronize", "cuStreamSynchronize", 2000, MAX, false, h::cuStreamSynchronize;
-    StreamSynchronize_ptsz: Cuda c"cuStreamSynchronize_ptsz", "cuStreamSynchronize", 7000, MAX, true, h::cuStreamSynchronize_ptsz;
-    CtxSynchronize: Cuda c"cuCtxSynchronize", "cuCtxSynchronize", 2000, 13000, false, h::cuCtxSynchronize;
-    CtxSynchronize_v2: Cuda c"cuCtxSynchronize_v2", "cuCtxSynchronize", 13000, MAX, false, h::cuCtxSynchronize_v2;
-    EventSynchronize: Cuda c"cuEventSynchronize", "cuEventSynchronize", 2000, MAX, false, h::cuEventSynchronize;
-    NvmlMemoryInfo: Nvml c"nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo", 0, MAX, false, h::nvmlDeviceGetMemoryInfo;
-    NvmlMemoryInfo_v2: Nvml c"nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetMemoryInfo_v2", 0, MAX, false, h::nvmlDeviceGetMemoryInfo_v2;
+    GetProcAddress: Cuda c"cuGetProcAddress", "cuGetProcAddress", 11030, 12000, false;
+    GetProcAddress_v2: Cuda c"cuGetProcAddress_v2", "cuGetProcAddress", 12000, MAX, false;
+    MemAlloc_v2: Cuda c"cuMemAlloc_v2", "cuMemAlloc", 3020, MAX, false;
+    MemAllocPitch_v2: Cuda c"cuMemAllocPitch_v2", "cuMemAllocPitch", 3020, MAX, false;
+    MemAllocManaged: Cuda c"cuMemAllocManaged", "cuMemAllocManaged", 6000, MAX, false;
+    MemAllocAsync: Cuda c"cuMemAllocAsync", "cuMemAllocAsync", 11020, MAX, false;
+    MemAllocAsync_ptsz: Cuda c"cuMemAllocAsync_ptsz", "cuMemAllocAsync", 11020, MAX, true;
+    MemAllocFromPoolAsync: Cuda c"cuMemAllocFromPoolAsync", "cuMemAllocFromPoolAsync", 11020, MAX, false;
+    MemAllocFromPoolAsync_ptsz: Cuda c"cuMemAllocFromPoolAsync_ptsz", "cuMemAllocFromPoolAsync", 11020, MAX, true;
+    MemCreate: Cuda c"cuMemCreate", "cuMemCreate", 10020, MAX, false;
+    MemRelease: Cuda c"cuMemRelease", "cuMemRelease", 10020, MAX, false;
+    MemMap: Cuda c"cuMemMap", "cuMemMap", 10020, MAX, false;
+    MemUnmap: Cuda c"cuMemUnmap", "cuMemUnmap", 10020, MAX, false;
+    MemAddressFree: Cuda c"cuMemAddressFree", "cuMemAddressFree", 10020, MAX, false;
+    MemRetainAllocationHandle: Cuda c"cuMemRetainAllocationHandle", "cuMemRetainAllocationHandle", 11000, MAX, false;
+    MemImportFromShareableHandle: Cuda c"cuMemImportFromShareableHandle", "cuMemImportFromShareableHandle", 10020, MAX, false;
+    ArrayCreate_v2: Cuda c"cuArrayCreate_v2", "cuArrayCreate", 3020, MAX, false;
+    Array3DCreate_v2: Cuda c"cuArray3DCreate_v2", "cuArray3DCreate", 3020, MAX, false;
+    MipmappedArrayCreate: Cuda c"cuMipmappedArrayCreate", "cuMipmappedArrayCreate", 5000, MAX, false;
+    MemFree_v2: Cuda c"cuMemFree_v2", "cuMemFree", 3020, MAX, false;
+    MemFreeAsync: Cuda c"cuMemFreeAsync", "cuMemFreeAsync", 11020, MAX, false;
+    MemFreeAsync_ptsz: Cuda c"cuMemFreeAsync_ptsz", "cuMemFreeAsync", 11020, MAX, true;
+    ArrayDestroy: Cuda c"cuArrayDestroy", "cuArrayDestroy", 2000, MAX, false;
+    MipmappedArrayDestroy: Cuda c"cuMipmappedArrayDestroy", "cuMipmappedArrayDestroy", 5000, MAX, false;
+    MemGetInfo_v2: Cuda c"cuMemGetInfo_v2", "cuMemGetInfo", 3020, MAX, false;
+    DeviceTotalMem_v2: Cuda c"cuDeviceTotalMem_v2", "cuDeviceTotalMem", 3020, MAX, false;
+    LaunchKernel: Cuda c"cuLaunchKernel", "cuLaunchKernel", 4000, MAX, false;
+    LaunchKernel_ptsz: Cuda c"cuLaunchKernel_ptsz", "cuLaunchKernel", 4000, MAX, true;
+    LaunchKernelEx: Cuda c"cuLaunchKernelEx", "cuLaunchKernelEx", 11060, MAX, false;
+    LaunchKernelEx_ptsz: Cuda c"cuLaunchKernelEx_ptsz", "cuLaunchKernelEx", 11060, MAX, true;
+    LaunchCooperativeKernel: Cuda c"cuLaunchCooperativeKernel", "cuLaunchCooperativeKernel", 9000, MAX, false;
+    LaunchCooperativeKernel_ptsz: Cuda c"cuLaunchCooperativeKernel_ptsz", "cuLaunchCooperativeKernel", 9000, MAX, true;
+    GraphLaunch: Cuda c"cuGraphLaunch", "cuGraphLaunch", 10000, MAX, false;
+    GraphLaunch_ptsz: Cuda c"cuGraphLaunch_ptsz", "cuGraphLaunch", 10000, MAX, true;
+    StreamDestroy_v2: Cuda c"cuStreamDestroy_v2", "cuStreamDestroy", 4000, MAX, false;
+    StreamSynchronize: Cuda c"cuStreamSynchronize", "cuStreamSynchronize", 2000, MAX, false;
+    StreamSynchronize_ptsz: Cuda c"cuStreamSynchronize_ptsz", "cuStreamSynchronize", 7000, MAX, true;
+    CtxSynchronize: Cuda c"cuCtxSynchronize", "cuCtxSynchronize", 2000, 13000, false;
+    CtxSynchronize_v2: Cuda c"cuCtxSynchronize_v2", "cuCtxSynchronize", 13000, MAX, false;
+    EventSynchronize: Cuda c"cuEventSynchronize", "cuEventSynchronize", 2000, MAX, false;
+    NvmlMemoryInfo: Nvml c"nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo", 0, MAX, false;
+    NvmlMemoryInfo_v2: Nvml c"nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetMemoryInfo_v2", 0, MAX, false;
 }
 
 impl HookId {
@@ -190,11 +184,6 @@ pub fn by_real(p: *mut c_void) -> Option<&'static Hook> {
     HOOKS.iter().find(|h| h.real_ptr() == p)
 }
 
-/// True when `p` is one of our wrappers.
-pub fn is_wrapper(p: *const c_void) -> bool {
-    HOOKS.iter().any(|h| h.wrapper.0 == p)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,11 +193,6 @@ mod tests {
         for (i, a) in HOOKS.iter().enumerate() {
             for b in &HOOKS[i + 1..] {
                 assert_ne!(a.name, b.name);
-                assert_ne!(
-                    a.wrapper.0, b.wrapper.0,
-                    "{:?} and {:?} share a wrapper",
-                    a.name, b.name
-                );
             }
             let name = a.name.to_str().unwrap();
             assert!(
@@ -218,6 +202,7 @@ mod tests {
             );
             assert_eq!(a.per_thread, name.ends_with("_ptsz"), "{name}");
             assert!(a.since < a.until);
+            assert!(std::ptr::eq(a.id.hook(), a), "{name} is not at its index");
         }
         assert_eq!(HookId::MemAlloc_v2.hook().name, c"cuMemAlloc_v2");
         assert_eq!(
@@ -328,15 +313,5 @@ mod tests {
         );
         // NVML is never resolved through cuGetProcAddress.
         assert_eq!(name(b"nvmlDeviceGetMemoryInfo", 13000, 0), None);
-    }
-
-    #[test]
-    fn wrappers_are_recognised_and_never_adopted() {
-        let h = HookId::MemFree_v2.hook();
-        assert!(is_wrapper(h.wrapper.0));
-        assert!(!is_wrapper(std::ptr::null()));
-        h.adopt(h.wrapper.0 as *mut c_void);
-        assert!(!std::ptr::eq(h.real_ptr(), h.wrapper.0));
-        assert!(by_real(std::ptr::null_mut()).is_none());
     }
 }

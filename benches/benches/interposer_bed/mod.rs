@@ -8,7 +8,6 @@
 
 #![allow(dead_code)]
 
-use std::ffi::c_void;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -21,9 +20,7 @@ use tessera_testkit::{ArbiterSpec, RunningArbiter, SimGpu, allocation, artifact_
 /// The folder of the benchmark's profile (`target/release`).
 pub use tessera_testkit::target_dir as profile_dir;
 
-pub type CUresult = i32;
-pub type AllocFn = unsafe extern "C" fn(*mut u64, usize) -> CUresult;
-pub type FreeFn = unsafe extern "C" fn(u64) -> CUresult;
+use tessera_cuda_abi::{cuCtxSetCurrent_t, cuDeviceGet_t, cuDevicePrimaryCtxRetain_t, cuInit_t};
 
 /// What to build before `cargo bench` (its artifacts come from the release profile).
 const BUILD_HINT: &str = "run `cargo build --release -p tessera-interpose -p tessera-sim-cuda \
@@ -141,21 +138,17 @@ impl Bed {
 
     /// Initialises the driver and makes device 0's primary context current on this thread.
     pub fn make_context_current(&self) {
-        type Init = unsafe extern "C" fn(u32) -> CUresult;
-        type DeviceGet = unsafe extern "C" fn(*mut i32, i32) -> CUresult;
-        type Retain = unsafe extern "C" fn(*mut *mut c_void, i32) -> CUresult;
-        type SetCurrent = unsafe extern "C" fn(*mut c_void) -> CUresult;
         let mut dev = 0;
         let mut ctx = std::ptr::null_mut();
         // SAFETY: the simulated driver's entry points with their C signatures.
         unsafe {
-            assert_eq!(self.raw::<Init>("cuInit")(0), 0);
-            assert_eq!(self.raw::<DeviceGet>("cuDeviceGet")(&mut dev, 0), 0);
+            assert_eq!(self.raw::<cuInit_t>("cuInit")(0), 0);
+            assert_eq!(self.raw::<cuDeviceGet_t>("cuDeviceGet")(&mut dev, 0), 0);
             assert_eq!(
-                self.raw::<Retain>("cuDevicePrimaryCtxRetain")(&mut ctx, dev),
+                self.raw::<cuDevicePrimaryCtxRetain_t>("cuDevicePrimaryCtxRetain")(&mut ctx, dev),
                 0
             );
-            assert_eq!(self.raw::<SetCurrent>("cuCtxSetCurrent")(ctx), 0);
+            assert_eq!(self.raw::<cuCtxSetCurrent_t>("cuCtxSetCurrent")(ctx), 0);
         }
     }
 }

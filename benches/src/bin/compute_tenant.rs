@@ -14,11 +14,11 @@
 //! launch that had to wait more than 200 us, i.e. for a compute lease, returned), and finally
 //! `launches <n>`.
 
-use std::ffi::{c_char, c_void};
+use std::ffi::c_void;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use tessera_examples::{Driver, LaunchKernel, SPIN_PTX};
+use tessera_examples::{Driver, SPIN_PTX, abi};
 use tessera_sim_state::clock::monotonic_ns;
 
 struct Args {
@@ -51,8 +51,8 @@ fn parse_args() -> Result<Args, String> {
     Ok(a)
 }
 
-fn check(what: &str, rc: u32) {
-    if rc != 0 {
+fn check(what: &str, rc: abi::CUresult) {
+    if rc != abi::CUDA_SUCCESS {
         eprintln!("compute_tenant: {what} failed with CUresult {rc}");
         std::process::exit(1);
     }
@@ -70,27 +70,18 @@ fn main() {
         eprintln!("compute_tenant: {e}");
         std::process::exit(1);
     });
+    if let Err(e) = driver.init_primary_context(0) {
+        eprintln!("compute_tenant: {e}");
+        std::process::exit(1);
+    }
     // SAFETY: each `sym` names the documented C signature of the entry point at that version.
     unsafe {
-        let init: unsafe extern "C" fn(u32) -> u32 = driver.sym(c"cuInit", 2000);
-        let retain: unsafe extern "C" fn(*mut *mut c_void, i32) -> u32 =
-            driver.sym(c"cuDevicePrimaryCtxRetain", 7000);
-        let set_current: unsafe extern "C" fn(*mut c_void) -> u32 =
-            driver.sym(c"cuCtxSetCurrent", 4000);
-        let load: unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> u32 =
-            driver.sym(c"cuModuleLoadData", 2000);
-        let getf: unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *const c_char) -> u32 =
-            driver.sym(c"cuModuleGetFunction", 2000);
-        let stream_create: unsafe extern "C" fn(*mut *mut c_void, u32) -> u32 =
-            driver.sym(c"cuStreamCreate", 2000);
-        let stream_sync: unsafe extern "C" fn(*mut c_void) -> u32 =
-            driver.sym(c"cuStreamSynchronize", 2000);
-        let launch: LaunchKernel = driver.sym(c"cuLaunchKernel", 4000);
+        let load: abi::cuModuleLoadData_t = driver.sym(c"cuModuleLoadData", 2000);
+        let getf: abi::cuModuleGetFunction_t = driver.sym(c"cuModuleGetFunction", 2000);
+        let stream_create: abi::cuStreamCreate_t = driver.sym(c"cuStreamCreate", 2000);
+        let stream_sync: abi::cuStreamSynchronize_t = driver.sym(c"cuStreamSynchronize", 2000);
+        let launch: abi::cuLaunchKernel_t = driver.sym(c"cuLaunchKernel", 4000);
 
-        check("cuInit", init(0));
-        let mut ctx = std::ptr::null_mut();
-        check("cuDevicePrimaryCtxRetain", retain(&mut ctx, 0));
-        check("cuCtxSetCurrent", set_current(ctx));
         let mut module = std::ptr::null_mut();
         check(
             "cuModuleLoadData",

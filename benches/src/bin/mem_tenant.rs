@@ -23,15 +23,13 @@
 //! after 100 us until it succeeds, so the rounds go on. Prints one JSON line at the end:
 //! `{"pid":..,"grants":..,"refusals":..,"first_try_refusals":..}`; exits 1 on any other error.
 
-use std::ffi::c_void;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use tessera_examples::Driver;
+use tessera_examples::abi::{self, CUDA_ERROR_OUT_OF_MEMORY};
 use tessera_sim_state::clock::monotonic_ns;
-
-const CUDA_ERROR_OUT_OF_MEMORY: u32 = 2;
 
 enum Mode {
     Handoff {
@@ -103,8 +101,8 @@ fn fail(msg: &str) -> ! {
     std::process::exit(1)
 }
 
-type Alloc = unsafe extern "C" fn(*mut u64, usize) -> u32;
-type Free = unsafe extern "C" fn(u64) -> u32;
+type Alloc = abi::cuMemAlloc_v2_t;
+type Free = abi::cuMemFree_v2_t;
 
 struct Counts {
     grants: u64,
@@ -132,63 +130,35 @@ fn pair(alloc: Alloc, free: Free, bytes: u64) -> Result<(), ()> {
     }
 }
 
-#[repr(C)]
-struct MemLocation {
-    kind: i32,
-    id: i32,
-}
-
-#[repr(C)]
-struct AllocationProp {
-    kind: i32,
-    requested_handle_types: i32,
-    location: MemLocation,
-    win32_handle_meta_data: *mut c_void,
-    compression_type: u8,
-    gpu_direct_rdma_capable: u8,
-    usage: u16,
-    reserved: [u8; 4],
-}
-
-#[repr(C)]
-struct AccessDesc {
-    location: MemLocation,
-    flags: i32,
-}
-
 /// One round of the VMM idiom (release right after the map); `Err(())` when refused.
 fn vmm_round(driver: &Driver, bytes: u64) -> Result<(), ()> {
     const GRANULE: u64 = 2 << 20;
     let size = bytes.div_ceil(GRANULE) * GRANULE;
-    let prop = AllocationProp {
-        kind: 1,
-        requested_handle_types: 0,
-        location: MemLocation { kind: 1, id: 0 },
-        win32_handle_meta_data: std::ptr::null_mut(),
-        compression_type: 0,
-        gpu_direct_rdma_capable: 0,
-        usage: 0,
-        reserved: [0; 4],
+    let device0 = abi::CUmemLocation {
+        kind: abi::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: 0,
     };
-    let access = AccessDesc {
-        location: MemLocation { kind: 1, id: 0 },
-        flags: 3,
+    let prop = abi::CUmemAllocationProp {
+        kind: abi::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requested_handle_types: 0,
+        location: device0,
+        win32_handle_meta_data: std::ptr::null_mut(),
+        alloc_flags: abi::CUmemAllocFlags::default(),
+    };
+    let access = abi::CUmemAccessDesc {
+        location: device0,
+        flags: abi::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     };
     // SAFETY: each `sym` names the documented C signature of the VMM entry point; the
     // structures are laid out as cuda.h declares them; every handle and range is released.
     unsafe {
-        let create: unsafe extern "C" fn(*mut u64, usize, *const AllocationProp, u64) -> u32 =
-            driver.sym(c"cuMemCreate", 10020);
-        let reserve: unsafe extern "C" fn(*mut u64, usize, usize, u64, u64) -> u32 =
-            driver.sym(c"cuMemAddressReserve", 10020);
-        let map: unsafe extern "C" fn(u64, usize, usize, u64, u64) -> u32 =
-            driver.sym(c"cuMemMap", 10020);
-        let set_access: unsafe extern "C" fn(u64, usize, *const AccessDesc, usize) -> u32 =
-            driver.sym(c"cuMemSetAccess", 10020);
-        let release: unsafe extern "C" fn(u64) -> u32 = driver.sym(c"cuMemRelease", 10020);
-        let unmap: unsafe extern "C" fn(u64, usize) -> u32 = driver.sym(c"cuMemUnmap", 10020);
-        let address_free: unsafe extern "C" fn(u64, usize) -> u32 =
-            driver.sym(c"cuMemAddressFree", 10020);
+        let create: abi::cuMemCreate_t = driver.sym(c"cuMemCreate", 10020);
+        let reserve: abi::cuMemAddressReserve_t = driver.sym(c"cuMemAddressReserve", 10020);
+        let map: abi::cuMemMap_t = driver.sym(c"cuMemMap", 10020);
+        let set_access: abi::cuMemSetAccess_t = driver.sym(c"cuMemSetAccess", 10020);
+        let release: abi::cuMemRelease_t = driver.sym(c"cuMemRelease", 10020);
+        let unmap: abi::cuMemUnmap_t = driver.sym(c"cuMemUnmap", 10020);
+        let address_free: abi::cuMemAddressFree_t = driver.sym(c"cuMemAddressFree", 10020);
         let mut h = 0u64;
         match create(&mut h, size as usize, &prop, 0) {
             0 => {}
@@ -222,20 +192,9 @@ fn main() {
         std::process::exit(2);
     });
     let driver = Driver::load().unwrap_or_else(|e| fail(&e));
+    driver.init_primary_context(0).unwrap_or_else(|e| fail(&e));
     // SAFETY: each `sym` names the documented C signature of the entry point at that version.
     let (alloc, free) = unsafe {
-        let init: unsafe extern "C" fn(u32) -> u32 = driver.sym(c"cuInit", 2000);
-        let retain: unsafe extern "C" fn(*mut *mut c_void, i32) -> u32 =
-            driver.sym(c"cuDevicePrimaryCtxRetain", 7000);
-        let set_current: unsafe extern "C" fn(*mut c_void) -> u32 =
-            driver.sym(c"cuCtxSetCurrent", 4000);
-        if init(0) != 0 {
-            fail("cuInit failed");
-        }
-        let mut ctx = std::ptr::null_mut();
-        if retain(&mut ctx, 0) != 0 || set_current(ctx) != 0 {
-            fail("no context on device 0");
-        }
         let alloc: Alloc = driver.sym(c"cuMemAlloc", 3020);
         let free: Free = driver.sym(c"cuMemFree", 3020);
         (alloc, free)

@@ -512,11 +512,11 @@ fn check_nvml() -> Check {
     // SAFETY: each type is the documented C signature of the named entry point.
     let r = unsafe {
         (|| -> Result<String, String> {
-            let init: ffi::nvmlInit_t = lib.sym(c"nvmlInit_v2")?;
+            let init: ffi::nvmlInit_v2_t = lib.sym(c"nvmlInit_v2")?;
             let version: ffi::nvmlSystemGetDriverVersion_t =
                 lib.sym(c"nvmlSystemGetDriverVersion")?;
-            let count: ffi::nvmlDeviceGetCount_t = lib.sym(c"nvmlDeviceGetCount_v2")?;
-            let by_index: ffi::nvmlDeviceGetHandleByIndex_t =
+            let count: ffi::nvmlDeviceGetCount_v2_t = lib.sym(c"nvmlDeviceGetCount_v2")?;
+            let by_index: ffi::nvmlDeviceGetHandleByIndex_v2_t =
                 lib.sym(c"nvmlDeviceGetHandleByIndex_v2")?;
             let name: ffi::nvmlDeviceGetString_t = lib.sym(c"nvmlDeviceGetName")?;
             let uuid: ffi::nvmlDeviceGetString_t = lib.sym(c"nvmlDeviceGetUUID")?;
@@ -701,8 +701,8 @@ fn check_gpu(a: &AllocationView) -> Check {
         Ok(l) => l,
         Err(e) => return Check::fail("gpu", e, fix),
     };
-    let mut uuid = [0u8; 16];
-    // SAFETY: documented C signatures; `uuid` is the 16-byte CUuuid.
+    let mut uuid = ffi::CUuuid::default();
+    // SAFETY: documented C signatures; `uuid` is a CUuuid the call writes.
     let rc = unsafe {
         lib.sym::<ffi::cuInit_t>(c"cuInit")
             .and_then(|init| Ok((init, lib.sym::<ffi::cuDeviceGetUuid_t>(c"cuDeviceGetUuid")?)))
@@ -717,7 +717,7 @@ fn check_gpu(a: &AllocationView) -> Check {
     };
     match rc {
         Ok(ffi::CUDA_SUCCESS) => {
-            let seen = format_uuid(&uuid);
+            let seen = format_uuid(&uuid.bytes);
             if seen.eq_ignore_ascii_case(&a.gpu_uuid) {
                 Check::ok(
                     "gpu",
@@ -945,9 +945,9 @@ fn probe(args: &ProbeArgs) -> Result<ProbeReport, String> {
         7000
     );
     let set_current = entry!(ffi::cuCtxSetCurrent_t, c"cuCtxSetCurrent", 4000);
-    let alloc = entry!(ffi::cuMemAlloc_t, c"cuMemAlloc", 3020);
-    let free = entry!(ffi::cuMemFree_t, c"cuMemFree", 3020);
-    let info = entry!(ffi::cuMemGetInfo_t, c"cuMemGetInfo", 3020);
+    let alloc = entry!(ffi::cuMemAlloc_v2_t, c"cuMemAlloc", 3020);
+    let free = entry!(ffi::cuMemFree_v2_t, c"cuMemFree", 3020);
+    let info = entry!(ffi::cuMemGetInfo_v2_t, c"cuMemGetInfo", 3020);
     let load = entry!(ffi::cuModuleLoadData_t, c"cuModuleLoadData", 2000);
     let getf = entry!(ffi::cuModuleGetFunction_t, c"cuModuleGetFunction", 2000);
     let stream_create = entry!(ffi::cuStreamCreate_t, c"cuStreamCreate", 2000);
@@ -1027,7 +1027,7 @@ fn nvml_total(uuid: &str) -> Result<u64, String> {
     let c_uuid = CString::new(uuid).map_err(|e| e.to_string())?;
     // SAFETY: documented C signatures; every pointer is a live local.
     unsafe {
-        let init: ffi::nvmlInit_t = lib.sym(c"nvmlInit_v2")?;
+        let init: ffi::nvmlInit_v2_t = lib.sym(c"nvmlInit_v2")?;
         let by_uuid: ffi::nvmlDeviceGetHandleByUUID_t = lib.sym(c"nvmlDeviceGetHandleByUUID")?;
         let mem: ffi::nvmlDeviceGetMemoryInfo_t = lib.sym(c"nvmlDeviceGetMemoryInfo")?;
         let rc = init();

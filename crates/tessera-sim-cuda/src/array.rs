@@ -1,9 +1,9 @@
 //! CUDA arrays and mipmapped arrays: charged to the device as width x height x depth x element
 //! size (every level for mipmapped arrays), never backed by host memory.
 
-use std::sync::Arc;
+use std::sync::{Arc, Once};
 
-use crate::context::current;
+use crate::context::{self, current};
 use crate::ffi::*;
 use crate::runtime::{Registry, Res, guard, next_handle, put, rt};
 
@@ -33,7 +33,7 @@ fn format_bytes(format: u32) -> Result<u64, CUresult> {
 }
 
 /// Checks a descriptor against the documented array shapes.
-fn validate(d: &CudaArray3dDescriptor) -> Res {
+fn validate(d: &CUDA_ARRAY3D_DESCRIPTOR) -> Res {
     let layered = d.flags & CUDA_ARRAY3D_LAYERED != 0;
     let cubemap = d.flags & CUDA_ARRAY3D_CUBEMAP != 0;
     let shape_ok = d.width > 0
@@ -50,7 +50,7 @@ fn validate(d: &CudaArray3dDescriptor) -> Res {
 }
 
 /// Bytes of mip level `level` (0 is the full size). Layers and cube faces do not shrink.
-fn level_bytes(d: &CudaArray3dDescriptor, level: u32) -> Result<u64, CUresult> {
+fn level_bytes(d: &CUDA_ARRAY3D_DESCRIPTOR, level: u32) -> Result<u64, CUresult> {
     let shrink = |x: usize| ((x >> level).max(1)) as u64;
     let w = shrink(d.width);
     let h = if d.height == 0 { 1 } else { shrink(d.height) };
@@ -73,7 +73,7 @@ fn level_bytes(d: &CudaArray3dDescriptor, level: u32) -> Result<u64, CUresult> {
 }
 
 /// Mip levels actually made: clamped to [1, 1 + floor(log2(largest extent))] as documented.
-fn clamp_levels(d: &CudaArray3dDescriptor, levels: u32) -> u32 {
+fn clamp_levels(d: &CUDA_ARRAY3D_DESCRIPTOR, levels: u32) -> u32 {
     let layers = d.flags & (CUDA_ARRAY3D_LAYERED | CUDA_ARRAY3D_CUBEMAP) != 0;
     let depth = if layers { 0 } else { d.depth };
     let largest = d.width.max(d.height).max(depth).max(1);
@@ -82,6 +82,8 @@ fn clamp_levels(d: &CudaArray3dDescriptor, levels: u32) -> u32 {
 
 fn create(h: *mut Handle, bytes: u64, mipmapped: bool) -> Res {
     let c = current()?;
+    static CLEANUP: Once = Once::new();
+    context::on_destroy(&CLEANUP, destroy_all_of_ctx);
     if h.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
@@ -105,7 +107,7 @@ fn create(h: *mut Handle, bytes: u64, mipmapped: bool) -> Res {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuArrayCreate_v2(
     h: *mut Handle,
-    desc: *const CudaArrayDescriptor,
+    desc: *const CUDA_ARRAY_DESCRIPTOR,
 ) -> CUresult {
     guard(|| {
         if h.is_null() || desc.is_null() {
@@ -113,7 +115,7 @@ pub unsafe extern "C" fn cuArrayCreate_v2(
         }
         // SAFETY: non-null descriptor from the caller.
         let d = unsafe { &*desc };
-        let d3 = CudaArray3dDescriptor {
+        let d3 = CUDA_ARRAY3D_DESCRIPTOR {
             width: d.width,
             height: d.height,
             depth: 0,
@@ -130,7 +132,7 @@ pub unsafe extern "C" fn cuArrayCreate_v2(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuArray3DCreate_v2(
     h: *mut Handle,
-    desc: *const CudaArray3dDescriptor,
+    desc: *const CUDA_ARRAY3D_DESCRIPTOR,
 ) -> CUresult {
     guard(|| {
         if h.is_null() || desc.is_null() {
@@ -147,7 +149,7 @@ pub unsafe extern "C" fn cuArray3DCreate_v2(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMipmappedArrayCreate(
     h: *mut Handle,
-    desc: *const CudaArray3dDescriptor,
+    desc: *const CUDA_ARRAY3D_DESCRIPTOR,
     levels: u32,
 ) -> CUresult {
     guard(|| {
@@ -202,8 +204,8 @@ pub extern "C" fn cuMipmappedArrayDestroy(h: Handle) -> CUresult {
 mod tests {
     use super::*;
 
-    fn desc(width: usize, height: usize, depth: usize, flags: u32) -> CudaArray3dDescriptor {
-        CudaArray3dDescriptor {
+    fn desc(width: usize, height: usize, depth: usize, flags: u32) -> CUDA_ARRAY3D_DESCRIPTOR {
+        CUDA_ARRAY3D_DESCRIPTOR {
             width,
             height,
             depth,

@@ -2,11 +2,11 @@
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, Once, OnceLock, Weak};
 
 use crate::ffi::*;
+use crate::queue::{Stream, StreamKind, StreamOwner};
 use crate::runtime::{Registry, Res, gpu, guard, next_handle, ordinal, put, rt};
-use crate::stream::{Stream, StreamKind};
 
 /// One context: a device, its legacy default stream and the streams made in it.
 pub struct Context {
@@ -28,7 +28,13 @@ impl Context {
             primary,
             flags: AtomicU32::new(flags),
             alive: AtomicBool::new(true),
-            legacy: Stream::new(weak.clone(), device, StreamKind::Legacy, 0, 0),
+            legacy: Stream::new(
+                weak.clone() as Weak<dyn StreamOwner>,
+                device,
+                StreamKind::Legacy,
+                0,
+                0,
+            ),
             streams: Mutex::new(Vec::new()),
         })
     }
@@ -40,7 +46,8 @@ impl Context {
         flags: u32,
         priority: i32,
     ) -> Arc<Stream> {
-        let s = Stream::new(Arc::downgrade(self), self.device, kind, flags, priority);
+        let owner: Weak<dyn StreamOwner> = Arc::downgrade(self) as Weak<Context>;
+        let s = Stream::new(owner, self.device, kind, flags, priority);
         let mut list = self.streams.lock().unwrap_or_else(|e| e.into_inner());
         list.retain(|w| w.strong_count() > 0);
         list.push(Arc::downgrade(&s));
@@ -70,17 +77,46 @@ impl Context {
         self.synchronize();
         self.legacy.close();
         for s in self.other_streams() {
-            crate::stream::forget_stream(s.id);
+            crate::queue::forget_stream(s.id);
             s.close();
         }
-        crate::memory::free_all_of_ctx(self.id);
+        let cleanups = CLEANUPS.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for f in cleanups {
+            f(self.id);
+        }
         if let Ok(rt) = rt() {
             let _ = rt.ledger.context_changed(self.device, false);
         }
     }
 }
 
+impl StreamOwner for Context {
+    fn id(&self) -> usize {
+        self.id
+    }
+
+    fn legacy(&self) -> &Arc<Stream> {
+        &self.legacy
+    }
+
+    fn other_streams(&self) -> Vec<Arc<Stream>> {
+        Context::other_streams(self)
+    }
+}
+
 pub static CONTEXTS: Registry<Context> = Registry::new();
+
+/// What other modules free when a context is destroyed (its memory, its arrays), each given
+/// the context's handle. They register on first use, so this module names none of them.
+static CLEANUPS: Mutex<Vec<fn(usize)>> = Mutex::new(Vec::new());
+
+/// Runs `f(context handle)` whenever a context is destroyed from now on; `once` makes repeated
+/// registration from a hot path a single atomic load.
+pub fn on_destroy(once: &'static Once, f: fn(usize)) {
+    once.call_once(|| {
+        CLEANUPS.lock().unwrap_or_else(|e| e.into_inner()).push(f);
+    });
+}
 
 struct Primary {
     ctx: Option<Arc<Context>>,

@@ -343,7 +343,7 @@ fn check_side(start: u64, kind: u32, span: usize, write: bool) -> Res {
 /// # Safety
 /// `p` must be null or point to a `CUDA_MEMCPY2D`; host pointers in it must be valid for the
 /// rows the copy touches.
-unsafe fn memcpy_2d(p: *const CudaMemcpy2d, stream: Option<(Handle, bool)>) -> CUresult {
+unsafe fn memcpy_2d(p: *const CUDA_MEMCPY2D, stream: Option<(Handle, bool)>) -> CUresult {
     guard(|| {
         stream_or_ctx(stream)?;
         if p.is_null() {
@@ -399,7 +399,7 @@ macro_rules! memcpy_2d_fns {
     (async $async_:ident, $ptds:expr) => {
         #[doc = concat!("`", stringify!($async_), "`: copied at once.")]
         #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn $async_(p: *const CudaMemcpy2d, h: Handle) -> CUresult {
+        pub unsafe extern "C" fn $async_(p: *const CUDA_MEMCPY2D, h: Handle) -> CUresult {
             // SAFETY: the caller passes a CUDA_MEMCPY2D, as the API requires.
             unsafe { memcpy_2d(p, Some((h, $ptds))) }
         }
@@ -407,7 +407,7 @@ macro_rules! memcpy_2d_fns {
     ($sync:ident) => {
         #[doc = concat!("`", stringify!($sync), "` (host, device and unified linear memory; arrays answer 801).")]
         #[unsafe(no_mangle)]
-        pub unsafe extern "C" fn $sync(p: *const CudaMemcpy2d) -> CUresult {
+        pub unsafe extern "C" fn $sync(p: *const CUDA_MEMCPY2D) -> CUresult {
             // SAFETY: the caller passes a CUDA_MEMCPY2D, as the API requires.
             unsafe { memcpy_2d(p, None) }
         }

@@ -8,45 +8,20 @@ use std::sync::{Arc, Mutex};
 
 use crate::ffi::*;
 use crate::module::check_launch;
+use crate::queue::{Capture, Node, Nodes, Op, StreamKind, host_op};
 use crate::runtime::{Registry, guard, next_handle, put, rt};
-use crate::stream::{HostFn, Op, StreamKind, host_op, resolve};
-
-/// One node of a graph.
-#[derive(Clone, Copy)]
-pub enum Node {
-    /// A kernel occupying the engine this many ns.
-    Kernel(u64),
-    /// A host function and its argument.
-    Host(HostFn, usize),
-}
+use crate::stream::resolve;
 
 /// A graph under construction.
 pub struct Graph {
     pub id: usize,
-    nodes: Mutex<Vec<Node>>,
+    nodes: Nodes,
 }
 
 /// An instantiated graph.
 pub struct GraphExec {
     pub id: usize,
     nodes: Vec<Node>,
-}
-
-/// A stream capture in progress.
-pub struct Capture {
-    graph: Arc<Graph>,
-}
-
-impl Capture {
-    /// Records a kernel launch into the captured graph.
-    pub fn add_kernel(&self, ns: u64) {
-        self.graph.push(Node::Kernel(ns));
-    }
-
-    /// Records a host function into the captured graph.
-    pub fn add_host(&self, f: HostFn, data: usize) {
-        self.graph.push(Node::Host(f, data));
-    }
 }
 
 impl Graph {
@@ -61,7 +36,7 @@ pub static EXECS: Registry<GraphExec> = Registry::new();
 fn new_graph() -> Arc<Graph> {
     let g = Arc::new(Graph {
         id: next_handle(),
-        nodes: Mutex::new(Vec::new()),
+        nodes: Arc::new(Mutex::new(Vec::new())),
     });
     GRAPHS.insert(g.id, g.clone());
     g
@@ -100,7 +75,7 @@ pub unsafe extern "C" fn cuGraphAddKernelNode_v2(
     g: Handle,
     deps: *const Handle,
     ndeps: usize,
-    params: *const CudaKernelNodeParams,
+    params: *const CUDA_KERNEL_NODE_PARAMS,
 ) -> CUresult {
     guard(|| {
         rt()?;
@@ -114,8 +89,8 @@ pub unsafe extern "C" fn cuGraphAddKernelNode_v2(
         let ns = unsafe {
             check_launch(
                 p.func,
-                [p.grid_dim_x, p.grid_dim_y, p.grid_dim_z],
-                [p.block_dim_x, p.block_dim_y, p.block_dim_z],
+                p.shape.grid,
+                p.shape.block,
                 p.kernel_params,
                 p.extra,
             )
@@ -198,7 +173,7 @@ fn begin_capture(h: Handle, ptds: bool) -> CUresult {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let g = new_graph();
-        s.set_capture(Some(Arc::new(Capture { graph: g })));
+        s.set_capture(Some(Arc::new(Capture::new(g.id, g.nodes.clone()))));
         Ok(())
     })
 }
@@ -224,7 +199,7 @@ fn end_capture(h: Handle, pg: *mut Handle, ptds: bool) -> CUresult {
         let c = s.capture().ok_or(CUDA_ERROR_STREAM_CAPTURE_UNMATCHED)?;
         s.set_capture(None);
         // SAFETY: non-null out-pointer from the caller.
-        unsafe { put(pg, c.graph.id as Handle) }
+        unsafe { put(pg, c.graph as Handle) }
     })
 }
 

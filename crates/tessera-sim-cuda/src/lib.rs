@@ -5,12 +5,14 @@
 //! parameter, read as a u64, is the nanoseconds of engine time a launch occupies.
 //!
 //! Modules:
-//! - [`ffi`]: C types, constants and struct layouts of `cuda.h`.
+//! - [`ffi`]: the CUDA driver ABI (`tessera-cuda-abi`, re-exported) and the simulator's `Handle`.
 //! - [`runtime`]: process-wide state after `cuInit`, handle registries, the panic guard.
 //! - [`errors`]: `cuGetErrorName` / `cuGetErrorString`.
 //! - [`device`]: device queries and attributes.
-//! - [`context`]: primary and explicit contexts, the per-thread context stack.
-//! - [`stream`]: streams (a worker thread each), events, the engine hand-off.
+//! - [`context`]: primary and explicit contexts, the per-thread context stack, and the clean-ups
+//!   other modules register for a destroyed context.
+//! - [`queue`]: streams (a worker thread each), events, the engine hand-off, captures.
+//! - [`stream`]: the stream and event entry points; stream handles in the current context.
 //! - [`memory`]: the address-range table, allocations, pools, pointer attributes.
 //! - [`copy`]: 1D and 2D copies and memsets.
 //! - [`vmm`]: virtual memory management (`cuMemCreate`, reservations, `cuMemMap`, access).
@@ -18,6 +20,8 @@
 //! - [`module`]: PTX modules, functions and kernel launches.
 //! - [`graph`]: CUDA graphs with kernel and host nodes, and stream capture.
 //! - [`proc_address`]: the name table behind `cuGetProcAddress(_v2)`.
+//!
+//! The modules form no import circle (checked by `tessera-cuda-abi`'s `import_cycles` test).
 
 // The exported entry points' safety contract is the vendor's C API documentation (valid
 // pointers of the documented types); restating it on each of them adds nothing.
@@ -33,6 +37,7 @@ pub mod graph;
 pub mod memory;
 pub mod module;
 pub mod proc_address;
+pub mod queue;
 pub mod runtime;
 pub mod stream;
 pub mod vmm;

@@ -7,12 +7,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
 
-use crate::context::current;
+use crate::context::{self, current};
 use crate::ffi::*;
+use crate::queue::Op;
 use crate::runtime::{Registry, Res, gpu, guard, next_handle, ordinal, physical_gpu, put, rt};
-use crate::stream::{Op, resolve};
+use crate::stream::resolve;
 
 /// What kind of memory a range is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,6 +87,8 @@ pub fn alloc_device(device: u32, ctx: usize, bytes: usize, kind: Kind) -> Result
     if bytes == 0 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    static CLEANUP: Once = Once::new();
+    context::on_destroy(&CLEANUP, free_all_of_ctx);
     let rt = rt()?;
     rt.ledger
         .try_alloc(device, bytes as u64)
@@ -136,7 +139,6 @@ pub fn free_all_of_ctx(ctx: usize) {
     for p in doomed {
         let _ = free_device(p);
     }
-    crate::array::destroy_all_of_ctx(ctx);
 }
 
 /// The allocation containing `ptr`, with its base.

@@ -9,8 +9,9 @@ use std::sync::{Arc, Mutex};
 
 use crate::context::current;
 use crate::ffi::*;
+use crate::queue::Op;
 use crate::runtime::{Registry, Res, guard, next_handle, put, rt};
-use crate::stream::{Op, resolve};
+use crate::stream::resolve;
 
 /// A loaded module.
 pub struct Module {
@@ -400,8 +401,8 @@ fn launch_ex(
     let c = unsafe { &*cfg };
     launch(
         f,
-        [c.grid_dim_x, c.grid_dim_y, c.grid_dim_z],
-        [c.block_dim_x, c.block_dim_y, c.block_dim_z],
+        c.shape.grid,
+        c.shape.block,
         c.h_stream,
         params,
         extra,

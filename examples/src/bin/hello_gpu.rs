@@ -7,48 +7,36 @@
 use std::ffi::{CStr, c_char, c_void};
 use std::time::Instant;
 
-use tessera_examples::{Driver, LaunchKernel, SPIN_PTX as PTX, check};
+use tessera_examples::{Driver, SPIN_PTX as PTX, abi, check};
 
 fn main() {
     let d = Driver::load().unwrap_or_else(|e| {
         eprintln!("hello_gpu: {e}");
         std::process::exit(1)
     });
+    if let Err(e) = d.init_primary_context(0) {
+        eprintln!("hello_gpu: {e}");
+        std::process::exit(1)
+    }
     // SAFETY: each type below is the documented C signature of the named entry point.
     unsafe {
-        let init: unsafe extern "C" fn(u32) -> u32 = d.sym(c"cuInit", 2000);
-        let count: unsafe extern "C" fn(*mut i32) -> u32 = d.sym(c"cuDeviceGetCount", 2000);
-        let name: unsafe extern "C" fn(*mut c_char, i32, i32) -> u32 =
-            d.sym(c"cuDeviceGetName", 2000);
-        let total: unsafe extern "C" fn(*mut usize, i32) -> u32 = d.sym(c"cuDeviceTotalMem", 3020);
-        let retain: unsafe extern "C" fn(*mut *mut c_void, i32) -> u32 =
-            d.sym(c"cuDevicePrimaryCtxRetain", 7000);
-        let set_current: unsafe extern "C" fn(*mut c_void) -> u32 = d.sym(c"cuCtxSetCurrent", 4000);
-        let alloc: unsafe extern "C" fn(*mut u64, usize) -> u32 = d.sym(c"cuMemAlloc", 3020);
-        let free: unsafe extern "C" fn(u64) -> u32 = d.sym(c"cuMemFree", 3020);
-        let info: unsafe extern "C" fn(*mut usize, *mut usize) -> u32 =
-            d.sym(c"cuMemGetInfo", 3020);
-        let htod: unsafe extern "C" fn(u64, *const c_void, usize) -> u32 =
-            d.sym(c"cuMemcpyHtoD", 3020);
-        let dtoh: unsafe extern "C" fn(*mut c_void, u64, usize) -> u32 =
-            d.sym(c"cuMemcpyDtoH", 3020);
-        let load: unsafe extern "C" fn(*mut *mut c_void, *const c_void) -> u32 =
-            d.sym(c"cuModuleLoadData", 2000);
-        let getf: unsafe extern "C" fn(*mut *mut c_void, *mut c_void, *const c_char) -> u32 =
-            d.sym(c"cuModuleGetFunction", 2000);
-        let stream_create: unsafe extern "C" fn(*mut *mut c_void, u32) -> u32 =
-            d.sym(c"cuStreamCreate", 2000);
-        let stream_sync: unsafe extern "C" fn(*mut c_void) -> u32 =
-            d.sym(c"cuStreamSynchronize", 2000);
-        let ev_create: unsafe extern "C" fn(*mut *mut c_void, u32) -> u32 =
-            d.sym(c"cuEventCreate", 2000);
-        let ev_record: unsafe extern "C" fn(*mut c_void, *mut c_void) -> u32 =
-            d.sym(c"cuEventRecord", 2000);
-        let ev_elapsed: unsafe extern "C" fn(*mut f32, *mut c_void, *mut c_void) -> u32 =
-            d.sym(c"cuEventElapsedTime", 12080);
-        let launch: LaunchKernel = d.sym(c"cuLaunchKernel", 4000);
+        let count: abi::cuDeviceGetCount_t = d.sym(c"cuDeviceGetCount", 2000);
+        let name: abi::cuDeviceGetName_t = d.sym(c"cuDeviceGetName", 2000);
+        let total: abi::cuDeviceTotalMem_v2_t = d.sym(c"cuDeviceTotalMem", 3020);
+        let alloc: abi::cuMemAlloc_v2_t = d.sym(c"cuMemAlloc", 3020);
+        let free: abi::cuMemFree_v2_t = d.sym(c"cuMemFree", 3020);
+        let info: abi::cuMemGetInfo_v2_t = d.sym(c"cuMemGetInfo", 3020);
+        let htod: abi::cuMemcpyHtoD_v2_t = d.sym(c"cuMemcpyHtoD", 3020);
+        let dtoh: abi::cuMemcpyDtoH_v2_t = d.sym(c"cuMemcpyDtoH", 3020);
+        let load: abi::cuModuleLoadData_t = d.sym(c"cuModuleLoadData", 2000);
+        let getf: abi::cuModuleGetFunction_t = d.sym(c"cuModuleGetFunction", 2000);
+        let stream_create: abi::cuStreamCreate_t = d.sym(c"cuStreamCreate", 2000);
+        let stream_sync: abi::cuStreamSynchronize_t = d.sym(c"cuStreamSynchronize", 2000);
+        let ev_create: abi::cuEventCreate_t = d.sym(c"cuEventCreate", 2000);
+        let ev_record: abi::cuEventRecord_t = d.sym(c"cuEventRecord", 2000);
+        let ev_elapsed: abi::cuEventElapsedTime_t = d.sym(c"cuEventElapsedTime", 12080);
+        let launch: abi::cuLaunchKernel_t = d.sym(c"cuLaunchKernel", 4000);
 
-        check("cuInit", init(0));
         let mut n = 0;
         check("cuDeviceGetCount", count(&mut n));
         for i in 0..n {
@@ -59,9 +47,6 @@ fn main() {
             let s = CStr::from_ptr(buf.as_ptr()).to_string_lossy();
             println!("GPU {i}: {s}, {} GiB", bytes >> 30);
         }
-        let mut ctx = std::ptr::null_mut();
-        check("cuDevicePrimaryCtxRetain", retain(&mut ctx, 0));
-        check("cuCtxSetCurrent", set_current(ctx));
         let mut dptr = 0u64;
         check("cuMemAlloc", alloc(&mut dptr, 40 << 30));
         let (mut f, mut t) = (0, 0);
