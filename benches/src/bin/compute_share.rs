@@ -16,11 +16,12 @@
 //! (`--scale 0.5` halves every duration; `--only idle,cap` runs some scenarios: `split`, `join`,
 //! `cap`, `idle`, `total`). Everything it needs is found next to it.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tessera_protocol::client::AdminClient;
@@ -51,7 +52,7 @@ impl Tenant {
         if let Some(r) = self.reader.take() {
             let _ = r.join();
         }
-        std::mem::take(&mut *self.lines.lock().unwrap())
+        std::mem::take(&mut *self.lines.lock())
     }
 }
 
@@ -78,11 +79,11 @@ impl Sampler {
             sim_dir.to_path_buf(),
         );
         let handle = std::thread::spawn(move || {
-            while !*st.lock().unwrap() {
+            while !*st.lock() {
                 let procs = tessera_sim_state::read_processes(&dir).unwrap_or_default();
                 let busy = procs.iter().map(|p| (p.pid, p.busy_ns[0])).collect();
                 let device = tessera_sim_state::device_busy_ns(&dir, 0);
-                s.lock().unwrap().push(Sample {
+                s.lock().push(Sample {
                     t: monotonic_ns(),
                     busy,
                     device,
@@ -98,11 +99,11 @@ impl Sampler {
     }
 
     fn finish(mut self) -> Vec<Sample> {
-        *self.stop.lock().unwrap() = true;
+        *self.stop.lock() = true;
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
-        std::mem::take(&mut *self.samples.lock().unwrap())
+        std::mem::take(&mut *self.samples.lock())
     }
 }
 
@@ -174,7 +175,7 @@ impl Bench {
         let l = Arc::clone(&lines);
         let reader = std::thread::spawn(move || {
             for line in out.lines().map_while(Result::ok) {
-                l.lock().unwrap().push(line);
+                l.lock().push(line);
             }
         });
         Tenant {

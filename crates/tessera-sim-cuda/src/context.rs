@@ -1,8 +1,9 @@
 //! Primary and explicit contexts and the per-thread current-context stack.
 
+use parking_lot::Mutex;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, Once, OnceLock, Weak};
+use std::sync::{Arc, Once, OnceLock, Weak};
 
 use crate::ffi::*;
 use crate::queue::{Stream, StreamKind, StreamOwner};
@@ -48,7 +49,7 @@ impl Context {
     ) -> Arc<Stream> {
         let owner: Weak<dyn StreamOwner> = Arc::downgrade(self) as Weak<Context>;
         let s = Stream::new(owner, self.device, kind, flags, priority);
-        let mut list = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+        let mut list = self.streams.lock();
         list.retain(|w| w.strong_count() > 0);
         list.push(Arc::downgrade(&s));
         s
@@ -58,7 +59,6 @@ impl Context {
     pub fn other_streams(&self) -> Vec<Arc<Stream>> {
         self.streams
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
             .iter()
             .filter_map(Weak::upgrade)
             .collect()
@@ -80,7 +80,7 @@ impl Context {
             crate::queue::forget_stream(s.id);
             s.close();
         }
-        let cleanups = CLEANUPS.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let cleanups = CLEANUPS.lock().clone();
         for f in cleanups {
             f(self.id);
         }
@@ -114,7 +114,7 @@ static CLEANUPS: Mutex<Vec<fn(usize)>> = Mutex::new(Vec::new());
 /// registration from a hot path a single atomic load.
 pub fn on_destroy(once: &'static Once, f: fn(usize)) {
     once.call_once(|| {
-        CLEANUPS.lock().unwrap_or_else(|e| e.into_inner()).push(f);
+        CLEANUPS.lock().push(f);
     });
 }
 
@@ -176,9 +176,7 @@ fn ledger_error(e: tessera_sim_state::LedgerError) -> CUresult {
 
 fn primary_retain(dev: CUdevice) -> Result<Arc<Context>, CUresult> {
     let g = gpu(dev)?;
-    let mut p = primaries()[g.index as usize]
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
+    let mut p = primaries()[g.index as usize].lock();
     // Charged before anything is made, so a card without room for the context leaves no trace.
     if p.refs == 0 {
         rt()?
@@ -201,9 +199,7 @@ fn primary_retain(dev: CUdevice) -> Result<Arc<Context>, CUresult> {
 
 fn primary_release(dev: CUdevice, all: bool) -> Res {
     let g = gpu(dev)?;
-    let mut p = primaries()[g.index as usize]
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
+    let mut p = primaries()[g.index as usize].lock();
     if all {
         if let Some(c) = p.ctx.take() {
             CONTEXTS.remove(c.id);
@@ -263,9 +259,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(
 ) -> CUresult {
     guard(|| {
         let g = gpu(dev)?;
-        let p = primaries()[g.index as usize]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let p = primaries()[g.index as usize].lock();
         // SAFETY: caller's out-pointers, null-checked by put.
         unsafe {
             put(flags, p.flags)?;
@@ -279,9 +273,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxGetState(
 pub extern "C" fn cuDevicePrimaryCtxSetFlags_v2(dev: CUdevice, flags: u32) -> CUresult {
     guard(|| {
         let g = gpu(dev)?;
-        let mut p = primaries()[g.index as usize]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut p = primaries()[g.index as usize].lock();
         p.flags = flags;
         if let Some(c) = &p.ctx {
             c.flags.store(flags, Ordering::Relaxed);

@@ -4,7 +4,8 @@
 //! point backwards, so that order is topological); launching an executable graph enqueues its
 //! nodes on the stream, where the engine runs the kernels for their durations.
 
-use std::sync::{Arc, Mutex};
+use parking_lot::Mutex;
+use std::sync::Arc;
 
 use crate::ffi::*;
 use crate::module::check_launch;
@@ -26,7 +27,7 @@ pub struct GraphExec {
 
 impl Graph {
     fn push(&self, n: Node) {
-        self.nodes.lock().unwrap_or_else(|e| e.into_inner()).push(n);
+        self.nodes.lock().push(n);
     }
 }
 
@@ -116,7 +117,7 @@ pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
         let g = GRAPHS.get(g as usize).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let e = Arc::new(GraphExec {
             id: next_handle(),
-            nodes: g.nodes.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            nodes: g.nodes.lock().clone(),
         });
         EXECS.insert(e.id, e.clone());
         // SAFETY: non-null out-pointer from the caller.

@@ -5,9 +5,10 @@
 //! the shared ledger (so other processes see them) before the mapping is made. VMM mappings
 //! ([`crate::vmm`]) live in the same table so copies and attributes see them.
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
+use std::sync::{Arc, Once, OnceLock};
 
 use crate::context::{self, current};
 use crate::ffi::*;
@@ -45,9 +46,7 @@ pub const RW: i32 = libc::PROT_READ | libc::PROT_WRITE;
 
 pub(crate) fn allocs() -> MutexGuard<'static, BTreeMap<usize, Alloc>> {
     static A: OnceLock<Mutex<BTreeMap<usize, Alloc>>> = OnceLock::new();
-    A.get_or_init(|| Mutex::new(BTreeMap::new()))
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
+    A.get_or_init(|| Mutex::new(BTreeMap::new())).lock()
 }
 
 fn page_round(n: usize) -> usize {
@@ -411,10 +410,7 @@ pub static POOLS: Registry<Pool> = Registry::new();
 
 fn default_pool(device: u32) -> Arc<Pool> {
     static D: OnceLock<Mutex<HashMap<u32, Arc<Pool>>>> = OnceLock::new();
-    let mut m = D
-        .get_or_init(|| Mutex::new(HashMap::new()))
-        .lock()
-        .unwrap_or_else(|e| e.into_inner());
+    let mut m = D.get_or_init(|| Mutex::new(HashMap::new())).lock();
     m.entry(device)
         .or_insert_with(|| {
             let p = Arc::new(Pool {

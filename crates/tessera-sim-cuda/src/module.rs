@@ -3,9 +3,10 @@
 //! Modules are PTX text; every `.entry NAME` becomes a function. A launch does no work: its first
 //! kernel parameter, read as a u64, is the engine time it occupies (ns).
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::ffi::{CStr, CString, c_char, c_void};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use crate::context::current;
 use crate::ffi::*;
@@ -133,7 +134,7 @@ pub extern "C" fn cuModuleUnload(m: Handle) -> CUresult {
         let m = MODULES
             .remove(m as usize)
             .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
-        for id in m.funcs.lock().unwrap_or_else(|e| e.into_inner()).values() {
+        for id in m.funcs.lock().values() {
             FUNCTIONS.remove(*id);
         }
         Ok(())
@@ -160,7 +161,7 @@ pub unsafe extern "C" fn cuModuleGetFunction(
         if !m.entries.contains(&name) {
             return Err(CUDA_ERROR_NOT_FOUND);
         }
-        let mut funcs = m.funcs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut funcs = m.funcs.lock();
         let id = *funcs.entry(name.clone()).or_insert_with(|| {
             let f = Arc::new(Function {
                 id: next_handle(),

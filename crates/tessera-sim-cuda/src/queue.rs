@@ -10,8 +10,9 @@
 //! the node list it records into, so this module imports neither `context` nor `graph`; the
 //! entry points, which resolve handles in the current context, are in `stream`.
 
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Weak};
 
 use tessera_sim_state::Engine;
 use tessera_sim_state::clock::monotonic_ns;
@@ -112,7 +113,7 @@ pub struct Stream {
 pub static STREAMS: Registry<Stream> = Registry::new();
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    m.lock()
 }
 
 impl Stream {
@@ -217,7 +218,7 @@ impl Stream {
                         q.worker = false;
                         return;
                     }
-                    q = self.wake.wait(q).unwrap_or_else(|e| e.into_inner());
+                    self.wake.wait(&mut q);
                 }
             };
             match op {
@@ -259,7 +260,7 @@ impl Stream {
     fn wait_seq(&self, target: u64) {
         let mut q = lock(&self.q);
         while q.completed < target {
-            q = self.done.wait(q).unwrap_or_else(|e| e.into_inner());
+            self.done.wait(&mut q);
         }
     }
 
@@ -317,7 +318,7 @@ impl Event {
     pub(crate) fn wait_for(&self, gen_: u64) {
         let mut st = lock(&self.st);
         while st.done < gen_ {
-            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+            self.cv.wait(&mut st);
         }
     }
 

@@ -1,9 +1,10 @@
 //! Process-wide state after `cuInit`, handle registries and the panic guard.
 
+use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, OnceLock};
 
 use tessera_sim_state::{GpuInfo, Ledger, SimSpec};
 
@@ -95,7 +96,7 @@ pub fn init() -> Res {
     if RT.get().is_some() {
         return Ok(());
     }
-    let _g = INIT_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let _g = INIT_LOCK.lock();
     if RT.get().is_some() {
         return Ok(());
     }
@@ -184,34 +185,19 @@ impl<T> Registry<T> {
     }
 
     pub fn insert(&self, id: usize, v: Arc<T>) {
-        self.map()
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id, v);
+        self.map().write().insert(id, v);
     }
 
     pub fn get(&self, id: usize) -> Option<Arc<T>> {
-        self.map()
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&id)
-            .cloned()
+        self.map().read().get(&id).cloned()
     }
 
     pub fn remove(&self, id: usize) -> Option<Arc<T>> {
-        self.map()
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&id)
+        self.map().write().remove(&id)
     }
 
     pub fn values(&self) -> Vec<Arc<T>> {
-        self.map()
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect()
+        self.map().read().values().cloned().collect()
     }
 }
 

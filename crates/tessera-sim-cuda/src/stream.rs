@@ -1,9 +1,10 @@
 //! The stream and event entry points (`cuStream*`, `cuEvent*`, `cuLaunchHostFunc*`) and the
 //! resolution of a stream handle in the calling thread's current context.
 
+use parking_lot::{Condvar, Mutex};
 use std::cell::RefCell;
 use std::collections::HashMap;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::Arc;
 
 use crate::context::current;
 use crate::ffi::*;

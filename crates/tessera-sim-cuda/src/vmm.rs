@@ -15,9 +15,10 @@
 //! bytes. The memory stays charged to the process that created it, as the driver reports it;
 //! the importer is not charged again.
 
+use parking_lot::{Mutex, MutexGuard};
 use std::collections::BTreeMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 use crate::ffi::*;
 use crate::memory::{Alloc, Kind, allocs};
@@ -56,18 +57,16 @@ pub const GRANULARITY: usize = 2 << 20;
 
 fn vmm_lock() -> MutexGuard<'static, ()> {
     static L: Mutex<()> = Mutex::new(());
-    L.lock().unwrap_or_else(|e| e.into_inner())
+    L.lock()
 }
 
 fn reservations() -> MutexGuard<'static, BTreeMap<usize, usize>> {
     static R: OnceLock<Mutex<BTreeMap<usize, usize>>> = OnceLock::new();
-    R.get_or_init(|| Mutex::new(BTreeMap::new()))
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
+    R.get_or_init(|| Mutex::new(BTreeMap::new())).lock()
 }
 
 fn state(p: &Physical) -> MutexGuard<'_, PhysState> {
-    p.state.lock().unwrap_or_else(|e| e.into_inner())
+    p.state.lock()
 }
 
 /// A handle the caller may still use (known and not released).

@@ -9,11 +9,12 @@
 //! caller passing the timestamp of a previous answer gets each process's share of exactly the
 //! time since then; with 0, the time since the previous answer.
 
+use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{CStr, c_char};
 use std::path::PathBuf;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use tessera_sim_state::{GpuInfo, MAX_GPUS, SimSpec, XidEvent};
@@ -630,9 +631,7 @@ pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
                 NVML_ERROR_INSUFFICIENT_SIZE
             });
         }
-        let mut answers = st.answers[g.index as usize]
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut answers = st.answers[g.index as usize].lock();
         let latest_us = answers.back().map_or(0, |a| a.wall_us);
         let now = take_answer(&st.dir, g.index, latest_us);
         let base = if last_seen == 0 {
@@ -729,7 +728,7 @@ pub unsafe extern "C" fn nvmlDeviceRegisterEvents(
         }
         // SAFETY: the caller passes a live event set.
         let set = unsafe { event_set(set) }?;
-        let mut s = set.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = set.lock();
         if types != 0 && !s.registered.contains(&g.index) {
             s.registered.push(g.index);
         }
@@ -754,7 +753,7 @@ pub unsafe extern "C" fn nvmlEventSetWait_v2(
         let deadline = Instant::now() + Duration::from_millis(u64::from(timeout_ms));
         loop {
             {
-                let mut s = set.lock().unwrap_or_else(|e| e.into_inner());
+                let mut s = set.lock();
                 let (events, next) = tessera_sim_state::read_xid_events(&st.dir, s.offset);
                 s.offset = next;
                 let regs = s.registered.clone();
