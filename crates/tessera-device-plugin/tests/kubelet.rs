@@ -7,6 +7,8 @@
 //! `cargo build -p tessera-arbiter -p tessera-cli -p tessera-sim-nvml -p tessera-sim-cuda
 //! -p tessera-interpose -p tessera-examples -p tessera-device-plugin`. The container test
 //! needs root and `unshare` (as a container runtime does); it fails, never skips, without.
+//! The metrics check needs `promtool` (Debian package `prometheus`; or `TESSERA_PROMTOOL`),
+//! and fails without it too.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -945,6 +947,21 @@ async fn bad_flags_and_missing_interposer_exit_with_documented_codes() {
             .any(|n| n.starts_with("libtessera_interpose-") && n.ends_with(".so"))
     );
     assert!(names.iter().any(|n| n.starts_with("ld.so.preload-")));
+
+    // A metrics address that is not one is a bad flag; one already taken is a failure (1).
+    let out = run(&["--metrics-addr", "localhost:9465"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--metrics-addr"), "{err}");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = run(&["--metrics-addr", &addr]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("cannot serve metrics on {addr}")),
+        "{err}"
+    );
 }
 
 /// Runs `program` the way a container runtime would start it from an `Allocate` answer: in a
