@@ -861,6 +861,13 @@ async fn xid_health_and_kubelet_restart() {
         took < Duration::from_secs(5),
         "re-registered after {took:?}"
     );
+    // One registration at start and one after each of the two restarts.
+    wait_sample(
+        &node.metrics_addr().await,
+        "tessera_plugin_registrations_total",
+        3.0,
+    )
+    .await;
 
     // SIGTERM: clean exit, socket removed.
     let mut plugin = node.plugin.take().unwrap();
