@@ -3,7 +3,8 @@
 //! Thin entry point; each subcommand lives in its own module:
 //! - [`sim`]: run any command on the simulated GPUs.
 //! - [`run`]: run a command under an enforced allocation, without Kubernetes.
-//! - [`status`]: show allocations per GPU, like `nvidia-smi`.
+//! - [`status`]: show allocations per GPU, like `nvidia-smi` (`--watch`: live).
+//! - [`signals`]: SIGINT/SIGTERM waited for rather than handled (`status --watch`).
 //! - [`doctor`]: a checklist of what Tessera needs here, with the fix for each failure.
 //!
 //! Exit codes (documented in README.md):
@@ -16,6 +17,7 @@
 mod doctor;
 mod ffi;
 mod run;
+mod signals;
 mod sim;
 mod status;
 

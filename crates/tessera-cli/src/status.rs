@@ -3,27 +3,36 @@
 //! The JSON (`--json`) is a stable interface, documented in docs/arbiter.md:
 //! `{"gpus": [{index, uuid, name, memory_total, memory_promised, shares_promised,
 //! allocations: [{id, memory_limit, memory_used, processes, share, cap, gpu_time_10s_ns,
-//! gpu_percent_10s, labels, created_unix, enforced}]}], "unplaced": [...]}`, where `unplaced` lists
-//! allocations whose GPU is not on the node any more (same fields plus `gpu_uuid`).
+//! gpu_percent_10s, labels, pod, created_unix, enforced}]}], "unplaced": [...]}`, where `unplaced`
+//! lists allocations whose GPU is not on the node any more (same fields plus `gpu_uuid`), and
+//! `pod` is `namespace/pod/container` from the labels the device plugin writes (or null).
+//!
+//! `--watch [SECONDS]` redraws the table in place every SECONDS (2 by default) until Ctrl-C or
+//! SIGTERM, with GPU use as a percentage of the GPU over the last 10 s.
 
 #![forbid(unsafe_code)]
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use serde::Serialize;
-use tessera_protocol::client::AdminClient;
-use tessera_protocol::{AllocationStatus, GpuInfo};
+use tessera_protocol::client::{AdminClient, ClientError};
+use tessera_protocol::{AllocationStatus, GpuInfo, LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD};
 
 use crate::run::{DEFAULT_ADMIN_SOCKET, classify};
+use crate::signals::StopSignals;
 
 /// Arguments of `tessera status`.
 #[derive(Debug, clap::Args)]
 pub struct StatusArgs {
     /// Print JSON instead of a table.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "watch")]
     pub json: bool,
+    /// Redraw in place every SECONDS (default 2) until Ctrl-C, like `watch nvidia-smi`.
+    #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "2")]
+    pub watch: Option<f64>,
     /// Arbiter admin socket.
     #[arg(long, env = "TESSERA_ADMIN_SOCKET", default_value = DEFAULT_ADMIN_SOCKET)]
     pub admin_socket: PathBuf,
@@ -56,6 +65,8 @@ pub struct AllocationJson {
     pub gpu_percent_10s: f64,
     /// Labels.
     pub labels: BTreeMap<String, String>,
+    /// `namespace/pod/container` when the device plugin has named it.
+    pub pod: Option<String>,
     /// Creation time, Unix seconds.
     pub created_unix: u64,
     /// Processes the arbiter's memory backstop killed or reported.
@@ -90,6 +101,18 @@ pub struct StatusJson {
     pub unplaced: Vec<AllocationJson>,
 }
 
+/// `namespace/pod/container` from the allocation's labels; `None` until the pod is known.
+/// Parts the labels lack are left out.
+pub fn pod_name(labels: &BTreeMap<String, String>) -> Option<String> {
+    labels.get(LABEL_POD).filter(|p| !p.is_empty())?;
+    let parts: Vec<&str> = [LABEL_NAMESPACE, LABEL_POD, LABEL_CONTAINER]
+        .iter()
+        .filter_map(|k| labels.get(*k).map(String::as_str))
+        .filter(|v| !v.is_empty())
+        .collect();
+    Some(parts.join("/"))
+}
+
 fn alloc_json(a: &AllocationStatus, with_gpu: bool) -> AllocationJson {
     AllocationJson {
         id: a.id.clone(),
@@ -102,6 +125,7 @@ fn alloc_json(a: &AllocationStatus, with_gpu: bool) -> AllocationJson {
         gpu_time_10s_ns: a.gpu_time_10s_ns,
         gpu_percent_10s: (a.gpu_time_10s_ns as f64 / WINDOW_NS * 1000.0).round() / 10.0,
         labels: a.labels.clone(),
+        pod: pod_name(&a.labels),
         created_unix: a.created_unix,
         enforced: a.enforced,
     }
@@ -174,8 +198,22 @@ fn row(out: &mut String, cols: &[usize], cells: &[String]) {
     out.push('\n');
 }
 
+/// How the GPU time column is shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TimeColumn {
+    /// Seconds over the last 10 s and the percentage (plain `tessera status`).
+    SecondsAndPercent,
+    /// The rate only, as a percentage of the GPU (`--watch`).
+    Rate,
+}
+
 /// Renders the table.
 pub fn table(s: &StatusJson) -> String {
+    table_with(s, TimeColumn::SecondsAndPercent)
+}
+
+/// Renders the table with the chosen GPU time column.
+pub fn table_with(s: &StatusJson, time: TimeColumn) -> String {
     let cols = [10, 25, 7, 7, 6, 16];
     let mut out = String::new();
     rule(&mut out, &[WIDTH - 2]);
@@ -204,7 +242,10 @@ pub fn table(s: &StatusJson) -> String {
             "PROCS",
             "SHARE",
             "CAP",
-            "GPU TIME 10s",
+            match time {
+                TimeColumn::SecondsAndPercent => "GPU TIME 10s",
+                TimeColumn::Rate => "GPU % (10s)",
+            },
         ];
         row(&mut out, &cols, &head.map(String::from));
         rule(&mut out, &cols);
@@ -216,7 +257,7 @@ pub fn table(s: &StatusJson) -> String {
             );
         }
         for a in &g.allocations {
-            row(&mut out, &cols, &alloc_cells(a));
+            alloc_rows(&mut out, &cols, a, time);
         }
         rule(&mut out, &cols);
     }
@@ -224,7 +265,7 @@ pub fn table(s: &StatusJson) -> String {
         line(&mut out, "Allocations on GPUs this node no longer has");
         rule(&mut out, &cols);
         for a in &s.unplaced {
-            row(&mut out, &cols, &alloc_cells(a));
+            alloc_rows(&mut out, &cols, a, time);
         }
         rule(&mut out, &cols);
     }
@@ -250,28 +291,129 @@ pub fn table(s: &StatusJson) -> String {
     out
 }
 
-fn alloc_cells(a: &AllocationJson) -> [String; 6] {
+/// An allocation's row, and under it the pod it serves when known.
+fn alloc_rows(out: &mut String, cols: &[usize], a: &AllocationJson, time: TimeColumn) {
+    row(out, cols, &alloc_cells(a, time));
+    if let Some(pod) = &a.pod {
+        line(out, &fit(&format!("  pod {pod}"), WIDTH - 4));
+    }
+}
+
+/// `text` cut to `width` characters, keeping the end (a pod name's tail tells pods apart).
+fn fit(text: &str, width: usize) -> String {
+    let n = text.chars().count();
+    if n <= width {
+        return text.to_owned();
+    }
+    let tail: String = text.chars().skip(n - width + 1).collect();
+    format!("~{tail}")
+}
+
+fn alloc_cells(a: &AllocationJson, time: TimeColumn) -> [String; 6] {
+    let gpu = match time {
+        TimeColumn::SecondsAndPercent => format!(
+            "{:.2} s {:>5.1}%",
+            a.gpu_time_10s_ns as f64 / 1e9,
+            a.gpu_percent_10s
+        ),
+        TimeColumn::Rate => format!("{:>5.1}%", a.gpu_percent_10s),
+    };
     [
         a.id.clone(),
         format!("{} / {}", human(a.memory_used), human(a.memory_limit)),
         a.processes.to_string(),
         a.share.to_string(),
         a.cap.map_or("-".into(), |c| format!("{c}%")),
-        format!(
-            "{:.2} s {:>5.1}%",
-            a.gpu_time_10s_ns as f64 / 1e9,
-            a.gpu_percent_10s
-        ),
+        gpu,
     ]
+}
+
+/// One look at the arbiter, over a fresh connection (a restarted arbiter is simply found
+/// again by the next look).
+fn fetch(sock: &std::path::Path) -> Result<StatusJson, ClientError> {
+    let mut admin = AdminClient::connect(sock)?;
+    let gpus = admin.gpus()?;
+    let allocs = admin.list()?;
+    Ok(build(&gpus, &allocs))
+}
+
+/// Clears the screen and moves the cursor home, as `watch` does before each frame.
+pub const CLEAR: &str = "\x1b[H\x1b[2J";
+/// Hides the cursor while frames are drawn.
+const HIDE_CURSOR: &str = "\x1b[?25l";
+/// Shows it again: the terminal as it was.
+pub const SHOW_CURSOR: &str = "\x1b[?25h";
+
+/// `HH:MM:SS` (UTC) of a Unix time.
+fn clock(unix: u64) -> String {
+    let s = unix % 86_400;
+    format!("{:02}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+}
+
+/// One `--watch` frame: the header line and the table (or why there is none), starting with
+/// [`CLEAR`]. `now_unix` is a parameter so frames can be checked.
+pub fn frame(status: Result<&StatusJson, String>, every: Duration, now_unix: u64) -> String {
+    let mut out = String::from(CLEAR);
+    let _ = writeln!(
+        out,
+        "Every {:.1}s: tessera status    {} UTC    (Ctrl-C to quit)",
+        every.as_secs_f64(),
+        clock(now_unix)
+    );
+    match status {
+        Ok(s) => out.push_str(&table_with(s, TimeColumn::Rate)),
+        Err(e) => {
+            let _ = writeln!(out, "arbiter unreachable: {e}");
+        }
+    }
+    out
+}
+
+/// `--watch`: a frame every `every` until SIGINT or SIGTERM; exits 0 with the cursor shown.
+fn watch(sock: &std::path::Path, every: Duration) -> anyhow::Result<u8> {
+    use std::io::Write as _;
+    // Blocked before the first frame, so a signal at any moment ends the loop cleanly.
+    let signals = StopSignals::block()?;
+    // The first look decides: no arbiter at all is the same error as plain `status`.
+    let first = fetch(sock).map_err(|e| classify(e, sock))?;
+    let mut stdout = std::io::stdout().lock();
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs())
+    };
+    let mut text = format!("{HIDE_CURSOR}{}", frame(Ok(&first), every, now()));
+    loop {
+        // A closed pipe (`| head`) ends the watch like Ctrl-C.
+        if stdout
+            .write_all(text.as_bytes())
+            .and_then(|()| stdout.flush())
+            .is_err()
+        {
+            break;
+        }
+        if signals.wait(every).is_some() {
+            break;
+        }
+        let s = fetch(sock).map_err(|e| e.to_string());
+        text = frame(s.as_ref().map_err(Clone::clone), every, now());
+    }
+    let _ = writeln!(stdout, "{SHOW_CURSOR}");
+    let _ = stdout.flush();
+    Ok(0)
 }
 
 /// Runs `tessera status`; returns the process exit code.
 pub fn main(args: StatusArgs) -> anyhow::Result<u8> {
     let sock = &args.admin_socket;
-    let mut admin = AdminClient::connect(sock).map_err(|e| classify(e, sock))?;
-    let gpus = admin.gpus().map_err(|e| classify(e, sock))?;
-    let allocs = admin.list().map_err(|e| classify(e, sock))?;
-    let s = build(&gpus, &allocs);
+    if let Some(secs) = args.watch {
+        let every = Duration::try_from_secs_f64(secs)
+            .ok()
+            .filter(|d| *d >= Duration::from_millis(100))
+            .ok_or_else(|| crate::usage(format!("--watch {secs}: at least 0.1 seconds")))?;
+        return watch(sock, every);
+    }
+    let s = fetch(sock).map_err(|e| classify(e, sock))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&s)?);
     } else {
@@ -308,6 +450,49 @@ mod tests {
             created_unix: 5,
             enforced: 0,
         }
+    }
+
+    #[test]
+    fn pods_are_named_from_labels() {
+        let mut l = BTreeMap::new();
+        assert_eq!(pod_name(&l), None);
+        l.insert(LABEL_NAMESPACE.to_string(), "team".to_string());
+        assert_eq!(pod_name(&l), None, "no pod, no name");
+        l.insert(LABEL_POD.to_string(), "train-0".to_string());
+        assert_eq!(pod_name(&l).as_deref(), Some("team/train-0"));
+        l.insert(LABEL_CONTAINER.to_string(), "main".to_string());
+        assert_eq!(pod_name(&l).as_deref(), Some("team/train-0/main"));
+
+        let mut a = alloc("a1b2c3d4", "GPU-0", 30);
+        a.labels = l;
+        let t = table(&build(&[gpu(0)], std::slice::from_ref(&a)));
+        assert!(t.contains("pod team/train-0/main"), "{t}");
+        // A long name is cut from the front and the table keeps its width.
+        a.labels
+            .insert(LABEL_POD.to_string(), format!("{}-end", "x".repeat(200)));
+        let t = table(&build(&[gpu(0)], &[a]));
+        assert!(t.contains("x-end/main |"), "{t}");
+        assert!(t.lines().all(|l| l.chars().count() == WIDTH), "{t}");
+    }
+
+    #[test]
+    fn watch_frames_show_the_rate_and_the_time() {
+        let s = build(&[gpu(0)], &[alloc("a1b2c3d4", "GPU-0", 30)]);
+        let f = frame(Ok(&s), Duration::from_secs(2), 86_400 + 3723);
+        assert!(f.starts_with(CLEAR), "{f:?}");
+        assert!(
+            f.contains("Every 2.0s: tessera status    01:02:03 UTC"),
+            "{f}"
+        );
+        assert!(f.contains("GPU % (10s)"), "{f}");
+        let row = f.lines().find(|l| l.contains("a1b2c3d4")).unwrap();
+        assert!(row.contains(" 29.5%"), "{row}");
+        assert!(!row.contains("2.95 s"), "{row}");
+        let f = frame(Err("gone".into()), Duration::from_millis(500), 0);
+        assert!(
+            f.contains("Every 0.5s") && f.contains("arbiter unreachable: gone"),
+            "{f}"
+        );
     }
 
     #[test]

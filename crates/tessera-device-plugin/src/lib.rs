@@ -14,7 +14,9 @@
 //! - [`kubelet`]: gRPC over Unix sockets, registration, socket identities (restart watch).
 //! - [`arbiter`]: blocking admin calls from async code.
 //! - [`server`]: the `DevicePlugin` service (ListAndWatch, preferred allocation, Allocate).
-//! - [`podresources`]: stale allocation clean-up through the PodResources `List`.
+//! - [`podresources`]: pod names for allocations and stale clean-up, from the PodResources
+//!   `List`.
+//! - [`metrics`]: the plugin's Prometheus metrics and their `/metrics` endpoint.
 //! - [`plugin`]: configuration and the serve / register / re-register life cycle.
 
 #![forbid(unsafe_code)]
@@ -24,6 +26,7 @@ pub mod health;
 pub mod identity;
 pub mod install;
 pub mod kubelet;
+pub mod metrics;
 pub mod plugin;
 pub mod podresources;
 pub mod proto;

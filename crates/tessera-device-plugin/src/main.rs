@@ -30,12 +30,15 @@ struct Args {
     /// Our socket's file name in the kubelet folder.
     #[arg(long, default_value = "tessera.sock")]
     endpoint: String,
-    /// The kubelet's PodResources socket (for stale allocation clean-up).
+    /// The kubelet's PodResources socket (pod names for allocations, stale clean-up).
     #[arg(long, default_value = "/var/lib/kubelet/pod-resources/kubelet.sock")]
     pod_resources_socket: PathBuf,
-    /// Turn stale allocation clean-up off.
+    /// Turn stale allocation clean-up off (pods are still named).
     #[arg(long)]
     no_stale_cleanup: bool,
+    /// Serve Prometheus metrics at http://ADDR/metrics (IP:PORT, port 0 picks one; `none`: off).
+    #[arg(long, default_value = tessera_device_plugin::metrics::DEFAULT_ADDR)]
+    metrics_addr: String,
     /// The arbiter's admin socket.
     #[arg(
         long,
@@ -96,7 +99,10 @@ fn config(a: Args) -> Result<(Config, bool), String> {
     let cfg = Config {
         kubelet_dir: a.kubelet_dir,
         endpoint: a.endpoint,
-        pod_resources_socket: (!a.no_stale_cleanup).then_some(a.pod_resources_socket),
+        pod_resources_socket: Some(a.pod_resources_socket),
+        stale_cleanup: !a.no_stale_cleanup,
+        metrics_addr: tessera_device_plugin::metrics::parse_addr(&a.metrics_addr)
+            .map_err(|e| e.to_string())?,
         admin_socket: a.admin_socket,
         tenant_socket: a.tenant_socket,
         container_socket_dir: a.container_socket_dir,
@@ -125,7 +131,7 @@ fn exit_code(e: &PluginError) -> u8 {
         PluginError::Install(_) => 3,
         PluginError::Registration(_) => 4,
         PluginError::Gpus(_) => 5,
-        PluginError::Bind { .. } => 1,
+        PluginError::Bind { .. } | PluginError::Metrics(_) => 1,
     }
 }
 

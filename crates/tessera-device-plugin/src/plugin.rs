@@ -2,6 +2,7 @@
 //! kubelet, again every time the kubelet restarts, until shut down.
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,6 +13,7 @@ use tokio::sync::watch;
 use crate::health::{self, GpuSource, HealthError, Snapshot};
 use crate::install::{self, InstallError};
 use crate::kubelet::{self, KubeletError, file_id};
+use crate::metrics::{self, MetricsError, PluginMetrics};
 use crate::podresources::{self, StaleConfig};
 use crate::server::{AllocContext, Mounts, PluginService};
 use crate::units;
@@ -34,6 +36,9 @@ pub enum PluginError {
     /// The kubelet refused the registration.
     #[error(transparent)]
     Registration(KubeletError),
+    /// The metrics endpoint could not be served.
+    #[error(transparent)]
+    Metrics(#[from] MetricsError),
     /// The plugin socket could not be created.
     #[error("cannot serve on {path}: {source}")]
     Bind {
@@ -62,8 +67,12 @@ pub struct Config {
     pub kubelet_dir: PathBuf,
     /// Our socket's file name in that folder.
     pub endpoint: String,
-    /// The kubelet's PodResources socket (`None`: no stale clean-up).
+    /// The kubelet's PodResources socket (`None`: neither pod names nor stale clean-up).
     pub pod_resources_socket: Option<PathBuf>,
+    /// Delete allocations no container holds (pod names are written either way).
+    pub stale_cleanup: bool,
+    /// Where to serve `/metrics` (`None`: off).
+    pub metrics_addr: Option<SocketAddr>,
     /// The arbiter's admin socket (never mounted into containers).
     pub admin_socket: PathBuf,
     /// The arbiter's tenant socket on the host; its folder is mounted into containers.
@@ -179,11 +188,18 @@ fn start_gpus(cfg: &Config) -> Result<watch::Receiver<Snapshot>, PluginError> {
     })
 }
 
-/// Logs the GPU list whenever it changes, and GPUs whose ids the kubelet would reject.
-fn log_gpus(mut rx: watch::Receiver<Snapshot>, per_gpu: u32) {
+/// Logs the GPU list whenever it changes, and GPUs whose ids the kubelet would reject; keeps
+/// the unit gauge in step with what is advertised.
+fn log_gpus(mut rx: watch::Receiver<Snapshot>, per_gpu: u32, metrics: Arc<PluginMetrics>) {
     tokio::spawn(async move {
         loop {
             let snap = rx.borrow_and_update().clone();
+            let devices = crate::server::device_list(&snap, per_gpu);
+            let healthy = devices
+                .iter()
+                .filter(|d| d.health == crate::proto::HEALTHY)
+                .count();
+            metrics.set_units(healthy, devices.len() - healthy);
             for g in snap.iter() {
                 if let Err(e) = units::check_id_len(&g.uuid, per_gpu) {
                     eprintln!(
@@ -232,10 +248,18 @@ pub fn install_interposer(cfg: &Config) -> Result<install::Installed, PluginErro
 pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), PluginError> {
     cfg.validate()?;
     let installed = install_interposer(&cfg)?;
+    let metrics = Arc::new(PluginMetrics::new());
+    let listener = metrics::bind(cfg.metrics_addr).await?;
     let gpus = start_gpus(&cfg)?;
-    log_gpus(gpus.clone(), cfg.shares_per_gpu);
+    log_gpus(gpus.clone(), cfg.shares_per_gpu, metrics.clone());
 
     let (stop_all_tx, stop_all) = watch::channel(false);
+    if let Some(l) = listener {
+        if let Ok(a) = l.local_addr() {
+            eprintln!("tessera-device-plugin: metrics on http://{a}/metrics");
+        }
+        tokio::spawn(metrics::serve(l, metrics.clone(), stop_all.clone()));
+    }
     if let Some(sock) = &cfg.pod_resources_socket {
         tokio::spawn(podresources::run(
             StaleConfig {
@@ -244,7 +268,9 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
                 resource_name: cfg.resource_name.clone(),
                 grace: cfg.stale_grace,
                 interval: cfg.stale_interval,
+                cleanup: cfg.stale_cleanup,
             },
+            metrics.clone(),
             stop_all.clone(),
         ));
     }
@@ -259,6 +285,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
             container_lib_path: cfg.container_lib_path.clone(),
             host_identity_dir: cfg.host_identity_dir.clone(),
         },
+        metrics,
     });
 
     let res = generations(&cfg, ctx, gpus, shutdown).await;
@@ -310,6 +337,7 @@ async fn generations(
 
         let end = serve_generation(
             cfg,
+            &ctx,
             &kubelet_sock,
             &own_sock,
             own_id,
@@ -344,6 +372,7 @@ async fn generations(
 /// Registers, then watches the sockets until the kubelet restarts or we are shut down.
 async fn serve_generation(
     cfg: &Config,
+    ctx: &AllocContext,
     kubelet_sock: &Path,
     own_sock: &Path,
     own_id: Option<kubelet::FileId>,
@@ -364,6 +393,7 @@ async fn serve_generation(
             .await
             {
                 Ok(()) => {
+                    ctx.metrics.registered();
                     eprintln!(
                         "tessera-device-plugin: registered {} ({} units per GPU) at {}",
                         cfg.resource_name,
@@ -452,6 +482,8 @@ mod tests {
             kubelet_dir: "/var/lib/kubelet/device-plugins".into(),
             endpoint: "tessera.sock".into(),
             pod_resources_socket: None,
+            stale_cleanup: true,
+            metrics_addr: None,
             admin_socket: "/run/tessera/admin.sock".into(),
             tenant_socket: "/run/tessera/tenant/tessera.sock".into(),
             container_socket_dir: "/run/tessera".into(),

@@ -1,21 +1,27 @@
-//! Stale allocation clean-up through the kubelet's PodResources API.
+//! Pod names and stale allocation clean-up through the kubelet's PodResources API.
 //!
 //! `Allocate` never learns which pod it serves, and nobody tells the plugin when a pod ends.
-//! So the plugin periodically asks the kubelet (`List`) which unit ids running containers
-//! hold, and deletes its own arbiter allocations (recognised by their labels) none of whose
-//! units is held by anyone, once they have been orphaned for a grace period. The grace covers
-//! the moment between `Allocate` and the container showing up in `List`. If the kubelet
-//! cannot be asked, nothing is deleted.
+//! So the plugin periodically asks the kubelet (`List`) which container holds which unit ids.
+//! From that it
+//! - names each of its arbiter allocations (recognised by their labels) after the container
+//!   holding its units: the labels `tessera.dev/namespace`, `tessera.dev/pod` and
+//!   `tessera.dev/container`, written through the admin API only when they change, so the
+//!   arbiter's metrics and `tessera status` show pods rather than ids;
+//! - deletes allocations none of whose units anyone holds, once they have been orphaned for a
+//!   grace period (when clean-up is on). The grace covers the moment between `Allocate` and
+//!   the container showing up in `List`. If the kubelet cannot be asked, nothing is deleted.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tessera_protocol::AllocationStatus;
+use tessera_protocol::{AllocationStatus, LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD};
 use tokio::sync::watch;
 
 use crate::arbiter::{ArbiterError, with_admin};
 use crate::kubelet::{KubeletError, connect_unix, error_chain};
+use crate::metrics::PluginMetrics;
 use crate::proto::podresources::ListPodResourcesRequest;
 use crate::proto::podresources::pod_resources_lister_client::PodResourcesListerClient;
 use crate::units;
@@ -34,7 +40,7 @@ pub enum PodResourcesError {
     Arbiter(#[from] ArbiterError),
 }
 
-/// Clean-up settings.
+/// Settings of the PodResources poll.
 #[derive(Debug, Clone)]
 pub struct StaleConfig {
     /// The kubelet's PodResources socket.
@@ -47,33 +53,95 @@ pub struct StaleConfig {
     pub grace: Duration,
     /// How often to look.
     pub interval: Duration,
+    /// Delete orphaned allocations (off: only name pods).
+    pub cleanup: bool,
 }
 
-/// Unit ids of `resource` held by any container, per the kubelet.
-pub async fn held_units(
+/// The container holding a unit, per the kubelet.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Holder {
+    /// Pod namespace.
+    pub namespace: String,
+    /// Pod name.
+    pub pod: String,
+    /// Container name.
+    pub container: String,
+}
+
+/// The container holding each unit id of `resource`, per the kubelet.
+pub async fn holders(
     socket: &std::path::Path,
     resource: &str,
     timeout: Duration,
-) -> Result<HashSet<String>, PodResourcesError> {
+) -> Result<HashMap<String, Holder>, PodResourcesError> {
     let channel = connect_unix(socket, timeout).await?;
     let mut client = PodResourcesListerClient::new(channel);
     let resp = tokio::time::timeout(timeout, client.list(ListPodResourcesRequest {}))
         .await
         .map_err(|_| PodResourcesError::List("timed out".into()))?
         .map_err(|s| PodResourcesError::List(error_chain(&s)))?;
-    let mut held = HashSet::new();
+    let mut held = HashMap::new();
     for pod in resp.into_inner().pod_resources {
         for c in pod.containers {
+            let holder = Holder {
+                namespace: pod.namespace.clone(),
+                pod: pod.name.clone(),
+                container: c.name,
+            };
             for d in c
                 .devices
                 .into_iter()
                 .filter(|d| d.resource_name == resource)
             {
-                held.extend(d.device_ids);
+                for id in d.device_ids {
+                    held.insert(id, holder.clone());
+                }
             }
         }
     }
     Ok(held)
+}
+
+/// The label changes that name each of our allocations after the container holding its units,
+/// as `(allocation id, labels to merge)`; allocations already named right, not held, or not
+/// ours are left out, so an unchanged node costs no admin call. Were a unit set ever split
+/// between containers, the container holding most of it (then the first by name) wins.
+pub fn pod_label_updates(
+    allocations: &[AllocationStatus],
+    held: &HashMap<String, Holder>,
+    resource: &str,
+) -> Vec<(String, BTreeMap<String, String>)> {
+    let mut out = Vec::new();
+    for a in allocations {
+        let Some(ids) = units::units_from_labels(&a.labels, resource) else {
+            continue;
+        };
+        let mut count: BTreeMap<&Holder, usize> = BTreeMap::new();
+        for h in ids.iter().filter_map(|id| held.get(id)) {
+            *count.entry(h).or_default() += 1;
+        }
+        // max_by_key keeps the last maximum; iterate in reverse so the first name wins ties.
+        let Some((h, _)) = count.iter().rev().max_by_key(|(_, n)| **n) else {
+            continue;
+        };
+        let want = [
+            (LABEL_NAMESPACE, &h.namespace),
+            (LABEL_POD, &h.pod),
+            (LABEL_CONTAINER, &h.container),
+        ];
+        if want
+            .iter()
+            .all(|(k, v)| a.labels.get(*k).map(String::as_str) == Some(v.as_str()))
+        {
+            continue;
+        }
+        let labels = want
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).clone()))
+            .collect();
+        out.push((a.id.clone(), labels));
+    }
+    out
 }
 
 /// Remembers since when each of our allocations has been orphaned.
@@ -87,7 +155,7 @@ impl StaleTracker {
     pub fn review(
         &mut self,
         allocations: &[AllocationStatus],
-        held: &HashSet<String>,
+        held: &HashMap<String, Holder>,
         resource: &str,
         grace: Duration,
         now: Instant,
@@ -99,7 +167,7 @@ impl StaleTracker {
                 continue;
             };
             seen.insert(a.id.clone());
-            if ids.iter().any(|id| held.contains(id)) {
+            if ids.iter().any(|id| held.contains_key(id)) {
                 self.orphan_since.remove(&a.id);
                 continue;
             }
@@ -113,13 +181,40 @@ impl StaleTracker {
     }
 }
 
-/// One look: ask the kubelet and the arbiter, delete what has been orphaned long enough.
+/// What one look did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Swept {
+    /// Allocations whose pod labels were written.
+    pub labelled: Vec<String>,
+    /// Allocations deleted as stale.
+    pub deleted: Vec<String>,
+}
+
+/// One look: ask the kubelet and the arbiter, name the pods, delete what has been orphaned
+/// long enough (when clean-up is on).
 pub async fn sweep(
     cfg: &StaleConfig,
     tracker: &mut StaleTracker,
-) -> Result<Vec<String>, PodResourcesError> {
-    let held = held_units(&cfg.socket, &cfg.resource_name, Duration::from_secs(5)).await?;
+    metrics: &PluginMetrics,
+) -> Result<Swept, PodResourcesError> {
+    let held = holders(&cfg.socket, &cfg.resource_name, Duration::from_secs(5)).await?;
     let allocations = with_admin(&cfg.admin_socket, |c| c.list()).await?;
+    let mut swept = Swept::default();
+    for (id, labels) in pod_label_updates(&allocations, &held, &cfg.resource_name) {
+        let upd = id.clone();
+        match with_admin(&cfg.admin_socket, move |c| c.update_labels(&upd, labels)).await {
+            Ok(_) => {
+                metrics.labelled();
+                swept.labelled.push(id);
+            }
+            // Deleted in between: nothing to name.
+            Err(e) if e.admin_kind() == Some(tessera_protocol::AdminErrorKind::NotFound) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if !cfg.cleanup {
+        return Ok(swept);
+    }
     let doomed = tracker.review(
         &allocations,
         &held,
@@ -127,7 +222,6 @@ pub async fn sweep(
         cfg.grace,
         Instant::now(),
     );
-    let mut deleted = Vec::new();
     for id in doomed {
         let del = id.clone();
         match with_admin(&cfg.admin_socket, move |c| c.delete(&del)).await {
@@ -135,27 +229,28 @@ pub async fn sweep(
                 eprintln!(
                     "tessera-device-plugin: deleted stale allocation {id} (no container holds its units)"
                 );
-                deleted.push(id);
+                metrics.cleaned_up(1);
+                swept.deleted.push(id);
             }
             Err(e) if e.admin_kind() == Some(tessera_protocol::AdminErrorKind::NotFound) => {}
             Err(e) => return Err(e.into()),
         }
     }
-    Ok(deleted)
+    Ok(swept)
 }
 
 /// Sweeps every interval until `stop` turns true. Errors are logged once per change, never
 /// fatal: a kubelet or arbiter restart only delays the clean-up.
-pub async fn run(cfg: StaleConfig, mut stop: watch::Receiver<bool>) {
+pub async fn run(cfg: StaleConfig, metrics: Arc<PluginMetrics>, mut stop: watch::Receiver<bool>) {
     let mut tracker = StaleTracker::default();
     let mut last_err: Option<String> = None;
     loop {
-        match sweep(&cfg, &mut tracker).await {
+        match sweep(&cfg, &mut tracker, &metrics).await {
             Ok(_) => last_err = None,
             Err(e) => {
                 let msg = e.to_string();
                 if last_err.as_deref() != Some(msg.as_str()) {
-                    eprintln!("tessera-device-plugin: stale clean-up skipped: {msg}");
+                    eprintln!("tessera-device-plugin: PodResources poll skipped: {msg}");
                     last_err = Some(msg);
                 }
             }
@@ -192,6 +287,54 @@ mod tests {
         }
     }
 
+    fn holder(ns: &str, pod: &str, c: &str) -> Holder {
+        Holder {
+            namespace: ns.into(),
+            pod: pod.into(),
+            container: c.into(),
+        }
+    }
+
+    fn holding(ids: &[&str]) -> HashMap<String, Holder> {
+        ids.iter()
+            .map(|id| (id.to_string(), holder("ns", "p", "c")))
+            .collect()
+    }
+
+    #[test]
+    fn pods_are_named_once_and_renamed_on_change() {
+        let mine = alloc("a", "GPU-a", &[0, 1, 2]);
+        let mut foreign = alloc("x", "GPU-a", &[5]);
+        foreign.labels.clear();
+        let orphan = alloc("o", "GPU-a", &[7]);
+        let mut held: HashMap<String, Holder> = HashMap::new();
+        held.insert("GPU-a-0".into(), holder("team", "train", "main"));
+        held.insert("GPU-a-1".into(), holder("team", "train", "main"));
+        held.insert("GPU-a-2".into(), holder("team", "other", "side"));
+        held.insert("GPU-a-5".into(), holder("team", "foreign", "main"));
+        let mut allocs = vec![mine, foreign, orphan];
+        let ups = pod_label_updates(&allocs, &held, R);
+        assert_eq!(ups.len(), 1, "{ups:?}");
+        assert_eq!(ups[0].0, "a");
+        let want: BTreeMap<String, String> = [
+            (LABEL_NAMESPACE.to_string(), "team".to_string()),
+            (LABEL_POD.to_string(), "train".to_string()),
+            (LABEL_CONTAINER.to_string(), "main".to_string()),
+        ]
+        .into();
+        assert_eq!(ups[0].1, want);
+        // Once written, nothing more to do.
+        allocs[0].labels.extend(want);
+        assert!(pod_label_updates(&allocs, &held, R).is_empty());
+        // A new holder (units handed to another pod) is written again.
+        for id in ["GPU-a-0", "GPU-a-1", "GPU-a-2"] {
+            held.insert(id.into(), holder("team", "train-2", "main"));
+        }
+        let ups = pod_label_updates(&allocs, &held, R);
+        assert_eq!(ups.len(), 1);
+        assert_eq!(ups[0].1[LABEL_POD], "train-2");
+    }
+
     #[test]
     fn orphans_are_deleted_after_grace_only() {
         let mut t = StaleTracker::default();
@@ -202,7 +345,7 @@ mod tests {
             alloc("b", "GPU-a", &[2]),
             foreign,
         ];
-        let held: HashSet<String> = ["GPU-a-1".to_string()].into();
+        let held = holding(&["GPU-a-1"]);
         let grace = Duration::from_secs(10);
         let t0 = Instant::now();
         assert!(t.review(&allocs, &held, R, grace, t0).is_empty());
@@ -215,7 +358,7 @@ mod tests {
             vec!["b"]
         );
         // Held again: the clock restarts.
-        let held_b: HashSet<String> = ["GPU-a-1".to_string(), "GPU-a-2".to_string()].into();
+        let held_b = holding(&["GPU-a-1", "GPU-a-2"]);
         assert!(
             t.review(&allocs, &held_b, R, grace, t0 + Duration::from_secs(11))
                 .is_empty()

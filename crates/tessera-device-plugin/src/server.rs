@@ -20,6 +20,7 @@ use tonic::{Request, Response, Status};
 use crate::arbiter::{ArbiterError, with_admin};
 use crate::health::Snapshot;
 use crate::install::Installed;
+use crate::metrics::{PluginMetrics, Refusal};
 use crate::proto::deviceplugin::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use crate::proto::deviceplugin::{
     AllocateRequest, AllocateResponse, ContainerAllocateResponse,
@@ -76,6 +77,8 @@ pub struct AllocContext {
     pub admin_socket: PathBuf,
     /// Container wiring.
     pub mounts: Mounts,
+    /// Counters of served and refused requests.
+    pub metrics: std::sync::Arc<PluginMetrics>,
 }
 
 /// The service; cheap to clone per server generation.
@@ -331,13 +334,41 @@ impl DevicePlugin for PluginService {
         &self,
         request: Request<AllocateRequest>,
     ) -> Result<Response<AllocateResponse>, Status> {
+        let n = request.get_ref().container_requests.len();
+        match self.allocate_all(request).await {
+            Ok(r) => {
+                self.ctx.metrics.allocated(n);
+                Ok(r)
+            }
+            Err((why, status)) => {
+                self.ctx.metrics.refused(why);
+                Err(status)
+            }
+        }
+    }
+
+    async fn pre_start_container(
+        &self,
+        _: Request<PreStartContainerRequest>,
+    ) -> Result<Response<PreStartContainerResponse>, Status> {
+        Ok(Response::new(PreStartContainerResponse {}))
+    }
+}
+
+impl PluginService {
+    /// `Allocate`; an error says why, for the refusal metric.
+    async fn allocate_all(
+        &self,
+        request: Request<AllocateRequest>,
+    ) -> Result<Response<AllocateResponse>, (Refusal, Status)> {
         let ctx = self.ctx.clone();
         let snapshot = self.gpus.borrow().clone();
         let requests = request.into_inner().container_requests;
         let mut plans = Vec::new();
         let mut whole: BTreeMap<usize, Vec<String>> = BTreeMap::new();
         for (i, c) in requests.iter().enumerate() {
-            let claim = units::classify(&c.devices_ids, ctx.per_gpu).map_err(invalid)?;
+            let claim = units::classify(&c.devices_ids, ctx.per_gpu)
+                .map_err(|e| (Refusal::BadUnits, invalid(e)))?;
             let uuids = match &claim {
                 Claim::Fraction { uuid, .. } => vec![uuid.clone()],
                 Claim::WholeGpus { uuids } => uuids.clone(),
@@ -345,15 +376,19 @@ impl DevicePlugin for PluginService {
             for u in &uuids {
                 match snapshot.iter().find(|g| &g.uuid == u) {
                     None => {
-                        return Err(Status::failed_precondition(format!(
-                            "GPU {u} is not on this node"
-                        )));
+                        return Err((
+                            Refusal::UnknownGpu,
+                            Status::failed_precondition(format!("GPU {u} is not on this node")),
+                        ));
                     }
                     Some(g) if g.unhealthy.is_some() => {
-                        return Err(Status::failed_precondition(format!(
-                            "GPU {u} is unhealthy ({})",
-                            g.unhealthy.as_deref().unwrap_or("")
-                        )));
+                        return Err((
+                            Refusal::UnhealthyGpu,
+                            Status::failed_precondition(format!(
+                                "GPU {u} is unhealthy ({})",
+                                g.unhealthy.as_deref().unwrap_or("")
+                            )),
+                        ));
                     }
                     Some(_) => {}
                 }
@@ -383,7 +418,13 @@ impl DevicePlugin for PluginService {
             create_all(c, &plans2, per_gpu, &resource, &identity_dir)
         })
         .await
-        .map_err(arbiter_status)?;
+        .map_err(|e| {
+            let why = match e.admin_kind() {
+                Some(AdminErrorKind::Exhausted) => Refusal::Exhausted,
+                _ => Refusal::Arbiter,
+            };
+            (why, arbiter_status(e))
+        })?;
         let container_socket = ctx.mounts.container_socket_dir.join(
             ctx.mounts
                 .tenant_socket
@@ -411,7 +452,9 @@ impl DevicePlugin for PluginService {
                         allocation: Some(a.id.clone()),
                     };
                     let written = crate::identity::write(&ctx.mounts.host_identity_dir, &a.id, &id);
-                    Some(written.map_err(|e| Status::internal(format!("tessera: {e}")))?)
+                    Some(written.map_err(|e| {
+                        (Refusal::Internal, Status::internal(format!("tessera: {e}")))
+                    })?)
                 }
                 None => None,
             };
@@ -449,13 +492,6 @@ impl DevicePlugin for PluginService {
         Ok(Response::new(AllocateResponse {
             container_responses,
         }))
-    }
-
-    async fn pre_start_container(
-        &self,
-        _: Request<PreStartContainerRequest>,
-    ) -> Result<Response<PreStartContainerResponse>, Status> {
-        Ok(Response::new(PreStartContainerResponse {}))
     }
 }
 

@@ -7,6 +7,8 @@
 //! `cargo build -p tessera-arbiter -p tessera-cli -p tessera-sim-nvml -p tessera-sim-cuda
 //! -p tessera-interpose -p tessera-examples -p tessera-device-plugin`. The container test
 //! needs root and `unshare` (as a container runtime does); it fails, never skips, without.
+//! The metrics check needs `promtool` (Debian package `prometheus`; or `TESSERA_PROMTOOL`),
+//! and fails without it too.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -34,7 +36,7 @@ use tessera_device_plugin::proto::podresources::{
     ListPodResourcesResponse, PodResources,
 };
 use tessera_protocol::client::{AdminClient, TenantClient};
-use tessera_protocol::{AllocationStatus, GpuInfo};
+use tessera_protocol::{AllocationStatus, GpuInfo, LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD};
 use tessera_testkit::{ArbiterSpec, KillOnDrop, RunningArbiter, SimGpu, artifact, target_dir};
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, watch};
@@ -261,6 +263,9 @@ impl Node {
                 "1",
                 "--stale-interval",
                 "0.2",
+                // Tests run side by side: each plugin takes a free port.
+                "--metrics-addr",
+                "127.0.0.1:0",
             ])
             .stdout(Stdio::null());
         self.sim.apply(&mut cmd);
@@ -295,12 +300,107 @@ impl Node {
         self.admin_client().list().unwrap()
     }
 
+    /// The plugin's metrics address, from its log line `metrics on http://ADDR/metrics`.
+    async fn metrics_addr(&self) -> String {
+        within(15, "metrics address in the plugin log", async {
+            loop {
+                let log =
+                    std::fs::read_to_string(self.dir.path().join("plugin.log")).unwrap_or_default();
+                if let Some(rest) = log.split("metrics on http://").nth(1)
+                    && let Some(addr) = rest.split("/metrics").next()
+                {
+                    return addr.to_owned();
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+    }
+
     async fn plugin_client(&self) -> DevicePluginClient<Channel> {
         let ch = connect_unix(&self.kubelet_dir().join(ENDPOINT), Duration::from_secs(5))
             .await
             .unwrap();
         DevicePluginClient::new(ch)
     }
+}
+
+/// One scrape of `http://addr/metrics`: the body, after checking the status and type.
+async fn scrape(addr: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let raw = within(10, "scrape", async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).await.unwrap();
+        String::from_utf8(buf).unwrap()
+    })
+    .await;
+    let (head, body) = raw.split_once("\r\n\r\n").expect("an HTTP response");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    body.to_owned()
+}
+
+/// The value of one series (`name` or `name{labels}`, exactly as exposed).
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// Waits (bounded) until a series has `value`; returns that scrape.
+async fn wait_sample(addr: &str, series: &str, value: f64) -> String {
+    within(10, series, async {
+        loop {
+            let m = scrape(addr).await;
+            if sample(&m, series) == Some(value) {
+                return m;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await
+}
+
+/// `promtool check metrics` on `text`: must find nothing. promtool is required (Debian's
+/// `prometheus` package): without it this fails rather than skipping.
+fn promtool_check(text: &str) {
+    use std::io::Write;
+    let promtool = std::env::var("TESSERA_PROMTOOL").unwrap_or_else(|_| "promtool".into());
+    let mut child = Command::new(&promtool)
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "{promtool} is needed (apt-get install prometheus, or set TESSERA_PROMTOOL): {e}"
+            )
+        });
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "promtool check metrics: {said}\n{text}"
+    );
 }
 
 fn unit_ids(uuid: &str, range: std::ops::Range<u32>) -> Vec<String> {
@@ -391,6 +491,22 @@ async fn register_list_prefer_allocate_and_clean_up() {
     assert!(opts.get_preferred_allocation_available);
     assert!(!opts.pre_start_required);
 
+    // The plugin's metrics: one registration, 200 healthy units, nothing else yet.
+    // (The fake kubelet hears the registration just before the plugin hears the answer.)
+    let maddr = node.metrics_addr().await;
+    let m = wait_sample(&maddr, "tessera_plugin_registrations_total", 1.0).await;
+    assert_eq!(
+        sample(&m, "tessera_plugin_allocations_total"),
+        Some(0.0),
+        "{m}"
+    );
+    let m = wait_sample(&maddr, "tessera_plugin_units{state=\"healthy\"}", 200.0).await;
+    assert_eq!(
+        sample(&m, "tessera_plugin_units{state=\"unhealthy\"}"),
+        Some(0.0),
+        "{m}"
+    );
+
     let mut client = node.plugin_client().await;
     let o = within(5, "options", client.get_device_plugin_options(Empty {}))
         .await
@@ -446,6 +562,20 @@ async fn register_list_prefer_allocate_and_clean_up() {
     assert!(
         node.allocations().is_empty(),
         "a refused Allocate creates nothing"
+    );
+    let m = scrape(&maddr).await;
+    assert_eq!(
+        sample(
+            &m,
+            "tessera_plugin_allocation_refusals_total{reason=\"bad_units\"}"
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        sample(&m, "tessera_plugin_allocations_total"),
+        Some(0.0),
+        "{m}"
     );
 
     // Allocate 30 units: an arbiter allocation of 30% of GPU 0, and the container wiring.
@@ -503,6 +633,28 @@ async fn register_list_prefer_allocate_and_clean_up() {
     assert_eq!(allocs.len(), 1);
     assert_eq!(allocs[0].labels["tessera.dev/units"], "50-79");
     assert_eq!(allocs[0].labels["tessera.dev/owner"], "device-plugin");
+    assert_eq!(
+        sample(&scrape(&maddr).await, "tessera_plugin_allocations_total"),
+        Some(1.0)
+    );
+
+    // PodResources names the pod holding the units: the plugin writes it onto the allocation.
+    wait_allocations(&node, 10, "pod labels on the allocation", |a| {
+        a.len() == 1
+            && a[0].labels.get(LABEL_NAMESPACE).map(String::as_str) == Some("default")
+            && a[0].labels.get(LABEL_POD).map(String::as_str) == Some("p1")
+            && a[0].labels.get(LABEL_CONTAINER).map(String::as_str) == Some("main")
+    })
+    .await;
+    // Written once: later polls (every 0.2 s) see nothing changed and write nothing.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let m = scrape(&maddr).await;
+    assert_eq!(
+        sample(&m, "tessera_plugin_pod_labels_total"),
+        Some(1.0),
+        "{m}"
+    );
+    promtool_check(&m);
     // ... and the operator sees it in `tessera status`.
     let status = Command::new(artifact("tessera"))
         .arg("status")
@@ -521,6 +673,10 @@ async fn register_list_prefer_allocate_and_clean_up() {
         "tessera status does not list {}:\n{table}",
         view.id
     );
+    assert!(
+        table.contains("default/p1/main"),
+        "tessera status does not name the pod:\n{table}"
+    );
 
     // Stale clean-up: kept while a container holds the units (well past the 1 s grace) ...
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -532,6 +688,7 @@ async fn register_list_prefer_allocate_and_clean_up() {
     // ... and deleted once none does.
     podres.set_holding("p1", &[]);
     wait_allocations(&node, 10, "stale allocation deleted", |a| a.is_empty()).await;
+    wait_sample(&maddr, "tessera_plugin_stale_cleanups_total", 1.0).await;
 
     // Whole GPUs: 200 units = both GPUs, one full allocation each, no interposer.
     let mut all = unit_ids(&g0, 0..100);
@@ -630,6 +787,20 @@ async fn xid_health_and_kubelet_restart() {
         "{}",
         err.message()
     );
+    let m = wait_sample(
+        &node.metrics_addr().await,
+        "tessera_plugin_units{state=\"unhealthy\"}",
+        100.0,
+    )
+    .await;
+    assert_eq!(
+        sample(
+            &m,
+            "tessera_plugin_allocation_refusals_total{reason=\"unhealthy_gpu\"}"
+        ),
+        Some(1.0),
+        "{m}"
+    );
 
     // Kubelet restart: it stops, deletes every socket in the folder, and comes back.
     kubelet.stop().await;
@@ -690,6 +861,13 @@ async fn xid_health_and_kubelet_restart() {
         took < Duration::from_secs(5),
         "re-registered after {took:?}"
     );
+    // One registration at start and one after each of the two restarts.
+    wait_sample(
+        &node.metrics_addr().await,
+        "tessera_plugin_registrations_total",
+        3.0,
+    )
+    .await;
 
     // SIGTERM: clean exit, socket removed.
     let mut plugin = node.plugin.take().unwrap();
@@ -776,6 +954,21 @@ async fn bad_flags_and_missing_interposer_exit_with_documented_codes() {
             .any(|n| n.starts_with("libtessera_interpose-") && n.ends_with(".so"))
     );
     assert!(names.iter().any(|n| n.starts_with("ld.so.preload-")));
+
+    // A metrics address that is not one is a bad flag; one already taken is a failure (1).
+    let out = run(&["--metrics-addr", "localhost:9465"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--metrics-addr"), "{err}");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = run(&["--metrics-addr", &addr]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!("cannot serve metrics on {addr}")),
+        "{err}"
+    );
 }
 
 /// Runs `program` the way a container runtime would start it from an `Allocate` answer: in a
