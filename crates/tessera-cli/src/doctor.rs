@@ -30,10 +30,10 @@ use serde::{Deserialize, Serialize};
 use tessera_protocol::identity::{CONTAINER_IDENTITY_FILE, Identity};
 use tessera_protocol::{AllocationView, Hello, PROTOCOL_VERSION, Role, ServerHello, frame};
 
+use crate::CliError;
 use crate::ffi::{self, Lib};
 use crate::run::{DEFAULT_ADMIN_SOCKET, DEFAULT_SOCKET, INTERPOSER_FILE};
 use crate::status::human;
-use crate::usage;
 
 /// The loader's system-wide preload list (what the device plugin mounts into pods).
 pub const LD_SO_PRELOAD: &str = "/etc/ld.so.preload";
@@ -193,9 +193,9 @@ impl Default for ProbeReport {
 }
 
 /// Runs `tessera doctor`; returns the process exit code.
-pub fn main(args: DoctorArgs) -> anyhow::Result<u8> {
+pub fn main(args: DoctorArgs) -> Result<u8, CliError> {
     if args.identity_file.as_os_str() != CONTAINER_IDENTITY_FILE && !args.identity_file.exists() {
-        return Err(usage(format!(
+        return Err(CliError::usage(format!(
             "--identity-file {}: no such file",
             args.identity_file.display()
         )));
@@ -893,7 +893,7 @@ fn judge_probe(a: &AllocationView, p: &ProbeReport) -> Vec<Check> {
 }
 
 /// The hidden `doctor-probe` subcommand: runs under the interposer, prints a [`ProbeReport`].
-pub fn probe_main(args: ProbeArgs) -> anyhow::Result<u8> {
+pub fn probe_main(args: ProbeArgs) -> Result<u8, CliError> {
     let report = probe(&args).unwrap_or_else(|e| ProbeReport {
         error: Some(e),
         ..Default::default()

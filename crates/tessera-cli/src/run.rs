@@ -27,10 +27,10 @@ use std::process::Command;
 use std::sync::atomic::{AtomicI32, Ordering};
 
 use anyhow::{Context, bail};
-use tessera_protocol::client::{AdminClient, ClientError};
-use tessera_protocol::{CreateAllocation, FrameError, GpuSelector};
+use tessera_protocol::client::AdminClient;
+use tessera_protocol::{CreateAllocation, GpuSelector};
 
-use crate::Exit;
+use crate::CliError;
 
 /// Default admin socket (same as the arbiter's).
 pub const DEFAULT_ADMIN_SOCKET: &str = "/run/tessera/admin.sock";
@@ -204,26 +204,6 @@ fn parse_gpu_arg(text: &str) -> Result<GpuSelector, String> {
     Ok(parse_gpu(t))
 }
 
-/// Reports an admin client error on stderr and returns the [`Exit`] carrying the CLI's exit
-/// code: 3 when the arbiter cannot be reached (or hung up), 4 when it refused, 1 otherwise.
-pub fn classify(err: ClientError, socket: &Path) -> anyhow::Error {
-    let code = match &err {
-        ClientError::Connect { .. } => 3,
-        ClientError::Frame(FrameError::Io(_) | FrameError::Closed) => 3,
-        ClientError::Refused(_) | ClientError::Admin { .. } => 4,
-        _ => 1,
-    };
-    let msg = match &err {
-        ClientError::Connect { .. } => format!(
-            "{err} (is tessera-arbiter running? set --admin-socket or TESSERA_ADMIN_SOCKET)"
-        ),
-        _ => format!("arbiter at {}: {err}", socket.display()),
-    };
-    // `main` exits silently with an `Exit`'s code, so the message is printed here.
-    eprintln!("tessera: {msg}");
-    Exit(code).into()
-}
-
 /// The interposer to preload: the flag (or `TESSERA_INTERPOSER`), else the file next to the
 /// running `tessera`. Refuses to go on without one, or with a file that does not load as the
 /// interposer: the command would run unlimited.
@@ -311,10 +291,10 @@ fn install_forwarding() -> anyhow::Result<()> {
 }
 
 /// Runs `tessera run`; returns the process exit code.
-pub fn main(args: RunArgs) -> anyhow::Result<u8> {
+pub fn main(args: RunArgs) -> Result<u8, CliError> {
     let interposer = interposer_path(args.interposer.as_deref())?;
-    let mut admin =
-        AdminClient::connect(&args.admin_socket).map_err(|e| classify(e, &args.admin_socket))?;
+    let mut admin = AdminClient::connect(&args.admin_socket)
+        .map_err(|e| CliError::arbiter(e, &args.admin_socket))?;
     let mut labels = std::collections::BTreeMap::new();
     labels.insert("created-by".to_owned(), "tessera run".to_owned());
     labels.insert("pid".to_owned(), std::process::id().to_string());
@@ -330,7 +310,7 @@ pub fn main(args: RunArgs) -> anyhow::Result<u8> {
             cap: args.cap.then_some(args.share),
             labels,
         })
-        .map_err(|e| classify(e, &args.admin_socket))?;
+        .map_err(|e| CliError::arbiter(e, &args.admin_socket))?;
     drop(admin);
     let id = alloc.id.clone();
     let status = run_command(&args, &interposer, &token, &alloc.gpu_uuid);
@@ -444,24 +424,5 @@ mod tests {
             ld_preload(p, Some("/x/libfoo.so".into())),
             "/opt/t/libtessera_interpose.so:/x/libfoo.so"
         );
-    }
-
-    #[test]
-    fn client_errors_map_to_documented_exit_codes() {
-        let sock = Path::new("/x.sock");
-        let code = |e| classify(e, sock).downcast_ref::<Exit>().map(|Exit(c)| *c);
-        let connect = ClientError::Connect {
-            path: "/x".into(),
-            source: std::io::Error::other("no"),
-        };
-        assert_eq!(code(connect), Some(3));
-        assert_eq!(code(ClientError::Frame(FrameError::Closed)), Some(3));
-        assert_eq!(code(ClientError::Refused("no".into())), Some(4));
-        let admin = ClientError::Admin {
-            kind: tessera_protocol::AdminErrorKind::Exhausted,
-            message: "full".into(),
-        };
-        assert_eq!(code(admin), Some(4));
-        assert_eq!(code(ClientError::Unexpected("?".into())), Some(1));
     }
 }

@@ -12,8 +12,7 @@ use std::ffi::OsString;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 
-use crate::usage;
-use anyhow::Context;
+use crate::CliError;
 use tessera_sim_state::{ENV_CONTEXT_MEMORY, ENV_DIR, ENV_GPUS, MODELED_CONTEXT_MEMORY, SimSpec};
 
 /// Arguments of `tessera sim`.
@@ -41,7 +40,7 @@ pub struct SimArgs {
 }
 
 /// Runs `tessera sim`; returns the process exit code.
-pub fn main(args: SimArgs) -> anyhow::Result<u8> {
+pub fn main(args: SimArgs) -> Result<u8, CliError> {
     let gpus = match &args.gpus {
         Some(g) => g.clone(),
         None => std::env::var(ENV_GPUS)
@@ -49,15 +48,15 @@ pub fn main(args: SimArgs) -> anyhow::Result<u8> {
             .filter(|v| !v.trim().is_empty())
             .unwrap_or_else(|| tessera_sim_state::DEFAULT_GPUS.to_string()),
     };
-    let spec =
-        SimSpec::parse(&gpus).map_err(|e| usage(format!("invalid GPU spec {gpus:?}: {e}")))?;
+    let spec = SimSpec::parse(&gpus)
+        .map_err(|e| CliError::usage(format!("invalid GPU spec {gpus:?}: {e}")))?;
     let state_dir = match &args.state_dir {
         Some(d) => d.clone(),
         None => tessera_sim_state::state_dir_from_env(),
     };
     if let Some(xid) = &args.inject_xid {
         if !args.command.is_empty() {
-            return Err(usage(
+            return Err(CliError::usage(
                 "--inject-xid does not run a command; drop the command or the flag",
             ));
         }
@@ -65,12 +64,12 @@ pub fn main(args: SimArgs) -> anyhow::Result<u8> {
             .split_once(':')
             .and_then(|(g, c)| Some((g.trim().parse::<u32>().ok()?, c.trim().parse::<u64>().ok()?)))
             .ok_or_else(|| {
-                usage(format!(
+                CliError::usage(format!(
                     "--inject-xid {xid:?}: expected GPU:CODE, e.g. 0:79"
                 ))
             })?;
         if gpu as usize >= spec.count() {
-            return Err(usage(format!(
+            return Err(CliError::usage(format!(
                 "--inject-xid: GPU {gpu} does not exist ({} simulated)",
                 spec.count()
             )));
@@ -80,7 +79,7 @@ pub fn main(args: SimArgs) -> anyhow::Result<u8> {
         return Ok(0);
     }
     let Some((program, rest)) = args.command.split_first() else {
-        return Err(usage(
+        return Err(CliError::usage(
             "no command given: use `tessera sim [OPTIONS] -- COMMAND ARGS...`",
         ));
     };
@@ -88,7 +87,7 @@ pub fn main(args: SimArgs) -> anyhow::Result<u8> {
     let context_memory = match std::env::var(ENV_CONTEXT_MEMORY) {
         Ok(v) => {
             tessera_sim_state::parse_context_memory(&v)
-                .map_err(|e| usage(format!("{ENV_CONTEXT_MEMORY}={v:?}: {e}")))?;
+                .map_err(|e| CliError::usage(format!("{ENV_CONTEXT_MEMORY}={v:?}: {e}")))?;
             v
         }
         Err(_) => MODELED_CONTEXT_MEMORY.to_string(),
@@ -109,5 +108,7 @@ pub fn main(args: SimArgs) -> anyhow::Result<u8> {
         .env(ENV_DIR, &state_dir)
         .env(ENV_CONTEXT_MEMORY, context_memory)
         .exec();
-    Err(err).with_context(|| format!("cannot run {}", program.to_string_lossy()))
+    Err(anyhow::Error::from(err)
+        .context(format!("cannot run {}", program.to_string_lossy()))
+        .into())
 }

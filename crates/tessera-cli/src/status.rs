@@ -21,7 +21,8 @@ use serde::Serialize;
 use tessera_protocol::client::{AdminClient, ClientError};
 use tessera_protocol::{AllocationStatus, GpuInfo, LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD};
 
-use crate::run::{DEFAULT_ADMIN_SOCKET, classify};
+use crate::CliError;
+use crate::run::DEFAULT_ADMIN_SOCKET;
 use crate::signals::StopSignals;
 
 /// Arguments of `tessera status`.
@@ -370,12 +371,12 @@ pub fn frame(status: Result<&StatusJson, String>, every: Duration, now_unix: u64
 }
 
 /// `--watch`: a frame every `every` until SIGINT or SIGTERM; exits 0 with the cursor shown.
-fn watch(sock: &std::path::Path, every: Duration) -> anyhow::Result<u8> {
+fn watch(sock: &std::path::Path, every: Duration) -> Result<u8, CliError> {
     use std::io::Write as _;
     // Blocked before the first frame, so a signal at any moment ends the loop cleanly.
-    let signals = StopSignals::block()?;
+    let signals = StopSignals::block().map_err(CliError::Signals)?;
     // The first look decides: no arbiter at all is the same error as plain `status`.
-    let first = fetch(sock).map_err(|e| classify(e, sock))?;
+    let first = fetch(sock).map_err(|e| CliError::arbiter(e, sock))?;
     let mut stdout = std::io::stdout().lock();
     let now = || {
         std::time::SystemTime::now()
@@ -404,18 +405,21 @@ fn watch(sock: &std::path::Path, every: Duration) -> anyhow::Result<u8> {
 }
 
 /// Runs `tessera status`; returns the process exit code.
-pub fn main(args: StatusArgs) -> anyhow::Result<u8> {
+pub fn main(args: StatusArgs) -> Result<u8, CliError> {
     let sock = &args.admin_socket;
     if let Some(secs) = args.watch {
         let every = Duration::try_from_secs_f64(secs)
             .ok()
             .filter(|d| *d >= Duration::from_millis(100))
-            .ok_or_else(|| crate::usage(format!("--watch {secs}: at least 0.1 seconds")))?;
+            .ok_or_else(|| CliError::usage(format!("--watch {secs}: at least 0.1 seconds")))?;
         return watch(sock, every);
     }
-    let s = fetch(sock).map_err(|e| classify(e, sock))?;
+    let s = fetch(sock).map_err(|e| CliError::arbiter(e, sock))?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&s)?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&s).map_err(anyhow::Error::from)?
+        );
     } else {
         print!("{}", table(&s));
     }

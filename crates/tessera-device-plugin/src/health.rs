@@ -158,9 +158,7 @@ fn register_events<'n>(
             None => match nvml.create_event_set() {
                 Ok(s) => s,
                 Err(e) => {
-                    eprintln!(
-                        "tessera-device-plugin: NVML events unavailable ({e}); health by polling only"
-                    );
+                    tracing::warn!("NVML events unavailable ({e}); health by polling only");
                     return None;
                 }
             },
@@ -172,10 +170,7 @@ fn register_events<'n>(
             }
             Err(e) => {
                 // The set is released on failure; later devices start a new one.
-                eprintln!(
-                    "tessera-device-plugin: cannot watch XID events of {uuid}: {}",
-                    e.error
-                );
+                tracing::warn!("cannot watch XID events of {uuid}: {}", e.error);
             }
         }
     }
@@ -227,24 +222,20 @@ fn nvml_thread(
                     let uuid = ev.device.uuid().ok();
                     match (code, uuid) {
                         (Some(code), Some(uuid)) if is_fatal_xid(code) => {
-                            eprintln!(
-                                "tessera-device-plugin: XID {code} on {uuid}: marking it unhealthy"
-                            );
+                            tracing::warn!("XID {code} on {uuid}: marking it unhealthy");
                             bad.entry(uuid).or_insert_with(|| format!("XID {code}"));
                             changed = true;
                         }
                         (Some(code), uuid) => {
                             let who = uuid.unwrap_or_else(|| "a GPU".into());
-                            eprintln!(
-                                "tessera-device-plugin: XID {code} on {who} (application-caused; ignored)"
-                            );
+                            tracing::info!("XID {code} on {who} (application-caused; ignored)");
                         }
                         _ => {}
                     }
                 }
                 Err(NvmlError::Timeout) => {}
                 Err(e) => {
-                    eprintln!("tessera-device-plugin: NVML event wait failed ({e}); polling only");
+                    tracing::warn!("NVML event wait failed ({e}); polling only");
                     events = None;
                 }
             },
@@ -256,10 +247,7 @@ fn nvml_thread(
                 && now != devs
             {
                 for gone in devs.iter().filter(|d| !now.iter().any(|n| n.1 == d.1)) {
-                    eprintln!(
-                        "tessera-device-plugin: GPU {} vanished: withdrawing its units",
-                        gone.1
-                    );
+                    tracing::warn!("GPU {} vanished: withdrawing its units", gone.1);
                 }
                 devs = now;
                 events = register_events(&nvml, events, &devs, &mut registered);
@@ -296,7 +284,7 @@ fn start_arbiter(admin_socket: PathBuf, poll: Duration) -> watch::Receiver<Snaps
                 }
                 Err(e) if !warned => {
                     warned = true;
-                    eprintln!("tessera-device-plugin: cannot list GPUs from the arbiter: {e}");
+                    tracing::warn!("cannot list GPUs from the arbiter: {e}");
                 }
                 Err(_) => {}
             }

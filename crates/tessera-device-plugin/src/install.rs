@@ -123,8 +123,8 @@ fn place(dest: &Path, bytes: &[u8], mode: u32) -> Result<bool, InstallError> {
         }
         // Same name, other bytes: a damaged copy (the name carries the hash). Replacing it by
         // rename leaves any container that mounted the old inode untouched.
-        eprintln!(
-            "tessera-device-plugin: {} differs from its name's content; replacing it",
+        tracing::warn!(
+            "{} differs from its name's content; replacing it",
             dest.display()
         );
     }

@@ -1,8 +1,9 @@
 //! `tessera-device-plugin`: the kubelet device plugin for Tessera GPU shares.
 //!
 //! Exit codes: 0 stopped by SIGTERM/SIGINT (or `--install-only` done); 1 unexpected failure;
-//! 2 bad flags; 3 the interposer could not be found or installed; 4 the kubelet refused the
-//! registration; 5 no way to list the GPUs (`--gpu-source nvml` and NVML failed).
+//! 2 bad flags (or a bad `RUST_LOG`); 3 the interposer could not be found or installed; 4 the
+//! kubelet refused the registration; 5 no way to list the GPUs (`--gpu-source nvml` and NVML
+//! failed).
 
 #![forbid(unsafe_code)]
 
@@ -33,6 +34,15 @@ struct Args {
     /// The kubelet's PodResources socket (pod names for allocations, stale clean-up).
     #[arg(long, default_value = "/var/lib/kubelet/pod-resources/kubelet.sock")]
     pod_resources_socket: PathBuf,
+    /// Log format: `text` or `json` (one object per line). Levels come from `RUST_LOG`
+    /// (default `info`).
+    #[arg(
+        long,
+        env = "TESSERA_LOG_FORMAT",
+        default_value = "text",
+        value_name = "text|json"
+    )]
+    log_format: tessera_log::LogFormat,
     /// Turn stale allocation clean-up off (pods are still named).
     #[arg(long)]
     no_stale_cleanup: bool,
@@ -95,7 +105,8 @@ fn secs(name: &str, v: f64) -> Result<Duration, String> {
     Duration::try_from_secs_f64(v).map_err(|_| format!("--{name} must be a non-negative number"))
 }
 
-fn config(a: Args) -> Result<(Config, bool), String> {
+fn config(a: Args) -> Result<(Config, bool, tessera_log::LogFormat), String> {
+    let log_format = a.log_format;
     let cfg = Config {
         kubelet_dir: a.kubelet_dir,
         endpoint: a.endpoint,
@@ -122,16 +133,36 @@ fn config(a: Args) -> Result<(Config, bool), String> {
         stale_interval: secs("stale-interval", a.stale_interval)?.max(Duration::from_millis(50)),
         poll: Duration::from_millis(a.poll_ms.clamp(10, 10_000)),
     };
-    Ok((cfg, a.install_only))
+    Ok((cfg, a.install_only, log_format))
 }
 
-fn exit_code(e: &PluginError) -> u8 {
-    match e {
-        PluginError::Config(_) => 2,
-        PluginError::Install(_) => 3,
-        PluginError::Registration(_) => 4,
-        PluginError::Gpus(_) => 5,
-        PluginError::Bind { .. } | PluginError::Metrics(_) => 1,
+/// Everything that ends the plugin with an error, each with its exit code.
+#[derive(Debug, thiserror::Error)]
+enum MainError {
+    #[error("{0}")]
+    Usage(String),
+    #[error(transparent)]
+    Log(#[from] tessera_log::LogError),
+    #[error("cannot start the runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    #[error(transparent)]
+    Plugin(#[from] PluginError),
+}
+
+impl MainError {
+    /// The documented exit code (see the module docs).
+    fn exit_code(&self) -> u8 {
+        match self {
+            MainError::Usage(_) | MainError::Log(_) => 2,
+            MainError::Runtime(_) => 1,
+            MainError::Plugin(e) => match e {
+                PluginError::Config(_) => 2,
+                PluginError::Install(_) => 3,
+                PluginError::Registration(_) => 4,
+                PluginError::Gpus(_) => 5,
+                PluginError::Bind { .. } | PluginError::Metrics(_) => 1,
+            },
+        }
     }
 }
 
@@ -148,43 +179,37 @@ async fn shutdown_signal() {
             let _ = tokio::signal::ctrl_c().await;
         }
     }
-    eprintln!("tessera-device-plugin: shutting down");
+    tracing::info!("shutting down");
 }
 
 fn main() -> ExitCode {
-    let (cfg, install_only) = match config(Args::parse()) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("tessera-device-plugin: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    let result: anyhow::Result<()> = (|| {
-        if install_only {
-            cfg.validate()?;
-            tessera_device_plugin::plugin::install_interposer(&cfg)?;
-            return Ok(());
-        }
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()?;
-        rt.block_on(tessera_device_plugin::run(cfg, shutdown_signal()))?;
-        Ok(())
-    })();
-    match result {
+    match run(Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            // Each cause once: most errors already print their source, which `{:#}` repeats.
-            let mut msg = e.to_string();
-            for cause in e.chain().skip(1).map(ToString::to_string) {
-                if !msg.contains(&cause) {
-                    msg = format!("{msg}: {cause}");
-                }
+            // Before the subscriber is up (bad flags, bad RUST_LOG) only stderr can say it.
+            if matches!(e, MainError::Usage(_) | MainError::Log(_)) {
+                eprintln!("tessera-device-plugin: {e}");
+            } else {
+                tracing::error!("{e}");
             }
-            eprintln!("tessera-device-plugin: {msg}");
-            let code = e.downcast_ref::<PluginError>().map(exit_code).unwrap_or(1);
-            ExitCode::from(code)
+            ExitCode::from(e.exit_code())
         }
     }
+}
+
+fn run(args: Args) -> Result<(), MainError> {
+    let (cfg, install_only, log_format) = config(args).map_err(MainError::Usage)?;
+    tessera_log::init(log_format)?;
+    if install_only {
+        cfg.validate()?;
+        tessera_device_plugin::plugin::install_interposer(&cfg)?;
+        return Ok(());
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(MainError::Runtime)?
+        .block_on(tessera_device_plugin::run(cfg, shutdown_signal()))?;
+    Ok(())
 }

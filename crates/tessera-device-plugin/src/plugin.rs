@@ -179,9 +179,7 @@ fn start_gpus(cfg: &Config) -> Result<watch::Receiver<Snapshot>, PluginError> {
         SourceKind::Auto => match health::start(nvml, cfg.poll) {
             Ok(rx) => rx,
             Err(e) => {
-                eprintln!(
-                    "tessera-device-plugin: {e}; taking the GPU list from the arbiter (no XID health)"
-                );
+                tracing::warn!("{e}; taking the GPU list from the arbiter (no XID health)");
                 health::start(arbiter, cfg.poll)?
             }
         },
@@ -202,10 +200,7 @@ fn log_gpus(mut rx: watch::Receiver<Snapshot>, per_gpu: u32, metrics: Arc<Plugin
             metrics.set_units(healthy, devices.len() - healthy);
             for g in snap.iter() {
                 if let Err(e) = units::check_id_len(&g.uuid, per_gpu) {
-                    eprintln!(
-                        "tessera-device-plugin: not advertising GPU {}: {e}",
-                        g.index
-                    );
+                    tracing::warn!("not advertising GPU {}: {e}", g.index);
                 }
             }
             let names: Vec<String> = snap
@@ -215,7 +210,7 @@ fn log_gpus(mut rx: watch::Receiver<Snapshot>, per_gpu: u32, metrics: Arc<Plugin
                     None => g.uuid.clone(),
                 })
                 .collect();
-            eprintln!("tessera-device-plugin: GPUs: [{}]", names.join(", "));
+            tracing::info!("GPUs: [{}]", names.join(", "));
             if rx.changed().await.is_err() {
                 return;
             }
@@ -232,8 +227,8 @@ pub fn install_interposer(cfg: &Config) -> Result<install::Installed, PluginErro
         env!("CARGO_PKG_VERSION"),
         &cfg.container_lib_path,
     )?;
-    eprintln!(
-        "tessera-device-plugin: interposer {} at {}",
+    tracing::info!(
+        "interposer {} at {}",
         if inst.wrote_lib {
             "installed"
         } else {
@@ -256,7 +251,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
     let (stop_all_tx, stop_all) = watch::channel(false);
     if let Some(l) = listener {
         if let Ok(a) = l.local_addr() {
-            eprintln!("tessera-device-plugin: metrics on http://{a}/metrics");
+            tracing::info!("metrics on http://{a}/metrics");
         }
         tokio::spawn(metrics::serve(l, metrics.clone(), stop_all.clone()));
     }
@@ -314,10 +309,7 @@ async fn generations(
         let mut waited = false;
         while file_id(&kubelet_sock).is_none() {
             if !waited {
-                eprintln!(
-                    "tessera-device-plugin: waiting for {}",
-                    kubelet_sock.display()
-                );
+                tracing::info!("waiting for {}", kubelet_sock.display());
                 waited = true;
             }
             tokio::select! {
@@ -363,7 +355,7 @@ async fn generations(
                 return Ok(());
             }
             End::Restart(why) => {
-                eprintln!("tessera-device-plugin: {why}: serving and registering again")
+                tracing::warn!("{why}: serving and registering again")
             }
         }
     }
@@ -394,8 +386,8 @@ async fn serve_generation(
             {
                 Ok(()) => {
                     ctx.metrics.registered();
-                    eprintln!(
-                        "tessera-device-plugin: registered {} ({} units per GPU) at {}",
+                    tracing::info!(
+                        "registered {} ({} units per GPU) at {}",
                         cfg.resource_name,
                         cfg.shares_per_gpu,
                         own_sock.display()
@@ -407,7 +399,7 @@ async fn serve_generation(
                     // The kubelet is (re)starting: retry until it listens.
                     let msg = e.to_string();
                     if msg != last_err {
-                        eprintln!("tessera-device-plugin: registration failed, retrying: {msg}");
+                        tracing::warn!("registration failed, retrying: {msg}");
                         last_err = msg;
                     }
                 }
@@ -422,7 +414,7 @@ async fn serve_generation(
                     Ok(Err(e)) => e.to_string(),
                     Err(e) => format!("server task failed: {e}"),
                 };
-                eprintln!("tessera-device-plugin: {why}");
+                tracing::warn!("{why}");
                 return Ok(End::Restart("the gRPC server ended"));
             }
         }

@@ -226,9 +226,7 @@ pub async fn sweep(
         let del = id.clone();
         match with_admin(&cfg.admin_socket, move |c| c.delete(&del)).await {
             Ok(()) => {
-                eprintln!(
-                    "tessera-device-plugin: deleted stale allocation {id} (no container holds its units)"
-                );
+                tracing::info!("deleted stale allocation {id} (no container holds its units)");
                 metrics.cleaned_up(1);
                 swept.deleted.push(id);
             }
@@ -250,7 +248,7 @@ pub async fn run(cfg: StaleConfig, metrics: Arc<PluginMetrics>, mut stop: watch:
             Err(e) => {
                 let msg = e.to_string();
                 if last_err.as_deref() != Some(msg.as_str()) {
-                    eprintln!("tessera-device-plugin: PodResources poll skipped: {msg}");
+                    tracing::warn!("PodResources poll skipped: {msg}");
                     last_err = Some(msg);
                 }
             }

@@ -172,8 +172,8 @@ fn create_all(
             continue;
         };
         if ids.iter().any(|id| wanted.contains(id)) {
-            eprintln!(
-                "tessera-device-plugin: deleting allocation {} (its units are being reassigned)",
+            tracing::info!(
+                "deleting allocation {} (its units are being reassigned)",
                 a.id
             );
             match c.delete(&a.id) {
@@ -473,8 +473,8 @@ impl PluginService {
                     ..Default::default()
                 });
             } else if let (Some((p, (token, a))), Some(identity)) = (mine.first(), &identity) {
-                eprintln!(
-                    "tessera-device-plugin: allocation {} on {}: {} units, {} bytes",
+                tracing::info!(
+                    "allocation {} on {}: {} units, {} bytes",
                     a.id,
                     p.uuid,
                     p.units.len(),

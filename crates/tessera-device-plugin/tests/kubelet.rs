@@ -911,6 +911,26 @@ async fn bad_flags_and_missing_interposer_exit_with_documented_codes() {
     );
     let out = run(&["--no-such-flag"]);
     assert_eq!(out.status.code(), Some(2));
+    let out = run(&["--log-format", "yaml"]);
+    assert_eq!(out.status.code(), Some(2));
+    // Logs as JSON lines on request: the interposer error is one object with its level.
+    let out = run(&[
+        "--log-format",
+        "json",
+        "--interposer",
+        "/nonexistent/libtessera_interpose.so",
+    ]);
+    assert_eq!(out.status.code(), Some(3));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let last: serde_json::Value = serde_json::from_str(err.lines().last().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("{e}: not a JSON line: {err}"));
+    assert_eq!(last["level"], "ERROR", "{err}");
+    assert!(
+        last["fields"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("interposer")),
+        "{err}"
+    );
     let out = run(&["--interposer", "/nonexistent/libtessera_interpose.so"]);
     assert_eq!(out.status.code(), Some(3));
     assert!(String::from_utf8_lossy(&out.stderr).contains("interposer"));
