@@ -22,7 +22,9 @@ use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper::{Method, Request, Response, StatusCode};
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeCounterValue, EncodeGaugeValue, EncodeMetric, NoLabelSet,
+};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
@@ -311,15 +313,20 @@ fn gpu_labels(g: &GpuSample) -> Vec<(&'static str, String)> {
 const NS: f64 = 1e9;
 
 /// One family: a descriptor and one series per item.
-fn family<T, L: prometheus_client::encoding::EncodeLabelSet>(
+/// Values are `u64` for bytes and counts (written as integers), `f64` for seconds and ratios.
+fn family<T, L, V>(
     enc: &mut DescriptorEncoder,
     name: &str,
     help: &str,
     unit: Option<Unit>,
     kind: MetricType,
     items: &[T],
-    series: impl Fn(&T) -> (L, f64),
-) -> Result<(), std::fmt::Error> {
+    series: impl Fn(&T) -> (L, V),
+) -> Result<(), std::fmt::Error>
+where
+    L: prometheus_client::encoding::EncodeLabelSet,
+    V: EncodeGaugeValue + EncodeCounterValue + std::fmt::Debug,
+{
     let mut m = enc.encode_descriptor(name, help, unit.as_ref(), kind)?;
     for it in items {
         let (labels, v) = series(it);
@@ -348,7 +355,7 @@ pub fn encode_snapshot(
         Some(Unit::Bytes),
         Gauge,
         a,
-        |x| (al(x), x.memory_limit as f64),
+        |x| (al(x), x.memory_limit),
     )?;
     family(
         enc,
@@ -357,7 +364,7 @@ pub fn encode_snapshot(
         Some(Unit::Bytes),
         Gauge,
         a,
-        |x| (al(x), x.memory_used as f64),
+        |x| (al(x), x.memory_used),
     )?;
     family(
         enc,
@@ -402,7 +409,7 @@ pub fn encode_snapshot(
         None,
         Counter,
         a,
-        |x| (al(x), x.sched.leases as f64),
+        |x| (al(x), x.sched.leases),
     )?;
     family(
         enc,
@@ -411,7 +418,7 @@ pub fn encode_snapshot(
         None,
         Counter,
         a,
-        |x| (al(x), x.oom_refusals as f64),
+        |x| (al(x), x.oom_refusals),
     )?;
     family(
         enc,
@@ -420,7 +427,7 @@ pub fn encode_snapshot(
         None,
         Gauge,
         a,
-        |x| (al(x), f64::from(x.processes)),
+        |x| (al(x), u64::from(x.processes)),
     )?;
     let per_reason: Vec<(&AllocSample, EnforceReason)> = a
         .iter()
@@ -436,7 +443,7 @@ pub fn encode_snapshot(
         |(x, r)| {
             let mut l = al(x);
             l.push(("reason", r.as_str().to_owned()));
-            (l, x.enforced[*r as usize] as f64)
+            (l, x.enforced[*r as usize])
         },
     )?;
     let present: Vec<&GpuSample> = snap
@@ -452,7 +459,7 @@ pub fn encode_snapshot(
         Some(Unit::Bytes),
         Gauge,
         &present,
-        |x| (gpu_labels(x), x.memory_total.unwrap_or(0) as f64),
+        |x| (gpu_labels(x), x.memory_total.unwrap_or(0)),
     )?;
     family(
         enc,
@@ -461,7 +468,7 @@ pub fn encode_snapshot(
         Some(Unit::Bytes),
         Gauge,
         g,
-        |x| (gpu_labels(x), x.memory_promised as f64),
+        |x| (gpu_labels(x), x.memory_promised),
     )?;
     family(
         enc,
@@ -488,7 +495,7 @@ pub fn encode_snapshot(
         None,
         Gauge,
         g,
-        |x| (gpu_labels(x), f64::from(x.allocations)),
+        |x| (gpu_labels(x), u64::from(x.allocations)),
     )?;
     family(
         enc,
@@ -497,12 +504,7 @@ pub fn encode_snapshot(
         None,
         Gauge,
         g,
-        |x| {
-            (
-                gpu_labels(x),
-                if x.memory_total.is_some() { 1.0 } else { 0.0 },
-            )
-        },
+        |x| (gpu_labels(x), u64::from(x.memory_total.is_some())),
     )?;
     family(
         enc,
@@ -511,7 +513,7 @@ pub fn encode_snapshot(
         None,
         Gauge,
         &[snap.tenant_connections],
-        |n| (Vec::<(&str, &str)>::new(), *n as f64),
+        |n| (Vec::<(&str, &str)>::new(), *n),
     )?;
     let kinds: Vec<usize> = (0..REQUEST_KINDS.len()).collect();
     family(
@@ -521,7 +523,7 @@ pub fn encode_snapshot(
         None,
         Counter,
         &kinds,
-        |k| ([("type", REQUEST_KINDS[*k])], requests.count(*k) as f64),
+        |k| ([("type", REQUEST_KINDS[*k])], requests.count(*k)),
     )?;
     let mut m = enc.encode_descriptor(
         "tessera_arbiter_request_duration",
