@@ -526,3 +526,39 @@ fn promtool_finds_no_problem_in_a_scrape() {
     let (status, _) = http_get(node.metrics, "/");
     assert_eq!(status, 404);
 }
+
+#[test]
+fn none_serves_no_metrics_and_a_taken_address_stops_the_start_with_exit_4() {
+    let dir = tempfile::tempdir().unwrap();
+    let sim = SimGpu::prepare(&dir.path().join("sim"), "1x80GiB");
+    let spec = ArbiterSpec::in_dir(
+        env!("CARGO_BIN_EXE_tessera-arbiter"),
+        dir.path(),
+        sim.clone(),
+    )
+    .log_to(dir.path().join("arbiter.log"));
+    let mut cmd = spec.command();
+    cmd.args(["--metrics-addr", "none"]);
+    let mut arbiter = spec.start_command(cmd);
+    assert!(
+        !arbiter.log_text().contains("metrics on"),
+        "{}",
+        arbiter.log_text()
+    );
+    arbiter.stop(Duration::from_secs(10));
+
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let out = spec
+        .command()
+        .args(["--metrics-addr", &addr])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{err}");
+    assert!(
+        err.contains(&format!("cannot listen for metrics on {addr}")),
+        "{err}"
+    );
+    assert!(!spec.socket.exists(), "the tenant socket was left behind");
+}
