@@ -11,6 +11,8 @@
 //! HTTP side is a small hyper server on the daemon's runtime, bounded so that a slow or broken
 //! scraper costs at most a few tasks and never touches a tenant's thread.
 
+#![forbid(unsafe_code)]
+
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::str::FromStr;
