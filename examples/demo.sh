@@ -33,7 +33,8 @@ sim() { "$bin/tessera" sim --lib-dir "$bin" -- "$@"; }
 sim_bg() { exec "$bin/tessera" sim --lib-dir "$bin" -- "$@"; }
 
 echo "== starting the arbiter (state in $work/state)"
-sim_bg "$bin/tessera-arbiter" --state-dir "$work/state" 2>"$work/arbiter.log" &
+# No metrics port: a node arbiter may already serve 127.0.0.1:9464.
+sim_bg "$bin/tessera-arbiter" --state-dir "$work/state" --metrics-addr none 2>"$work/arbiter.log" &
 arbiter_pid=$!
 for _ in $(seq 100); do [ -S "$TESSERA_ADMIN_SOCKET" ] && break; sleep 0.05; done
 [ -S "$TESSERA_ADMIN_SOCKET" ] || { cat "$work/arbiter.log"; exit 1; }

@@ -115,6 +115,8 @@ impl SimNode {
             .env("TESSERA_SIM_DIR", &sim_dir)
             .env("TESSERA_SIM_GPUS", gpus)
             .env(ENV_CONTEXT_MEMORY, MODELED_CONTEXT_MEMORY)
+            // No metrics port unless `args` asks for one (benchmarks may run side by side).
+            .env("TESSERA_METRICS_ADDR", "none")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -181,7 +181,7 @@ slack=120
 
 # ---------------------------------------------------------------- arbiter
 say "starting the arbiter (--enforce $enforce)"
-(exec "${GPU[@]+"${GPU[@]}"}" "$bin/tessera-arbiter" --state-dir "$work/state" --enforce "$enforce" 2>"$work/arbiter.log") &
+(exec "${GPU[@]+"${GPU[@]}"}" "$bin/tessera-arbiter" --state-dir "$work/state" --enforce "$enforce" --metrics-addr none 2>"$work/arbiter.log") &
 arbiter_pid=$!
 for _ in $(seq 200); do [ -S "$TESSERA_ADMIN_SOCKET" ] && break; sleep 0.05; done
 [ -S "$TESSERA_ADMIN_SOCKET" ] || { tail -n 20 "$work/arbiter.log" >&2; die "the arbiter did not start"; }

@@ -328,6 +328,10 @@ pub fn samples() -> Samples {
         labels,
         created_unix: 1_700_000_000,
         enforced: 2,
+        gpu_time_total_ns: u64::MAX,
+        throttled_total_ns: 123_456_789,
+        oom_refusals: 7,
+        leases: 1 << 40,
     };
     let create = CreateAllocation {
         gpu: GpuSelector::Uuid("GPU-x".into()),

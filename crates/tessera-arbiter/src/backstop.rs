@@ -39,6 +39,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tessera_protocol::identity::{CONTAINER_IDENTITY_FILE, Identity};
 
+use crate::metrics::EnforceReason;
 use crate::state::Arbiter;
 
 /// What to do with a process that breaks its allocation's limit.
@@ -840,7 +841,11 @@ impl Backstop {
             self.counters.breaches.fetch_add(1, Ordering::Relaxed);
         }
         if let Some(id) = &a.allocation {
-            self.arb.note_enforced(id);
+            let why = match a.reason {
+                Reason::Compute { .. } => EnforceReason::ComputeBypass,
+                _ => EnforceReason::MemoryOverLimit,
+            };
+            self.arb.note_enforced(id, why);
         }
         let verdict = if kill {
             // SAFETY: kill(2) has no memory preconditions; a pid that exited meanwhile

@@ -88,6 +88,16 @@ pub struct Config {
     /// it bounds the arbiter's memory: see docs/arbiter.md.
     #[arg(long, default_value_t = 4096, value_name = "N")]
     pub max_tenant_connections: usize,
+    /// Where Prometheus metrics are served (`GET /metrics`, plain HTTP): HOST:PORT, port 0 for
+    /// any free port (logged), or `none`. Loopback by default; the DaemonSet binds the pod's
+    /// address. See docs/metrics.md.
+    #[arg(
+        long,
+        env = "TESSERA_METRICS_ADDR",
+        default_value = crate::metrics::DEFAULT_METRICS_ADDR,
+        value_name = "ADDR|none"
+    )]
+    pub metrics_addr: crate::metrics::MetricsAddr,
 }
 
 impl Config {

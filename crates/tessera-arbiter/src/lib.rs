@@ -8,6 +8,8 @@
 //! - [`config`]: command-line and environment configuration.
 //! - [`gpus`]: GPU discovery (NVML through `nvml-wrapper`, or a fixed list for tests).
 //! - [`ledger`]: the memory ledger (pure): atomic reserve, release, redeclare, connection drop.
+//! - [`metrics`]: Prometheus metrics on `--metrics-addr`: a collector reading the state at
+//!   scrape time, the tenant path's refusal and request counters, the small HTTP server.
 //! - [`pressure`]: taking unused memory credit back from an allocation's other processes
 //!   before a reservation is refused (tickets, pressure channels, the wait).
 //! - [`store`]: persistence of allocations (atomic JSON file), ids and tokens.
@@ -29,6 +31,7 @@ pub mod backstop;
 pub mod config;
 pub mod gpus;
 pub mod ledger;
+pub mod metrics;
 pub mod pressure;
 pub mod scheduler;
 pub mod server;

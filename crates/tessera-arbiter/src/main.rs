@@ -4,7 +4,8 @@
 //! - 0: stopped by SIGTERM or SIGINT after removing its sockets and persisting its state;
 //! - 1: any other error; 2: bad usage (from clap, or a bad `RUST_LOG`);
 //! - 3: GPUs could not be discovered (NVML missing or failing);
-//! - 4: a socket could not be created (or another arbiter is serving on it);
+//! - 4: a socket could not be created (or another arbiter is serving on it), or the metrics
+//!   address could not be bound;
 //! - 5: the state directory or state file is unusable (a corrupt file is left untouched).
 
 #![forbid(unsafe_code)]
@@ -48,7 +49,10 @@ impl MainError {
             MainError::Log(_) => 2,
             MainError::Gpus(_) => 3,
             MainError::Server(
-                ServerError::Socket { .. } | ServerError::InUse(_) | ServerError::NotASocket(_),
+                ServerError::Socket { .. }
+                | ServerError::InUse(_)
+                | ServerError::NotASocket(_)
+                | ServerError::Metrics(_),
             ) => 4,
             MainError::Server(ServerError::State(_)) => 5,
             MainError::Runtime(_)

@@ -119,12 +119,31 @@ struct Alloc {
     /// Every ns charged for leases since the allocation was added (the backstop compares it
     /// with the GPU time NVML saw its processes use).
     leased_total_ns: u64,
+    /// Every ns charged, leases and unleased time alike (exported as its GPU time).
+    charged_total_ns: u64,
+    /// Time its requests waited for a lease and are no longer waiting, ns.
+    waited_total_ns: u64,
+    /// Leases granted.
+    leases: u64,
+}
+
+/// Counters of one allocation, read at scrape time ([`GpuScheduler::alloc_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AllocStats {
+    /// GPU time charged so far, ns, the running lease's elapsed part included.
+    pub gpu_ns: u64,
+    /// Time its processes waited for a lease, ns, the waits in progress included.
+    pub throttled_ns: u64,
+    /// Leases granted.
+    pub leases: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct Waiter {
     conn: ConnId,
     key: AccountKey,
+    /// When it asked.
+    since: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -148,6 +167,8 @@ pub struct GpuScheduler {
     /// [`SchedulerParams::rerequest_window_ns`]).
     held_for: Option<(AccountKey, u64)>,
     next_lease: u64,
+    /// Every ns charged on this GPU (allocations removed since included).
+    charged_total_ns: u64,
 }
 
 impl GpuScheduler {
@@ -160,6 +181,7 @@ impl GpuScheduler {
             current: None,
             held_for: None,
             next_lease: 1,
+            charged_total_ns: 0,
         }
     }
 
@@ -178,6 +200,9 @@ impl GpuScheduler {
                 last_lease_end: None,
                 history: VecDeque::new(),
                 leased_total_ns: 0,
+                charged_total_ns: 0,
+                waited_total_ns: 0,
+                leases: 0,
             },
         );
     }
@@ -216,7 +241,7 @@ impl GpuScheduler {
             self.end_lease(l, 0, false, now);
         }
         // A second request from the same connection replaces the first.
-        self.waiting.retain(|w| w.conn != conn);
+        self.stop_waiting(|w| w.conn == conn, now);
         let recent = self.allocs[&key]
             .last_lease_end
             .is_some_and(|t| now.saturating_sub(t) <= self.params.idle_after_ns);
@@ -233,7 +258,11 @@ impl GpuScheduler {
                 a.vtime = floor;
             }
         }
-        self.waiting.push_back(Waiter { conn, key });
+        self.waiting.push_back(Waiter {
+            conn,
+            key,
+            since: now,
+        });
         Ok(self.dispatch(now))
     }
 
@@ -260,7 +289,7 @@ impl GpuScheduler {
 
     /// A connection closed: its waiter is dropped and its lease released.
     pub fn connection_closed(&mut self, conn: ConnId, now: u64) -> Vec<Grant> {
-        self.waiting.retain(|w| w.conn != conn);
+        self.stop_waiting(|w| w.conn == conn, now);
         if let Some(l) = self.current
             && l.conn == conn
         {
@@ -328,6 +357,51 @@ impl GpuScheduler {
         Some(a.leased_total_ns + running)
     }
 
+    /// The counters of `key` at `now` (`None`: unknown allocation). Each only grows: the running
+    /// lease's elapsed part is at most what its end charges, a wait in progress at most what
+    /// its end adds.
+    pub fn alloc_stats(&self, key: AccountKey, now: u64) -> Option<AllocStats> {
+        let a = self.allocs.get(&key)?;
+        let running = self
+            .current
+            .filter(|l| l.key == key)
+            .map_or(0, |l| now.saturating_sub(l.granted_at));
+        let waiting: u64 = self
+            .waiting
+            .iter()
+            .filter(|w| w.key == key)
+            .map(|w| now.saturating_sub(w.since))
+            .sum();
+        Some(AllocStats {
+            gpu_ns: a.charged_total_ns.saturating_add(running),
+            throttled_ns: a.waited_total_ns.saturating_add(waiting),
+            leases: a.leases,
+        })
+    }
+
+    /// GPU time charged on this GPU so far, ns, the running lease's elapsed part included.
+    pub fn busy_total(&self, now: u64) -> u64 {
+        let running = self.current.map_or(0, |l| now.saturating_sub(l.granted_at));
+        self.charged_total_ns.saturating_add(running)
+    }
+
+    /// Drops the waiting requests matching `drop`, adding the time each waited to its
+    /// allocation.
+    fn stop_waiting(&mut self, drop: impl Fn(&Waiter) -> bool, now: u64) {
+        let allocs = &mut self.allocs;
+        self.waiting.retain(|w| {
+            if !drop(w) {
+                return true;
+            }
+            if let Some(a) = allocs.get_mut(&w.key) {
+                a.waited_total_ns = a
+                    .waited_total_ns
+                    .saturating_add(now.saturating_sub(w.since));
+            }
+            false
+        });
+    }
+
     /// Charges GPU time that `key`'s processes used outside any lease (seen by the backstop):
     /// its virtual time and cap bucket pay for it as for a lease, so the fair queue gives the
     /// others that time back.
@@ -341,6 +415,8 @@ impl GpuScheduler {
         let bucket = self.allocs.get(&key).map(|a| self.bucket(a, now));
         let window = self.params.window_ns;
         let a = self.allocs.get_mut(&key)?;
+        self.charged_total_ns = self.charged_total_ns.saturating_add(ns);
+        a.charged_total_ns = a.charged_total_ns.saturating_add(ns);
         a.vtime += ns as f64 / f64::from(a.share);
         if let Some(b) = bucket
             && a.cap.is_some()
@@ -446,6 +522,11 @@ impl GpuScheduler {
         };
         self.held_for = None;
         let w = self.waiting.remove(i).expect("index from the scan");
+        let a = self.allocs.get_mut(&w.key).expect("checked in the scan");
+        a.waited_total_ns = a
+            .waited_total_ns
+            .saturating_add(now.saturating_sub(w.since));
+        a.leases += 1;
         let a = &self.allocs[&w.key];
         let mut duration = a.lease_ns;
         // Contended: another allocation waits, or had the GPU moments ago (it asks again
@@ -636,6 +717,21 @@ impl SchedulerHandle {
     /// GPU time charged to `key` over the last 10 s, ns.
     pub fn gpu_time_10s(&self, key: AccountKey, now: u64) -> u64 {
         self.lock().sched.gpu_time(key, now)
+    }
+
+    /// See [`GpuScheduler::alloc_stats`].
+    pub fn alloc_stats(&self, key: AccountKey, now: u64) -> Option<AllocStats> {
+        self.lock().sched.alloc_stats(key, now)
+    }
+
+    /// The GPU's busy total and the counters of `keys` (in order), under one lock.
+    pub fn stats(&self, keys: &[AccountKey], now: u64) -> (u64, Vec<Option<AllocStats>>) {
+        let inner = self.lock();
+        let per = keys
+            .iter()
+            .map(|k| inner.sched.alloc_stats(*k, now))
+            .collect();
+        (inner.sched.busy_total(now), per)
     }
 
     /// Revokes overdue leases and wakes capped waiters on time; runs until the task is
@@ -1060,6 +1156,42 @@ mod tests {
             g[0].conn, 21,
             "the allocation that went around the gate waits"
         );
+    }
+
+    #[test]
+    fn stats_count_leases_waits_and_charged_time_and_only_grow() {
+        let mut s = GpuScheduler::new(SchedulerParams::default());
+        s.add_allocation(1, 30, None, 0);
+        s.add_allocation(2, 70, None, 0);
+        let g1 = s.acquire(1, 10, 0).unwrap()[0];
+        // 2 asks at 5 ms and waits while 1 holds the GPU.
+        assert!(s.acquire(2, 20, 5 * MS).unwrap().is_empty());
+        let mid = s.alloc_stats(2, 15 * MS).unwrap();
+        assert_eq!(mid.throttled_ns, 10 * MS, "a wait in progress counts");
+        assert_eq!(s.alloc_stats(1, 15 * MS).unwrap().gpu_ns, 15 * MS);
+        assert_eq!(s.busy_total(15 * MS), 15 * MS);
+        // 1 reports 22 ms busy at 20 ms: charged 22 ms; 2 is granted then.
+        let g2 = s.release(10, g1.lease_id, 22 * MS, true, 20 * MS);
+        assert_eq!(g2[0].conn, 20);
+        let a = s.alloc_stats(1, 20 * MS).unwrap();
+        let b = s.alloc_stats(2, 20 * MS).unwrap();
+        assert_eq!((a.gpu_ns, a.leases, a.throttled_ns), (22 * MS, 1, 0));
+        assert_eq!((b.gpu_ns, b.leases, b.throttled_ns), (0, 1, 15 * MS));
+        // 1 waits 4 ms, then its connection closes: the wait still counts.
+        assert!(s.acquire(1, 10, 21 * MS).unwrap().is_empty());
+        s.connection_closed(10, 25 * MS);
+        assert_eq!(s.alloc_stats(1, 30 * MS).unwrap().throttled_ns, 4 * MS);
+        // Unleased time is GPU time too (not a lease).
+        s.charge_unleased(1, 3 * MS, 30 * MS);
+        let a = s.alloc_stats(1, 30 * MS).unwrap();
+        assert_eq!((a.gpu_ns, a.leases), (25 * MS, 1));
+        s.release(20, g2[0].lease_id, 0, true, 40 * MS);
+        assert_eq!(s.alloc_stats(2, 40 * MS).unwrap().gpu_ns, 20 * MS);
+        assert_eq!(s.busy_total(40 * MS), 45 * MS);
+        // A removed allocation's time stays in the GPU's total.
+        s.remove_allocation(2, 41 * MS);
+        assert_eq!(s.alloc_stats(2, 41 * MS), None);
+        assert_eq!(s.busy_total(41 * MS), 45 * MS);
     }
 
     #[test]

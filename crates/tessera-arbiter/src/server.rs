@@ -16,6 +16,7 @@ use tokio::task::JoinHandle;
 use crate::admin;
 use crate::admission::{self, Admission, Limits};
 use crate::config::Config;
+use crate::metrics::{self, MetricsAddr};
 use crate::scheduler::SchedulerParams;
 use crate::state::{Arbiter, StateError};
 use crate::store::Store;
@@ -43,6 +44,9 @@ pub enum ServerError {
     /// Something that is not a socket sits at the socket path; it is not removed.
     #[error("{0} exists and is not a socket; refusing to remove it")]
     NotASocket(PathBuf),
+    /// The metrics endpoint could not listen.
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::MetricsError),
 }
 
 /// A running arbiter.
@@ -53,6 +57,7 @@ pub struct Server {
     admin_socket: PathBuf,
     tenant_admission: Arc<Admission>,
     admin_admission: Arc<Admission>,
+    metrics_addr: Option<std::net::SocketAddr>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -165,6 +170,18 @@ impl Server {
         raise_nofile(&limits);
         let tenant_admission = Admission::new(limits);
         let admin_admission = Admission::new(limits);
+        let metrics = match config.metrics_addr {
+            MetricsAddr::Off => None,
+            MetricsAddr::At(addr) => match metrics::bind(addr).await {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    let _ = fs::remove_file(&config.socket);
+                    let _ = fs::remove_file(&config.admin_socket);
+                    return Err(e.into());
+                }
+            },
+        };
+        let metrics_addr = metrics.as_ref().and_then(|l| l.local_addr().ok());
         let mut tasks = vec![
             accept_loop(
                 tenant_listener,
@@ -185,12 +202,21 @@ impl Server {
         for s in arbiter.schedulers() {
             tasks.push(tokio::spawn(s.run_timer(epoch)));
         }
+        if let Some(listener) = metrics {
+            let registry =
+                metrics::registry(Arc::clone(&arbiter), Some(Arc::clone(&tenant_admission)));
+            tasks.push(tokio::spawn(metrics::serve(listener, Arc::new(registry))));
+            if let Some(addr) = metrics_addr {
+                tracing::info!("metrics on http://{addr}/metrics");
+            }
+        }
         Ok(Self {
             arbiter,
             socket: config.socket.clone(),
             admin_socket: config.admin_socket.clone(),
             tenant_admission,
             admin_admission,
+            metrics_addr,
             tasks,
         })
     }
@@ -198,6 +224,11 @@ impl Server {
     /// The shared state.
     pub fn arbiter(&self) -> &Arc<Arbiter> {
         &self.arbiter
+    }
+
+    /// The address `/metrics` is served on (`None`: `--metrics-addr none`).
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.metrics_addr
     }
 
     /// The tenant socket's caps and refusal counters.

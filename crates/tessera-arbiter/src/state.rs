@@ -18,10 +18,13 @@ use parking_lot::{Mutex, MutexGuard};
 
 use tessera_protocol::{
     AdminErrorKind, AllocationStatus, AllocationView, CreateAllocation, GpuInfo, GpuSelector,
-    MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS,
+    LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS,
 };
 
 use crate::ledger::{AccountKey, ConnId, Ledger, LedgerError};
+use crate::metrics::{
+    AllocCounters, AllocSample, EnforceReason, GpuSample, RequestStats, Snapshot,
+};
 use crate::pressure::PressureHub;
 use crate::scheduler::{SchedulerHandle, SchedulerParams};
 use crate::store::{self, AllocationRecord, Store, StoreError};
@@ -72,6 +75,8 @@ pub struct TenantBinding {
     pub view: AllocationView,
     /// The scheduler of its GPU.
     pub scheduler: SchedulerHandle,
+    /// Its refusal counters (shared by all its connections).
+    pub counters: Arc<AllocCounters>,
 }
 
 #[derive(Debug)]
@@ -79,8 +84,8 @@ struct LiveAlloc {
     key: AccountKey,
     record: AllocationRecord,
     scheduler: SchedulerHandle,
-    /// Backstop actions on its processes.
-    enforced: u64,
+    /// Refusals and backstop actions.
+    counters: Arc<AllocCounters>,
     /// Tenant connections closed for lying about their memory (see [`Arbiter::note_violation`]).
     violations: u64,
 }
@@ -117,6 +122,8 @@ pub struct Arbiter {
     epoch: Instant,
     /// Pressure channels of tenant processes (memory credit reclaim).
     pressure: PressureHub,
+    /// Tenant requests by kind (metrics).
+    requests: RequestStats,
 }
 
 fn now_unix() -> u64 {
@@ -272,6 +279,7 @@ impl Arbiter {
             next_conn: AtomicU64::new(1),
             epoch: Instant::now(),
             pressure: PressureHub::new(),
+            requests: RequestStats::default(),
         });
         for g in &arb.gpus {
             arb.scheduler_for(&g.uuid);
@@ -329,7 +337,7 @@ impl Arbiter {
                 key,
                 record,
                 scheduler,
-                enforced: 0,
+                counters: Arc::default(),
                 violations: 0,
             },
         );
@@ -349,9 +357,14 @@ impl Arbiter {
     ) -> Option<TenantBinding> {
         let mut live = self.live();
         let id = live.tokens.get(token)?.clone();
-        let (key, view, scheduler) = {
+        let (key, view, scheduler, counters) = {
             let a = live.by_id.get(&id)?;
-            (a.key, view(&a.record), a.scheduler.clone())
+            (
+                a.key,
+                view(&a.record),
+                a.scheduler.clone(),
+                Arc::clone(&a.counters),
+            )
         };
         live.ledger.attach(key, conn).ok()?;
         *live
@@ -364,13 +377,105 @@ impl Arbiter {
             key,
             view,
             scheduler,
+            counters,
         })
     }
 
-    /// The backstop acted on a process of allocation `id` (shown by `List`).
-    pub fn note_enforced(&self, id: &str) {
-        if let Some(a) = self.live().by_id.get_mut(id) {
-            a.enforced += 1;
+    /// The backstop acted on a process of allocation `id` (shown by `List`, counted by
+    /// reason in the metrics).
+    pub fn note_enforced(&self, id: &str, why: EnforceReason) {
+        if let Some(a) = self.live().by_id.get(id) {
+            a.counters.enforced(why);
+        }
+    }
+
+    /// Tenant requests by kind (the tenant connections count them).
+    pub fn requests(&self) -> &RequestStats {
+        &self.requests
+    }
+
+    /// Every live allocation and GPU with its counters, for a scrape. The live lock is held
+    /// only to copy the allocations out; each scheduler is then locked once.
+    pub fn snapshot(&self) -> Snapshot {
+        let now = self.now_ns();
+        let mut rows: Vec<(AllocSample, AccountKey, SchedulerHandle)> = {
+            let live = self.live();
+            live.by_id
+                .values()
+                .map(|a| {
+                    let r = &a.record;
+                    let label = |k: &str| r.labels.get(k).filter(|v| !v.is_empty()).cloned();
+                    let sample = AllocSample {
+                        id: r.id.clone(),
+                        gpu_index: r.gpu_index,
+                        gpu_uuid: r.gpu_uuid.clone(),
+                        pod: [
+                            label(LABEL_NAMESPACE),
+                            label(LABEL_POD),
+                            label(LABEL_CONTAINER),
+                        ],
+                        memory_limit: r.memory_limit,
+                        memory_used: live.ledger.usage(a.key).map_or(0, |u| u.in_use),
+                        share: r.share,
+                        cap: r.cap,
+                        processes: live.procs.get(&a.key).map_or(0, |p| p.len() as u32),
+                        sched: Default::default(),
+                        oom_refusals: a.counters.oom_refusals(),
+                        enforced: a.counters.enforcements(),
+                    };
+                    (sample, a.key, a.scheduler.clone())
+                })
+                .collect()
+        };
+        rows.sort_by(|a, b| (a.0.gpu_index, &a.0.id).cmp(&(b.0.gpu_index, &b.0.id)));
+        let mut gpus: Vec<GpuSample> = self
+            .gpus
+            .iter()
+            .map(|g| GpuSample {
+                index: g.index,
+                uuid: g.uuid.clone(),
+                memory_total: Some(g.memory_total),
+                ..Default::default()
+            })
+            .collect();
+        for (a, _, _) in &rows {
+            let i = match gpus.iter().position(|g| g.uuid == a.gpu_uuid) {
+                Some(i) => i,
+                None => {
+                    gpus.push(GpuSample {
+                        index: a.gpu_index,
+                        uuid: a.gpu_uuid.clone(),
+                        ..Default::default()
+                    });
+                    gpus.len() - 1
+                }
+            };
+            let g = &mut gpus[i];
+            g.memory_promised = g.memory_promised.saturating_add(a.memory_limit);
+            g.shares += a.share;
+            g.allocations += 1;
+        }
+        let schedulers = self.schedulers.lock().clone();
+        for g in &mut gpus {
+            let Some(sched) = schedulers.get(&g.uuid) else {
+                continue;
+            };
+            let keys: Vec<AccountKey> = rows
+                .iter()
+                .filter(|r| r.2.uuid() == g.uuid)
+                .map(|r| r.1)
+                .collect();
+            let (busy, per) = sched.stats(&keys, now);
+            g.busy_ns = busy;
+            let mut per = per.into_iter();
+            for r in rows.iter_mut().filter(|r| r.2.uuid() == g.uuid) {
+                r.0.sched = per.next().flatten().unwrap_or_default();
+            }
+        }
+        Snapshot {
+            allocs: rows.into_iter().map(|r| r.0).collect(),
+            gpus,
+            tenant_connections: 0,
         }
     }
 
@@ -637,7 +742,9 @@ impl Arbiter {
         let a = live.by_id.get(id)?;
         let usage = live.ledger.usage(a.key)?;
         let r = &a.record;
-        let gpu_time_10s_ns = a.scheduler.gpu_time_10s(a.key, self.now_ns());
+        let now = self.now_ns();
+        let gpu_time_10s_ns = a.scheduler.gpu_time_10s(a.key, now);
+        let sched = a.scheduler.alloc_stats(a.key, now).unwrap_or_default();
         Some(AllocationStatus {
             id: r.id.clone(),
             gpu_index: r.gpu_index,
@@ -650,7 +757,11 @@ impl Arbiter {
             gpu_time_10s_ns,
             labels: r.labels.clone(),
             created_unix: r.created_unix,
-            enforced: a.enforced,
+            enforced: a.counters.enforcements().iter().sum(),
+            gpu_time_total_ns: sched.gpu_ns,
+            throttled_total_ns: sched.throttled_ns,
+            oom_refusals: a.counters.oom_refusals(),
+            leases: sched.leases,
         })
     }
 

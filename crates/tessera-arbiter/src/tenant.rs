@@ -306,6 +306,7 @@ fn serve_requests(
         while let Some(req) = dec.next::<TenantRequest>().map_err(WireError::from)? {
             let first = handled == 0;
             handled = handled.saturating_add(1);
+            let kind = crate::metrics::request_kind(&req);
             if req == TenantRequest::LeaseAcquire {
                 if !leasing {
                     leasing = true;
@@ -320,8 +321,11 @@ fn serve_requests(
                     }
                     *pending = true;
                 }
+                let started = Instant::now();
                 let sink: Arc<dyn GrantSink> = Arc::clone(writer) as Arc<dyn GrantSink>;
-                if let Err(e) = b.scheduler.acquire(b.key, conn, arb.now_ns(), sink) {
+                let queued = b.scheduler.acquire(b.key, conn, arb.now_ns(), sink);
+                arb.requests().observe(kind, started.elapsed());
+                if let Err(e) = queued {
                     *writer.lock() = false;
                     reply(
                         &mut out,
@@ -332,6 +336,7 @@ fn serve_requests(
                 }
                 continue;
             }
+            let started = Instant::now();
             match req {
                 TenantRequest::Subscribe { ticket } => {
                     // Registered before the reply: a `Pressure` may reach the process ahead
@@ -354,6 +359,7 @@ fn serve_requests(
                 }
                 req => handle(arb, b, conn, req, first, &mut out)?,
             }
+            arb.requests().observe(kind, started.elapsed());
         }
         writer.write_replies(&mut out)?;
         let n = loop {
@@ -389,7 +395,10 @@ fn handle(
                 })
             }) {
                 Ok(Credit::Granted { in_use, .. }) => TenantReply::Reserved { in_use },
-                Ok(Credit::Denied { limit, in_use }) => TenantReply::Denied { limit, in_use },
+                Ok(Credit::Denied { limit, in_use }) => {
+                    b.counters.refused();
+                    TenantReply::Denied { limit, in_use }
+                }
                 Err(e) => TenantReply::Error {
                     message: e.to_string(),
                 },
@@ -404,7 +413,10 @@ fn handle(
             let attempt = |l: &mut crate::ledger::Ledger| l.reserve_credit(key, conn, bytes, extra);
             let msg = match reserve_pressing(arb, b, conn, given_back, attempt) {
                 Ok(Credit::Granted { bytes, in_use }) => TenantReply::Granted { bytes, in_use },
-                Ok(Credit::Denied { limit, in_use }) => TenantReply::Denied { limit, in_use },
+                Ok(Credit::Denied { limit, in_use }) => {
+                    b.counters.refused();
+                    TenantReply::Denied { limit, in_use }
+                }
                 Err(e) => TenantReply::Error {
                     message: e.to_string(),
                 },

@@ -453,6 +453,10 @@ mod tests {
             labels: BTreeMap::new(),
             created_unix: 5,
             enforced: 0,
+            gpu_time_total_ns: 0,
+            throttled_total_ns: 0,
+            oom_refusals: 0,
+            leases: 0,
         }
     }
 

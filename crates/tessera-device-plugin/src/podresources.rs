@@ -282,6 +282,10 @@ mod tests {
             labels: units::allocation_labels(R, uuid, &set),
             created_unix: 0,
             enforced: 0,
+            gpu_time_total_ns: 0,
+            throttled_total_ns: 0,
+            oom_refusals: 0,
+            leases: 0,
         }
     }
 

@@ -313,6 +313,16 @@ pub struct AllocationStatus {
     /// Processes of this allocation the memory backstop acted on (killed or reported) since the
     /// arbiter started.
     pub enforced: u64,
+    /// GPU time charged to it since the arbiter started, ns: its leases (each the longer of
+    /// the time held and the busy time reported) and time used outside leases.
+    pub gpu_time_total_ns: u64,
+    /// Time its processes spent waiting for a lease since the arbiter started, ns (summed over
+    /// processes).
+    pub throttled_total_ns: u64,
+    /// Reservations refused at its memory limit (each one an out-of-memory error in a tenant).
+    pub oom_refusals: u64,
+    /// Compute leases granted to its processes.
+    pub leases: u64,
 }
 
 /// Classes of admin errors, so tools can map them to exit codes.

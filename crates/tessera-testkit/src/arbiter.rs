@@ -60,6 +60,9 @@ impl ArbiterSpec {
             .arg(&self.state_dir)
             .env_remove("TESSERA_SOCKET")
             .env_remove("TESSERA_ADMIN_SOCKET")
+            // Tests run side by side: none binds the default metrics port (a test that wants
+            // the endpoint passes `--metrics-addr`, which wins over the variable).
+            .env("TESSERA_METRICS_ADDR", "none")
             .env_remove("LD_PRELOAD")
             .stdin(Stdio::null());
         self.sim.apply(&mut cmd);

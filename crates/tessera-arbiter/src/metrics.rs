@@ -1,0 +1,954 @@
+//! Prometheus metrics: `GET /metrics` on `--metrics-addr` (names, types and labels in
+//! docs/metrics.md).
+//!
+//! Everything per allocation and per GPU is read from the arbiter's state when a scrape comes
+//! ([`ArbiterCollector`]): a deleted allocation's series are gone at the next scrape, and the
+//! tenant fast path keeps no metric of its own beyond a few relaxed atomic increments: refusals
+//! ([`AllocCounters`]) and requests by type ([`RequestStats`]). GPU time, waits and leases are
+//! counted by the schedulers under the lock they already hold.
+//!
+//! The text is produced by the `prometheus-client` crate (Prometheus text format 0.0.4); the
+//! HTTP side is a small hyper server on the daemon's runtime, bounded so that a slow or broken
+//! scraper costs at most a few tasks and never touches a tenant's thread.
+
+#![forbid(unsafe_code)]
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use http_body_util::Full;
+use hyper::body::Bytes;
+use hyper::{Method, Request, Response, StatusCode};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeCounterValue, EncodeGaugeValue, EncodeMetric, NoLabelSet,
+};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::{Registry, Unit};
+use tessera_protocol::TenantRequest;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+use crate::admission::Admission;
+use crate::scheduler::AllocStats;
+use crate::state::Arbiter;
+
+/// Default address of the metrics endpoint (dcgm-exporter uses 9400).
+pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
+/// Scrapes served at once; more connections are closed at once.
+pub const MAX_SCRAPERS: usize = 8;
+/// Longest life of one scrape connection, request and response together: a client that
+/// trickles its request or never reads the answer loses it.
+pub const CONNECTION_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Errors of the metrics endpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsError {
+    /// `--metrics-addr` is neither `none` nor an address.
+    #[error("metrics address {0:?} is not HOST:PORT or `none`")]
+    BadAddress(String),
+    /// The listening socket could not be bound.
+    #[error("cannot listen for metrics on {addr}: {source}")]
+    Bind {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// Cause.
+        source: std::io::Error,
+    },
+}
+
+/// `--metrics-addr`: where `/metrics` is served, or nowhere.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricsAddr {
+    /// `none`: no endpoint.
+    Off,
+    /// Listen here (port 0: any free port, logged).
+    At(SocketAddr),
+}
+
+impl FromStr for MetricsAddr {
+    type Err = MetricsError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if s.trim().eq_ignore_ascii_case("none") {
+            return Ok(Self::Off);
+        }
+        s.trim()
+            .parse()
+            .map(Self::At)
+            .map_err(|_| MetricsError::BadAddress(s.to_owned()))
+    }
+}
+
+/// Why the backstop acted on a process of an allocation (label `reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EnforceReason {
+    /// Its allocation's processes held more device memory than the limit plus tolerance.
+    MemoryOverLimit,
+    /// Its allocation used too much GPU time outside its leases.
+    ComputeBypass,
+}
+
+impl EnforceReason {
+    /// Every reason, in the order of [`AllocCounters`]' slots.
+    pub const ALL: [EnforceReason; 2] = [Self::MemoryOverLimit, Self::ComputeBypass];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::MemoryOverLimit => "memory_over_limit",
+            Self::ComputeBypass => "compute_bypass",
+        }
+    }
+}
+
+/// Counters of one allocation kept outside the schedulers, shared by its tenant connections
+/// (lock-free: they are bumped on the tenant path).
+#[derive(Debug, Default)]
+pub struct AllocCounters {
+    oom_refusals: AtomicU64,
+    enforced: [AtomicU64; 2],
+}
+
+impl AllocCounters {
+    /// A reservation was refused at the limit (the tenant sees an out-of-memory error).
+    pub fn refused(&self) {
+        self.oom_refusals.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Reservations refused so far.
+    pub fn oom_refusals(&self) -> u64 {
+        self.oom_refusals.load(Ordering::Relaxed)
+    }
+
+    /// The backstop acted on one of its processes.
+    pub fn enforced(&self, why: EnforceReason) {
+        self.enforced[why as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Backstop actions so far, per reason (in [`EnforceReason::ALL`]'s order).
+    pub fn enforcements(&self) -> [u64; 2] {
+        [0, 1].map(|i| self.enforced[i].load(Ordering::Relaxed))
+    }
+}
+
+/// Upper bounds of the request-duration buckets, seconds: a `Reserve` round trip takes a few
+/// microseconds, one that presses other processes up to the 50 ms memory wait.
+pub const DURATION_BUCKETS: [f64; 12] = [
+    5e-6, 10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 50e-3, 250e-3,
+];
+
+/// The tenant request kinds (label `type`).
+pub const REQUEST_KINDS: [&str; 11] = [
+    "reserve",
+    "release",
+    "redeclare",
+    "mem_info",
+    "ping",
+    "lease_acquire",
+    "lease_release",
+    "reserve_credit",
+    "ticket",
+    "subscribe",
+    "relinquish",
+];
+
+/// Index of `req`'s kind in [`REQUEST_KINDS`].
+pub fn request_kind(req: &TenantRequest) -> usize {
+    match req {
+        TenantRequest::Reserve { .. } => 0,
+        TenantRequest::Release { .. } => 1,
+        TenantRequest::Redeclare { .. } => 2,
+        TenantRequest::MemInfo => 3,
+        TenantRequest::Ping => 4,
+        TenantRequest::LeaseAcquire => 5,
+        TenantRequest::LeaseRelease { .. } => 6,
+        TenantRequest::ReserveCredit { .. } => 7,
+        TenantRequest::Ticket => 8,
+        TenantRequest::Subscribe { .. } => 9,
+        TenantRequest::Relinquish { .. } => 10,
+    }
+}
+
+#[derive(Debug, Default)]
+struct KindStats {
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+    /// Per bucket (not cumulative); the last slot is above every bound.
+    buckets: [AtomicU64; DURATION_BUCKETS.len() + 1],
+}
+
+/// Tenant requests handled, by kind, with a histogram of the time each took: three relaxed
+/// atomic additions per request.
+#[derive(Debug, Default)]
+pub struct RequestStats {
+    kinds: [KindStats; REQUEST_KINDS.len()],
+}
+
+impl RequestStats {
+    /// Counts one request of kind `kind` (see [`request_kind`]) that took `took`.
+    pub fn observe(&self, kind: usize, took: Duration) {
+        let Some(k) = self.kinds.get(kind) else {
+            return;
+        };
+        let secs = took.as_secs_f64();
+        let slot = DURATION_BUCKETS
+            .iter()
+            .position(|b| secs <= *b)
+            .unwrap_or(DURATION_BUCKETS.len());
+        k.count.fetch_add(1, Ordering::Relaxed);
+        k.sum_ns
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        k.buckets[slot].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Requests of kind `kind` so far.
+    pub fn count(&self, kind: usize) -> u64 {
+        self.kinds
+            .get(kind)
+            .map_or(0, |k| k.count.load(Ordering::Relaxed))
+    }
+}
+
+/// One allocation at scrape time.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AllocSample {
+    /// Public id.
+    pub id: String,
+    /// GPU index.
+    pub gpu_index: u32,
+    /// GPU UUID.
+    pub gpu_uuid: String,
+    /// `namespace`, `pod`, `container` from its labels, when known.
+    pub pod: [Option<String>; 3],
+    /// Memory limit, bytes.
+    pub memory_limit: u64,
+    /// Bytes reserved in the ledger.
+    pub memory_used: u64,
+    /// Compute share, percent.
+    pub share: u32,
+    /// Compute cap, percent.
+    pub cap: Option<u32>,
+    /// Connected processes.
+    pub processes: u32,
+    /// The scheduler's counters.
+    pub sched: AllocStats,
+    /// Reservations refused at the limit.
+    pub oom_refusals: u64,
+    /// Backstop actions per reason ([`EnforceReason::ALL`]'s order).
+    pub enforced: [u64; 2],
+}
+
+/// One GPU at scrape time.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GpuSample {
+    /// Index (the last known one for a GPU that is gone).
+    pub index: u32,
+    /// UUID.
+    pub uuid: String,
+    /// Memory, bytes (`None`: the GPU is not present).
+    pub memory_total: Option<u64>,
+    /// Bytes promised to its allocations.
+    pub memory_promised: u64,
+    /// Shares promised, percent.
+    pub shares: u32,
+    /// Allocations on it.
+    pub allocations: u32,
+    /// GPU time charged on it so far, ns.
+    pub busy_ns: u64,
+}
+
+/// What one scrape reports.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Snapshot {
+    /// Live allocations.
+    pub allocs: Vec<AllocSample>,
+    /// GPUs: the discovered ones, then any an allocation names that is not present.
+    pub gpus: Vec<GpuSample>,
+    /// Admitted tenant connections.
+    pub tenant_connections: u64,
+}
+
+/// The arbiter's metrics, read from its state at every scrape.
+#[derive(Debug)]
+pub struct ArbiterCollector {
+    arb: Arc<Arbiter>,
+    tenant_admission: Option<Arc<Admission>>,
+}
+
+impl ArbiterCollector {
+    /// A collector of `arb`; `tenant_admission` gives the connection count (absent: 0).
+    pub fn new(arb: Arc<Arbiter>, tenant_admission: Option<Arc<Admission>>) -> Self {
+        Self {
+            arb,
+            tenant_admission,
+        }
+    }
+}
+
+/// Labels of one allocation's series.
+fn alloc_labels(a: &AllocSample) -> Vec<(&'static str, String)> {
+    let mut l = vec![
+        ("allocation", a.id.clone()),
+        ("gpu", a.gpu_index.to_string()),
+        ("gpu_uuid", a.gpu_uuid.clone()),
+    ];
+    for (name, v) in ["namespace", "pod", "container"].into_iter().zip(&a.pod) {
+        if let Some(v) = v {
+            l.push((name, v.clone()));
+        }
+    }
+    l
+}
+
+fn gpu_labels(g: &GpuSample) -> Vec<(&'static str, String)> {
+    vec![("gpu", g.index.to_string()), ("gpu_uuid", g.uuid.clone())]
+}
+
+const NS: f64 = 1e9;
+
+/// One family: a descriptor and one series per item.
+/// Values are `u64` for bytes and counts (written as integers), `f64` for seconds and ratios.
+fn family<T, L, V>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<Unit>,
+    kind: MetricType,
+    items: &[T],
+    series: impl Fn(&T) -> (L, V),
+) -> Result<(), std::fmt::Error>
+where
+    L: prometheus_client::encoding::EncodeLabelSet,
+    V: EncodeGaugeValue + EncodeCounterValue + std::fmt::Debug,
+{
+    let mut m = enc.encode_descriptor(name, help, unit.as_ref(), kind)?;
+    for it in items {
+        let (labels, v) = series(it);
+        let e = m.encode_family(&labels)?;
+        match kind {
+            MetricType::Counter => ConstCounter::new(v).encode(e)?,
+            _ => ConstGauge::new(v).encode(e)?,
+        }
+    }
+    Ok(())
+}
+
+/// Encodes `snap` and the request statistics (the whole exposition but the build info).
+pub fn encode_snapshot(
+    enc: &mut DescriptorEncoder,
+    snap: &Snapshot,
+    requests: &RequestStats,
+) -> Result<(), std::fmt::Error> {
+    use MetricType::{Counter, Gauge};
+    let a = &snap.allocs;
+    let al = alloc_labels;
+    family(
+        enc,
+        "tessera_allocation_memory_limit",
+        "Memory limit of the allocation.",
+        Some(Unit::Bytes),
+        Gauge,
+        a,
+        |x| (al(x), x.memory_limit),
+    )?;
+    family(
+        enc,
+        "tessera_allocation_memory_used",
+        "Device memory reserved in the ledger by the allocation's processes.",
+        Some(Unit::Bytes),
+        Gauge,
+        a,
+        |x| (al(x), x.memory_used),
+    )?;
+    family(
+        enc,
+        "tessera_allocation_share_ratio",
+        "Compute share of the allocation (share / 100).",
+        None,
+        Gauge,
+        a,
+        |x| (al(x), f64::from(x.share) / 100.0),
+    )?;
+    family(
+        enc,
+        "tessera_allocation_cap_ratio",
+        "Compute cap of the allocation (cap / 100; 1 when uncapped).",
+        None,
+        Gauge,
+        a,
+        |x| (al(x), f64::from(x.cap.unwrap_or(100)) / 100.0),
+    )?;
+    family(
+        enc,
+        "tessera_allocation_gpu",
+        "GPU time charged to the allocation: its leases (the longer of time held and busy time reported) and GPU time used outside leases.",
+        Some(Unit::Seconds),
+        Counter,
+        a,
+        |x| (al(x), x.sched.gpu_ns as f64 / NS),
+    )?;
+    family(
+        enc,
+        "tessera_allocation_throttled",
+        "Time the allocation's processes waited for a compute lease, summed over processes.",
+        Some(Unit::Seconds),
+        Counter,
+        a,
+        |x| (al(x), x.sched.throttled_ns as f64 / NS),
+    )?;
+    family(
+        enc,
+        "tessera_allocation_leases",
+        "Compute leases granted to the allocation's processes.",
+        None,
+        Counter,
+        a,
+        |x| (al(x), x.sched.leases),
+    )?;
+    family(
+        enc,
+        "tessera_allocation_oom_refusals",
+        "Reservations refused at the memory limit (each an out-of-memory error in a tenant).",
+        None,
+        Counter,
+        a,
+        |x| (al(x), x.oom_refusals),
+    )?;
+    family(
+        enc,
+        "tessera_allocation_processes",
+        "Processes connected for the allocation.",
+        None,
+        Gauge,
+        a,
+        |x| (al(x), u64::from(x.processes)),
+    )?;
+    let per_reason: Vec<(&AllocSample, EnforceReason)> = a
+        .iter()
+        .flat_map(|x| EnforceReason::ALL.map(|r| (x, r)))
+        .collect();
+    family(
+        enc,
+        "tessera_allocation_enforcement_actions",
+        "Processes of the allocation the backstop killed or reported, by reason.",
+        None,
+        Counter,
+        &per_reason,
+        |(x, r)| {
+            let mut l = al(x);
+            l.push(("reason", r.as_str().to_owned()));
+            (l, x.enforced[*r as usize])
+        },
+    )?;
+    let present: Vec<&GpuSample> = snap
+        .gpus
+        .iter()
+        .filter(|g| g.memory_total.is_some())
+        .collect();
+    let g = &snap.gpus;
+    family(
+        enc,
+        "tessera_gpu_memory_total",
+        "Memory of the GPU.",
+        Some(Unit::Bytes),
+        Gauge,
+        &present,
+        |x| (gpu_labels(x), x.memory_total.unwrap_or(0)),
+    )?;
+    family(
+        enc,
+        "tessera_gpu_memory_promised",
+        "Memory promised to the GPU's allocations (sum of limits).",
+        Some(Unit::Bytes),
+        Gauge,
+        g,
+        |x| (gpu_labels(x), x.memory_promised),
+    )?;
+    family(
+        enc,
+        "tessera_gpu_shares_promised_ratio",
+        "Compute shares promised on the GPU (sum of shares / 100).",
+        None,
+        Gauge,
+        g,
+        |x| (gpu_labels(x), f64::from(x.shares) / 100.0),
+    )?;
+    family(
+        enc,
+        "tessera_gpu_busy",
+        "GPU time charged on the GPU (all allocations, deleted ones included).",
+        Some(Unit::Seconds),
+        Counter,
+        g,
+        |x| (gpu_labels(x), x.busy_ns as f64 / NS),
+    )?;
+    family(
+        enc,
+        "tessera_gpu_allocations",
+        "Allocations on the GPU.",
+        None,
+        Gauge,
+        g,
+        |x| (gpu_labels(x), u64::from(x.allocations)),
+    )?;
+    family(
+        enc,
+        "tessera_gpu_healthy",
+        "1 when the GPU was discovered at start-up, 0 when allocations name a GPU that is not present.",
+        None,
+        Gauge,
+        g,
+        |x| (gpu_labels(x), u64::from(x.memory_total.is_some())),
+    )?;
+    family(
+        enc,
+        "tessera_arbiter_tenant_connections",
+        "Admitted tenant connections.",
+        None,
+        Gauge,
+        &[snap.tenant_connections],
+        |n| (Vec::<(&str, &str)>::new(), *n),
+    )?;
+    let kinds: Vec<usize> = (0..REQUEST_KINDS.len()).collect();
+    family(
+        enc,
+        "tessera_arbiter_requests",
+        "Tenant requests handled, by type.",
+        None,
+        Counter,
+        &kinds,
+        |k| ([("type", REQUEST_KINDS[*k])], requests.count(*k)),
+    )?;
+    let mut m = enc.encode_descriptor(
+        "tessera_arbiter_request_duration",
+        "Time the arbiter took to handle a tenant request, by type (a lease request: until it was queued, not granted).",
+        Some(&Unit::Seconds),
+        MetricType::Histogram,
+    )?;
+    for (k, s) in requests.kinds.iter().enumerate() {
+        let labels = [("type", REQUEST_KINDS[k])];
+        let mut e = m.encode_family(&labels)?;
+        let buckets: Vec<(f64, u64)> = DURATION_BUCKETS
+            .iter()
+            .chain(&[f64::INFINITY])
+            .zip(&s.buckets)
+            .map(|(b, c)| (*b, c.load(Ordering::Relaxed)))
+            .collect();
+        // The count is the sum of the buckets read here, so the exposition stays consistent
+        // while requests are counted concurrently.
+        let count = buckets.iter().map(|b| b.1).sum();
+        let sum = s.sum_ns.load(Ordering::Relaxed) as f64 / NS;
+        e.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
+    }
+    Ok(())
+}
+
+impl Collector for ArbiterCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let mut snap = self.arb.snapshot();
+        snap.tenant_connections = self
+            .tenant_admission
+            .as_ref()
+            .map_or(0, |a| a.current().1 as u64);
+        encode_snapshot(&mut enc, &snap, self.arb.requests())?;
+        let info = Info::new([("version", env!("CARGO_PKG_VERSION"))]);
+        let m = enc.encode_descriptor(
+            "tessera_arbiter_build",
+            "Version of the running arbiter (always 1).",
+            None,
+            info.metric_type(),
+        )?;
+        info.encode(m)
+    }
+}
+
+/// The registry of an arbiter's metrics.
+pub fn registry(arb: Arc<Arbiter>, tenant_admission: Option<Arc<Admission>>) -> Registry {
+    let mut r = Registry::default();
+    r.register_collector(Box::new(ArbiterCollector::new(arb, tenant_admission)));
+    r
+}
+
+/// The whole exposition of `registry`, Prometheus text format 0.0.4.
+pub fn render(registry: &Registry) -> String {
+    let mut out = String::with_capacity(64 * 1024);
+    if prometheus_client::encoding::prometheus_text::encode(&mut out, registry).is_err() {
+        // Only a formatter error gets here (never with a String); say so rather than serve
+        // half an exposition.
+        out.clear();
+        let _ = writeln!(out, "# encoding failed");
+    }
+    out
+}
+
+fn answer(status: StatusCode, content_type: &str, body: String) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    if let Ok(v) = content_type.parse() {
+        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
+    }
+    r
+}
+
+async fn handle(
+    req: Request<hyper::body::Incoming>,
+    registry: Arc<Registry>,
+) -> Result<Response<Full<Bytes>>, std::convert::Infallible> {
+    if req.uri().path() != "/metrics" {
+        return Ok(answer(
+            StatusCode::NOT_FOUND,
+            "text/plain; charset=utf-8",
+            "not found: metrics are at /metrics\n".into(),
+        ));
+    }
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        return Ok(answer(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain; charset=utf-8",
+            "GET /metrics\n".into(),
+        ));
+    }
+    // The state's locks are plain mutexes: read them off the runtime's workers.
+    let body = tokio::task::spawn_blocking(move || render(&registry))
+        .await
+        .unwrap_or_default();
+    Ok(answer(
+        StatusCode::OK,
+        prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+        body,
+    ))
+}
+
+/// Binds `addr` for [`serve`].
+pub async fn bind(addr: SocketAddr) -> Result<TcpListener, MetricsError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| MetricsError::Bind { addr, source })
+}
+
+/// Serves `GET /metrics` on `listener` until the task is dropped: at most [`MAX_SCRAPERS`]
+/// connections at a time, each for at most [`CONNECTION_DEADLINE`].
+pub async fn serve(listener: TcpListener, registry: Arc<Registry>) {
+    let slots = Arc::new(Semaphore::new(MAX_SCRAPERS));
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::warn!("metrics: accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            // Too many scrapers at once: closing is the cheapest answer.
+            continue;
+        };
+        let registry = Arc::clone(&registry);
+        tokio::spawn(async move {
+            let io = hyper_util::rt::TokioIo::new(stream);
+            let svc = hyper::service::service_fn(move |req| handle(req, Arc::clone(&registry)));
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(CONNECTION_DEADLINE)
+                .serve_connection(io, svc);
+            let _ = tokio::time::timeout(CONNECTION_DEADLINE, conn).await;
+            drop(slot);
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::io::{Read, Write};
+
+    use tessera_protocol::{CreateAllocation, GpuInfo, GpuSelector};
+
+    use super::*;
+    use crate::scheduler::SchedulerParams;
+    use crate::store::Store;
+
+    const GIB: u64 = 1 << 30;
+
+    fn arbiter(dir: &std::path::Path) -> Arc<Arbiter> {
+        let gpus = (0..2)
+            .map(|i| GpuInfo {
+                index: i,
+                uuid: format!("GPU-{i}"),
+                name: "sim".into(),
+                memory_total: 80 * GIB,
+            })
+            .collect();
+        Arbiter::new(gpus, Store::open(dir).unwrap(), SchedulerParams::default()).unwrap()
+    }
+
+    fn create(gpu: u32, share: u32, cap: Option<u32>, labels: &[(&str, &str)]) -> CreateAllocation {
+        CreateAllocation {
+            gpu: GpuSelector::Index(gpu),
+            memory_limit: GIB,
+            share,
+            cap,
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<BTreeMap<_, _>>(),
+        }
+    }
+
+    /// The sample lines of an exposition whose name is `name`, as (labels, value).
+    fn series<'t>(text: &'t str, name: &str) -> Vec<(&'t str, f64)> {
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .filter_map(|l| {
+                let (head, value) = l.rsplit_once(' ')?;
+                let (n, labels) = match head.split_once('{') {
+                    Some((n, rest)) => (n, rest.trim_end_matches('}')),
+                    None => (head, ""),
+                };
+                (n == name).then(|| (labels, value.parse().unwrap()))
+            })
+            .collect()
+    }
+
+    fn one(text: &str, name: &str, labels_contain: &str) -> f64 {
+        let s: Vec<_> = series(text, name)
+            .into_iter()
+            .filter(|(l, _)| l.contains(labels_contain))
+            .collect();
+        assert_eq!(s.len(), 1, "{name} {{{labels_contain}}} in:\n{text}");
+        s[0].1
+    }
+
+    #[test]
+    fn metrics_addr_parses_none_and_addresses() {
+        assert_eq!("none".parse::<MetricsAddr>().unwrap(), MetricsAddr::Off);
+        assert_eq!(
+            DEFAULT_METRICS_ADDR.parse::<MetricsAddr>().unwrap(),
+            MetricsAddr::At("127.0.0.1:9464".parse().unwrap())
+        );
+        assert!("localhost".parse::<MetricsAddr>().is_err());
+    }
+
+    #[test]
+    fn every_series_has_its_name_labels_and_value_and_a_deleted_allocation_vanishes() {
+        let dir = tempfile::tempdir().unwrap();
+        let arb = arbiter(dir.path());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let pod = [
+            (tessera_protocol::LABEL_NAMESPACE, "ml"),
+            (tessera_protocol::LABEL_POD, "trainer-0"),
+            (tessera_protocol::LABEL_CONTAINER, "main"),
+        ];
+        let (token_a, a) = rt.block_on(arb.create(create(0, 30, None, &pod))).unwrap();
+        let (_, b) = rt
+            .block_on(arb.create(create(0, 70, Some(50), &[])))
+            .unwrap();
+        let (_, c) = rt.block_on(arb.create(create(1, 10, None, &[]))).unwrap();
+        // A tenant of A holds 100 MiB, is refused twice, and was killed once by the backstop.
+        let bind = arb.attach_tenant(&token_a, 1, Some(4242)).unwrap();
+        arb.with_ledger(|l| l.reserve(bind.key, 1, 100 << 20))
+            .unwrap();
+        bind.counters.refused();
+        bind.counters.refused();
+        arb.note_enforced(&a.id, EnforceReason::MemoryOverLimit);
+        arb.requests()
+            .observe(request_kind(&TenantRequest::Ping), Duration::from_micros(7));
+        let registry = registry(Arc::clone(&arb), None);
+        let text = render(&registry);
+
+        let la = format!("allocation=\"{}\"", a.id);
+        assert_eq!(
+            one(&text, "tessera_allocation_memory_limit_bytes", &la),
+            GIB as f64
+        );
+        assert_eq!(
+            one(&text, "tessera_allocation_memory_used_bytes", &la),
+            (100 << 20) as f64
+        );
+        assert_eq!(one(&text, "tessera_allocation_share_ratio", &la), 0.3);
+        assert_eq!(one(&text, "tessera_allocation_cap_ratio", &la), 1.0);
+        let lb = format!("allocation=\"{}\"", b.id);
+        assert_eq!(one(&text, "tessera_allocation_cap_ratio", &lb), 0.5);
+        assert_eq!(
+            one(&text, "tessera_allocation_oom_refusals_total", &la),
+            2.0
+        );
+        assert_eq!(one(&text, "tessera_allocation_processes", &la), 1.0);
+        assert_eq!(one(&text, "tessera_allocation_leases_total", &la), 0.0);
+        assert_eq!(one(&text, "tessera_allocation_gpu_seconds_total", &la), 0.0);
+        assert_eq!(
+            one(&text, "tessera_allocation_throttled_seconds_total", &la),
+            0.0
+        );
+        let enforced = format!(
+            "{la},gpu=\"0\",gpu_uuid=\"GPU-0\",namespace=\"ml\",pod=\"trainer-0\",container=\"main\",reason=\"memory_over_limit\""
+        );
+        assert_eq!(
+            one(
+                &text,
+                "tessera_allocation_enforcement_actions_total",
+                &enforced
+            ),
+            1.0
+        );
+        assert_eq!(
+            one(
+                &text,
+                "tessera_allocation_enforcement_actions_total",
+                &format!(
+                    "{la},gpu=\"0\",gpu_uuid=\"GPU-0\",namespace=\"ml\",pod=\"trainer-0\",container=\"main\",reason=\"compute_bypass\""
+                )
+            ),
+            0.0
+        );
+        // B has no pod labels: none are written, not even empty ones.
+        let (b_labels, _) = series(&text, "tessera_allocation_processes")
+            .into_iter()
+            .find(|(l, _)| l.contains(&lb))
+            .unwrap();
+        assert_eq!(b_labels, format!("{lb},gpu=\"0\",gpu_uuid=\"GPU-0\""));
+        // Per GPU.
+        assert_eq!(
+            one(&text, "tessera_gpu_memory_total_bytes", "gpu=\"1\""),
+            (80 * GIB) as f64
+        );
+        assert_eq!(
+            one(&text, "tessera_gpu_memory_promised_bytes", "gpu=\"0\""),
+            (2 * GIB) as f64
+        );
+        assert_eq!(
+            one(&text, "tessera_gpu_shares_promised_ratio", "gpu=\"0\""),
+            1.0
+        );
+        assert_eq!(one(&text, "tessera_gpu_allocations", "gpu=\"1\""), 1.0);
+        assert_eq!(one(&text, "tessera_gpu_healthy", "gpu_uuid=\"GPU-1\""), 1.0);
+        assert_eq!(
+            one(&text, "tessera_gpu_busy_seconds_total", "gpu=\"0\""),
+            0.0
+        );
+        // The arbiter itself.
+        assert_eq!(
+            one(&text, "tessera_arbiter_requests_total", "type=\"ping\""),
+            1.0
+        );
+        assert_eq!(
+            one(&text, "tessera_arbiter_requests_total", "type=\"reserve\""),
+            0.0
+        );
+        assert_eq!(
+            one(
+                &text,
+                "tessera_arbiter_request_duration_seconds_bucket",
+                "type=\"ping\",le=\"1e-05\""
+            ),
+            1.0
+        );
+        assert_eq!(
+            one(
+                &text,
+                "tessera_arbiter_request_duration_seconds_bucket",
+                "type=\"ping\",le=\"5e-06\""
+            ),
+            0.0
+        );
+        assert_eq!(
+            one(
+                &text,
+                "tessera_arbiter_request_duration_seconds_count",
+                "type=\"ping\""
+            ),
+            1.0
+        );
+        assert_eq!(one(&text, "tessera_arbiter_tenant_connections", ""), 0.0);
+        assert_eq!(
+            one(
+                &text,
+                "tessera_arbiter_build_info",
+                &format!("version=\"{}\"", env!("CARGO_PKG_VERSION"))
+            ),
+            1.0
+        );
+        for name in [
+            "tessera_allocation_gpu_seconds_total",
+            "tessera_allocation_oom_refusals_total",
+            "tessera_gpu_busy_seconds_total",
+        ] {
+            assert!(
+                text.contains(&format!("# TYPE {name} counter\n")),
+                "{name} typed as a counter:\n{text}"
+            );
+        }
+
+        // Deleted: every series of C goes, and so does A's, even with a process still
+        // attached (the account drains, the series do not linger).
+        rt.block_on(arb.delete(&c.id)).unwrap();
+        rt.block_on(arb.delete(&a.id)).unwrap();
+        let text = render(&registry);
+        assert!(!text.contains(&c.id), "{text}");
+        assert!(!text.contains(&a.id), "{text}");
+        assert!(text.contains(&b.id));
+        assert_eq!(one(&text, "tessera_gpu_allocations", "gpu=\"1\""), 0.0);
+        assert_eq!(
+            one(&text, "tessera_gpu_memory_promised_bytes", "gpu=\"0\""),
+            GIB as f64
+        );
+    }
+
+    /// Sends `request` to `addr` and returns the whole answer.
+    fn http(addr: SocketAddr, request: &str) -> String {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.write_all(request.as_bytes()).unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out
+    }
+
+    #[test]
+    fn the_endpoint_serves_metrics_and_404_elsewhere_and_survives_a_silent_client() {
+        let dir = tempfile::tempdir().unwrap();
+        let arb = arbiter(dir.path());
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = rt.block_on(bind("127.0.0.1:0".parse().unwrap())).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let reg = Arc::new(registry(arb, None));
+        rt.spawn(serve(listener, reg));
+        // Clients that connect and say nothing hold a slot each, not the server.
+        let _silent: Vec<_> = (0..MAX_SCRAPERS - 3)
+            .map(|_| std::net::TcpStream::connect(addr).unwrap())
+            .collect();
+        let ok = http(
+            addr,
+            "GET /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+        );
+        assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+        assert!(
+            ok.contains("content-type: text/plain; version=0.0.4"),
+            "{ok}"
+        );
+        assert!(ok.contains("# TYPE tessera_gpu_healthy gauge"), "{ok}");
+        let missing = http(
+            addr,
+            "GET /other HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n",
+        );
+        assert!(missing.starts_with("HTTP/1.1 404"), "{missing}");
+        let post = http(
+            addr,
+            "POST /metrics HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        );
+        assert!(post.starts_with("HTTP/1.1 405"), "{post}");
+    }
+}
