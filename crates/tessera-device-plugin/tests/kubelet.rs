@@ -232,6 +232,8 @@ impl Node {
         // the host's (pid 1's may not be readable here).
         let mut cmd = spec.command();
         cmd.args(["--host-mount-ns", "/proc/self/ns/mnt"]);
+        // Its metrics on a free port (the test kit turns them off by default).
+        cmd.args(["--metrics-addr", "127.0.0.1:0"]);
         // The wait blocks (bounded by ready_timeout); nothing else runs on the runtime yet.
         let arbiter = tokio::task::block_in_place(|| spec.start_command(cmd));
         Node {
@@ -302,10 +304,15 @@ impl Node {
 
     /// The plugin's metrics address, from its log line `metrics on http://ADDR/metrics`.
     async fn metrics_addr(&self) -> String {
-        within(15, "metrics address in the plugin log", async {
+        self.metrics_addr_in("plugin.log").await
+    }
+
+    /// The metrics address a daemon logged in `log_name` (`plugin.log`, `arbiter.log`).
+    async fn metrics_addr_in(&self, log_name: &str) -> String {
+        within(15, "metrics address in the log", async {
             loop {
                 let log =
-                    std::fs::read_to_string(self.dir.path().join("plugin.log")).unwrap_or_default();
+                    std::fs::read_to_string(self.dir.path().join(log_name)).unwrap_or_default();
                 if let Some(rest) = log.split("metrics on http://").nth(1)
                     && let Some(addr) = rest.split("/metrics").next()
                 {
@@ -677,6 +684,18 @@ async fn register_list_prefer_allocate_and_clean_up() {
         table.contains("default/p1/main"),
         "tessera status does not name the pod:\n{table}"
     );
+    // ... and in the arbiter's metrics, so the series join with dcgm-exporter's.
+    let arbiter_metrics = scrape(&node.metrics_addr_in("arbiter.log").await).await;
+    let limit_line = arbiter_metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("tessera_allocation_memory_limit_bytes{")
+                && l.contains(&format!("allocation=\"{}\"", view.id))
+        })
+        .unwrap_or_else(|| panic!("no limit series for {}:\n{arbiter_metrics}", view.id));
+    for label in ["namespace=\"default\"", "pod=\"p1\"", "container=\"main\""] {
+        assert!(limit_line.contains(label), "{label} missing: {limit_line}");
+    }
 
     // Stale clean-up: kept while a container holds the units (well past the 1 s grace) ...
     tokio::time::sleep(Duration::from_millis(2500)).await;
