@@ -767,13 +767,16 @@ impl Backstop {
         self.book.retain(&live);
         let mut actions = Vec::new();
         for (w, group) in watched.iter().zip(groups) {
+            let used: u64 = group.iter().map(|(_, ns)| ns).sum();
+            if used > 0 {
+                self.arb.note_gpu_busy(&w.id, used);
+            }
             if w.share >= 100 {
                 continue;
             }
             let Some(leased) = self.arb.leased_total(&w.id) else {
                 continue;
             };
-            let used: u64 = group.iter().map(|(_, ns)| ns).sum();
             let may_act = self.started.elapsed() >= COMPUTE_WARMUP;
             let v = self
                 .book

@@ -115,6 +115,8 @@ impl EnforceReason {
 pub struct AllocCounters {
     oom_refusals: AtomicU64,
     enforced: [AtomicU64; 2],
+    /// GPU time of its processes by NVML, as the backstop reads it.
+    gpu_busy_ns: AtomicU64,
 }
 
 impl AllocCounters {
@@ -131,6 +133,17 @@ impl AllocCounters {
     /// The backstop acted on one of its processes.
     pub fn enforced(&self, why: EnforceReason) {
         self.enforced[why as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The backstop read `ns` of GPU time used by the allocation's processes (NVML's
+    /// per-process utilisation over one poll interval).
+    pub fn add_gpu_busy(&self, ns: u64) {
+        self.gpu_busy_ns.fetch_add(ns, Ordering::Relaxed);
+    }
+
+    /// GPU time read from NVML so far, ns.
+    pub fn gpu_busy_ns(&self) -> u64 {
+        self.gpu_busy_ns.load(Ordering::Relaxed)
     }
 
     /// Backstop actions so far, per reason (in [`EnforceReason::ALL`]'s order).
@@ -244,6 +257,8 @@ pub struct AllocSample {
     pub oom_refusals: u64,
     /// Backstop actions per reason ([`EnforceReason::ALL`]'s order).
     pub enforced: [u64; 2],
+    /// GPU time of its processes by NVML (the backstop's reading), ns.
+    pub gpu_busy_ns: u64,
 }
 
 /// One GPU at scrape time.
@@ -394,6 +409,16 @@ pub fn encode_snapshot(
         Counter,
         a,
         |x| (al(x), x.sched.gpu_ns as f64 / NS),
+    )?;
+    family(
+        enc,
+        "tessera_allocation_gpu_busy",
+        "GPU time the allocation's processes used by NVML's per-process utilisation, as the \
+         backstop reads it every interval (no tenant report involved; 0 with the backstop off).",
+        Some(Unit::Seconds),
+        Counter,
+        a,
+        |x| (al(x), x.gpu_busy_ns as f64 / NS),
     )?;
     family(
         enc,

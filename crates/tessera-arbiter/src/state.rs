@@ -389,6 +389,13 @@ impl Arbiter {
         }
     }
 
+    /// The backstop read `ns` of GPU time used by allocation `id`'s processes (from NVML).
+    pub fn note_gpu_busy(&self, id: &str, ns: u64) {
+        if let Some(a) = self.live().by_id.get(id) {
+            a.counters.add_gpu_busy(ns);
+        }
+    }
+
     /// Tenant requests by kind (the tenant connections count them).
     pub fn requests(&self) -> &RequestStats {
         &self.requests
@@ -422,6 +429,7 @@ impl Arbiter {
                         sched: Default::default(),
                         oom_refusals: a.counters.oom_refusals(),
                         enforced: a.counters.enforcements(),
+                        gpu_busy_ns: a.counters.gpu_busy_ns(),
                     };
                     (sample, a.key, a.scheduler.clone())
                 })
