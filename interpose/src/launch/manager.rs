@@ -591,3 +591,118 @@ impl<E: Events> Manager<E> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::launch::events::FakeEvents;
+
+    const MS: u64 = 1_000_000;
+    const STREAM: usize = 0x5000;
+
+    fn manager() -> (&'static Gate, Manager<FakeEvents>) {
+        let gate: &'static Gate = Box::leak(Box::new(Gate::new(None, "t".into())));
+        (gate, Manager::new(gate, FakeEvents::default()))
+    }
+
+    /// `n` launches on `STREAM` (slot `i`) returned from the driver.
+    fn launch(gate: &Gate, m: &Manager<FakeEvents>, i: usize, n: u64) {
+        gate.slots[i].launches.fetch_add(n, Ordering::AcqRel);
+        m.events.submit(STREAM, n);
+    }
+
+    #[test]
+    fn samples_measure_the_per_launch_time_and_see_the_drain() {
+        let (gate, mut m) = manager();
+        let begun = m.begin(None, 0);
+        assert_eq!(gate.credits.load(Ordering::Relaxed), 1, "one probe launch");
+        let epoch = begun.epoch;
+        let i = gate.use_stream(STREAM, 0x77usize as CUcontext, epoch);
+        launch(gate, &m, i, 4);
+        let mut loads = Vec::new();
+        let seen = m.look(epoch, 0, 0, &mut loads);
+        assert!(!seen.drained);
+        assert_eq!(seen.total, 4);
+        assert_eq!(
+            loads,
+            [Load {
+                in_flight: 4,
+                est_ns: 0.0
+            }]
+        );
+        // Completed, seen 8 ms after the stream was first seen: the first sample can only
+        // bound the cost (2 ms a launch).
+        m.events.complete(STREAM, 4, 2.0);
+        let seen = m.look(epoch, 0, 8 * MS, &mut loads);
+        assert!(seen.drained);
+        assert_eq!(
+            loads,
+            [Load {
+                in_flight: 0,
+                est_ns: 2e6
+            }]
+        );
+        // Four more, done 4 ms of GPU time later: 1 ms a launch lowers the bound.
+        launch(gate, &m, i, 4);
+        let seen = m.look(epoch, 0, 9 * MS, &mut loads);
+        assert!(!seen.drained);
+        m.events.complete(STREAM, 8, 6.0);
+        m.look(epoch, 0, 10 * MS, &mut loads);
+        assert_eq!(
+            loads,
+            [Load {
+                in_flight: 0,
+                est_ns: 1e6
+            }]
+        );
+        // A third sample reuses the first one's event.
+        launch(gate, &m, i, 1);
+        m.look(epoch, 0, 11 * MS, &mut loads);
+        assert_eq!(
+            m.events.counts(),
+            (2, 0, 3),
+            "(created, destroyed, recorded)"
+        );
+    }
+
+    #[test]
+    fn the_drain_records_an_end_event_on_every_stream_and_catches_up() {
+        let (gate, mut m) = manager();
+        let epoch = m.begin(None, 0).epoch;
+        let i = gate.use_stream(STREAM, 0x77usize as CUcontext, epoch);
+        launch(gate, &m, i, 3);
+        let mut loads = Vec::new();
+        m.look(epoch, 0, 0, &mut loads);
+        launch(gate, &m, i, 2);
+        m.events.complete(STREAM, 5, 1.0);
+        m.drain(epoch);
+        let t = &m.tracks[i];
+        assert_eq!(
+            (t.completed, t.sampled),
+            (5, 5),
+            "the end event covers every launch"
+        );
+        assert!(
+            t.pending.is_empty(),
+            "the stale sample went back to the pool"
+        );
+        assert_eq!(m.pool.values().map(Vec::len).sum::<usize>(), 1);
+        let (created, _, recorded) = m.events.counts();
+        assert_eq!((created, recorded), (2, 2));
+    }
+
+    #[test]
+    fn an_unused_lease_is_handed_back_early_by_the_manager() {
+        let (gate, mut m) = manager();
+        let begun = m.begin(None, gate.now_ns());
+        m.run_lease(begun);
+        assert_eq!(gate.credits.load(Ordering::Relaxed), 0, "credits withdrawn");
+        assert_eq!(gate.stats.leases.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            gate.stats.early.load(Ordering::Relaxed),
+            1,
+            "handed back early"
+        );
+        assert!(gate.stats.busy_ns.load(Ordering::Relaxed) > 0);
+    }
+}
