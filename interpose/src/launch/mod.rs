@@ -40,13 +40,12 @@
 //! Per-thread default streams (`_ptsz` with stream 0, `CU_STREAM_PER_THREAD`) belong to the
 //! launching thread and cannot be named from the manager thread: they are sampled through the
 //! legacy default stream, which waits for all blocking streams of the context.
-
 //!
 //! Modules:
 //! - [`gate`]: the credit fast path, the stream slots, and a launch's slow path to a lease.
 //! - [`lease`]: the lease rules as a pure state machine (time passed in, no I/O).
 //! - [`events`]: the driver's context and event functions behind a trait (a fake for tests).
-//! - [`manager`]: the manager thread that runs each lease: socket, driver, clock.
+//! - `manager`: the manager thread that runs each lease: socket, driver, clock.
 
 pub mod events;
 pub mod gate;
