@@ -11,7 +11,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::events::{DriverEvents, Events, driver_events};
-use super::manager::{Begun, Manager};
+use super::lease::Started;
 use crate::ffi::*;
 use crate::tlog;
 
@@ -75,6 +75,27 @@ impl Slot {
     }
 }
 
+/// A lease a launcher received and started, for the manager thread to run.
+#[derive(Debug)]
+pub(super) struct Begun {
+    pub(super) started: Started,
+    /// The epoch it started.
+    pub(super) epoch: u64,
+}
+
+/// The lease manager as the gate sees it. The manager (module `manager`) depends on the gate,
+/// not the other way round: the gate gets one from the constructor it was made with.
+pub(super) trait Manage: Send {
+    /// On the launcher that found no credit at `asked`: gets a lease (from the arbiter, or a
+    /// local one when it cannot be reached) and starts it: credits are out when this returns.
+    fn acquire_and_begin(&mut self, asked: u64) -> Begun;
+    /// On the manager thread: runs a begun lease to its end and reports it.
+    fn run_lease(&mut self, begun: Begun);
+}
+
+/// Makes the process's lease manager (once, on the first launch that finds no credit).
+pub(super) type NewManager = fn(&'static Gate, DriverEvents) -> Box<dyn Manage>;
+
 #[derive(Debug, Default)]
 pub(super) struct Shared {
     /// Threads waiting for a credit.
@@ -84,9 +105,9 @@ pub(super) struct Shared {
     /// A launcher is asking the arbiter for a lease.
     acquiring: bool,
     /// A lease a launcher received, not yet taken over by the manager.
-    pub(super) begun: Option<Begun>,
+    begun: Option<Begun>,
     /// The manager is running a lease (from taking it over until its release went out).
-    pub(super) leasing: bool,
+    leasing: bool,
     manager_started: bool,
 }
 
@@ -112,7 +133,8 @@ pub struct Gate {
     pub(super) manager: Condvar,
     /// The manager's state: lease connection, per-stream tracks. Locked by the launcher that
     /// asks for a lease, then by the manager thread for the lease's life.
-    mgr: Mutex<Option<Manager<DriverEvents>>>,
+    mgr: Mutex<Option<Box<dyn Manage>>>,
+    new_manager: NewManager,
     pub(super) socket: Option<PathBuf>,
     pub(super) token: String,
     /// The process cannot prove its allocation: every launch fails (see [`Gate::closed`]).
@@ -143,8 +165,13 @@ thread_local! {
 }
 
 impl Gate {
-    /// A gate that will lease from the arbiter at `socket` with `token`.
-    pub fn new(socket: Option<PathBuf>, token: String) -> Self {
+    /// A gate that will lease from the arbiter at `socket` with `token`, through the manager
+    /// `new_manager` makes.
+    pub(super) fn with_manager(
+        socket: Option<PathBuf>,
+        token: String,
+        new_manager: NewManager,
+    ) -> Self {
         Self {
             credits: AtomicI64::new(0),
             epoch: AtomicU64::new(1),
@@ -154,6 +181,7 @@ impl Gate {
             launchers: Condvar::new(),
             manager: Condvar::new(),
             mgr: Mutex::new(None),
+            new_manager,
             socket,
             token,
             closed: false,
@@ -371,7 +399,7 @@ impl Gate {
         }
     }
 
-    pub(super) fn lock_mgr(&self) -> MutexGuard<'_, Option<Manager<DriverEvents>>> {
+    fn lock_mgr(&self) -> MutexGuard<'_, Option<Box<dyn Manage>>> {
         self.mgr.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -385,7 +413,7 @@ impl Gate {
                 self.set_credits(UNGATED);
                 return None;
             };
-            *guard = Some(Manager::new(self, events));
+            *guard = Some((self.new_manager)(self, events));
         }
         let m = guard.as_mut()?;
         Some(m.acquire_and_begin(asked))
@@ -416,12 +444,33 @@ impl Gate {
         self.lock_shared().waiters
     }
 
-    /// Wakes the launchers still waiting once a lease is over: one of them asks for the next.
-    pub(super) fn lease_over(&self) {
-        let mut sh = self.lock_shared();
-        sh.leasing = false;
-        if sh.waiters > 0 {
-            self.launchers.notify_all();
+    /// The manager thread: runs each lease a launcher began.
+    fn manage(&'static self) {
+        // The manager's short timed waits decide how soon an idle lease goes back: the default
+        // 50 us timer slack would stretch each by up to that much. Only this thread changes.
+        // SAFETY: PR_SET_TIMERSLACK takes an integer argument and affects the calling thread.
+        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0) };
+        loop {
+            // Wait until a launcher has begun a lease.
+            let begun = {
+                let mut sh = self.lock_shared();
+                loop {
+                    if let Some(b) = sh.begun.take() {
+                        sh.leasing = true;
+                        break b;
+                    }
+                    sh = self.manager.wait(sh).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            if let Some(m) = self.lock_mgr().as_mut() {
+                m.run_lease(begun);
+            }
+            // Threads still waiting: one of them asks for the next lease.
+            let mut sh = self.lock_shared();
+            sh.leasing = false;
+            if sh.waiters > 0 {
+                self.launchers.notify_all();
+            }
         }
     }
 

@@ -9,10 +9,9 @@ use std::time::{Duration, Instant};
 
 use tessera_protocol::{TenantReply, TenantRequest};
 
-use super::MAX_STREAMS;
-use super::events::{Events, Query};
-use super::gate::{Gate, StreamKind};
-use super::lease::{Action, Leases, Load, Observation, Started, WaitMode};
+use super::events::{DriverEvents, Events, Query};
+use super::gate::{Begun, Gate, MAX_STREAMS, Manage, StreamKind};
+use super::lease::{Action, Leases, Load, Observation, WaitMode};
 use crate::conn::{Conn, ConnError};
 use crate::ffi::*;
 use crate::tlog;
@@ -51,13 +50,6 @@ struct Track {
     lease_start: u64,
 }
 
-/// A lease a launcher received and started, for the manager thread to run.
-#[derive(Debug)]
-pub(super) struct Begun {
-    started: Started,
-    epoch: u64,
-}
-
 /// What one look at the lease's streams found.
 struct Seen {
     total: u64,
@@ -85,51 +77,13 @@ pub(super) struct Manager<E: Events> {
 // the arbiter and hand out credits.
 unsafe impl<E: Events + Send> Send for Manager<E> {}
 
-impl Gate {
-    /// The manager thread: runs each lease a launcher began.
-    pub(super) fn manage(&'static self) {
-        // The manager's short timed waits decide how soon an idle lease goes back: the default
-        // 50 us timer slack would stretch each by up to that much. Only this thread changes.
-        // SAFETY: PR_SET_TIMERSLACK takes an integer argument and affects the calling thread.
-        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0) };
-        loop {
-            // Wait until a launcher has begun a lease.
-            let begun = {
-                let mut sh = self.lock_shared();
-                loop {
-                    if let Some(b) = sh.begun.take() {
-                        sh.leasing = true;
-                        break b;
-                    }
-                    sh = self.manager.wait(sh).unwrap_or_else(|e| e.into_inner());
-                }
-            };
-            if let Some(m) = self.lock_mgr().as_mut() {
-                m.run_lease(begun);
-            }
-            // Threads still waiting: one of them asks for the next lease.
-            self.lease_over();
-        }
-    }
+/// The process's lease manager, for [`Gate`]'s constructor.
+pub(super) fn new_manager(gate: &'static Gate, events: DriverEvents) -> Box<dyn Manage> {
+    Box::new(Manager::new(gate, events))
 }
 
-impl<E: Events> Manager<E> {
-    pub(super) fn new(gate: &'static Gate, events: E) -> Self {
-        Self {
-            gate,
-            local: false,
-            leases: Leases::default(),
-            events,
-            conn: None,
-            tracks: (0..MAX_STREAMS).map(|_| Track::default()).collect(),
-            pool: HashMap::new(),
-            current_ctx: std::ptr::null_mut(),
-        }
-    }
-
-    /// On the launcher that found no credit at `asked`: gets a lease (from the arbiter, or a
-    /// local one when it cannot be reached) and starts it.
-    pub(super) fn acquire_and_begin(&mut self, asked: u64) -> Begun {
+impl<E: Events + Send> Manage for Manager<E> {
+    fn acquire_and_begin(&mut self, asked: u64) -> Begun {
         let grant = self.acquire();
         match (grant.is_some(), self.local) {
             (true, true) => {
@@ -146,6 +100,25 @@ impl<E: Events> Manager<E> {
             _ => {}
         }
         self.begin(grant, asked)
+    }
+
+    fn run_lease(&mut self, begun: Begun) {
+        self.run(begun);
+    }
+}
+
+impl<E: Events> Manager<E> {
+    pub(super) fn new(gate: &'static Gate, events: E) -> Self {
+        Self {
+            gate,
+            local: false,
+            leases: Leases::default(),
+            events,
+            conn: None,
+            tracks: (0..MAX_STREAMS).map(|_| Track::default()).collect(),
+            pool: HashMap::new(),
+            current_ctx: std::ptr::null_mut(),
+        }
     }
 
     fn connect(&mut self) -> bool {
@@ -435,7 +408,7 @@ impl<E: Events> Manager<E> {
 
     /// Runs a begun lease to its end (on the manager thread): performs what the lease rules
     /// ask, feeding back what it saw.
-    fn run_lease(&mut self, begun: Begun) {
+    fn run(&mut self, begun: Begun) {
         let Begun { started, epoch } = begun;
         let mut action = self.leases.take_over(started, self.gate.now_ns());
         let drain_idle = self.leases.drain_idle().unwrap_or_default();
@@ -695,7 +668,7 @@ mod tests {
     fn an_unused_lease_is_handed_back_early_by_the_manager() {
         let (gate, mut m) = manager();
         let begun = m.begin(None, gate.now_ns());
-        m.run_lease(begun);
+        m.run(begun);
         assert_eq!(gate.credits.load(Ordering::Relaxed), 0, "credits withdrawn");
         assert_eq!(gate.stats.leases.load(Ordering::Relaxed), 1);
         assert_eq!(

@@ -46,6 +46,9 @@
 //! - [`lease`]: the lease rules as a pure state machine (time passed in, no I/O).
 //! - [`events`]: the driver's context and event functions behind a trait (a fake for tests).
 //! - `manager`: the manager thread that runs each lease: socket, driver, clock.
+//!
+//! Imports run one way, `manager` -> `gate` -> `lease`, `events`: the gate reaches its manager
+//! through the `gate::Manage` trait, wired up in [`Gate::new`].
 
 pub mod events;
 pub mod gate;
@@ -54,3 +57,10 @@ mod manager;
 
 pub use gate::{Gate, GateStats, MAX_STREAMS, Slot, StreamKind, classify, reset_in_child};
 pub use lease::LOCAL_LEASE;
+
+impl Gate {
+    /// A gate that will lease from the arbiter at `socket` with `token`.
+    pub fn new(socket: Option<std::path::PathBuf>, token: String) -> Self {
+        Gate::with_manager(socket, token, manager::new_manager)
+    }
+}
