@@ -678,4 +678,26 @@ mod tests {
         );
         assert!(gate.stats.busy_ns.load(Ordering::Relaxed) > 0);
     }
+
+    #[test]
+    fn a_synchronise_cuts_a_watched_wait_short() {
+        let (gate, m) = manager();
+        let t = std::thread::spawn(move || {
+            while !gate.watch.load(Ordering::Acquire) {
+                std::thread::yield_now();
+            }
+            gate.synchronised();
+        });
+        let begun = Instant::now();
+        assert!(
+            m.sleep(Duration::from_secs(20), true),
+            "woken by the synchronise"
+        );
+        assert!(begun.elapsed() < Duration::from_secs(10));
+        assert!(!gate.watch.load(Ordering::Acquire), "no longer watching");
+        t.join().unwrap();
+        // Unwatched, a synchronise does not wake it.
+        gate.synchronised();
+        assert!(!m.sleep(Duration::from_millis(1), false));
+    }
 }
