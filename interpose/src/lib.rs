@@ -16,7 +16,9 @@
 //! - [`ledger`]: live objects and their charged sizes.
 //! - [`state`]: the per-process state and its reset in a forked child.
 //! - [`memory`]: the accounting logic behind each allocation, free and memory query.
-//! - [`launch`]: kernel launch gating on compute leases (credits, events, lease manager).
+//! - [`launch`]: kernel launch gating on compute leases: the credit fast path and stream slots
+//!   (`gate`), the lease rules as a pure state machine (`lease`), the driver's event functions
+//!   behind a trait (`events`), the manager thread (`manager`).
 //! - [`hooks`]: the exported `extern "C"` shims.
 //!
 //! The modules form no import circle (checked by `tessera-cuda-abi`'s `import_cycles` test):
