@@ -12,8 +12,13 @@
 //! - [`identity`]: the per-container identity files (token, socket) mounted read-only.
 //! - [`install`]: versioned, never-overwritten installation of the interposer on the host.
 //! - [`kubelet`]: gRPC over Unix sockets, registration, socket identities (restart watch).
-//! - [`arbiter`]: blocking admin calls from async code.
-//! - [`server`]: the `DevicePlugin` service (ListAndWatch, preferred allocation, Allocate).
+//! - [`arbiter`]: the [`arbiter::Arbiter`] trait (the admin calls the plugin makes, implemented
+//!   by the admin client and, in unit tests, by an in-memory fake); blocking calls from async
+//!   code.
+//! - [`allocate`]: the `Allocate` logic over that trait: plan, replace, create all or none,
+//!   identity files, container responses; one typed error.
+//! - [`server`]: the `DevicePlugin` service, a thin gRPC adapter (ListAndWatch, preferred
+//!   allocation, Allocate over [`allocate`]).
 //! - [`podresources`]: pod names for allocations and stale clean-up, from the PodResources
 //!   `List`.
 //! - [`metrics`]: the plugin's Prometheus metrics and their `/metrics` endpoint.
@@ -21,6 +26,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod allocate;
 pub mod arbiter;
 pub mod health;
 pub mod identity;

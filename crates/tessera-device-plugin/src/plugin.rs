@@ -10,12 +10,13 @@ use std::time::Duration;
 use tokio::net::UnixListener;
 use tokio::sync::watch;
 
+use crate::allocate::{Mounts, Settings};
 use crate::health::{self, GpuSource, HealthError, Snapshot};
 use crate::install::{self, InstallError};
 use crate::kubelet::{self, KubeletError, file_id};
 use crate::metrics::{self, MetricsError, PluginMetrics};
 use crate::podresources::{self, StaleConfig};
-use crate::server::{AllocContext, Mounts, PluginService};
+use crate::server::{AllocContext, PluginService};
 use crate::units;
 
 /// File name of the kubelet's registration socket in the device-plugins folder.
@@ -270,16 +271,18 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
         ));
     }
     let ctx = Arc::new(AllocContext {
-        per_gpu: cfg.shares_per_gpu,
-        resource_name: cfg.resource_name.clone(),
-        admin_socket: cfg.admin_socket.clone(),
-        mounts: Mounts {
-            tenant_socket: cfg.tenant_socket.clone(),
-            container_socket_dir: cfg.container_socket_dir.clone(),
-            installed,
-            container_lib_path: cfg.container_lib_path.clone(),
-            host_identity_dir: cfg.host_identity_dir.clone(),
+        settings: Settings {
+            per_gpu: cfg.shares_per_gpu,
+            resource_name: cfg.resource_name.clone(),
+            mounts: Mounts {
+                tenant_socket: cfg.tenant_socket.clone(),
+                container_socket_dir: cfg.container_socket_dir.clone(),
+                installed,
+                container_lib_path: cfg.container_lib_path.clone(),
+                host_identity_dir: cfg.host_identity_dir.clone(),
+            },
         },
+        admin_socket: cfg.admin_socket.clone(),
         metrics,
     });
 

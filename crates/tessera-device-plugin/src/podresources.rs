@@ -16,10 +16,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tessera_protocol::{AllocationStatus, LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD};
+use tessera_protocol::client::ClientError;
+use tessera_protocol::{
+    AdminErrorKind, AllocationStatus, LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD,
+};
 use tokio::sync::watch;
 
-use crate::arbiter::{ArbiterError, with_admin};
+use crate::arbiter::{Arbiter, ArbiterError, with_admin};
 use crate::kubelet::{KubeletError, connect_unix, error_chain};
 use crate::metrics::PluginMetrics;
 use crate::proto::podresources::ListPodResourcesRequest;
@@ -145,7 +148,7 @@ pub fn pod_label_updates(
 }
 
 /// Remembers since when each of our allocations has been orphaned.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct StaleTracker {
     orphan_since: HashMap<String, Instant>,
 }
@@ -190,51 +193,77 @@ pub struct Swept {
     pub deleted: Vec<String>,
 }
 
-/// One look: ask the kubelet and the arbiter, name the pods, delete what has been orphaned
-/// long enough (when clean-up is on).
-pub async fn sweep(
-    cfg: &StaleConfig,
+/// The arbiter's side of one look, given who holds which unit (`held`): names the pods and,
+/// when clean-up is on, deletes what has been orphaned for the grace period at `now`. An
+/// allocation deleted in between is skipped; any other admin failure ends the look (what was
+/// done so far is counted in `metrics`).
+pub fn reconcile<A: Arbiter + ?Sized>(
+    arbiter: &mut A,
+    held: &HashMap<String, Holder>,
     tracker: &mut StaleTracker,
+    cfg: &StaleConfig,
+    now: Instant,
     metrics: &PluginMetrics,
-) -> Result<Swept, PodResourcesError> {
-    let held = holders(&cfg.socket, &cfg.resource_name, Duration::from_secs(5)).await?;
-    let allocations = with_admin(&cfg.admin_socket, |c| c.list()).await?;
+) -> Result<Swept, ClientError> {
+    let resource = cfg.resource_name.as_str();
+    let gone = |e: &ClientError| {
+        matches!(
+            e,
+            ClientError::Admin {
+                kind: AdminErrorKind::NotFound,
+                ..
+            }
+        )
+    };
+    let allocations = arbiter.list()?;
     let mut swept = Swept::default();
-    for (id, labels) in pod_label_updates(&allocations, &held, &cfg.resource_name) {
-        let upd = id.clone();
-        match with_admin(&cfg.admin_socket, move |c| c.update_labels(&upd, labels)).await {
+    for (id, labels) in pod_label_updates(&allocations, held, resource) {
+        match arbiter.update_labels(&id, labels) {
             Ok(_) => {
                 metrics.labelled();
                 swept.labelled.push(id);
             }
             // Deleted in between: nothing to name.
-            Err(e) if e.admin_kind() == Some(tessera_protocol::AdminErrorKind::NotFound) => {}
-            Err(e) => return Err(e.into()),
+            Err(e) if gone(&e) => {}
+            Err(e) => return Err(e),
         }
     }
     if !cfg.cleanup {
         return Ok(swept);
     }
-    let doomed = tracker.review(
-        &allocations,
-        &held,
-        &cfg.resource_name,
-        cfg.grace,
-        Instant::now(),
-    );
-    for id in doomed {
-        let del = id.clone();
-        match with_admin(&cfg.admin_socket, move |c| c.delete(&del)).await {
+    for id in tracker.review(&allocations, held, resource, cfg.grace, now) {
+        match arbiter.delete(&id) {
             Ok(()) => {
                 tracing::info!("deleted stale allocation {id} (no container holds its units)");
                 metrics.cleaned_up(1);
                 swept.deleted.push(id);
             }
-            Err(e) if e.admin_kind() == Some(tessera_protocol::AdminErrorKind::NotFound) => {}
-            Err(e) => return Err(e.into()),
+            Err(e) if gone(&e) => {}
+            Err(e) => return Err(e),
         }
     }
     Ok(swept)
+}
+
+/// One look: ask the kubelet, then [`reconcile`] over one admin connection.
+pub async fn sweep(
+    cfg: &StaleConfig,
+    tracker: &mut StaleTracker,
+    metrics: &Arc<PluginMetrics>,
+) -> Result<Swept, PodResourcesError> {
+    let held = holders(&cfg.socket, &cfg.resource_name, Duration::from_secs(5)).await?;
+    // The blocking call owns a copy of the tracker; it comes back whenever the arbiter was
+    // reached, so a refused connection leaves the record as it was.
+    let mut copy = tracker.clone();
+    let (owned, metrics) = (cfg.clone(), metrics.clone());
+    let now = Instant::now();
+    let (copy, res) = with_admin(&cfg.admin_socket, move |c| {
+        let res = reconcile(c, &held, &mut copy, &owned, now, &metrics);
+        Ok((copy, res))
+    })
+    .await?;
+    *tracker = copy;
+    res.map_err(|e| ArbiterError::client(&cfg.admin_socket, e).into())
 }
 
 /// Sweeps every interval until `stop` turns true. Errors are logged once per change, never
@@ -263,6 +292,7 @@ pub async fn run(cfg: StaleConfig, metrics: Arc<PluginMetrics>, mut stop: watch:
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::arbiter::fake::{Call, FakeArbiter};
     use std::collections::BTreeSet;
 
     const R: &str = "tessera.dev/gpu-shares";
@@ -376,5 +406,114 @@ mod tests {
         // Allocations that went away are forgotten.
         t.review(&[], &held, R, grace, t0);
         assert!(t.orphan_since.is_empty());
+    }
+
+    fn config(cleanup: bool) -> StaleConfig {
+        StaleConfig {
+            socket: "/unused/pod-resources.sock".into(),
+            admin_socket: "/unused/admin.sock".into(),
+            resource_name: R.into(),
+            grace: Duration::from_secs(10),
+            interval: Duration::from_secs(1),
+            cleanup,
+        }
+    }
+
+    fn fake_with(allocs: Vec<AllocationStatus>) -> FakeArbiter {
+        let mut arb = FakeArbiter::with_gpus(&[("GPU-a", 1 << 30)]);
+        arb.allocations = allocs.into_iter().map(|a| ("t".to_owned(), a)).collect();
+        arb
+    }
+
+    #[test]
+    fn reconcile_writes_pod_labels_only_on_change() {
+        let mut arb = fake_with(vec![
+            alloc("a", "GPU-a", &[0, 1]),
+            alloc("b", "GPU-a", &[2]),
+        ]);
+        let held: HashMap<String, Holder> = [
+            ("GPU-a-0".to_string(), holder("team", "train", "main")),
+            ("GPU-a-1".to_string(), holder("team", "train", "main")),
+        ]
+        .into();
+        let metrics = PluginMetrics::new();
+        let cfg = config(false);
+        let mut t = StaleTracker::default();
+        let now = Instant::now();
+        let swept = reconcile(&mut arb, &held, &mut t, &cfg, now, &metrics).unwrap();
+        assert_eq!(swept.labelled, ["a"]);
+        assert!(swept.deleted.is_empty());
+        assert_eq!(arb.calls, [Call::List, Call::UpdateLabels("a".into())]);
+        assert_eq!(arb.get("a").unwrap().labels[LABEL_POD], "train");
+        assert!(!arb.get("b").unwrap().labels.contains_key(LABEL_POD));
+        assert!(
+            metrics
+                .render()
+                .contains("tessera_plugin_pod_labels_total 1\n")
+        );
+        // Nothing changed: a look costs only the list.
+        arb.calls.clear();
+        let swept = reconcile(&mut arb, &held, &mut t, &cfg, now, &metrics).unwrap();
+        assert_eq!(swept, Swept::default());
+        assert_eq!(arb.calls, [Call::List]);
+        // Clean-up off: the orphan "b" stays however long it waits.
+        let later = now + Duration::from_secs(60);
+        reconcile(&mut arb, &held, &mut t, &cfg, later, &metrics).unwrap();
+        assert_eq!(arb.ids(), ["a", "b"]);
+    }
+
+    #[test]
+    fn reconcile_deletes_orphans_after_grace_and_skips_ones_gone() {
+        let mut arb = fake_with(vec![alloc("a", "GPU-a", &[0]), alloc("b", "GPU-a", &[1])]);
+        let held = holding(&["GPU-a-0"]);
+        let metrics = PluginMetrics::new();
+        let cfg = config(true);
+        let mut t = StaleTracker::default();
+        let t0 = Instant::now();
+        let swept = reconcile(&mut arb, &held, &mut t, &cfg, t0, &metrics).unwrap();
+        assert!(swept.deleted.is_empty());
+        let late = t0 + Duration::from_secs(10);
+        let swept = reconcile(&mut arb, &held, &mut t, &cfg, late, &metrics).unwrap();
+        assert_eq!(swept.deleted, ["b"]);
+        assert_eq!(arb.ids(), ["a"]);
+        assert!(
+            metrics
+                .render()
+                .contains("tessera_plugin_stale_cleanups_total 1\n")
+        );
+        // Listed, then deleted by someone else before the plugin got to it: not an error.
+        struct Racing(FakeArbiter);
+        impl Arbiter for Racing {
+            fn gpus(&mut self) -> Result<Vec<tessera_protocol::GpuInfo>, ClientError> {
+                self.0.gpus()
+            }
+            fn list(&mut self) -> Result<Vec<AllocationStatus>, ClientError> {
+                let out = self.0.list();
+                self.0.allocations.clear();
+                out
+            }
+            fn create(
+                &mut self,
+                req: tessera_protocol::CreateAllocation,
+            ) -> Result<(String, AllocationStatus), ClientError> {
+                self.0.create(req)
+            }
+            fn delete(&mut self, id: &str) -> Result<(), ClientError> {
+                self.0.delete(id)
+            }
+            fn update_labels(
+                &mut self,
+                id: &str,
+                labels: BTreeMap<String, String>,
+            ) -> Result<AllocationStatus, ClientError> {
+                self.0.update_labels(id, labels)
+            }
+        }
+        let mut racing = Racing(fake_with(vec![alloc("c", "GPU-a", &[2])]));
+        let held_c: HashMap<String, Holder> =
+            [("GPU-a-2".to_string(), holder("ns", "p", "c"))].into();
+        let swept = reconcile(&mut racing, &held_c, &mut t, &cfg, late, &metrics).unwrap();
+        assert_eq!(swept, Swept::default());
+        assert_eq!(racing.0.calls, [Call::List, Call::UpdateLabels("c".into())]);
     }
 }

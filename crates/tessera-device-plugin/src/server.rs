@@ -3,45 +3,32 @@
 //! - `ListAndWatch`: every healthy GPU as `per_gpu` units; a new full list whenever the GPU
 //!   snapshot changes (an XID marks a GPU's units `Unhealthy`, a vanished GPU's units go).
 //! - `GetPreferredAllocation`: [`crate::units::preferred`] (one GPU, best fit; whole GPUs above).
-//! - `Allocate`: refuses units spread over GPUs that are not whole GPUs; creates the arbiter
-//!   allocation and tells the kubelet what to put in the container (see [`Mounts`]).
+//! - `Allocate`: a thin adapter over [`crate::allocate`]: decodes the request, plans, makes
+//!   the allocations on the blocking pool over one admin connection, and maps an
+//!   [`AllocateError`] to a gRPC status and a refusal reason for the metrics.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
+use std::sync::Arc;
 
-use tessera_protocol::client::ClientError;
-use tessera_protocol::{AdminErrorKind, AllocationStatus, CreateAllocation, GpuSelector};
+use tessera_protocol::AdminErrorKind;
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
 use tonic::{Request, Response, Status};
 
+use crate::allocate::{self, AllocateError, Settings};
 use crate::arbiter::{ArbiterError, with_admin};
 use crate::health::Snapshot;
-use crate::install::Installed;
 use crate::metrics::{PluginMetrics, Refusal};
 use crate::proto::deviceplugin::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use crate::proto::deviceplugin::{
-    AllocateRequest, AllocateResponse, ContainerAllocateResponse,
-    ContainerPreferredAllocationResponse, Device, DevicePluginOptions, Empty, ListAndWatchResponse,
-    Mount, PreStartContainerRequest, PreStartContainerResponse, PreferredAllocationRequest,
-    PreferredAllocationResponse,
+    AllocateRequest, AllocateResponse, ContainerPreferredAllocationResponse, Device,
+    DevicePluginOptions, Empty, ListAndWatchResponse, PreStartContainerRequest,
+    PreStartContainerResponse, PreferredAllocationRequest, PreferredAllocationResponse,
 };
 use crate::proto::{HEALTHY, UNHEALTHY};
-use crate::units::{self, Claim, UnitsError};
-
-/// Environment variable carrying the allocation's secret token into the container.
-pub const ENV_TOKEN: &str = "TESSERA_TOKEN";
-/// Environment variable carrying the tenant socket's path inside the container.
-pub const ENV_SOCKET: &str = "TESSERA_SOCKET";
-/// Environment variable carrying the public allocation id(s) (not secret).
-pub const ENV_ALLOCATION: &str = "TESSERA_ALLOCATION_ID";
-/// The NVIDIA container runtime's GPU selection.
-pub const ENV_VISIBLE: &str = "NVIDIA_VISIBLE_DEVICES";
-/// Where glibc's loader reads libraries to preload.
-pub const CONTAINER_PRELOAD: &str = "/etc/ld.so.preload";
-pub use tessera_protocol::identity::CONTAINER_IDENTITY_FILE;
+use crate::units::{self, UnitsError};
 
 /// Errors of the server.
 #[derive(Debug, thiserror::Error)]
@@ -51,40 +38,21 @@ pub enum ServerError {
     Transport(#[from] tonic::transport::Error),
 }
 
-/// Where things are on the host and in containers.
-#[derive(Debug, Clone)]
-pub struct Mounts {
-    /// Host path of the arbiter's tenant socket; its folder is mounted into containers.
-    pub tenant_socket: PathBuf,
-    /// Folder the tenant socket's folder appears as in containers.
-    pub container_socket_dir: PathBuf,
-    /// The installed interposer on the host.
-    pub installed: Installed,
-    /// Path of the interposer inside containers (what the preload file names).
-    pub container_lib_path: PathBuf,
-    /// Host folder of the per-container identity files.
-    pub host_identity_dir: PathBuf,
-}
-
 /// Everything `Allocate` needs.
 #[derive(Debug, Clone)]
 pub struct AllocContext {
-    /// Units per GPU.
-    pub per_gpu: u32,
-    /// Extended resource name (also stored in allocation labels).
-    pub resource_name: String,
+    /// Units per GPU, resource name, container wiring.
+    pub settings: Settings,
     /// Arbiter admin socket.
     pub admin_socket: PathBuf,
-    /// Container wiring.
-    pub mounts: Mounts,
     /// Counters of served and refused requests.
-    pub metrics: std::sync::Arc<PluginMetrics>,
+    pub metrics: Arc<PluginMetrics>,
 }
 
 /// The service; cheap to clone per server generation.
 #[derive(Clone)]
 pub struct PluginService {
-    ctx: std::sync::Arc<AllocContext>,
+    ctx: Arc<AllocContext>,
     gpus: watch::Receiver<Snapshot>,
     stop: watch::Receiver<bool>,
 }
@@ -92,7 +60,7 @@ pub struct PluginService {
 impl PluginService {
     /// A service over the GPU snapshot channel; streams end when `stop` turns true.
     pub fn new(
-        ctx: std::sync::Arc<AllocContext>,
+        ctx: Arc<AllocContext>,
         gpus: watch::Receiver<Snapshot>,
         stop: watch::Receiver<bool>,
     ) -> Self {
@@ -141,133 +109,34 @@ fn arbiter_status(e: ArbiterError) -> Status {
     }
 }
 
-/// One arbiter allocation to make.
-#[derive(Debug, Clone)]
-struct Planned {
-    container: usize,
-    uuid: String,
-    units: BTreeSet<u32>,
+/// The refusal metric's reason and the gRPC status for an arbiter failure.
+fn arbiter_refusal(e: ArbiterError) -> (Refusal, Status) {
+    let why = match e.admin_kind() {
+        Some(AdminErrorKind::Exhausted) => Refusal::Exhausted,
+        _ => Refusal::Arbiter,
+    };
+    (why, arbiter_status(e))
 }
 
-/// Makes every planned allocation over one admin connection, or none: on a failure the ones
-/// already made are deleted again.
-fn create_all(
-    c: &mut tessera_protocol::client::AdminClient,
-    plans: &[Planned],
-    per_gpu: u32,
-    resource: &str,
-    identity_dir: &Path,
-) -> Result<Vec<(String, AllocationStatus)>, ClientError> {
-    let gpus = c.gpus()?;
-    let mut live: HashSet<String> = HashSet::new();
-    // Units the kubelet hands out again are free in its eyes: an allocation still holding
-    // them belongs to a container that is gone (or to an Allocate the kubelet retried).
-    let wanted: HashSet<String> = plans
-        .iter()
-        .flat_map(|p| p.units.iter().map(move |n| format!("{}-{n}", p.uuid)))
-        .collect();
-    for a in c.list()? {
-        live.insert(a.id.clone());
-        let Some(ids) = units::units_from_labels(&a.labels, resource) else {
-            continue;
-        };
-        if ids.iter().any(|id| wanted.contains(id)) {
-            tracing::info!(
-                "deleting allocation {} (its units are being reassigned)",
-                a.id
-            );
-            match c.delete(&a.id) {
-                Ok(())
-                | Err(ClientError::Admin {
-                    kind: AdminErrorKind::NotFound,
-                    ..
-                }) => {
-                    live.remove(&a.id);
-                }
-                Err(e) => return Err(e),
-            }
-        }
-    }
-    let mut made: Vec<(String, AllocationStatus)> = Vec::new();
-    let mut result = Ok(());
-    for p in plans {
-        let Some(gpu) = gpus.iter().find(|g| g.uuid == p.uuid) else {
-            result = Err(ClientError::Admin {
-                kind: AdminErrorKind::InvalidArgument,
-                message: format!("the arbiter does not know GPU {}", p.uuid),
-            });
-            break;
-        };
-        let n = p.units.len() as u32;
-        let req = CreateAllocation {
-            gpu: GpuSelector::Uuid(p.uuid.clone()),
-            memory_limit: units::memory_for(n, per_gpu, gpu.memory_total),
-            share: units::share_for(n, per_gpu),
-            cap: None,
-            labels: units::allocation_labels(resource, &p.uuid, &p.units),
-        };
-        match c.create(req) {
-            Ok(x) => made.push(x),
-            Err(e) => {
-                result = Err(e);
-                break;
-            }
-        }
-    }
-    if let Err(e) = result {
-        for (_, a) in &made {
-            let _ = c.delete(&a.id);
-        }
-        return Err(e);
-    }
-    // Identity files of allocations deleted since (here, or by the stale clean-up) go.
-    live.extend(made.iter().map(|(_, a)| a.id.clone()));
-    crate::identity::sweep(identity_dir, &live);
-    Ok(made)
-}
-
-fn mount(container: &Path, host: &Path) -> Mount {
-    Mount {
-        container_path: container.display().to_string(),
-        host_path: host.display().to_string(),
-        read_only: true,
-    }
-}
-
-/// The container wiring for a fraction: token, socket, preload of the interposer, and the
-/// identity file (`identity`: its host path), which the interposer trusts over the
-/// environment (the environment variables stay for tools and for people).
-fn fraction_response(
-    m: &Mounts,
-    uuid: &str,
-    token: &str,
-    id: &str,
-    identity: &Path,
-) -> ContainerAllocateResponse {
-    let sock_name = m
-        .tenant_socket
-        .file_name()
-        .map(Path::new)
-        .unwrap_or(Path::new("tessera.sock"));
-    let host_sock_dir = m.tenant_socket.parent().unwrap_or(Path::new("/"));
-    let envs = BTreeMap::from([
-        (ENV_TOKEN.to_owned(), token.to_owned()),
-        (
-            ENV_SOCKET.to_owned(),
-            m.container_socket_dir.join(sock_name).display().to_string(),
+/// The refusal metric's reason and the gRPC status for a refused `Allocate`; admin call
+/// failures name the arbiter at `admin_socket`.
+fn refusal(e: AllocateError, admin_socket: &Path) -> (Refusal, Status) {
+    match e {
+        AllocateError::Units(e) => (Refusal::BadUnits, invalid(e)),
+        e @ AllocateError::UnknownGpu(_) => (
+            Refusal::UnknownGpu,
+            Status::failed_precondition(e.to_string()),
         ),
-        (ENV_VISIBLE.to_owned(), uuid.to_owned()),
-        (ENV_ALLOCATION.to_owned(), id.to_owned()),
-    ]);
-    ContainerAllocateResponse {
-        envs: envs.into_iter().collect(),
-        mounts: vec![
-            mount(&m.container_lib_path, &m.installed.lib_path),
-            mount(Path::new(CONTAINER_PRELOAD), &m.installed.preload_path),
-            mount(&m.container_socket_dir, host_sock_dir),
-            mount(Path::new(CONTAINER_IDENTITY_FILE), identity),
-        ],
-        ..Default::default()
+        e @ AllocateError::UnhealthyGpu { .. } => (
+            Refusal::UnhealthyGpu,
+            Status::failed_precondition(e.to_string()),
+        ),
+        AllocateError::Arbiter(source) => {
+            arbiter_refusal(ArbiterError::client(admin_socket, source))
+        }
+        AllocateError::Identity(e) => {
+            (Refusal::Internal, Status::internal(format!("tessera: {e}")))
+        }
     }
 }
 
@@ -292,7 +161,7 @@ impl DevicePlugin for PluginService {
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
         let mut gpus = self.gpus.clone();
         let mut stop = self.stop.clone();
-        let per_gpu = self.ctx.per_gpu;
+        let per_gpu = self.ctx.settings.per_gpu;
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(async move {
             loop {
@@ -320,7 +189,7 @@ impl DevicePlugin for PluginService {
                 &c.available_device_i_ds,
                 &c.must_include_device_i_ds,
                 i64::from(c.allocation_size),
-                self.ctx.per_gpu,
+                self.ctx.settings.per_gpu,
             )
             .map_err(invalid)?;
             container_responses.push(ContainerPreferredAllocationResponse { device_i_ds: ids });
@@ -356,139 +225,30 @@ impl DevicePlugin for PluginService {
 }
 
 impl PluginService {
-    /// `Allocate`; an error says why, for the refusal metric.
+    /// `Allocate`: plans here (no call, so a bad request is refused even while the arbiter is
+    /// down), then makes the allocations on the blocking pool; an error says why, for the
+    /// refusal metric.
     async fn allocate_all(
         &self,
         request: Request<AllocateRequest>,
     ) -> Result<Response<AllocateResponse>, (Refusal, Status)> {
-        let ctx = self.ctx.clone();
+        let requests: Vec<Vec<String>> = request
+            .into_inner()
+            .container_requests
+            .into_iter()
+            .map(|c| c.devices_ids)
+            .collect();
         let snapshot = self.gpus.borrow().clone();
-        let requests = request.into_inner().container_requests;
-        let mut plans = Vec::new();
-        let mut whole: BTreeMap<usize, Vec<String>> = BTreeMap::new();
-        for (i, c) in requests.iter().enumerate() {
-            let claim = units::classify(&c.devices_ids, ctx.per_gpu)
-                .map_err(|e| (Refusal::BadUnits, invalid(e)))?;
-            let uuids = match &claim {
-                Claim::Fraction { uuid, .. } => vec![uuid.clone()],
-                Claim::WholeGpus { uuids } => uuids.clone(),
-            };
-            for u in &uuids {
-                match snapshot.iter().find(|g| &g.uuid == u) {
-                    None => {
-                        return Err((
-                            Refusal::UnknownGpu,
-                            Status::failed_precondition(format!("GPU {u} is not on this node")),
-                        ));
-                    }
-                    Some(g) if g.unhealthy.is_some() => {
-                        return Err((
-                            Refusal::UnhealthyGpu,
-                            Status::failed_precondition(format!(
-                                "GPU {u} is unhealthy ({})",
-                                g.unhealthy.as_deref().unwrap_or("")
-                            )),
-                        ));
-                    }
-                    Some(_) => {}
-                }
-            }
-            match claim {
-                Claim::Fraction { uuid, units } => plans.push(Planned {
-                    container: i,
-                    uuid,
-                    units: units.into_iter().collect(),
-                }),
-                Claim::WholeGpus { uuids } => {
-                    for uuid in &uuids {
-                        plans.push(Planned {
-                            container: i,
-                            uuid: uuid.clone(),
-                            units: (0..ctx.per_gpu).collect(),
-                        });
-                    }
-                    whole.insert(i, uuids);
-                }
-            }
-        }
-        let (per_gpu, resource) = (ctx.per_gpu, ctx.resource_name.clone());
-        let plans2 = plans.clone();
-        let identity_dir = ctx.mounts.host_identity_dir.clone();
-        let made = with_admin(&ctx.admin_socket, move |c| {
-            create_all(c, &plans2, per_gpu, &resource, &identity_dir)
+        let admin_socket = &self.ctx.admin_socket;
+        let plan = allocate::plan(&requests, &snapshot, self.ctx.settings.per_gpu)
+            .map_err(|e| refusal(e, admin_socket))?;
+        let ctx = self.ctx.clone();
+        let made = with_admin(admin_socket, move |c| {
+            Ok(allocate::execute(c, &plan, &ctx.settings))
         })
         .await
-        .map_err(|e| {
-            let why = match e.admin_kind() {
-                Some(AdminErrorKind::Exhausted) => Refusal::Exhausted,
-                _ => Refusal::Arbiter,
-            };
-            (why, arbiter_status(e))
-        })?;
-        let container_socket = ctx.mounts.container_socket_dir.join(
-            ctx.mounts
-                .tenant_socket
-                .file_name()
-                .map(Path::new)
-                .unwrap_or(Path::new("tessera.sock")),
-        );
-
-        let mut container_responses = Vec::new();
-        for i in 0..requests.len() {
-            let mine: Vec<(&Planned, &(String, AllocationStatus))> = plans
-                .iter()
-                .zip(&made)
-                .filter(|(p, _)| p.container == i)
-                .collect();
-            let ids: Vec<&str> = mine.iter().map(|(_, (_, a))| a.id.as_str()).collect();
-            // The container's identity: its (first) allocation's token. For whole GPUs it only
-            // lets the backstop know the container's processes are entitled to the cards.
-            let identity = match mine.first() {
-                Some((_, (token, a))) => {
-                    let whole_gpus = whole.contains_key(&i);
-                    let id = tessera_protocol::identity::Identity {
-                        token: token.clone(),
-                        socket: (!whole_gpus).then(|| container_socket.clone()),
-                        allocation: Some(a.id.clone()),
-                    };
-                    let written = crate::identity::write(&ctx.mounts.host_identity_dir, &a.id, &id);
-                    Some(written.map_err(|e| {
-                        (Refusal::Internal, Status::internal(format!("tessera: {e}")))
-                    })?)
-                }
-                None => None,
-            };
-            if let Some(uuids) = whole.get(&i) {
-                // Whole GPUs: the container has the cards to itself; no interposer, no token.
-                let envs = BTreeMap::from([
-                    (ENV_VISIBLE.to_owned(), uuids.join(",")),
-                    (ENV_ALLOCATION.to_owned(), ids.join(",")),
-                ]);
-                container_responses.push(ContainerAllocateResponse {
-                    envs: envs.into_iter().collect(),
-                    mounts: identity
-                        .iter()
-                        .map(|p| mount(Path::new(CONTAINER_IDENTITY_FILE), p))
-                        .collect(),
-                    ..Default::default()
-                });
-            } else if let (Some((p, (token, a))), Some(identity)) = (mine.first(), &identity) {
-                tracing::info!(
-                    "allocation {} on {}: {} units, {} bytes",
-                    a.id,
-                    p.uuid,
-                    p.units.len(),
-                    a.memory_limit
-                );
-                container_responses.push(fraction_response(
-                    &ctx.mounts,
-                    &p.uuid,
-                    token,
-                    &a.id,
-                    identity,
-                ));
-            }
-        }
+        .map_err(arbiter_refusal)?;
+        let container_responses = made.map_err(|e| refusal(e, admin_socket))?;
         Ok(Response::new(AllocateResponse {
             container_responses,
         }))
@@ -514,7 +274,6 @@ pub async fn serve(
 mod tests {
     use super::*;
     use crate::health::GpuState;
-    use std::sync::Arc;
 
     #[test]
     fn device_list_marks_unhealthy_and_skips_long_ids() {
@@ -550,34 +309,44 @@ mod tests {
     }
 
     #[test]
-    fn fraction_wiring() {
-        let m = Mounts {
-            tenant_socket: "/run/tessera/tenant/tessera.sock".into(),
-            container_socket_dir: "/run/tessera".into(),
-            installed: Installed {
-                lib_path: "/var/lib/tessera/lib/libtessera_interpose-0.1.0-abcd1234.so".into(),
-                preload_path: "/var/lib/tessera/lib/ld.so.preload-0.1.0-abcd1234".into(),
-                tag: "0.1.0-abcd1234".into(),
-                wrote_lib: false,
+    fn refusals_keep_their_codes_reasons_and_messages() {
+        let sock = Path::new("/run/tessera/admin.sock");
+        let (why, st) = refusal(AllocateError::UnknownGpu("GPU-z".into()), sock);
+        assert_eq!(why, Refusal::UnknownGpu);
+        assert_eq!(st.code(), tonic::Code::FailedPrecondition);
+        assert_eq!(st.message(), "GPU GPU-z is not on this node");
+        let (why, st) = refusal(
+            AllocateError::UnhealthyGpu {
+                uuid: "GPU-a".into(),
+                reason: "XID 79".into(),
             },
-            container_lib_path: "/usr/lib/tessera/libtessera_interpose.so".into(),
-            host_identity_dir: "/var/lib/tessera/identity".into(),
-        };
-        let r = fraction_response(
-            &m,
-            "GPU-a",
-            "tok",
-            "a1",
-            Path::new("/var/lib/tessera/identity/a1.x"),
+            sock,
         );
-        assert_eq!(r.envs[ENV_TOKEN], "tok");
-        assert_eq!(r.envs[ENV_SOCKET], "/run/tessera/tessera.sock");
-        assert_eq!(r.envs[ENV_VISIBLE], "GPU-a");
-        assert_eq!(r.mounts.len(), 4);
-        assert!(r.mounts.iter().all(|m| m.read_only));
-        assert_eq!(r.mounts[1].container_path, "/etc/ld.so.preload");
-        assert_eq!(r.mounts[2].host_path, "/run/tessera/tenant");
-        assert_eq!(r.mounts[3].container_path, "/etc/tessera/tenant");
-        assert_eq!(r.mounts[3].host_path, "/var/lib/tessera/identity/a1.x");
+        assert_eq!(why, Refusal::UnhealthyGpu);
+        assert_eq!(st.code(), tonic::Code::FailedPrecondition);
+        assert_eq!(st.message(), "GPU GPU-a is unhealthy (XID 79)");
+        let units_err = units::classify(&[], 4).unwrap_err();
+        let (why, st) = refusal(AllocateError::Units(units_err), sock);
+        assert_eq!(why, Refusal::BadUnits);
+        assert_eq!(st.code(), tonic::Code::InvalidArgument);
+        let full = tessera_protocol::client::ClientError::Admin {
+            kind: AdminErrorKind::Exhausted,
+            message: "no room".into(),
+        };
+        let (why, st) = refusal(AllocateError::Arbiter(full), sock);
+        assert_eq!(why, Refusal::Exhausted);
+        assert_eq!(st.code(), tonic::Code::ResourceExhausted);
+        assert_eq!(
+            st.message(),
+            "tessera: arbiter at /run/tessera/admin.sock: no room"
+        );
+        let broken = tessera_protocol::client::ClientError::Unexpected("x".into());
+        let (why, st) = refusal(AllocateError::Arbiter(broken), sock);
+        assert_eq!(why, Refusal::Arbiter);
+        assert_eq!(st.code(), tonic::Code::Unavailable);
+        let io = crate::identity::IdentityError::Random("none".into());
+        let (why, st) = refusal(AllocateError::Identity(io), sock);
+        assert_eq!(why, Refusal::Internal);
+        assert_eq!(st.code(), tonic::Code::Internal);
     }
 }
