@@ -22,19 +22,6 @@ use tessera_testkit::{
 };
 
 /// Where Debian's package puts the tools; `PATH` is looked at first.
-const PROMETHEUS_HINT: &str = "install Debian's `prometheus` package (`apt-get install \
-    prometheus`; .ci/run does it): this test runs a real Prometheus server and promtool";
-
-/// `name` on `PATH` or in /usr/bin; fails the test (never skips) when it is missing.
-fn tool(name: &str) -> PathBuf {
-    let dirs = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&dirs)
-        .chain([PathBuf::from("/usr/bin")])
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| panic!("`{name}` not found: {PROMETHEUS_HINT}"))
-}
-
 /// An arbiter on one simulated 80 GiB GPU serving metrics on a free loopback port.
 struct Node {
     _dir: tempfile::TempDir,
@@ -157,7 +144,7 @@ struct Prometheus {
 
 impl Prometheus {
     fn start(target: SocketAddr) -> Self {
-        let bin = tool("prometheus");
+        let bin = tessera_testkit::prometheus::tool("prometheus");
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("prometheus.yml");
         std::fs::write(
@@ -502,7 +489,6 @@ fn prometheus_sees_gpu_time_memory_and_refusals_as_the_tenants_had_them() {
 
 #[test]
 fn promtool_finds_no_problem_in_a_scrape() {
-    let promtool = tool("promtool");
     let node = Node::start();
     let mut admin = node.arbiter.admin();
     let mut labels = std::collections::BTreeMap::new();
@@ -524,29 +510,7 @@ fn promtool_finds_no_problem_in_a_scrape() {
     let (status, body) = http_get(node.metrics, "/metrics");
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("pod=\"trainer \\\"0\\\"\""), "{body}");
-    let mut child = Command::new(&promtool)
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {}: {e}", promtool.display()));
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(body.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let report = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success() && report.trim().is_empty(),
-        "promtool check metrics: {report}\n{body}"
-    );
+    tessera_testkit::prometheus::check_metrics(&body);
     let (status, _) = http_get(node.metrics, "/");
     assert_eq!(status, 404);
 }

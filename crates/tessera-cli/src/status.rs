@@ -450,13 +450,8 @@ mod tests {
             share,
             cap: Some(share),
             gpu_time_10s_ns: 2_950_000_000,
-            labels: BTreeMap::new(),
             created_unix: 5,
-            enforced: 0,
-            gpu_time_total_ns: 0,
-            throttled_total_ns: 0,
-            oom_refusals: 0,
-            leases: 0,
+            ..Default::default()
         }
     }
 

@@ -227,18 +227,10 @@ pub mod fake {
                 gpu_index: gpu.index,
                 gpu_uuid: uuid.clone(),
                 memory_limit: req.memory_limit,
-                memory_used: 0,
-                processes: 0,
                 share: req.share,
                 cap: req.cap,
-                gpu_time_10s_ns: 0,
                 labels: req.labels,
-                created_unix: 0,
-                enforced: 0,
-                gpu_time_total_ns: 0,
-                throttled_total_ns: 0,
-                oom_refusals: 0,
-                leases: 0,
+                ..Default::default()
             };
             let token = format!("token-{}", self.creates);
             self.allocations.push((token.clone(), status.clone()));

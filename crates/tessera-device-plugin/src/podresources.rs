@@ -304,18 +304,9 @@ mod tests {
             gpu_index: 0,
             gpu_uuid: uuid.into(),
             memory_limit: 1,
-            memory_used: 0,
-            processes: 0,
             share: 1,
-            cap: None,
-            gpu_time_10s_ns: 0,
             labels: units::allocation_labels(R, uuid, &set),
-            created_unix: 0,
-            enforced: 0,
-            gpu_time_total_ns: 0,
-            throttled_total_ns: 0,
-            oom_refusals: 0,
-            leases: 0,
+            ..Default::default()
         }
     }
 

@@ -376,40 +376,6 @@ async fn wait_sample(addr: &str, series: &str, value: f64) -> String {
     .await
 }
 
-/// `promtool check metrics` on `text`: must find nothing. promtool is required (Debian's
-/// `prometheus` package): without it this fails rather than skipping.
-fn promtool_check(text: &str) {
-    use std::io::Write;
-    let promtool = std::env::var("TESSERA_PROMTOOL").unwrap_or_else(|_| "promtool".into());
-    let mut child = Command::new(&promtool)
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| {
-            panic!(
-                "{promtool} is needed (apt-get install prometheus, or set TESSERA_PROMTOOL): {e}"
-            )
-        });
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success() && said.trim().is_empty(),
-        "promtool check metrics: {said}\n{text}"
-    );
-}
-
 fn unit_ids(uuid: &str, range: std::ops::Range<u32>) -> Vec<String> {
     range.map(|n| format!("{uuid}-{n}")).collect()
 }
@@ -661,7 +627,7 @@ async fn register_list_prefer_allocate_and_clean_up() {
         Some(1.0),
         "{m}"
     );
-    promtool_check(&m);
+    tessera_testkit::prometheus::check_metrics(&m);
     // ... and the operator sees it in `tessera status`.
     let status = Command::new(artifact("tessera"))
         .arg("status")

@@ -285,8 +285,9 @@ pub struct GpuInfo {
     pub memory_total: u64,
 }
 
-/// An allocation as the admin API reports it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// An allocation as the admin API reports it. `Default` is for tests and fakes that fill in
+/// a few fields.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AllocationStatus {
     /// Public id.
     pub id: String,

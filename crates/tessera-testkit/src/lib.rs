@@ -11,6 +11,8 @@
 //! - [`process`]: kill-on-drop children, exit codes, polling with a timeout.
 //! - [`flood`]: a flood of unauthenticated connections against an arbiter socket (admission
 //!   test, `arbiter_load`).
+//! - [`prometheus`]: the Prometheus server and `promtool` the metrics tests need (required:
+//!   missing ones fail the test), and `promtool check metrics`.
 //!
 //! Helpers panic with a message naming what is missing: they run inside tests, where a panic
 //! is the failure report.
@@ -19,6 +21,7 @@ pub mod arbiter;
 pub mod artifacts;
 pub mod flood;
 pub mod process;
+pub mod prometheus;
 pub mod python;
 pub mod sim;
 
