@@ -511,6 +511,23 @@ fn promtool_finds_no_problem_in_a_scrape() {
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("pod=\"trainer \\\"0\\\"\""), "{body}");
     tessera_testkit::prometheus::check_metrics(&body);
+    // Every arbiter metric docs/metrics.md documents is served (the dashboard test checks the
+    // dashboard's queries against the same document).
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/metrics.md"),
+    )
+    .unwrap();
+    let names = tessera_testkit::prometheus::documented_names(
+        &doc,
+        &["tessera_allocation_", "tessera_gpu_", "tessera_arbiter_"],
+    );
+    assert!(names.len() >= 20, "{names:?}");
+    for n in &names {
+        assert!(
+            tessera_testkit::prometheus::exposes(&body, n),
+            "{n} is documented but not served:\n{body}"
+        );
+    }
     let (status, _) = http_get(node.metrics, "/");
     assert_eq!(status, 404);
 }

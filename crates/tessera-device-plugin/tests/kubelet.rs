@@ -628,6 +628,19 @@ async fn register_list_prefer_allocate_and_clean_up() {
         "{m}"
     );
     tessera_testkit::prometheus::check_metrics(&m);
+    // Every plugin metric docs/metrics.md documents is served.
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/metrics.md"),
+    )
+    .unwrap();
+    let names = tessera_testkit::prometheus::documented_names(&doc, &["tessera_plugin_"]);
+    assert!(names.len() >= 7, "{names:?}");
+    for n in &names {
+        assert!(
+            tessera_testkit::prometheus::exposes(&m, n),
+            "{n} is documented but not served:\n{m}"
+        );
+    }
     // ... and the operator sees it in `tessera status`.
     let status = Command::new(artifact("tessera"))
         .arg("status")

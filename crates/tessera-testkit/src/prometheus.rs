@@ -60,3 +60,54 @@ pub fn check_metrics(text: &str) {
         "promtool check metrics: {said}\n{text}"
     );
 }
+
+/// The metric names `docs/metrics.md` documents (every `` `tessera_...` `` in it) that start
+/// with one of `prefixes`.
+pub fn documented_names(doc: &str, prefixes: &[&str]) -> std::collections::BTreeSet<String> {
+    doc.split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|s| {
+            s.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+                && prefixes.iter().any(|p| s.starts_with(p))
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+/// True when the exposition `text` has a sample of metric `name` (for a histogram, of its
+/// `_bucket`, `_sum` or `_count` series).
+pub fn exposes(text: &str, name: &str) -> bool {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .any(|series| {
+            series == name
+                || ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .any(|s| series.strip_suffix(s) == Some(name))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn documented_names_and_exposed_series() {
+        let doc =
+            "| `tessera_a_total` | x `tessera_b_seconds` `other_c` `tessera_a_total{x=\"1\"}`";
+        let names = documented_names(doc, &["tessera_"]);
+        assert_eq!(
+            names.into_iter().collect::<Vec<_>>(),
+            ["tessera_a_total", "tessera_b_seconds"]
+        );
+        let text = "# TYPE tessera_a_total counter\ntessera_a_total 3\n\
+                    tessera_b_seconds_bucket{le=\"1\"} 1\n";
+        assert!(exposes(text, "tessera_a_total"));
+        assert!(exposes(text, "tessera_b_seconds"));
+        assert!(!exposes(text, "tessera_a"));
+        assert!(!exposes(text, "tessera_c"));
+    }
+}
