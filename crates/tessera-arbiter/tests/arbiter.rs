@@ -480,15 +480,9 @@ fn bad_input_on_either_socket_closes_only_that_connection() {
 fn labels_merge_persist_across_a_restart_and_stay_bounded() {
     let arb = Arbiter::start();
     let mut admin = arb.admin();
-    let (_, a) = admin
-        .create(CreateAllocation {
-            gpu: GpuSelector::Index(0),
-            memory_limit: GIB,
-            share: 10,
-            cap: None,
-            labels: BTreeMap::from([("tessera.dev/units".into(), "0-9".into())]),
-        })
-        .unwrap();
+    let mut req = tessera_testkit::allocation(0, GIB, 10, None);
+    req.labels = BTreeMap::from([("tessera.dev/units".into(), "0-9".into())]);
+    let (_, a) = admin.create(req).unwrap();
     let pod = BTreeMap::from([
         ("namespace".to_owned(), "ml".to_owned()),
         ("pod".to_owned(), "trainer-0".to_owned()),

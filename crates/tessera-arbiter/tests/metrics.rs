@@ -22,6 +22,14 @@ use tessera_testkit::{
 };
 
 /// Where Debian's package puts the tools; `PATH` is looked at first.
+/// A simulated 80 GiB GPU in `dir` and the arbiter's spec on it (log in `dir/arbiter.log`).
+fn one_gpu(dir: &std::path::Path) -> (SimGpu, ArbiterSpec) {
+    let sim = SimGpu::prepare(&dir.join("sim"), "1x80GiB");
+    let spec = ArbiterSpec::in_dir(env!("CARGO_BIN_EXE_tessera-arbiter"), dir, sim.clone())
+        .log_to(dir.join("arbiter.log"));
+    (sim, spec)
+}
+
 /// An arbiter on one simulated 80 GiB GPU serving metrics on a free loopback port.
 struct Node {
     _dir: tempfile::TempDir,
@@ -33,13 +41,7 @@ struct Node {
 impl Node {
     fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let sim = SimGpu::prepare(&dir.path().join("sim"), "1x80GiB");
-        let spec = ArbiterSpec::in_dir(
-            env!("CARGO_BIN_EXE_tessera-arbiter"),
-            dir.path(),
-            sim.clone(),
-        )
-        .log_to(dir.path().join("arbiter.log"));
+        let (sim, spec) = one_gpu(dir.path());
         let mut cmd = spec.command();
         cmd.args([
             "--metrics-addr",
@@ -535,13 +537,7 @@ fn promtool_finds_no_problem_in_a_scrape() {
 #[test]
 fn none_serves_no_metrics_and_a_taken_address_stops_the_start_with_exit_4() {
     let dir = tempfile::tempdir().unwrap();
-    let sim = SimGpu::prepare(&dir.path().join("sim"), "1x80GiB");
-    let spec = ArbiterSpec::in_dir(
-        env!("CARGO_BIN_EXE_tessera-arbiter"),
-        dir.path(),
-        sim.clone(),
-    )
-    .log_to(dir.path().join("arbiter.log"));
+    let (_sim, spec) = one_gpu(dir.path());
     let mut cmd = spec.command();
     cmd.args(["--metrics-addr", "none"]);
     let mut arbiter = spec.start_command(cmd);

@@ -95,19 +95,17 @@ fn pod_labels(ns: &str, pod: &str, container: &str) -> std::collections::BTreeMa
     .collect()
 }
 
+/// 1 GiB on GPU 0 at `share`, labelled as pod `team/train-0`, container `main`.
+fn train_0(share: u32) -> CreateAllocation {
+    let mut req = tessera_testkit::allocation(0, GIB, share, None);
+    req.labels = pod_labels("team", "train-0", "main");
+    req
+}
+
 #[test]
 fn status_names_pods_from_labels() {
     let arb = Arbiter::start();
-    let (_, a) = arb
-        .admin()
-        .create(CreateAllocation {
-            gpu: GpuSelector::Index(0),
-            memory_limit: GIB,
-            share: 10,
-            cap: None,
-            labels: pod_labels("team", "train-0", "main"),
-        })
-        .unwrap();
+    let (_, a) = arb.admin().create(train_0(10)).unwrap();
     let out = arb.tessera(&["status"]).output().unwrap();
     assert_eq!(out.status.code(), Some(0));
     let table = String::from_utf8(out.stdout).unwrap();
@@ -135,15 +133,7 @@ fn watch_until(sig: libc::c_int) {
 
     let arb = Arbiter::start();
     let mut admin = arb.admin();
-    let (_, a) = admin
-        .create(CreateAllocation {
-            gpu: GpuSelector::Index(0),
-            memory_limit: GIB,
-            share: 30,
-            cap: None,
-            labels: pod_labels("team", "train-0", "main"),
-        })
-        .unwrap();
+    let (_, a) = admin.create(train_0(30)).unwrap();
     let mut child = arb
         .tessera(&["status", "--watch", "0.2"])
         .stdout(std::process::Stdio::piped())
