@@ -77,10 +77,8 @@ fn rtld_next_lookups_stay_relative_to_their_caller() {
     }
 }
 
-#[test]
-fn linked_programs_dlsym_and_cu_get_proc_address_are_all_hooked() {
-    let bed = Bed::new();
-    let (token, id) = bed.create(GIB);
+/// `linked.c` built in the bed's folder against its `libcuda.so` (and `libdl`).
+fn build_linked(bed: &Bed) -> std::path::PathBuf {
     let exe = bed.dir.path().join("linked");
     let ldir = format!("-L{}", bed.lib_dir.display());
     cc(&[
@@ -91,6 +89,14 @@ fn linked_programs_dlsym_and_cu_get_proc_address_are_all_hooked() {
         "-lcuda".as_ref(),
         "-ldl".as_ref(),
     ]);
+    exe
+}
+
+#[test]
+fn linked_programs_dlsym_and_cu_get_proc_address_are_all_hooked() {
+    let bed = Bed::new();
+    let (token, id) = bed.create(GIB);
+    let exe = build_linked(&bed);
 
     let (st, out, err) = run(&mut bed.tenant_command(&exe, &token));
     assert!(st.success(), "{out}\n{err}");
@@ -173,16 +179,7 @@ fn the_interposer_is_never_taken_for_the_real_driver() {
     // TESSERA_REAL_LIBCUDA pointing at the interposer must not make hooks call themselves.
     let bed = Bed::new();
     let (token, _) = bed.create(GIB);
-    let exe = bed.dir.path().join("linked");
-    let ldir = format!("-L{}", bed.lib_dir.display());
-    cc(&[
-        "-o".as_ref(),
-        exe.as_os_str(),
-        c_source("linked.c").as_os_str(),
-        ldir.as_ref(),
-        "-lcuda".as_ref(),
-        "-ldl".as_ref(),
-    ]);
+    let exe = build_linked(&bed);
     let mut cmd = bed.tenant_command(&exe, &token);
     cmd.env("TESSERA_REAL_LIBCUDA", interposer());
     let (st, out, err) = run(&mut cmd);

@@ -1088,18 +1088,7 @@ fn container_command(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_container_gets_the_interposer_and_its_limit() {
-    let mut node = Node::start().await;
-    let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
-    let podres = FakePodResources::default();
-    podres.serve(&node.podres());
-    // The emulated container shares the host's /usr, so the library goes under /opt here.
-    node.start_plugin_with(&[
-        "--container-lib-path",
-        "/opt/tessera/libtessera_interpose.so",
-    ]);
-    within(15, "registration", kubelet.registrations.recv())
-        .await
-        .unwrap();
+    let (node, kubelet, podres) = container_node().await;
     let g0 = node.gpus()[0].uuid.clone();
     let mut client = node.plugin_client().await;
     let units = unit_ids(&g0, 0..30);
