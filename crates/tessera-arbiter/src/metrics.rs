@@ -8,8 +8,8 @@
 //! counted by the schedulers under the lock they already hold.
 //!
 //! The text is produced by the `prometheus-client` crate (Prometheus text format 0.0.4); the
-//! HTTP side is a small hyper server on the daemon's runtime, bounded so that a slow or broken
-//! scraper costs at most a few tasks and never touches a tenant's thread.
+//! HTTP side is `tessera-exporter`'s bounded server on the daemon's runtime, so a slow or
+//! broken scraper costs at most a few tasks and never touches a tenant's thread.
 
 #![forbid(unsafe_code)]
 
@@ -20,9 +20,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use http_body_util::Full;
-use hyper::body::Bytes;
-use hyper::{Method, Request, Response, StatusCode};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{
     DescriptorEncoder, EncodeCounterValue, EncodeGaugeValue, EncodeMetric, NoLabelSet,
@@ -34,7 +31,6 @@ use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::{Registry, Unit};
 use tessera_protocol::TenantRequest;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 
 use crate::admission::Admission;
 use crate::scheduler::AllocStats;
@@ -42,11 +38,6 @@ use crate::state::Arbiter;
 
 /// Default address of the metrics endpoint (dcgm-exporter uses 9400).
 pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
-/// Scrapes served at once; more connections are closed at once.
-pub const MAX_SCRAPERS: usize = 8;
-/// Longest life of one scrape connection, request and response together: a client that
-/// trickles its request or never reads the answer loses it.
-pub const CONNECTION_DEADLINE: Duration = Duration::from_secs(10);
 
 /// Errors of the metrics endpoint.
 #[derive(Debug, thiserror::Error)]
@@ -77,13 +68,11 @@ impl FromStr for MetricsAddr {
     type Err = MetricsError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        if s.trim().eq_ignore_ascii_case("none") {
-            return Ok(Self::Off);
+        match tessera_exporter::parse_addr(s) {
+            Ok(None) => Ok(Self::Off),
+            Ok(Some(a)) => Ok(Self::At(a)),
+            Err(_) => Err(MetricsError::BadAddress(s.to_owned())),
         }
-        s.trim()
-            .parse()
-            .map(Self::At)
-            .map_err(|_| MetricsError::BadAddress(s.to_owned()))
     }
 }
 
@@ -614,44 +603,6 @@ pub fn render(registry: &Registry) -> String {
     out
 }
 
-fn answer(status: StatusCode, content_type: &str, body: String) -> Response<Full<Bytes>> {
-    let mut r = Response::new(Full::new(Bytes::from(body)));
-    *r.status_mut() = status;
-    if let Ok(v) = content_type.parse() {
-        r.headers_mut().insert(hyper::header::CONTENT_TYPE, v);
-    }
-    r
-}
-
-async fn handle(
-    req: Request<hyper::body::Incoming>,
-    registry: Arc<Registry>,
-) -> Result<Response<Full<Bytes>>, std::convert::Infallible> {
-    if req.uri().path() != "/metrics" {
-        return Ok(answer(
-            StatusCode::NOT_FOUND,
-            "text/plain; charset=utf-8",
-            "not found: metrics are at /metrics\n".into(),
-        ));
-    }
-    if req.method() != Method::GET && req.method() != Method::HEAD {
-        return Ok(answer(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "text/plain; charset=utf-8",
-            "GET /metrics\n".into(),
-        ));
-    }
-    // The state's locks are plain mutexes: read them off the runtime's workers.
-    let body = tokio::task::spawn_blocking(move || render(&registry))
-        .await
-        .unwrap_or_default();
-    Ok(answer(
-        StatusCode::OK,
-        prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
-        body,
-    ))
-}
-
 /// Binds `addr` for [`serve`].
 pub async fn bind(addr: SocketAddr) -> Result<TcpListener, MetricsError> {
     TcpListener::bind(addr)
@@ -659,35 +610,11 @@ pub async fn bind(addr: SocketAddr) -> Result<TcpListener, MetricsError> {
         .map_err(|source| MetricsError::Bind { addr, source })
 }
 
-/// Serves `GET /metrics` on `listener` until the task is dropped: at most [`MAX_SCRAPERS`]
-/// connections at a time, each for at most [`CONNECTION_DEADLINE`].
+/// Serves `GET /metrics` on `listener` until the task is dropped (`tessera_exporter::serve`:
+/// bounded scrapers, a deadline per connection).
 pub async fn serve(listener: TcpListener, registry: Arc<Registry>) {
-    let slots = Arc::new(Semaphore::new(MAX_SCRAPERS));
-    loop {
-        let stream = match listener.accept().await {
-            Ok((s, _)) => s,
-            Err(e) => {
-                tracing::warn!("metrics: accept failed: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
-            // Too many scrapers at once: closing is the cheapest answer.
-            continue;
-        };
-        let registry = Arc::clone(&registry);
-        tokio::spawn(async move {
-            let io = hyper_util::rt::TokioIo::new(stream);
-            let svc = hyper::service::service_fn(move |req| handle(req, Arc::clone(&registry)));
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(CONNECTION_DEADLINE)
-                .serve_connection(io, svc);
-            let _ = tokio::time::timeout(CONNECTION_DEADLINE, conn).await;
-            drop(slot);
-        });
-    }
+    let text: tessera_exporter::Render = Arc::new(move || render(&registry));
+    tessera_exporter::serve(listener, text, std::future::pending()).await;
 }
 
 #[cfg(test)]
@@ -758,6 +685,11 @@ mod tests {
         assert_eq!(
             DEFAULT_METRICS_ADDR.parse::<MetricsAddr>().unwrap(),
             MetricsAddr::At("127.0.0.1:9464".parse().unwrap())
+        );
+        // `$(POD_IP):9464` on an IPv6 cluster.
+        assert_eq!(
+            "fd00::5:9464".parse::<MetricsAddr>().unwrap(),
+            MetricsAddr::At("[fd00::5]:9464".parse().unwrap())
         );
         assert!("localhost".parse::<MetricsAddr>().is_err());
     }
@@ -952,7 +884,7 @@ mod tests {
         let reg = Arc::new(registry(arb, None));
         rt.spawn(serve(listener, reg));
         // Clients that connect and say nothing hold a slot each, not the server.
-        let _silent: Vec<_> = (0..MAX_SCRAPERS - 3)
+        let _silent: Vec<_> = (0..tessera_exporter::MAX_SCRAPERS - 3)
             .map(|_| std::net::TcpStream::connect(addr).unwrap())
             .collect();
         let ok = http(

@@ -1,19 +1,13 @@
-//! The plugin's own Prometheus metrics (`tessera_plugin_*`, listed in docs/metrics.md) and the
-//! small HTTP server that exposes them at `/metrics` in the Prometheus text format.
+//! The plugin's own Prometheus metrics (`tessera_plugin_*`, listed in docs/metrics.md), served
+//! at `/metrics` in the Prometheus text format by `tessera-exporter`.
 //!
 //! The counters are bumped where things happen (registration, `Allocate`, stale clean-up, pod
 //! labels); the unit gauge follows the GPU snapshot. Rendering walks the registry on each
 //! scrape, so a scrape costs nothing between scrapes.
 
-use std::convert::Infallible;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
 
-use bytes::Bytes;
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use prometheus_client::encoding::prometheus_text;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -43,20 +37,10 @@ pub enum MetricsError {
     },
 }
 
-/// Parses `--metrics-addr`: `none` turns the endpoint off. A bare IPv6 address before the
-/// port is accepted too, since `$(POD_IP):9465` expands that way on IPv6 clusters.
+/// Parses `--metrics-addr` (`tessera_exporter::parse_addr`): `none` turns the endpoint off; a
+/// bare IPv6 address before the port is accepted (`$(POD_IP):9465` on IPv6 clusters).
 pub fn parse_addr(text: &str) -> Result<Option<SocketAddr>, MetricsError> {
-    if text == "none" {
-        return Ok(None);
-    }
-    if let Ok(a) = text.parse::<SocketAddr>() {
-        return Ok(Some(a));
-    }
-    let bad = || MetricsError::BadAddr(text.to_owned());
-    let (host, port) = text.rsplit_once(':').ok_or_else(bad)?;
-    let ip: IpAddr = host.parse().map_err(|_| bad())?;
-    let port: u16 = port.parse().map_err(|_| bad())?;
-    Ok(Some(SocketAddr::new(ip, port)))
+    tessera_exporter::parse_addr(text).map_err(|_| MetricsError::BadAddr(text.to_owned()))
 }
 
 /// Why `Allocate` was refused: the `reason` label of `tessera_plugin_allocation_refusals_total`.
@@ -233,57 +217,18 @@ pub async fn bind(addr: Option<SocketAddr>) -> Result<Option<TcpListener>, Metri
         .map_err(|source| MetricsError::Bind { addr, source })
 }
 
-fn respond(metrics: &PluginMetrics, req: &Request<Incoming>) -> Response<Full<Bytes>> {
-    let plain = |status: StatusCode, text: &'static str| {
-        let mut r = Response::new(Full::new(Bytes::from_static(text.as_bytes())));
-        *r.status_mut() = status;
-        r
-    };
-    if req.uri().path() != "/metrics" {
-        return plain(StatusCode::NOT_FOUND, "not found; try /metrics\n");
-    }
-    if req.method() != Method::GET && req.method() != Method::HEAD {
-        return plain(StatusCode::METHOD_NOT_ALLOWED, "GET only\n");
-    }
-    let mut r = Response::new(Full::new(Bytes::from(metrics.render())));
-    r.headers_mut().insert(
-        hyper::header::CONTENT_TYPE,
-        hyper::header::HeaderValue::from_static(prometheus_text::CONTENT_TYPE),
-    );
-    r
-}
-
-/// Serves `/metrics` on `listener` until `stop` turns true. A connection's failure only ends
-/// that connection.
+/// Serves `/metrics` on `listener` until `stop` turns true (`tessera_exporter::serve`:
+/// bounded scrapers, a deadline per connection).
 pub async fn serve(
     listener: TcpListener,
     metrics: Arc<PluginMetrics>,
     mut stop: watch::Receiver<bool>,
 ) {
-    loop {
-        let stream = tokio::select! {
-            r = listener.accept() => match r {
-                Ok((s, _)) => s,
-                Err(_) => {
-                    // Out of descriptors and the like: back off instead of spinning.
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
-            () = async { let _ = stop.wait_for(|s| *s).await; } => return,
-        };
-        let metrics = metrics.clone();
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let resp = respond(&metrics, &req);
-                async move { Ok::<_, Infallible>(resp) }
-            });
-            let conn = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), svc);
-            // A scraper that stalls is dropped rather than held forever.
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(30), conn).await;
-        });
-    }
+    let text: tessera_exporter::Render = Arc::new(move || metrics.render());
+    let stopped = async move {
+        let _ = stop.wait_for(|s| *s).await;
+    };
+    tessera_exporter::serve(listener, text, stopped).await;
 }
 
 #[cfg(test)]
