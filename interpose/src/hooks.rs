@@ -13,7 +13,7 @@ use std::ffi::{c_int, c_uint, c_void};
 use crate::driver;
 use crate::ffi::*;
 use crate::guard;
-use crate::ledger::Kind;
+use crate::ledger::{ImportKey, Kind};
 use crate::memory::{self, Outcome};
 use crate::state::{self, Process};
 use crate::table::HookId;
@@ -525,7 +525,7 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(
                 if handle.is_null() {
                     return Outcome::PassThrough;
                 }
-                memory::vmm_retain(p, || {
+                memory::vmm_retain(p, addr as u64, || {
                     let r = real(handle, addr);
                     (r, written(r, handle))
                 })
@@ -534,9 +534,10 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(
     }
 }
 
-/// `cuMemImportFromShareableHandle`: a handle of another process stays that process's to
-/// count (passed through untracked); an import of this process's own counted handle is one
-/// more reference.
+/// `cuMemImportFromShareableHandle`: the handle is booked as imported memory, charged to this
+/// process from its first mapping here to its last unmap (an import answered with this
+/// process's own counted handle is one more reference of it). The memory is known by the
+/// shareable descriptor's file identity when it has one (see [`import_key`]).
 ///
 /// # Safety
 /// C contract of `cuMemImportFromShareableHandle`.
@@ -555,13 +556,44 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
                 if handle.is_null() {
                     return Outcome::PassThrough;
                 }
-                memory::vmm_retain(p, || {
-                    let r = real(handle, os_handle, kind);
-                    (r, written(r, handle))
-                })
+                memory::vmm_import(
+                    p,
+                    |h| import_key(h, os_handle, kind),
+                    || {
+                        let r = real(handle, os_handle, kind);
+                        (r, written(r, handle))
+                    },
+                )
             },
         )
     }
+}
+
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`: the shareable handle is the descriptor itself.
+const HANDLE_TYPE_POSIX_FD: c_int = 1;
+
+/// What identifies the memory behind an imported `handle`, and its size: a POSIX descriptor
+/// that is a sized file (a memfd, say) names the same object in every process, so two imports
+/// of it are one memory of `st_size` bytes. Anything else (other handle types, a descriptor
+/// that tells no size) is the handle alone, charged what is mapped of it.
+fn import_key(handle: u64, os_handle: *mut c_void, kind: c_int) -> (ImportKey, u64) {
+    if kind == HANDLE_TYPE_POSIX_FD
+        && let Ok(fd) = c_int::try_from(os_handle as usize)
+    {
+        // SAFETY: fstat writes into a zeroed local stat buffer; a bad descriptor only fails.
+        let st = unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            (libc::fstat(fd, &mut st) == 0).then_some(st)
+        };
+        if let Some(st) = st.filter(|st| st.st_size > 0) {
+            let key = ImportKey::File {
+                dev: st.st_dev,
+                ino: st.st_ino,
+            };
+            return (key, st.st_size as u64);
+        }
+    }
+    (ImportKey::Handle(handle), 0)
 }
 
 /// `cuArrayDestroy`.

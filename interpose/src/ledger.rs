@@ -6,9 +6,14 @@
 //! keeps released-but-mapped memory), and `cuMemRetainAllocationHandle` adds references that
 //! need their own `cuMemRelease`. So each counted handle has a reference count and a map count,
 //! and each mapping of a counted handle is remembered by its address, since `cuMemUnmap` names
-//! an address range, not a handle. Handles this process did not create (imported from another
-//! process, which was charged for them) are not in the ledger: mapping and releasing them
-//! releases nothing.
+//! an address range, not a handle.
+//!
+//! Imported handles (`cuMemImportFromShareableHandle`) are kept apart too ([`Ledger::import`]):
+//! the memory behind them stays on the card while any process maps it, whoever created it, so
+//! it is charged here from this process's first mapping of it until its last unmap. The charge
+//! belongs to the memory, not the handle: two imports of the same memory ([`ImportKey`]) share
+//! one entry and count once. Its size is the shared object's size when the descriptor tells it,
+//! else what is mapped of it.
 
 #![forbid(unsafe_code)]
 
@@ -73,6 +78,47 @@ pub struct Mapping {
     pub size: u64,
     /// The handle mapped there.
     pub handle: u64,
+    /// The imported memory mapped there, when the handle was imported.
+    pub import: Option<(ImportKey, u64)>,
+}
+
+/// What identifies imported memory in this process: the (device, inode) of the shareable
+/// descriptor when it is a sized file (the same for every import of one allocation), else the
+/// handle itself (each import its own entry: never merged on a guess).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ImportKey {
+    File { dev: u64, ino: u64 },
+    Handle(u64),
+}
+
+/// A handle `cuMemImportFromShareableHandle` returned here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImportHandle {
+    /// The memory behind it.
+    pub key: ImportKey,
+    /// Its size, 0 when unknown (then what is mapped of it is charged).
+    pub bytes: u64,
+    /// Imports of it not yet released.
+    pub refs: u32,
+}
+
+/// Imported memory this process maps.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Imported {
+    bytes: u64,
+    maps: u32,
+    mapped: u64,
+}
+
+impl Imported {
+    /// What it is charged: its size while mapped (what is mapped when its size is unknown).
+    fn charge(&self) -> u64 {
+        match (self.maps, self.bytes) {
+            (0, _) => 0,
+            (_, 0) => self.mapped,
+            (_, b) => b,
+        }
+    }
 }
 
 /// What [`Ledger::release_begin`] took, to settle after the driver answered.
@@ -83,6 +129,8 @@ pub enum Release {
     Last(HandleEntry),
     /// One reference of a handle that stays (more references, or still mapped).
     NotLast,
+    /// One import of an imported handle: releases nothing (its charge follows its mappings).
+    Import(ImportHandle),
 }
 
 /// What [`Ledger::unmap_begin`] took out, to settle after the driver answered.
@@ -92,12 +140,14 @@ pub struct Unmapped {
     pub maps: Vec<Mapping>,
     /// Handles whose last mapping went while no reference was left: gone from the ledger.
     pub gone: Vec<(u64, HandleEntry)>,
+    /// Charge of imported memory that its unmapped mappings drop.
+    pub imported: u64,
 }
 
 impl Unmapped {
     /// Bytes to release once the unmap succeeded.
     pub fn bytes(&self) -> u64 {
-        self.gone.iter().map(|(_, e)| e.bytes).sum()
+        self.gone.iter().map(|(_, e)| e.bytes).sum::<u64>() + self.imported
     }
 }
 
@@ -107,6 +157,8 @@ pub struct Ledger {
     map: HashMap<(Kind, u64), u64, BuildHasherDefault<KeyHasher>>,
     handles: HashMap<u64, HandleEntry, BuildHasherDefault<KeyHasher>>,
     mappings: BTreeMap<u64, Mapping>,
+    imports: HashMap<u64, ImportHandle, BuildHasherDefault<KeyHasher>>,
+    imported: HashMap<ImportKey, Imported>,
 }
 
 impl Ledger {
@@ -121,9 +173,11 @@ impl Ledger {
         self.map.remove(&(kind, key))
     }
 
-    /// Bytes of all live objects, counted handles included.
+    /// Bytes of all live objects, counted handles and mapped imports included.
     pub fn total(&self) -> u64 {
-        self.map.values().sum::<u64>() + self.handles.values().map(|e| e.bytes).sum::<u64>()
+        self.map.values().sum::<u64>()
+            + self.handles.values().map(|e| e.bytes).sum::<u64>()
+            + self.imported.values().map(Imported::charge).sum::<u64>()
     }
 
     /// Number of live objects, counted handles included.
@@ -133,7 +187,10 @@ impl Ledger {
 
     /// True when nothing is live.
     pub fn is_empty(&self) -> bool {
-        self.map.is_empty() && self.handles.is_empty()
+        self.map.is_empty()
+            && self.handles.is_empty()
+            && self.imports.is_empty()
+            && self.imported.is_empty()
     }
 
     // ---- cuMemCreate handles -------------------------------------------------------------
@@ -154,7 +211,57 @@ impl Ledger {
         if old.is_some() {
             self.mappings.retain(|_, m| m.handle != handle);
         }
+        // A value once an imported handle: that one is gone (its mappings stay until unmapped).
+        self.imports.remove(&handle);
         old.map(|e| e.bytes)
+    }
+
+    // ---- imported handles ----------------------------------------------------------------
+
+    /// Records a handle `cuMemImportFromShareableHandle` just returned, of the memory `key`
+    /// (`bytes`, 0 when unknown). An import answered with a handle this process created is one
+    /// more reference of it (its charge is the creation's).
+    pub fn import(&mut self, handle: u64, key: ImportKey, bytes: u64) {
+        if self.retain_handle(handle) {
+            return;
+        }
+        self.imports
+            .entry(handle)
+            .and_modify(|h| h.refs = h.refs.saturating_add(1))
+            .or_insert(ImportHandle {
+                key,
+                bytes,
+                refs: 1,
+            });
+    }
+
+    /// The imported memory mapped at `addr` (inside a recorded mapping), with its size.
+    pub fn import_at(&self, addr: u64) -> Option<(ImportKey, u64)> {
+        let (_, m) = self.mappings.range(..=addr).next_back()?;
+        (addr < m.va.saturating_add(m.size)).then_some(m.import?)
+    }
+
+    /// The imported handle `handle`, if it is one.
+    pub fn imported_handle(&self, handle: u64) -> Option<ImportHandle> {
+        self.imports.get(&handle).copied()
+    }
+
+    /// What mapping `size` bytes of `handle` would add to the charge (0 for a handle not
+    /// imported, or memory already mapped here).
+    pub fn map_cost(&self, handle: u64, size: u64) -> u64 {
+        let Some(h) = self.imports.get(&handle) else {
+            return 0;
+        };
+        let now = self.imported.get(&h.key).copied().unwrap_or(Imported {
+            bytes: h.bytes,
+            ..Imported::default()
+        });
+        let then = Imported {
+            maps: now.maps + 1,
+            mapped: now.mapped.saturating_add(size),
+            ..now
+        };
+        then.charge() - now.charge()
     }
 
     /// The entry of a counted handle.
@@ -178,6 +285,14 @@ impl Ledger {
     /// of an unmapped handle removes the entry at once, so a handle value the driver reuses
     /// right after it is never mistaken for this one. `None`: not counted here.
     pub fn release_begin(&mut self, handle: u64) -> Option<Release> {
+        if let Some(h) = self.imports.get_mut(&handle) {
+            let taken = *h;
+            h.refs = h.refs.saturating_sub(1);
+            if h.refs == 0 {
+                self.imports.remove(&handle);
+            }
+            return Some(Release::Import(taken));
+        }
         let e = self.handles.get_mut(&handle)?;
         e.refs = e.refs.saturating_sub(1);
         if e.refs == 0 && e.maps == 0 {
@@ -196,21 +311,56 @@ impl Ledger {
             Release::NotLast => {
                 let _ = self.retain_handle(handle);
             }
+            Release::Import(h) => {
+                self.imports.insert(handle, h);
+            }
         }
     }
 
     /// Records a mapping the driver just made. A mapping recorded at the same address is
     /// stale (its range was unmapped behind our back, e.g. by `cuMemAddressFree`) and is
     /// dropped first; the bytes that frees are returned for the caller to release. Mappings
-    /// of handles not counted here are not recorded.
-    pub fn map_handle(&mut self, va: u64, size: u64, handle: u64) -> u64 {
+    /// of handles neither counted nor imported here are not recorded. A mapping of an
+    /// imported handle adds to its memory's charge: the second value returned (what
+    /// [`Ledger::map_cost`] said, unless another mapping of it came or went meanwhile).
+    pub fn map_handle(&mut self, va: u64, size: u64, handle: u64) -> (u64, u64) {
         let stale = self.unmap_begin(va, size.max(1));
         let freed = stale.bytes();
         if let Some(e) = self.handles.get_mut(&handle) {
             e.maps = e.maps.saturating_add(1);
-            self.mappings.insert(va, Mapping { va, size, handle });
+            self.mappings.insert(
+                va,
+                Mapping {
+                    va,
+                    size,
+                    handle,
+                    import: None,
+                },
+            );
+        } else if let Some(h) = self.imports.get(&handle).copied() {
+            let added = self.map_cost(handle, size);
+            let m = Mapping {
+                va,
+                size,
+                handle,
+                import: Some((h.key, h.bytes)),
+            };
+            self.add_import_mapping(&m);
+            self.mappings.insert(va, m);
+            return (freed, added);
         }
-        freed
+        (freed, 0)
+    }
+
+    fn add_import_mapping(&mut self, m: &Mapping) {
+        if let Some((key, bytes)) = m.import {
+            let e = self.imported.entry(key).or_insert(Imported {
+                bytes,
+                ..Imported::default()
+            });
+            e.maps = e.maps.saturating_add(1);
+            e.mapped = e.mapped.saturating_add(m.size);
+        }
     }
 
     /// True when a recorded mapping starts in `[va, va + size)`.
@@ -237,6 +387,18 @@ impl Ledger {
                 continue;
             };
             out.maps.push(m);
+            if let Some((key, _)) = m.import {
+                if let Some(e) = self.imported.get_mut(&key) {
+                    let before = e.charge();
+                    e.maps = e.maps.saturating_sub(1);
+                    e.mapped = e.mapped.saturating_sub(m.size);
+                    out.imported += before - e.charge();
+                    if e.maps == 0 {
+                        self.imported.remove(&key);
+                    }
+                }
+                continue;
+            }
             let unused = self.handles.get_mut(&m.handle).is_some_and(|e| {
                 e.maps = e.maps.saturating_sub(1);
                 e.refs == 0 && e.maps == 0
@@ -255,6 +417,11 @@ impl Ledger {
             self.handles.entry(h).or_insert(e);
         }
         for m in u.maps {
+            if m.import.is_some() {
+                self.add_import_mapping(&m);
+                self.mappings.insert(m.va, m);
+                continue;
+            }
             if let Some(e) = self.handles.get_mut(&m.handle) {
                 e.maps = e.maps.saturating_add(1);
                 self.mappings.insert(m.va, m);
@@ -335,7 +502,7 @@ mod tests {
     fn create_map_release_unmap_frees_at_the_unmap() {
         let mut l = Ledger::default();
         l.create_handle(H, 4 * MB2);
-        assert_eq!(l.map_handle(0x1000_0000, 4 * MB2, H), 0);
+        assert_eq!(l.map_handle(0x1000_0000, 4 * MB2, H), (0, 0));
         assert_eq!(release(&mut l, H), 0, "still mapped: nothing released");
         assert_eq!(
             l.total(),
@@ -418,10 +585,10 @@ mod tests {
 
     #[test]
     fn foreign_handles_are_never_counted() {
-        // An imported handle (charged to the process that created it) is mapped and released:
-        // nothing is recorded, nothing released.
+        // A handle neither created nor imported through the hooks (made before the interposer
+        // was loaded, say) is mapped and released: nothing is recorded, nothing released.
         let mut l = Ledger::default();
-        assert_eq!(l.map_handle(0x1000_0000, MB2, H), 0);
+        assert_eq!(l.map_handle(0x1000_0000, MB2, H), (0, 0));
         assert_eq!(l.mapping_count(), 0);
         assert_eq!(l.release_begin(H), None);
         assert_eq!(unmap(&mut l, 0x1000_0000, MB2), 0);
@@ -472,9 +639,84 @@ mod tests {
         l.create_handle(h2, MB2);
         l.map_handle(0x1000_0000, MB2, H);
         release(&mut l, H);
-        assert_eq!(l.map_handle(0x1000_0000, MB2, h2), MB2);
+        assert_eq!(l.map_handle(0x1000_0000, MB2, h2), (MB2, 0));
         assert_eq!(l.handle(H), None);
         assert_eq!(l.handle(h2).unwrap().maps, 1);
+    }
+
+    const FILE: ImportKey = ImportKey::File { dev: 1, ino: 99 };
+
+    #[test]
+    fn imported_memory_is_charged_from_its_first_mapping_to_its_last_unmap() {
+        let mut l = Ledger::default();
+        l.import(H, FILE, 4 * MB2);
+        assert_eq!(l.total(), 0, "imported, not mapped: not charged here");
+        assert_eq!(
+            l.map_cost(H, MB2),
+            4 * MB2,
+            "the whole allocation, not the mapped part"
+        );
+        assert_eq!(l.map_handle(0x1000_0000, MB2, H), (0, 4 * MB2));
+        assert_eq!(l.map_cost(H, MB2), 0, "a second mapping adds nothing");
+        assert_eq!(l.map_handle(0x2000_0000, MB2, H), (0, 0));
+        assert_eq!(
+            l.release_begin(H),
+            Some(Release::Import(ImportHandle {
+                key: FILE,
+                bytes: 4 * MB2,
+                refs: 1
+            }))
+        );
+        assert_eq!(l.total(), 4 * MB2, "released but mapped: still charged");
+        assert_eq!(unmap(&mut l, 0x2000_0000, MB2), 0, "one mapping left");
+        assert_eq!(unmap(&mut l, 0x1000_0000, MB2), 4 * MB2, "the last unmap");
+        assert!(l.is_empty());
+    }
+
+    #[test]
+    fn two_imports_of_the_same_memory_count_once() {
+        let mut l = Ledger::default();
+        let h2 = H + 0x10;
+        l.import(H, FILE, 4 * MB2);
+        l.import(h2, FILE, 4 * MB2);
+        assert_eq!(l.map_handle(0x1000_0000, MB2, H).1, 4 * MB2);
+        assert_eq!(l.map_cost(h2, 4 * MB2), 0);
+        assert_eq!(l.map_handle(0x2000_0000, 4 * MB2, h2).1, 0);
+        assert_eq!(l.total(), 4 * MB2);
+        assert_eq!(
+            unmap(&mut l, 0x1000_0000, MB2),
+            0,
+            "the other import still maps it"
+        );
+        assert_eq!(unmap(&mut l, 0x2000_0000, 4 * MB2), 4 * MB2);
+        // Memory of unknown size (a descriptor that tells nothing): what is mapped, per handle.
+        let (a, b) = (ImportKey::Handle(H), ImportKey::Handle(h2));
+        release(&mut l, H);
+        release(&mut l, h2);
+        l.import(H, a, 0);
+        l.import(h2, b, 0);
+        assert_eq!(l.map_handle(0x1000_0000, MB2, H).1, MB2);
+        assert_eq!(l.map_handle(0x2000_0000, MB2, H).1, MB2);
+        assert_eq!(
+            l.map_handle(0x3000_0000, MB2, h2).1,
+            MB2,
+            "not merged on a guess"
+        );
+        assert_eq!(l.total(), 3 * MB2);
+        let u = l.unmap_begin(0x1000_0000, 0x3000_0000);
+        assert_eq!(u.bytes(), 3 * MB2);
+        l.unmap_undo(u);
+        assert_eq!(l.total(), 3 * MB2, "a refused unmap keeps the charge");
+    }
+
+    #[test]
+    fn an_import_of_a_handle_created_here_is_one_more_reference() {
+        let mut l = Ledger::default();
+        l.create_handle(H, MB2);
+        l.import(H, FILE, MB2);
+        assert_eq!(l.imported_handle(H), None);
+        assert_eq!(l.handle(H).unwrap().refs, 2);
+        assert_eq!(l.map_cost(H, MB2), 0, "charged once, at its creation");
     }
 
     #[test]

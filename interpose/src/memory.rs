@@ -8,7 +8,7 @@
 #![forbid(unsafe_code)]
 
 use crate::ffi::{CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CUresult};
-use crate::ledger::{Kind, Release};
+use crate::ledger::{ImportKey, Kind, Release};
 use crate::state::Process;
 use crate::tlog;
 
@@ -96,8 +96,15 @@ pub fn vmm_release(
     Outcome::Handled(r)
 }
 
+/// Serialises the mapping and unmapping of imported memory, so that what a mapping is
+/// reserved for before the driver call is what it adds when booked (two threads mapping the
+/// same memory at once would otherwise both reserve it, or neither).
+static IMPORTED: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
 /// `cuMemMap`: a mapping of a counted handle is recorded by its address (and keeps the
-/// handle's memory counted until it is unmapped).
+/// handle's memory counted until it is unmapped). The first mapping here of imported memory
+/// reserves its size before the driver maps it, and is refused with
+/// `CUDA_ERROR_OUT_OF_MEMORY` when that does not fit.
 pub fn vmm_map(
     p: &'static Process,
     va: u64,
@@ -105,12 +112,45 @@ pub fn vmm_map(
     handle: u64,
     driver: impl FnOnce() -> CUresult,
 ) -> Outcome<CUresult> {
+    let imported = p.ledger().imported_handle(handle).is_some();
+    let _serial = imported.then(|| IMPORTED.lock());
+    let cost = p.ledger().map_cost(handle, size);
+    if cost > 0
+        && let Err(e) = p.session.reserve(cost)
+    {
+        tlog!(
+            Debug,
+            "mapping of {cost} bytes of imported memory refused: {e}"
+        );
+        return Outcome::Handled(CUDA_ERROR_OUT_OF_MEMORY);
+    }
     let r = driver();
-    if r == CUDA_SUCCESS {
-        let stale = p.ledger().map_handle(va, size, handle);
-        if stale > 0 {
-            p.session.release(stale);
+    if r != CUDA_SUCCESS {
+        if cost > 0 {
+            p.session.release(cost);
         }
+        return Outcome::Handled(r);
+    }
+    let (stale, added) = p.ledger().map_handle(va, size, handle);
+    // Equal under the lock; a difference can only be over-reserved, returned here.
+    let back = stale + cost.saturating_sub(added);
+    if back > 0 {
+        p.session.release(back);
+    }
+    Outcome::Handled(r)
+}
+
+/// `cuMemImportFromShareableHandle`: the handle is booked as an import of the memory `key`
+/// (`bytes`, 0 when unknown), charged when this process first maps it.
+pub fn vmm_import(
+    p: &'static Process,
+    key: impl FnOnce(u64) -> (ImportKey, u64),
+    driver: impl FnOnce() -> (CUresult, u64),
+) -> Outcome<CUresult> {
+    let (r, handle) = driver();
+    if r == CUDA_SUCCESS {
+        let (key, bytes) = key(handle);
+        p.ledger().import(handle, key, bytes);
     }
     Outcome::Handled(r)
 }
@@ -124,6 +164,7 @@ pub fn vmm_unmap(
     size: u64,
     driver: impl FnOnce() -> CUresult,
 ) -> Outcome<CUresult> {
+    let _serial = IMPORTED.lock();
     let taken = {
         let mut l = p.ledger();
         if !l.has_mappings_in(va, size) {
@@ -143,16 +184,23 @@ pub fn vmm_unmap(
     Outcome::Handled(r)
 }
 
-/// `cuMemRetainAllocationHandle` (and `cuMemImportFromShareableHandle`): the handle the
-/// driver answers gains a reference when it is counted here (a handle of another process is
-/// that process's to count).
+/// `cuMemRetainAllocationHandle` of `addr`: the handle the driver answers gains a reference
+/// when it is counted here (a created or imported one).
 pub fn vmm_retain(
     p: &'static Process,
+    addr: u64,
     driver: impl FnOnce() -> (CUresult, u64),
 ) -> Outcome<CUresult> {
     let (r, handle) = driver();
     if r == CUDA_SUCCESS {
-        let _ = p.ledger().retain_handle(handle);
+        let mut l = p.ledger();
+        // The handle of imported memory is one more import of it, whatever value it has.
+        match l.import_at(addr) {
+            Some((key, bytes)) => l.import(handle, key, bytes),
+            None => {
+                let _ = l.retain_handle(handle);
+            }
+        }
     }
     Outcome::Handled(r)
 }

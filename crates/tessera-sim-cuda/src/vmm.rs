@@ -12,17 +12,27 @@
 //! Shareable handles: `cuMemExportToShareableHandle` with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`
 //! hands out a duplicate of the memfd; `cuMemImportFromShareableHandle` in any process (the fd
 //! passed over a Unix socket, or opened as `/proc/<pid>/fd/<n>`) makes a handle of the same
-//! bytes. The memory stays charged to the process that created it, as the driver reports it;
-//! the importer is not charged again.
+//! bytes.
+//!
+//! Lifetime, as the driver documents for `cuMemRelease`: the memory behind a handle is given
+//! back only once every reference to it (the creating handle, retained ones, and the handles
+//! other processes imported) is released and every mapping of it, in any process, is unmapped.
+//! So the card's charge is not this process's: each allocation is a shared hold in the state
+//! folder ([`tessera_sim_state::shared`]), keyed by the memfd's inode, that every process with
+//! a live handle or mapping of it keeps; the card counts it once while any hold lives (a killed
+//! process's hold goes with it). NVML's per-process figure shows it for the creator while the
+//! creator holds a handle or a mapping of it, and for each other process while it maps it (see
+//! docs/simulator.md). Memory kept alive only by an exported descriptor nobody imported is not
+//! counted.
 
 use parking_lot::{Mutex, MutexGuard};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
 
 use crate::ffi::*;
 use crate::memory::{Alloc, Kind, allocs};
-use crate::runtime::{Registry, gpu, guard, next_handle, physical_gpu, put, rt};
+use crate::runtime::{Registry, Res, gpu, guard, next_handle, physical_gpu, put, rt};
 
 /// A VMM physical allocation: a sparse memfd.
 pub struct Physical {
@@ -30,8 +40,10 @@ pub struct Physical {
     pub fd: i32,
     pub size: usize,
     pub device: u32,
-    /// Charged to this process (false for an imported handle: its creator is charged).
-    charged: bool,
+    /// Made by `cuMemCreate` here (false for an imported handle).
+    creator: bool,
+    /// The memfd's inode: the allocation's key in every process.
+    key: u64,
     state: Mutex<PhysState>,
 }
 
@@ -77,13 +89,109 @@ fn live(h: u64) -> Result<Arc<Physical>, CUresult> {
         .ok_or(CUDA_ERROR_INVALID_VALUE)
 }
 
-/// Returns a handle's memory to the ledger once it is released and unmapped.
+/// This process's hold of one shared allocation, summed over its handles (caller holds
+/// the VMM lock).
+struct Held {
+    hold: tessera_sim_state::SharedHold,
+    device: u32,
+    size: u64,
+    /// Unreleased references over all handles of the allocation here.
+    refs: usize,
+    /// The part of `refs` on handles `cuMemCreate` made here.
+    creator_refs: usize,
+    /// Live mappings over all handles of the allocation here.
+    maps: usize,
+    /// Whether NVML shows the allocation for this process.
+    shown: bool,
+}
+
+fn held() -> MutexGuard<'static, HashMap<u64, Held>> {
+    static H: OnceLock<Mutex<HashMap<u64, Held>>> = OnceLock::new();
+    H.get_or_init(|| Mutex::new(HashMap::new())).lock()
+}
+
+/// A new handle of allocation `key` here: joins this process's hold, or takes one (charging
+/// the card if no process holds the allocation yet).
+fn join(key: u64, device: u32, size: u64, creator: bool) -> Res {
+    let mut t = held();
+    if let Some(h) = t.get_mut(&key) {
+        h.refs += 1;
+        h.creator_refs += usize::from(creator);
+    } else {
+        let hold = rt()?
+            .ledger
+            .hold_shared(device, key, size)
+            .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+        t.insert(
+            key,
+            Held {
+                hold,
+                device,
+                size,
+                refs: 1,
+                creator_refs: usize::from(creator),
+                maps: 0,
+                shown: false,
+            },
+        );
+    }
+    show(&mut t, key);
+    Ok(())
+}
+
+/// A handle's references or mappings changed by `refs` / `maps`: updates this process's hold,
+/// what NVML shows for it, and drops the hold when nothing of it is left here.
+fn adjust(p: &Physical, refs: isize, maps: isize) {
+    let mut t = held();
+    if let Some(h) = t.get_mut(&p.key) {
+        h.refs = h.refs.saturating_add_signed(refs);
+        if p.creator {
+            h.creator_refs = h.creator_refs.saturating_add_signed(refs);
+        }
+        h.maps = h.maps.saturating_add_signed(maps);
+    }
+    show(&mut t, p.key);
+}
+
+/// NVML shows an allocation for its creator while the creator holds a reference or a
+/// mapping, and for any process while it maps it; a hold with neither is given up.
+fn show(t: &mut HashMap<u64, Held>, key: u64) {
+    let Some(h) = t.get_mut(&key) else { return };
+    let want = h.maps > 0 || h.creator_refs > 0;
+    if want != h.shown
+        && let Ok(rt) = rt()
+        && rt.ledger.show_shared(h.device, h.size, want).is_ok()
+    {
+        h.shown = want;
+    }
+    if h.refs == 0
+        && h.maps == 0
+        && let Some(h) = t.remove(&key)
+        && let Ok(rt) = rt()
+    {
+        if h.shown {
+            let _ = rt.ledger.show_shared(h.device, h.size, false);
+        }
+        rt.ledger.release_shared(h.hold);
+    }
+}
+
+/// Forgets a handle once it is released and unmapped (its memory goes with the last hold).
 fn settle(p: &Physical, st: &PhysState) {
     if st.refs == 0 && st.maps == 0 {
         PHYSICAL.remove(p.id);
-        if let (true, Ok(rt)) = (p.charged, rt()) {
-            rt.ledger.free(p.device, p.size as u64);
+    }
+}
+
+/// The inode and size of a memfd.
+fn inode_and_size(fd: i32) -> Result<(u64, usize), CUresult> {
+    // SAFETY: fstat into a zeroed stat buffer on a descriptor the caller holds.
+    unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        if libc::fstat(fd, &mut st) != 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        Ok((st.st_ino, st.st_size as usize))
     }
 }
 
@@ -120,6 +228,7 @@ fn drop_mappings(maps: &[(usize, usize, usize)]) {
         if let Some(p) = PHYSICAL.get(id) {
             let mut st = state(&p);
             st.maps = st.maps.saturating_sub(1);
+            adjust(&p, 0, -1);
             settle(&p, &st);
         }
     }
@@ -146,7 +255,7 @@ pub unsafe extern "C" fn cuMemGetAllocationGranularity(
     })
 }
 
-/// `cuMemCreate`: charged to the device at once.
+/// `cuMemCreate`: charged to the card at once, as a shared hold of this process.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemCreate(
     h: *mut u64,
@@ -165,10 +274,7 @@ pub unsafe extern "C" fn cuMemCreate(
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let g = gpu(loc.id)?;
-        let rt = rt()?;
-        rt.ledger
-            .try_alloc(g.index, size as u64)
-            .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+        let _l = vmm_lock();
         // The name carries the device, for an importer to find it.
         let name = std::ffi::CString::new(format!("{MEMFD_PREFIX}{}", g.index))
             .map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
@@ -180,15 +286,27 @@ pub unsafe extern "C" fn cuMemCreate(
                 // SAFETY: closing our own fresh memfd.
                 unsafe { libc::close(fd) };
             }
-            rt.ledger.free(g.index, size as u64);
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
+        let joined = inode_and_size(fd).and_then(|(key, _)| {
+            join(key, g.index, size as u64, true)?;
+            Ok(key)
+        });
+        let key = match joined {
+            Ok(key) => key,
+            Err(e) => {
+                // SAFETY: closing our own fresh memfd.
+                unsafe { libc::close(fd) };
+                return Err(e);
+            }
+        };
         let p = Arc::new(Physical {
             id: next_handle(),
             fd,
             size,
             device: g.index,
-            charged: true,
+            creator: true,
+            key,
             state: Mutex::new(PhysState { maps: 0, refs: 1 }),
         });
         PHYSICAL.insert(p.id, p.clone());
@@ -207,6 +325,7 @@ pub extern "C" fn cuMemRelease(h: u64) -> CUresult {
         let p = live(h)?;
         let mut st = state(&p);
         st.refs -= 1;
+        adjust(&p, -1, 0);
         settle(&p, &st);
         Ok(())
     })
@@ -228,6 +347,7 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_v
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let p = PHYSICAL.get(id).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         state(&p).refs += 1;
+        adjust(&p, 1, 0);
         // SAFETY: non-null out-pointer from the caller.
         unsafe { put(h, p.id as u64) }
     })
@@ -278,8 +398,9 @@ fn exported_device(fd: i32) -> Option<u32> {
 }
 
 /// `cuMemImportFromShareableHandle`: a handle of the memory behind a POSIX file descriptor
-/// exported by `cuMemExportToShareableHandle` (the descriptor stays the caller's). Not charged
-/// here: the exporting process is.
+/// exported by `cuMemExportToShareableHandle` (the descriptor stays the caller's). The
+/// allocation joins this process's holds: it stays on the card while this handle or a mapping
+/// of it lives, even after its creator let go.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemImportFromShareableHandle(
     h: *mut u64,
@@ -297,25 +418,25 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
         let fd = i32::try_from(os_handle as usize).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
         let device = exported_device(fd).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         physical_gpu(device)?;
-        // SAFETY: fstat into a zeroed stat buffer; fd is the caller's descriptor.
-        let size = unsafe {
-            let mut st: libc::stat = std::mem::zeroed();
-            if libc::fstat(fd, &mut st) != 0 {
-                return Err(CUDA_ERROR_INVALID_VALUE);
-            }
-            st.st_size as usize
-        };
+        let (key, size) = inode_and_size(fd)?;
+        let _l = vmm_lock();
         // SAFETY: duplicating the caller's descriptor; the handle owns the copy.
         let own = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
         if own < 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if let Err(e) = join(key, device, size as u64, false) {
+            // SAFETY: closing the copy made just above.
+            unsafe { libc::close(own) };
+            return Err(e);
         }
         let p = Arc::new(Physical {
             id: next_handle(),
             fd: own,
             size,
             device,
-            charged: false,
+            creator: false,
+            key,
             state: Mutex::new(PhysState { maps: 0, refs: 1 }),
         });
         PHYSICAL.insert(p.id, p.clone());
@@ -451,6 +572,7 @@ pub extern "C" fn cuMemMap(
             },
         );
         state(&p).maps += 1;
+        adjust(&p, 0, 1);
         Ok(())
     })
 }

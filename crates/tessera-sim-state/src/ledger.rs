@@ -1,7 +1,7 @@
 //! Per-process records and global memory accounting.
 //!
 //! Each process using the simulated GPUs owns `procs/<pid>`: a fixed array of u64 words (memory
-//! in use, engine busy ns, context count and context memory per device), mapped shared so updates are plain
+//! in use, engine busy ns, context count, context memory and shown shared VMM memory per device), mapped shared so updates are plain
 //! atomic adds. The owner holds an open-file-description (OFD) write lock on it for its whole
 //! life; the kernel drops it when the process dies (SIGKILL included), so a reader that finds the
 //! lock free knows the record is dead. OFD locks (unlike classic `fcntl` locks) are not released
@@ -30,16 +30,20 @@ use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use parking_lot::Mutex;
 
 use crate::MAX_GPUS;
+use crate::shared::SharedHold;
 
 const MAGIC: u64 = 0x5445_5353_5245_4331; // "TESSREC1"
 const HEADER_WORDS: usize = 2;
-const GPU_WORDS: usize = 4;
+const GPU_WORDS: usize = 5;
 const RECORD_WORDS: usize = HEADER_WORDS + MAX_GPUS * GPU_WORDS;
 const RECORD_BYTES: usize = RECORD_WORDS * 8;
 const W_MEM: usize = 0;
 const W_BUSY: usize = 1;
 const W_CTX: usize = 2;
 const W_CTX_MEM: usize = 3;
+/// Shared VMM memory NVML shows for this process (see [`crate::shared`]); the card counts each
+/// shared allocation once, from its file, not from these words.
+const W_SHARED: usize = 4;
 
 /// Errors of the ledger.
 #[derive(Debug, thiserror::Error)]
@@ -71,6 +75,9 @@ pub struct ProcessUsage {
     pub mem_bytes: [u64; MAX_GPUS],
     /// The part of `mem_bytes` its contexts cost, per device ordinal.
     pub context_bytes: [u64; MAX_GPUS],
+    /// The part of `mem_bytes` that is shared VMM memory (created and still held, or imported
+    /// and mapped): the card counts such an allocation once however many processes show it.
+    pub shared_bytes: [u64; MAX_GPUS],
     /// Cumulative engine busy time of this process's kernels, ns, per device ordinal.
     pub busy_ns: [u64; MAX_GPUS],
     /// Number of contexts this process holds per device.
@@ -305,10 +312,7 @@ impl Ledger {
         if guard.as_ref().is_none_or(|m| m.pid != pid()) {
             *guard = Some(self.create_record()?);
         }
-        let used: u64 = scan(&self.dir, true)?
-            .iter()
-            .map(|p| p.mem_bytes[gpu as usize])
-            .sum();
+        let used = card_used(&self.dir, gpu, true)?;
         let free = total.saturating_sub(used);
         if bytes > free {
             return Err(LedgerError::OutOfMemory {
@@ -387,6 +391,45 @@ impl Ledger {
         };
         mine.word(base + W_CTX).fetch_add(1, Ordering::SeqCst);
         Ok(())
+    }
+
+    /// Takes this process's hold of the shared VMM allocation `key` (`bytes` on `gpu`): the
+    /// card is charged when no process holds it yet ([`LedgerError::OutOfMemory`] when it has
+    /// no room), and keeps it while any hold lives, in any process.
+    pub fn hold_shared(&self, gpu: u32, key: u64, bytes: u64) -> Result<SharedHold, LedgerError> {
+        let mut guard = self.mine.lock();
+        let _flock = FlockGuard::lock(&self.mem_lock);
+        if !crate::shared::is_held(&self.dir, key) {
+            self.charge(&mut guard, gpu, bytes)?;
+        }
+        let dir = self.dir.join("vmm");
+        crate::shared::hold(&self.dir, key, gpu, bytes).map_err(io(&dir))
+    }
+
+    /// Drops a hold taken by [`Ledger::hold_shared`] (under the mem.lock flock, so a process
+    /// taking a hold at the same time either joins this one or charges the card anew).
+    pub fn release_shared(&self, hold: SharedHold) {
+        let _guard = self.mine.lock();
+        let _flock = FlockGuard::lock(&self.mem_lock);
+        drop(hold);
+    }
+
+    /// Shows (`on`) or stops showing `bytes` of shared VMM memory on `gpu` in this process's
+    /// NVML figure; the card's own figure is not changed (see [`Ledger::hold_shared`]).
+    pub fn show_shared(&self, gpu: u32, bytes: u64, on: bool) -> Result<(), LedgerError> {
+        if gpu as usize >= MAX_GPUS {
+            return Err(LedgerError::NoSuchGpu(gpu));
+        }
+        self.with_mine(|m| {
+            let w = m.word(HEADER_WORDS + gpu as usize * GPU_WORDS + W_SHARED);
+            if on {
+                w.fetch_add(bytes, Ordering::SeqCst);
+            } else {
+                let _ = w.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
+                    Some(v.saturating_sub(bytes))
+                });
+            }
+        })
     }
 
     /// Bytes this process's allocations hold on `gpu` (context memory not included).
@@ -506,13 +549,15 @@ fn scan(dir: &Path, delete_dead: bool) -> Result<Vec<ProcessUsage>, LedgerError>
             pid,
             mem_bytes: [0; MAX_GPUS],
             context_bytes: [0; MAX_GPUS],
+            shared_bytes: [0; MAX_GPUS],
             busy_ns: [0; MAX_GPUS],
             contexts: [0; MAX_GPUS],
         };
         for g in 0..MAX_GPUS {
             let base = HEADER_WORDS + g * GPU_WORDS;
             u.context_bytes[g] = word(base + W_CTX_MEM);
-            u.mem_bytes[g] = word(base + W_MEM) + u.context_bytes[g];
+            u.shared_bytes[g] = word(base + W_SHARED);
+            u.mem_bytes[g] = word(base + W_MEM) + u.context_bytes[g] + u.shared_bytes[g];
             u.busy_ns[g] = word(base + W_BUSY);
             u.contexts[g] = word(base + W_CTX);
         }
@@ -522,6 +567,7 @@ fn scan(dir: &Path, delete_dead: bool) -> Result<Vec<ProcessUsage>, LedgerError>
                 for g in 0..MAX_GPUS {
                     o.mem_bytes[g] += u.mem_bytes[g];
                     o.context_bytes[g] += u.context_bytes[g];
+                    o.shared_bytes[g] += u.shared_bytes[g];
                     o.busy_ns[g] += u.busy_ns[g];
                     o.contexts[g] += u.contexts[g];
                 }
@@ -543,10 +589,18 @@ pub fn device_memory_used(dir: &Path, gpu: u32) -> Result<u64, LedgerError> {
     if gpu as usize >= MAX_GPUS {
         return Err(LedgerError::NoSuchGpu(gpu));
     }
-    Ok(scan(dir, false)?
+    card_used(dir, gpu, false)
+}
+
+/// What the card holds on `gpu`: every live process's own memory, plus each held shared VMM
+/// allocation once (not once per process showing it).
+fn card_used(dir: &Path, gpu: u32, delete_dead: bool) -> Result<u64, LedgerError> {
+    let g = gpu as usize;
+    let own: u64 = scan(dir, delete_dead)?
         .iter()
-        .map(|p| p.mem_bytes[gpu as usize])
-        .sum())
+        .map(|p| p.mem_bytes[g] - p.shared_bytes[g])
+        .sum();
+    Ok(own + crate::shared::held_bytes(dir, delete_dead)[g])
 }
 
 #[cfg(test)]
@@ -643,6 +697,38 @@ mod tests {
         ));
         let procs = read_processes(dir.path()).unwrap();
         assert_eq!((procs[0].contexts[1], procs[0].mem_bytes[1]), (0, 800));
+    }
+
+    #[test]
+    fn shared_memory_is_counted_once_on_the_card_and_shown_per_holder() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = Ledger::open(dir.path(), vec![1000]).unwrap();
+        let creator = l.hold_shared(0, 42, 600).unwrap();
+        l.show_shared(0, 600, true).unwrap();
+        // A second holder (an importer) joins without a new charge.
+        let importer = l.hold_shared(0, 42, 600).unwrap();
+        l.show_shared(0, 600, true).unwrap();
+        assert_eq!(device_memory_used(dir.path(), 0).unwrap(), 600);
+        assert_eq!(read_processes(dir.path()).unwrap()[0].mem_bytes[0], 1200);
+        assert!(matches!(
+            l.try_alloc(0, 401),
+            Err(LedgerError::OutOfMemory { free: 400, .. })
+        ));
+        assert!(
+            l.hold_shared(0, 43, 401).is_err(),
+            "a new shared allocation needs room"
+        );
+        l.release_shared(creator);
+        l.show_shared(0, 600, false).unwrap();
+        assert_eq!(
+            device_memory_used(dir.path(), 0).unwrap(),
+            600,
+            "the importer's hold keeps the memory on the card"
+        );
+        l.release_shared(importer);
+        l.show_shared(0, 600, false).unwrap();
+        assert_eq!(device_memory_used(dir.path(), 0).unwrap(), 0);
+        l.try_alloc(0, 1000).unwrap();
     }
 
     #[test]

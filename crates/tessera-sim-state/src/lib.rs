@@ -16,6 +16,7 @@
 //!   (UUID, name, PCI bus id).
 //! - [`dirs`]: state folder and library folder layout.
 //! - [`ledger`]: per-process records; global memory accounting; usage readers.
+//! - [`shared`]: shareable VMM allocations, held by several processes, counted once.
 //! - [`engine`]: the per-device execution engine and its busy-time history.
 //! - [`events`]: XID event injection and reading.
 //! - [`clock`]: the machine-wide monotonic clock every process stamps with.
@@ -25,6 +26,7 @@ pub mod dirs;
 pub mod engine;
 pub mod events;
 pub mod ledger;
+pub mod shared;
 pub mod spec;
 
 pub use dirs::{
@@ -33,6 +35,7 @@ pub use dirs::{
 pub use engine::{Engine, EngineError, device_busy_ns, device_utilization, process_busy_ns};
 pub use events::{EventsError, XidEvent, inject_xid, read_xid_events};
 pub use ledger::{Ledger, LedgerError, ProcessUsage, device_memory_used, read_processes};
+pub use shared::SharedHold;
 pub use spec::{GpuInfo, SimSpec, SpecError, context_memory_from_env, parse_context_memory};
 
 /// Environment variable naming the GPUs to simulate, e.g. `2x80GiB` or `1x16GiB,1x24GiB`.
