@@ -556,14 +556,10 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
                 if handle.is_null() {
                     return Outcome::PassThrough;
                 }
-                memory::vmm_import(
-                    p,
-                    |h| import_key(h, os_handle, kind),
-                    || {
-                        let r = real(handle, os_handle, kind);
-                        (r, written(r, handle))
-                    },
-                )
+                memory::vmm_import(p, import_key(os_handle, kind), || {
+                    let r = real(handle, os_handle, kind);
+                    (r, written(r, handle))
+                })
             },
         )
     }
@@ -572,11 +568,11 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
 /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`: the shareable handle is the descriptor itself.
 const HANDLE_TYPE_POSIX_FD: c_int = 1;
 
-/// What identifies the memory behind an imported `handle`, and its size: a POSIX descriptor
+/// What identifies the memory behind a shareable handle, and its size: a POSIX descriptor
 /// that is a sized file (a memfd, say) names the same object in every process, so two imports
-/// of it are one memory of `st_size` bytes. Anything else (other handle types, a descriptor
-/// that tells no size) is the handle alone, charged what is mapped of it.
-fn import_key(handle: u64, os_handle: *mut c_void, kind: c_int) -> (ImportKey, u64) {
+/// of it are one memory of `st_size` bytes. `None` for anything else (other handle types, a
+/// descriptor that tells no size): the imported handle alone, charged what is mapped of it.
+fn import_key(os_handle: *mut c_void, kind: c_int) -> Option<(ImportKey, u64)> {
     if kind == HANDLE_TYPE_POSIX_FD
         && let Ok(fd) = c_int::try_from(os_handle as usize)
     {
@@ -590,10 +586,10 @@ fn import_key(handle: u64, os_handle: *mut c_void, kind: c_int) -> (ImportKey, u
                 dev: st.st_dev,
                 ino: st.st_ino,
             };
-            return (key, st.st_size as u64);
+            return Some((key, st.st_size as u64));
         }
     }
-    (ImportKey::Handle(handle), 0)
+    None
 }
 
 /// `cuArrayDestroy`.

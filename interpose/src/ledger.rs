@@ -9,11 +9,12 @@
 //! an address range, not a handle.
 //!
 //! Imported handles (`cuMemImportFromShareableHandle`) are kept apart too ([`Ledger::import`]):
-//! the memory behind them stays on the card while any process maps it, whoever created it, so
-//! it is charged here from this process's first mapping of it until its last unmap. The charge
-//! belongs to the memory, not the handle: two imports of the same memory ([`ImportKey`]) share
-//! one entry and count once. Its size is the shared object's size when the descriptor tells it,
-//! else what is mapped of it.
+//! the driver keeps the memory behind them while any process holds a handle or a mapping of it,
+//! whoever created it, so it is charged here from this process's import of it until its last
+//! release and unmap. The charge belongs to the memory, not the handle: two imports of the same
+//! memory ([`ImportKey`]) share one entry and count once. Its size is the shared object's size
+//! when the descriptor tells it (charged from the import), else what is mapped of it (charged
+//! from the first mapping).
 
 #![forbid(unsafe_code)]
 
@@ -102,22 +103,30 @@ pub struct ImportHandle {
     pub refs: u32,
 }
 
-/// Imported memory this process maps.
+/// Imported memory this process holds (a handle or a mapping of it).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Imported {
+    /// Its size, 0 when unknown.
     bytes: u64,
+    /// Unreleased imports over all its handles here.
+    refs: u32,
     maps: u32,
+    /// Bytes of its live mappings.
     mapped: u64,
 }
 
 impl Imported {
-    /// What it is charged: its size while mapped (what is mapped when its size is unknown).
+    /// What it is charged: its size while held, or what is mapped when its size is unknown.
     fn charge(&self) -> u64 {
-        match (self.maps, self.bytes) {
-            (0, _) => 0,
+        match (self.refs == 0 && self.maps == 0, self.bytes) {
+            (true, _) => 0,
             (_, 0) => self.mapped,
             (_, b) => b,
         }
+    }
+
+    fn held(&self) -> bool {
+        self.refs > 0 || self.maps > 0
     }
 }
 
@@ -129,8 +138,9 @@ pub enum Release {
     Last(HandleEntry),
     /// One reference of a handle that stays (more references, or still mapped).
     NotLast,
-    /// One import of an imported handle: releases nothing (its charge follows its mappings).
-    Import(ImportHandle),
+    /// One import of an imported handle; `freed`: the charge its memory drops (the last
+    /// import of memory no longer mapped here).
+    Import { taken: ImportHandle, freed: u64 },
 }
 
 /// What [`Ledger::unmap_begin`] took out, to settle after the driver answered.
@@ -218,21 +228,37 @@ impl Ledger {
 
     // ---- imported handles ----------------------------------------------------------------
 
-    /// Records a handle `cuMemImportFromShareableHandle` just returned, of the memory `key`
-    /// (`bytes`, 0 when unknown). An import answered with a handle this process created is one
-    /// more reference of it (its charge is the creation's).
-    pub fn import(&mut self, handle: u64, key: ImportKey, bytes: u64) {
-        if self.retain_handle(handle) {
-            return;
+    /// What importing the memory `key` (`bytes`, 0 when unknown) would add to the charge: its
+    /// size unless this process holds it already.
+    pub fn import_cost(&self, key: ImportKey, bytes: u64) -> u64 {
+        match self.imported.get(&key) {
+            Some(_) => 0,
+            None => bytes,
         }
-        self.imports
-            .entry(handle)
-            .and_modify(|h| h.refs = h.refs.saturating_add(1))
-            .or_insert(ImportHandle {
-                key,
-                bytes,
-                refs: 1,
-            });
+    }
+
+    /// Records a handle `cuMemImportFromShareableHandle` just returned, of the memory `key`
+    /// (`bytes`, 0 when unknown); returns what it added to the charge. An import answered
+    /// with a handle this process created is one more reference of it (its charge is the
+    /// creation's).
+    pub fn import(&mut self, handle: u64, key: ImportKey, bytes: u64) -> u64 {
+        if self.retain_handle(handle) {
+            return 0;
+        }
+        let h = self.imports.entry(handle).or_insert(ImportHandle {
+            key,
+            bytes,
+            refs: 0,
+        });
+        h.refs = h.refs.saturating_add(1);
+        let (key, bytes) = (h.key, h.bytes);
+        let e = self.imported.entry(key).or_insert(Imported {
+            bytes,
+            ..Imported::default()
+        });
+        let before = e.charge();
+        e.refs = e.refs.saturating_add(1);
+        e.charge() - before
     }
 
     /// The imported memory mapped at `addr` (inside a recorded mapping), with its size.
@@ -291,7 +317,16 @@ impl Ledger {
             if h.refs == 0 {
                 self.imports.remove(&handle);
             }
-            return Some(Release::Import(taken));
+            let mut freed = 0;
+            if let Some(e) = self.imported.get_mut(&taken.key) {
+                let before = e.charge();
+                e.refs = e.refs.saturating_sub(1);
+                freed = before - e.charge();
+                if !e.held() {
+                    self.imported.remove(&taken.key);
+                }
+            }
+            return Some(Release::Import { taken, freed });
         }
         let e = self.handles.get_mut(&handle)?;
         e.refs = e.refs.saturating_sub(1);
@@ -311,8 +346,13 @@ impl Ledger {
             Release::NotLast => {
                 let _ = self.retain_handle(handle);
             }
-            Release::Import(h) => {
-                self.imports.insert(handle, h);
+            Release::Import { taken, .. } => {
+                self.imports.insert(handle, taken);
+                let e = self.imported.entry(taken.key).or_insert(Imported {
+                    bytes: taken.bytes,
+                    ..Imported::default()
+                });
+                e.refs = e.refs.saturating_add(1);
             }
         }
     }
@@ -393,7 +433,7 @@ impl Ledger {
                     e.maps = e.maps.saturating_sub(1);
                     e.mapped = e.mapped.saturating_sub(m.size);
                     out.imported += before - e.charge();
-                    if e.maps == 0 {
+                    if !e.held() {
                         self.imported.remove(&key);
                     }
                 }
@@ -647,29 +687,27 @@ mod tests {
     const FILE: ImportKey = ImportKey::File { dev: 1, ino: 99 };
 
     #[test]
-    fn imported_memory_is_charged_from_its_first_mapping_to_its_last_unmap() {
+    fn imported_memory_is_charged_from_its_import_to_its_last_release_and_unmap() {
         let mut l = Ledger::default();
-        l.import(H, FILE, 4 * MB2);
-        assert_eq!(l.total(), 0, "imported, not mapped: not charged here");
-        assert_eq!(
-            l.map_cost(H, MB2),
-            4 * MB2,
-            "the whole allocation, not the mapped part"
-        );
-        assert_eq!(l.map_handle(0x1000_0000, MB2, H), (0, 4 * MB2));
-        assert_eq!(l.map_cost(H, MB2), 0, "a second mapping adds nothing");
+        assert_eq!(l.import_cost(FILE, 4 * MB2), 4 * MB2);
+        assert_eq!(l.import(H, FILE, 4 * MB2), 4 * MB2, "the whole allocation");
+        assert_eq!(l.map_cost(H, MB2), 0, "held already: mapping adds nothing");
+        assert_eq!(l.map_handle(0x1000_0000, MB2, H), (0, 0));
         assert_eq!(l.map_handle(0x2000_0000, MB2, H), (0, 0));
-        assert_eq!(
-            l.release_begin(H),
-            Some(Release::Import(ImportHandle {
-                key: FILE,
-                bytes: 4 * MB2,
-                refs: 1
-            }))
-        );
+        let r = l.release_begin(H).unwrap();
+        assert!(matches!(r, Release::Import { freed: 0, .. }), "{r:?}");
         assert_eq!(l.total(), 4 * MB2, "released but mapped: still charged");
         assert_eq!(unmap(&mut l, 0x2000_0000, MB2), 0, "one mapping left");
         assert_eq!(unmap(&mut l, 0x1000_0000, MB2), 4 * MB2, "the last unmap");
+        assert!(l.is_empty());
+        // Mapped then unmapped: the unreleased import keeps it; its release frees it.
+        l.import(H, FILE, 4 * MB2);
+        l.map_handle(0x1000_0000, MB2, H);
+        assert_eq!(unmap(&mut l, 0x1000_0000, MB2), 0);
+        assert!(matches!(
+            l.release_begin(H),
+            Some(Release::Import { freed, .. }) if freed == 4 * MB2
+        ));
         assert!(l.is_empty());
     }
 
@@ -677,24 +715,37 @@ mod tests {
     fn two_imports_of_the_same_memory_count_once() {
         let mut l = Ledger::default();
         let h2 = H + 0x10;
-        l.import(H, FILE, 4 * MB2);
-        l.import(h2, FILE, 4 * MB2);
-        assert_eq!(l.map_handle(0x1000_0000, MB2, H).1, 4 * MB2);
-        assert_eq!(l.map_cost(h2, 4 * MB2), 0);
-        assert_eq!(l.map_handle(0x2000_0000, 4 * MB2, h2).1, 0);
+        assert_eq!(l.import(H, FILE, 4 * MB2), 4 * MB2);
+        assert_eq!(l.import_cost(FILE, 4 * MB2), 0);
+        assert_eq!(l.import(h2, FILE, 4 * MB2), 0);
+        l.map_handle(0x1000_0000, MB2, H);
+        l.map_handle(0x2000_0000, 4 * MB2, h2);
         assert_eq!(l.total(), 4 * MB2);
+        assert_eq!(release(&mut l, H), 0);
         assert_eq!(
             unmap(&mut l, 0x1000_0000, MB2),
             0,
-            "the other import still maps it"
+            "the other import holds it"
         );
-        assert_eq!(unmap(&mut l, 0x2000_0000, 4 * MB2), 4 * MB2);
-        // Memory of unknown size (a descriptor that tells nothing): what is mapped, per handle.
+        assert_eq!(unmap(&mut l, 0x2000_0000, 4 * MB2), 0);
+        let r = l.release_begin(h2).unwrap();
+        assert!(matches!(r, Release::Import { freed, .. } if freed == 4 * MB2));
+        l.release_undo(h2, r);
+        assert_eq!(l.total(), 4 * MB2, "a refused release keeps the charge");
+        assert!(
+            matches!(l.release_begin(h2), Some(Release::Import { freed, .. }) if freed == 4 * MB2)
+        );
+        assert!(l.is_empty());
+    }
+
+    #[test]
+    fn memory_of_unknown_size_is_charged_what_is_mapped_per_handle() {
+        let mut l = Ledger::default();
+        let h2 = H + 0x10;
         let (a, b) = (ImportKey::Handle(H), ImportKey::Handle(h2));
-        release(&mut l, H);
-        release(&mut l, h2);
-        l.import(H, a, 0);
-        l.import(h2, b, 0);
+        assert_eq!(l.import(H, a, 0), 0);
+        assert_eq!(l.import(h2, b, 0), 0);
+        assert_eq!(l.map_cost(H, MB2), MB2);
         assert_eq!(l.map_handle(0x1000_0000, MB2, H).1, MB2);
         assert_eq!(l.map_handle(0x2000_0000, MB2, H).1, MB2);
         assert_eq!(
@@ -707,16 +758,19 @@ mod tests {
         assert_eq!(u.bytes(), 3 * MB2);
         l.unmap_undo(u);
         assert_eq!(l.total(), 3 * MB2, "a refused unmap keeps the charge");
+        // A retained handle of an address inside an imported mapping is that memory.
+        assert_eq!(l.import_at(0x1000_0000 + 5), Some((a, 0)));
+        assert_eq!(l.import_at(0x1000_0000 + MB2), None);
     }
 
     #[test]
     fn an_import_of_a_handle_created_here_is_one_more_reference() {
         let mut l = Ledger::default();
         l.create_handle(H, MB2);
-        l.import(H, FILE, MB2);
+        assert_eq!(l.import(H, FILE, MB2), 0, "charged once, at its creation");
         assert_eq!(l.imported_handle(H), None);
         assert_eq!(l.handle(H).unwrap().refs, 2);
-        assert_eq!(l.map_cost(H, MB2), 0, "charged once, at its creation");
+        assert_eq!(l.map_cost(H, MB2), 0);
     }
 
     #[test]

@@ -90,8 +90,15 @@ pub fn vmm_release(
     let r = driver();
     if r != CUDA_SUCCESS {
         p.ledger().release_undo(handle, taken);
-    } else if let Release::Last(e) = taken {
-        p.session.release(e.bytes);
+    } else {
+        let freed = match taken {
+            Release::Last(e) => e.bytes,
+            Release::Import { freed, .. } => freed,
+            Release::NotLast => 0,
+        };
+        if freed > 0 {
+            p.session.release(freed);
+        }
     }
     Outcome::Handled(r)
 }
@@ -112,8 +119,11 @@ pub fn vmm_map(
     handle: u64,
     driver: impl FnOnce() -> CUresult,
 ) -> Outcome<CUresult> {
-    let imported = p.ledger().imported_handle(handle).is_some();
-    let _serial = imported.then(|| IMPORTED.lock());
+    let _serial = p
+        .ledger()
+        .imported_handle(handle)
+        .is_some()
+        .then(|| IMPORTED.lock());
     let cost = p.ledger().map_cost(handle, size);
     if cost > 0
         && let Err(e) = p.session.reserve(cost)
@@ -140,17 +150,33 @@ pub fn vmm_map(
     Outcome::Handled(r)
 }
 
-/// `cuMemImportFromShareableHandle`: the handle is booked as an import of the memory `key`
-/// (`bytes`, 0 when unknown), charged when this process first maps it.
+/// `cuMemImportFromShareableHandle` of the memory `known` (its key and size, when the
+/// shareable handle tells them): reserved before the driver imports it unless this process
+/// holds it already, refused with `CUDA_ERROR_OUT_OF_MEMORY` when that does not fit. Memory of
+/// unknown size is booked under its handle and charged what is mapped of it.
 pub fn vmm_import(
     p: &'static Process,
-    key: impl FnOnce(u64) -> (ImportKey, u64),
+    known: Option<(ImportKey, u64)>,
     driver: impl FnOnce() -> (CUresult, u64),
 ) -> Outcome<CUresult> {
+    let _serial = IMPORTED.lock();
+    let cost = known.map_or(0, |(key, bytes)| p.ledger().import_cost(key, bytes));
+    if cost > 0
+        && let Err(e) = p.session.reserve(cost)
+    {
+        tlog!(Debug, "import of {cost} bytes refused: {e}");
+        return Outcome::Handled(CUDA_ERROR_OUT_OF_MEMORY);
+    }
     let (r, handle) = driver();
-    if r == CUDA_SUCCESS {
-        let (key, bytes) = key(handle);
-        p.ledger().import(handle, key, bytes);
+    let added = if r == CUDA_SUCCESS {
+        let (key, bytes) = known.unwrap_or((ImportKey::Handle(handle), 0));
+        p.ledger().import(handle, key, bytes)
+    } else {
+        0
+    };
+    // Equal under the lock, unless the driver failed or answered a handle created here.
+    if cost > added {
+        p.session.release(cost - added);
     }
     Outcome::Handled(r)
 }
@@ -194,9 +220,12 @@ pub fn vmm_retain(
     let (r, handle) = driver();
     if r == CUDA_SUCCESS {
         let mut l = p.ledger();
-        // The handle of imported memory is one more import of it, whatever value it has.
+        // The handle of imported memory is one more import of it, whatever value it has (the
+        // memory is mapped here, so already charged: nothing is added).
         match l.import_at(addr) {
-            Some((key, bytes)) => l.import(handle, key, bytes),
+            Some((key, bytes)) => {
+                let _ = l.import(handle, key, bytes);
+            }
             None => {
                 let _ = l.retain_handle(handle);
             }

@@ -4,7 +4,9 @@
 //! arbiter's ledger must equal what the simulated GPU really holds for the process (the
 //! simulator keeps released-but-mapped memory, as the driver does). The idiom
 //! `create -> map -> set access -> release` used to escape the limit: the bytes were uncounted
-//! at `cuMemRelease` while the mapping kept the memory.
+//! at `cuMemRelease` while the mapping kept the memory. Memory shared between processes
+//! (exported as a POSIX descriptor, imported elsewhere) is charged to every holder's
+//! allocation, one test per ordering, with the simulated card and NVML as the truth.
 
 mod common;
 
@@ -24,10 +26,7 @@ struct Vmm {
 /// A tenant of `bed` (its own 1 GiB allocation) running the VMM client; (id, client).
 fn tenant(bed: &Bed) -> (String, Served) {
     let (token, id) = bed.create(GIB);
-    (
-        id,
-        Served::start_script(bed.tenant_command(&python(), &token), "vmm_client.py", &[]),
-    )
+    (id, client(bed, &token))
 }
 
 /// Runs one step on `client`; its result code.
@@ -212,48 +211,211 @@ fn freeing_the_address_range_unmaps_what_is_left() {
     t.finish();
 }
 
+// ---- shared memory across processes ----------------------------------------------------
+//
+// X creates and exports (a POSIX file descriptor); Y imports it (opening /proc/X/fd/N) and
+// maps it. The driver keeps the memory while any process holds a handle or a mapping of it,
+// so the simulated card (the truth here) keeps it too, and each holder's allocation pays.
+
+/// The VMM client under an allocation's token (one more process of it).
+fn client(bed: &Bed, token: &str) -> Served {
+    Served::start_script(bed.tenant_command(&python(), token), "vmm_client.py", &[])
+}
+
+/// Runs one step on `c`; it must succeed.
+#[track_caller]
+fn ok(c: &mut Served, cmd: &str) {
+    let rc = rc(c, cmd);
+    assert_eq!(rc, 0, "{cmd} failed with {rc}");
+}
+
+/// X creates `mib` as `name` and exports it; the import command for another process.
+fn create_and_export(x: &mut Served, name: &str, mib: u64) -> String {
+    ok(x, &format!("create {name} {mib}"));
+    let a = x.ask(&format!("export {name}"));
+    assert_eq!(a["rc"], 0, "export {name}: {a}");
+    format!("import {name} {} {}", x.pid, a["fd"])
+}
+
+/// The memory NVML shows for process `pid` on GPU 0, without its contexts.
+fn shown(bed: &Bed, pid: i32) -> u64 {
+    tessera_sim_state::read_processes(&bed.sim_dir)
+        .unwrap()
+        .iter()
+        .find(|p| p.pid as i32 == pid)
+        .map_or(0, |p| p.mem_bytes[0] - p.context_bytes[0])
+}
+
 #[test]
-fn an_imported_handle_is_counted_once_by_its_creator() {
-    let mut a = Vmm::start();
-    a.step("create h 512");
-    let fd = a.client.ask("export h")["fd"].as_i64().unwrap();
-    assert!(fd >= 0);
-    // B: another allocation, another process, on the same simulated GPU and arbiter.
-    let (b_id, mut b) = tenant(&a.bed);
-    let b_step = |b: &mut Served, cmd: &str| assert_eq!(rc(b, cmd), 0, "B: {cmd}");
-    b_step(&mut b, &format!("import h {} {fd}", a.client.pid));
-    b_step(&mut b, "reserve r 512");
-    b_step(&mut b, "map r 0 h 512");
-    let used = |id: &str| a.bed.used(id);
+fn an_importer_keeps_what_it_maps_after_the_exporter_releases_and_sixteen_rounds_stop_at_the_limit()
+{
+    // The escape: X and Y, two processes of one 1 GiB allocation. Each round X creates 512 MiB,
+    // exports it, Y imports and maps it, X releases its handle (never mapped). Uncounted, Y
+    // ended with 8 GiB mapped, and the simulated card gave the memory back at X's release.
+    let bed = Bed::new();
+    let (token, id) = bed.create(GIB);
+    let (mut x, mut y) = (client(&bed, &token), client(&bed, &token));
+    let contexts = 2 * bed.context_bytes();
+    let mut mapped = 0;
+    let mut refused = 0;
+    for round in 0..16 {
+        let import = create_and_export(&mut x, &format!("h{round}"), 512);
+        match rc(&mut y, &import) {
+            0 => {
+                ok(&mut y, &format!("reserve r{round} 512"));
+                ok(&mut y, &format!("map r{round} 0 h{round} 512"));
+                mapped += 512 * MIB;
+            }
+            OOM => refused += 1,
+            other => panic!("round {round}: import answered {other}"),
+        }
+        ok(&mut x, &format!("release h{round}"));
+        assert!(
+            bed.sim_used() <= GIB + contexts,
+            "round {round}: the card holds {} bytes",
+            bed.sim_used()
+        );
+        assert_eq!(
+            bed.sim_used(),
+            mapped + contexts,
+            "round {round}: the card keeps what Y maps after X released it"
+        );
+        // X's release after a refusal goes back on the pressure channel, which the arbiter
+        // books on its own time.
+        wait_until(Duration::from_secs(2), || bed.used(&id) == mapped);
+        assert_eq!(bed.used(&id), mapped, "round {round}: charged to Y");
+        assert_eq!(
+            (shown(&bed, x.pid), shown(&bed, y.pid)),
+            (0, mapped),
+            "round {round}: NVML shows it for Y, which holds it"
+        );
+    }
     assert_eq!(
-        (used(&a.id), used(&b_id)),
-        (512 * MIB, 0),
-        "charged to the creator only"
+        (mapped, refused),
+        (512 * MIB, 15),
+        "one round fits; every further import is refused before passing the limit"
     );
-    let contexts = 2 * a.bed.context_bytes();
+    assert_eq!(bed.status(&id).enforced, 0, "refused, not killed");
+    // Y's exit gives the memory back to the card and the allocation.
+    assert!(y.exit().success());
+    wait_until(Duration::from_secs(2), || bed.used(&id) == 0).expect("nothing charged");
     assert_eq!(
-        a.bed.sim_used(),
-        512 * MIB + contexts,
-        "one copy of the memory on the GPU"
+        bed.sim_used(),
+        bed.context_bytes(),
+        "only X's context is left"
     );
-    b_step(&mut b, "release h");
+    assert!(x.exit().success());
+}
+
+#[test]
+fn an_importer_mapping_before_the_exporter_maps_is_charged_to_its_own_allocation() {
+    let bed = Bed::new();
+    let (a_token, a) = bed.create(GIB);
+    let (b_token, b) = bed.create(GIB);
+    let (mut x, mut y) = (client(&bed, &a_token), client(&bed, &b_token));
+    let contexts = 2 * bed.context_bytes();
+    let import = create_and_export(&mut x, "h", 256);
+    ok(&mut y, &import);
+    ok(&mut y, "reserve r 256");
+    ok(&mut y, "map r 0 h 256");
+    assert_eq!((bed.used(&a), bed.used(&b)), (256 * MIB, 256 * MIB));
+    ok(&mut x, "reserve r 256");
+    ok(&mut x, "map r 0 h 256");
     assert_eq!(
-        rc(&mut b, "alloc 1024"),
-        0,
-        "the importer can still take its whole limit"
+        (bed.used(&a), bed.used(&b)),
+        (256 * MIB, 256 * MIB),
+        "the exporter's mapping adds nothing: its creation is charged"
     );
-    b_step(&mut b, "unmap r 0 512");
+    assert_eq!(bed.sim_used(), 256 * MIB + contexts, "one copy on the card");
+    ok(&mut x, "unmap r 0 256");
+    ok(&mut x, "release h");
     assert_eq!(
-        (used(&a.id), used(&b_id)),
-        (512 * MIB, 0),
-        "unmapping a foreign handle releases nothing"
+        (bed.used(&a), bed.used(&b)),
+        (0, 256 * MIB),
+        "nothing of it is left on X's side"
     );
-    b_step(&mut b, "free_va r");
-    assert!(b.exit().success());
-    a.step("release h");
-    a.holds(0, "released by its creator");
-    assert_eq!(a.bed.used(&b_id), 0);
-    a.finish();
+    assert_eq!(bed.sim_used(), 256 * MIB + contexts, "Y still holds it");
+    ok(&mut y, "unmap r 0 256");
+    assert_eq!(bed.used(&b), 256 * MIB, "Y's handle still holds it");
+    assert_eq!(bed.sim_used(), 256 * MIB + contexts);
+    ok(&mut y, "release h");
+    assert_eq!((bed.used(&a), bed.used(&b)), (0, 0));
+    assert_eq!(
+        bed.sim_used(),
+        contexts,
+        "the last holder let go: off the card"
+    );
+    assert!(x.exit().success() && y.exit().success());
+}
+
+#[test]
+fn the_exporter_unmapping_after_the_importer_mapped_keeps_its_charge_until_its_release() {
+    let bed = Bed::new();
+    let (a_token, a) = bed.create(GIB);
+    let (b_token, b) = bed.create(GIB);
+    let (mut x, mut y) = (client(&bed, &a_token), client(&bed, &b_token));
+    let contexts = 2 * bed.context_bytes();
+    ok(&mut x, "create h 256");
+    ok(&mut x, "reserve r 256");
+    ok(&mut x, "map r 0 h 256");
+    let a_ = x.ask("export h");
+    let import = format!("import h {} {}", x.pid, a_["fd"]);
+    ok(&mut y, &import);
+    ok(&mut y, "reserve r 256");
+    ok(&mut y, "map r 0 h 256");
+    ok(&mut x, "unmap r 0 256");
+    assert_eq!(
+        (bed.used(&a), bed.used(&b)),
+        (256 * MIB, 256 * MIB),
+        "X unmapped but holds its handle"
+    );
+    ok(&mut x, "release h");
+    assert_eq!((bed.used(&a), bed.used(&b)), (0, 256 * MIB));
+    assert_eq!(bed.sim_used(), 256 * MIB + contexts, "Y's mapping keeps it");
+    assert_eq!((shown(&bed, x.pid), shown(&bed, y.pid)), (0, 256 * MIB));
+    ok(&mut y, "release h");
+    assert_eq!(bed.used(&b), 256 * MIB, "released but mapped");
+    ok(&mut y, "unmap r 0 256");
+    assert_eq!(bed.used(&b), 0);
+    assert_eq!(bed.sim_used(), contexts);
+    assert!(x.exit().success() && y.exit().success());
+}
+
+#[test]
+fn an_import_into_another_allocation_is_charged_there_once_and_refused_when_it_does_not_fit() {
+    let bed = Bed::new();
+    let (a_token, a) = bed.create(GIB);
+    let (b_token, b) = bed.create(GIB);
+    let (mut x, mut y) = (client(&bed, &a_token), client(&bed, &b_token));
+    let contexts = 2 * bed.context_bytes();
+    let import = create_and_export(&mut x, "h", 512);
+    ok(&mut y, "create own 768");
+    assert_eq!(rc(&mut y, &import), OOM, "768 + 512 MiB is past B's 1 GiB");
+    assert_eq!(
+        (bed.used(&a), bed.used(&b)),
+        (512 * MIB, 768 * MIB),
+        "the refusal charged nobody, and never A"
+    );
+    ok(&mut y, "release own");
+    ok(&mut y, &import);
+    // The same memory imported a second time by the same process counts once.
+    ok(&mut y, &import.replacen(" h ", " h2 ", 1));
+    ok(&mut y, "reserve r 1024");
+    ok(&mut y, "map r 0 h 512");
+    ok(&mut y, "map r 512 h2 512");
+    assert_eq!((bed.used(&a), bed.used(&b)), (512 * MIB, 512 * MIB));
+    assert_eq!(bed.sim_used(), 512 * MIB + contexts);
+    assert_eq!(rc(&mut y, "alloc 768"), OOM, "B's limit holds the import");
+    assert_eq!(rc(&mut y, "alloc 512"), 0);
+    ok(&mut x, "release h");
+    assert_eq!(bed.used(&a), 0);
+    ok(&mut y, "free_va r");
+    ok(&mut y, "release h");
+    assert_eq!(bed.used(&b), 512 * MIB, "the second import still holds it");
+    ok(&mut y, "release h2");
+    assert_eq!((bed.used(&a), bed.used(&b)), (0, 0));
+    assert_eq!(bed.sim_used(), contexts);
+    assert!(x.exit().success() && y.exit().success());
 }
 
 #[test]

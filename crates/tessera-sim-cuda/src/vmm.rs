@@ -20,10 +20,9 @@
 //! So the card's charge is not this process's: each allocation is a shared hold in the state
 //! folder ([`tessera_sim_state::shared`]), keyed by the memfd's inode, that every process with
 //! a live handle or mapping of it keeps; the card counts it once while any hold lives (a killed
-//! process's hold goes with it). NVML's per-process figure shows it for the creator while the
-//! creator holds a handle or a mapping of it, and for each other process while it maps it (see
-//! docs/simulator.md). Memory kept alive only by an exported descriptor nobody imported is not
-//! counted.
+//! process's hold goes with it). NVML's per-process figure shows it for every process holding
+//! a handle or a mapping of it, creator and importers alike (see docs/simulator.md). Memory
+//! kept alive only by an exported descriptor nobody imported is not counted.
 
 use parking_lot::{Mutex, MutexGuard};
 use std::collections::{BTreeMap, HashMap};
@@ -40,8 +39,6 @@ pub struct Physical {
     pub fd: i32,
     pub size: usize,
     pub device: u32,
-    /// Made by `cuMemCreate` here (false for an imported handle).
-    creator: bool,
     /// The memfd's inode: the allocation's key in every process.
     key: u64,
     state: Mutex<PhysState>,
@@ -97,12 +94,8 @@ struct Held {
     size: u64,
     /// Unreleased references over all handles of the allocation here.
     refs: usize,
-    /// The part of `refs` on handles `cuMemCreate` made here.
-    creator_refs: usize,
     /// Live mappings over all handles of the allocation here.
     maps: usize,
-    /// Whether NVML shows the allocation for this process.
-    shown: bool,
 }
 
 fn held() -> MutexGuard<'static, HashMap<u64, Held>> {
@@ -111,67 +104,47 @@ fn held() -> MutexGuard<'static, HashMap<u64, Held>> {
 }
 
 /// A new handle of allocation `key` here: joins this process's hold, or takes one (charging
-/// the card if no process holds the allocation yet).
-fn join(key: u64, device: u32, size: u64, creator: bool) -> Res {
+/// the card if no process holds the allocation yet) and shows it in this process's NVML
+/// figure.
+fn join(key: u64, device: u32, size: u64) -> Res {
     let mut t = held();
     if let Some(h) = t.get_mut(&key) {
         h.refs += 1;
-        h.creator_refs += usize::from(creator);
-    } else {
-        let hold = rt()?
-            .ledger
-            .hold_shared(device, key, size)
-            .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
-        t.insert(
-            key,
-            Held {
-                hold,
-                device,
-                size,
-                refs: 1,
-                creator_refs: usize::from(creator),
-                maps: 0,
-                shown: false,
-            },
-        );
+        return Ok(());
     }
-    show(&mut t, key);
+    let rt = rt()?;
+    let hold = rt
+        .ledger
+        .hold_shared(device, key, size)
+        .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+    if rt.ledger.show_shared(device, size, true).is_err() {
+        rt.ledger.release_shared(hold);
+        return Err(CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    let h = Held {
+        hold,
+        device,
+        size,
+        refs: 1,
+        maps: 0,
+    };
+    t.insert(key, h);
     Ok(())
 }
 
 /// A handle's references or mappings changed by `refs` / `maps`: updates this process's hold,
-/// what NVML shows for it, and drops the hold when nothing of it is left here.
+/// and gives it up (and stops showing it) when no reference and no mapping is left here.
 fn adjust(p: &Physical, refs: isize, maps: isize) {
     let mut t = held();
-    if let Some(h) = t.get_mut(&p.key) {
-        h.refs = h.refs.saturating_add_signed(refs);
-        if p.creator {
-            h.creator_refs = h.creator_refs.saturating_add_signed(refs);
-        }
-        h.maps = h.maps.saturating_add_signed(maps);
-    }
-    show(&mut t, p.key);
-}
-
-/// NVML shows an allocation for its creator while the creator holds a reference or a
-/// mapping, and for any process while it maps it; a hold with neither is given up.
-fn show(t: &mut HashMap<u64, Held>, key: u64) {
-    let Some(h) = t.get_mut(&key) else { return };
-    let want = h.maps > 0 || h.creator_refs > 0;
-    if want != h.shown
-        && let Ok(rt) = rt()
-        && rt.ledger.show_shared(h.device, h.size, want).is_ok()
-    {
-        h.shown = want;
-    }
+    let Some(h) = t.get_mut(&p.key) else { return };
+    h.refs = h.refs.saturating_add_signed(refs);
+    h.maps = h.maps.saturating_add_signed(maps);
     if h.refs == 0
         && h.maps == 0
-        && let Some(h) = t.remove(&key)
+        && let Some(h) = t.remove(&p.key)
         && let Ok(rt) = rt()
     {
-        if h.shown {
-            let _ = rt.ledger.show_shared(h.device, h.size, false);
-        }
+        let _ = rt.ledger.show_shared(h.device, h.size, false);
         rt.ledger.release_shared(h.hold);
     }
 }
@@ -289,7 +262,7 @@ pub unsafe extern "C" fn cuMemCreate(
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         }
         let joined = inode_and_size(fd).and_then(|(key, _)| {
-            join(key, g.index, size as u64, true)?;
+            join(key, g.index, size as u64)?;
             Ok(key)
         });
         let key = match joined {
@@ -305,7 +278,6 @@ pub unsafe extern "C" fn cuMemCreate(
             fd,
             size,
             device: g.index,
-            creator: true,
             key,
             state: Mutex::new(PhysState { maps: 0, refs: 1 }),
         });
@@ -425,7 +397,7 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
         if own < 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        if let Err(e) = join(key, device, size as u64, false) {
+        if let Err(e) = join(key, device, size as u64) {
             // SAFETY: closing the copy made just above.
             unsafe { libc::close(own) };
             return Err(e);
@@ -435,7 +407,6 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
             fd: own,
             size,
             device,
-            creator: false,
             key,
             state: Mutex::new(PhysState { maps: 0, refs: 1 }),
         });
