@@ -258,7 +258,7 @@ impl Ledger {
         });
         let before = e.charge();
         e.refs = e.refs.saturating_add(1);
-        e.charge() - before
+        e.charge().saturating_sub(before)
     }
 
     /// The imported memory mapped at `addr` (inside a recorded mapping), with its size.
@@ -287,7 +287,7 @@ impl Ledger {
             mapped: now.mapped.saturating_add(size),
             ..now
         };
-        then.charge() - now.charge()
+        then.charge().saturating_sub(now.charge())
     }
 
     /// The entry of a counted handle.
@@ -321,7 +321,7 @@ impl Ledger {
             if let Some(e) = self.imported.get_mut(&taken.key) {
                 let before = e.charge();
                 e.refs = e.refs.saturating_sub(1);
-                freed = before - e.charge();
+                freed = before.saturating_sub(e.charge());
                 if !e.held() {
                     self.imported.remove(&taken.key);
                 }
@@ -432,7 +432,7 @@ impl Ledger {
                     let before = e.charge();
                     e.maps = e.maps.saturating_sub(1);
                     e.mapped = e.mapped.saturating_sub(m.size);
-                    out.imported += before - e.charge();
+                    out.imported += before.saturating_sub(e.charge());
                     if !e.held() {
                         self.imported.remove(&key);
                     }
