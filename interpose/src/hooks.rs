@@ -565,15 +565,12 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
     }
 }
 
-/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`: the shareable handle is the descriptor itself.
-const HANDLE_TYPE_POSIX_FD: c_int = 1;
-
 /// What identifies the memory behind a shareable handle, and its size: a POSIX descriptor
 /// that is a sized file (a memfd, say) names the same object in every process, so two imports
 /// of it are one memory of `st_size` bytes. `None` for anything else (other handle types, a
 /// descriptor that tells no size): the imported handle alone, charged what is mapped of it.
 fn import_key(os_handle: *mut c_void, kind: c_int) -> Option<(ImportKey, u64)> {
-    if kind == HANDLE_TYPE_POSIX_FD
+    if kind == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         && let Ok(fd) = c_int::try_from(os_handle as usize)
     {
         // SAFETY: fstat writes into a zeroed local stat buffer; a bad descriptor only fails.

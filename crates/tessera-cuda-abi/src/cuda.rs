@@ -96,6 +96,9 @@ pub const CU_MEM_LOCATION_TYPE_HOST_NUMA: u32 = 3;
 pub const CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT: u32 = 4;
 /// `CU_MEM_ALLOCATION_TYPE_PINNED` (`CUmemAllocationType`).
 pub const CU_MEM_ALLOCATION_TYPE_PINNED: u32 = 1;
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` (`CUmemAllocationHandleType`): the shareable
+/// handle is an `int` file descriptor.
+pub const CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: c_int = 1;
 /// `CU_MEM_ACCESS_FLAGS_PROT_READWRITE` (`CUmemAccess_flags`).
 pub const CU_MEM_ACCESS_FLAGS_PROT_READWRITE: u32 = 3;
 

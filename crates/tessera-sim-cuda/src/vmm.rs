@@ -327,8 +327,6 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(h: *mut u64, addr: *mut c_v
 
 /// Name of a handle's memfd, followed by its device index.
 const MEMFD_PREFIX: &str = "tessera-sim-vmm-";
-/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
-const HANDLE_TYPE_POSIX_FD: i32 = 1;
 
 /// `cuMemExportToShareableHandle`: for `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, a new file
 /// descriptor of the handle's memory (the caller owns it); other types are not supported.
@@ -345,7 +343,7 @@ pub unsafe extern "C" fn cuMemExportToShareableHandle(
         if out.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        if kind != HANDLE_TYPE_POSIX_FD {
+        if kind != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR {
             return Err(CUDA_ERROR_NOT_SUPPORTED);
         }
         let p = live(h)?;
@@ -384,7 +382,7 @@ pub unsafe extern "C" fn cuMemImportFromShareableHandle(
         if h.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        if kind != HANDLE_TYPE_POSIX_FD {
+        if kind != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR {
             return Err(CUDA_ERROR_NOT_SUPPORTED);
         }
         let fd = i32::try_from(os_handle as usize).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
