@@ -535,9 +535,10 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(
 }
 
 /// `cuMemImportFromShareableHandle`: the handle is booked as imported memory, charged to this
-/// process from its first mapping here to its last unmap (an import answered with this
-/// process's own counted handle is one more reference of it). The memory is known by the
-/// shareable descriptor's file identity when it has one (see [`import_key`]).
+/// process from the import (from its first mapping when its size is unknown) to its last
+/// release and unmap here (an import answered with this process's own counted handle is one
+/// more reference of it). The memory is known by the shareable descriptor's file identity
+/// when it has one (see [`import_key`]).
 ///
 /// # Safety
 /// C contract of `cuMemImportFromShareableHandle`.

@@ -78,12 +78,18 @@ pub fn vmm_create(
 }
 
 /// `cuMemRelease`: one reference goes; the bytes are released only with the last reference
-/// of a handle no longer mapped. Handles not counted here pass through.
+/// of a handle no longer mapped (for imported memory: its last import here, nothing of it
+/// mapped here). Handles not counted here pass through.
 pub fn vmm_release(
     p: &'static Process,
     handle: u64,
     driver: impl FnOnce() -> CUresult,
 ) -> Outcome<CUresult> {
+    let _serial = p
+        .ledger()
+        .imported_handle(handle)
+        .is_some()
+        .then(|| IMPORTED.lock());
     let Some(taken) = p.ledger().release_begin(handle) else {
         return Outcome::PassThrough;
     };
@@ -103,9 +109,9 @@ pub fn vmm_release(
     Outcome::Handled(r)
 }
 
-/// Serialises the mapping and unmapping of imported memory, so that what a mapping is
-/// reserved for before the driver call is what it adds when booked (two threads mapping the
-/// same memory at once would otherwise both reserve it, or neither).
+/// Serialises the imports, mappings, unmappings and releases of imported memory, so that what
+/// is reserved before a driver call is what the call adds when booked (two threads importing
+/// or mapping the same memory at once would otherwise both reserve it, or neither).
 static IMPORTED: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
 /// `cuMemMap`: a mapping of a counted handle is recorded by its address (and keeps the
@@ -217,6 +223,7 @@ pub fn vmm_retain(
     addr: u64,
     driver: impl FnOnce() -> (CUresult, u64),
 ) -> Outcome<CUresult> {
+    let _serial = IMPORTED.lock();
     let (r, handle) = driver();
     if r == CUDA_SUCCESS {
         let mut l = p.ledger();
