@@ -308,6 +308,56 @@ fn an_importer_keeps_what_it_maps_after_the_exporter_releases_and_sixteen_rounds
 }
 
 #[test]
+fn the_same_rounds_with_the_descriptor_passed_over_a_unix_socket_stop_at_the_limit_unkilled() {
+    // The escape as the issue ran it, in C: the descriptor travels by SCM_RIGHTS, the exporter
+    // releases and closes its copy after each round, 16 rounds of 512 MiB under 1 GiB.
+    let bed = Bed::new();
+    let (token, id) = bed.create(GIB);
+    let exe = build_c(&bed, "vmm_share");
+    let path = bed.dir.path().join("share.sock");
+    let start = |role: &str| {
+        let mut c = bed
+            .tenant_command(&exe, &token)
+            .args([role, path.to_str().unwrap(), "16", "512"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = std::io::BufRead::lines(std::io::BufReader::new(c.stdout.take().unwrap()));
+        (tessera_testkit::KillOnDrop::new(c), out)
+    };
+    let (mut x, mut x_out) = start("export");
+    assert_eq!(x_out.next().unwrap().unwrap(), "listening");
+    let (mut y, y_out) = start("import");
+    let lines: Vec<String> = y_out.map_while(Result::ok).take(17).collect();
+    let mut want: Vec<String> = vec!["round 0 0 0".into()];
+    want.extend((1..16).map(|i| format!("round {i} {OOM} -1")));
+    want.push("done".into());
+    assert_eq!(
+        lines, want,
+        "the first round maps; every further import is refused"
+    );
+    let released: Vec<String> = x_out.map_while(Result::ok).take(17).collect();
+    assert!(
+        released[..16].iter().all(|l| l.ends_with(" 0")),
+        "{released:?}"
+    );
+    let contexts = 2 * bed.context_bytes();
+    // Over five backstop polls, everything in place: Y holds its 512 MiB, nothing else is left.
+    let t = std::time::Instant::now();
+    while t.elapsed() < Duration::from_millis(1250) {
+        assert_eq!(bed.sim_used(), 512 * MIB + contexts);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    wait_until(Duration::from_secs(2), || bed.used(&id) == 512 * MIB);
+    assert_eq!(bed.used(&id), 512 * MIB, "charged to the importer");
+    assert_eq!(bed.status(&id).enforced, 0, "refused, not killed");
+    assert!(alive(y.id()) && alive(x.id()), "{}", bed.arbiter_log());
+    x.kill_and_reap();
+    y.kill_and_reap();
+}
+
+#[test]
 fn an_importer_mapping_before_the_exporter_maps_is_charged_to_its_own_allocation() {
     let bed = Bed::new();
     let (a_token, a) = bed.create(GIB);
