@@ -2,7 +2,8 @@
 //!
 //! Makes `<state>/lib/` with `libcuda.so.1` and `libnvidia-ml.so.1` links to the built simulated
 //! libraries, prepends it to `LD_LIBRARY_PATH`, exports `TESSERA_SIM_GPUS` / `TESSERA_SIM_DIR`
-//! (and `TESSERA_SIM_CONTEXT_MEMORY`, 300MiB unless set: contexts cost memory as on a real card)
+//! (and `TESSERA_SIM_CONTEXT_MEMORY`, 300MiB unless set: contexts cost memory as on a real card;
+//! `TESSERA_SIM_FURTHER_CONTEXT_MEMORY`, each further context of a process, is passed on as set)
 //! and execs the command: it replaces this process, so its exit status, and any signal sent to
 //! `tessera sim`, are the command's own.
 
@@ -92,6 +93,9 @@ pub fn main(args: SimArgs) -> Result<u8, CliError> {
         }
         Err(_) => MODELED_CONTEXT_MEMORY.to_string(),
     };
+    // Further contexts cost what the first does unless set; a bad value fails here too.
+    tessera_sim_state::further_context_memory_from_env()
+        .map_err(|e| CliError::usage(e.to_string()))?;
     let built = tessera_sim_state::find_built_lib_dir(args.lib_dir.as_deref())?;
     let lib = tessera_sim_state::prepare_lib_dir(&state_dir, &built)?;
     let mut ld = OsString::from(lib.as_os_str());
