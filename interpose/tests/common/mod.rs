@@ -15,6 +15,10 @@ use tessera_testkit::{ArbiterSpec, KillOnDrop, RunningArbiter, SimGpu};
 
 pub use tessera_testkit::{GIB, MIB, artifact, code, python, target_dir, wait_until};
 
+/// What the interposer reserves per context (the primary one of each process, each created
+/// one): contexts count against the limit.
+pub const CONTEXT: u64 = tessera_interpose::contexts::CONTEXT_RESERVE;
+
 /// The simulated card of these tests.
 pub const SIM_GPUS: &str = "1x80GiB";
 
