@@ -71,10 +71,7 @@ fn assert_limits_output(out: &serde_json::Value) {
         "600 MiB and the context held"
     );
     assert_eq!(as_u64(&held["nvml"]["used"]), 600 * MIB + CONTEXT);
-    assert_eq!(
-        as_u64(&held["nvml"]["free_v2"]),
-        GIB - 600 * MIB - CONTEXT
-    );
+    assert_eq!(as_u64(&held["nvml"]["free_v2"]), GIB - 600 * MIB - CONTEXT);
     for api in [
         "alloc", "managed", "async", "pool", "pitch", "vmm", "array", "array3d", "mipmap",
     ] {
@@ -281,8 +278,10 @@ fn sigkill_frees_memory_in_the_arbiter() {
     assert_eq!(s.ask(&format!("alloc {}", 600 * MIB))["alloc"], 0);
     // Credit taken ahead of need is counted until the idle process gives it back.
     assert!(bed.used(&id) >= 600 * MIB + CONTEXT);
-    wait_until(Duration::from_secs(5), || bed.used(&id) == 600 * MIB + CONTEXT)
-        .expect("idle credit returned");
+    wait_until(Duration::from_secs(5), || {
+        bed.used(&id) == 600 * MIB + CONTEXT
+    })
+    .expect("idle credit returned");
     let mut admin = bed.admin();
     s.child.kill().unwrap();
     let t = Instant::now();
@@ -343,7 +342,10 @@ fn arbiter_restart_under_running_tenants() {
     // contexts, and the racer's while it runs, included).
     let matched = wait_until(Duration::from_secs(5), || {
         let s = bed.status(&id);
-        [2, 3].map(|n| 700 * MIB + n * CONTEXT).contains(&s.memory_used) && s.processes >= 2
+        [2, 3]
+            .map(|n| 700 * MIB + n * CONTEXT)
+            .contains(&s.memory_used)
+            && s.processes >= 2
     });
     assert!(
         matched.is_some(),
@@ -365,8 +367,10 @@ fn arbiter_restart_under_running_tenants() {
         serde_json::json!({"0": 4000}),
         "no allocation failed across the restart"
     );
-    wait_until(Duration::from_secs(5), || bed.used(&id) == 1100 * MIB + 2 * CONTEXT)
-        .expect("ledger = 800 + 300 MiB and two contexts");
+    wait_until(Duration::from_secs(5), || {
+        bed.used(&id) == 1100 * MIB + 2 * CONTEXT
+    })
+    .expect("ledger = 800 + 300 MiB and two contexts");
     // Plus the two tenants' contexts (the racer has ended).
     assert_eq!(
         bed.sim_used(),
@@ -399,8 +403,10 @@ fn allocations_wait_a_bounded_time_for_a_missing_arbiter() {
     assert_eq!(as_u64(&info["total"]), GIB);
     assert_eq!(as_u64(&info["free"]), GIB - 100 * MIB - CONTEXT);
     bed.start_arbiter();
-    wait_until(Duration::from_secs(5), || bed.used(&id) == 100 * MIB + CONTEXT)
-        .expect("re-declared, the context included");
+    wait_until(Duration::from_secs(5), || {
+        bed.used(&id) == 100 * MIB + CONTEXT
+    })
+    .expect("re-declared, the context included");
     assert_eq!(s.ask(&format!("alloc {}", 100 * MIB))["alloc"], 0);
     assert!(s.exit().success());
 }
@@ -418,8 +424,10 @@ fn forked_child_is_accounted_separately() {
     assert_eq!(st.processes, 2, "the child has its own connection");
     // The child made no context of its own (CUDA state does not survive fork).
     assert!(st.memory_used >= 500 * MIB + CONTEXT);
-    wait_until(Duration::from_secs(5), || bed.used(&id) == 500 * MIB + CONTEXT)
-        .expect("idle credit returned");
+    wait_until(Duration::from_secs(5), || {
+        bed.used(&id) == 500 * MIB + CONTEXT
+    })
+    .expect("idle credit returned");
     let done = s.ask(&format!(
         "release_child {} {}",
         forked["release_fd"], forked["forked"]
@@ -433,7 +441,9 @@ fn forked_child_is_accounted_separately() {
     // The parent still works on its original connection.
     assert_eq!(s.ask(&format!("alloc {}", 300 * MIB))["alloc"], 0);
     assert_eq!(s.ask(&format!("alloc {}", 200 * MIB))["alloc"], OOM);
-    wait_until(Duration::from_secs(5), || bed.used(&id) == 600 * MIB + CONTEXT)
-        .expect("600 MiB and the context held");
+    wait_until(Duration::from_secs(5), || {
+        bed.used(&id) == 600 * MIB + CONTEXT
+    })
+    .expect("600 MiB and the context held");
     assert!(s.exit().success());
 }

@@ -769,12 +769,7 @@ impl Backstop {
                 self.unknown_since.entry(pid).or_insert(now);
             }
         }
-        let mut actions = decide(
-            &watched,
-            &memory,
-            &owners,
-            self.policy.memory_tolerance,
-        );
+        let mut actions = decide(&watched, &memory, &owners, self.policy.memory_tolerance);
         if let Some(elapsed) = elapsed {
             actions.extend(self.compute(&watched, &owners, &gpu_ns, elapsed));
         }
