@@ -56,8 +56,14 @@ impl Bed {
 
     /// As [`Bed::new`], with extra arguments for the arbiter (e.g. `--enforce report`).
     pub fn with_arbiter_args(args: &[&str]) -> Self {
+        Self::with_gpus(SIM_GPUS, args)
+    }
+
+    /// As [`Bed::with_arbiter_args`] on other simulated GPUs (e.g. `1x16GiB`, a card that a
+    /// few allocations fill).
+    pub fn with_gpus(gpus: &str, args: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let sim = SimGpu::prepare(&dir.path().join("sim"), SIM_GPUS);
+        let sim = SimGpu::prepare(&dir.path().join("sim"), gpus);
         let mut bed = Self {
             socket: dir.path().join("tessera.sock"),
             admin_socket: dir.path().join("admin.sock"),
