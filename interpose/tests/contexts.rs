@@ -109,15 +109,24 @@ fn crowd(n: usize) {
         }
     }
     let each = CONTEXT + 16 * MIB;
-    eprintln!("{n} processes: {fit} fit, {refused_ctx} refused a context, {refused_alloc} an allocation");
+    eprintln!(
+        "{n} processes: {fit} fit, {refused_ctx} refused a context, {refused_alloc} an allocation"
+    );
     assert_eq!(fit, GIB / each, "as many as fit run, no more, no fewer");
     assert_eq!(fit + refused_ctx + refused_alloc, n as u64);
     // NVML's figure for the allocation (all its processes) over ten backstop polls.
     let t = Instant::now();
     while t.elapsed() < Duration::from_millis(500) {
         let card = bed.sim_used();
-        assert!(card <= GIB + SLACK, "the card holds {card} for a 1 GiB allocation");
-        assert_eq!(card, fit * each, "the card holds the contexts and allocations that fit");
+        assert!(
+            card <= GIB + SLACK,
+            "the card holds {card} for a 1 GiB allocation"
+        );
+        assert_eq!(
+            card,
+            fit * each,
+            "the card holds the contexts and allocations that fit"
+        );
         std::thread::sleep(Duration::from_millis(25));
     }
     assert!(bed.used(&id) <= GIB);
@@ -165,7 +174,10 @@ fn fifty_context_only_processes_leave_a_neighbour_its_promised_memory() {
     );
     assert_eq!(made, GIB / CONTEXT, "A's contexts fill its limit, no more");
     let a_card = bed.sim_used();
-    assert!(a_card <= GIB + SLACK, "A's processes hold {a_card} on the card");
+    assert!(
+        a_card <= GIB + SLACK,
+        "A's processes hold {a_card} on the card"
+    );
     // B: its context and the rest of its promise.
     let b = Client::ready(Client::start(&bed, &exe, &token_b, 1, 8 * GIB - CONTEXT));
     assert_eq!(
