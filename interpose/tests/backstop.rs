@@ -115,7 +115,7 @@ fn honest_processes_of_an_allocation_at_its_limit_are_never_touched() {
 const TOLERANCE: u64 = 64 * MIB;
 
 /// Runs a C client of `tests/c/` that connects with a hooked 64 MiB allocation ("hooked 0") and
-/// then takes 4 GiB around the interposer ("escaped 0") under a 1 GiB limit; asserts that the
+/// then takes memory around the interposer ("escaped 0") past a 1 GiB limit; asserts that the
 /// backstop kills it within a second of the escape, that the card is back under the limit plus
 /// the tolerance by then, and that the kill is logged and counted. `how` names the route.
 fn an_escape_is_killed(bed: &Bed, id: &str, mut cmd: std::process::Command, how: &str) {
@@ -165,6 +165,18 @@ fn a_connected_process_that_reaches_the_real_driver_through_glibc_dlsym_is_kille
     let mut cmd = bed.tenant_command(&exe, &token);
     cmd.arg("4096");
     an_escape_is_killed(&bed, &id, cmd, "glibc's dlsym");
+}
+
+#[test]
+fn a_connected_process_that_makes_contexts_around_the_interposer_is_killed() {
+    // Three unreserved contexts (900 MiB on the card) on top of its reserved one and 64 MiB:
+    // 1.23 GiB, within the old 512 MiB-per-process tolerance, past the limit plus the slack.
+    let bed = Bed::new();
+    let (token, id) = bed.create(GIB);
+    let exe = build_c(&bed, "ctx_escape");
+    let mut cmd = bed.tenant_command(&exe, &token);
+    cmd.arg("3");
+    an_escape_is_killed(&bed, &id, cmd, "cuCtxCreate_v2 through glibc's dlsym");
 }
 
 #[test]
