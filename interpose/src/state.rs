@@ -24,7 +24,7 @@ pub struct Process {
     /// Kernel launch gating (compute leases).
     pub gate: Gate,
     /// What its contexts reserved.
-    pub contexts: parking_lot::Mutex<crate::contexts::Book>,
+    pub contexts: parking_lot::Mutex<crate::context_book::Book>,
 }
 
 impl Process {
@@ -34,12 +34,12 @@ impl Process {
             session,
             ledger: parking_lot::Mutex::new(Ledger::default()),
             gate,
-            contexts: parking_lot::Mutex::new(crate::contexts::Book::default()),
+            contexts: parking_lot::Mutex::new(crate::context_book::Book::default()),
         }
     }
 
     /// The context book (locks never poison: every update is a single map change).
-    pub fn contexts(&self) -> parking_lot::MutexGuard<'_, crate::contexts::Book> {
+    pub fn contexts(&self) -> parking_lot::MutexGuard<'_, crate::context_book::Book> {
         self.contexts.lock()
     }
 
