@@ -13,17 +13,13 @@
 
 #include "escape_client.h"
 
-typedef void *(*dlsym_t)(void *, const char *);
 typedef CUresult (*create_t)(CUcontext *, unsigned int, CUdevice);
 CUresult cuCtxCreate_v2(CUcontext *, unsigned int, CUdevice);
 
 int main(int argc, char **argv) {
     int n = argc > 1 ? atoi(argv[1]) : 3;
     hooked_start();
-    void *libc = dlopen("libc.so.6", RTLD_NOW | RTLD_NOLOAD);
-    dlsym_t real_dlsym = libc ? (dlsym_t)dlvsym(libc, "dlsym", "GLIBC_2.34") : NULL;
-    if (!real_dlsym && libc)
-        real_dlsym = (dlsym_t)dlvsym(libc, "dlsym", "GLIBC_2.2.5");
+    glibc_dlsym_t real_dlsym = glibc_dlsym();
     void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
     create_t real_create = (real_dlsym && cuda) ? (create_t)real_dlsym(cuda, "cuCtxCreate_v2") : NULL;
     if (!real_create || real_create == cuCtxCreate_v2) {
