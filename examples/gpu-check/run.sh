@@ -417,8 +417,8 @@ else
     else
         row "$s5" "memory: ledger memory_used vs NVML used (pid $lpid)" \
             "$(q '"ledger %.2f GiB, NVML %s" % ('"$a5"'["memory_used"] / GiB, "%.2f GiB" % (n["used_bytes"] / GiB) if n["used_bytes"] is not None else "no figure")' s="$work/status5_mem.json" n="$work/nvml5.json")" \
-            "NVML = ledger + the context (< 512 MiB)" \
-            "$(q '"yes" if 0 <= n["used_bytes"] - '"$a5"'["memory_used"] < 512 * MiB else "NO"' s="$work/status5_mem.json" n="$work/nvml5.json")"
+            "NVML = ledger (which reserves 300 MiB per context) within 512 MiB" \
+            "$(q '"yes" if abs(n["used_bytes"] - '"$a5"'["memory_used"]) < 512 * MiB else "NO"' s="$work/status5_mem.json" n="$work/nvml5.json")"
         row "$s5" "GPU time of the run: ledger gpu_time_10s_ns vs NVML process utilization" \
             "$(q '"ledger %.2f s, NVML %.2f s (run %.1f s)" % ([x for x in s["gpus"][0]["allocations"] if x["processes"] > 0][0]["gpu_time_10s_ns"] / 1e9, n["busy_s"], t["seconds"])' s="$work/status5_time.json" n="$work/nvml5.json" t="$work/l.json")" \
             "within 10%" \

@@ -16,6 +16,8 @@
 //! - [`ledger`]: live objects and their charged sizes.
 //! - [`state`]: the per-process state and its reset in a forked child.
 //! - [`memory`]: the accounting logic behind each allocation, free and memory query.
+//! - [`contexts`]: contexts count against the limit: each one's cost reserved before the
+//!   driver makes it, given back when it goes; [`context_book`]: what was reserved for which.
 //! - [`launch`]: kernel launch gating on compute leases: the credit fast path and stream slots
 //!   (`gate`), the lease rules as a pure state machine (`lease`), the driver's event functions
 //!   behind a trait (`events`), the manager thread (`manager`).
@@ -29,6 +31,8 @@
 
 pub mod config;
 pub mod conn;
+pub mod context_book;
+pub mod contexts;
 pub mod dlsym;
 pub mod driver;
 pub mod ffi;

@@ -23,6 +23,8 @@ pub struct Process {
     pub ledger: parking_lot::Mutex<Ledger>,
     /// Kernel launch gating (compute leases).
     pub gate: Gate,
+    /// What its contexts reserved.
+    pub contexts: parking_lot::Mutex<crate::context_book::Book>,
 }
 
 impl Process {
@@ -32,7 +34,13 @@ impl Process {
             session,
             ledger: parking_lot::Mutex::new(Ledger::default()),
             gate,
+            contexts: parking_lot::Mutex::new(crate::context_book::Book::default()),
         }
+    }
+
+    /// The context book (locks never poison: every update is a single map change).
+    pub fn contexts(&self) -> parking_lot::MutexGuard<'_, crate::context_book::Book> {
+        self.contexts.lock()
     }
 
     /// The ledger, even after a panic elsewhere poisoned its lock (its data stays consistent:

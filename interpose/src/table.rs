@@ -133,6 +133,15 @@ hook_table! {
     CtxSynchronize: Cuda c"cuCtxSynchronize", "cuCtxSynchronize", 2000, 13000, false;
     CtxSynchronize_v2: Cuda c"cuCtxSynchronize_v2", "cuCtxSynchronize", 13000, MAX, false;
     EventSynchronize: Cuda c"cuEventSynchronize", "cuEventSynchronize", 2000, MAX, false;
+    DevicePrimaryCtxRetain: Cuda c"cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRetain", 7000, MAX, false;
+    DevicePrimaryCtxRelease: Cuda c"cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxRelease", 7000, 11000, false;
+    DevicePrimaryCtxRelease_v2: Cuda c"cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease", 11000, MAX, false;
+    DevicePrimaryCtxReset: Cuda c"cuDevicePrimaryCtxReset", "cuDevicePrimaryCtxReset", 7000, 11000, false;
+    DevicePrimaryCtxReset_v2: Cuda c"cuDevicePrimaryCtxReset_v2", "cuDevicePrimaryCtxReset", 11000, MAX, false;
+    CtxCreate_v2: Cuda c"cuCtxCreate_v2", "cuCtxCreate", 3020, 11040, false;
+    CtxCreate_v3: Cuda c"cuCtxCreate_v3", "cuCtxCreate", 11040, 12050, false;
+    CtxCreate_v4: Cuda c"cuCtxCreate_v4", "cuCtxCreate", 12050, MAX, false;
+    CtxDestroy_v2: Cuda c"cuCtxDestroy_v2", "cuCtxDestroy", 4000, MAX, false;
     NvmlMemoryInfo: Nvml c"nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo", 0, MAX, false;
     NvmlMemoryInfo_v2: Nvml c"nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetMemoryInfo_v2", 0, MAX, false;
 }
@@ -226,7 +235,11 @@ mod tests {
             by_name(b"cuMemAlloc").is_none(),
             "the 32-bit v1 entry point is not this hook"
         );
-        assert!(by_name(b"cuCtxCreate_v2").is_none());
+        assert_eq!(by_name(b"cuCtxCreate_v2").unwrap().name, c"cuCtxCreate_v2");
+        assert!(
+            by_name(b"cuCtxCreate").is_none(),
+            "the v1 entry point is not hooked"
+        );
         assert!(by_name(b"malloc").is_none());
         assert!(by_name(b"").is_none());
     }
@@ -311,6 +324,27 @@ mod tests {
             name(b"cuEventSynchronize", 13000, 2),
             Some("cuEventSynchronize")
         );
+        // Contexts: every call that makes or ends one.
+        assert_eq!(
+            name(b"cuDevicePrimaryCtxRetain", 12000, 2),
+            Some("cuDevicePrimaryCtxRetain")
+        );
+        assert_eq!(
+            name(b"cuDevicePrimaryCtxRelease", 10000, 0),
+            Some("cuDevicePrimaryCtxRelease")
+        );
+        assert_eq!(
+            name(b"cuDevicePrimaryCtxRelease", 11000, 0),
+            Some("cuDevicePrimaryCtxRelease_v2")
+        );
+        assert_eq!(
+            name(b"cuDevicePrimaryCtxReset", 13000, 0),
+            Some("cuDevicePrimaryCtxReset_v2")
+        );
+        assert_eq!(name(b"cuCtxCreate", 11000, 0), Some("cuCtxCreate_v2"));
+        assert_eq!(name(b"cuCtxCreate", 12000, 0), Some("cuCtxCreate_v3"));
+        assert_eq!(name(b"cuCtxCreate", 13000, 2), Some("cuCtxCreate_v4"));
+        assert_eq!(name(b"cuCtxDestroy", 12000, 0), Some("cuCtxDestroy_v2"));
         // NVML is never resolved through cuGetProcAddress.
         assert_eq!(name(b"nvmlDeviceGetMemoryInfo", 13000, 0), None);
     }

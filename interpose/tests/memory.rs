@@ -28,7 +28,11 @@ fn assert_twice(out: &serde_json::Value, label: &str) {
     );
     assert_eq!(get("free"), 0, "{label}: free");
     assert_eq!(get("after_free"), 0, "{label}: succeeds after the free");
-    assert_eq!(get("free_info"), GIB as i64, "{label}: everything released");
+    assert_eq!(
+        get("free_info"),
+        (GIB - CONTEXT) as i64,
+        "{label}: everything released but the context"
+    );
 }
 
 fn assert_limits_output(out: &serde_json::Value) {
@@ -43,7 +47,11 @@ fn assert_limits_output(out: &serde_json::Value) {
         GIB,
         "cuMemGetInfo_v2 total is the limit"
     );
-    assert_eq!(as_u64(&start["free"]), GIB);
+    assert_eq!(
+        as_u64(&start["free"]),
+        GIB - CONTEXT,
+        "the context comes out of the limit"
+    );
     let nvml = &start["nvml"];
     assert_eq!(nvml["rc"], 0);
     assert_eq!(
@@ -57,9 +65,13 @@ fn assert_limits_output(out: &serde_json::Value) {
         "nvmlDeviceGetMemoryInfo_v2 shows the limit"
     );
     let held = &out["held_info"];
-    assert_eq!(as_u64(&held["free"]), GIB - 600 * MIB, "600 MiB held");
-    assert_eq!(as_u64(&held["nvml"]["used"]), 600 * MIB);
-    assert_eq!(as_u64(&held["nvml"]["free_v2"]), GIB - 600 * MIB);
+    assert_eq!(
+        as_u64(&held["free"]),
+        GIB - 600 * MIB - CONTEXT,
+        "600 MiB and the context held"
+    );
+    assert_eq!(as_u64(&held["nvml"]["used"]), 600 * MIB + CONTEXT);
+    assert_eq!(as_u64(&held["nvml"]["free_v2"]), GIB - 600 * MIB - CONTEXT);
     for api in [
         "alloc", "managed", "async", "pool", "pitch", "vmm", "array", "array3d", "mipmap",
     ] {
@@ -73,7 +85,7 @@ fn assert_limits_output(out: &serde_json::Value) {
         out["free_unknown"], 0,
         "unknown pointer freed by the driver, not by us"
     );
-    assert_eq!(as_u64(&out["end"]["free"]), GIB);
+    assert_eq!(as_u64(&out["end"]["free"]), GIB - CONTEXT);
 }
 
 #[test]
@@ -167,7 +179,9 @@ fn without_a_token_everything_passes_through() {
 #[test]
 fn eight_processes_race_to_the_limit() {
     let bed = Bed::new();
-    let (token, id) = bed.create(GIB);
+    // Room for the eight contexts and 1 GiB of allocations.
+    let limit = GIB + 8 * CONTEXT;
+    let (token, id) = bed.create(limit);
     let size = 300 * MIB;
     let racers: Vec<_> = (0..8)
         .map(|_| {
@@ -192,7 +206,7 @@ fn eight_processes_race_to_the_limit() {
             .unwrap();
         max_ledger = max_ledger.max(a.memory_used);
         peak_procs = peak_procs.max(a.processes);
-        max_card = max_card.max(bed.sim_allocated());
+        max_card = max_card.max(bed.sim_used());
         samples += 1;
         pids.retain(|&pid| {
             std::path::Path::new(&format!("/proc/{pid}/stat")).exists() && !zombie(pid)
@@ -231,9 +245,10 @@ fn eight_processes_race_to_the_limit() {
         max_ledger >= 3 * size,
         "the limit must have been contended: max ledger {max_ledger}"
     );
-    assert!(max_ledger <= GIB, "ledger passed the limit: {max_ledger}");
+    assert!(max_ledger <= limit, "ledger passed the limit: {max_ledger}");
+    // Contexts included: the card's figure for the allocation stays within its limit.
     assert!(
-        max_card <= GIB,
+        max_card <= limit,
         "the card held more than the limit: {max_card}"
     );
     assert!(samples > 10, "too few samples to mean anything: {samples}");
@@ -262,9 +277,11 @@ fn sigkill_frees_memory_in_the_arbiter() {
     let mut s = Served::start(bed.tenant_command(&python(), &token));
     assert_eq!(s.ask(&format!("alloc {}", 600 * MIB))["alloc"], 0);
     // Credit taken ahead of need is counted until the idle process gives it back.
-    assert!(bed.used(&id) >= 600 * MIB);
-    wait_until(Duration::from_secs(5), || bed.used(&id) == 600 * MIB)
-        .expect("idle credit returned");
+    assert!(bed.used(&id) >= 600 * MIB + CONTEXT);
+    wait_until(Duration::from_secs(5), || {
+        bed.used(&id) == 600 * MIB + CONTEXT
+    })
+    .expect("idle credit returned");
     let mut admin = bed.admin();
     s.child.kill().unwrap();
     let t = Instant::now();
@@ -286,8 +303,9 @@ fn sigkill_frees_memory_in_the_arbiter() {
     eprintln!("SIGKILL -> released in the arbiter after {took:?}");
     assert!(took < Duration::from_millis(100), "released after {took:?}");
     s.child.wait().unwrap();
-    // Another tenant now gets the whole limit.
-    let (st, out, err) = run(&mut bed.py_tenant(&token, &["race", "1", &(1000 * MIB).to_string()]));
+    // Another tenant now gets the whole limit (less its own context).
+    let rest = GIB - CONTEXT;
+    let (st, out, err) = run(&mut bed.py_tenant(&token, &["race", "1", &rest.to_string()]));
     assert!(st.success());
     assert_eq!(last_json(&out, &err)["0"], 1);
 }
@@ -320,10 +338,14 @@ fn arbiter_restart_under_running_tenants() {
     );
     std::thread::sleep(Duration::from_millis(300));
     bed.start_arbiter();
-    // The idle tenants re-declare on their own: the ledger matches what they hold.
+    // The idle tenants re-declare on their own: the ledger matches what they hold (their
+    // contexts, and the racer's while it runs, included).
     let matched = wait_until(Duration::from_secs(5), || {
         let s = bed.status(&id);
-        s.memory_used == 700 * MIB && s.processes >= 2
+        [2, 3]
+            .map(|n| 700 * MIB + n * CONTEXT)
+            .contains(&s.memory_used)
+            && s.processes >= 2
     });
     assert!(
         matched.is_some(),
@@ -345,8 +367,10 @@ fn arbiter_restart_under_running_tenants() {
         serde_json::json!({"0": 4000}),
         "no allocation failed across the restart"
     );
-    wait_until(Duration::from_secs(5), || bed.used(&id) == 1100 * MIB)
-        .expect("ledger = 800 + 300 MiB");
+    wait_until(Duration::from_secs(5), || {
+        bed.used(&id) == 1100 * MIB + 2 * CONTEXT
+    })
+    .expect("ledger = 800 + 300 MiB and two contexts");
     // Plus the two tenants' contexts (the racer has ended).
     assert_eq!(
         bed.sim_used(),
@@ -377,9 +401,12 @@ fn allocations_wait_a_bounded_time_for_a_missing_arbiter() {
     let info = s.ask("info");
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     assert_eq!(as_u64(&info["total"]), GIB);
-    assert_eq!(as_u64(&info["free"]), GIB - 100 * MIB);
+    assert_eq!(as_u64(&info["free"]), GIB - 100 * MIB - CONTEXT);
     bed.start_arbiter();
-    wait_until(Duration::from_secs(5), || bed.used(&id) == 100 * MIB).expect("re-declared");
+    wait_until(Duration::from_secs(5), || {
+        bed.used(&id) == 100 * MIB + CONTEXT
+    })
+    .expect("re-declared, the context included");
     assert_eq!(s.ask(&format!("alloc {}", 100 * MIB))["alloc"], 0);
     assert!(s.exit().success());
 }
@@ -395,9 +422,12 @@ fn forked_child_is_accounted_separately() {
     assert_eq!(child["child_alloc"], 0, "{child}");
     let st = bed.status(&id);
     assert_eq!(st.processes, 2, "the child has its own connection");
-    assert!(st.memory_used >= 500 * MIB);
-    wait_until(Duration::from_secs(5), || bed.used(&id) == 500 * MIB)
-        .expect("idle credit returned");
+    // The child made no context of its own (CUDA state does not survive fork).
+    assert!(st.memory_used >= 500 * MIB + CONTEXT);
+    wait_until(Duration::from_secs(5), || {
+        bed.used(&id) == 500 * MIB + CONTEXT
+    })
+    .expect("idle credit returned");
     let done = s.ask(&format!(
         "release_child {} {}",
         forked["release_fd"], forked["forked"]
@@ -405,12 +435,15 @@ fn forked_child_is_accounted_separately() {
     assert_eq!(done["child_status"], 0);
     wait_until(Duration::from_secs(5), || {
         let s = bed.status(&id);
-        s.memory_used == 300 * MIB && s.processes == 1
+        s.memory_used == 300 * MIB + CONTEXT && s.processes == 1
     })
     .expect("child's memory released and its connections closed, parent's kept");
     // The parent still works on its original connection.
-    assert_eq!(s.ask(&format!("alloc {}", 600 * MIB))["alloc"], 0);
+    assert_eq!(s.ask(&format!("alloc {}", 300 * MIB))["alloc"], 0);
     assert_eq!(s.ask(&format!("alloc {}", 200 * MIB))["alloc"], OOM);
-    wait_until(Duration::from_secs(5), || bed.used(&id) == 900 * MIB).expect("900 MiB held");
+    wait_until(Duration::from_secs(5), || {
+        bed.used(&id) == 600 * MIB + CONTEXT
+    })
+    .expect("600 MiB and the context held");
     assert!(s.exit().success());
 }

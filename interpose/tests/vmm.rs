@@ -16,16 +16,17 @@ use common::*;
 
 const OOM: i64 = 2;
 
-/// A tenant with a 1 GiB limit running the VMM client.
+/// A tenant with a 1 GiB limit (plus room for its context) running the VMM client.
 struct Vmm {
     bed: Bed,
     id: String,
     client: Served,
 }
 
-/// A tenant of `bed` (its own 1 GiB allocation) running the VMM client; (id, client).
+/// A tenant of `bed` (its own allocation of 1 GiB plus room for its context: contexts count
+/// against the limit) running the VMM client; (id, client).
 fn tenant(bed: &Bed) -> (String, Served) {
-    let (token, id) = bed.create(GIB);
+    let (token, id) = bed.create(GIB + CONTEXT);
     (id, client(bed, &token))
 }
 
@@ -68,7 +69,7 @@ impl Vmm {
         );
         assert_eq!(
             self.bed.used(&self.id),
-            mib * MIB,
+            mib * MIB + CONTEXT,
             "{when}: the arbiter counts what the GPU holds"
         );
     }
@@ -237,6 +238,11 @@ fn create_and_export(x: &mut Served, name: &str, mib: u64) -> String {
     format!("import {name} {} {}", x.pid, a["fd"])
 }
 
+/// What allocation `id` is charged beyond its one process's context.
+fn held(bed: &Bed, id: &str) -> u64 {
+    bed.used(id) - CONTEXT
+}
+
 /// The memory NVML shows for process `pid` on GPU 0, without its contexts.
 fn shown(bed: &Bed, pid: i32) -> u64 {
     tessera_sim_state::read_processes(&bed.sim_dir)
@@ -253,7 +259,7 @@ fn an_importer_keeps_what_it_maps_after_the_exporter_releases_and_sixteen_rounds
     // exports it, Y imports and maps it, X releases its handle (never mapped). Uncounted, Y
     // ended with 8 GiB mapped, and the simulated card gave the memory back at X's release.
     let bed = Bed::new();
-    let (token, id) = bed.create(GIB);
+    let (token, id) = bed.create(GIB + 2 * CONTEXT);
     let (mut x, mut y) = (client(&bed, &token), client(&bed, &token));
     let contexts = 2 * bed.context_bytes();
     let mut mapped = 0;
@@ -282,8 +288,14 @@ fn an_importer_keeps_what_it_maps_after_the_exporter_releases_and_sixteen_rounds
         );
         // X's release after a refusal goes back on the pressure channel, which the arbiter
         // books on its own time.
-        wait_until(Duration::from_secs(2), || bed.used(&id) == mapped);
-        assert_eq!(bed.used(&id), mapped, "round {round}: charged to Y");
+        wait_until(Duration::from_secs(2), || {
+            bed.used(&id) == mapped + 2 * CONTEXT
+        });
+        assert_eq!(
+            bed.used(&id),
+            mapped + 2 * CONTEXT,
+            "round {round}: charged to Y (and both contexts)"
+        );
         assert_eq!(
             (shown(&bed, x.pid), shown(&bed, y.pid)),
             (0, mapped),
@@ -298,7 +310,8 @@ fn an_importer_keeps_what_it_maps_after_the_exporter_releases_and_sixteen_rounds
     assert_eq!(bed.status(&id).enforced, 0, "refused, not killed");
     // Y killed, its mapping in place: the card and the allocation get the memory back.
     y.child.kill_and_reap();
-    wait_until(Duration::from_secs(2), || bed.used(&id) == 0).expect("nothing charged");
+    wait_until(Duration::from_secs(2), || bed.used(&id) == CONTEXT)
+        .expect("nothing charged but X's context");
     assert_eq!(
         bed.sim_used(),
         bed.context_bytes(),
@@ -312,7 +325,7 @@ fn the_same_rounds_with_the_descriptor_passed_over_a_unix_socket_stop_at_the_lim
     // The escape as the issue ran it, in C: the descriptor travels by SCM_RIGHTS, the exporter
     // releases and closes its copy after each round, 16 rounds of 512 MiB under 1 GiB.
     let bed = Bed::new();
-    let (token, id) = bed.create(GIB);
+    let (token, id) = bed.create(GIB + 2 * CONTEXT);
     let exe = build_c(&bed, "vmm_share");
     let path = bed.dir.path().join("share.sock");
     let start = |role: &str| {
@@ -349,8 +362,14 @@ fn the_same_rounds_with_the_descriptor_passed_over_a_unix_socket_stop_at_the_lim
         assert_eq!(bed.sim_used(), 512 * MIB + contexts);
         std::thread::sleep(Duration::from_millis(50));
     }
-    wait_until(Duration::from_secs(2), || bed.used(&id) == 512 * MIB);
-    assert_eq!(bed.used(&id), 512 * MIB, "charged to the importer");
+    wait_until(Duration::from_secs(2), || {
+        bed.used(&id) == 512 * MIB + 2 * CONTEXT
+    });
+    assert_eq!(
+        bed.used(&id),
+        512 * MIB + 2 * CONTEXT,
+        "charged to the importer (and both contexts)"
+    );
     assert_eq!(bed.status(&id).enforced, 0, "refused, not killed");
     assert!(alive(y.id()) && alive(x.id()), "{}", bed.arbiter_log());
     x.kill_and_reap();
@@ -360,19 +379,19 @@ fn the_same_rounds_with_the_descriptor_passed_over_a_unix_socket_stop_at_the_lim
 #[test]
 fn an_importer_mapping_before_the_exporter_maps_is_charged_to_its_own_allocation() {
     let bed = Bed::new();
-    let (a_token, a) = bed.create(GIB);
-    let (b_token, b) = bed.create(GIB);
+    let (a_token, a) = bed.create(GIB + CONTEXT);
+    let (b_token, b) = bed.create(GIB + CONTEXT);
     let (mut x, mut y) = (client(&bed, &a_token), client(&bed, &b_token));
     let contexts = 2 * bed.context_bytes();
     let import = create_and_export(&mut x, "h", 256);
     ok(&mut y, &import);
     ok(&mut y, "reserve r 256");
     ok(&mut y, "map r 0 h 256");
-    assert_eq!((bed.used(&a), bed.used(&b)), (256 * MIB, 256 * MIB));
+    assert_eq!((held(&bed, &a), held(&bed, &b)), (256 * MIB, 256 * MIB));
     ok(&mut x, "reserve r 256");
     ok(&mut x, "map r 0 h 256");
     assert_eq!(
-        (bed.used(&a), bed.used(&b)),
+        (held(&bed, &a), held(&bed, &b)),
         (256 * MIB, 256 * MIB),
         "the exporter's mapping adds nothing: its creation is charged"
     );
@@ -380,16 +399,16 @@ fn an_importer_mapping_before_the_exporter_maps_is_charged_to_its_own_allocation
     ok(&mut x, "unmap r 0 256");
     ok(&mut x, "release h");
     assert_eq!(
-        (bed.used(&a), bed.used(&b)),
+        (held(&bed, &a), held(&bed, &b)),
         (0, 256 * MIB),
         "nothing of it is left on X's side"
     );
     assert_eq!(bed.sim_used(), 256 * MIB + contexts, "Y still holds it");
     ok(&mut y, "unmap r 0 256");
-    assert_eq!(bed.used(&b), 256 * MIB, "Y's handle still holds it");
+    assert_eq!(held(&bed, &b), 256 * MIB, "Y's handle still holds it");
     assert_eq!(bed.sim_used(), 256 * MIB + contexts);
     ok(&mut y, "release h");
-    assert_eq!((bed.used(&a), bed.used(&b)), (0, 0));
+    assert_eq!((held(&bed, &a), held(&bed, &b)), (0, 0));
     assert_eq!(
         bed.sim_used(),
         contexts,
@@ -401,8 +420,8 @@ fn an_importer_mapping_before_the_exporter_maps_is_charged_to_its_own_allocation
 #[test]
 fn the_exporter_unmapping_after_the_importer_mapped_keeps_its_charge_until_its_release() {
     let bed = Bed::new();
-    let (a_token, a) = bed.create(GIB);
-    let (b_token, b) = bed.create(GIB);
+    let (a_token, a) = bed.create(GIB + CONTEXT);
+    let (b_token, b) = bed.create(GIB + CONTEXT);
     let (mut x, mut y) = (client(&bed, &a_token), client(&bed, &b_token));
     let contexts = 2 * bed.context_bytes();
     ok(&mut x, "create h 256");
@@ -415,18 +434,18 @@ fn the_exporter_unmapping_after_the_importer_mapped_keeps_its_charge_until_its_r
     ok(&mut y, "map r 0 h 256");
     ok(&mut x, "unmap r 0 256");
     assert_eq!(
-        (bed.used(&a), bed.used(&b)),
+        (held(&bed, &a), held(&bed, &b)),
         (256 * MIB, 256 * MIB),
         "X unmapped but holds its handle"
     );
     ok(&mut x, "release h");
-    assert_eq!((bed.used(&a), bed.used(&b)), (0, 256 * MIB));
+    assert_eq!((held(&bed, &a), held(&bed, &b)), (0, 256 * MIB));
     assert_eq!(bed.sim_used(), 256 * MIB + contexts, "Y's mapping keeps it");
     assert_eq!((shown(&bed, x.pid), shown(&bed, y.pid)), (0, 256 * MIB));
     ok(&mut y, "release h");
-    assert_eq!(bed.used(&b), 256 * MIB, "released but mapped");
+    assert_eq!(held(&bed, &b), 256 * MIB, "released but mapped");
     ok(&mut y, "unmap r 0 256");
-    assert_eq!(bed.used(&b), 0);
+    assert_eq!(held(&bed, &b), 0);
     assert_eq!(bed.sim_used(), contexts);
     assert!(x.exit().success() && y.exit().success());
 }
@@ -434,15 +453,15 @@ fn the_exporter_unmapping_after_the_importer_mapped_keeps_its_charge_until_its_r
 #[test]
 fn an_import_into_another_allocation_is_charged_there_once_and_refused_when_it_does_not_fit() {
     let bed = Bed::new();
-    let (a_token, a) = bed.create(GIB);
-    let (b_token, b) = bed.create(GIB);
+    let (a_token, a) = bed.create(GIB + CONTEXT);
+    let (b_token, b) = bed.create(GIB + CONTEXT);
     let (mut x, mut y) = (client(&bed, &a_token), client(&bed, &b_token));
     let contexts = 2 * bed.context_bytes();
     let import = create_and_export(&mut x, "h", 512);
     ok(&mut y, "create own 768");
     assert_eq!(rc(&mut y, &import), OOM, "768 + 512 MiB is past B's 1 GiB");
     assert_eq!(
-        (bed.used(&a), bed.used(&b)),
+        (held(&bed, &a), held(&bed, &b)),
         (512 * MIB, 768 * MIB),
         "the refusal charged nobody, and never A"
     );
@@ -453,17 +472,21 @@ fn an_import_into_another_allocation_is_charged_there_once_and_refused_when_it_d
     ok(&mut y, "reserve r 1024");
     ok(&mut y, "map r 0 h 512");
     ok(&mut y, "map r 512 h2 512");
-    assert_eq!((bed.used(&a), bed.used(&b)), (512 * MIB, 512 * MIB));
+    assert_eq!((held(&bed, &a), held(&bed, &b)), (512 * MIB, 512 * MIB));
     assert_eq!(bed.sim_used(), 512 * MIB + contexts);
     assert_eq!(rc(&mut y, "alloc 768"), OOM, "B's limit holds the import");
     assert_eq!(rc(&mut y, "alloc 512"), 0);
     ok(&mut x, "release h");
-    assert_eq!(bed.used(&a), 0);
+    assert_eq!(held(&bed, &a), 0);
     ok(&mut y, "free_va r");
     ok(&mut y, "release h");
-    assert_eq!(bed.used(&b), 512 * MIB, "the second import still holds it");
+    assert_eq!(
+        held(&bed, &b),
+        512 * MIB,
+        "the second import still holds it"
+    );
     ok(&mut y, "release h2");
-    assert_eq!((bed.used(&a), bed.used(&b)), (0, 0));
+    assert_eq!((held(&bed, &a), held(&bed, &b)), (0, 0));
     assert_eq!(bed.sim_used(), contexts);
     assert!(x.exit().success() && y.exit().success());
 }
@@ -471,7 +494,7 @@ fn an_import_into_another_allocation_is_charged_there_once_and_refused_when_it_d
 #[test]
 fn the_release_at_once_idiom_is_refused_at_create_and_the_card_never_holds_more_than_the_limit() {
     let bed = Bed::new();
-    let (token, id) = bed.create(GIB);
+    let (token, id) = bed.create(GIB + CONTEXT);
     let exe = build_c(&bed, "vmm_release");
     let mut c = bed
         .tenant_command(&exe, &token)
@@ -515,7 +538,11 @@ fn the_release_at_once_idiom_is_refused_at_create_and_the_card_never_holds_more_
         std::thread::sleep(Duration::from_millis(50));
     }
     assert!(alive(pid), "refused, not killed\n{}", bed.arbiter_log());
-    assert_eq!(bed.used(&id), GIB, "the arbiter counts what the card holds");
+    assert_eq!(
+        bed.used(&id),
+        GIB + CONTEXT,
+        "the arbiter counts what the card holds"
+    );
     assert_eq!(bed.status(&id).enforced, 0);
     assert!(
         !bed.arbiter_log().contains("backstop: pid"),

@@ -48,8 +48,11 @@ pub struct Bed {
     // Fields drop in order: the arbiter is killed before its folder goes.
     _arbiter: RunningArbiter,
     _dir: tempfile::TempDir,
-    socket: PathBuf,
-    token: String,
+    /// The tenant socket and the allocation's token.
+    pub socket: PathBuf,
+    pub token: String,
+    /// The simulated GPU (its variables put another process on it).
+    pub gpu: SimGpu,
     /// The simulated `libcuda.so.1`.
     pub sim: Library,
     /// The built interposer.
@@ -70,6 +73,7 @@ impl Bed {
         let dir = tempfile::tempdir().unwrap();
         let sim = SimGpu::prepare_with_hint(&dir.path().join("sim"), SIM_GPUS, BUILD_HINT);
         let (sim_dir, lib_dir) = (sim.dir.clone(), sim.lib_dir.clone());
+        let gpu = sim.clone();
         let spec = ArbiterSpec::in_dir(artifact("tessera-arbiter"), dir.path(), sim);
         let mut arbiter = spec.command();
         tessera_benches::exit_with_parent(&mut arbiter);
@@ -112,6 +116,7 @@ impl Bed {
             _dir: dir,
             socket,
             token,
+            gpu,
             sim,
             interposer,
         };

@@ -146,7 +146,8 @@ impl Bench {
         let mut cmd = match share {
             Some(n) => {
                 let mut c = self.node.command(&self.tessera);
-                c.args(["run", "--memory", "256MiB", "--share", &n.to_string()]);
+                // Room for the tenant's context (300 MiB: contexts count against the limit).
+                c.args(["run", "--memory", "512MiB", "--share", &n.to_string()]);
                 if cap {
                     c.arg("--cap");
                 }

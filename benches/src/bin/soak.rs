@@ -1,13 +1,16 @@
 //! soak: honest tenants under the memory backstop for a long while, on the simulated GPU. The
 //! backstop must never act on them.
 //!
-//! Starts the real `tessera-arbiter` with the backstop at its strictest (a poll every 50 ms, a
-//! tolerance of exactly the simulated context memory, 300 MiB per process; memory, compute and
+//! Starts the real `tessera-arbiter` with the backstop at its strictest (a poll every 50 ms, its
+//! default allowance of the limit plus one 64 MiB slack per allocation, whatever its number of
+//! processes: each process's 300 MiB context is inside the limit; memory, compute and
 //! unknown-process rules all on) and keeps, for `--minutes M` (default 10), under `tessera run`:
-//! - 8 processes churning 630 MiB chunks at the limit of one 4 GiB allocation (they wait for
-//!   each other's frees), restarted every minute (so processes keep coming and going);
+//! - 8 processes churning 630 MiB chunks at the limit of one allocation of 4 GiB plus their
+//!   eight contexts (they wait for each other's frees), restarted every minute (so processes
+//!   keep coming and going);
 //! - 2 processes handing 3 GiB back and forth under another 4 GiB allocation;
-//! - 4 allocations of 1 GiB whose process holds 1 GiB exactly, the limit, all along;
+//! - 4 allocations of 1 GiB whose process holds its context and the rest of the limit, exactly
+//!   the limit, all along;
 //! - 2 tenants launching kernels (compute sharing runs alongside, and the backstop compares
 //!   their GPU time with their leases);
 //! - 1 process cycling the VMM idiom (create, map, release at once, unmap) at a 1 GiB limit;
@@ -26,6 +29,9 @@ use std::time::{Duration, Instant};
 use tessera_benches::{SimNode, need};
 
 const GIB: u64 = 1 << 30;
+/// What each process's context takes out of its limit (the interposer's reservation, what the
+/// simulated card charges).
+const CONTEXT: u64 = 300 << 20;
 
 struct Load<'a> {
     node: &'a SimNode,
@@ -78,16 +84,7 @@ fn main() {
         need("soak", "libtessera_interpose.so"),
     );
     let (tenant, compute) = (need("soak", "mem_tenant"), need("soak", "compute_tenant"));
-    let node = SimNode::start_with(
-        "soak",
-        "1x80GiB",
-        &[
-            "--backstop-interval-ms",
-            "50",
-            "--backstop-tolerance-mib",
-            "300",
-        ],
-    );
+    let node = SimNode::start_with("soak", "1x80GiB", &["--backstop-interval-ms", "50"]);
     let load = Load {
         node: &node,
         tessera: &tessera,
@@ -101,20 +98,21 @@ fn main() {
         .map(|_| {
             load.run(
                 "1GiB",
-                &format!("\"$T\" hold --bytes {GIB} --seconds {secs}"),
+                &format!("\"$T\" hold --bytes {} --seconds {secs}", GIB - CONTEXT),
             )
         })
         .collect();
     let compute_script = format!("\"{}\" --seconds {secs} > /dev/null", compute.display());
     let computes: Vec<Child> = (0..2)
-        .map(|_| load.run("256MiB", &compute_script))
+        .map(|_| load.run("512MiB", &compute_script))
         .collect();
     let vmm = load.run(
         "1GiB",
         &format!("\"$T\" vmm --bytes {} --seconds {secs}", 512 << 20),
     );
+    // The parent's context and one child's 256 MiB (a forked child makes no context).
     let forker = load.run(
-        "512MiB",
+        "768MiB",
         &format!("\"$T\" fork --bytes {} --seconds {secs}", 256 << 20),
     );
     let rounds = (secs * 2000.0) as u64;
@@ -132,7 +130,7 @@ fn main() {
     while start.elapsed() + Duration::from_secs(5) < total {
         let left = (total - start.elapsed()).as_secs_f64().min(60.0) - 2.0;
         let churn = load.run(
-            "4GiB",
+            &format!("{}MiB", (4 * GIB + 8 * CONTEXT) >> 20),
             &format!(
                 "for i in 1 2 3 4 5 6 7 8; do \"$T\" churn --bytes {chunk} --seconds {left:.1} & done; wait"
             ),
@@ -155,14 +153,14 @@ fn main() {
     let enforced: u64 = allocations.iter().map(|a| a.enforced).sum();
     node.kill_gpu_processes();
     println!(
-        "Tessera soak: honest tenants under the backstop (poll 50 ms, tolerance = 300 MiB context), simulated GPU"
+        "Tessera soak: honest tenants under the backstop (poll 50 ms, limit + 64 MiB per allocation, contexts inside the limit), simulated GPU"
     );
     println!(
         "duration            {:.1} min",
         start.elapsed().as_secs_f64() / 60.0
     );
     println!(
-        "churn waves         {waves} x 8 processes at a 4 GiB limit: {grants} allocations, {refusals} refused"
+        "churn waves         {waves} x 8 processes at a 4 GiB (+ 8 contexts) limit: {grants} allocations, {refusals} refused"
     );
     println!(
         "VMM idiom           {} rounds of 512 MiB (create, map, release at once, unmap), {} refused",
@@ -175,7 +173,7 @@ fn main() {
         sum(&fork_out, "refusals")
     );
     println!(
-        "alongside           hand-off 2 x 3 GiB, 4 processes holding their whole 1 GiB limit, 2 kernel launchers"
+        "alongside           hand-off 2 x 3 GiB, 4 processes holding their whole 1 GiB limit (context included), 2 kernel launchers"
     );
     println!("backstop actions    {enforced} (must be 0)");
     if enforced != 0 {

@@ -14,9 +14,9 @@
 //!    host's) or on the host.
 //!
 //! Then, under `--enforce kill|report`:
-//! - **memory**: an allocation whose processes together hold more than its limit plus a
-//!   tolerance per process (context memory NVML counts but no allocation returned) loses the
-//!   processes that pushed it over: those that never spoke to the arbiter first (a child
+//! - **memory**: an allocation whose processes together hold more than its limit plus one
+//!   slack for the driver's rounding ([`Tolerance`]; contexts are inside the limit: the
+//!   interposer reserves each one's cost) loses the processes that pushed it over: those that never spoke to the arbiter first (a child
 //!   started without `LD_PRELOAD`, a library that reached the driver around the hooks in a
 //!   process of its own), largest first, then the largest connected ones, until the rest fits;
 //! - **compute**: GPU time its processes used beyond the leases it was granted (kernels
@@ -67,8 +67,8 @@ pub enum Unknown {
 pub struct Policy {
     /// How often NVML is read.
     pub interval: Duration,
-    /// Device memory a process may hold beyond what the ledger knows of (its CUDA context).
-    pub per_process_tolerance: u64,
+    /// Device memory an allocation's processes may hold together beyond its limit.
+    pub memory_tolerance: Tolerance,
     /// Kill or report.
     pub enforce: Enforce,
     /// Unknown processes in containers.
@@ -77,6 +77,40 @@ pub struct Policy {
     pub compute_threshold: Duration,
     /// Unleased GPU time forgiven per unit of wall time (kernels that overrun their lease).
     pub compute_slack: f64,
+}
+
+/// What an allocation's processes may hold beyond its limit, by NVML: one slack per allocation
+/// for the driver's own rounding (its contexts are inside the limit: the interposer reserves
+/// each one's cost through the ledger), plus, only where an operator sets it, an amount per
+/// process for contexts that cost more on the card than the interposer's estimate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Tolerance {
+    /// Bytes per allocation, whatever its number of processes.
+    pub per_allocation: u64,
+    /// Bytes per process of the allocation on the card (0 by default).
+    pub per_process: u64,
+}
+
+/// Default [`Tolerance::per_allocation`]: 64 MiB, the driver's rounding of what it holds.
+pub const DEFAULT_MEMORY_SLACK: u64 = 64 << 20;
+
+impl From<u64> for Tolerance {
+    /// A per-allocation slack only.
+    fn from(per_allocation: u64) -> Self {
+        Self {
+            per_allocation,
+            per_process: 0,
+        }
+    }
+}
+
+impl Tolerance {
+    /// What an allocation of `limit` bytes with `processes` processes on the card may hold.
+    pub fn allowed(&self, limit: u64, processes: usize) -> u64 {
+        limit
+            .saturating_add(self.per_allocation)
+            .saturating_add(self.per_process.saturating_mul(processes as u64))
+    }
 }
 
 /// One allocation as the backstop sees it.
@@ -145,7 +179,7 @@ pub enum Reason {
         used: u64,
         /// Device memory all the allocation's processes held.
         total: u64,
-        /// What they may hold: the limit plus the tolerance for their processes.
+        /// What they may hold: the limit plus the tolerance ([`Tolerance::allowed`]).
         allowed: u64,
     },
     /// Its allocation used too much GPU time outside its leases.
@@ -243,8 +277,9 @@ pub fn decide(
     watched: &[Watched],
     memory: &HashMap<i32, u64>,
     owners: &HashMap<i32, Owner>,
-    per_process_tolerance: u64,
+    tolerance: impl Into<Tolerance>,
 ) -> Vec<Action> {
+    let tolerance = tolerance.into();
     let mut groups: Vec<Vec<(i32, u64)>> = vec![Vec::new(); watched.len()];
     let mut actions = Vec::new();
     let mut pids: Vec<_> = memory.keys().copied().collect();
@@ -272,9 +307,7 @@ pub fn decide(
             continue;
         }
         let total: u64 = group.iter().map(|(_, u)| u).sum();
-        let allowed = w
-            .limit
-            .saturating_add(per_process_tolerance.saturating_mul(group.len() as u64));
+        let allowed = tolerance.allowed(w.limit, group.len());
         if total <= allowed {
             continue;
         }
@@ -736,12 +769,7 @@ impl Backstop {
                 self.unknown_since.entry(pid).or_insert(now);
             }
         }
-        let mut actions = decide(
-            &watched,
-            &memory,
-            &owners,
-            self.policy.per_process_tolerance,
-        );
+        let mut actions = decide(&watched, &memory, &owners, self.policy.memory_tolerance);
         if let Some(elapsed) = elapsed {
             actions.extend(self.compute(&watched, &owners, &gpu_ns, elapsed));
         }
@@ -971,7 +999,12 @@ mod tests {
         }
     }
 
-    fn run(watched: &[Watched], procs: &[GpuProcess], view: &Fake, tol: u64) -> Vec<Action> {
+    fn run(
+        watched: &[Watched],
+        procs: &[GpuProcess],
+        view: &Fake,
+        tol: impl Into<Tolerance>,
+    ) -> Vec<Action> {
         let memory = memory_per_pid(procs);
         let pids: Vec<i32> = memory.keys().copied().collect();
         let owners = attribute(watched, &pids, view);
@@ -999,10 +1032,40 @@ mod tests {
     #[test]
     fn within_the_limit_plus_tolerance_nothing_happens() {
         let a = [w("a", 1000 * MIB, &[10, 11])];
-        // 1000 MiB allocated plus 2 x 100 MiB of context: allowed.
+        // 1000 MiB allocated plus 2 x 100 MiB of context beyond the estimate: allowed only
+        // where the operator allows 100 MiB per process.
         let procs = [p(10, 600 * MIB), p(11, 600 * MIB)];
-        assert!(run(&a, &procs, &Fake::default(), 100 * MIB).is_empty());
-        assert_eq!(run(&a, &procs, &Fake::default(), 99 * MIB).len(), 1);
+        let per_process = |b| Tolerance {
+            per_allocation: 0,
+            per_process: b,
+        };
+        assert!(run(&a, &procs, &Fake::default(), per_process(100 * MIB)).is_empty());
+        assert_eq!(
+            run(&a, &procs, &Fake::default(), per_process(99 * MIB)).len(),
+            1
+        );
+        // The default: one slack per allocation.
+        assert!(run(&a, &procs, &Fake::default(), 200 * MIB).is_empty());
+        assert_eq!(run(&a, &procs, &Fake::default(), 199 * MIB).len(), 1);
+    }
+
+    #[test]
+    fn the_slack_is_per_allocation_whatever_the_number_of_processes() {
+        // 64 processes of a 1 GiB allocation each holding 316 MiB (a context and 16 MiB):
+        // the old 512 MiB per process allowed 33 GiB; one slack allows limit + 64 MiB.
+        let pids: Vec<i32> = (1..=64).collect();
+        let a = [w("a", GIB, &pids)];
+        let procs: Vec<GpuProcess> = pids.iter().map(|&i| p(i, 316 * MIB)).collect();
+        let acts = run(&a, &procs, &Fake::default(), DEFAULT_MEMORY_SLACK);
+        let left = 64 - acts.len() as u64;
+        assert!(
+            left * 316 * MIB <= GIB + DEFAULT_MEMORY_SLACK,
+            "{left} processes left"
+        );
+        assert_eq!(left, 3, "no more are killed than needed");
+        // Three such processes are within it: an honest allocation is left alone.
+        let procs: Vec<GpuProcess> = (1..=3).map(|i| p(i, 316 * MIB)).collect();
+        assert!(run(&a, &procs, &Fake::default(), DEFAULT_MEMORY_SLACK).is_empty());
     }
 
     #[test]
@@ -1131,7 +1194,7 @@ mod tests {
     fn policy() -> Policy {
         Policy {
             interval: Duration::from_millis(250),
-            per_process_tolerance: 0,
+            memory_tolerance: Tolerance::default(),
             enforce: Enforce::Kill,
             unknown: Unknown::Kill,
             compute_threshold: Duration::from_millis(500),

@@ -38,14 +38,22 @@ pub struct Config {
     #[arg(long, value_name = "PATH")]
     pub nvml_lib: Option<PathBuf>,
     /// What the memory backstop does with a process whose allocation's processes hold more
-    /// device memory (by NVML) than the limit plus the tolerance: `kill` (SIGKILL) or `report`.
+    /// device memory (by NVML) than the limit plus the slack (and tolerance): `kill` (SIGKILL)
+    /// or `report`.
     #[arg(long, value_enum, default_value = "kill")]
     pub enforce: crate::backstop::Enforce,
     /// How often the backstop reads NVML, milliseconds; 0 turns it off.
     #[arg(long, default_value_t = 250, value_name = "MS")]
     pub backstop_interval_ms: u64,
-    /// Device memory each process may hold beyond what it allocated (its CUDA context), MiB.
-    #[arg(long, default_value_t = 512, value_name = "MIB")]
+    /// Device memory an allocation's processes may hold together beyond its limit, MiB: the
+    /// driver's own rounding. One figure per allocation, whatever its number of processes
+    /// (contexts are inside the limit: the interposer reserves each one's cost).
+    #[arg(long, default_value_t = crate::backstop::DEFAULT_MEMORY_SLACK >> 20, value_name = "MIB")]
+    pub backstop_slack_mib: u64,
+    /// Device memory each process of an allocation may hold beyond that, MiB (default 0). Only
+    /// for cards whose contexts cost more than the interposer reserves for one (300 MiB): set
+    /// it to the difference. It lets the card pass the limit by this much per process.
+    #[arg(long, default_value_t = 0, value_name = "MIB")]
     pub backstop_tolerance_mib: u64,
     /// What the backstop does with a process in a container that uses a GPU but belongs to
     /// no allocation (no connection, no Tessera identity file): `kill`, `report` or `ignore`.

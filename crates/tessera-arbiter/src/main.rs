@@ -112,7 +112,10 @@ async fn serve(config: Config, gpus: Vec<GpuInfo>) -> Result<(), MainError> {
     if config.backstop_interval_ms > 0 {
         let policy = backstop::Policy {
             interval: Duration::from_millis(config.backstop_interval_ms),
-            per_process_tolerance: config.backstop_tolerance_mib.saturating_mul(1 << 20),
+            memory_tolerance: backstop::Tolerance {
+                per_allocation: config.backstop_slack_mib.saturating_mul(1 << 20),
+                per_process: config.backstop_tolerance_mib.saturating_mul(1 << 20),
+            },
             enforce: config.enforce,
             unknown: config.unknown_processes,
             compute_threshold: Duration::from_millis(config.compute_bypass_ms),

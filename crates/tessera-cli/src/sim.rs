@@ -2,7 +2,8 @@
 //!
 //! Makes `<state>/lib/` with `libcuda.so.1` and `libnvidia-ml.so.1` links to the built simulated
 //! libraries, prepends it to `LD_LIBRARY_PATH`, exports `TESSERA_SIM_GPUS` / `TESSERA_SIM_DIR`
-//! (and `TESSERA_SIM_CONTEXT_MEMORY`, 300MiB unless set: contexts cost memory as on a real card)
+//! (and `TESSERA_SIM_CONTEXT_MEMORY`, 300MiB unless set: contexts cost memory as on a real card;
+//! `TESSERA_SIM_FURTHER_CONTEXT_MEMORY`, each further context of a process, is passed on as set)
 //! and execs the command: it replaces this process, so its exit status, and any signal sent to
 //! `tessera sim`, are the command's own.
 
@@ -13,7 +14,10 @@ use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 
 use crate::CliError;
-use tessera_sim_state::{ENV_CONTEXT_MEMORY, ENV_DIR, ENV_GPUS, MODELED_CONTEXT_MEMORY, SimSpec};
+use tessera_sim_state::{
+    ENV_CONTEXT_MEMORY, ENV_DIR, ENV_FURTHER_CONTEXT_MEMORY, ENV_GPUS, MODELED_CONTEXT_MEMORY,
+    SimSpec,
+};
 
 /// Arguments of `tessera sim`.
 #[derive(Debug, clap::Args)]
@@ -27,6 +31,15 @@ pub struct SimArgs {
     /// Folder with the built libtessera_sim_*.so [env: TESSERA_SIM_LIB_DIR, default: next to tessera].
     #[arg(long, value_name = "DIR")]
     pub lib_dir: Option<PathBuf>,
+    /// Device memory a process's first context on a device costs, e.g. `300MiB`, `0` for none
+    /// [env: TESSERA_SIM_CONTEXT_MEMORY, default 300MiB].
+    #[arg(long, value_name = "SIZE")]
+    pub context_memory: Option<String>,
+    /// Device memory each further context of a process on the same device costs (every
+    /// `cuCtxCreate` beside the first context) [env: TESSERA_SIM_FURTHER_CONTEXT_MEMORY,
+    /// default: what the first costs].
+    #[arg(long, value_name = "SIZE")]
+    pub further_context_memory: Option<String>,
     /// Inject an XID error event on a GPU (e.g. `0:79`), then exit without running a command.
     #[arg(long, value_name = "GPU:CODE")]
     pub inject_xid: Option<String>,
@@ -83,14 +96,36 @@ pub fn main(args: SimArgs) -> Result<u8, CliError> {
             "no command given: use `tessera sim [OPTIONS] -- COMMAND ARGS...`",
         ));
     };
-    // The user's value wins (checked here, so a typo fails before the command starts).
-    let context_memory = match std::env::var(ENV_CONTEXT_MEMORY) {
-        Ok(v) => {
+    // The user's value wins, a flag over the environment (checked here, so a typo fails before
+    // the command starts).
+    let context_memory = match args
+        .context_memory
+        .clone()
+        .map(|v| (v, "--context-memory"))
+        .or_else(|| {
+            std::env::var(ENV_CONTEXT_MEMORY)
+                .ok()
+                .map(|v| (v, ENV_CONTEXT_MEMORY))
+        }) {
+        Some((v, from)) => {
             tessera_sim_state::parse_context_memory(&v)
-                .map_err(|e| CliError::usage(format!("{ENV_CONTEXT_MEMORY}={v:?}: {e}")))?;
+                .map_err(|e| CliError::usage(format!("{from} {v:?}: {e}")))?;
             v
         }
-        Err(_) => MODELED_CONTEXT_MEMORY.to_string(),
+        None => MODELED_CONTEXT_MEMORY.to_string(),
+    };
+    // Further contexts cost what the first does unless set; a bad value fails here too.
+    let further = match &args.further_context_memory {
+        Some(v) => {
+            tessera_sim_state::parse_context_memory(v)
+                .map_err(|e| CliError::usage(format!("--further-context-memory {v:?}: {e}")))?;
+            Some(v.clone())
+        }
+        None => {
+            tessera_sim_state::further_context_memory_from_env()
+                .map_err(|e| CliError::usage(e.to_string()))?;
+            None
+        }
     };
     let built = tessera_sim_state::find_built_lib_dir(args.lib_dir.as_deref())?;
     let lib = tessera_sim_state::prepare_lib_dir(&state_dir, &built)?;
@@ -101,7 +136,11 @@ pub fn main(args: SimArgs) -> Result<u8, CliError> {
     }
     // Exec, not spawn: the command *is* this process, so a signal sent to `tessera sim` (a
     // supervisor's SIGTERM, a shell's kill) reaches it, and nothing is left orphaned.
-    let err = std::process::Command::new(program)
+    let mut cmd = std::process::Command::new(program);
+    if let Some(v) = further {
+        cmd.env(ENV_FURTHER_CONTEXT_MEMORY, v);
+    }
+    let err = cmd
         .args(rest)
         .env("LD_LIBRARY_PATH", ld)
         .env(ENV_GPUS, &gpus)

@@ -217,3 +217,52 @@ fn exit_codes_and_bad_arguments() {
         vec![tessera_sim_state::XidEvent { gpu: 0, code: 79 }]
     );
 }
+
+#[test]
+fn context_memory_flags_set_what_the_first_and_each_further_context_cost() {
+    let state = tempfile::tempdir().unwrap();
+    // The primary context, then two created ones: 200 + 2 x 50 MiB out of the card.
+    let client = "from cuda.bindings import driver as cu\n\
+        cu.cuInit(0)\n\
+        _, dev = cu.cuDeviceGet(0)\n\
+        _, p = cu.cuDevicePrimaryCtxRetain(dev)\n\
+        cu.cuCtxSetCurrent(p)\n\
+        _, c1 = cu.cuCtxCreate(None, 0, dev)\n\
+        _, c2 = cu.cuCtxCreate(None, 0, dev)\n\
+        _, free, total = cu.cuMemGetInfo()\n\
+        print((total - free) >> 20)\n";
+    let out = sim(state.path())
+        .args([
+            "--gpus",
+            "1x16GiB",
+            "--context-memory",
+            "200MiB",
+            "--further-context-memory",
+            "50MiB",
+            "--",
+        ])
+        .arg(python())
+        .args(["-c", client])
+        .env_remove("TESSERA_SIM_CONTEXT_MEMORY")
+        .env_remove("TESSERA_SIM_FURTHER_CONTEXT_MEMORY")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout.trim(), "300", "MiB in use: 200 + 2 x 50");
+    // A bad size is a usage error (exit 2) before anything runs.
+    let bad = sim(state.path())
+        .args(["--further-context-memory", "lots", "--", "/bin/true"])
+        .output()
+        .unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("--further-context-memory"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
+}

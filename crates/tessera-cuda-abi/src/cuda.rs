@@ -280,7 +280,15 @@ pub type cuDeviceGetName_t = unsafe extern "C" fn(*mut c_char, c_int, CUdevice) 
 pub type cuDeviceGetUuid_t = unsafe extern "C" fn(*mut CUuuid, CUdevice) -> CUresult;
 pub type cuDeviceTotalMem_v2_t = unsafe extern "C" fn(*mut usize, CUdevice) -> CUresult;
 pub type cuDevicePrimaryCtxRetain_t = unsafe extern "C" fn(*mut CUcontext, CUdevice) -> CUresult;
+pub type cuDevicePrimaryCtxRelease_v2_t = unsafe extern "C" fn(CUdevice) -> CUresult;
+pub type cuDevicePrimaryCtxReset_v2_t = unsafe extern "C" fn(CUdevice) -> CUresult;
 pub type cuCtxCreate_v2_t = unsafe extern "C" fn(*mut CUcontext, c_uint, CUdevice) -> CUresult;
+/// `cuCtxCreate_v3` (CUDA 11.4): `(pctx, CUexecAffinityParam *params, numParams, flags, dev)`.
+pub type cuCtxCreate_v3_t =
+    unsafe extern "C" fn(*mut CUcontext, *mut c_void, c_int, c_uint, CUdevice) -> CUresult;
+/// `cuCtxCreate_v4` (CUDA 12.5): `(pctx, CUctxCreateParams *params, flags, dev)`.
+pub type cuCtxCreate_v4_t =
+    unsafe extern "C" fn(*mut CUcontext, *mut c_void, c_uint, CUdevice) -> CUresult;
 pub type cuCtxDestroy_v2_t = unsafe extern "C" fn(CUcontext) -> CUresult;
 pub type cuCtxGetCurrent_t = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
 pub type cuCtxSetCurrent_t = unsafe extern "C" fn(CUcontext) -> CUresult;

@@ -1287,11 +1287,11 @@ async fn a_container_that_unsets_its_token_or_fakes_its_socket_still_gets_its_li
         });
         let shown = format!("{what}\nstdout:\n{out}\nstderr:\n{err}");
         // The interposer took token and socket from the read-only identity file: it reached
-        // the real arbiter (the card shows the allocation's 24 GiB) and the 25th GiB was
-        // refused with CUDA_ERROR_OUT_OF_MEMORY.
-        assert!(out.contains("24 GiB"), "{shown}");
+        // the real arbiter (the card shows the allocation's 24 GiB) and, its context taking
+        // 300 MiB of the limit, the 24th GiB was refused with CUDA_ERROR_OUT_OF_MEMORY.
+        assert!(out.contains("with 24.0 GiB"), "{shown}");
         assert!(
-            out.contains("holds 24 GiB; the next 1 GiB was refused: CUDA_ERROR_OUT_OF_MEMORY"),
+            out.contains("holds 23 GiB; the next 1 GiB was refused: CUDA_ERROR_OUT_OF_MEMORY"),
             "{shown}"
         );
         assert!(status.success(), "{shown}\n{status:?}");

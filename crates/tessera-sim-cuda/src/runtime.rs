@@ -114,6 +114,15 @@ pub fn init() -> Res {
         eprintln!("tessera-sim: {e}");
         CUDA_ERROR_NO_DEVICE
     })?;
+    // Each context the driver makes has its own device state (cuCtxCreate: "creates a new CUDA
+    // context"; only the primary context is shared, per device, within a process), so a further
+    // context costs what the first does unless told otherwise.
+    let further_context_memory = tessera_sim_state::further_context_memory_from_env()
+        .map_err(|e| {
+            eprintln!("tessera-sim: {e}");
+            CUDA_ERROR_NO_DEVICE
+        })?
+        .unwrap_or(context_memory);
     let dir = tessera_sim_state::state_dir_from_env();
     let totals = spec.gpus.iter().map(|g| g.total_bytes).collect();
     let ledger = Ledger::open(&dir, totals)
@@ -121,7 +130,8 @@ pub fn init() -> Res {
             eprintln!("tessera-sim: {e}");
             CUDA_ERROR_OPERATING_SYSTEM
         })?
-        .with_context_memory(context_memory);
+        .with_context_memory(context_memory)
+        .with_further_context_memory(further_context_memory);
     let _ = RT.set(Runtime {
         spec,
         dir,

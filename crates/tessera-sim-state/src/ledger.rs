@@ -18,8 +18,10 @@
 //!
 //! Context memory: a real context costs device memory that NVML counts but no allocation
 //! returned. A process's first context on a device charges [`Ledger::with_context_memory`] bytes
-//! (checked against the card like an allocation), its last one closing returns them; a dead
-//! process's charge goes with its record, like the rest of its memory.
+//! and every further one [`Ledger::with_further_context_memory`] (each checked against the card
+//! like an allocation): a process with `n` contexts on a device holds `first + (n - 1) *
+//! further` for them. Each closing returns its part; a dead process's charge goes with its
+//! record, like the rest of its memory.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::{AsRawFd, IntoRawFd, RawFd};
@@ -139,6 +141,7 @@ pub struct Ledger {
     dir: PathBuf,
     totals: Vec<u64>,
     context_bytes: u64,
+    further_context_bytes: u64,
     mine: Mutex<Option<Mine>>,
     mem_lock: File,
 }
@@ -197,6 +200,7 @@ impl Ledger {
             dir: dir.to_path_buf(),
             totals,
             context_bytes: 0,
+            further_context_bytes: 0,
             mine: Mutex::new(None),
             mem_lock,
         })
@@ -207,6 +211,23 @@ impl Ledger {
     pub fn with_context_memory(mut self, bytes: u64) -> Ledger {
         self.context_bytes = bytes;
         self
+    }
+
+    /// Sets the device memory each further context of a process on the same device costs (0,
+    /// the default, charges nothing).
+    pub fn with_further_context_memory(mut self, bytes: u64) -> Ledger {
+        self.further_context_bytes = bytes;
+        self
+    }
+
+    /// What `n` contexts of one process on one device hold.
+    fn contexts_cost(&self, n: u64) -> u64 {
+        match n {
+            0 => 0,
+            n => self
+                .context_bytes
+                .saturating_add(self.further_context_bytes.saturating_mul(n - 1)),
+        }
     }
 
     /// The state folder.
@@ -350,9 +371,9 @@ impl Ledger {
     }
 
     /// Counts a context of this process on `gpu` opening (`true`) or closing (`false`), so NVML
-    /// lists processes that hold a context but no memory. The first context on `gpu` charges the
-    /// context memory ([`LedgerError::OutOfMemory`] when the card has no room for it, and then
-    /// nothing is counted); the last one closing returns it.
+    /// lists processes that hold a context but no memory. Opening charges the first or a
+    /// further context's memory ([`LedgerError::OutOfMemory`] when the card has no room for it,
+    /// and then nothing is counted); closing returns what the last one opened cost.
     pub fn context_changed(&self, gpu: u32, opened: bool) -> Result<(), LedgerError> {
         if gpu as usize >= MAX_GPUS {
             return Err(LedgerError::NoSuchGpu(gpu));
@@ -361,26 +382,26 @@ impl Ledger {
         if !opened {
             // Closing never needs the flock: returning memory cannot overcommit the card.
             return self.with_mine(|m| {
-                let prev =
+                if let Ok(prev) =
                     m.word(base + W_CTX)
-                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
-                            Some(v.saturating_sub(1))
-                        });
-                if prev == Ok(1) {
-                    m.word(base + W_CTX_MEM).store(0, Ordering::SeqCst);
+                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| v.checked_sub(1))
+                {
+                    m.word(base + W_CTX_MEM)
+                        .store(self.contexts_cost(prev - 1), Ordering::SeqCst);
                 }
             });
         }
         let mut guard = self.mine.lock();
-        let first = guard
+        let open = guard
             .as_ref()
             .filter(|m| m.pid == pid())
-            .is_none_or(|m| m.word(base + W_CTX).load(Ordering::SeqCst) == 0);
-        let mine = if first && self.context_bytes > 0 {
+            .map_or(0, |m| m.word(base + W_CTX).load(Ordering::SeqCst));
+        let cost = self.contexts_cost(open + 1) - self.contexts_cost(open);
+        let mine = if cost > 0 {
             let _flock = FlockGuard::lock(&self.mem_lock);
-            let mine = self.charge(&mut guard, gpu, self.context_bytes)?;
+            let mine = self.charge(&mut guard, gpu, cost)?;
             mine.word(base + W_CTX_MEM)
-                .store(self.context_bytes, Ordering::SeqCst);
+                .store(self.contexts_cost(open + 1), Ordering::SeqCst);
             mine
         } else {
             if guard.as_ref().is_none_or(|m| m.pid != pid()) {
@@ -729,6 +750,42 @@ mod tests {
         l.show_shared(0, 600, false).unwrap();
         assert_eq!(device_memory_used(dir.path(), 0).unwrap(), 0);
         l.try_alloc(0, 1000).unwrap();
+    }
+
+    #[test]
+    fn every_further_context_charges_its_own_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let l = Ledger::open(dir.path(), vec![1000])
+            .unwrap()
+            .with_context_memory(300)
+            .with_further_context_memory(100);
+        for _ in 0..3 {
+            l.context_changed(0, true).unwrap();
+        }
+        assert_eq!(device_memory_used(dir.path(), 0).unwrap(), 300 + 2 * 100);
+        // 500 held: a fourth context fits (100), then the card is full for a fifth.
+        l.context_changed(0, true).unwrap();
+        l.try_alloc(0, 400).unwrap();
+        assert!(matches!(
+            l.context_changed(0, true),
+            Err(LedgerError::OutOfMemory {
+                requested: 100,
+                free: 0,
+                ..
+            })
+        ));
+        let procs = read_processes(dir.path()).unwrap();
+        assert_eq!((procs[0].contexts[0], procs[0].context_bytes[0]), (4, 600));
+        for left in [500, 400, 300, 0] {
+            l.context_changed(0, false).unwrap();
+            assert_eq!(
+                read_processes(dir.path()).unwrap()[0].context_bytes[0],
+                left
+            );
+        }
+        // A close with nothing open changes nothing.
+        l.context_changed(0, false).unwrap();
+        assert_eq!(device_memory_used(dir.path(), 0).unwrap(), 400);
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //! - `lib/`: symlinks `libcuda.so.1` etc. to the built simulated libraries.
 //!
 //! Modules:
-//! - [`spec`]: `TESSERA_SIM_GPUS` and `TESSERA_SIM_CONTEXT_MEMORY` parsing and per-GPU identity
+//! - [`spec`]: `TESSERA_SIM_GPUS` and `TESSERA_SIM_(FURTHER_)CONTEXT_MEMORY` parsing and per-GPU identity
 //!   (UUID, name, PCI bus id).
 //! - [`dirs`]: state folder and library folder layout.
 //! - [`ledger`]: per-process records; global memory accounting; usage readers.
@@ -36,7 +36,10 @@ pub use engine::{Engine, EngineError, device_busy_ns, device_utilization, proces
 pub use events::{EventsError, XidEvent, inject_xid, read_xid_events};
 pub use ledger::{Ledger, LedgerError, ProcessUsage, device_memory_used, read_processes};
 pub use shared::SharedHold;
-pub use spec::{GpuInfo, SimSpec, SpecError, context_memory_from_env, parse_context_memory};
+pub use spec::{
+    GpuInfo, SimSpec, SpecError, context_memory_from_env, further_context_memory_from_env,
+    parse_context_memory,
+};
 
 /// Environment variable naming the GPUs to simulate, e.g. `2x80GiB` or `1x16GiB,1x24GiB`.
 pub const ENV_GPUS: &str = "TESSERA_SIM_GPUS";
@@ -47,6 +50,10 @@ pub const ENV_LIB_DIR: &str = "TESSERA_SIM_LIB_DIR";
 /// Environment variable naming the device memory a process's first context on a device costs,
 /// e.g. `300MiB` (unset, empty or `0`: none).
 pub const ENV_CONTEXT_MEMORY: &str = "TESSERA_SIM_CONTEXT_MEMORY";
+/// Environment variable naming the device memory each further context of a process on the
+/// same device costs (a `cuCtxCreate` beside the primary context, or a second one); unset: the
+/// same as the first, since each context the driver makes has device state of its own.
+pub const ENV_FURTHER_CONTEXT_MEMORY: &str = "TESSERA_SIM_FURTHER_CONTEXT_MEMORY";
 /// The context memory test beds and `tessera sim` use unless told otherwise: what a context
 /// costs on a real card.
 pub const MODELED_CONTEXT_MEMORY: &str = "300MiB";

@@ -3,7 +3,7 @@
 
 #![forbid(unsafe_code)]
 
-use crate::{DEFAULT_GPUS, ENV_CONTEXT_MEMORY, ENV_GPUS, MAX_GPUS};
+use crate::{DEFAULT_GPUS, ENV_CONTEXT_MEMORY, ENV_FURTHER_CONTEXT_MEMORY, ENV_GPUS, MAX_GPUS};
 
 /// Errors of [`SimSpec::parse`].
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -20,6 +20,10 @@ pub enum SpecError {
     TooMany(usize),
     #[error("bad {ENV_CONTEXT_MEMORY} {0:?}: expected a size such as 300MiB, or 0 for none")]
     BadContextMemory(String),
+    #[error(
+        "bad {ENV_FURTHER_CONTEXT_MEMORY} {0:?}: expected a size such as 300MiB, or 0 for none"
+    )]
+    BadFurtherContextMemory(String),
 }
 
 /// One simulated GPU.
@@ -167,6 +171,17 @@ pub fn context_memory_from_env() -> Result<u64, SpecError> {
     }
 }
 
+/// The memory of each further context from `TESSERA_SIM_FURTHER_CONTEXT_MEMORY`; `None` when
+/// unset (then it costs what the first does).
+pub fn further_context_memory_from_env() -> Result<Option<u64>, SpecError> {
+    match std::env::var(ENV_FURTHER_CONTEXT_MEMORY) {
+        Ok(v) => parse_context_memory(&v)
+            .map(Some)
+            .map_err(|_| SpecError::BadFurtherContextMemory(v)),
+        Err(_) => Ok(None),
+    }
+}
+
 fn format_size(bytes: u64) -> String {
     if bytes.is_multiple_of(1 << 30) {
         format!("{}GiB", bytes >> 30)
@@ -262,6 +277,12 @@ mod tests {
             parse_context_memory("-5MiB"),
             Err(SpecError::BadContextMemory(_))
         ));
+    }
+
+    #[test]
+    fn a_bad_further_context_memory_names_its_variable() {
+        let e = SpecError::BadFurtherContextMemory("lots".into()).to_string();
+        assert!(e.contains(ENV_FURTHER_CONTEXT_MEMORY), "{e}");
     }
 
     #[test]

@@ -11,17 +11,13 @@
 
 #include "escape_client.h"
 
-typedef void *(*dlsym_t)(void *, const char *);
 typedef CUresult (*alloc_t)(CUdeviceptr *, size_t);
 
 int main(int argc, char **argv) {
     size_t mib = argc > 1 ? strtoull(argv[1], NULL, 10) : 4096;
     CUdeviceptr big;
     hooked_start();
-    void *libc = dlopen("libc.so.6", RTLD_NOW | RTLD_NOLOAD);
-    dlsym_t real_dlsym = libc ? (dlsym_t)dlvsym(libc, "dlsym", "GLIBC_2.34") : NULL;
-    if (!real_dlsym && libc)
-        real_dlsym = (dlsym_t)dlvsym(libc, "dlsym", "GLIBC_2.2.5");
+    glibc_dlsym_t real_dlsym = glibc_dlsym();
     void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
     alloc_t real_alloc = (real_dlsym && cuda) ? (alloc_t)real_dlsym(cuda, "cuMemAlloc_v2") : NULL;
     if (!real_alloc || real_alloc == cuMemAlloc_v2) {

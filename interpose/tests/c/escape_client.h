@@ -3,6 +3,7 @@
 #ifndef ESCAPE_CLIENT_H
 #define ESCAPE_CLIENT_H
 
+#include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -29,6 +30,18 @@ static void hooked_start(void) {
     }
     printf("hooked %d\n", cuMemAlloc_v2(&small, 64u << 20));
     fflush(stdout);
+}
+
+typedef void *(*glibc_dlsym_t)(void *, const char *);
+
+/* glibc's own `dlsym`, taken through `dlvsym` on libc's handle (the interposer hooks `dlsym`,
+ * not `dlvsym`); NULL when it cannot be found. */
+static glibc_dlsym_t glibc_dlsym(void) {
+    void *libc = dlopen("libc.so.6", RTLD_NOW | RTLD_NOLOAD);
+    glibc_dlsym_t f = libc ? (glibc_dlsym_t)dlvsym(libc, "dlsym", "GLIBC_2.34") : NULL;
+    if (!f && libc)
+        f = (glibc_dlsym_t)dlvsym(libc, "dlsym", "GLIBC_2.2.5");
+    return f;
 }
 
 #endif

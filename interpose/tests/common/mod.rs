@@ -15,6 +15,10 @@ use tessera_testkit::{ArbiterSpec, KillOnDrop, RunningArbiter, SimGpu};
 
 pub use tessera_testkit::{GIB, MIB, artifact, code, python, target_dir, wait_until};
 
+/// What the interposer reserves per context (the primary one of each process, each created
+/// one): contexts count against the limit.
+pub const CONTEXT: u64 = tessera_interpose::contexts::CONTEXT_RESERVE;
+
 /// The simulated card of these tests.
 pub const SIM_GPUS: &str = "1x80GiB";
 
@@ -52,8 +56,14 @@ impl Bed {
 
     /// As [`Bed::new`], with extra arguments for the arbiter (e.g. `--enforce report`).
     pub fn with_arbiter_args(args: &[&str]) -> Self {
+        Self::with_gpus(SIM_GPUS, args)
+    }
+
+    /// As [`Bed::with_arbiter_args`] on other simulated GPUs (e.g. `1x16GiB`, a card that a
+    /// few allocations fill).
+    pub fn with_gpus(gpus: &str, args: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let sim = SimGpu::prepare(&dir.path().join("sim"), SIM_GPUS);
+        let sim = SimGpu::prepare(&dir.path().join("sim"), gpus);
         let mut bed = Self {
             socket: dir.path().join("tessera.sock"),
             admin_socket: dir.path().join("admin.sock"),

@@ -1,0 +1,141 @@
+//! Contexts count against the allocation's limit, as on a MIG slice: a context costs device
+//! memory (NVML counts it for the process) that no allocation returned, so each context this
+//! process makes reserves [`CONTEXT_RESERVE`] at the arbiter *before* the driver makes it, is
+//! refused with `CUDA_ERROR_OUT_OF_MEMORY` when that does not fit, and gives it back when it
+//! goes.
+//!
+//! Which calls make a context (CUDA driver API reference, "Primary Context Management" and
+//! "Context Management"):
+//! - `cuDevicePrimaryCtxRetain` makes the device's primary context only when it is not active:
+//!   it is one per device per process, reference counted, shared with the runtime (which
+//!   retains it on its first call that needs a device), and destroyed when
+//!   `cuDevicePrimaryCtxRelease` drops the last reference or `cuDevicePrimaryCtxReset` is
+//!   called. So one reservation is held per device while [`crate::context_book::Book`] counts
+//!   references.
+//! - `cuCtxCreate_v2/_v3/_v4` always make a new context with device state of its own; it goes
+//!   with `cuCtxDestroy_v2`.
+//! - `cuInit` makes none: the runtime's implicit context is the primary one, retained as above.
+//!
+//! Green contexts (`cuGreenCtxCreate`, CUDA 12.4) are not hooked: neither the simulated driver
+//! nor `tessera-cuda-abi` has them. A context made there (or through the 32-bit v1
+//! `cuCtxCreate`) is not reserved; the backstop still counts its memory from NVML.
+//!
+//! The reserved figure is an estimate fixed at build time, never read from the tenant's
+//! environment: the arbiter does not yet correct it to what NVML reports for the process
+//! (docs/interposer.md says what that means on cards whose contexts cost more).
+
+#![forbid(unsafe_code)]
+
+use crate::ffi::{CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CUresult};
+use crate::memory::Outcome;
+use crate::state::Process;
+use crate::tlog;
+
+/// Device memory reserved per context: what the simulated driver charges
+/// (`tessera_sim_state::MODELED_CONTEXT_MEMORY`) and the low end of what real cards cost
+/// (300-600 MiB on recent ones, more with large modules loaded eagerly).
+pub const CONTEXT_RESERVE: u64 = 300 << 20;
+
+/// Reserves a context's cost, or answers `CUDA_ERROR_OUT_OF_MEMORY`.
+fn reserve(p: &'static Process) -> Result<u64, CUresult> {
+    match p.session.reserve(CONTEXT_RESERVE) {
+        Ok(_) => Ok(CONTEXT_RESERVE),
+        Err(e) => {
+            tlog!(
+                Debug,
+                "context of {CONTEXT_RESERVE} bytes refused: {e} (contexts count against the limit)"
+            );
+            Err(CUDA_ERROR_OUT_OF_MEMORY)
+        }
+    }
+}
+
+/// `cuDevicePrimaryCtxRetain`: reserves when the context is not active yet. The book stays
+/// locked across the driver call, so two threads retaining at once reserve once.
+pub fn primary_retain(
+    p: &'static Process,
+    dev: i32,
+    driver: impl FnOnce() -> CUresult,
+) -> Outcome<CUresult> {
+    let mut book = p.contexts();
+    let charged = if book.primary_inactive(dev) {
+        match reserve(p) {
+            Ok(b) => b,
+            Err(r) => return Outcome::Handled(r),
+        }
+    } else {
+        0
+    };
+    let r = driver();
+    if r == CUDA_SUCCESS {
+        book.primary_retained(dev, charged);
+    } else {
+        p.session.release(charged);
+    }
+    Outcome::Handled(r)
+}
+
+/// `cuDevicePrimaryCtxRelease(_v2)`: the last reference gives the context's cost back.
+pub fn primary_release(
+    p: &'static Process,
+    dev: i32,
+    driver: impl FnOnce() -> CUresult,
+) -> Outcome<CUresult> {
+    let mut book = p.contexts();
+    let r = driver();
+    if r == CUDA_SUCCESS {
+        p.session.release(book.primary_released(dev));
+    }
+    Outcome::Handled(r)
+}
+
+/// `cuDevicePrimaryCtxReset(_v2)`: the context goes, and its cost with it.
+pub fn primary_reset(
+    p: &'static Process,
+    dev: i32,
+    driver: impl FnOnce() -> CUresult,
+) -> Outcome<CUresult> {
+    let mut book = p.contexts();
+    let r = driver();
+    if r == CUDA_SUCCESS {
+        p.session.release(book.primary_reset(dev));
+    }
+    Outcome::Handled(r)
+}
+
+/// `cuCtxCreate_v2/_v3/_v4`: reserved before the driver makes it; `driver` answers its result
+/// and the new context's handle.
+pub fn create(p: &'static Process, driver: impl FnOnce() -> (CUresult, u64)) -> Outcome<CUresult> {
+    let charged = match reserve(p) {
+        Ok(b) => b,
+        Err(r) => return Outcome::Handled(r),
+    };
+    let (r, ctx) = driver();
+    if r != CUDA_SUCCESS {
+        p.session.release(charged);
+        return Outcome::Handled(r);
+    }
+    if let Some(old) = p.contexts().created(ctx, charged) {
+        p.session.release(old);
+    }
+    Outcome::Handled(r)
+}
+
+/// `cuCtxDestroy_v2`: a context this process created gives its cost back once the driver
+/// destroyed it; any other handle (a primary context, a stale one) passes through.
+pub fn destroy(
+    p: &'static Process,
+    ctx: u64,
+    driver: impl FnOnce() -> CUresult,
+) -> Outcome<CUresult> {
+    let Some(charged) = p.contexts().destroy_begin(ctx) else {
+        return Outcome::PassThrough;
+    };
+    let r = driver();
+    if r == CUDA_SUCCESS {
+        p.session.release(charged);
+    } else {
+        let _ = p.contexts().created(ctx, charged);
+    }
+    Outcome::Handled(r)
+}
