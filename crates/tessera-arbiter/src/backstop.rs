@@ -3,14 +3,24 @@
 //! The interposer enforces limits only inside processes that load it and play by its rules.
 //! Every poll interval the backstop reads, from NVML, every process on every GPU with its
 //! device memory and its GPU time, and attributes each to an allocation from identity the
-//! tenant cannot change, in this order:
-//! 1. the pids that connected to the tenant socket (seen through `SO_PEERCRED`) and their
-//!    descendants (`/proc/<pid>/stat`);
-//! 2. the container's identity file, read through `/proc/<pid>/root` (the device plugin
-//!    mounts it read-only into every container it wires, fraction or whole GPU; see
-//!    [`tessera_protocol::identity`]), so a container's processes are attributed even when
-//!    none of them ever connects;
-//! 3. otherwise the process is *unknown*: in a container (its mount namespace is not the
+//! tenant cannot change, in this order (the first that applies decides; see [`attribute`]):
+//! 1. **the process's own container identity**: the identity file read through
+//!    `/proc/<pid>/root`, from a read-only mount only (the device plugin mounts it into every
+//!    container it wires, fraction or whole GPU; see [`tessera_protocol::identity`]). It names
+//!    the allocation, whatever any connection claims; one that names no live allocation makes
+//!    the process unknown. The first time a process is attributed this way its container's
+//!    cgroup (cgroup v2, the `0::` line of `/proc/<pid>/cgroup`) is recorded for that
+//!    allocation ([`Cgroups`]);
+//! 2. **the container's cgroup**, recorded as above: a process of that container whose root no
+//!    longer shows the file (a `chroot`) is still its container's. A container cannot move its
+//!    processes out of its cgroup, and a cgroup path is never reused while the allocation lives;
+//! 3. **the processes that connected to the tenant socket, and their descendants**, each named
+//!    by pid *and start time* ([`ProcId`], taken at `accept` through the connection's
+//!    `SO_PEERPIDFD`, so the process that connected and not a later one with its pid) and
+//!    checked against the live process at every use, ancestors included: a connection whose
+//!    process exited attributes nobody, so a connection kept open by another process (a socket
+//!    passed over `SCM_RIGHTS`) cannot reserve a pid for whoever gets it next;
+//! 4. otherwise the process is *unknown*: in a container (its mount namespace is not the
 //!    host's) or on the host.
 //!
 //! Then, under `--enforce kill|report`:
@@ -86,8 +96,8 @@ pub struct Watched {
     pub id: String,
     /// Memory limit, bytes.
     pub limit: u64,
-    /// Pids that connected to the tenant socket for it.
-    pub pids: Vec<i32>,
+    /// Processes that connected to the tenant socket for it (pid and start time).
+    pub pids: Vec<ProcId>,
     /// Its secret token (what its containers' identity files hold).
     pub token: String,
     /// Its compute share; at 100 it holds the whole card: nobody else's memory or time on
@@ -117,12 +127,122 @@ pub enum Origin {
     },
 }
 
+/// One process, named so that another process given the same pid later cannot pass for it:
+/// its pid and its start time (clock ticks after boot, field 22 of `/proc/<pid>/stat`; two
+/// processes holding one pid in turn cannot share a start time unless the kernel recycles
+/// the pid within one tick, a full pass over `pid_max` in 10 ms).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ProcId {
+    /// Host pid (in the arbiter's pid namespace).
+    pub pid: i32,
+    /// Start time, clock ticks after boot.
+    pub start: u64,
+}
+
 /// What the backstop learns about processes from the system (`/proc` in production).
 pub trait ProcView {
     /// The parent of `pid`.
     fn parent(&self, pid: i32) -> Option<i32>;
     /// Where `pid` runs.
     fn origin(&self, pid: i32) -> Origin;
+    /// The start time of the process `pid` names now; `None` when there is none.
+    fn start_time(&self, pid: i32) -> Option<u64>;
+    /// The cgroup v2 path of `pid` (the `0::` line of `/proc/<pid>/cgroup`).
+    fn cgroup(&self, pid: i32) -> Option<String>;
+}
+
+/// True when `id` still names a live process: the process at its pid started when it did.
+pub fn is_live(id: &ProcId, view: &dyn ProcView) -> bool {
+    view.start_time(id.pid) == Some(id.start)
+}
+
+/// Drops, from every allocation's connected processes, those that exited (or whose pid names
+/// another process now), so the rules after attribution see only live connected processes.
+pub fn forget_exited(watched: &mut [Watched], view: &dyn ProcView) {
+    for w in watched {
+        w.pids.retain(|p| is_live(p, view));
+    }
+}
+
+/// Container cgroups learnt from identity files, each bound to the allocation whose identity
+/// its first attributed process showed (see the module map, rule 2). Bounded; an entry goes
+/// with its allocation.
+#[derive(Debug, Default)]
+pub struct Cgroups {
+    by_path: HashMap<String, CgroupOwner>,
+    /// Cgroups never learnt: the root, and the arbiter's own (processes a container shares
+    /// with the host, e.g. without a cgroup namespace or on cgroup v1's `0::/`).
+    never: HashSet<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum CgroupOwner {
+    /// The allocation with this id.
+    Allocation(String),
+    /// Processes of two allocations were seen in it: it attributes nobody.
+    Shared,
+}
+
+/// Most cgroups remembered at once (a node runs far fewer containers).
+pub const CGROUPS_MAX: usize = 4096;
+
+impl Cgroups {
+    /// A book that never learns `never` (nor the root cgroup).
+    pub fn new(never: impl IntoIterator<Item = String>) -> Self {
+        let mut never: HashSet<String> = never.into_iter().collect();
+        never.insert("/".to_owned());
+        Self {
+            by_path: HashMap::new(),
+            never,
+        }
+    }
+
+    /// A process of `cgroup` showed the identity of allocation `id`.
+    fn learn(&mut self, cgroup: Option<String>, id: &str) {
+        let Some(cg) = cgroup else { return };
+        if self.never.contains(&cg) {
+            return;
+        }
+        let full = self.by_path.len() >= CGROUPS_MAX;
+        match self.by_path.entry(cg) {
+            std::collections::hash_map::Entry::Occupied(mut e) => {
+                if !matches!(e.get(), CgroupOwner::Allocation(a) if a == id) {
+                    e.insert(CgroupOwner::Shared);
+                }
+            }
+            // Full: the identity file still attributes its processes, poll after poll.
+            std::collections::hash_map::Entry::Vacant(_) if full => {}
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(CgroupOwner::Allocation(id.to_owned()));
+            }
+        }
+    }
+
+    /// The allocation id `cgroup` was learnt for.
+    fn owner(&self, cgroup: &str) -> Option<&str> {
+        match self.by_path.get(cgroup)? {
+            CgroupOwner::Allocation(id) => Some(id),
+            CgroupOwner::Shared => None,
+        }
+    }
+
+    /// Forgets the cgroups of allocations no longer live.
+    pub fn retain(&mut self, live: &HashSet<&str>) {
+        self.by_path.retain(|_, o| match o {
+            CgroupOwner::Allocation(id) => live.contains(id.as_str()),
+            CgroupOwner::Shared => true,
+        });
+    }
+
+    /// Cgroups remembered.
+    pub fn len(&self) -> usize {
+        self.by_path.len()
+    }
+
+    /// True when none is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.by_path.is_empty()
+    }
 }
 
 /// Whom a GPU process belongs to.
@@ -177,46 +297,78 @@ pub struct Action {
     pub reason: Reason,
 }
 
-/// Attributes every pid in `pids` (see the module map for the order).
-pub fn attribute(watched: &[Watched], pids: &[i32], view: &dyn ProcView) -> HashMap<i32, Owner> {
-    let by_pid: HashMap<i32, usize> = watched
-        .iter()
-        .enumerate()
-        .flat_map(|(i, w)| w.pids.iter().map(move |p| (*p, i)))
-        .collect();
+/// Attributes every pid in `pids` (see the module map for the order), learning container
+/// cgroups into `cgroups` on the way.
+pub fn attribute(
+    watched: &[Watched],
+    pids: &[i32],
+    view: &dyn ProcView,
+    cgroups: &mut Cgroups,
+) -> HashMap<i32, Owner> {
+    let mut by_proc: HashMap<ProcId, usize> = HashMap::new();
+    for (i, w) in watched.iter().enumerate() {
+        for p in &w.pids {
+            // A process connected for two allocations is the first one's.
+            by_proc.entry(*p).or_insert(i);
+        }
+    }
     let by_token: HashMap<&str, usize> = watched
         .iter()
         .enumerate()
         .map(|(i, w)| (w.token.as_str(), i))
         .collect();
+    let by_id: HashMap<&str, usize> = watched
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.id.as_str(), i))
+        .collect();
     let mut out = HashMap::new();
     for &pid in pids {
-        let owner = match connected_ancestor(pid, &by_pid, view) {
-            Some(i) => Owner::Allocation(i),
-            None => match view.origin(pid) {
-                Origin::Host => Owner::UnknownHost,
-                Origin::Container { token } => match token.as_deref().and_then(|t| by_token.get(t))
-                {
-                    Some(&i) => Owner::Allocation(i),
-                    None => Owner::UnknownContainer,
-                },
+        let origin = view.origin(pid);
+        let owner = match &origin {
+            // 1. Its own identity file: nothing a connection claims overrides it.
+            Origin::Container { token: Some(t) } => match by_token.get(t.as_str()) {
+                Some(&i) => {
+                    cgroups.learn(view.cgroup(pid), &watched[i].id);
+                    Owner::Allocation(i)
+                }
+                None => Owner::UnknownContainer,
             },
+            _ => {
+                // 2. Its container's cgroup (a container process only: a host process is
+                // never taken for a container's).
+                let by_cgroup = match origin {
+                    Origin::Container { token: None } => view
+                        .cgroup(pid)
+                        .and_then(|cg| cgroups.owner(&cg).and_then(|id| by_id.get(id)).copied()),
+                    _ => None,
+                };
+                // 3. A live connected process, or a descendant of one.
+                match by_cgroup.or_else(|| connected_ancestor(pid, &by_proc, view)) {
+                    Some(i) => Owner::Allocation(i),
+                    None if origin == Origin::Host => Owner::UnknownHost,
+                    None => Owner::UnknownContainer,
+                }
+            }
         };
         out.insert(pid, owner);
     }
     out
 }
 
-/// `pid` itself or its nearest ancestor connected for an allocation.
+/// `pid` itself or its nearest ancestor connected for an allocation, each checked against the
+/// live process at its pid (a connection whose process exited names nobody, and a process
+/// given its pid later, or that one's children, are not its).
 fn connected_ancestor(
     pid: i32,
-    by_pid: &HashMap<i32, usize>,
+    by_proc: &HashMap<ProcId, usize>,
     view: &dyn ProcView,
 ) -> Option<usize> {
     let mut p = pid;
     // Bounded: a pid cycle (a reused pid read mid-change) cannot loop forever.
     for _ in 0..64 {
-        if let Some(&i) = by_pid.get(&p) {
+        let start = view.start_time(p)?;
+        if let Some(&i) = by_proc.get(&ProcId { pid: p, start }) {
             return Some(i);
         }
         match view.parent(p) {
@@ -278,7 +430,7 @@ pub fn decide(
         if total <= allowed {
             continue;
         }
-        let connected: HashSet<i32> = w.pids.iter().copied().collect();
+        let connected: HashSet<i32> = w.pids.iter().map(|p| p.pid).collect();
         let mut order = group.clone();
         // Those that went around the arbiter first, then the largest.
         order.sort_by_key(|(pid, used)| (connected.contains(pid), std::cmp::Reverse(*used), *pid));
@@ -409,12 +561,74 @@ pub fn compute_culprit(group: &[(i32, u64)], connected: &HashSet<i32>) -> Option
         .copied()
 }
 
-/// The parent of `pid` from `/proc/<pid>/stat` (field 4, after the parenthesised name, which
-/// may itself contain spaces and parentheses).
-pub fn proc_parent(pid: i32) -> Option<i32> {
+/// Field `n` (1-based, `n` > 2) of `/proc/<pid>/stat`, counted after the parenthesised name,
+/// which may itself contain spaces and parentheses (so the last `)` ends it).
+fn stat_field<T: std::str::FromStr>(pid: i32, n: usize) -> Option<T> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(1)?.parse().ok()
+    rest.split_whitespace().nth(n - 3)?.parse().ok()
+}
+
+/// The parent of `pid` from `/proc/<pid>/stat` (field 4).
+pub fn proc_parent(pid: i32) -> Option<i32> {
+    stat_field(pid, 4)
+}
+
+/// The start time of `pid`, clock ticks after boot, from `/proc/<pid>/stat` (field 22).
+pub fn proc_start(pid: i32) -> Option<u64> {
+    stat_field(pid, 22)
+}
+
+/// The cgroup v2 path of `pid`: the `0::` line of `/proc/<pid>/cgroup`.
+pub fn proc_cgroup(pid: &str) -> Option<String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .map(str::to_owned)
+}
+
+/// `SO_PEERPIDFD` (Linux 6.5, `asm-generic/socket.h`; not in the `libc` crate yet).
+const SO_PEERPIDFD: libc::c_int = 77;
+
+/// The process behind a connected Unix socket whose `SO_PEERCRED` pid is `pid`: its pid and
+/// start time, or `None` when it exited already. The kernel's `SO_PEERPIDFD` names the very
+/// process that connected, so the start time read from `/proc` is checked to be its: read while
+/// that process is still alive (its pid cannot be reused before it is reaped). On kernels
+/// without `SO_PEERPIDFD` the start time is read alone (a process that connects and exits at
+/// once, its pid reused before this runs, could then be mistaken for the new process).
+pub fn peer_process(socket: std::os::fd::BorrowedFd<'_>, pid: i32) -> Option<ProcId> {
+    if pid <= 0 {
+        return None;
+    }
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `fd`, an int, on an open socket.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&mut fd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 || fd < 0 {
+        return proc_start(pid).map(|start| ProcId { pid, start });
+    }
+    // SAFETY: getsockopt returned a new pidfd that we own.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let start = proc_start(pid)?;
+    // SAFETY: signal 0 only checks that the pidfd's process still exists; no memory is passed.
+    let alive = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            0,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    } == 0;
+    alive.then_some(ProcId { pid, start })
 }
 
 /// [`ProcView`] over `/proc`.
@@ -455,6 +669,14 @@ impl ProcFs {
 impl ProcView for ProcFs {
     fn parent(&self, pid: i32) -> Option<i32> {
         proc_parent(pid)
+    }
+
+    fn start_time(&self, pid: i32) -> Option<u64> {
+        proc_start(pid)
+    }
+
+    fn cgroup(&self, pid: i32) -> Option<String> {
+        proc_cgroup(&pid.to_string())
     }
 
     fn origin(&self, pid: i32) -> Origin {
@@ -555,6 +777,8 @@ pub struct Backstop {
     policy: Policy,
     procfs: ProcFs,
     book: ComputeBook,
+    /// Container cgroups learnt from identity files.
+    cgroups: Cgroups,
     /// Per GPU index: the newest utilisation sample timestamp seen (µs since the epoch).
     last_seen: HashMap<u32, u64>,
     last_poll: Option<Instant>,
@@ -629,6 +853,8 @@ impl Backstop {
             policy,
             procfs,
             book: ComputeBook::default(),
+            // Our own cgroup is never a container's: the processes beside us are the host's.
+            cgroups: Cgroups::new(proc_cgroup("self")),
             last_seen: HashMap::new(),
             last_poll: None,
             started: Instant::now(),
@@ -721,14 +947,17 @@ impl Backstop {
             }
         };
         let gpu_ns = self.gpu_time(elapsed.unwrap_or(0));
-        let watched = self.arb.watched();
+        let mut watched = self.arb.watched();
         let memory = memory_per_pid(&procs);
         let mut pids: Vec<i32> = memory.keys().chain(gpu_ns.keys()).copied().collect();
         pids.sort_unstable();
         pids.dedup();
         self.procfs.clear();
         self.reported.retain(|p| pids.binary_search(p).is_ok());
-        let owners = attribute(&watched, &pids, &self.procfs);
+        forget_exited(&mut watched, &self.procfs);
+        let live: HashSet<&str> = watched.iter().map(|w| w.id.as_str()).collect();
+        self.cgroups.retain(&live);
+        let owners = attribute(&watched, &pids, &self.procfs, &mut self.cgroups);
         self.unknown_since
             .retain(|p, _| owners.get(p) == Some(&Owner::UnknownHost));
         for (&pid, owner) in &owners {
@@ -793,7 +1022,7 @@ impl Backstop {
                     .fetch_add(v.charge_ns, Ordering::Relaxed);
             }
             if v.over {
-                let connected: HashSet<i32> = w.pids.iter().copied().collect();
+                let connected: HashSet<i32> = w.pids.iter().map(|p| p.pid).collect();
                 if let Some((pid, ns)) = compute_culprit(&group, &connected) {
                     actions.push(Action {
                         pid,
@@ -936,11 +1165,17 @@ mod tests {
     const MIB: u64 = 1 << 20;
     const MS: u64 = 1_000_000;
 
+    /// The start time of every process of the fake system unless [`Fake::starts`] says else.
+    const START: u64 = 1000;
+
     fn w(id: &str, limit: u64, pids: &[i32]) -> Watched {
         Watched {
             id: id.into(),
             limit,
-            pids: pids.to_vec(),
+            pids: pids
+                .iter()
+                .map(|&pid| ProcId { pid, start: START })
+                .collect(),
             token: format!("tok-{id}"),
             share: 50,
         }
@@ -950,16 +1185,25 @@ mod tests {
         GpuProcess { pid, used }
     }
 
-    /// A fake system: parents, and the origin of each pid (host unless listed).
+    /// A fake system: parents, the origin of each pid (host unless listed), start times
+    /// ([`START`] unless listed; `None`: no process has that pid) and cgroups.
     #[derive(Default)]
     struct Fake {
         parents: HashMap<i32, i32>,
         containers: HashMap<i32, Option<String>>,
+        starts: HashMap<i32, Option<u64>>,
+        cgroups: HashMap<i32, String>,
     }
 
     impl ProcView for Fake {
         fn parent(&self, pid: i32) -> Option<i32> {
             self.parents.get(&pid).copied()
+        }
+        fn start_time(&self, pid: i32) -> Option<u64> {
+            self.starts.get(&pid).copied().unwrap_or(Some(START))
+        }
+        fn cgroup(&self, pid: i32) -> Option<String> {
+            self.cgroups.get(&pid).cloned()
         }
         fn origin(&self, pid: i32) -> Origin {
             match self.containers.get(&pid) {
@@ -974,7 +1218,7 @@ mod tests {
     fn run(watched: &[Watched], procs: &[GpuProcess], view: &Fake, tol: u64) -> Vec<Action> {
         let memory = memory_per_pid(procs);
         let pids: Vec<i32> = memory.keys().copied().collect();
-        let owners = attribute(watched, &pids, view);
+        let owners = attribute(watched, &pids, view, &mut Cgroups::default());
         decide(watched, &memory, &owners, tol)
             .into_iter()
             .filter(|a| {
@@ -1093,7 +1337,7 @@ mod tests {
             p(70, 10 * MIB),
         ];
         let memory = memory_per_pid(&procs);
-        let owners = attribute(&a, &[1, 60, 61, 70], &view);
+        let owners = attribute(&a, &[1, 60, 61, 70], &view, &mut Cgroups::default());
         assert_eq!(owners[&1], Owner::Allocation(0));
         assert_eq!(owners[&60], Owner::UnknownContainer);
         assert_eq!(owners[&61], Owner::UnknownContainer);
@@ -1118,14 +1362,144 @@ mod tests {
     }
 
     #[test]
-    fn connection_beats_the_identity_file() {
-        // A process that connected for b is b's, whatever file its container has.
-        let a = [w("a", GIB, &[]), w("b", GIB, &[7])];
+    fn the_identity_file_beats_any_connection() {
+        // A process whose container's read-only file names a is a's, even connected for b (and
+        // a connection for b from a container of nobody cannot make it b's either).
+        let a = [w("a", GIB, &[]), w("b", GIB, &[7, 8])];
         let view = Fake {
-            containers: HashMap::from([(7, Some("tok-a".into()))]),
+            containers: HashMap::from([(7, Some("tok-a".into())), (8, Some("forged".into()))]),
             ..Default::default()
         };
-        assert_eq!(attribute(&a, &[7], &view)[&7], Owner::Allocation(1));
+        let owners = attribute(&a, &[7, 8], &view, &mut Cgroups::default());
+        assert_eq!(owners[&7], Owner::Allocation(0));
+        assert_eq!(owners[&8], Owner::UnknownContainer);
+    }
+
+    #[test]
+    fn a_reused_pid_and_its_descendants_are_not_attributed_and_the_live_original_still_is() {
+        // a's process 100 connected (start 1000) and exited; a host job got pid 100 later
+        // (start 5000) and forked 101. a's live process 200 and its child 201 are a's.
+        let a = [w("a", GIB, &[100, 200])];
+        let view = Fake {
+            parents: HashMap::from([(101, 100), (201, 200)]),
+            starts: HashMap::from([(100, Some(5000))]),
+            ..Default::default()
+        };
+        let owners = attribute(&a, &[100, 101, 200, 201], &view, &mut Cgroups::default());
+        assert_eq!(owners[&100], Owner::UnknownHost);
+        assert_eq!(owners[&101], Owner::UnknownHost);
+        assert_eq!(owners[&200], Owner::Allocation(0));
+        assert_eq!(owners[&201], Owner::Allocation(0));
+        // The memory rule kills nothing on the host for a's limit: 2 GiB on the trap pid.
+        let procs = [p(100, 2 * GIB), p(200, 100 * MIB)];
+        assert!(run(&a, &procs, &view, 0).is_empty());
+        // And the trap entry is gone from what the rules after attribution see.
+        let mut live = a.to_vec();
+        forget_exited(&mut live, &view);
+        assert_eq!(
+            live[0].pids,
+            vec![ProcId {
+                pid: 200,
+                start: START
+            }]
+        );
+    }
+
+    #[test]
+    fn a_trap_pid_taken_by_a_neighbour_is_the_neighbours() {
+        // b's honest process connected for b with pid 100 after a's connection of a former
+        // pid 100 exited: it is b's alone, and b's limit is what counts.
+        let mut a = [w("a", GIB, &[100]), w("b", 8 * GIB, &[])];
+        a[1].pids.push(ProcId {
+            pid: 100,
+            start: 5000,
+        });
+        let view = Fake {
+            starts: HashMap::from([(100, Some(5000))]),
+            ..Default::default()
+        };
+        assert_eq!(
+            attribute(&a, &[100], &view, &mut Cgroups::default())[&100],
+            Owner::Allocation(1)
+        );
+        assert!(run(&a, &[p(100, 2 * GIB)], &view, 0).is_empty());
+        // A connection whose process is gone altogether attributes nobody either.
+        let view = Fake {
+            starts: HashMap::from([(100, None)]),
+            ..Default::default()
+        };
+        assert_eq!(
+            attribute(&a, &[100], &view, &mut Cgroups::default())[&100],
+            Owner::UnknownHost
+        );
+    }
+
+    #[test]
+    fn a_containers_cgroup_is_learnt_from_its_identity_and_attributes_after() {
+        let a = [w("a", GIB, &[]), w("b", GIB, &[])];
+        let mut view = Fake {
+            containers: HashMap::from([(40, Some("tok-a".into())), (41, None), (42, None)]),
+            cgroups: HashMap::from([
+                (40, "/kubepods/pod1/c1".into()),
+                (41, "/kubepods/pod1/c1".into()),
+                (42, "/kubepods/pod2/c2".into()),
+                (43, "/kubepods/pod1/c1".into()),
+            ]),
+            ..Default::default()
+        };
+        let mut book = Cgroups::new(["/arbiter".to_owned()]);
+        // Before any process of it showed its identity, 41 (no file: it chrooted away) is
+        // nobody's.
+        let owners = attribute(&a, &[41], &view, &mut book);
+        assert_eq!(owners[&41], Owner::UnknownContainer);
+        let owners = attribute(&a, &[40, 41, 42, 43], &view, &mut book);
+        assert_eq!(owners[&40], Owner::Allocation(0));
+        assert_eq!(owners[&41], Owner::Allocation(0), "same cgroup as 40");
+        assert_eq!(owners[&42], Owner::UnknownContainer, "another container");
+        // 43 runs on the host (its mount namespace is the host's): never a container's by
+        // cgroup.
+        assert_eq!(owners[&43], Owner::UnknownHost);
+        assert_eq!(book.len(), 1);
+        // The root and the arbiter's own cgroup are never learnt (a container sharing them
+        // with the host would make host processes its own).
+        view.cgroups.insert(40, "/".into());
+        view.cgroups.insert(41, "/".into());
+        let mut book = Cgroups::new(["/arbiter".to_owned()]);
+        let owners = attribute(&a, &[40, 41], &view, &mut book);
+        assert_eq!(owners[&41], Owner::UnknownContainer);
+        view.cgroups.insert(40, "/arbiter".into());
+        view.cgroups.insert(41, "/arbiter".into());
+        let owners = attribute(&a, &[40, 41], &view, &mut book);
+        assert_eq!(owners[&41], Owner::UnknownContainer);
+        assert!(book.is_empty());
+        // A cgroup where two allocations' identities show attributes nobody.
+        view.cgroups.insert(40, "/c".into());
+        view.cgroups.insert(41, "/c".into());
+        view.cgroups.insert(44, "/c".into());
+        view.containers.insert(44, Some("tok-b".into()));
+        let owners = attribute(&a, &[40, 44, 41], &view, &mut book);
+        assert_eq!(
+            (owners[&40], owners[&44]),
+            (Owner::Allocation(0), Owner::Allocation(1))
+        );
+        assert_eq!(owners[&41], Owner::UnknownContainer);
+        // Dropped with the allocation.
+        book.retain(&HashSet::new());
+        view.cgroups.insert(44, "/d".into());
+        attribute(&a, &[44], &view, &mut book);
+        assert_eq!(book.len(), 2);
+        book.retain(&HashSet::from(["a"]));
+        assert_eq!(book.len(), 1, "the shared /c stays, b's /d goes");
+    }
+
+    #[test]
+    fn the_cgroup_book_is_bounded() {
+        let mut book = Cgroups::default();
+        for i in 0..CGROUPS_MAX + 10 {
+            book.learn(Some(format!("/c{i}")), "a");
+        }
+        assert_eq!(book.len(), CGROUPS_MAX);
+        assert_eq!(book.owner(&format!("/c{}", CGROUPS_MAX + 5)), None);
     }
 
     fn policy() -> Policy {
@@ -1258,6 +1632,29 @@ mod tests {
         // SAFETY: getppid has no preconditions.
         assert_eq!(parent, unsafe { libc::getppid() });
         assert_eq!(proc_parent(-5), None);
+        // We started after our parent, and a start time does not change.
+        let (mine, theirs) = (proc_start(me).unwrap(), proc_start(parent).unwrap());
+        assert!(mine >= theirs, "{mine} {theirs}");
+        assert_eq!(proc_start(me), Some(mine));
+        assert_eq!(proc_start(-5), None);
+        assert!(proc_cgroup("self").is_some_and(|c| c.starts_with('/')));
+    }
+
+    #[test]
+    fn a_connected_peer_is_named_by_pid_and_start_time_while_it_lives() {
+        use std::os::fd::AsFd;
+        let (here, there) = std::os::unix::net::UnixStream::pair().unwrap();
+        let me = std::process::id() as i32;
+        let got = peer_process(here.as_fd(), me).expect("our own process is alive");
+        assert_eq!(
+            got,
+            ProcId {
+                pid: me,
+                start: proc_start(me).unwrap()
+            }
+        );
+        assert_eq!(peer_process(here.as_fd(), 0), None);
+        drop(there);
     }
 
     #[test]

@@ -21,6 +21,7 @@ use tessera_protocol::{
     LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS,
 };
 
+use crate::backstop::ProcId;
 use crate::ledger::{AccountKey, ConnId, Ledger, LedgerError};
 use crate::metrics::{
     AllocCounters, AllocSample, EnforceReason, GpuSample, RequestStats, Snapshot,
@@ -98,14 +99,20 @@ struct Live {
     tokens: HashMap<String, String>,
     ledger: Ledger,
     /// Connections per process per account (a process may open several connections).
-    procs: HashMap<AccountKey, HashMap<i64, u32>>,
+    procs: HashMap<AccountKey, HashMap<ProcKey, u32>>,
     next_key: AccountKey,
 }
 
-/// Identifies the process behind a connection: its pid, or the connection when the kernel
-/// gave no pid.
-fn proc_key(pid: Option<i32>, conn: ConnId) -> i64 {
-    pid.map(i64::from).unwrap_or(-(conn as i64))
+/// The process behind a connection: its pid and start time, or the connection itself when
+/// the kernel named no live process (such a connection attributes nobody to the backstop).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum ProcKey {
+    Proc(ProcId),
+    Conn(ConnId),
+}
+
+fn proc_key(peer: Option<ProcId>, conn: ConnId) -> ProcKey {
+    peer.map_or(ProcKey::Conn(conn), ProcKey::Proc)
 }
 
 /// Shared state of one arbiter.
@@ -353,7 +360,7 @@ impl Arbiter {
         &self,
         token: &str,
         conn: ConnId,
-        pid: Option<i32>,
+        peer: Option<ProcId>,
     ) -> Option<TenantBinding> {
         let mut live = self.live();
         let id = live.tokens.get(token)?.clone();
@@ -371,7 +378,7 @@ impl Arbiter {
             .procs
             .entry(key)
             .or_default()
-            .entry(proc_key(pid, conn))
+            .entry(proc_key(peer, conn))
             .or_insert(0) += 1;
         Some(TenantBinding {
             key,
@@ -497,7 +504,7 @@ impl Arbiter {
         })
     }
 
-    /// Every live allocation with the pids connected for it (for the backstop).
+    /// Every live allocation with the processes connected for it (for the backstop).
     pub fn watched(&self) -> Vec<crate::backstop::Watched> {
         let live = self.live();
         live.by_id
@@ -510,7 +517,14 @@ impl Arbiter {
                 pids: live
                     .procs
                     .get(&a.key)
-                    .map(|p| p.keys().filter(|k| **k > 0).map(|k| *k as i32).collect())
+                    .map(|p| {
+                        p.keys()
+                            .filter_map(|k| match k {
+                                ProcKey::Proc(id) => Some(*id),
+                                ProcKey::Conn(_) => None,
+                            })
+                            .collect()
+                    })
                     .unwrap_or_default(),
             })
             .collect()
@@ -553,13 +567,13 @@ impl Arbiter {
         &self,
         binding: &TenantBinding,
         conn: ConnId,
-        pid: Option<i32>,
+        peer: Option<ProcId>,
     ) -> Result<u64, LedgerError> {
         let (freed, gone) = {
             let mut live = self.live();
             let freed = live.ledger.detach(binding.key, conn)?;
             if let Some(procs) = live.procs.get_mut(&binding.key) {
-                let pk = proc_key(pid, conn);
+                let pk = proc_key(peer, conn);
                 if let Some(n) = procs.get_mut(&pk) {
                     *n -= 1;
                     if *n == 0 {
