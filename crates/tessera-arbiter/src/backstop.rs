@@ -100,10 +100,15 @@ pub struct Watched {
     pub pids: Vec<ProcId>,
     /// Its secret token (what its containers' identity files hold).
     pub token: String,
-    /// Its compute share; at 100 it holds the whole card: nobody else's memory or time on
-    /// it to protect, so the backstop does not police it (a pod holding whole GPUs runs
-    /// without the interposer and its leases, and may use several cards).
+    /// Its compute share; at 100 it holds a whole card (see `whole_gpus`).
     pub share: u32,
+    /// The cards (NVML indexes) its processes hold wholly: its own when its share is 100,
+    /// with those of the other whole-card allocations made for the same container (one
+    /// identity, several cards; label [`tessera_protocol::LABEL_WHOLE_GROUP`]). Nobody else's
+    /// memory or time is there to protect, so the backstop does not police its processes
+    /// *there* (a pod holding whole GPUs runs without the interposer and its leases); on any
+    /// other card they are policed like any allocation's, against a limit of 0 and no lease.
+    pub whole_gpus: Vec<u32>,
 }
 
 /// One process on a GPU, as NVML reports it.
@@ -111,6 +116,8 @@ pub struct Watched {
 pub struct GpuProcess {
     /// Host pid.
     pub pid: i32,
+    /// The GPU (NVML index).
+    pub gpu: u32,
     /// Device memory it holds, bytes.
     pub used: u64,
 }
@@ -388,6 +395,45 @@ pub fn memory_per_pid(procs: &[GpuProcess]) -> HashMap<i32, u64> {
     per_pid
 }
 
+/// True when `gpu` is a card the owner of a process holds wholly (see
+/// [`Watched::whole_gpus`]): what its processes do there is not policed.
+fn on_own_whole_card(watched: &[Watched], owner: Option<&Owner>, gpu: u32) -> bool {
+    matches!(owner, Some(Owner::Allocation(i)) if watched[*i].whole_gpus.contains(&gpu))
+}
+
+/// Device memory per pid that the memory rule polices: all of it, less what a process of a
+/// whole-card allocation holds on the cards that allocation holds wholly.
+pub fn policed_memory(
+    watched: &[Watched],
+    procs: &[GpuProcess],
+    owners: &HashMap<i32, Owner>,
+) -> HashMap<i32, u64> {
+    let mut per_pid: HashMap<i32, u64> = HashMap::new();
+    for p in procs {
+        if !on_own_whole_card(watched, owners.get(&p.pid), p.gpu) {
+            *per_pid.entry(p.pid).or_default() += p.used;
+        }
+    }
+    per_pid
+}
+
+/// GPU time per pid over all GPUs, and the part the compute rule polices (the same, less a
+/// whole-card allocation's time on the cards it holds wholly), from time per (pid, GPU).
+pub fn policed_gpu_time(
+    watched: &[Watched],
+    per_gpu: &HashMap<(i32, u32), u64>,
+    owners: &HashMap<i32, Owner>,
+) -> (HashMap<i32, u64>, HashMap<i32, u64>) {
+    let (mut all, mut policed): (HashMap<i32, u64>, HashMap<i32, u64>) = Default::default();
+    for (&(pid, gpu), &ns) in per_gpu {
+        *all.entry(pid).or_default() += ns;
+        if !on_own_whole_card(watched, owners.get(&pid), gpu) {
+            *policed.entry(pid).or_default() += ns;
+        }
+    }
+    (all, policed)
+}
+
 /// The memory rule and the unknown-process rule: which processes to act on, given the
 /// allocations, each pid's device memory (all GPUs together) and its owner. Unknown host
 /// processes come back as actions too (the caller reports them; it never kills them).
@@ -418,15 +464,15 @@ pub fn decide(
         }
     }
     for (w, group) in watched.iter().zip(groups) {
-        if w.share >= 100 {
-            // A whole card: its processes cannot take more than the card, and a pod holding
-            // several whole cards (one allocation each, one identity) spreads over them.
-            continue;
-        }
         let total: u64 = group.iter().map(|(_, u)| u).sum();
-        let allowed = w
-            .limit
-            .saturating_add(per_process_tolerance.saturating_mul(group.len() as u64));
+        // A whole-card allocation's memory here is only what it holds on cards it does not
+        // own (see [`policed_memory`]), where it may hold nothing.
+        let allowed = if w.share < 100 {
+            w.limit
+                .saturating_add(per_process_tolerance.saturating_mul(group.len() as u64))
+        } else {
+            0
+        };
         if total <= allowed {
             continue;
         }
@@ -880,6 +926,7 @@ impl Backstop {
                 };
                 out.push(GpuProcess {
                     pid: p.pid as i32,
+                    gpu: i,
                     used,
                 });
             }
@@ -887,9 +934,9 @@ impl Backstop {
         Ok(out)
     }
 
-    /// GPU time per pid (all GPUs) over the last `elapsed_ns`, from NVML's per-process
+    /// GPU time per (pid, GPU index) over the last `elapsed_ns`, from NVML's per-process
     /// utilisation samples: the mean SM utilisation of a pid's samples times the interval.
-    fn gpu_time(&mut self, elapsed_ns: u64) -> HashMap<i32, u64> {
+    fn gpu_time(&mut self, elapsed_ns: u64) -> HashMap<(i32, u32), u64> {
         let mut out = HashMap::new();
         if self.compute_off {
             return out;
@@ -923,7 +970,7 @@ impl Backstop {
                 e.1 += 1;
             }
             for (pid, (sum, count)) in per {
-                *out.entry(pid).or_default() += elapsed_ns * sum / (100 * count);
+                *out.entry((pid, i)).or_default() += elapsed_ns * sum / (100 * count);
             }
         }
         out
@@ -946,10 +993,14 @@ impl Backstop {
                 return Vec::new();
             }
         };
-        let gpu_ns = self.gpu_time(elapsed.unwrap_or(0));
+        let gpu_per = self.gpu_time(elapsed.unwrap_or(0));
         let mut watched = self.arb.watched();
         let memory = memory_per_pid(&procs);
-        let mut pids: Vec<i32> = memory.keys().chain(gpu_ns.keys()).copied().collect();
+        let mut pids: Vec<i32> = memory
+            .keys()
+            .copied()
+            .chain(gpu_per.keys().map(|(pid, _)| *pid))
+            .collect();
         pids.sort_unstable();
         pids.dedup();
         self.procfs.clear();
@@ -965,6 +1016,8 @@ impl Backstop {
                 self.unknown_since.entry(pid).or_insert(now);
             }
         }
+        let memory = policed_memory(&watched, &procs, &owners);
+        let (gpu_ns, policed_ns) = policed_gpu_time(&watched, &gpu_per, &owners);
         let mut actions = decide(
             &watched,
             &memory,
@@ -972,7 +1025,7 @@ impl Backstop {
             self.policy.per_process_tolerance,
         );
         if let Some(elapsed) = elapsed {
-            actions.extend(self.compute(&watched, &owners, &gpu_ns, elapsed));
+            actions.extend(self.compute(&watched, &owners, &gpu_ns, &policed_ns, elapsed));
         }
         let mut taken = Vec::new();
         for a in actions {
@@ -989,10 +1042,17 @@ impl Backstop {
         watched: &[Watched],
         owners: &HashMap<i32, Owner>,
         gpu_ns: &HashMap<i32, u64>,
+        policed_ns: &HashMap<i32, u64>,
         elapsed: u64,
     ) -> Vec<Action> {
-        let mut groups: Vec<Vec<(i32, u64)>> = vec![Vec::new(); watched.len()];
+        let mut busy = vec![0u64; watched.len()];
         for (&pid, &ns) in gpu_ns {
+            if let Some(Owner::Allocation(i)) = owners.get(&pid) {
+                busy[*i] += ns;
+            }
+        }
+        let mut groups: Vec<Vec<(i32, u64)>> = vec![Vec::new(); watched.len()];
+        for (&pid, &ns) in policed_ns {
             if let Some(Owner::Allocation(i)) = owners.get(&pid) {
                 groups[*i].push((pid, ns));
             }
@@ -1000,15 +1060,19 @@ impl Backstop {
         let live: HashSet<&str> = watched.iter().map(|w| w.id.as_str()).collect();
         self.book.retain(&live);
         let mut actions = Vec::new();
-        for (w, group) in watched.iter().zip(groups) {
+        for ((w, group), busy) in watched.iter().zip(groups).zip(busy) {
+            if busy > 0 {
+                self.arb.note_gpu_busy(&w.id, busy);
+            }
             let used: u64 = group.iter().map(|(_, ns)| ns).sum();
-            if used > 0 {
-                self.arb.note_gpu_busy(&w.id, used);
-            }
-            if w.share >= 100 {
-                continue;
-            }
-            let Some(leased) = self.arb.leased_total(&w.id) else {
+            // A whole-card allocation is policed only on cards it does not own, where no lease
+            // of its covers anything.
+            let leased = if w.share < 100 {
+                self.arb.leased_total(&w.id)
+            } else {
+                Some(0)
+            };
+            let Some(leased) = leased else {
                 continue;
             };
             let may_act = self.started.elapsed() >= COMPUTE_WARMUP;
@@ -1178,11 +1242,18 @@ mod tests {
                 .collect(),
             token: format!("tok-{id}"),
             share: 50,
+            whole_gpus: Vec::new(),
         }
     }
 
+    /// A process on GPU 0.
     fn p(pid: i32, used: u64) -> GpuProcess {
-        GpuProcess { pid, used }
+        GpuProcess { pid, gpu: 0, used }
+    }
+
+    /// A process on GPU `gpu`.
+    fn on(gpu: u32, pid: i32, used: u64) -> GpuProcess {
+        GpuProcess { pid, gpu, used }
     }
 
     /// A fake system: parents, the origin of each pid (host unless listed), start times
@@ -1219,6 +1290,7 @@ mod tests {
         let memory = memory_per_pid(procs);
         let pids: Vec<i32> = memory.keys().copied().collect();
         let owners = attribute(watched, &pids, view, &mut Cgroups::default());
+        let memory = policed_memory(watched, procs, &owners);
         decide(watched, &memory, &owners, tol)
             .into_iter()
             .filter(|a| {
@@ -1353,12 +1425,68 @@ mod tests {
         assert_eq!(unknown, vec![(60, true), (61, true), (70, false)]);
     }
 
+    /// A whole-card allocation holding the cards `gpus`.
+    fn whole(id: &str, pids: &[i32], gpus: &[u32]) -> Watched {
+        let mut x = w(id, 80 * GIB, pids);
+        x.share = 100;
+        x.whole_gpus = gpus.to_vec();
+        x
+    }
+
     #[test]
-    fn a_whole_card_is_not_policed() {
-        let mut a = [w("a", GIB, &[1])];
-        a[0].share = 100;
-        // Memory on two cards, summed beyond one card's limit: a pod holding both.
-        assert!(run(&a, &[p(1, GIB), p(1, GIB)], &Fake::default(), 0).is_empty());
+    fn a_whole_card_is_not_policed_on_its_own_cards() {
+        // A pod holding cards 1 and 2 (one group) fills both: nothing to police there.
+        let a = [whole("a", &[1], &[1, 2])];
+        let procs = [on(1, 1, 80 * GIB), on(2, 1, 80 * GIB)];
+        assert!(run(&a, &procs, &Fake::default(), 0).is_empty());
+    }
+
+    #[test]
+    fn a_whole_card_allocation_is_policed_on_cards_it_does_not_own() {
+        // a holds card 1 wholly; its process also took 20 GiB on card 0, whose tenants it
+        // would crowd out: over a limit of 0 there, whatever it holds on card 1.
+        let a = [whole("a", &[1], &[1]), w("b", 8 * GIB, &[5])];
+        let procs = [on(1, 1, 10 * GIB), on(0, 1, 20 * GIB), on(0, 5, GIB)];
+        let acts = run(&a, &procs, &Fake::default(), 512 * MIB);
+        assert_eq!(acts.len(), 1, "{acts:?}");
+        assert_eq!((acts[0].pid, acts[0].allocation.as_deref()), (1, Some("a")));
+        assert_eq!(
+            acts[0].reason,
+            Reason::Memory {
+                used: 20 * GIB,
+                total: 20 * GIB,
+                allowed: 0
+            }
+        );
+        // Even a context's worth on a foreign card is over (no tolerance there).
+        let procs = [on(1, 1, GIB), on(0, 1, MIB)];
+        assert_eq!(run(&a, &procs, &Fake::default(), 512 * MIB).len(), 1);
+        // A whole allocation whose card is gone owns nothing: policed everywhere.
+        let gone = [whole("a", &[1], &[])];
+        assert_eq!(run(&gone, &[on(1, 1, GIB)], &Fake::default(), 0).len(), 1);
+    }
+
+    #[test]
+    fn a_whole_card_allocations_gpu_time_is_policed_only_on_foreign_cards() {
+        let a = [whole("a", &[1], &[1]), w("b", GIB, &[5])];
+        let owners = attribute(&a, &[1, 5, 9], &Fake::default(), &mut Cgroups::default());
+        let per_gpu = HashMap::from([
+            ((1, 1), 900 * MS),
+            ((1, 0), 300 * MS),
+            ((5, 0), 200 * MS),
+            ((9, 0), 50 * MS),
+        ]);
+        let (all, policed) = policed_gpu_time(&a, &per_gpu, &owners);
+        assert_eq!(
+            (all[&1], all[&5], all[&9]),
+            (1200 * MS, 200 * MS, 50 * MS),
+            "every ns is counted as busy"
+        );
+        assert_eq!(
+            (policed[&1], policed[&5], policed[&9]),
+            (300 * MS, 200 * MS, 50 * MS),
+            "only card 1's time is a's own"
+        );
     }
 
     #[test]

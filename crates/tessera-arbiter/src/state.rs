@@ -507,6 +507,35 @@ impl Arbiter {
     /// Every live allocation with the processes connected for it (for the backstop).
     pub fn watched(&self) -> Vec<crate::backstop::Watched> {
         let live = self.live();
+        let index_of = |uuid: &str| {
+            self.gpus
+                .iter()
+                .find(|g| g.uuid.eq_ignore_ascii_case(uuid))
+                .map(|g| g.index)
+        };
+        fn group_of(r: &AllocationRecord) -> Option<&String> {
+            (r.share >= 100)
+                .then(|| r.labels.get(tessera_protocol::LABEL_WHOLE_GROUP))
+                .flatten()
+        }
+        // The cards a whole-card allocation's processes hold: its own and its group's.
+        let whole_gpus = |r: &AllocationRecord| -> Vec<u32> {
+            if r.share < 100 {
+                return Vec::new();
+            }
+            let mut gpus: Vec<u32> = index_of(&r.gpu_uuid).into_iter().collect();
+            if let Some(group) = group_of(r) {
+                gpus.extend(
+                    live.by_id
+                        .values()
+                        .filter(|b| group_of(&b.record) == Some(group))
+                        .filter_map(|b| index_of(&b.record.gpu_uuid)),
+                );
+            }
+            gpus.sort_unstable();
+            gpus.dedup();
+            gpus
+        };
         live.by_id
             .values()
             .map(|a| crate::backstop::Watched {
@@ -514,6 +543,7 @@ impl Arbiter {
                 limit: a.record.memory_limit,
                 token: a.record.token.clone(),
                 share: a.record.share,
+                whole_gpus: whole_gpus(&a.record),
                 pids: live
                     .procs
                     .get(&a.key)
@@ -797,5 +827,65 @@ impl Arbiter {
         // Stable: records are kept in creation order.
         out.sort_by_key(|a| a.gpu_index);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_protocol::{CreateAllocation, GpuSelector, LABEL_WHOLE_GROUP};
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn a_whole_card_allocation_holds_its_card_and_its_groups_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let gpus = (0..4)
+            .map(|i| GpuInfo {
+                index: i,
+                uuid: format!("GPU-{i}"),
+                name: "sim".into(),
+                memory_total: 80 * GIB,
+            })
+            .collect();
+        let arb = Arbiter::new(
+            gpus,
+            Store::open(dir.path()).unwrap(),
+            SchedulerParams::default(),
+        )
+        .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let make = |gpu: u32, share: u32, group: Option<&str>| {
+            let req = CreateAllocation {
+                gpu: GpuSelector::Index(gpu),
+                memory_limit: GIB,
+                share,
+                cap: None,
+                labels: group
+                    .map(|g| (LABEL_WHOLE_GROUP.to_owned(), g.to_owned()))
+                    .into_iter()
+                    .collect(),
+            };
+            rt.block_on(arb.create(req)).unwrap().1.id
+        };
+        let (a, b) = (make(0, 100, Some("GPU-0")), make(1, 100, Some("GPU-0")));
+        let c = make(2, 100, None);
+        // A fraction carrying the label (an operator's mistake) holds no card.
+        let d = make(3, 50, Some("GPU-0"));
+        let watched = arb.watched();
+        let of = |id: &str| {
+            watched
+                .iter()
+                .find(|w| w.id == id)
+                .unwrap()
+                .whole_gpus
+                .clone()
+        };
+        assert_eq!(of(&a), [0, 1]);
+        assert_eq!(of(&b), [0, 1]);
+        assert_eq!(of(&c), [2]);
+        assert!(of(&d).is_empty());
     }
 }
