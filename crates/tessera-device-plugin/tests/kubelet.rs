@@ -1377,6 +1377,25 @@ async fn a_container_without_shares_that_reaches_the_gpu_is_killed_and_whole_gpu
     });
     assert!(status.success(), "{status:?}\n{out}\n{err}");
     assert!(out.contains("holds 60 GiB"), "{out}");
+    // Its second card too: attributed to its first allocation (the identity's), it holds
+    // the other card through their group, so it is not policed there either.
+    // (The emulated runtime does not map NVIDIA_VISIBLE_DEVICES; the simulator honours
+    // CUDA_VISIBLE_DEVICES, which is what the runtime's cards look like to CUDA.)
+    let (_, other) = whole.envs["NVIDIA_VISIBLE_DEVICES"]
+        .split_once(',')
+        .expect("two cards");
+    let mut env2 = env.clone();
+    env2.push(("CUDA_VISIBLE_DEVICES", other.to_owned()));
+    let (out, err, status, _) = tokio::task::block_in_place(|| {
+        run_tenant(
+            &node,
+            &whole,
+            &env2,
+            &["--grab-gib", "60", "--seconds", "1.5"],
+        )
+    });
+    assert!(status.success(), "{status:?}\n{out}\n{err}");
+    assert!(out.contains("holds 60 GiB"), "{out}");
     let log = std::fs::read_to_string(node.dir.path().join("arbiter.log")).unwrap();
     assert_eq!(
         log.matches("killed").count(),
