@@ -10,6 +10,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use tessera_testkit::trap::at_pid;
 
 #[test]
 fn a_child_that_goes_around_the_interposer_is_killed_within_a_second() {
@@ -204,20 +205,13 @@ fn a_pid_kept_by_a_connection_whose_process_exited_attributes_nobody() {
     let bed = Bed::new();
     let (token_a, a) = bed.create(GIB);
     let (token_b, b) = bed.create(8 * GIB);
-    // The trap.
-    let hello = tessera_protocol::frame::encode(&tessera_protocol::Hello::new(
-        tessera_protocol::Role::Tenant {
-            token: token_a.clone(),
-        },
-    ))
-    .unwrap();
-    let hex: String = hello.iter().map(|b| format!("{b:02x}")).collect();
-    let trapper = Served::start_script_keyed(
+    // The trap, set by a process of A (its environment; it never uses CUDA itself).
+    let trapper = tessera_testkit::trap::set(
         bed.tenant_command(&python(), &token_a),
-        "trap.py",
-        &[bed.socket.to_str().unwrap(), &hex],
-        "trap",
+        &bed.socket,
+        &token_a,
     );
+    assert!(trapper.answer > 0, "the arbiter answered the hello");
     let trap = trapper.pid;
     assert!(!alive(trap as u32), "the connecting child exited");
     assert_eq!(
@@ -227,7 +221,11 @@ fn a_pid_kept_by_a_connection_whose_process_exited_attributes_nobody() {
     );
 
     // A host job outside Tessera gets the pid and takes 2 GiB.
-    let mut host = at_pid(trap, || Served::start(bed.sim_command(&python())));
+    let mut host = at_pid(trap, || {
+        let s = Served::start(bed.sim_command(&python()));
+        let pid = s.pid;
+        (s, pid)
+    });
     assert_eq!(host.ask(&format!("alloc {}", 2 * GIB))["alloc"], 0);
     assert!(
         bed.sim_used() >= 2 * GIB,
@@ -251,7 +249,7 @@ fn a_pid_kept_by_a_connection_whose_process_exited_attributes_nobody() {
     assert_eq!(bed.status(&a).enforced, 0, "{}", bed.arbiter_log());
 
     // A host job running only kernels gets the pid: nothing of its GPU time is A's.
-    let compute = at_pid(trap, || {
+    let mut compute = at_pid(trap, || {
         let mut c = bed.sim_command(&python());
         c.arg(script("compute_client.py"))
             .args(["sync", "2", "20"])
@@ -260,7 +258,6 @@ fn a_pid_kept_by_a_connection_whose_process_exited_attributes_nobody() {
         let pid = child.id() as i32;
         (child, pid)
     });
-    let mut compute = compute.0;
     let status = tessera_testkit::process::wait_exit(&mut compute, Duration::from_secs(60))
         .expect("the kernel job ends");
     assert!(status.success(), "{status:?}\n{}", bed.arbiter_log());
@@ -280,7 +277,9 @@ fn a_pid_kept_by_a_connection_whose_process_exited_attributes_nobody() {
 
     // B's honest process gets the pid and takes 2 GiB of its 8: it is B's, and nobody's killed.
     let mut honest = at_pid(trap, || {
-        Served::start(bed.tenant_command(&python(), &token_b))
+        let s = Served::start(bed.tenant_command(&python(), &token_b));
+        let pid = s.pid;
+        (s, pid)
     });
     assert_eq!(honest.ask(&format!("alloc {}", 2 * GIB))["alloc"], 0);
     assert!(bed.used(&b) >= 2 * GIB);
@@ -308,51 +307,5 @@ fn a_pid_kept_by_a_connection_whose_process_exited_attributes_nobody() {
         .unwrap_or_else(|| panic!("A's bypass was not killed\n{}", bed.arbiter_log()));
     assert_eq!(bed.status(&a).enforced, 1);
     assert!(parent.exit().success());
-    assert!(trapper.exit().success());
-}
-
-/// Starts what `start` makes until it runs at `pid` (a pid that was handed out and freed). As
-/// root the kernel is asked for it (`ns_last_pid`, retried when another process forks in
-/// between); otherwise processes are forked until the pid counter wraps to just below it.
-fn at_pid<T>(pid: i32, mut start: impl FnMut() -> T) -> T
-where
-    T: HasPid,
-{
-    let ns_last = std::path::Path::new("/proc/sys/kernel/ns_last_pid");
-    let deadline = Instant::now() + Duration::from_secs(180);
-    loop {
-        assert!(Instant::now() < deadline, "pid {pid} never came back");
-        if std::fs::write(ns_last, (pid - 1).to_string()).is_err() {
-            // Not ours to set: burn pids until the last one handed out is just below `pid`.
-            loop {
-                assert!(Instant::now() < deadline, "pid {pid} never came back");
-                let mut c = std::process::Command::new("true").spawn().unwrap();
-                let got = c.id() as i32;
-                c.wait().unwrap();
-                if (pid - 8..pid).contains(&got) {
-                    break;
-                }
-            }
-        }
-        let t = start();
-        if t.pid() == pid {
-            return t;
-        }
-    }
-}
-
-trait HasPid {
-    fn pid(&self) -> i32;
-}
-
-impl HasPid for Served {
-    fn pid(&self) -> i32 {
-        self.pid
-    }
-}
-
-impl HasPid for (tessera_testkit::KillOnDrop, i32) {
-    fn pid(&self) -> i32 {
-        self.1
-    }
+    trapper.release();
 }

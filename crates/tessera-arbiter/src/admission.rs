@@ -393,7 +393,7 @@ pub fn accept_tenant(arb: Arc<Arbiter>, adm: &Arc<Admission>, stream: UnixStream
         Ok(slot) => {
             // Named now, by the connection itself: the process that connected, not a later
             // holder of its pid.
-            let proc = pid.and_then(|p| {
+            let peer = pid.and_then(|p| {
                 use std::os::fd::AsFd;
                 crate::backstop::peer_process(stream.as_fd(), p)
             });
@@ -403,7 +403,7 @@ pub fn accept_tenant(arb: Arc<Arbiter>, adm: &Arc<Admission>, stream: UnixStream
                 stream,
                 slot,
                 pid,
-                proc,
+                peer,
             ));
         }
         Err(_) => close_refused(stream),
@@ -416,8 +416,9 @@ async fn tenant_handshake(
     mut stream: UnixStream,
     slot: PendingSlot,
     pid: Option<i32>,
-    proc: Option<crate::backstop::ProcId>,
+    peer: Option<crate::backstop::Peer>,
 ) {
+    let proc = peer.as_ref().map(|p| p.id);
     let who = match pid {
         Some(p) => format!("tenant connection of pid {p}"),
         None => "tenant connection".to_owned(),
@@ -441,7 +442,7 @@ async fn tenant_handshake(
         return;
     };
     let conn = arb.next_conn();
-    let Some(binding) = arb.attach_tenant(&token, conn, proc) else {
+    let Some(binding) = arb.attach_tenant(&token, conn, peer) else {
         let reason = "unknown allocation token";
         drain_a_little(&stream);
         refuse_now(&stream, reason);

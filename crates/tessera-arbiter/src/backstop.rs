@@ -16,10 +16,11 @@
 //!    processes out of its cgroup, and a cgroup path is never reused while the allocation lives;
 //! 3. **the processes that connected to the tenant socket, and their descendants**, each named
 //!    by pid *and start time* ([`ProcId`], taken at `accept` through the connection's
-//!    `SO_PEERPIDFD`, so the process that connected and not a later one with its pid) and
-//!    checked against the live process at every use, ancestors included: a connection whose
-//!    process exited attributes nobody, so a connection kept open by another process (a socket
-//!    passed over `SCM_RIGHTS`) cannot reserve a pid for whoever gets it next;
+//!    `SO_PEERPIDFD`, so the process that connected and not a later one with its pid; the
+//!    pidfd is kept with the connection ([`Peer`]) and a process it says exited is not listed)
+//!    and checked against the live process at every use, ancestors included: a connection
+//!    whose process exited attributes nobody, so a connection kept open by another process (a
+//!    socket passed over `SCM_RIGHTS`) cannot reserve a pid for whoever gets it next;
 //! 4. otherwise the process is *unknown*: in a container (its mount namespace is not the
 //!    host's) or on the host.
 //!
@@ -636,13 +637,52 @@ pub fn proc_cgroup(pid: &str) -> Option<String> {
 /// `SO_PEERPIDFD` (Linux 6.5, `asm-generic/socket.h`; not in the `libc` crate yet).
 const SO_PEERPIDFD: libc::c_int = 77;
 
-/// The process behind a connected Unix socket whose `SO_PEERCRED` pid is `pid`: its pid and
-/// start time, or `None` when it exited already. The kernel's `SO_PEERPIDFD` names the very
-/// process that connected, so the start time read from `/proc` is checked to be its: read while
-/// that process is still alive (its pid cannot be reused before it is reaped). On kernels
-/// without `SO_PEERPIDFD` the start time is read alone (a process that connects and exits at
-/// once, its pid reused before this runs, could then be mistaken for the new process).
-pub fn peer_process(socket: std::os::fd::BorrowedFd<'_>, pid: i32) -> Option<ProcId> {
+/// The process behind a tenant connection: its [`ProcId`], and a pidfd of it kept for the
+/// connection's lifetime where the kernel gives one. The pidfd says exactly whether that very
+/// process still lives (a pid reused at once, within the tick of its start time, cannot fool
+/// it); the start time still names it to the pure rules.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// Pid and start time.
+    pub id: ProcId,
+    pidfd: Option<Arc<OwnedFd>>,
+}
+
+impl Peer {
+    /// A peer known by pid and start time alone (kernels without `SO_PEERPIDFD`, tests).
+    pub fn without_pidfd(id: ProcId) -> Self {
+        Self { id, pidfd: None }
+    }
+
+    /// False once the process exited (known only with a pidfd; without one, true, and the
+    /// start time checked at every use decides).
+    pub fn is_alive(&self) -> bool {
+        self.pidfd.as_ref().is_none_or(|fd| pidfd_alive(fd))
+    }
+}
+
+/// True while the pidfd's process exists (a zombie, not yet reaped, still holds its pid).
+fn pidfd_alive(fd: &OwnedFd) -> bool {
+    // SAFETY: signal 0 only checks that the pidfd's process still exists; no memory is passed.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd.as_raw_fd(),
+            0,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    rc == 0
+}
+
+/// The process behind a connected Unix socket whose `SO_PEERCRED` pid is `pid`, or `None`
+/// when it exited already. The kernel's `SO_PEERPIDFD` names the very process that connected,
+/// so the start time read from `/proc` is checked to be its: read while that process is still
+/// alive (its pid cannot be reused before it is reaped). On kernels without `SO_PEERPIDFD` the
+/// start time is read alone (a process that connects and exits at once, its pid reused before
+/// this runs, could then be mistaken for the new process).
+pub fn peer_process(socket: std::os::fd::BorrowedFd<'_>, pid: i32) -> Option<Peer> {
     if pid <= 0 {
         return None;
     }
@@ -659,22 +699,15 @@ pub fn peer_process(socket: std::os::fd::BorrowedFd<'_>, pid: i32) -> Option<Pro
         )
     };
     if rc != 0 || fd < 0 {
-        return proc_start(pid).map(|start| ProcId { pid, start });
+        return proc_start(pid).map(|start| Peer::without_pidfd(ProcId { pid, start }));
     }
     // SAFETY: getsockopt returned a new pidfd that we own.
     let pidfd = unsafe { OwnedFd::from_raw_fd(fd) };
     let start = proc_start(pid)?;
-    // SAFETY: signal 0 only checks that the pidfd's process still exists; no memory is passed.
-    let alive = unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            pidfd.as_raw_fd(),
-            0,
-            std::ptr::null::<libc::siginfo_t>(),
-            0,
-        )
-    } == 0;
-    alive.then_some(ProcId { pid, start })
+    pidfd_alive(&pidfd).then(|| Peer {
+        id: ProcId { pid, start },
+        pidfd: Some(Arc::new(pidfd)),
+    })
 }
 
 /// [`ProcView`] over `/proc`.
@@ -1775,13 +1808,14 @@ mod tests {
         let me = std::process::id() as i32;
         let got = peer_process(here.as_fd(), me).expect("our own process is alive");
         assert_eq!(
-            got,
+            got.id,
             ProcId {
                 pid: me,
                 start: proc_start(me).unwrap()
             }
         );
-        assert_eq!(peer_process(here.as_fd(), 0), None);
+        assert!(got.is_alive());
+        assert!(peer_process(here.as_fd(), 0).is_none());
         drop(there);
     }
 

@@ -716,10 +716,12 @@ mod tests {
             .attach_tenant(
                 &token_a,
                 1,
-                Some(crate::backstop::ProcId {
-                    pid: 4242,
-                    start: 1,
-                }),
+                Some(crate::backstop::Peer::without_pidfd(
+                    crate::backstop::ProcId {
+                        pid: 4242,
+                        start: 1,
+                    },
+                )),
             )
             .unwrap();
         arb.with_ledger(|l| l.reserve(bind.key, 1, 100 << 20))

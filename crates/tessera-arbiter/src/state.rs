@@ -21,7 +21,7 @@ use tessera_protocol::{
     LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS,
 };
 
-use crate::backstop::ProcId;
+use crate::backstop::{Peer, ProcId};
 use crate::ledger::{AccountKey, ConnId, Ledger, LedgerError};
 use crate::metrics::{
     AllocCounters, AllocSample, EnforceReason, GpuSample, RequestStats, Snapshot,
@@ -99,7 +99,7 @@ struct Live {
     tokens: HashMap<String, String>,
     ledger: Ledger,
     /// Connections per process per account (a process may open several connections).
-    procs: HashMap<AccountKey, HashMap<ProcKey, u32>>,
+    procs: HashMap<AccountKey, HashMap<ProcKey, ProcEntry>>,
     next_key: AccountKey,
 }
 
@@ -109,6 +109,14 @@ struct Live {
 enum ProcKey {
     Proc(ProcId),
     Conn(ConnId),
+}
+
+/// One process's connections for one account.
+#[derive(Debug)]
+struct ProcEntry {
+    conns: u32,
+    /// The process, as its first connection named it (its pidfd says whether it lives).
+    peer: Option<Peer>,
 }
 
 fn proc_key(peer: Option<ProcId>, conn: ConnId) -> ProcKey {
@@ -360,7 +368,7 @@ impl Arbiter {
         &self,
         token: &str,
         conn: ConnId,
-        peer: Option<ProcId>,
+        peer: Option<Peer>,
     ) -> Option<TenantBinding> {
         let mut live = self.live();
         let id = live.tokens.get(token)?.clone();
@@ -374,12 +382,13 @@ impl Arbiter {
             )
         };
         live.ledger.attach(key, conn).ok()?;
-        *live
-            .procs
+        let pk = proc_key(peer.as_ref().map(|p| p.id), conn);
+        live.procs
             .entry(key)
             .or_default()
-            .entry(proc_key(peer, conn))
-            .or_insert(0) += 1;
+            .entry(pk)
+            .or_insert(ProcEntry { conns: 0, peer })
+            .conns += 1;
         Some(TenantBinding {
             key,
             view,
@@ -548,10 +557,14 @@ impl Arbiter {
                     .procs
                     .get(&a.key)
                     .map(|p| {
-                        p.keys()
-                            .filter_map(|k| match k {
-                                ProcKey::Proc(id) => Some(*id),
-                                ProcKey::Conn(_) => None,
+                        p.iter()
+                            .filter_map(|(k, e)| match k {
+                                // A process that exited names nobody, whoever keeps its
+                                // connection open.
+                                ProcKey::Proc(id) if e.peer.as_ref().is_none_or(Peer::is_alive) => {
+                                    Some(*id)
+                                }
+                                _ => None,
                             })
                             .collect()
                     })
@@ -604,9 +617,9 @@ impl Arbiter {
             let freed = live.ledger.detach(binding.key, conn)?;
             if let Some(procs) = live.procs.get_mut(&binding.key) {
                 let pk = proc_key(peer, conn);
-                if let Some(n) = procs.get_mut(&pk) {
-                    *n -= 1;
-                    if *n == 0 {
+                if let Some(e) = procs.get_mut(&pk) {
+                    e.conns -= 1;
+                    if e.conns == 0 {
                         procs.remove(&pk);
                     }
                 }

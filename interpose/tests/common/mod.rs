@@ -262,12 +262,7 @@ impl Served {
 
     /// Starts another client script that answers `{"ready": PID}` first, then one JSON line a
     /// command.
-    pub fn start_script(cmd: Command, name: &str, args: &[&str]) -> Self {
-        Self::start_script_keyed(cmd, name, args, "ready")
-    }
-
-    /// As [`Served::start_script`], for a script whose first line names its pid under `key`.
-    pub fn start_script_keyed(mut cmd: Command, name: &str, args: &[&str], key: &str) -> Self {
+    pub fn start_script(mut cmd: Command, name: &str, args: &[&str]) -> Self {
         let mut child = cmd
             .arg(script(name))
             .args(args)
@@ -285,7 +280,7 @@ impl Served {
             pid: 0,
         };
         let ready = s.read();
-        s.pid = ready[key].as_i64().expect("ready line") as i32;
+        s.pid = ready["ready"].as_i64().expect("ready line") as i32;
         s
     }
 

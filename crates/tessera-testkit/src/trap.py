@@ -1,6 +1,6 @@
 """The pid-reuse trap of issue 20, as a hostile tenant builds it (no CUDA involved).
 
-Usage: trap.py SOCKET HELLO_HEX
+Usage: python3 -c "$(cat trap.py)" SOCKET HELLO_HEX (run by `tessera_testkit::trap::set`)
 
 A child connects to the tenant socket, sends HELLO_HEX (a `Hello` frame with the tenant's
 token, encoded by the Rust test), reads the first bytes of the answer, passes the connected
@@ -35,5 +35,4 @@ def main():
     held.close()
 
 
-if __name__ == "__main__":
-    main()
+main()
