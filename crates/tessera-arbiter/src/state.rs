@@ -545,30 +545,39 @@ impl Arbiter {
             gpus.dedup();
             gpus
         };
-        live.by_id
+        let listed: Vec<(crate::backstop::Watched, Vec<Peer>)> = live
+            .by_id
             .values()
-            .map(|a| crate::backstop::Watched {
-                id: a.record.id.clone(),
-                limit: a.record.memory_limit,
-                token: a.record.token.clone(),
-                share: a.record.share,
-                whole_gpus: whole_gpus(&a.record),
-                pids: live
-                    .procs
-                    .get(&a.key)
-                    .map(|p| {
-                        p.iter()
-                            .filter_map(|(k, e)| match k {
-                                // A process that exited names nobody, whoever keeps its
-                                // connection open.
-                                ProcKey::Proc(id) if e.peer.as_ref().is_none_or(Peer::is_alive) => {
-                                    Some(*id)
-                                }
-                                _ => None,
-                            })
-                            .collect()
-                    })
-                    .unwrap_or_default(),
+            .map(|a| {
+                let mut pids = Vec::new();
+                let mut peers = Vec::new();
+                for (k, e) in live.procs.get(&a.key).into_iter().flatten() {
+                    match (k, &e.peer) {
+                        (ProcKey::Proc(_), Some(p)) => peers.push(p.clone()),
+                        (ProcKey::Proc(id), None) => pids.push(*id),
+                        (ProcKey::Conn(_), _) => {}
+                    }
+                }
+                let w = crate::backstop::Watched {
+                    id: a.record.id.clone(),
+                    limit: a.record.memory_limit,
+                    token: a.record.token.clone(),
+                    share: a.record.share,
+                    whole_gpus: whole_gpus(&a.record),
+                    pids,
+                };
+                (w, peers)
+            })
+            .collect();
+        drop(live);
+        // Outside the lock (a syscall per connected process): a process that exited names
+        // nobody, whoever keeps its connection open.
+        listed
+            .into_iter()
+            .map(|(mut w, peers)| {
+                w.pids
+                    .extend(peers.iter().filter(|p| p.is_alive()).map(|p| p.id));
+                w
             })
             .collect()
     }
