@@ -10,6 +10,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
+use tessera_testkit::trap::at_pid;
 
 #[test]
 fn a_child_that_goes_around_the_interposer_is_killed_within_a_second() {
@@ -198,4 +199,120 @@ fn a_connected_process_with_a_second_driver_in_a_dlmopen_namespace_is_killed() {
     let mut cmd = bed.tenant_command(&exe, &token);
     cmd.arg("4096");
     an_escape_is_killed(&bed, &id, cmd, "dlmopen(LM_ID_NEWLM)");
+}
+
+/// The pid-reuse trap (issue 20): a process of A connects with A's token, hands the connected
+/// socket to its parent and exits; the connection stays open. Whatever process gets its pid
+/// next must not be A's for the backstop: a host job holding 2 GiB, a host job running kernels,
+/// and a neighbour B's honest process, each landing on the trap pid, are left alone (NVML and
+/// their own survival as truth, nothing counted or charged to A), while a process A really
+/// started is still A's (its bypass is killed).
+#[test]
+fn a_pid_kept_by_a_connection_whose_process_exited_attributes_nobody() {
+    let bed = Bed::new();
+    let (token_a, a) = bed.create(GIB);
+    let (token_b, b) = bed.create(8 * GIB);
+    // The trap, set by a process of A (its environment; it never uses CUDA itself).
+    let trapper = tessera_testkit::trap::set(
+        bed.tenant_command(&python(), &token_a),
+        &bed.socket,
+        &token_a,
+    );
+    assert!(trapper.answer > 0, "the arbiter answered the hello");
+    let trap = trapper.pid;
+    assert!(!alive(trap as u32), "the connecting child exited");
+    assert_eq!(
+        bed.status(&a).processes,
+        1,
+        "the handshake was admitted and its connection is still open"
+    );
+
+    // A host job outside Tessera gets the pid and takes 2 GiB.
+    let mut host = at_pid(trap, || {
+        let s = Served::start(bed.sim_command(&python()));
+        let pid = s.pid;
+        (s, pid)
+    });
+    assert_eq!(host.ask(&format!("alloc {}", 2 * GIB))["alloc"], 0);
+    assert!(
+        bed.sim_used() >= 2 * GIB,
+        "the card holds the host job's memory"
+    );
+    // The backstop sees it for what it is (an unknown host process, reported after its grace
+    // period, polls later) and leaves it running.
+    let seen = format!("unknown host process {trap} reported");
+    wait_until(Duration::from_secs(5), || bed.arbiter_log().contains(&seen))
+        .unwrap_or_else(|| panic!("not seen as a host process\n{}", bed.arbiter_log()));
+    assert!(
+        alive(trap as u32),
+        "the host job was killed\n{}",
+        bed.arbiter_log()
+    );
+    assert_eq!(
+        host.ask("info")["device_total"].as_u64().map(|t| t > 0),
+        Some(true)
+    );
+    assert!(host.exit().success());
+    assert_eq!(bed.status(&a).enforced, 0, "{}", bed.arbiter_log());
+
+    // A host job running only kernels gets the pid: nothing of its GPU time is A's.
+    let mut compute = at_pid(trap, || {
+        let mut c = bed.sim_command(&python());
+        c.arg(script("compute_client.py"))
+            .args(["sync", "2", "20"])
+            .stdout(std::process::Stdio::piped());
+        let child = tessera_testkit::KillOnDrop::new(c.spawn().unwrap());
+        let pid = child.id() as i32;
+        (child, pid)
+    });
+    let status = tessera_testkit::process::wait_exit(&mut compute, Duration::from_secs(60))
+        .expect("the kernel job ends");
+    assert!(status.success(), "{status:?}\n{}", bed.arbiter_log());
+    let a_now = bed.status(&a);
+    assert_eq!(
+        (a_now.enforced, a_now.gpu_time_total_ns),
+        (0, 0),
+        "A was charged for the host job's kernels\n{}",
+        bed.arbiter_log()
+    );
+    // It ran 1 s of kernels or more (20 ms each) over 2 s, eight polls and more: past the
+    // compute rule's threshold (500 ms of unleased time) had it been A's.
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut compute.stdout.take().unwrap(), &mut out).unwrap();
+    let launches = last_json(&out, "")["launches"].as_u64().unwrap();
+    assert!(launches >= 50, "{out}");
+
+    // B's honest process gets the pid and takes 2 GiB of its 8: it is B's, and nobody's killed.
+    let mut honest = at_pid(trap, || {
+        let s = Served::start(bed.tenant_command(&python(), &token_b));
+        let pid = s.pid;
+        (s, pid)
+    });
+    assert_eq!(honest.ask(&format!("alloc {}", 2 * GIB))["alloc"], 0);
+    assert!(bed.used(&b) >= 2 * GIB);
+    // Polls later (a host process started now is reported only after a second of them), B's
+    // process is alive and untouched.
+    let mut marker = Served::start(bed.sim_command(&python()));
+    assert_eq!(marker.ask(&format!("alloc {}", 10 * MIB))["alloc"], 0);
+    let marked = format!("unknown host process {} reported", marker.pid);
+    wait_until(Duration::from_secs(5), || {
+        bed.arbiter_log().contains(&marked)
+    })
+    .unwrap_or_else(|| panic!("the marker was never seen\n{}", bed.arbiter_log()));
+    assert_eq!(honest.ask(&format!("alloc {}", 10 * MIB))["alloc"], 0);
+    assert_eq!((bed.status(&a).enforced, bed.status(&b).enforced), (0, 0));
+    assert!(honest.exit().success());
+    assert!(marker.exit().success());
+
+    // A's own process, with the trap still set, is A's: its bypass is killed.
+    let mut parent = Served::start(bed.tenant_command(&python(), &token_a));
+    assert_eq!(parent.ask(&format!("alloc {}", 100 * MIB))["alloc"], 0);
+    let child = parent.ask(&format!("spawn_bare {}", 4 * GIB))["child"]
+        .as_u64()
+        .unwrap() as u32;
+    wait_until(Duration::from_secs(3), || !alive(child))
+        .unwrap_or_else(|| panic!("A's bypass was not killed\n{}", bed.arbiter_log()));
+    assert_eq!(bed.status(&a).enforced, 1);
+    assert!(parent.exit().success());
+    trapper.release();
 }

@@ -391,7 +391,20 @@ pub fn accept_tenant(arb: Arc<Arbiter>, adm: &Arc<Admission>, stream: UnixStream
     let (uid, pid) = peer(&stream);
     match adm.begin(uid, pid) {
         Ok(slot) => {
-            tokio::spawn(tenant_handshake(arb, Arc::clone(adm), stream, slot, pid));
+            // Named now, by the connection itself: the process that connected, not a later
+            // holder of its pid.
+            let peer = pid.and_then(|p| {
+                use std::os::fd::AsFd;
+                crate::backstop::peer_process(stream.as_fd(), p)
+            });
+            tokio::spawn(tenant_handshake(
+                arb,
+                Arc::clone(adm),
+                stream,
+                slot,
+                pid,
+                peer,
+            ));
         }
         Err(_) => close_refused(stream),
     }
@@ -403,7 +416,9 @@ async fn tenant_handshake(
     mut stream: UnixStream,
     slot: PendingSlot,
     pid: Option<i32>,
+    peer: Option<crate::backstop::Peer>,
 ) {
+    let proc = peer.as_ref().map(|p| p.id);
     let who = match pid {
         Some(p) => format!("tenant connection of pid {p}"),
         None => "tenant connection".to_owned(),
@@ -427,7 +442,7 @@ async fn tenant_handshake(
         return;
     };
     let conn = arb.next_conn();
-    let Some(binding) = arb.attach_tenant(&token, conn, pid) else {
+    let Some(binding) = arb.attach_tenant(&token, conn, peer) else {
         let reason = "unknown allocation token";
         drain_a_little(&stream);
         refuse_now(&stream, reason);
@@ -438,7 +453,7 @@ async fn tenant_handshake(
         Ok(s) => s,
         Err(e) => {
             // Attached a moment ago and holding nothing: this only undoes the attach.
-            let _ = arb.detach_tenant(&binding, conn, pid);
+            let _ = arb.detach_tenant(&binding, conn, proc);
             refuse_now(&stream, &e.to_string());
             return;
         }
@@ -450,11 +465,11 @@ async fn tenant_handshake(
         Arc::clone(&arb),
         stream,
         conn,
-        pid,
+        proc,
         binding.clone(),
         tenant_slot,
     ) {
-        let _ = arb.detach_tenant(&binding, conn, pid);
+        let _ = arb.detach_tenant(&binding, conn, proc);
         tracing::info!("{who} of {id}: dropped: {e}");
     }
 }

@@ -3,14 +3,25 @@
 //! The interposer enforces limits only inside processes that load it and play by its rules.
 //! Every poll interval the backstop reads, from NVML, every process on every GPU with its
 //! device memory and its GPU time, and attributes each to an allocation from identity the
-//! tenant cannot change, in this order:
-//! 1. the pids that connected to the tenant socket (seen through `SO_PEERCRED`) and their
-//!    descendants (`/proc/<pid>/stat`);
-//! 2. the container's identity file, read through `/proc/<pid>/root` (the device plugin
-//!    mounts it read-only into every container it wires, fraction or whole GPU; see
-//!    [`tessera_protocol::identity`]), so a container's processes are attributed even when
-//!    none of them ever connects;
-//! 3. otherwise the process is *unknown*: in a container (its mount namespace is not the
+//! tenant cannot change, in this order (the first that applies decides; see [`attribute`]):
+//! 1. **the process's own container identity**: the identity file read through
+//!    `/proc/<pid>/root`, from a read-only mount only (the device plugin mounts it into every
+//!    container it wires, fraction or whole GPU; see [`tessera_protocol::identity`]). It names
+//!    the allocation, whatever any connection claims; one that names no live allocation makes
+//!    the process unknown. The first time a process is attributed this way its container's
+//!    cgroup (cgroup v2, the `0::` line of `/proc/<pid>/cgroup`) is recorded for that
+//!    allocation ([`Cgroups`]);
+//! 2. **the container's cgroup**, recorded as above: a process of that container whose root no
+//!    longer shows the file (a `chroot`) is still its container's. A container cannot move its
+//!    processes out of its cgroup, and a cgroup path is never reused while the allocation lives;
+//! 3. **the processes that connected to the tenant socket, and their descendants**, each named
+//!    by pid *and start time* ([`ProcId`], taken at `accept` through the connection's
+//!    `SO_PEERPIDFD`, so the process that connected and not a later one with its pid; the
+//!    pidfd is kept with the connection ([`Peer`]) and a process it says exited is not listed)
+//!    and checked against the live process at every use, ancestors included: a connection
+//!    whose process exited attributes nobody, so a connection kept open by another process (a
+//!    socket passed over `SCM_RIGHTS`) cannot reserve a pid for whoever gets it next;
+//! 4. otherwise the process is *unknown*: in a container (its mount namespace is not the
 //!    host's) or on the host.
 //!
 //! Then, under `--enforce kill|report`:
@@ -120,14 +131,19 @@ pub struct Watched {
     pub id: String,
     /// Memory limit, bytes.
     pub limit: u64,
-    /// Pids that connected to the tenant socket for it.
-    pub pids: Vec<i32>,
+    /// Processes that connected to the tenant socket for it (pid and start time).
+    pub pids: Vec<ProcId>,
     /// Its secret token (what its containers' identity files hold).
     pub token: String,
-    /// Its compute share; at 100 it holds the whole card: nobody else's memory or time on
-    /// it to protect, so the backstop does not police it (a pod holding whole GPUs runs
-    /// without the interposer and its leases, and may use several cards).
+    /// Its compute share; at 100 it holds a whole card (see `whole_gpus`).
     pub share: u32,
+    /// The cards (NVML indexes) its processes hold wholly: its own when its share is 100,
+    /// with those of the other whole-card allocations made for the same container (one
+    /// identity, several cards; label [`tessera_protocol::LABEL_WHOLE_GROUP`]). Nobody else's
+    /// memory or time is there to protect, so the backstop does not police its processes
+    /// *there* (a pod holding whole GPUs runs without the interposer and its leases); on any
+    /// other card they are policed like any allocation's, against a limit of 0 and no lease.
+    pub whole_gpus: Vec<u32>,
 }
 
 /// One process on a GPU, as NVML reports it.
@@ -135,6 +151,8 @@ pub struct Watched {
 pub struct GpuProcess {
     /// Host pid.
     pub pid: i32,
+    /// The GPU (NVML index).
+    pub gpu: u32,
     /// Device memory it holds, bytes.
     pub used: u64,
 }
@@ -151,12 +169,122 @@ pub enum Origin {
     },
 }
 
+/// One process, named so that another process given the same pid later cannot pass for it:
+/// its pid and its start time (clock ticks after boot, field 22 of `/proc/<pid>/stat`; two
+/// processes holding one pid in turn cannot share a start time unless the kernel recycles
+/// the pid within one tick, a full pass over `pid_max` in 10 ms).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ProcId {
+    /// Host pid (in the arbiter's pid namespace).
+    pub pid: i32,
+    /// Start time, clock ticks after boot.
+    pub start: u64,
+}
+
 /// What the backstop learns about processes from the system (`/proc` in production).
 pub trait ProcView {
     /// The parent of `pid`.
     fn parent(&self, pid: i32) -> Option<i32>;
     /// Where `pid` runs.
     fn origin(&self, pid: i32) -> Origin;
+    /// The start time of the process `pid` names now; `None` when there is none.
+    fn start_time(&self, pid: i32) -> Option<u64>;
+    /// The cgroup v2 path of `pid` (the `0::` line of `/proc/<pid>/cgroup`).
+    fn cgroup(&self, pid: i32) -> Option<String>;
+}
+
+/// True when `id` still names a live process: the process at its pid started when it did.
+pub fn is_live(id: &ProcId, view: &dyn ProcView) -> bool {
+    view.start_time(id.pid) == Some(id.start)
+}
+
+/// Drops, from every allocation's connected processes, those that exited (or whose pid names
+/// another process now), so the rules after attribution see only live connected processes.
+pub fn forget_exited(watched: &mut [Watched], view: &dyn ProcView) {
+    for w in watched {
+        w.pids.retain(|p| is_live(p, view));
+    }
+}
+
+/// Container cgroups learnt from identity files, each bound to the allocation whose identity
+/// its first attributed process showed (see the module map, rule 2). Bounded; an entry goes
+/// with its allocation.
+#[derive(Debug, Default)]
+pub struct Cgroups {
+    by_path: HashMap<String, CgroupOwner>,
+    /// Cgroups never learnt: the root, and the arbiter's own (processes a container shares
+    /// with the host, e.g. without a cgroup namespace or on cgroup v1's `0::/`).
+    never: HashSet<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum CgroupOwner {
+    /// The allocation with this id.
+    Allocation(String),
+    /// Processes of two allocations were seen in it: it attributes nobody.
+    Shared,
+}
+
+/// Most cgroups remembered at once (a node runs far fewer containers).
+pub const CGROUPS_MAX: usize = 4096;
+
+impl Cgroups {
+    /// A book that never learns `never` (nor the root cgroup).
+    pub fn new(never: impl IntoIterator<Item = String>) -> Self {
+        let mut never: HashSet<String> = never.into_iter().collect();
+        never.insert("/".to_owned());
+        Self {
+            by_path: HashMap::new(),
+            never,
+        }
+    }
+
+    /// A process of `cgroup` showed the identity of allocation `id`.
+    fn learn(&mut self, cgroup: Option<String>, id: &str) {
+        let Some(cg) = cgroup else { return };
+        if self.never.contains(&cg) {
+            return;
+        }
+        let full = self.by_path.len() >= CGROUPS_MAX;
+        match self.by_path.entry(cg) {
+            std::collections::hash_map::Entry::Occupied(mut e) => {
+                if !matches!(e.get(), CgroupOwner::Allocation(a) if a == id) {
+                    e.insert(CgroupOwner::Shared);
+                }
+            }
+            // Full: the identity file still attributes its processes, poll after poll.
+            std::collections::hash_map::Entry::Vacant(_) if full => {}
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(CgroupOwner::Allocation(id.to_owned()));
+            }
+        }
+    }
+
+    /// The allocation id `cgroup` was learnt for.
+    fn owner(&self, cgroup: &str) -> Option<&str> {
+        match self.by_path.get(cgroup)? {
+            CgroupOwner::Allocation(id) => Some(id),
+            CgroupOwner::Shared => None,
+        }
+    }
+
+    /// Forgets the cgroups of allocations no longer live.
+    pub fn retain(&mut self, live: &HashSet<&str>) {
+        self.by_path.retain(|_, o| match o {
+            CgroupOwner::Allocation(id) => live.contains(id.as_str()),
+            CgroupOwner::Shared => true,
+        });
+    }
+
+    /// Cgroups remembered.
+    pub fn len(&self) -> usize {
+        self.by_path.len()
+    }
+
+    /// True when none is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.by_path.is_empty()
+    }
 }
 
 /// Whom a GPU process belongs to.
@@ -211,46 +339,78 @@ pub struct Action {
     pub reason: Reason,
 }
 
-/// Attributes every pid in `pids` (see the module map for the order).
-pub fn attribute(watched: &[Watched], pids: &[i32], view: &dyn ProcView) -> HashMap<i32, Owner> {
-    let by_pid: HashMap<i32, usize> = watched
-        .iter()
-        .enumerate()
-        .flat_map(|(i, w)| w.pids.iter().map(move |p| (*p, i)))
-        .collect();
+/// Attributes every pid in `pids` (see the module map for the order), learning container
+/// cgroups into `cgroups` on the way.
+pub fn attribute(
+    watched: &[Watched],
+    pids: &[i32],
+    view: &dyn ProcView,
+    cgroups: &mut Cgroups,
+) -> HashMap<i32, Owner> {
+    let mut by_proc: HashMap<ProcId, usize> = HashMap::new();
+    for (i, w) in watched.iter().enumerate() {
+        for p in &w.pids {
+            // A process connected for two allocations is the first one's.
+            by_proc.entry(*p).or_insert(i);
+        }
+    }
     let by_token: HashMap<&str, usize> = watched
         .iter()
         .enumerate()
         .map(|(i, w)| (w.token.as_str(), i))
         .collect();
+    let by_id: HashMap<&str, usize> = watched
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.id.as_str(), i))
+        .collect();
     let mut out = HashMap::new();
     for &pid in pids {
-        let owner = match connected_ancestor(pid, &by_pid, view) {
-            Some(i) => Owner::Allocation(i),
-            None => match view.origin(pid) {
-                Origin::Host => Owner::UnknownHost,
-                Origin::Container { token } => match token.as_deref().and_then(|t| by_token.get(t))
-                {
-                    Some(&i) => Owner::Allocation(i),
-                    None => Owner::UnknownContainer,
-                },
+        let origin = view.origin(pid);
+        let owner = match &origin {
+            // 1. Its own identity file: nothing a connection claims overrides it.
+            Origin::Container { token: Some(t) } => match by_token.get(t.as_str()) {
+                Some(&i) => {
+                    cgroups.learn(view.cgroup(pid), &watched[i].id);
+                    Owner::Allocation(i)
+                }
+                None => Owner::UnknownContainer,
             },
+            _ => {
+                // 2. Its container's cgroup (a container process only: a host process is
+                // never taken for a container's).
+                let by_cgroup = match origin {
+                    Origin::Container { token: None } => view
+                        .cgroup(pid)
+                        .and_then(|cg| cgroups.owner(&cg).and_then(|id| by_id.get(id)).copied()),
+                    _ => None,
+                };
+                // 3. A live connected process, or a descendant of one.
+                match by_cgroup.or_else(|| connected_ancestor(pid, &by_proc, view)) {
+                    Some(i) => Owner::Allocation(i),
+                    None if origin == Origin::Host => Owner::UnknownHost,
+                    None => Owner::UnknownContainer,
+                }
+            }
         };
         out.insert(pid, owner);
     }
     out
 }
 
-/// `pid` itself or its nearest ancestor connected for an allocation.
+/// `pid` itself or its nearest ancestor connected for an allocation, each checked against the
+/// live process at its pid (a connection whose process exited names nobody, and a process
+/// given its pid later, or that one's children, are not its).
 fn connected_ancestor(
     pid: i32,
-    by_pid: &HashMap<i32, usize>,
+    by_proc: &HashMap<ProcId, usize>,
     view: &dyn ProcView,
 ) -> Option<usize> {
     let mut p = pid;
     // Bounded: a pid cycle (a reused pid read mid-change) cannot loop forever.
     for _ in 0..64 {
-        if let Some(&i) = by_pid.get(&p) {
+        let start = view.start_time(p)?;
+        if let Some(&i) = by_proc.get(&ProcId { pid: p, start }) {
             return Some(i);
         }
         match view.parent(p) {
@@ -268,6 +428,45 @@ pub fn memory_per_pid(procs: &[GpuProcess]) -> HashMap<i32, u64> {
         *per_pid.entry(p.pid).or_default() += p.used;
     }
     per_pid
+}
+
+/// True when `gpu` is a card the owner of a process holds wholly (see
+/// [`Watched::whole_gpus`]): what its processes do there is not policed.
+fn on_own_whole_card(watched: &[Watched], owner: Option<&Owner>, gpu: u32) -> bool {
+    matches!(owner, Some(Owner::Allocation(i)) if watched[*i].whole_gpus.contains(&gpu))
+}
+
+/// Device memory per pid that the memory rule polices: all of it, less what a process of a
+/// whole-card allocation holds on the cards that allocation holds wholly.
+pub fn policed_memory(
+    watched: &[Watched],
+    procs: &[GpuProcess],
+    owners: &HashMap<i32, Owner>,
+) -> HashMap<i32, u64> {
+    let mut per_pid: HashMap<i32, u64> = HashMap::new();
+    for p in procs {
+        if !on_own_whole_card(watched, owners.get(&p.pid), p.gpu) {
+            *per_pid.entry(p.pid).or_default() += p.used;
+        }
+    }
+    per_pid
+}
+
+/// GPU time per pid over all GPUs, and the part the compute rule polices (the same, less a
+/// whole-card allocation's time on the cards it holds wholly), from time per (pid, GPU).
+pub fn policed_gpu_time(
+    watched: &[Watched],
+    per_gpu: &HashMap<(i32, u32), u64>,
+    owners: &HashMap<i32, Owner>,
+) -> (HashMap<i32, u64>, HashMap<i32, u64>) {
+    let (mut all, mut policed): (HashMap<i32, u64>, HashMap<i32, u64>) = Default::default();
+    for (&(pid, gpu), &ns) in per_gpu {
+        *all.entry(pid).or_default() += ns;
+        if !on_own_whole_card(watched, owners.get(&pid), gpu) {
+            *policed.entry(pid).or_default() += ns;
+        }
+    }
+    (all, policed)
 }
 
 /// The memory rule and the unknown-process rule: which processes to act on, given the
@@ -301,17 +500,18 @@ pub fn decide(
         }
     }
     for (w, group) in watched.iter().zip(groups) {
-        if w.share >= 100 {
-            // A whole card: its processes cannot take more than the card, and a pod holding
-            // several whole cards (one allocation each, one identity) spreads over them.
-            continue;
-        }
         let total: u64 = group.iter().map(|(_, u)| u).sum();
-        let allowed = tolerance.allowed(w.limit, group.len());
+        // A whole-card allocation's memory here is only what it holds on cards it does not
+        // own (see [`policed_memory`]), where it may hold nothing.
+        let allowed = if w.share < 100 {
+            tolerance.allowed(w.limit, group.len())
+        } else {
+            0
+        };
         if total <= allowed {
             continue;
         }
-        let connected: HashSet<i32> = w.pids.iter().copied().collect();
+        let connected: HashSet<i32> = w.pids.iter().map(|p| p.pid).collect();
         let mut order = group.clone();
         // Those that went around the arbiter first, then the largest.
         order.sort_by_key(|(pid, used)| (connected.contains(pid), std::cmp::Reverse(*used), *pid));
@@ -442,12 +642,106 @@ pub fn compute_culprit(group: &[(i32, u64)], connected: &HashSet<i32>) -> Option
         .copied()
 }
 
-/// The parent of `pid` from `/proc/<pid>/stat` (field 4, after the parenthesised name, which
-/// may itself contain spaces and parentheses).
-pub fn proc_parent(pid: i32) -> Option<i32> {
+/// Field `n` (1-based, `n` > 2) of `/proc/<pid>/stat`, counted after the parenthesised name,
+/// which may itself contain spaces and parentheses (so the last `)` ends it).
+fn stat_field<T: std::str::FromStr>(pid: i32, n: usize) -> Option<T> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(1)?.parse().ok()
+    rest.split_whitespace().nth(n - 3)?.parse().ok()
+}
+
+/// The parent of `pid` from `/proc/<pid>/stat` (field 4).
+pub fn proc_parent(pid: i32) -> Option<i32> {
+    stat_field(pid, 4)
+}
+
+/// The start time of `pid`, clock ticks after boot, from `/proc/<pid>/stat` (field 22).
+pub fn proc_start(pid: i32) -> Option<u64> {
+    stat_field(pid, 22)
+}
+
+/// The cgroup v2 path of `pid`: the `0::` line of `/proc/<pid>/cgroup`.
+pub fn proc_cgroup(pid: &str) -> Option<String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .map(str::to_owned)
+}
+
+/// `SO_PEERPIDFD` (Linux 6.5, `asm-generic/socket.h`; not in the `libc` crate yet).
+const SO_PEERPIDFD: libc::c_int = 77;
+
+/// The process behind a tenant connection: its [`ProcId`], and a pidfd of it kept for the
+/// connection's lifetime where the kernel gives one. The pidfd says exactly whether that very
+/// process still lives (a pid reused at once, within the tick of its start time, cannot fool
+/// it); the start time still names it to the pure rules.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// Pid and start time.
+    pub id: ProcId,
+    pidfd: Option<Arc<OwnedFd>>,
+}
+
+impl Peer {
+    /// A peer known by pid and start time alone (kernels without `SO_PEERPIDFD`, tests).
+    pub fn without_pidfd(id: ProcId) -> Self {
+        Self { id, pidfd: None }
+    }
+
+    /// False once the process exited (known only with a pidfd; without one, true, and the
+    /// start time checked at every use decides).
+    pub fn is_alive(&self) -> bool {
+        self.pidfd.as_ref().is_none_or(|fd| pidfd_alive(fd))
+    }
+}
+
+/// True while the pidfd's process exists (a zombie, not yet reaped, still holds its pid).
+fn pidfd_alive(fd: &OwnedFd) -> bool {
+    // SAFETY: signal 0 only checks that the pidfd's process still exists; no memory is passed.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd.as_raw_fd(),
+            0,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    rc == 0
+}
+
+/// The process behind a connected Unix socket whose `SO_PEERCRED` pid is `pid`, or `None`
+/// when it exited already. The kernel's `SO_PEERPIDFD` names the very process that connected,
+/// so the start time read from `/proc` is checked to be its: read while that process is still
+/// alive (its pid cannot be reused before it is reaped). On kernels without `SO_PEERPIDFD` the
+/// start time is read alone (a process that connects and exits at once, its pid reused before
+/// this runs, could then be mistaken for the new process).
+pub fn peer_process(socket: std::os::fd::BorrowedFd<'_>, pid: i32) -> Option<Peer> {
+    if pid <= 0 {
+        return None;
+    }
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `fd`, an int, on an open socket.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&mut fd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 || fd < 0 {
+        return proc_start(pid).map(|start| Peer::without_pidfd(ProcId { pid, start }));
+    }
+    // SAFETY: getsockopt returned a new pidfd that we own.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let start = proc_start(pid)?;
+    pidfd_alive(&pidfd).then(|| Peer {
+        id: ProcId { pid, start },
+        pidfd: Some(Arc::new(pidfd)),
+    })
 }
 
 /// [`ProcView`] over `/proc`.
@@ -488,6 +782,14 @@ impl ProcFs {
 impl ProcView for ProcFs {
     fn parent(&self, pid: i32) -> Option<i32> {
         proc_parent(pid)
+    }
+
+    fn start_time(&self, pid: i32) -> Option<u64> {
+        proc_start(pid)
+    }
+
+    fn cgroup(&self, pid: i32) -> Option<String> {
+        proc_cgroup(&pid.to_string())
     }
 
     fn origin(&self, pid: i32) -> Origin {
@@ -588,6 +890,8 @@ pub struct Backstop {
     policy: Policy,
     procfs: ProcFs,
     book: ComputeBook,
+    /// Container cgroups learnt from identity files.
+    cgroups: Cgroups,
     /// Per GPU index: the newest utilisation sample timestamp seen (µs since the epoch).
     last_seen: HashMap<u32, u64>,
     last_poll: Option<Instant>,
@@ -662,6 +966,8 @@ impl Backstop {
             policy,
             procfs,
             book: ComputeBook::default(),
+            // Our own cgroup is never a container's: the processes beside us are the host's.
+            cgroups: Cgroups::new(proc_cgroup("self")),
             last_seen: HashMap::new(),
             last_poll: None,
             started: Instant::now(),
@@ -687,6 +993,7 @@ impl Backstop {
                 };
                 out.push(GpuProcess {
                     pid: p.pid as i32,
+                    gpu: i,
                     used,
                 });
             }
@@ -694,9 +1001,9 @@ impl Backstop {
         Ok(out)
     }
 
-    /// GPU time per pid (all GPUs) over the last `elapsed_ns`, from NVML's per-process
+    /// GPU time per (pid, GPU index) over the last `elapsed_ns`, from NVML's per-process
     /// utilisation samples: the mean SM utilisation of a pid's samples times the interval.
-    fn gpu_time(&mut self, elapsed_ns: u64) -> HashMap<i32, u64> {
+    fn gpu_time(&mut self, elapsed_ns: u64) -> HashMap<(i32, u32), u64> {
         let mut out = HashMap::new();
         if self.compute_off {
             return out;
@@ -730,7 +1037,7 @@ impl Backstop {
                 e.1 += 1;
             }
             for (pid, (sum, count)) in per {
-                *out.entry(pid).or_default() += elapsed_ns * sum / (100 * count);
+                *out.entry((pid, i)).or_default() += elapsed_ns * sum / (100 * count);
             }
         }
         out
@@ -753,15 +1060,22 @@ impl Backstop {
                 return Vec::new();
             }
         };
-        let gpu_ns = self.gpu_time(elapsed.unwrap_or(0));
-        let watched = self.arb.watched();
+        let gpu_per = self.gpu_time(elapsed.unwrap_or(0));
+        let mut watched = self.arb.watched();
         let memory = memory_per_pid(&procs);
-        let mut pids: Vec<i32> = memory.keys().chain(gpu_ns.keys()).copied().collect();
+        let mut pids: Vec<i32> = memory
+            .keys()
+            .copied()
+            .chain(gpu_per.keys().map(|(pid, _)| *pid))
+            .collect();
         pids.sort_unstable();
         pids.dedup();
         self.procfs.clear();
         self.reported.retain(|p| pids.binary_search(p).is_ok());
-        let owners = attribute(&watched, &pids, &self.procfs);
+        forget_exited(&mut watched, &self.procfs);
+        let live: HashSet<&str> = watched.iter().map(|w| w.id.as_str()).collect();
+        self.cgroups.retain(&live);
+        let owners = attribute(&watched, &pids, &self.procfs, &mut self.cgroups);
         self.unknown_since
             .retain(|p, _| owners.get(p) == Some(&Owner::UnknownHost));
         for (&pid, owner) in &owners {
@@ -769,9 +1083,11 @@ impl Backstop {
                 self.unknown_since.entry(pid).or_insert(now);
             }
         }
+        let memory = policed_memory(&watched, &procs, &owners);
+        let (gpu_ns, policed_ns) = policed_gpu_time(&watched, &gpu_per, &owners);
         let mut actions = decide(&watched, &memory, &owners, self.policy.memory_tolerance);
         if let Some(elapsed) = elapsed {
-            actions.extend(self.compute(&watched, &owners, &gpu_ns, elapsed));
+            actions.extend(self.compute(&watched, &owners, &gpu_ns, &policed_ns, elapsed));
         }
         let mut taken = Vec::new();
         for a in actions {
@@ -788,10 +1104,17 @@ impl Backstop {
         watched: &[Watched],
         owners: &HashMap<i32, Owner>,
         gpu_ns: &HashMap<i32, u64>,
+        policed_ns: &HashMap<i32, u64>,
         elapsed: u64,
     ) -> Vec<Action> {
-        let mut groups: Vec<Vec<(i32, u64)>> = vec![Vec::new(); watched.len()];
+        let mut busy = vec![0u64; watched.len()];
         for (&pid, &ns) in gpu_ns {
+            if let Some(Owner::Allocation(i)) = owners.get(&pid) {
+                busy[*i] += ns;
+            }
+        }
+        let mut groups: Vec<Vec<(i32, u64)>> = vec![Vec::new(); watched.len()];
+        for (&pid, &ns) in policed_ns {
             if let Some(Owner::Allocation(i)) = owners.get(&pid) {
                 groups[*i].push((pid, ns));
             }
@@ -799,15 +1122,19 @@ impl Backstop {
         let live: HashSet<&str> = watched.iter().map(|w| w.id.as_str()).collect();
         self.book.retain(&live);
         let mut actions = Vec::new();
-        for (w, group) in watched.iter().zip(groups) {
+        for ((w, group), busy) in watched.iter().zip(groups).zip(busy) {
+            if busy > 0 {
+                self.arb.note_gpu_busy(&w.id, busy);
+            }
             let used: u64 = group.iter().map(|(_, ns)| ns).sum();
-            if used > 0 {
-                self.arb.note_gpu_busy(&w.id, used);
-            }
-            if w.share >= 100 {
-                continue;
-            }
-            let Some(leased) = self.arb.leased_total(&w.id) else {
+            // A whole-card allocation is policed only on cards it does not own, where no lease
+            // of its covers anything.
+            let leased = if w.share < 100 {
+                self.arb.leased_total(&w.id)
+            } else {
+                Some(0)
+            };
+            let Some(leased) = leased else {
                 continue;
             };
             let may_act = self.started.elapsed() >= COMPUTE_WARMUP;
@@ -821,7 +1148,7 @@ impl Backstop {
                     .fetch_add(v.charge_ns, Ordering::Relaxed);
             }
             if v.over {
-                let connected: HashSet<i32> = w.pids.iter().copied().collect();
+                let connected: HashSet<i32> = w.pids.iter().map(|p| p.pid).collect();
                 if let Some((pid, ns)) = compute_culprit(&group, &connected) {
                     actions.push(Action {
                         pid,
@@ -964,30 +1291,52 @@ mod tests {
     const MIB: u64 = 1 << 20;
     const MS: u64 = 1_000_000;
 
+    /// The start time of every process of the fake system unless [`Fake::starts`] says else.
+    const START: u64 = 1000;
+
     fn w(id: &str, limit: u64, pids: &[i32]) -> Watched {
         Watched {
             id: id.into(),
             limit,
-            pids: pids.to_vec(),
+            pids: pids
+                .iter()
+                .map(|&pid| ProcId { pid, start: START })
+                .collect(),
             token: format!("tok-{id}"),
             share: 50,
+            whole_gpus: Vec::new(),
         }
     }
 
+    /// A process on GPU 0.
     fn p(pid: i32, used: u64) -> GpuProcess {
-        GpuProcess { pid, used }
+        GpuProcess { pid, gpu: 0, used }
     }
 
-    /// A fake system: parents, and the origin of each pid (host unless listed).
+    /// A process on GPU `gpu`.
+    fn on(gpu: u32, pid: i32, used: u64) -> GpuProcess {
+        GpuProcess { pid, gpu, used }
+    }
+
+    /// A fake system: parents, the origin of each pid (host unless listed), start times
+    /// ([`START`] unless listed; `None`: no process has that pid) and cgroups.
     #[derive(Default)]
     struct Fake {
         parents: HashMap<i32, i32>,
         containers: HashMap<i32, Option<String>>,
+        starts: HashMap<i32, Option<u64>>,
+        cgroups: HashMap<i32, String>,
     }
 
     impl ProcView for Fake {
         fn parent(&self, pid: i32) -> Option<i32> {
             self.parents.get(&pid).copied()
+        }
+        fn start_time(&self, pid: i32) -> Option<u64> {
+            self.starts.get(&pid).copied().unwrap_or(Some(START))
+        }
+        fn cgroup(&self, pid: i32) -> Option<String> {
+            self.cgroups.get(&pid).cloned()
         }
         fn origin(&self, pid: i32) -> Origin {
             match self.containers.get(&pid) {
@@ -1007,7 +1356,8 @@ mod tests {
     ) -> Vec<Action> {
         let memory = memory_per_pid(procs);
         let pids: Vec<i32> = memory.keys().copied().collect();
-        let owners = attribute(watched, &pids, view);
+        let owners = attribute(watched, &pids, view, &mut Cgroups::default());
+        let memory = policed_memory(watched, procs, &owners);
         decide(watched, &memory, &owners, tol)
             .into_iter()
             .filter(|a| {
@@ -1156,7 +1506,7 @@ mod tests {
             p(70, 10 * MIB),
         ];
         let memory = memory_per_pid(&procs);
-        let owners = attribute(&a, &[1, 60, 61, 70], &view);
+        let owners = attribute(&a, &[1, 60, 61, 70], &view, &mut Cgroups::default());
         assert_eq!(owners[&1], Owner::Allocation(0));
         assert_eq!(owners[&60], Owner::UnknownContainer);
         assert_eq!(owners[&61], Owner::UnknownContainer);
@@ -1172,23 +1522,209 @@ mod tests {
         assert_eq!(unknown, vec![(60, true), (61, true), (70, false)]);
     }
 
-    #[test]
-    fn a_whole_card_is_not_policed() {
-        let mut a = [w("a", GIB, &[1])];
-        a[0].share = 100;
-        // Memory on two cards, summed beyond one card's limit: a pod holding both.
-        assert!(run(&a, &[p(1, GIB), p(1, GIB)], &Fake::default(), 0).is_empty());
+    /// A whole-card allocation holding the cards `gpus`.
+    fn whole(id: &str, pids: &[i32], gpus: &[u32]) -> Watched {
+        let mut x = w(id, 80 * GIB, pids);
+        x.share = 100;
+        x.whole_gpus = gpus.to_vec();
+        x
     }
 
     #[test]
-    fn connection_beats_the_identity_file() {
-        // A process that connected for b is b's, whatever file its container has.
-        let a = [w("a", GIB, &[]), w("b", GIB, &[7])];
+    fn a_whole_card_is_not_policed_on_its_own_cards() {
+        // A pod holding cards 1 and 2 (one group) fills both: nothing to police there.
+        let a = [whole("a", &[1], &[1, 2])];
+        let procs = [on(1, 1, 80 * GIB), on(2, 1, 80 * GIB)];
+        assert!(run(&a, &procs, &Fake::default(), 0).is_empty());
+    }
+
+    #[test]
+    fn a_whole_card_allocation_is_policed_on_cards_it_does_not_own() {
+        // a holds card 1 wholly; its process also took 20 GiB on card 0, whose tenants it
+        // would crowd out: over a limit of 0 there, whatever it holds on card 1.
+        let a = [whole("a", &[1], &[1]), w("b", 8 * GIB, &[5])];
+        let procs = [on(1, 1, 10 * GIB), on(0, 1, 20 * GIB), on(0, 5, GIB)];
+        let acts = run(&a, &procs, &Fake::default(), 512 * MIB);
+        assert_eq!(acts.len(), 1, "{acts:?}");
+        assert_eq!((acts[0].pid, acts[0].allocation.as_deref()), (1, Some("a")));
+        assert_eq!(
+            acts[0].reason,
+            Reason::Memory {
+                used: 20 * GIB,
+                total: 20 * GIB,
+                allowed: 0
+            }
+        );
+        // Even a context's worth on a foreign card is over (no tolerance there).
+        let procs = [on(1, 1, GIB), on(0, 1, MIB)];
+        assert_eq!(run(&a, &procs, &Fake::default(), 512 * MIB).len(), 1);
+        // A whole allocation whose card is gone owns nothing: policed everywhere.
+        let gone = [whole("a", &[1], &[])];
+        assert_eq!(run(&gone, &[on(1, 1, GIB)], &Fake::default(), 0).len(), 1);
+    }
+
+    #[test]
+    fn a_whole_card_allocations_gpu_time_is_policed_only_on_foreign_cards() {
+        let a = [whole("a", &[1], &[1]), w("b", GIB, &[5])];
+        let owners = attribute(&a, &[1, 5, 9], &Fake::default(), &mut Cgroups::default());
+        let per_gpu = HashMap::from([
+            ((1, 1), 900 * MS),
+            ((1, 0), 300 * MS),
+            ((5, 0), 200 * MS),
+            ((9, 0), 50 * MS),
+        ]);
+        let (all, policed) = policed_gpu_time(&a, &per_gpu, &owners);
+        assert_eq!(
+            (all[&1], all[&5], all[&9]),
+            (1200 * MS, 200 * MS, 50 * MS),
+            "every ns is counted as busy"
+        );
+        assert_eq!(
+            (policed[&1], policed[&5], policed[&9]),
+            (300 * MS, 200 * MS, 50 * MS),
+            "only card 1's time is a's own"
+        );
+    }
+
+    #[test]
+    fn the_identity_file_beats_any_connection() {
+        // A process whose container's read-only file names a is a's, even connected for b (and
+        // a connection for b from a container of nobody cannot make it b's either).
+        let a = [w("a", GIB, &[]), w("b", GIB, &[7, 8])];
         let view = Fake {
-            containers: HashMap::from([(7, Some("tok-a".into()))]),
+            containers: HashMap::from([(7, Some("tok-a".into())), (8, Some("forged".into()))]),
             ..Default::default()
         };
-        assert_eq!(attribute(&a, &[7], &view)[&7], Owner::Allocation(1));
+        let owners = attribute(&a, &[7, 8], &view, &mut Cgroups::default());
+        assert_eq!(owners[&7], Owner::Allocation(0));
+        assert_eq!(owners[&8], Owner::UnknownContainer);
+    }
+
+    #[test]
+    fn a_reused_pid_and_its_descendants_are_not_attributed_and_the_live_original_still_is() {
+        // a's process 100 connected (start 1000) and exited; a host job got pid 100 later
+        // (start 5000) and forked 101. a's live process 200 and its child 201 are a's.
+        let a = [w("a", GIB, &[100, 200])];
+        let view = Fake {
+            parents: HashMap::from([(101, 100), (201, 200)]),
+            starts: HashMap::from([(100, Some(5000))]),
+            ..Default::default()
+        };
+        let owners = attribute(&a, &[100, 101, 200, 201], &view, &mut Cgroups::default());
+        assert_eq!(owners[&100], Owner::UnknownHost);
+        assert_eq!(owners[&101], Owner::UnknownHost);
+        assert_eq!(owners[&200], Owner::Allocation(0));
+        assert_eq!(owners[&201], Owner::Allocation(0));
+        // The memory rule kills nothing on the host for a's limit: 2 GiB on the trap pid.
+        let procs = [p(100, 2 * GIB), p(200, 100 * MIB)];
+        assert!(run(&a, &procs, &view, 0).is_empty());
+        // And the trap entry is gone from what the rules after attribution see.
+        let mut live = a.to_vec();
+        forget_exited(&mut live, &view);
+        assert_eq!(
+            live[0].pids,
+            vec![ProcId {
+                pid: 200,
+                start: START
+            }]
+        );
+    }
+
+    #[test]
+    fn a_trap_pid_taken_by_a_neighbour_is_the_neighbours() {
+        // b's honest process connected for b with pid 100 after a's connection of a former
+        // pid 100 exited: it is b's alone, and b's limit is what counts.
+        let mut a = [w("a", GIB, &[100]), w("b", 8 * GIB, &[])];
+        a[1].pids.push(ProcId {
+            pid: 100,
+            start: 5000,
+        });
+        let view = Fake {
+            starts: HashMap::from([(100, Some(5000))]),
+            ..Default::default()
+        };
+        assert_eq!(
+            attribute(&a, &[100], &view, &mut Cgroups::default())[&100],
+            Owner::Allocation(1)
+        );
+        assert!(run(&a, &[p(100, 2 * GIB)], &view, 0).is_empty());
+        // A connection whose process is gone altogether attributes nobody either.
+        let view = Fake {
+            starts: HashMap::from([(100, None)]),
+            ..Default::default()
+        };
+        assert_eq!(
+            attribute(&a, &[100], &view, &mut Cgroups::default())[&100],
+            Owner::UnknownHost
+        );
+    }
+
+    #[test]
+    fn a_containers_cgroup_is_learnt_from_its_identity_and_attributes_after() {
+        let a = [w("a", GIB, &[]), w("b", GIB, &[])];
+        let mut view = Fake {
+            containers: HashMap::from([(40, Some("tok-a".into())), (41, None), (42, None)]),
+            cgroups: HashMap::from([
+                (40, "/kubepods/pod1/c1".into()),
+                (41, "/kubepods/pod1/c1".into()),
+                (42, "/kubepods/pod2/c2".into()),
+                (43, "/kubepods/pod1/c1".into()),
+            ]),
+            ..Default::default()
+        };
+        let mut book = Cgroups::new(["/arbiter".to_owned()]);
+        // Before any process of it showed its identity, 41 (no file: it chrooted away) is
+        // nobody's.
+        let owners = attribute(&a, &[41], &view, &mut book);
+        assert_eq!(owners[&41], Owner::UnknownContainer);
+        let owners = attribute(&a, &[40, 41, 42, 43], &view, &mut book);
+        assert_eq!(owners[&40], Owner::Allocation(0));
+        assert_eq!(owners[&41], Owner::Allocation(0), "same cgroup as 40");
+        assert_eq!(owners[&42], Owner::UnknownContainer, "another container");
+        // 43 runs on the host (its mount namespace is the host's): never a container's by
+        // cgroup.
+        assert_eq!(owners[&43], Owner::UnknownHost);
+        assert_eq!(book.len(), 1);
+        // The root and the arbiter's own cgroup are never learnt (a container sharing them
+        // with the host would make host processes its own).
+        view.cgroups.insert(40, "/".into());
+        view.cgroups.insert(41, "/".into());
+        let mut book = Cgroups::new(["/arbiter".to_owned()]);
+        let owners = attribute(&a, &[40, 41], &view, &mut book);
+        assert_eq!(owners[&41], Owner::UnknownContainer);
+        view.cgroups.insert(40, "/arbiter".into());
+        view.cgroups.insert(41, "/arbiter".into());
+        let owners = attribute(&a, &[40, 41], &view, &mut book);
+        assert_eq!(owners[&41], Owner::UnknownContainer);
+        assert!(book.is_empty());
+        // A cgroup where two allocations' identities show attributes nobody.
+        view.cgroups.insert(40, "/c".into());
+        view.cgroups.insert(41, "/c".into());
+        view.cgroups.insert(44, "/c".into());
+        view.containers.insert(44, Some("tok-b".into()));
+        let owners = attribute(&a, &[40, 44, 41], &view, &mut book);
+        assert_eq!(
+            (owners[&40], owners[&44]),
+            (Owner::Allocation(0), Owner::Allocation(1))
+        );
+        assert_eq!(owners[&41], Owner::UnknownContainer);
+        // Dropped with the allocation.
+        book.retain(&HashSet::new());
+        view.cgroups.insert(44, "/d".into());
+        attribute(&a, &[44], &view, &mut book);
+        assert_eq!(book.len(), 2);
+        book.retain(&HashSet::from(["a"]));
+        assert_eq!(book.len(), 1, "the shared /c stays, b's /d goes");
+    }
+
+    #[test]
+    fn the_cgroup_book_is_bounded() {
+        let mut book = Cgroups::default();
+        for i in 0..CGROUPS_MAX + 10 {
+            book.learn(Some(format!("/c{i}")), "a");
+        }
+        assert_eq!(book.len(), CGROUPS_MAX);
+        assert_eq!(book.owner(&format!("/c{}", CGROUPS_MAX + 5)), None);
     }
 
     fn policy() -> Policy {
@@ -1321,6 +1857,30 @@ mod tests {
         // SAFETY: getppid has no preconditions.
         assert_eq!(parent, unsafe { libc::getppid() });
         assert_eq!(proc_parent(-5), None);
+        // We started after our parent, and a start time does not change.
+        let (mine, theirs) = (proc_start(me).unwrap(), proc_start(parent).unwrap());
+        assert!(mine >= theirs, "{mine} {theirs}");
+        assert_eq!(proc_start(me), Some(mine));
+        assert_eq!(proc_start(-5), None);
+        assert!(proc_cgroup("self").is_some_and(|c| c.starts_with('/')));
+    }
+
+    #[test]
+    fn a_connected_peer_is_named_by_pid_and_start_time_while_it_lives() {
+        use std::os::fd::AsFd;
+        let (here, there) = std::os::unix::net::UnixStream::pair().unwrap();
+        let me = std::process::id() as i32;
+        let got = peer_process(here.as_fd(), me).expect("our own process is alive");
+        assert_eq!(
+            got.id,
+            ProcId {
+                pid: me,
+                start: proc_start(me).unwrap()
+            }
+        );
+        assert!(got.is_alive());
+        assert!(peer_process(here.as_fd(), 0).is_none());
+        drop(there);
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! - 3: GPUs could not be discovered (NVML missing or failing);
 //! - 4: a socket could not be created (or another arbiter is serving on it), or the metrics
 //!   address could not be bound;
-//! - 5: the state directory or state file is unusable (a corrupt file is left untouched).
+//! - 5: the state directory or state file is unusable (a corrupt file is left untouched);
+//! - 6: another arbiter holds the state directory (one arbiter per `--state-dir`).
 
 #![forbid(unsafe_code)]
 
@@ -20,6 +21,8 @@ use tessera_arbiter::config::Config;
 use tessera_arbiter::gpus::{GpuDiscovery, GpusError, NvmlDiscovery};
 use tessera_arbiter::scheduler::SchedulerParams;
 use tessera_arbiter::server::{Server, ServerError};
+use tessera_arbiter::state::StateError;
+use tessera_arbiter::store::StoreError;
 use tessera_protocol::GpuInfo;
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -54,6 +57,9 @@ impl MainError {
                 | ServerError::NotASocket(_)
                 | ServerError::Metrics(_),
             ) => 4,
+            MainError::Server(ServerError::State(StateError::Store(StoreError::Locked {
+                ..
+            }))) => 6,
             MainError::Server(ServerError::State(_)) => 5,
             MainError::Runtime(_)
             | MainError::Signals(_)

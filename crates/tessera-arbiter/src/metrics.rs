@@ -712,7 +712,18 @@ mod tests {
             .unwrap();
         let (_, c) = rt.block_on(arb.create(create(1, 10, None, &[]))).unwrap();
         // A tenant of A holds 100 MiB, is refused twice, and was killed once by the backstop.
-        let bind = arb.attach_tenant(&token_a, 1, Some(4242)).unwrap();
+        let bind = arb
+            .attach_tenant(
+                &token_a,
+                1,
+                Some(crate::backstop::Peer::without_pidfd(
+                    crate::backstop::ProcId {
+                        pid: 4242,
+                        start: 1,
+                    },
+                )),
+            )
+            .unwrap();
         arb.with_ledger(|l| l.reserve(bind.key, 1, 100 << 20))
             .unwrap();
         bind.counters.refused();

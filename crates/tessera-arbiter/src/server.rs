@@ -64,9 +64,10 @@ pub struct Server {
 /// Raises the soft limit on open files so the caps, not the limit, decide who gets in: an
 /// arbiter out of descriptors cannot even accept (and close) a connection, honest or not.
 fn raise_nofile(limits: &Limits) {
-    // Both sockets' pending caps, two per admitted tenant (its socket and the writer's clone),
-    // and room for state files, NVML and /proc.
-    let want = (2 * limits.pending + 2 * limits.admitted + 1024) as libc::rlim_t;
+    // Both sockets' pending caps (a tenant one also holds its peer's pidfd), three per admitted
+    // tenant (its socket, the writer's clone, its peer's pidfd), and room for state files,
+    // NVML and /proc.
+    let want = (3 * limits.pending + 3 * limits.admitted + 1024) as libc::rlim_t;
     let mut rl = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,

@@ -21,6 +21,7 @@ use tessera_protocol::{
     LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS,
 };
 
+use crate::backstop::{Peer, ProcId};
 use crate::ledger::{AccountKey, ConnId, Ledger, LedgerError};
 use crate::metrics::{
     AllocCounters, AllocSample, EnforceReason, GpuSample, RequestStats, Snapshot,
@@ -98,14 +99,28 @@ struct Live {
     tokens: HashMap<String, String>,
     ledger: Ledger,
     /// Connections per process per account (a process may open several connections).
-    procs: HashMap<AccountKey, HashMap<i64, u32>>,
+    procs: HashMap<AccountKey, HashMap<ProcKey, ProcEntry>>,
     next_key: AccountKey,
 }
 
-/// Identifies the process behind a connection: its pid, or the connection when the kernel
-/// gave no pid.
-fn proc_key(pid: Option<i32>, conn: ConnId) -> i64 {
-    pid.map(i64::from).unwrap_or(-(conn as i64))
+/// The process behind a connection: its pid and start time, or the connection itself when
+/// the kernel named no live process (such a connection attributes nobody to the backstop).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum ProcKey {
+    Proc(ProcId),
+    Conn(ConnId),
+}
+
+/// One process's connections for one account.
+#[derive(Debug)]
+struct ProcEntry {
+    conns: u32,
+    /// The process, as its first connection named it (its pidfd says whether it lives).
+    peer: Option<Peer>,
+}
+
+fn proc_key(peer: Option<ProcId>, conn: ConnId) -> ProcKey {
+    peer.map_or(ProcKey::Conn(conn), ProcKey::Proc)
 }
 
 /// Shared state of one arbiter.
@@ -353,7 +368,7 @@ impl Arbiter {
         &self,
         token: &str,
         conn: ConnId,
-        pid: Option<i32>,
+        peer: Option<Peer>,
     ) -> Option<TenantBinding> {
         let mut live = self.live();
         let id = live.tokens.get(token)?.clone();
@@ -367,12 +382,13 @@ impl Arbiter {
             )
         };
         live.ledger.attach(key, conn).ok()?;
-        *live
-            .procs
+        let pk = proc_key(peer.as_ref().map(|p| p.id), conn);
+        live.procs
             .entry(key)
             .or_default()
-            .entry(proc_key(pid, conn))
-            .or_insert(0) += 1;
+            .entry(pk)
+            .or_insert(ProcEntry { conns: 0, peer })
+            .conns += 1;
         Some(TenantBinding {
             key,
             view,
@@ -497,21 +513,71 @@ impl Arbiter {
         })
     }
 
-    /// Every live allocation with the pids connected for it (for the backstop).
+    /// Every live allocation with the processes connected for it (for the backstop).
     pub fn watched(&self) -> Vec<crate::backstop::Watched> {
         let live = self.live();
-        live.by_id
+        let index_of = |uuid: &str| {
+            self.gpus
+                .iter()
+                .find(|g| g.uuid.eq_ignore_ascii_case(uuid))
+                .map(|g| g.index)
+        };
+        fn group_of(r: &AllocationRecord) -> Option<&String> {
+            (r.share >= 100)
+                .then(|| r.labels.get(tessera_protocol::LABEL_WHOLE_GROUP))
+                .flatten()
+        }
+        // The cards a whole-card allocation's processes hold: its own and its group's.
+        let whole_gpus = |r: &AllocationRecord| -> Vec<u32> {
+            if r.share < 100 {
+                return Vec::new();
+            }
+            let mut gpus: Vec<u32> = index_of(&r.gpu_uuid).into_iter().collect();
+            if let Some(group) = group_of(r) {
+                gpus.extend(
+                    live.by_id
+                        .values()
+                        .filter(|b| group_of(&b.record) == Some(group))
+                        .filter_map(|b| index_of(&b.record.gpu_uuid)),
+                );
+            }
+            gpus.sort_unstable();
+            gpus.dedup();
+            gpus
+        };
+        let listed: Vec<(crate::backstop::Watched, Vec<Peer>)> = live
+            .by_id
             .values()
-            .map(|a| crate::backstop::Watched {
-                id: a.record.id.clone(),
-                limit: a.record.memory_limit,
-                token: a.record.token.clone(),
-                share: a.record.share,
-                pids: live
-                    .procs
-                    .get(&a.key)
-                    .map(|p| p.keys().filter(|k| **k > 0).map(|k| *k as i32).collect())
-                    .unwrap_or_default(),
+            .map(|a| {
+                let mut pids = Vec::new();
+                let mut peers = Vec::new();
+                for (k, e) in live.procs.get(&a.key).into_iter().flatten() {
+                    match (k, &e.peer) {
+                        (ProcKey::Proc(_), Some(p)) => peers.push(p.clone()),
+                        (ProcKey::Proc(id), None) => pids.push(*id),
+                        (ProcKey::Conn(_), _) => {}
+                    }
+                }
+                let w = crate::backstop::Watched {
+                    id: a.record.id.clone(),
+                    limit: a.record.memory_limit,
+                    token: a.record.token.clone(),
+                    share: a.record.share,
+                    whole_gpus: whole_gpus(&a.record),
+                    pids,
+                };
+                (w, peers)
+            })
+            .collect();
+        drop(live);
+        // Outside the lock (a syscall per connected process): a process that exited names
+        // nobody, whoever keeps its connection open.
+        listed
+            .into_iter()
+            .map(|(mut w, peers)| {
+                w.pids
+                    .extend(peers.iter().filter(|p| p.is_alive()).map(|p| p.id));
+                w
             })
             .collect()
     }
@@ -553,16 +619,16 @@ impl Arbiter {
         &self,
         binding: &TenantBinding,
         conn: ConnId,
-        pid: Option<i32>,
+        peer: Option<ProcId>,
     ) -> Result<u64, LedgerError> {
         let (freed, gone) = {
             let mut live = self.live();
             let freed = live.ledger.detach(binding.key, conn)?;
             if let Some(procs) = live.procs.get_mut(&binding.key) {
-                let pk = proc_key(pid, conn);
-                if let Some(n) = procs.get_mut(&pk) {
-                    *n -= 1;
-                    if *n == 0 {
+                let pk = proc_key(peer, conn);
+                if let Some(e) = procs.get_mut(&pk) {
+                    e.conns -= 1;
+                    if e.conns == 0 {
                         procs.remove(&pk);
                     }
                 }
@@ -783,5 +849,65 @@ impl Arbiter {
         // Stable: records are kept in creation order.
         out.sort_by_key(|a| a.gpu_index);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_protocol::{CreateAllocation, GpuSelector, LABEL_WHOLE_GROUP};
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn a_whole_card_allocation_holds_its_card_and_its_groups_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let gpus = (0..4)
+            .map(|i| GpuInfo {
+                index: i,
+                uuid: format!("GPU-{i}"),
+                name: "sim".into(),
+                memory_total: 80 * GIB,
+            })
+            .collect();
+        let arb = Arbiter::new(
+            gpus,
+            Store::open(dir.path()).unwrap(),
+            SchedulerParams::default(),
+        )
+        .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let make = |gpu: u32, share: u32, group: Option<&str>| {
+            let req = CreateAllocation {
+                gpu: GpuSelector::Index(gpu),
+                memory_limit: GIB,
+                share,
+                cap: None,
+                labels: group
+                    .map(|g| (LABEL_WHOLE_GROUP.to_owned(), g.to_owned()))
+                    .into_iter()
+                    .collect(),
+            };
+            rt.block_on(arb.create(req)).unwrap().1.id
+        };
+        let (a, b) = (make(0, 100, Some("GPU-0")), make(1, 100, Some("GPU-0")));
+        let c = make(2, 100, None);
+        // A fraction carrying the label (an operator's mistake) holds no card.
+        let d = make(3, 50, Some("GPU-0"));
+        let watched = arb.watched();
+        let of = |id: &str| {
+            watched
+                .iter()
+                .find(|w| w.id == id)
+                .unwrap()
+                .whole_gpus
+                .clone()
+        };
+        assert_eq!(of(&a), [0, 1]);
+        assert_eq!(of(&b), [0, 1]);
+        assert_eq!(of(&c), [2]);
+        assert!(of(&d).is_empty());
     }
 }

@@ -4,8 +4,15 @@
 //! and Delete: written to a temporary file (mode 0600), fsynced, renamed over the old one and
 //! the directory fsynced, so a crash leaves either the old or the new file, never a torn one.
 //! Reserve and Release never touch the disk.
+//!
+//! One arbiter per state directory: [`Store::open`] takes an exclusive `flock` on its `lock`
+//! file, held until the store is dropped (the kernel releases it when the process dies, so a
+//! crash leaves nothing to clean up), and writes its pid there for the next one's message. Two
+//! arbiters on one directory would each promise the same cards' memory. It also proves the
+//! directory writable at once, so an unwritable one stops the start, not the first Create.
 
-#![forbid(unsafe_code)]
+// Denied, not forbidden: `flock` (below) is the one call std offers only from Rust 1.89.
+#![deny(unsafe_code)]
 
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
@@ -17,6 +24,8 @@ use serde::{Deserialize, Serialize};
 
 /// Name of the state file inside the state directory.
 pub const STATE_FILE: &str = "allocations.json";
+/// Name of the lock file inside the state directory.
+pub const LOCK_FILE: &str = "lock";
 /// Format version of the state file.
 pub const STATE_VERSION: u32 = 1;
 
@@ -50,6 +59,17 @@ pub enum StoreError {
     /// The system's random source failed.
     #[error("random source failed: {0}")]
     Random(#[source] getrandom::Error),
+    /// Another arbiter holds the state directory's lock.
+    #[error(
+        "state directory {path} is in use by another arbiter ({holder}); one arbiter per state \
+         directory (give this one its own --state-dir, or stop the other)"
+    )]
+    Locked {
+        /// Directory.
+        path: PathBuf,
+        /// Who holds it, as far as its lock file tells (`pid N`), else `holder unknown`.
+        holder: String,
+    },
 }
 
 /// One allocation as persisted.
@@ -85,21 +105,55 @@ struct StateFile {
 #[derive(Debug, Clone)]
 pub struct Store {
     dir: PathBuf,
+    /// The locked lock file (the lock lives as long as this descriptor).
+    _lock: std::sync::Arc<File>,
 }
 
 impl Store {
-    /// Opens (creating with mode 0700 if needed) the state directory.
+    /// Opens (creating with mode 0700 if needed) the state directory, takes its lock and checks
+    /// that it can be written.
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
+        let dir_err = |source| StoreError::Dir {
+            path: dir.to_owned(),
+            source,
+        };
         fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(dir)
-            .map_err(|source| StoreError::Dir {
-                path: dir.to_owned(),
-                source,
-            })?;
+            .map_err(dir_err)?;
+        let mut lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(dir.join(LOCK_FILE))
+            .map_err(dir_err)?;
+        match try_lock_exclusive(&lock) {
+            Ok(true) => {}
+            Ok(false) => {
+                let text = fs::read_to_string(dir.join(LOCK_FILE)).unwrap_or_default();
+                let holder = match text.trim().parse::<u32>() {
+                    Ok(pid) => format!("pid {pid}"),
+                    Err(_) => "holder unknown".to_owned(),
+                };
+                return Err(StoreError::Locked {
+                    path: dir.to_owned(),
+                    holder,
+                });
+            }
+            Err(e) => return Err(dir_err(e)),
+        }
+        lock.set_len(0).map_err(dir_err)?;
+        writeln!(lock, "{}", std::process::id()).map_err(dir_err)?;
+        // A Create renames a new file into the directory: prove that works now.
+        let probe = dir.join(format!(".{STATE_FILE}.probe"));
+        File::create(&probe).map_err(dir_err)?;
+        fs::remove_file(&probe).map_err(dir_err)?;
         Ok(Self {
             dir: dir.to_owned(),
+            _lock: std::sync::Arc::new(lock),
         })
     }
 
@@ -169,6 +223,23 @@ impl Store {
     }
 }
 
+/// `flock(LOCK_EX | LOCK_NB)`: true when taken, false when another open file holds it.
+#[allow(unsafe_code)]
+fn try_lock_exclusive(file: &File) -> io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock takes a descriptor (open for as long as `file` is borrowed) and flags;
+    // no memory is passed.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
 fn random_hex(bytes: usize) -> Result<String, StoreError> {
     let mut buf = vec![0u8; bytes];
     getrandom::fill(&mut buf).map_err(StoreError::Random)?;
@@ -204,6 +275,34 @@ mod tests {
     }
 
     #[test]
+    fn one_store_per_directory_and_the_second_names_the_holder() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = Store::open(dir.path()).unwrap();
+        let clone = first.clone();
+        match Store::open(dir.path()) {
+            Err(StoreError::Locked { path, holder }) => {
+                assert_eq!(path, dir.path());
+                assert_eq!(holder, format!("pid {}", std::process::id()));
+            }
+            other => panic!("{other:?}"),
+        }
+        drop(first);
+        assert!(
+            matches!(Store::open(dir.path()), Err(StoreError::Locked { .. })),
+            "a clone keeps the lock"
+        );
+        drop(clone);
+        Store::open(dir.path()).expect("free again once the holder is gone");
+    }
+
+    #[test]
+    fn an_unwritable_directory_is_found_at_open() {
+        // procfs refuses new files even to root.
+        let err = Store::open(Path::new("/proc/self")).unwrap_err();
+        assert!(matches!(err, StoreError::Dir { .. }), "{err:?}");
+    }
+
+    #[test]
     fn save_then_load_round_trips_with_private_mode() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&dir.path().join("state")).unwrap();
@@ -221,9 +320,13 @@ mod tests {
         assert_eq!(dmode, 0o700);
         store.save(&recs[..1]).unwrap();
         assert_eq!(store.load().unwrap(), recs[..1]);
-        // No temp file is left behind.
-        let names: Vec<_> = fs::read_dir(dir.path().join("state")).unwrap().collect();
-        assert_eq!(names.len(), 1);
+        // No temp file (nor the open's probe) is left behind: the state file and the lock.
+        let mut names: Vec<_> = fs::read_dir(dir.path().join("state"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        assert_eq!(names, [STATE_FILE, LOCK_FILE]);
     }
 
     #[test]

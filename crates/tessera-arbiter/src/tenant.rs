@@ -92,7 +92,7 @@ pub fn spawn(
     arb: Arc<Arbiter>,
     stream: tokio::net::UnixStream,
     conn: ConnId,
-    pid: Option<i32>,
+    proc: Option<crate::backstop::ProcId>,
     binding: TenantBinding,
     slot: TenantSlot,
 ) -> Result<(), TenantError> {
@@ -101,7 +101,7 @@ pub fn spawn(
     std::thread::Builder::new()
         .name(format!("tenant-{conn}"))
         .stack_size(THREAD_STACK)
-        .spawn(move || serve(arb, stream, conn, pid, binding, slot))
+        .spawn(move || serve(arb, stream, conn, proc, binding, slot))
         .map_err(TenantError::Spawn)?;
     Ok(())
 }
@@ -224,17 +224,17 @@ fn serve(
     arb: Arc<Arbiter>,
     mut stream: UnixStream,
     conn: ConnId,
-    pid: Option<i32>,
+    proc: Option<crate::backstop::ProcId>,
     binding: TenantBinding,
     _slot: TenantSlot,
 ) {
     batch_scheduling();
-    let who = match pid {
-        Some(p) => format!("tenant conn {conn} (pid {p})"),
+    let who = match proc {
+        Some(p) => format!("tenant conn {conn} (pid {})", p.pid),
         None => format!("tenant conn {conn}"),
     };
     if let Err(e) = welcome(&mut stream, &binding) {
-        let _ = arb.detach_tenant(&binding, conn, pid);
+        let _ = arb.detach_tenant(&binding, conn, proc);
         tracing::info!("{who}: closed at handshake: {e}");
         return;
     }
@@ -264,7 +264,7 @@ fn serve(
         arb.pressure().channel_closed(mem, conn);
     }
     arb.pressure().conn_closed(conn);
-    let freed = arb.detach_tenant(&binding, conn, pid);
+    let freed = arb.detach_tenant(&binding, conn, proc);
     arb.pressure().note_freed();
     let id = &binding.view.id;
     match (result, freed) {

@@ -185,8 +185,11 @@ fn sockets_have_the_documented_modes_and_stale_files_are_replaced() {
     assert_eq!(mode(&arb.socket), 0o666);
     assert_eq!(mode(&arb.admin_socket), 0o600);
     assert_eq!(mode(&arb.state_dir), 0o700);
-    // A second arbiter on the same sockets refuses to start (exit 4) and leaves them alone.
-    let out = arbiter_command(arb.dir.path()).output().unwrap();
+    // A second arbiter on the same sockets (with a state directory of its own) refuses to
+    // start (exit 4) and leaves them alone.
+    let mut second = spec(arb.dir.path());
+    second.state_dir = arb.dir.path().join("state-2");
+    let out = second.command().output().unwrap();
     assert_eq!(
         code(out.status),
         4,
@@ -195,6 +198,40 @@ fn sockets_have_the_documented_modes_and_stale_files_are_replaced() {
     );
     assert!(String::from_utf8_lossy(&out.stderr).contains("another arbiter"));
     arb.admin().list().unwrap();
+}
+
+/// Issue 20: two arbiters on one state directory would each promise the same cards.
+#[test]
+fn a_second_arbiter_on_the_same_state_dir_exits_6_and_an_unwritable_one_exits_5() {
+    let arb = Arbiter::start();
+    let (token, id) = create(&mut arb.admin(), 0, GIB, 50);
+    // Its own sockets, the first one's state directory.
+    let mut second = spec(arb.dir.path());
+    second.socket = arb.dir.path().join("second.sock");
+    second.admin_socket = arb.dir.path().join("second-admin.sock");
+    let out = second.command().output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(code(out.status), 6, "{err}");
+    assert!(
+        err.contains(&arb.state_dir.display().to_string())
+            && err.contains(&format!("pid {}", arb.pid())),
+        "names the folder and its holder: {err}"
+    );
+    assert!(!second.socket.exists() && !second.admin_socket.exists());
+    // The first one serves on, its allocation intact.
+    assert_eq!(arb.admin().list().unwrap()[0].id, id);
+    arb.tenant(&token);
+
+    // An unwritable state directory stops the start (procfs refuses new files even to root),
+    // before any socket is bound.
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = spec(dir.path());
+    spec.state_dir = "/proc/self".into();
+    let out = spec.command().output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(code(out.status), 5, "{err}");
+    assert!(err.contains("state directory /proc/self"), "{err}");
+    assert!(!spec.socket.exists());
 }
 
 #[test]

@@ -367,3 +367,72 @@ fn a_cuda_command_sees_and_uses_only_its_allocations_gpu() {
     assert_eq!(child.wait().unwrap().code(), Some(0));
     assert!(arb.admin().list().unwrap().is_empty());
 }
+
+/// Issue 20: a whole-card allocation is policed on the cards it does not own. `tessera run
+/// --gpu 1 --share 100` whose command turns to GPU 0 (`env CUDA_VISIBLE_DEVICES=0`) and
+/// allocates there is killed; NVML (the simulated GPU's record) is the truth.
+#[test]
+fn a_whole_card_allocation_that_uses_another_card_is_killed_there() {
+    use std::io::BufRead;
+    let arb = Arbiter::start();
+    let lib = interposer_in(arb.dir.path());
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/sim_visible.py");
+    let mut cmd = arb.tessera(&[
+        "run",
+        "--gpu",
+        "1",
+        "--share",
+        "100",
+        "--memory",
+        "1GiB",
+        "--interposer",
+    ]);
+    cmd.arg(&lib)
+        .args(["--", "env", "CUDA_VISIBLE_DEVICES=0"])
+        .arg(tessera_testkit::python())
+        .arg(&script)
+        .args(["512", "1000000"]);
+    let mut child = arb
+        .sim
+        .apply(&mut cmd)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _stdin = child.stdin.take();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let mut child = tessera_testkit::KillOnDrop::new(child);
+    // The script prints after its allocation and kernel, so the backstop may kill it before
+    // it can say anything: an empty line is that race, and the log below still names the kill.
+    if !line.trim().is_empty() {
+        let v: serde_json::Value =
+            serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("{e}: {line:?}"));
+        assert_eq!(
+            v["devices"][0]["uuid"],
+            gpu_uuid(0),
+            "it turned to GPU 0: {v}"
+        );
+    }
+    let used = |g| tessera_sim_state::device_memory_used(&arb.sim.dir, g).unwrap();
+    let took = Instant::now();
+    // Its 512 MiB on GPU 0 (within the limit, but on a card it does not own) go within a
+    // second: the backstop kills the process.
+    tessera_testkit::wait_until(Duration::from_secs(3), || used(0) == 0)
+        .unwrap_or_else(|| panic!("GPU 0 still holds {} bytes\n{}", used(0), arb.process_log()));
+    eprintln!(
+        "whole-card allocation on a foreign card: gone {:?} after",
+        took.elapsed()
+    );
+    let status = tessera_testkit::process::wait_exit(&mut child, Duration::from_secs(10))
+        .expect("tessera run ends once its command is killed");
+    assert_eq!(status.code(), Some(128 + libc::SIGKILL), "{status:?}");
+    let log = arb.process_log();
+    assert!(
+        log.contains("killed") && log.contains("allowed 0"),
+        "the kill names the card's limit of 0\n{log}"
+    );
+}

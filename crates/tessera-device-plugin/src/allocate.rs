@@ -252,12 +252,27 @@ fn create_all<A: Arbiter + ?Sized>(
             break;
         };
         let n = p.units.len() as u32;
+        let mut labels = units::allocation_labels(resource, &p.uuid, &p.units);
+        if n == per_gpu {
+            // The whole cards of one container form a group, named by its first card (held by
+            // this container alone): the backstop lets the container use all of them, and
+            // polices it on every other card.
+            let first = plans
+                .iter()
+                .find(|q| q.container == p.container && q.units.len() as u32 == per_gpu);
+            if let Some(first) = first {
+                labels.insert(
+                    tessera_protocol::LABEL_WHOLE_GROUP.to_owned(),
+                    first.uuid.clone(),
+                );
+            }
+        }
         let req = CreateAllocation {
             gpu: GpuSelector::Uuid(p.uuid.clone()),
             memory_limit: units::memory_for(n, per_gpu, gpu.memory_total),
             share: units::share_for(n, per_gpu),
             cap: None,
-            labels: units::allocation_labels(resource, &p.uuid, &p.units),
+            labels,
         };
         match c.create(req) {
             Ok(x) => made.push(x),
@@ -564,6 +579,10 @@ mod tests {
         assert_eq!(identity.token, "token-1");
         assert_eq!(identity.socket, None);
         assert_eq!(identity.allocation.as_deref(), Some("a1"));
+        // One group for both cards, so the backstop lets the container use both.
+        let group =
+            |id: &str| arb.get(id).unwrap().labels[tessera_protocol::LABEL_WHOLE_GROUP].clone();
+        assert_eq!((group("a1"), group("a2")), ("GPU-a".into(), "GPU-a".into()));
     }
 
     #[test]

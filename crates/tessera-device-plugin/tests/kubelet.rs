@@ -1377,11 +1377,90 @@ async fn a_container_without_shares_that_reaches_the_gpu_is_killed_and_whole_gpu
     });
     assert!(status.success(), "{status:?}\n{out}\n{err}");
     assert!(out.contains("holds 60 GiB"), "{out}");
+    // Its second card too: attributed to its first allocation (the identity's), it holds
+    // the other card through their group, so it is not policed there either.
+    // (The emulated runtime does not map NVIDIA_VISIBLE_DEVICES; the simulator honours
+    // CUDA_VISIBLE_DEVICES, which is what the runtime's cards look like to CUDA.)
+    let (_, other) = whole.envs["NVIDIA_VISIBLE_DEVICES"]
+        .split_once(',')
+        .expect("two cards");
+    let mut env2 = env.clone();
+    env2.push(("CUDA_VISIBLE_DEVICES", other.to_owned()));
+    let (out, err, status, _) = tokio::task::block_in_place(|| {
+        run_tenant(
+            &node,
+            &whole,
+            &env2,
+            &["--grab-gib", "60", "--seconds", "1.5"],
+        )
+    });
+    assert!(status.success(), "{status:?}\n{out}\n{err}");
+    assert!(out.contains("holds 60 GiB"), "{out}");
     let log = std::fs::read_to_string(node.dir.path().join("arbiter.log")).unwrap();
     assert_eq!(
         log.matches("killed").count(),
         1,
         "only the pod without shares: {log}"
     );
+    kubelet.stop().await;
+}
+
+/// Issue 20, the pid-reuse trap aimed at a whole-GPU pod: tenant A (1 GiB on GPU 0) keeps a
+/// connection open whose process exited; a process of a pod holding GPU 1 wholly then gets
+/// that pid and takes 60 GiB of its card. Its own identity file wins: it is the pod's, on the
+/// pod's card, and nobody is killed or counted against A.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_gpu_pods_process_on_a_trap_pid_stays_its_pods() {
+    let (node, kubelet, podres) = container_node().await;
+    let gpus = node.gpus();
+    let (token_a, a) = node
+        .admin_client()
+        .create(tessera_testkit::allocation(0, 1 << 30, 10, None))
+        .unwrap();
+    let trap = tessera_testkit::trap::set(Command::new("python3"), &node.tenant(), &token_a);
+    assert!(trap.answer > 0, "the arbiter answered the hello");
+    let mut client = node.plugin_client().await;
+    let units = unit_ids(&gpus[1].uuid, 0..100);
+    podres.set_holding("whole", &units);
+    let whole = allocate(&mut client, units).await.unwrap();
+    // What the runtime's NVIDIA_VISIBLE_DEVICES does on a node (the emulation does not map it).
+    let mut env = sim_env(&node);
+    env.push(("CUDA_VISIBLE_DEVICES", gpus[1].uuid.clone()));
+    let target = target_dir();
+    let (out, status) = tokio::task::block_in_place(|| {
+        let (mut child, _root) = tessera_testkit::trap::at_pid(trap.pid, || {
+            // A fresh root each try: the emulation's script builds it once.
+            let root = tempfile::tempdir().unwrap();
+            let c = container_command(
+                &whole,
+                root.path(),
+                &[&target, node.dir.path()],
+                &env,
+                &artifact("tenant"),
+                &["--grab-gib", "60", "--seconds", "1.5"],
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("unshare (util-linux) is needed to emulate a container");
+            let pid = c.id() as i32;
+            ((KillOnDrop::new(c), root), pid)
+        });
+        let out = std::io::read_to_string(child.stdout.take().unwrap()).unwrap();
+        (out, child.wait().unwrap())
+    });
+    let log = std::fs::read_to_string(node.dir.path().join("arbiter.log")).unwrap();
+    assert!(status.success(), "{status:?}\n{out}\n{log}");
+    assert!(out.contains("holds 60 GiB"), "{out}");
+    assert!(!log.contains("killed"), "{log}");
+    let a_now = node
+        .admin_client()
+        .list()
+        .unwrap()
+        .into_iter()
+        .find(|x| x.id == a.id)
+        .unwrap();
+    assert_eq!((a_now.enforced, a_now.gpu_time_total_ns), (0, 0), "{log}");
+    trap.release();
     kubelet.stop().await;
 }

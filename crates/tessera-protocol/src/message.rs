@@ -263,6 +263,11 @@ pub const LABEL_NAMESPACE: &str = "tessera.dev/namespace";
 pub const LABEL_POD: &str = "tessera.dev/pod";
 /// Allocation label naming the container (metric label `container`).
 pub const LABEL_CONTAINER: &str = "tessera.dev/container";
+/// Allocation label set at creation on the whole-GPU allocations the device plugin makes for
+/// one container (all carry the same value): the container's processes, attributed to the first
+/// of them by its identity file, may use all their cards, and the backstop polices them on the
+/// others. Only the admin API sets labels, so a tenant cannot join a group.
+pub const LABEL_WHOLE_GROUP: &str = "tessera.dev/whole-group";
 
 /// Most labels one allocation keeps, and the longest key and value (bytes). Labels travel in
 /// every admin `List` reply and become metric labels, so they stay small.

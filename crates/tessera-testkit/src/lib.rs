@@ -13,6 +13,8 @@
 //!   test, `arbiter_load`).
 //! - [`prometheus`]: the Prometheus server and `promtool` the metrics tests need (required:
 //!   missing ones fail the test), and `promtool check metrics`.
+//! - [`trap`]: the pid-reuse trap (a tenant connection kept open after its process exited) and
+//!   starting a process at a given pid.
 //!
 //! Helpers panic with a message naming what is missing: they run inside tests, where a panic
 //! is the failure report.
@@ -24,6 +26,7 @@ pub mod process;
 pub mod prometheus;
 pub mod python;
 pub mod sim;
+pub mod trap;
 
 pub use arbiter::{ArbiterSpec, RunningArbiter, allocation};
 pub use artifacts::{artifact, artifact_with_hint, target_dir};

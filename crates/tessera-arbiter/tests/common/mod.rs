@@ -16,7 +16,7 @@ pub use tessera_testkit::{GIB, MIB, code, wait_until};
 pub const SIM_GPUS: &str = "2x80GiB";
 
 /// The arbiter of `dir`: sockets and state in it, its simulated GPU in `<dir>/sim`.
-fn spec(dir: &Path) -> ArbiterSpec {
+pub fn spec(dir: &Path) -> ArbiterSpec {
     let sim = SimGpu::prepare(&dir.join("sim"), SIM_GPUS);
     ArbiterSpec::in_dir(env!("CARGO_BIN_EXE_tessera-arbiter"), dir, sim)
 }

@@ -28,7 +28,8 @@ impl Arbiter {
     pub fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let sim = SimGpu::prepare(&dir.path().join("sim"), "2x80GiB");
-        let spec = ArbiterSpec::in_dir(artifact("tessera-arbiter"), dir.path(), sim.clone());
+        let spec = ArbiterSpec::in_dir(artifact("tessera-arbiter"), dir.path(), sim.clone())
+            .log_to(dir.path().join("arbiter.log"));
         let process = spec.start();
         Self {
             dir,
@@ -41,6 +42,11 @@ impl Arbiter {
 
     pub fn admin(&self) -> AdminClient {
         self.process.admin()
+    }
+
+    /// The arbiter's log so far.
+    pub fn process_log(&self) -> String {
+        self.process.log_text()
     }
 
     /// `tessera <args>` pointed at this arbiter (through the environment).
