@@ -26,8 +26,8 @@ pub enum AdminError {
 /// A new admin connection: counted as pending (or closed at once over the caps) until its
 /// handshake ends, then served to its end on the runtime.
 pub fn accept(arb: Arc<Arbiter>, adm: &Arc<Admission>, stream: UnixStream) {
-    let (uid, pid) = admission::peer(&stream);
-    match adm.begin(uid, pid) {
+    let (group, pid) = admission::peer_group(&stream);
+    match adm.begin(group, pid) {
         Ok(slot) => {
             let timeout = adm.limits().handshake_timeout;
             tokio::spawn(serve(arb, stream, slot, timeout));
@@ -73,11 +73,14 @@ async fn serve_inner(
     slot: PendingSlot,
     timeout: Duration,
 ) -> Result<(), AdminError> {
-    let hello = wire::read_hello(stream, timeout).await;
+    let Some(hello) = admission::read_hello_or_evicted(stream, &slot, timeout).await else {
+        // A newer connection took its place.
+        return Ok(());
+    };
     drop(slot);
     match hello {
         Ok(Role::Admin) => {}
-        Ok(Role::Tenant { .. }) => {
+        Ok(Role::Tenant { .. } | Role::Companion { .. }) => {
             let reason = "tenants use the tenant socket";
             send(
                 stream,

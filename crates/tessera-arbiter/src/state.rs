@@ -343,6 +343,12 @@ impl Arbiter {
         );
     }
 
+    /// Allocations the arbiter holds now (each is guaranteed room on the tenant socket, see
+    /// [`crate::admission`]).
+    pub fn allocation_count(&self) -> usize {
+        self.live().by_id.len()
+    }
+
     /// A new connection number.
     pub fn next_conn(&self) -> ConnId {
         self.next_conn.fetch_add(1, Ordering::Relaxed)

@@ -20,7 +20,21 @@ pub enum Role {
     },
     /// An admin tool (CLI, device plugin) on the admin socket.
     Admin,
+    /// A second connection of a process whose memory connection was admitted (its lease
+    /// connection): `ticket` is a one-use `Ticket` answer from that connection. It is tied to
+    /// the admitted connection, so it does not meet the admission caps again (at most
+    /// [`COMPANIONS_PER_CONNECTION`] per memory connection).
+    Companion {
+        /// The allocation token (the same as the memory connection's).
+        token: String,
+        /// A ticket the memory connection was given.
+        ticket: u64,
+    },
 }
+
+/// Most [`Role::Companion`] connections one admitted memory connection may have open at once
+/// (its lease connection, and one more while a broken one is being replaced).
+pub const COMPANIONS_PER_CONNECTION: usize = 2;
 
 /// First frame of every connection, client to server.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
