@@ -116,30 +116,38 @@ async fn serve_inner(
     }
 }
 
+async fn create(
+    arb: &Arbiter,
+    c: tessera_protocol::CreateAllocation,
+    owner: Option<tessera_protocol::ProcessOwner>,
+) -> AdminReply {
+    let (gpu, limit, share, cap) = (c.gpu.clone(), c.memory_limit, c.share, c.cap);
+    match arb.create_owned(c, owner).await {
+        Ok((token, allocation)) => {
+            let cap = cap.map_or("no cap".to_owned(), |c| format!("cap {c}%"));
+            let owned = owner.map_or(String::new(), |o| format!(", owned by pid {}", o.pid));
+            tracing::info!(
+                "created allocation {} on GPU {} ({limit} bytes, share {share}, {cap}{owned})",
+                allocation.id,
+                allocation.gpu_index
+            );
+            AdminReply::Created { token, allocation }
+        }
+        Err(e) => {
+            tracing::warn!("refused to create an allocation on {gpu:?}: {e}");
+            AdminReply::Error {
+                kind: e.kind(),
+                message: e.to_string(),
+            }
+        }
+    }
+}
+
 async fn handle(arb: &Arbiter, req: AdminRequest) -> AdminReply {
     match req {
         AdminRequest::ListGpus => AdminReply::Gpus(arb.gpus().to_vec()),
-        AdminRequest::Create(c) => {
-            let (gpu, limit, share, cap) = (c.gpu.clone(), c.memory_limit, c.share, c.cap);
-            match arb.create(c).await {
-                Ok((token, allocation)) => {
-                    let cap = cap.map_or("no cap".to_owned(), |c| format!("cap {c}%"));
-                    tracing::info!(
-                        "created allocation {} on GPU {} ({limit} bytes, share {share}, {cap})",
-                        allocation.id,
-                        allocation.gpu_index
-                    );
-                    AdminReply::Created { token, allocation }
-                }
-                Err(e) => {
-                    tracing::warn!("refused to create an allocation on {gpu:?}: {e}");
-                    AdminReply::Error {
-                        kind: e.kind(),
-                        message: e.to_string(),
-                    }
-                }
-            }
-        }
+        AdminRequest::Create(c) => create(arb, c, None).await,
+        AdminRequest::CreateOwned { create: c, owner } => create(arb, c, Some(owner)).await,
         AdminRequest::List => AdminReply::Allocations(arb.list().await),
         AdminRequest::UpdateLabels { id, labels } => match arb.update_labels(&id, labels).await {
             Ok(a) => {

@@ -10,7 +10,9 @@
 //!    mounts it read-only into every container it wires, fraction or whole GPU; see
 //!    [`tessera_protocol::identity`]), so a container's processes are attributed even when
 //!    none of them ever connects;
-//! 3. otherwise the process is *unknown*: in a container (its mount namespace is not the
+//! 3. a process under a live `tessera run` (the allocation's owner, pid and start time), or
+//!    one found under it before (see [`crate::owner`]), connected or not;
+//! 4. otherwise the process is *unknown*: in a container (its mount namespace is not the
 //!    host's) or on the host.
 //!
 //! Then, under `--enforce kill|report`:
@@ -728,7 +730,8 @@ impl Backstop {
         pids.dedup();
         self.procfs.clear();
         self.reported.retain(|p| pids.binary_search(p).is_ok());
-        let owners = attribute(&watched, &pids, &self.procfs);
+        let mut owners = attribute(&watched, &pids, &self.procfs);
+        self.attribute_owned(&watched, &mut owners);
         self.unknown_since
             .retain(|p, _| owners.get(p) == Some(&Owner::UnknownHost));
         for (&pid, owner) in &owners {
@@ -752,6 +755,47 @@ impl Backstop {
             }
         }
         taken
+    }
+
+    /// The last attribution step, kept apart from [`attribute`]: a process nothing else names
+    /// that runs under a live `tessera run` (its owner, pid and start time; see
+    /// [`crate::owner`]), or was found under one before, is that allocation's, connected or
+    /// not (a double-forked child without `LD_PRELOAD`, a `dlmopen`-first process).
+    fn attribute_owned(&self, watched: &[Watched], owners: &mut HashMap<i32, Owner>) {
+        let owned = self.arb.owned();
+        if owned.is_empty() {
+            return;
+        }
+        let proc = std::path::Path::new("/proc");
+        let index: HashMap<&str, usize> = watched
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (w.id.as_str(), i))
+            .collect();
+        let list: Vec<_> = owned.iter().map(|(_, o, _)| *o).collect();
+        let parent = |p: i32| self.procfs.parent(p);
+        let start = |p: i32| crate::owner::start_time(proc, p);
+        let mut members = self.arb.members();
+        for (&pid, owner) in owners.iter_mut() {
+            if matches!(owner, Owner::Allocation(_)) {
+                continue;
+            }
+            let Some(start_time) = start(pid) else {
+                continue;
+            };
+            let me = tessera_protocol::ProcessOwner { pid, start_time };
+            let id = match members.of(me) {
+                Some(id) => Some(id.to_owned()),
+                None => crate::owner::owned_ancestor(pid, &list, &parent, &start)
+                    .map(|i| owned[i].0.clone()),
+            };
+            if let Some(id) = id
+                && let Some(&i) = index.get(id.as_str())
+            {
+                *owner = Owner::Allocation(i);
+                members.note(&id, me);
+            }
+        }
     }
 
     /// The compute rule over one interval; charges what was used outside leases.

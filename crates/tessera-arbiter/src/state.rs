@@ -124,6 +124,8 @@ pub struct Arbiter {
     pressure: PressureHub,
     /// Tenant requests by kind (metrics).
     requests: RequestStats,
+    /// Processes of owned allocations found under their owner (see [`crate::owner`]).
+    members: Mutex<crate::owner::Members>,
 }
 
 fn now_unix() -> u64 {
@@ -280,6 +282,7 @@ impl Arbiter {
             epoch: Instant::now(),
             pressure: PressureHub::new(),
             requests: RequestStats::default(),
+            members: Mutex::default(),
         });
         for g in &arb.gpus {
             arb.scheduler_for(&g.uuid);
@@ -522,6 +525,25 @@ impl Arbiter {
             .collect()
     }
 
+    /// Owned allocations: id, owner and how many processes of it are connected (for the
+    /// reaper, see [`crate::owner`]).
+    pub fn owned(&self) -> Vec<(String, tessera_protocol::ProcessOwner, usize)> {
+        let live = self.live();
+        live.by_id
+            .values()
+            .filter_map(|a| {
+                let o = a.record.owner?;
+                let connected = live.procs.get(&a.key).map_or(0, |p| p.len());
+                Some((a.record.id.clone(), o, connected))
+            })
+            .collect()
+    }
+
+    /// The processes the backstop attributed to owned allocations through their owner.
+    pub fn members(&self) -> MutexGuard<'_, crate::owner::Members> {
+        self.members.lock()
+    }
+
     /// GPU time granted to allocation `id` in leases so far, ns (for the backstop).
     pub fn leased_total(&self, id: &str) -> Option<u64> {
         let (key, sched) = self
@@ -610,6 +632,16 @@ impl Arbiter {
         &self,
         req: CreateAllocation,
     ) -> Result<(String, AllocationStatus), StateError> {
+        self.create_owned(req, None).await
+    }
+
+    /// Validates, persists and registers an allocation owned by `owner` (see
+    /// [`crate::owner`]); returns its token and status.
+    pub async fn create_owned(
+        &self,
+        req: CreateAllocation,
+        owner: Option<tessera_protocol::ProcessOwner>,
+    ) -> Result<(String, AllocationStatus), StateError> {
         let mut records = self.admin.lock().await;
         let gpu = self.resolve_gpu(&req.gpu)?.clone();
         if !(1..=100).contains(&req.share) {
@@ -669,6 +701,7 @@ impl Arbiter {
             cap: req.cap,
             labels: req.labels,
             created_unix: now_unix(),
+            owner,
         };
         let mut next = records.clone();
         next.push(record.clone());
@@ -776,6 +809,10 @@ impl Arbiter {
             throttled_total_ns: sched.throttled_ns,
             oom_refusals: a.counters.oom_refusals(),
             leases: sched.leases,
+            owner: r.owner,
+            orphaned: r
+                .owner
+                .is_some_and(|o| !crate::owner::alive(std::path::Path::new("/proc"), o)),
         })
     }
 

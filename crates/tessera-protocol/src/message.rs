@@ -268,6 +268,27 @@ pub enum AdminRequest {
         /// Keys to set; a key with an empty value is removed.
         labels: BTreeMap<String, String>,
     },
+    /// Create an allocation owned by a process (`tessera run`); answered by `Created`. The
+    /// backstop attributes every descendant of the owner to it, and the arbiter deletes it once
+    /// the owner is gone and none of its processes is left. (Appended so that `Create` keeps
+    /// its encoding.)
+    CreateOwned {
+        /// The allocation.
+        create: CreateAllocation,
+        /// The process that owns it.
+        owner: ProcessOwner,
+    },
+}
+
+/// A process named so that its pid cannot be reused behind its back: the pid and its start
+/// time (field 22 of `/proc/<pid>/stat`, clock ticks since boot). A process with that pid and
+/// another start time is someone else.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ProcessOwner {
+    /// Host pid.
+    pub pid: i32,
+    /// Its start time, clock ticks after boot.
+    pub start_time: u64,
 }
 
 /// Allocation label naming the pod's namespace (written by the device plugin from
@@ -338,6 +359,10 @@ pub struct AllocationStatus {
     pub oom_refusals: u64,
     /// Compute leases granted to its processes.
     pub leases: u64,
+    /// The process that owns it (`tessera run`), if one does.
+    pub owner: Option<ProcessOwner>,
+    /// Its owner is gone; it is deleted once none of its processes is left.
+    pub orphaned: bool,
 }
 
 /// Classes of admin errors, so tools can map them to exit codes.
