@@ -98,6 +98,50 @@ fn a_double_forked_grandchild_without_ld_preload_is_held_to_the_limit() {
 }
 
 #[test]
+fn a_command_run_with_env_u_ld_preload_is_held_to_the_limit() {
+    let bed = Bed::new();
+    let (py, client) = (python(), script("mem_client.py"));
+    let bytes = (4 * GIB).to_string();
+    let command: [&std::ffi::OsStr; 7] = [
+        "env".as_ref(),
+        "-u".as_ref(),
+        "LD_PRELOAD".as_ref(),
+        py.as_ref(),
+        client.as_ref(),
+        "hold".as_ref(),
+        bytes.as_ref(),
+    ];
+    let mut run = tessera_run(&bed, "1GiB", &command)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(run.stdout.take().unwrap()),
+        &mut first,
+    )
+    .unwrap();
+    let t = Instant::now();
+    let _stdin = run.stdin.take();
+    let mut run = tessera_testkit::KillOnDrop::new(run);
+    assert!(
+        first.contains("\"held\": 0"),
+        "the driver refused it: {first:?}"
+    );
+    let back = wait_until(Duration::from_secs(3), || bed.sim_used() <= GIB + 512 * MIB);
+    back.unwrap_or_else(|| panic!("it kept {} bytes\n{}", bed.sim_used(), bed.arbiter_log()));
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "after {:?}",
+        t.elapsed()
+    );
+    // Killed: `tessera run` passes 128 + SIGKILL through, and the allocation is gone.
+    assert_eq!(run.wait().unwrap().code(), Some(128 + 9));
+    assert!(only_allocation(&bed).is_none());
+}
+
+#[test]
 fn a_sigkilled_tessera_run_leaves_no_allocation_once_its_command_ends() {
     let bed = Bed::new();
     let cmd = tessera_run(&bed, "1GiB", &[python().as_os_str()]);
