@@ -142,6 +142,40 @@ fn a_command_run_with_env_u_ld_preload_is_held_to_the_limit() {
 }
 
 #[test]
+fn a_dlmopen_first_process_under_tessera_run_is_held_to_the_limit() {
+    let bed = Bed::new();
+    let exe = build_c(&bed, "dlmopen");
+    let mut run = tessera_run(&bed, "1GiB", &[exe.as_os_str(), "4096".as_ref()])
+        .env("DLMOPEN_FIRST", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(run.stdout.take().unwrap()),
+        &mut first,
+    )
+    .unwrap();
+    let t = Instant::now();
+    let mut run = tessera_testkit::KillOnDrop::new(run);
+    assert_eq!(first.trim(), "escaped 0", "the second driver gave it 4 GiB");
+    assert!(
+        only_allocation(&bed).is_some_and(|a| a.processes == 0),
+        "it never connected"
+    );
+    let back = wait_until(Duration::from_secs(3), || bed.sim_used() <= GIB + 512 * MIB);
+    back.unwrap_or_else(|| panic!("it kept {} bytes\n{}", bed.sim_used(), bed.arbiter_log()));
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "after {:?}",
+        t.elapsed()
+    );
+    assert_eq!(run.wait().unwrap().code(), Some(128 + 9));
+    assert!(only_allocation(&bed).is_none());
+}
+
+#[test]
 fn a_sigkilled_tessera_run_leaves_no_allocation_once_its_command_ends() {
     let bed = Bed::new();
     let cmd = tessera_run(&bed, "1GiB", &[python().as_os_str()]);
