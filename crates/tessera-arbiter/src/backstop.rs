@@ -772,7 +772,7 @@ impl Backstop {
             .enumerate()
             .map(|(i, w)| (w.id.as_str(), i))
             .collect();
-        let list: Vec<_> = owned.iter().map(|(_, o, _)| *o).collect();
+        let list: Vec<_> = owned.iter().map(|(_, o, ..)| *o).collect();
         let parent = |p: i32| self.procfs.parent(p);
         let start = |p: i32| crate::owner::start_time(proc, p);
         let mut members = self.arb.members();

@@ -24,6 +24,11 @@ use crate::state::Arbiter;
 /// How often the reaper looks at owned allocations.
 pub const REAP_EVERY: Duration = Duration::from_millis(250);
 
+/// An allocation restored from the state file is not reaped this soon after the arbiter
+/// started: its processes need a moment to reconnect (an interposer retries for up to 5 s), and
+/// until they have, it would look empty.
+pub const RECONNECT_GRACE: Duration = Duration::from_secs(10);
+
 pub use tessera_protocol::process::{alive, start_time, this_process};
 
 /// The members the backstop found, per allocation id.
@@ -63,6 +68,11 @@ impl Members {
     pub fn forget(&mut self, id: &str) {
         self.by_id.remove(id);
     }
+
+    /// Forgets every allocation `keep` does not name (deleted ones).
+    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+        self.by_id.retain(|id, _| keep(id));
+    }
 }
 
 /// The allocation (index into `owners`) whose owner is `pid` or its nearest ancestor that is
@@ -98,7 +108,14 @@ pub fn gone(owner_alive: bool, connected: usize, members_alive: usize) -> bool {
 /// One look at every owned allocation: deletes those whose owner is gone and whose processes
 /// all ended.
 pub async fn reap(arb: &Arc<Arbiter>, proc: &Path) {
-    for (id, owner, connected) in arb.owned() {
+    let owned = arb.owned();
+    arb.members()
+        .retain(|id| owned.iter().any(|(o, ..)| o == id));
+    let in_grace = arb.now_ns() < RECONNECT_GRACE.as_nanos() as u64;
+    for (id, owner, connected, restored) in owned {
+        if restored && in_grace {
+            continue;
+        }
         let owner_alive = alive(proc, owner);
         let members = arb.members().prune(&id, |p| alive(proc, p));
         if !gone(owner_alive, connected, members) {
@@ -185,6 +202,10 @@ mod tests {
         assert!(!gone(true, 0, 0), "the owner still runs");
         assert_eq!(m.prune("a", |_| false), 0);
         assert!(gone(false, 0, 0));
+        assert_eq!(m.of(child), None);
+        // Members of a deleted allocation are forgotten.
+        m.note("b", child);
+        m.retain(|id| id != "b");
         assert_eq!(m.of(child), None);
     }
 }

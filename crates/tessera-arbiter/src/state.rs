@@ -525,16 +525,19 @@ impl Arbiter {
             .collect()
     }
 
-    /// Owned allocations: id, owner and how many processes of it are connected (for the
-    /// reaper, see [`crate::owner`]).
-    pub fn owned(&self) -> Vec<(String, tessera_protocol::ProcessOwner, usize)> {
+    /// Owned allocations: id, owner, how many processes of it are connected, and whether it
+    /// was restored from the state file (created before this arbiter started; for the reaper,
+    /// see [`crate::owner`]).
+    pub fn owned(&self) -> Vec<(String, tessera_protocol::ProcessOwner, usize, bool)> {
+        let started_unix = now_unix().saturating_sub(self.epoch.elapsed().as_secs());
         let live = self.live();
         live.by_id
             .values()
             .filter_map(|a| {
                 let o = a.record.owner?;
                 let connected = live.procs.get(&a.key).map_or(0, |p| p.len());
-                Some((a.record.id.clone(), o, connected))
+                let restored = a.record.created_unix < started_unix;
+                Some((a.record.id.clone(), o, connected, restored))
             })
             .collect()
     }
