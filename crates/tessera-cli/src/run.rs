@@ -390,3 +390,71 @@ fn reap_leftovers() {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_in_every_documented_form() {
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("4GiB"), Ok(4 << 30));
+        assert_eq!(parse_size("4G"), Ok(4 << 30));
+        assert_eq!(parse_size("4g"), Ok(4 << 30));
+        assert_eq!(parse_size("4Gi"), Ok(4 << 30));
+        assert_eq!(parse_size("1.5GiB"), Ok(3 << 29));
+        assert_eq!(parse_size(" 2 GiB "), Ok(2 << 30));
+        assert_eq!(parse_size("4GB"), Ok(4_000_000_000));
+        assert_eq!(parse_size("100MB"), Ok(100_000_000));
+        assert_eq!(parse_size("1048576"), Ok(1 << 20));
+        assert_eq!(parse_size("7B"), Ok(7));
+        assert_eq!(parse_size(".5KiB"), Ok(512));
+        assert_eq!(parse_size("1T"), Ok(1 << 40));
+    }
+
+    #[test]
+    fn bad_sizes_are_clear_errors() {
+        assert_eq!(parse_size(""), Err(SizeError::Empty));
+        assert!(matches!(parse_size("4XB"), Err(SizeError::Unit { unit, .. }) if unit == "XB"));
+        assert!(matches!(parse_size("abc"), Err(SizeError::Unit { .. })));
+        assert!(matches!(parse_size("GiB"), Err(SizeError::Number(_))));
+        assert!(matches!(parse_size("1.2.3GiB"), Err(SizeError::Number(_))));
+        assert!(matches!(parse_size("-4GiB"), Err(SizeError::Unit { .. })));
+        assert!(matches!(parse_size("0"), Err(SizeError::Zero(_))));
+        assert!(matches!(parse_size("1.5"), Err(SizeError::Fraction(_))));
+        assert!(matches!(
+            parse_size("99999999999TiB"),
+            Err(SizeError::TooLarge(_))
+        ));
+        assert!(matches!(
+            parse_size("18446744073709551616"),
+            Err(SizeError::TooLarge(_))
+        ));
+        let msg = parse_size("4XB").unwrap_err().to_string();
+        assert!(msg.contains("GiB") && msg.contains("\"XB\""), "{msg}");
+    }
+
+    #[test]
+    fn gpu_selector_and_preload() {
+        assert_eq!(parse_gpu("1"), GpuSelector::Index(1));
+        assert_eq!(parse_gpu("GPU-ab"), GpuSelector::Uuid("GPU-ab".into()));
+        assert_eq!(parse_gpu_arg(" 2 "), Ok(GpuSelector::Index(2)));
+        assert!(
+            parse_gpu_arg("-1")
+                .unwrap_err()
+                .contains("-1 is not a GPU index")
+        );
+        assert!(parse_gpu_arg("99999999999").is_err());
+        assert!(parse_gpu_arg("").is_err());
+        let p = Path::new("/opt/t/libtessera_interpose.so");
+        assert_eq!(ld_preload(p, None), "/opt/t/libtessera_interpose.so");
+        assert_eq!(
+            ld_preload(p, Some("".into())),
+            "/opt/t/libtessera_interpose.so"
+        );
+        assert_eq!(
+            ld_preload(p, Some("/x/libfoo.so".into())),
+            "/opt/t/libtessera_interpose.so:/x/libfoo.so"
+        );
+    }
+}
