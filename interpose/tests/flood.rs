@@ -9,8 +9,10 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Child, ChildStdout, Stdio};
+use std::process::{ChildStdout, Stdio};
+
 use std::time::{Duration, Instant};
+use tessera_testkit::KillOnDrop;
 
 use common::*;
 use tessera_protocol::client::TenantClient;
@@ -43,7 +45,7 @@ fn connected_launcher(
     token: &str,
     go: &std::path::Path,
     secs: &str,
-) -> (Child, BufReader<ChildStdout>) {
+) -> (KillOnDrop, BufReader<ChildStdout>) {
     let mut c = bed
         .tenant_command(&python(), token)
         .arg(script("compute_client.py"))
@@ -57,7 +59,8 @@ fn connected_launcher(
     let mut line = String::new();
     out.read_line(&mut line).unwrap();
     assert!(line.contains("ready"), "not connected: {line:?}");
-    (c, out)
+    // Killed if the test fails before it ends (it would wait for `go` for ever).
+    (KillOnDrop::new(c), out)
 }
 
 /// The arbiter's last reported count of pending connections dropped for a newer one of their
@@ -84,7 +87,7 @@ struct Seen {
 /// exit 0 (not killed) having launched, and the backstop must have acted on nobody.
 fn honest_side(
     bed: &Bed,
-    (mut launcher, mut stdout): (Child, BufReader<ChildStdout>),
+    (mut launcher, mut stdout): (KillOnDrop, BufReader<ChildStdout>),
     go: &std::path::Path,
     token: &str,
 ) -> Seen {
