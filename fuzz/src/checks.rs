@@ -21,7 +21,7 @@ use tessera_protocol::frame::{self, FrameDecoder, FrameError, HEADER_LEN, MAX_FR
 use tessera_protocol::identity::{Identity, IdentityError, MAX_IDENTITY_LEN};
 use tessera_protocol::{
     AdminErrorKind, AdminReply, AdminRequest, AllocationStatus, AllocationView, CreateAllocation,
-    GpuInfo, GpuSelector, Hello, Role, ServerHello, TenantReply, TenantRequest,
+    GpuInfo, GpuSelector, Hello, ProcessOwner, Role, ServerHello, TenantReply, TenantRequest,
 };
 
 /// What every message type on the wire is.
@@ -332,6 +332,11 @@ pub fn samples() -> Samples {
         throttled_total_ns: 123_456_789,
         oom_refusals: 7,
         leases: 1 << 40,
+        owner: Some(ProcessOwner {
+            pid: i32::MAX,
+            start_time: u64::MAX,
+        }),
+        orphaned: true,
     };
     let create = CreateAllocation {
         gpu: GpuSelector::Uuid("GPU-x".into()),
@@ -346,6 +351,10 @@ pub fn samples() -> Samples {
                 token: "0123456789abcdef0123456789abcdef".into(),
             }),
             Hello::new(Role::Admin),
+            Hello::new(Role::Companion {
+                token: "0123456789abcdef0123456789abcdef".into(),
+                ticket: u64::MAX,
+            }),
             Hello {
                 magic: 0,
                 version: u32::MAX,
@@ -430,6 +439,13 @@ pub fn samples() -> Samples {
                 ..create
             }),
             AdminRequest::List,
+            AdminRequest::CreateOwned {
+                create: create.clone(),
+                owner: ProcessOwner {
+                    pid: 1,
+                    start_time: 0,
+                },
+            },
             AdminRequest::Delete { id: "a-1".into() },
             AdminRequest::UpdateLabels {
                 id: "a-1".into(),

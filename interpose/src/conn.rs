@@ -69,6 +69,19 @@ impl Conn {
         token: &str,
         timeout: Option<Duration>,
     ) -> Result<(Self, AllocationView), ConnError> {
+        let role = Role::Tenant {
+            token: token.to_owned(),
+        };
+        Self::connect_as(path, role, timeout)
+    }
+
+    /// Like [`Conn::connect`], with any tenant role (a [`Role::Companion`] for the lease
+    /// connection).
+    pub fn connect_as(
+        path: &Path,
+        role: Role,
+        timeout: Option<Duration>,
+    ) -> Result<(Self, AllocationView), ConnError> {
         let _no_cancel = NoCancel::new();
         let stream = UnixStream::connect(path).map_err(|source| ConnError::Connect {
             path: path.display().to_string(),
@@ -83,9 +96,7 @@ impl Conn {
             rbuf: vec![0; 1024],
             rlen: 0,
         };
-        conn.send_blocking(&Hello::new(Role::Tenant {
-            token: token.to_owned(),
-        }))?;
+        conn.send_blocking(&Hello::new(role))?;
         let hello: ServerHello = conn.recv()?;
         conn.stream.set_read_timeout(timeout)?;
         conn.stream.set_write_timeout(timeout)?;

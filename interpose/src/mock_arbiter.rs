@@ -175,7 +175,8 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
     let Ok(hello) = read_frame::<_, Hello>(&mut stream) else {
         return;
     };
-    let ok = matches!(&hello.role, Role::Tenant { token } if token == TOKEN);
+    let ok = matches!(&hello.role,
+        Role::Tenant { token } | Role::Companion { token, .. } if token == TOKEN);
     if !ok {
         let _ = write_frame(
             &mut stream,

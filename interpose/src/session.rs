@@ -458,6 +458,22 @@ impl Session {
         self.known_limit()
     }
 
+    /// A one-use ticket from this process's memory connection (connecting it if needed, one
+    /// attempt), for the lease connection to present as a [`tessera_protocol::Role::Companion`]:
+    /// tied to the admitted memory connection, it does not meet the arbiter's caps again.
+    pub fn companion_ticket(&'static self) -> Option<u64> {
+        self.request(false, |_, link| {
+            let conn = link.conn.as_mut()?;
+            match conn.call(&TenantRequest::Ticket) {
+                Ok(TenantReply::Ticket { ticket }) => Some(Some(ticket)),
+                Ok(_) => Some(None),
+                Err(_) => None,
+            }
+        })
+        .ok()
+        .flatten()
+    }
+
     /// Runs `op` on a connected link, reconnecting as needed. `op` returns `None` when the
     /// connection broke (it is dropped and the request retried). With `wait`, an unreachable
     /// arbiter is waited for up to the outage bound; without, one attempt is made.

@@ -13,9 +13,16 @@
 //!    tenant connects every 2 s: the arbiter's peak RSS and threads, whether it lived, the honest
 //!    pairs that succeeded, and how long a new tenant took to be admitted.
 //!
+//! 4. A flood per cap: for each admission cap, the flood that fills it (token-less handshakes
+//!    from one process, from one container, from one container past a raised per-container cap;
+//!    admitted connections from one allocation, from four), and what an honest tenant saw
+//!    meanwhile: a new tenant's admission (connect + first Reserve, five times), and a
+//!    `compute_tenant` started under `tessera run` during the flood (kernels run, killed or
+//!    not). `--caps-only` runs just this part.
+//!
 //! Build and run: `cargo build --release -p tessera-benches -p tessera-arbiter -p tessera-cli
-//! && target/release/arbiter_load` (`--scale F` multiplies every count and the flood's length,
-//! e.g. 0.1 for a quick look).
+//! -p tessera-interpose && target/release/arbiter_load` (`--scale F` multiplies every count and
+//! the flood's length, e.g. 0.1 for a quick look).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -357,13 +364,20 @@ fn main() {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("--flood-child") {
         let socket = PathBuf::from(&args[2]);
-        let c = tessera_testkit::flood::flood(
+        let pause = args.get(5).and_then(|v| v.parse().ok()).unwrap_or(10);
+        let c = tessera_testkit::flood::flood_paced(
             &socket,
             args[3].parse().expect("count"),
             args[4].parse().expect("seconds"),
             400,
+            Duration::from_millis(pause),
         );
         println!("connects={}", c.connects);
+        return;
+    }
+    if args.iter().any(|a| a == "--caps-only") {
+        raise_nofile();
+        cap_floods();
         return;
     }
     let scale = number_flag(WHO, "--scale", 1.0);
@@ -489,4 +503,230 @@ fn main() {
         format!("{}/{}", adm.len(), f.admissions_failed),
         adm.last().copied().unwrap_or_default().as_secs_f64() * 1e3
     );
+
+    cap_floods();
+}
+
+/// One flood of the per-cap table.
+struct CapFlood {
+    /// The cap it fills.
+    cap: &'static str,
+    /// What floods.
+    what: &'static str,
+    /// Extra arbiter arguments.
+    args: &'static [&'static str],
+    /// Token-less flood: processes x connections each (0: none).
+    processes: usize,
+    per_process: usize,
+    /// Admitted flood: allocations x connections each (0: none).
+    allocations: usize,
+    per_allocation: usize,
+}
+
+/// What an honest tenant saw during one flood.
+struct CapSeen {
+    held: usize,
+    admissions: Vec<Duration>,
+    admission_failures: usize,
+    launches: u64,
+    killed: bool,
+    exit: String,
+}
+
+fn flood_children(
+    node: &SimNode,
+    processes: usize,
+    n: usize,
+    secs: f64,
+) -> Vec<std::process::Child> {
+    let exe = std::env::current_exe().expect("current_exe");
+    (0..processes)
+        .map(|_| {
+            let mut cmd = Command::new(&exe);
+            exit_with_parent(&mut cmd);
+            cmd.arg("--flood-child")
+                .arg(&node.socket)
+                .arg(n.to_string())
+                .arg(secs.to_string())
+                .arg("1")
+                .stdout(Stdio::null())
+                .spawn()
+                .expect("flood child")
+        })
+        .collect()
+}
+
+/// A new tenant's admission: connect (retried while closed or refused, up to 5 s) and its first
+/// Reserve answered.
+fn admission(socket: &std::path::Path, token: &str) -> Option<Duration> {
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(5) {
+        if let Ok(mut t) = TenantClient::connect(socket, token)
+            && matches!(
+                t.call(&TenantRequest::Reserve { bytes: MIB }),
+                Ok(TenantReply::Reserved { .. })
+            )
+        {
+            return Some(t0.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    None
+}
+
+fn cap_flood(f: &CapFlood) -> CapSeen {
+    use std::io::BufRead;
+    use std::os::unix::process::ExitStatusExt;
+    let node = SimNode::start_with(WHO, "1x80GiB", f.args);
+    let honest = create(&node, 8 << 30);
+    let children = flood_children(&node, f.processes, f.per_process, 8.0);
+    let mut held = Vec::new();
+    for _ in 0..f.allocations {
+        let token = create(&node, 1 << 30);
+        for _ in 0..f.per_allocation {
+            match TenantClient::connect(&node.socket, &token) {
+                Ok(c) => held.push(c),
+                Err(_) => break,
+            }
+        }
+    }
+    // Let the token-less flood reach its cap.
+    std::thread::sleep(Duration::from_millis(1500));
+    let need = |name| tessera_benches::need(WHO, name);
+    let mut tenant = node.command(&need("tessera"));
+    tenant
+        .args(["run", "--memory", "1GiB", "--share", "50", "--interposer"])
+        .arg(need("libtessera_interpose.so"))
+        .arg("--")
+        .arg(need("compute_tenant"))
+        .args(["--kernel-us", "1000", "--seconds", "3"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    exit_with_parent(&mut tenant);
+    let mut tenant = tenant.spawn().expect("compute tenant");
+    let out = tenant.stdout.take().expect("piped");
+    let reader = std::thread::spawn(move || {
+        std::io::BufReader::new(out)
+            .lines()
+            .map_while(Result::ok)
+            .find_map(|l| l.strip_prefix("launches ").and_then(|n| n.parse().ok()))
+            .unwrap_or(0u64)
+    });
+    let mut admissions = Vec::new();
+    let mut admission_failures = 0;
+    for _ in 0..5 {
+        match admission(&node.socket, &honest) {
+            Some(d) => admissions.push(d),
+            None => admission_failures += 1,
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let status = tenant.wait().expect("compute tenant");
+    let launches = reader.join().unwrap_or(0);
+    for mut c in children {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    admissions.sort();
+    CapSeen {
+        held: held.len(),
+        admissions,
+        admission_failures,
+        launches,
+        killed: status.signal() == Some(libc::SIGKILL),
+        exit: match (status.code(), status.signal()) {
+            (Some(c), _) => c.to_string(),
+            (None, Some(s)) => format!("signal {s}"),
+            _ => "?".into(),
+        },
+    }
+}
+
+fn cap_floods() {
+    let floods = [
+        CapFlood {
+            cap: "pending per pid (32)",
+            what: "1 process x 64 token-less",
+            args: &[],
+            processes: 1,
+            per_process: 64,
+            allocations: 0,
+            per_allocation: 0,
+        },
+        CapFlood {
+            cap: "pending per container (128)",
+            what: "6 processes x 32 token-less",
+            args: &[],
+            processes: 6,
+            per_process: 32,
+            allocations: 0,
+            per_allocation: 0,
+        },
+        CapFlood {
+            cap: "pending in total (256)",
+            what: "12 processes x 32 token-less",
+            args: &["--max-pending-per-container", "1000"],
+            processes: 12,
+            per_process: 32,
+            allocations: 0,
+            per_allocation: 0,
+        },
+        CapFlood {
+            cap: "admitted per allocation (1024)",
+            what: "1 allocation x 1100 admitted",
+            args: &[],
+            processes: 0,
+            per_process: 0,
+            allocations: 1,
+            per_allocation: 1100,
+        },
+        CapFlood {
+            cap: "admitted in total (4096)",
+            what: "4 allocations x 1100 admitted",
+            args: &[],
+            processes: 0,
+            per_process: 0,
+            allocations: 4,
+            per_allocation: 1100,
+        },
+    ];
+    println!();
+    println!(
+        "a flood per cap (token-less floods reconnect every 1 ms); meanwhile a new tenant is \
+         admitted 5 times and a compute_tenant under `tessera run` runs 1 ms kernels for 3 s"
+    );
+    println!(
+        "{:<32} {:<32} {:>8} {:>13} {:>14} {:>10} {:>7} {:>6}",
+        "cap", "flood", "admitted", "admission p50", "admission max", "kernels", "killed", "exit"
+    );
+    for f in &floods {
+        let s = cap_flood(f);
+        let ms = |d: Option<&Duration>| {
+            d.map_or("-".to_owned(), |d| {
+                format!("{:.1} ms", d.as_secs_f64() * 1e3)
+            })
+        };
+        println!(
+            "{:<32} {:<32} {:>8} {:>13} {:>14} {:>10} {:>7} {:>6}",
+            f.cap,
+            f.what,
+            format!(
+                "{}/{}",
+                s.admissions.len(),
+                s.admissions.len() + s.admission_failures
+            ),
+            ms(s.admissions.get(s.admissions.len() / 2)),
+            ms(s.admissions.last()),
+            s.launches,
+            if s.killed { "YES" } else { "no" },
+            s.exit,
+        );
+        if s.held > 0 {
+            println!(
+                "{:<32} (the flood held {} admitted connections)",
+                "", s.held
+            );
+        }
+    }
 }

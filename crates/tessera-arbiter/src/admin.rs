@@ -26,8 +26,8 @@ pub enum AdminError {
 /// A new admin connection: counted as pending (or closed at once over the caps) until its
 /// handshake ends, then served to its end on the runtime.
 pub fn accept(arb: Arc<Arbiter>, adm: &Arc<Admission>, stream: UnixStream) {
-    let (uid, pid) = admission::peer(&stream);
-    match adm.begin(uid, pid) {
+    let (group, pid) = admission::peer_group(&stream);
+    match adm.begin(group, pid) {
         Ok(slot) => {
             let timeout = adm.limits().handshake_timeout;
             tokio::spawn(serve(arb, stream, slot, timeout));
@@ -73,11 +73,14 @@ async fn serve_inner(
     slot: PendingSlot,
     timeout: Duration,
 ) -> Result<(), AdminError> {
-    let hello = wire::read_hello(stream, timeout).await;
+    let Some(hello) = admission::read_hello_or_evicted(stream, &slot, timeout).await else {
+        // A newer connection took its place.
+        return Ok(());
+    };
     drop(slot);
     match hello {
         Ok(Role::Admin) => {}
-        Ok(Role::Tenant { .. }) => {
+        Ok(Role::Tenant { .. } | Role::Companion { .. }) => {
             let reason = "tenants use the tenant socket";
             send(
                 stream,
@@ -113,30 +116,38 @@ async fn serve_inner(
     }
 }
 
+async fn create(
+    arb: &Arbiter,
+    c: tessera_protocol::CreateAllocation,
+    owner: Option<tessera_protocol::ProcessOwner>,
+) -> AdminReply {
+    let (gpu, limit, share, cap) = (c.gpu.clone(), c.memory_limit, c.share, c.cap);
+    match arb.create_owned(c, owner).await {
+        Ok((token, allocation)) => {
+            let cap = cap.map_or("no cap".to_owned(), |c| format!("cap {c}%"));
+            let owned = owner.map_or(String::new(), |o| format!(", owned by pid {}", o.pid));
+            tracing::info!(
+                "created allocation {} on GPU {} ({limit} bytes, share {share}, {cap}{owned})",
+                allocation.id,
+                allocation.gpu_index
+            );
+            AdminReply::Created { token, allocation }
+        }
+        Err(e) => {
+            tracing::warn!("refused to create an allocation on {gpu:?}: {e}");
+            AdminReply::Error {
+                kind: e.kind(),
+                message: e.to_string(),
+            }
+        }
+    }
+}
+
 async fn handle(arb: &Arbiter, req: AdminRequest) -> AdminReply {
     match req {
         AdminRequest::ListGpus => AdminReply::Gpus(arb.gpus().to_vec()),
-        AdminRequest::Create(c) => {
-            let (gpu, limit, share, cap) = (c.gpu.clone(), c.memory_limit, c.share, c.cap);
-            match arb.create(c).await {
-                Ok((token, allocation)) => {
-                    let cap = cap.map_or("no cap".to_owned(), |c| format!("cap {c}%"));
-                    tracing::info!(
-                        "created allocation {} on GPU {} ({limit} bytes, share {share}, {cap})",
-                        allocation.id,
-                        allocation.gpu_index
-                    );
-                    AdminReply::Created { token, allocation }
-                }
-                Err(e) => {
-                    tracing::warn!("refused to create an allocation on {gpu:?}: {e}");
-                    AdminReply::Error {
-                        kind: e.kind(),
-                        message: e.to_string(),
-                    }
-                }
-            }
-        }
+        AdminRequest::Create(c) => create(arb, c, None).await,
+        AdminRequest::CreateOwned { create: c, owner } => create(arb, c, Some(owner)).await,
         AdminRequest::List => AdminReply::Allocations(arb.list().await),
         AdminRequest::UpdateLabels { id, labels } => match arb.update_labels(&id, labels).await {
             Ok(a) => {

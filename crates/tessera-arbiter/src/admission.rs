@@ -1,34 +1,56 @@
 //! Admission before cost: a connection gets a thread and a frame buffer only once its `Hello`
-//! has been accepted.
+//! has been accepted, and a flood costs its sender, not its neighbours.
 //!
 //! The tenant socket is mode 0666 and mounted into every pod, so any local process can
-//! connect. A new connection is first counted against the caps on connections that have not
-//! finished their handshake (globally, per uid and per pid from `SO_PEERCRED`); over a cap it
-//! is closed at once. Otherwise its handshake runs as a small task on the runtime: the `Hello`
-//! is read into a fixed [`crate::wire::HELLO_FRAME_LIMIT`]-byte buffer under one deadline for the whole
-//! handshake. A tenant whose token is good is then counted against the caps on admitted
-//! connections (per allocation and in total) and only then handed to its own thread
-//! ([`crate::tenant::spawn`]). Every refusal is counted ([`Admission::counts`]); a summary is
-//! logged at most once per second ([`Admission::report`]), and individual handshake failures
-//! at most [`FAILURE_LINES_PER_SEC`] lines per second.
+//! connect. A new connection is first counted as *pending* (its handshake has not finished):
+//! globally, per container (the peer's cgroup from `/proc/<pid>/cgroup`; by uid where that
+//! cannot be read) and per pid (`SO_PEERCRED`). Over the per-pid cap it is closed at once. Over
+//! the per-container or the global cap it is let in and the oldest pending connection of that
+//! container (globally: of the container with the most pending) is dropped instead: an honest
+//! handshake takes microseconds, so the oldest pending connection is a flooder's, and a flood
+//! can keep its own connections waiting but never a neighbour's out. Each pending handshake
+//! runs as a small task on the runtime: the `Hello` is read into a fixed
+//! [`crate::wire::HELLO_FRAME_LIMIT`]-byte buffer under one deadline for the whole handshake, so
+//! a token-less connection costs at most one slot until that deadline.
+//!
+//! A tenant whose token is good is then counted against the caps on admitted connections: per
+//! allocation, and in total with room guaranteed to every allocation. The first
+//! [`Limits::guaranteed`] connections of an allocation are always admitted; beyond those,
+//! connections come from a shared pool of `admitted - guaranteed x allocations` places (and
+//! at most [`Limits::per_allocation`] per allocation), so a few allocations can fill the pool
+//! but never the room of the others. A [`Role::Companion`] (an admitted process's lease
+//! connection, proven by a ticket from its memory connection) meets none of these caps again:
+//! a pid with an admitted connection has [`COMPANION_PENDING`] pending places of its own, and
+//! each memory connection at most [`COMPANIONS_PER_CONNECTION`] companions.
+//!
+//! Admitted connections go to their own thread ([`crate::tenant::spawn`]). Every refusal is
+//! counted ([`Admission::counts`]); a summary is logged at most once per second
+//! ([`Admission::report`]), and individual handshake failures at most
+//! [`FAILURE_LINES_PER_SEC`] lines per second.
 
 #![forbid(unsafe_code)]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use tessera_protocol::{Role, ServerHello};
+use tessera_protocol::{COMPANIONS_PER_CONNECTION, Role, ServerHello};
 use tokio::net::UnixStream;
+use tokio::sync::Notify;
 
-use crate::ledger::AccountKey;
+use crate::ledger::{AccountKey, ConnId};
 use crate::state::Arbiter;
 use crate::wire::{self, WireError};
 
 /// Handshake failures logged one by one per second; the rest are only counted.
 pub const FAILURE_LINES_PER_SEC: u32 = 20;
+
+/// Pending places of its own a pid with an admitted connection has (for its companions), so
+/// a flood from its container cannot keep its lease connection out.
+pub const COMPANION_PENDING: usize = 4;
 
 /// The caps and the handshake deadline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,14 +59,18 @@ pub struct Limits {
     pub handshake_timeout: Duration,
     /// Connections that have not finished their handshake, all peers together.
     pub pending: usize,
-    /// Connections that have not finished their handshake, per peer uid.
-    pub pending_per_uid: usize,
+    /// Connections that have not finished their handshake, per container (cgroup; uid when
+    /// the cgroup cannot be read).
+    pub pending_per_group: usize,
     /// Connections that have not finished their handshake, per peer pid.
     pub pending_per_pid: usize,
     /// Admitted tenant connections per allocation.
     pub per_allocation: usize,
-    /// Admitted tenant connections in total (each has a thread).
+    /// Admitted tenant connections in total (each has a thread), guaranteed places included
+    /// (more when `guaranteed x allocations` exceeds it).
     pub admitted: usize,
+    /// Admitted connections every allocation may always have, whatever the others hold.
+    pub guaranteed: usize,
 }
 
 impl Default for Limits {
@@ -52,10 +78,11 @@ impl Default for Limits {
         Self {
             handshake_timeout: wire::HANDSHAKE_TIMEOUT,
             pending: 256,
-            pending_per_uid: 128,
+            pending_per_group: 128,
             pending_per_pid: 32,
             per_allocation: 1024,
             admitted: 4096,
+            guaranteed: 16,
         }
     }
 }
@@ -63,53 +90,133 @@ impl Default for Limits {
 /// Why a connection was not admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum AdmissionError {
-    /// Too many connections without a finished handshake, all peers together.
-    #[error("arbiter busy: {0} connections are waiting for their handshake")]
-    Pending(usize),
-    /// Too many connections without a finished handshake from this uid.
-    #[error("arbiter busy: {0} connections of this uid are waiting for their handshake")]
-    PendingUid(usize),
     /// Too many connections without a finished handshake from this pid.
     #[error("arbiter busy: {0} connections of this process are waiting for their handshake")]
     PendingPid(usize),
     /// The allocation has its cap of connections.
     #[error("the allocation already has {0} connections")]
     Allocation(usize),
-    /// The arbiter has its cap of tenant connections.
-    #[error("the arbiter already serves {0} tenant connections")]
-    Admitted(usize),
+    /// The shared pool is full and the allocation has used its guaranteed places.
+    #[error(
+        "the arbiter already serves {0} tenant connections (this allocation has its {1} guaranteed)"
+    )]
+    Admitted(usize, usize),
+    /// The memory connection already has its companions.
+    #[error("the process already has {0} lease connections")]
+    Companions(usize),
 }
 
 /// Refusals and failures since start.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Counts {
-    /// Closed at accept: the global cap on pending handshakes.
-    pub refused_pending: u64,
-    /// Closed at accept: the per-uid cap.
-    pub refused_uid: u64,
+    /// Pending connections dropped for a newer one: the global cap.
+    pub evicted_pending: u64,
+    /// Pending connections dropped for a newer one of their container: the per-container cap.
+    pub evicted_group: u64,
     /// Closed at accept: the per-pid cap.
     pub refused_pid: u64,
     /// Refused after a good hello: the per-allocation cap.
     pub refused_allocation: u64,
-    /// Refused after a good hello: the total cap.
+    /// Refused after a good hello: the shared pool.
     pub refused_admitted: u64,
-    /// Handshakes that failed (deadline, bad frame, magic, version, role or token).
+    /// Handshakes that failed (deadline, bad frame, magic, version, role, token or ticket).
     pub failed: u64,
-    /// Connections admitted.
+    /// Connections admitted (companions included).
     pub admitted: u64,
+}
+
+/// Whom the per-container pending cap counts a peer with.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Group {
+    /// The peer's cgroup (the line of `/proc/<pid>/cgroup` naming its cgroup v2 path, or the
+    /// whole file on cgroup v1): every container has its own.
+    Cgroup(String),
+    /// A peer whose cgroup could not be read, by uid.
+    Uid(u32),
+    /// A peer the kernel gave no credentials for.
+    Unknown,
+}
+
+/// The group of peer `pid`/`uid`, read under `proc` (normally `/proc`).
+pub fn group_of(proc: &Path, uid: Option<u32>, pid: Option<i32>) -> Group {
+    let cgroup = pid.and_then(|p| std::fs::read_to_string(proc.join(format!("{p}/cgroup"))).ok());
+    match (cgroup, uid) {
+        (Some(text), _) if !text.is_empty() => {
+            let v2 = text.lines().find_map(|l| l.strip_prefix("0::"));
+            Group::Cgroup(v2.map_or(text.clone(), str::to_owned))
+        }
+        (_, Some(u)) => Group::Uid(u),
+        _ => Group::Unknown,
+    }
+}
+
+/// How a pending connection learns that a newer one took its place.
+#[derive(Debug, Default)]
+struct Evict {
+    notify: Notify,
+    /// Set (under the pending lock) once it was dropped from the counts.
+    evicted: AtomicBool,
+}
+
+#[derive(Debug)]
+struct Entry {
+    seq: u64,
+    pid: Option<i32>,
+    evict: Arc<Evict>,
 }
 
 #[derive(Debug, Default)]
 struct Pending {
     total: usize,
-    by_uid: HashMap<u32, usize>,
+    /// Per container, oldest first.
+    by_group: HashMap<Group, VecDeque<Entry>>,
     by_pid: HashMap<i32, usize>,
+    /// Companion places in use per pid.
+    companions: HashMap<i32, usize>,
+    seq: u64,
+}
+
+impl Pending {
+    /// Drops the oldest pending connection of `group` from the counts and tells it to close.
+    fn evict_oldest(&mut self, group: &Group) -> bool {
+        let Some(q) = self.by_group.get_mut(group) else {
+            return false;
+        };
+        let Some(e) = q.pop_front() else {
+            return false;
+        };
+        if q.is_empty() {
+            self.by_group.remove(group);
+        }
+        self.total -= 1;
+        if let Some(pid) = e.pid {
+            release(&mut self.by_pid, pid);
+        }
+        e.evict.evicted.store(true, Ordering::Release);
+        e.evict.notify.notify_one();
+        true
+    }
+
+    /// The container with the most pending connections.
+    fn largest(&self) -> Option<Group> {
+        self.by_group
+            .iter()
+            .max_by_key(|(_, q)| q.len())
+            .map(|(g, _)| g.clone())
+    }
 }
 
 #[derive(Debug, Default)]
 struct Admitted {
+    /// Counted connections (companions are not).
     total: usize,
+    /// Counted connections beyond their allocation's guaranteed places.
+    pooled: usize,
     by_account: HashMap<AccountKey, usize>,
+    /// Pids with counted connections (their companions get pending places of their own).
+    by_pid: HashMap<i32, usize>,
+    /// Companions per memory connection.
+    companions: HashMap<ConnId, usize>,
 }
 
 #[derive(Debug)]
@@ -125,8 +232,8 @@ pub struct Admission {
     limits: Limits,
     pending: Mutex<Pending>,
     admitted: Mutex<Admitted>,
-    refused_pending: AtomicU64,
-    refused_uid: AtomicU64,
+    evicted_pending: AtomicU64,
+    evicted_group: AtomicU64,
     refused_pid: AtomicU64,
     refused_allocation: AtomicU64,
     refused_admitted: AtomicU64,
@@ -145,39 +252,84 @@ fn release<K: std::hash::Hash + Eq>(map: &mut HashMap<K, usize>, k: K) {
     }
 }
 
+#[derive(Debug)]
+enum PendingKind {
+    /// Counted in the caps, in `group`'s queue under `seq`.
+    Counted { group: Group, seq: u64 },
+    /// A companion place of `pid`.
+    Companion(i32),
+}
+
 /// A connection counted as pending until its handshake ends (dropped).
 #[derive(Debug)]
 pub struct PendingSlot {
     adm: Arc<Admission>,
-    uid: Option<u32>,
     pid: Option<i32>,
+    kind: PendingKind,
+    evict: Arc<Evict>,
+}
+
+impl PendingSlot {
+    /// Resolves once a newer connection took this one's place (it is then no longer counted).
+    pub async fn evicted(&self) {
+        self.evict.notify.notified().await;
+    }
 }
 
 impl Drop for PendingSlot {
     fn drop(&mut self) {
         let mut p = self.adm.pending.lock();
-        p.total -= 1;
-        if let Some(uid) = self.uid {
-            release(&mut p.by_uid, uid);
-        }
-        if let Some(pid) = self.pid {
-            release(&mut p.by_pid, pid);
+        match &self.kind {
+            PendingKind::Companion(pid) => release(&mut p.companions, *pid),
+            PendingKind::Counted { group, seq } => {
+                if self.evict.evicted.load(Ordering::Acquire) {
+                    return;
+                }
+                if let Some(q) = p.by_group.get_mut(group) {
+                    q.retain(|e| e.seq != *seq);
+                    if q.is_empty() {
+                        p.by_group.remove(group);
+                    }
+                }
+                p.total -= 1;
+                if let Some(pid) = self.pid {
+                    release(&mut p.by_pid, pid);
+                }
+            }
         }
     }
+}
+
+#[derive(Debug)]
+enum SlotKind {
+    Counted { key: AccountKey, pid: Option<i32> },
+    Companion { mem: ConnId },
 }
 
 /// An admitted tenant connection, counted until its thread ends (dropped).
 #[derive(Debug)]
 pub struct TenantSlot {
     adm: Arc<Admission>,
-    key: AccountKey,
+    kind: SlotKind,
 }
 
 impl Drop for TenantSlot {
     fn drop(&mut self) {
         let mut a = self.adm.admitted.lock();
-        a.total -= 1;
-        release(&mut a.by_account, self.key);
+        match self.kind {
+            SlotKind::Counted { key, pid } => {
+                let n = a.by_account.get(&key).copied().unwrap_or(0);
+                if n > self.adm.limits.guaranteed {
+                    a.pooled -= 1;
+                }
+                a.total -= 1;
+                release(&mut a.by_account, key);
+                if let Some(pid) = pid {
+                    release(&mut a.by_pid, pid);
+                }
+            }
+            SlotKind::Companion { mem } => release(&mut a.companions, mem),
+        }
     }
 }
 
@@ -188,8 +340,8 @@ impl Admission {
             limits,
             pending: Mutex::default(),
             admitted: Mutex::default(),
-            refused_pending: AtomicU64::new(0),
-            refused_uid: AtomicU64::new(0),
+            evicted_pending: AtomicU64::new(0),
+            evicted_group: AtomicU64::new(0),
             refused_pid: AtomicU64::new(0),
             refused_allocation: AtomicU64::new(0),
             refused_admitted: AtomicU64::new(0),
@@ -208,73 +360,123 @@ impl Admission {
         &self.limits
     }
 
-    /// Counts a new connection of peer `uid`/`pid` as pending, or says which cap refuses it
-    /// (the refusal is counted). A peer the kernel gave no uid or pid for is held to the
-    /// global cap (and the other one it has).
+    /// Counts a new connection of peer `pid` in `group` as pending, or refuses it (the
+    /// per-pid cap; counted). Where the container's or the global cap is reached, the oldest
+    /// pending connection of the container (globally: of the fullest container) is dropped in
+    /// its favour. A pid with an admitted connection first uses its companion places.
     pub fn begin(
         self: &Arc<Self>,
-        uid: Option<u32>,
+        group: Group,
         pid: Option<i32>,
     ) -> Result<PendingSlot, AdmissionError> {
         let l = &self.limits;
+        let admitted_pid = pid.filter(|p| self.admitted.lock().by_pid.contains_key(p));
         let mut p = self.pending.lock();
-        let refused = if p.total >= l.pending {
-            Some((AdmissionError::Pending(p.total), &self.refused_pending))
-        } else if uid.is_some_and(|u| p.by_uid.get(&u).is_some_and(|&n| n >= l.pending_per_uid)) {
-            Some((
-                AdmissionError::PendingUid(l.pending_per_uid),
-                &self.refused_uid,
-            ))
-        } else if pid.is_some_and(|q| p.by_pid.get(&q).is_some_and(|&n| n >= l.pending_per_pid)) {
-            Some((
-                AdmissionError::PendingPid(l.pending_per_pid),
-                &self.refused_pid,
-            ))
-        } else {
-            None
-        };
-        if let Some((e, counter)) = refused {
-            counter.fetch_add(1, Ordering::Relaxed);
-            return Err(e);
+        let evict = Arc::new(Evict::default());
+        if let Some(pid) = admitted_pid {
+            let n = p.companions.entry(pid).or_insert(0);
+            if *n < COMPANION_PENDING {
+                *n += 1;
+                return Ok(PendingSlot {
+                    adm: Arc::clone(self),
+                    pid: Some(pid),
+                    kind: PendingKind::Companion(pid),
+                    evict,
+                });
+            }
         }
+        if pid.is_some_and(|q| p.by_pid.get(&q).is_some_and(|&n| n >= l.pending_per_pid)) {
+            self.refused_pid.fetch_add(1, Ordering::Relaxed);
+            return Err(AdmissionError::PendingPid(l.pending_per_pid));
+        }
+        if p.by_group
+            .get(&group)
+            .is_some_and(|q| q.len() >= l.pending_per_group)
+        {
+            p.evict_oldest(&group);
+            self.evicted_group.fetch_add(1, Ordering::Relaxed);
+        } else if p.total >= l.pending
+            && let Some(fullest) = p.largest()
+        {
+            p.evict_oldest(&fullest);
+            self.evicted_pending.fetch_add(1, Ordering::Relaxed);
+        }
+        p.seq += 1;
+        let seq = p.seq;
         p.total += 1;
-        if let Some(uid) = uid {
-            *p.by_uid.entry(uid).or_insert(0) += 1;
-        }
         if let Some(pid) = pid {
             *p.by_pid.entry(pid).or_insert(0) += 1;
         }
+        p.by_group
+            .entry(group.clone())
+            .or_default()
+            .push_back(Entry {
+                seq,
+                pid,
+                evict: Arc::clone(&evict),
+            });
         Ok(PendingSlot {
             adm: Arc::clone(self),
-            uid,
             pid,
+            kind: PendingKind::Counted { group, seq },
+            evict,
         })
     }
 
-    /// Counts an admitted connection of allocation `key`, or says which cap refuses it (the
-    /// refusal is counted).
-    pub fn admit(self: &Arc<Self>, key: AccountKey) -> Result<TenantSlot, AdmissionError> {
+    /// Counts an admitted connection of allocation `key` from `pid` while the arbiter holds
+    /// `allocations` allocations, or says which cap refuses it (the refusal is counted).
+    pub fn admit(
+        self: &Arc<Self>,
+        key: AccountKey,
+        pid: Option<i32>,
+        allocations: usize,
+    ) -> Result<TenantSlot, AdmissionError> {
         let l = &self.limits;
         let mut a = self.admitted.lock();
-        if a.total >= l.admitted {
-            self.refused_admitted.fetch_add(1, Ordering::Relaxed);
-            return Err(AdmissionError::Admitted(a.total));
-        }
-        let n = a.by_account.entry(key).or_insert(0);
-        if *n >= l.per_allocation {
+        let n = a.by_account.get(&key).copied().unwrap_or(0);
+        if n >= l.per_allocation {
             self.refused_allocation.fetch_add(1, Ordering::Relaxed);
-            return Err(AdmissionError::Allocation(*n));
+            return Err(AdmissionError::Allocation(n));
         }
-        *n += 1;
+        if n >= l.guaranteed {
+            let pool = l
+                .admitted
+                .saturating_sub(l.guaranteed.saturating_mul(allocations));
+            if a.pooled >= pool {
+                self.refused_admitted.fetch_add(1, Ordering::Relaxed);
+                return Err(AdmissionError::Admitted(a.total, l.guaranteed));
+            }
+            a.pooled += 1;
+        }
+        *a.by_account.entry(key).or_insert(0) += 1;
         a.total += 1;
+        if let Some(pid) = pid {
+            *a.by_pid.entry(pid).or_insert(0) += 1;
+        }
         self.admitted_count.fetch_add(1, Ordering::Relaxed);
         Ok(TenantSlot {
             adm: Arc::clone(self),
-            key,
+            kind: SlotKind::Counted { key, pid },
         })
     }
 
-    /// Connections now pending and admitted.
+    /// Counts a companion of memory connection `mem` (outside the caps), or refuses it when
+    /// `mem` already has [`COMPANIONS_PER_CONNECTION`].
+    pub fn admit_companion(self: &Arc<Self>, mem: ConnId) -> Result<TenantSlot, AdmissionError> {
+        let mut a = self.admitted.lock();
+        let n = a.companions.entry(mem).or_insert(0);
+        if *n >= COMPANIONS_PER_CONNECTION {
+            return Err(AdmissionError::Companions(*n));
+        }
+        *n += 1;
+        self.admitted_count.fetch_add(1, Ordering::Relaxed);
+        Ok(TenantSlot {
+            adm: Arc::clone(self),
+            kind: SlotKind::Companion { mem },
+        })
+    }
+
+    /// Connections now pending and admitted (counted ones; companions are not).
     pub fn current(&self) -> (usize, usize) {
         (self.pending.lock().total, self.admitted.lock().total)
     }
@@ -283,8 +485,8 @@ impl Admission {
     pub fn counts(&self) -> Counts {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         Counts {
-            refused_pending: get(&self.refused_pending),
-            refused_uid: get(&self.refused_uid),
+            evicted_pending: get(&self.evicted_pending),
+            evicted_group: get(&self.evicted_group),
             refused_pid: get(&self.refused_pid),
             refused_allocation: get(&self.refused_allocation),
             refused_admitted: get(&self.refused_admitted),
@@ -321,8 +523,8 @@ impl Admission {
             tick.tick().await;
             let now = self.counts();
             let refused = |c: &Counts| {
-                c.refused_pending
-                    + c.refused_uid
+                c.evicted_pending
+                    + c.evicted_group
                     + c.refused_pid
                     + c.refused_allocation
                     + c.refused_admitted
@@ -333,13 +535,14 @@ impl Admission {
             let suppressed = std::mem::take(&mut self.log.lock().suppressed);
             let (pending, admitted) = self.current();
             tracing::warn!(
-                "admission on the {socket} socket: {} refused, {} failed handshakes ({suppressed} \
-                 not logged) since the last report; totals: refused pending {} uid {} pid {} \
-                 allocation {} admitted {}, failed {}; now {pending} pending, {admitted} admitted",
+                "admission on the {socket} socket: {} refused or evicted, {} failed handshakes \
+                 ({suppressed} not logged) since the last report; totals: evicted pending {} \
+                 group {}, refused pid {} allocation {} admitted {}, failed {}; now {pending} \
+                 pending, {admitted} admitted",
                 refused(&now) - refused(&last),
                 now.failed - last.failed,
-                now.refused_pending,
-                now.refused_uid,
+                now.evicted_pending,
+                now.evicted_group,
                 now.refused_pid,
                 now.refused_allocation,
                 now.refused_admitted,
@@ -355,6 +558,25 @@ pub fn peer(stream: &UnixStream) -> (Option<u32>, Option<i32>) {
     match stream.peer_cred() {
         Ok(c) => (Some(c.uid()), c.pid()),
         Err(_) => (None, None),
+    }
+}
+
+/// The peer's group (its cgroup, read from `/proc`) and pid.
+pub fn peer_group(stream: &UnixStream) -> (Group, Option<i32>) {
+    let (uid, pid) = peer(stream);
+    (group_of(Path::new("/proc"), uid, pid), pid)
+}
+
+/// Reads a `Hello` under the handshake deadline, or gives up once `slot` was evicted (a newer
+/// connection of its container took its place): `None` then.
+pub async fn read_hello_or_evicted<R: tokio::io::AsyncRead + Unpin>(
+    stream: &mut R,
+    slot: &PendingSlot,
+    timeout: Duration,
+) -> Option<Result<Role, WireError>> {
+    tokio::select! {
+        r = wire::read_hello(stream, timeout) => Some(r),
+        () = slot.evicted() => None,
     }
 }
 
@@ -388,8 +610,8 @@ pub fn close_refused(stream: UnixStream) {
 /// A new tenant connection: counts it as pending (or closes it at once), runs its handshake
 /// on the runtime, and hands it to its own thread once admitted.
 pub fn accept_tenant(arb: Arc<Arbiter>, adm: &Arc<Admission>, stream: UnixStream) {
-    let (uid, pid) = peer(&stream);
-    match adm.begin(uid, pid) {
+    let (group, pid) = peer_group(&stream);
+    match adm.begin(group, pid) {
         Ok(slot) => {
             // Named now, by the connection itself: the process that connected, not a later
             // holder of its pid.
@@ -423,7 +645,12 @@ async fn tenant_handshake(
         Some(p) => format!("tenant connection of pid {p}"),
         None => "tenant connection".to_owned(),
     };
-    let role = match wire::read_hello(&mut stream, adm.limits.handshake_timeout).await {
+    let hello = read_hello_or_evicted(&mut stream, &slot, adm.limits.handshake_timeout).await;
+    let Some(hello) = hello else {
+        // A newer connection of its container took its place: closed without an answer.
+        return;
+    };
+    let role = match hello {
         Ok(r) => r,
         Err(e) => {
             drain_a_little(&stream);
@@ -434,12 +661,16 @@ async fn tenant_handshake(
             return;
         }
     };
-    let Role::Tenant { token } = role else {
-        let reason = "admin clients use the admin socket";
-        drain_a_little(&stream);
-        refuse_now(&stream, reason);
-        adm.failed(&who, &WireError::WrongRole(reason));
-        return;
+    let (token, ticket) = match role {
+        Role::Tenant { token } => (token, None),
+        Role::Companion { token, ticket } => (token, Some(ticket)),
+        Role::Admin => {
+            let reason = "admin clients use the admin socket";
+            drain_a_little(&stream);
+            refuse_now(&stream, reason);
+            adm.failed(&who, &WireError::WrongRole(reason));
+            return;
+        }
     };
     let conn = arb.next_conn();
     let Some(binding) = arb.attach_tenant(&token, conn, peer) else {
@@ -449,7 +680,20 @@ async fn tenant_handshake(
         adm.failed(&who, &WireError::WrongRole(reason));
         return;
     };
-    let tenant_slot = match adm.admit(binding.key) {
+    let admitted = match ticket {
+        None => adm.admit(binding.key, pid, arb.allocation_count()),
+        Some(t) => match arb.pressure().redeem(t, binding.key) {
+            Ok(mem) => adm.admit_companion(mem),
+            Err(e) => {
+                let _ = arb.detach_tenant(&binding, conn, proc);
+                let reason = "unknown or used companion ticket";
+                refuse_now(&stream, &e.to_string());
+                adm.failed(&who, &WireError::WrongRole(reason));
+                return;
+            }
+        },
+    };
+    let tenant_slot = match admitted {
         Ok(s) => s,
         Err(e) => {
             // Attached a moment ago and holding nothing: this only undoes the attach.
@@ -482,57 +726,143 @@ mod tests {
         Limits {
             handshake_timeout: Duration::from_secs(1),
             pending: 4,
-            pending_per_uid: 3,
+            pending_per_group: 3,
             pending_per_pid: 2,
-            per_allocation: 2,
-            admitted: 3,
+            per_allocation: 4,
+            admitted: 5,
+            guaranteed: 1,
         }
     }
 
-    #[test]
-    fn pending_caps_count_per_pid_per_uid_and_globally_and_free_on_drop() {
-        let adm = Admission::new(limits());
-        let a1 = adm.begin(Some(1000), Some(10)).unwrap();
-        let a2 = adm.begin(Some(1000), Some(10)).unwrap();
-        assert_eq!(
-            adm.begin(Some(1000), Some(10)).unwrap_err(),
-            AdmissionError::PendingPid(2)
-        );
-        // Another process of the same uid still gets in, up to the uid's cap.
-        let b1 = adm.begin(Some(1000), Some(11)).unwrap();
-        assert_eq!(
-            adm.begin(Some(1000), Some(12)).unwrap_err(),
-            AdmissionError::PendingUid(3)
-        );
-        // Another uid gets the last global slot; then everyone is refused.
-        let c1 = adm.begin(Some(0), Some(20)).unwrap();
-        assert_eq!(
-            adm.begin(Some(5), None).unwrap_err(),
-            AdmissionError::Pending(4)
-        );
-        let c = adm.counts();
-        assert_eq!((c.refused_pid, c.refused_uid, c.refused_pending), (1, 1, 1));
-        drop((a1, a2, b1, c1));
-        assert_eq!(adm.current(), (0, 0));
-        // Freed slots are reusable; the maps forget peers at zero.
-        let _again = adm.begin(Some(1000), Some(10)).unwrap();
-        assert!(adm.pending.lock().by_pid.len() == 1 && adm.pending.lock().by_uid.len() == 1);
+    fn g(n: u32) -> Group {
+        Group::Uid(n)
+    }
+
+    fn evicted(s: &PendingSlot) -> bool {
+        s.evict.evicted.load(Ordering::Acquire)
     }
 
     #[test]
-    fn admitted_caps_per_allocation_and_in_total() {
+    fn the_pid_cap_refuses_and_a_full_container_drops_its_own_oldest() {
         let adm = Admission::new(limits());
-        let a = [adm.admit(1).unwrap(), adm.admit(1).unwrap()];
-        assert_eq!(adm.admit(1).unwrap_err(), AdmissionError::Allocation(2));
-        let b = adm.admit(2).unwrap();
-        assert_eq!(adm.admit(3).unwrap_err(), AdmissionError::Admitted(3));
-        assert_eq!(adm.counts().refused_allocation, 1);
-        assert_eq!(adm.counts().refused_admitted, 1);
-        assert_eq!(adm.counts().admitted, 3);
+        let a1 = adm.begin(g(1000), Some(10)).unwrap();
+        let a2 = adm.begin(g(1000), Some(10)).unwrap();
+        assert_eq!(
+            adm.begin(g(1000), Some(10)).unwrap_err(),
+            AdmissionError::PendingPid(2)
+        );
+        let b1 = adm.begin(g(1000), Some(11)).unwrap();
+        // The container is full: its newest connection takes the place of its oldest.
+        let b2 = adm.begin(g(1000), Some(12)).unwrap();
+        assert!(evicted(&a1) && !evicted(&a2) && !evicted(&b1));
+        assert_eq!(adm.current().0, 3);
+        // The global cap: the fullest container loses its oldest, not the newcomer's.
+        let c1 = adm.begin(g(0), Some(20)).unwrap();
+        assert_eq!(adm.current().0, 4);
+        let c2 = adm.begin(g(0), Some(21)).unwrap();
+        assert!(evicted(&a2) && !evicted(&c1));
+        assert_eq!(adm.current().0, 4);
+        let c = adm.counts();
+        assert_eq!(
+            (c.refused_pid, c.evicted_group, c.evicted_pending),
+            (1, 1, 1)
+        );
+        // An evicted slot's drop does not count twice; the maps forget peers at zero.
+        drop((a1, a2, b1, b2, c1, c2));
+        assert_eq!(adm.current(), (0, 0));
+        let p = adm.pending.lock();
+        assert!(p.by_pid.is_empty() && p.by_group.is_empty());
+    }
+
+    #[test]
+    fn an_evicted_slot_is_told_so() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let adm = Admission::new(limits());
+        let old = adm.begin(g(1), Some(1)).unwrap();
+        let _b = adm.begin(g(1), Some(2)).unwrap();
+        let _c = adm.begin(g(1), Some(3)).unwrap();
+        let _d = adm.begin(g(1), Some(4)).unwrap();
+        let woke = rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(5), old.evicted())
+                .await
+                .is_ok()
+        });
+        assert!(woke);
+    }
+
+    #[test]
+    fn every_allocation_keeps_its_guaranteed_room_whatever_the_others_hold() {
+        let adm = Admission::new(limits());
+        // Three allocations: the pool is 5 - 3 x 1 = 2.
+        let a: Vec<_> = (0..3).map(|_| adm.admit(1, Some(10), 3).unwrap()).collect();
+        assert_eq!(
+            adm.admit(1, Some(10), 3).unwrap_err(),
+            AdmissionError::Admitted(3, 1)
+        );
+        // Allocation 1 filled the pool; 2 and 3 still get their guaranteed place.
+        let b = adm.admit(2, Some(20), 3).unwrap();
+        let c = adm.admit(3, Some(30), 3).unwrap();
+        assert!(adm.admit(2, Some(20), 3).is_err());
+        assert_eq!(adm.counts().refused_admitted, 2);
         drop(a);
-        assert_eq!(adm.current(), (0, 1));
-        let _a = adm.admit(1).unwrap();
-        drop(b);
-        assert_eq!(adm.admitted.lock().by_account.len(), 1);
+        assert_eq!(adm.current(), (0, 2));
+        assert_eq!(adm.admitted.lock().pooled, 0);
+        // The per-allocation cap holds even with room in the pool.
+        let adm = Admission::new(Limits {
+            per_allocation: 2,
+            ..limits()
+        });
+        let _x = [
+            adm.admit(1, None, 1).unwrap(),
+            adm.admit(1, None, 1).unwrap(),
+        ];
+        assert_eq!(
+            adm.admit(1, None, 1).unwrap_err(),
+            AdmissionError::Allocation(2)
+        );
+        drop((b, c));
+    }
+
+    #[test]
+    fn an_admitted_pid_has_companion_places_past_a_full_container() {
+        let adm = Admission::new(limits());
+        let _mem = adm.admit(1, Some(10), 1).unwrap();
+        let flood: Vec<_> = (0..3)
+            .map(|i| adm.begin(g(0), Some(100 + i)).unwrap())
+            .collect();
+        let companions: Vec<_> = (0..COMPANION_PENDING)
+            .map(|_| adm.begin(g(0), Some(10)).unwrap())
+            .collect();
+        // The companions evicted nobody and are not counted in the caps.
+        assert!(flood.iter().all(|s| !evicted(s)));
+        assert_eq!(adm.current().0, 3);
+        drop(companions);
+        assert!(adm.pending.lock().companions.is_empty());
+        // Companions per memory connection are capped, and free on drop.
+        let c: Vec<_> = (0..COMPANIONS_PER_CONNECTION)
+            .map(|_| adm.admit_companion(7).unwrap())
+            .collect();
+        assert_eq!(
+            adm.admit_companion(7).unwrap_err(),
+            AdmissionError::Companions(COMPANIONS_PER_CONNECTION)
+        );
+        drop(c);
+        assert!(adm.admit_companion(7).is_ok());
+    }
+
+    #[test]
+    fn a_peer_is_grouped_by_its_cgroup_v2_path_else_by_uid() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("42")).unwrap();
+        std::fs::write(dir.path().join("42/cgroup"), "0::/kubepods/pod1/ctr\n").unwrap();
+        assert_eq!(
+            group_of(dir.path(), Some(0), Some(42)),
+            Group::Cgroup("/kubepods/pod1/ctr".into())
+        );
+        assert_eq!(group_of(dir.path(), Some(7), Some(43)), Group::Uid(7));
+        assert_eq!(group_of(dir.path(), None, None), Group::Unknown);
     }
 }

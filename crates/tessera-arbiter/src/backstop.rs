@@ -21,7 +21,9 @@
 //!    and checked against the live process at every use, ancestors included: a connection
 //!    whose process exited attributes nobody, so a connection kept open by another process (a
 //!    socket passed over `SCM_RIGHTS`) cannot reserve a pid for whoever gets it next;
-//! 4. otherwise the process is *unknown*: in a container (its mount namespace is not the
+//! 4. **a process under a live `tessera run`** (the allocation's owner, pid and start time), or
+//!    one found under it before (see [`crate::owner`]), connected or not;
+//! 5. otherwise the process is *unknown*: in a container (its mount namespace is not the
 //!    host's) or on the host.
 //!
 //! Then, under `--enforce kill|report`:
@@ -655,9 +657,10 @@ pub fn proc_parent(pid: i32) -> Option<i32> {
     stat_field(pid, 4)
 }
 
-/// The start time of `pid`, clock ticks after boot, from `/proc/<pid>/stat` (field 22).
+/// The start time of `pid`, clock ticks after boot, from `/proc/<pid>/stat` (field 22; the
+/// protocol's parser, the one allocation owners are named with too).
 pub fn proc_start(pid: i32) -> Option<u64> {
-    stat_field(pid, 22)
+    tessera_protocol::process::start_time(std::path::Path::new("/proc"), pid)
 }
 
 /// The cgroup v2 path of `pid`: the `0::` line of `/proc/<pid>/cgroup`.
@@ -1075,7 +1078,8 @@ impl Backstop {
         forget_exited(&mut watched, &self.procfs);
         let live: HashSet<&str> = watched.iter().map(|w| w.id.as_str()).collect();
         self.cgroups.retain(&live);
-        let owners = attribute(&watched, &pids, &self.procfs, &mut self.cgroups);
+        let mut owners = attribute(&watched, &pids, &self.procfs, &mut self.cgroups);
+        self.attribute_owned(&watched, &mut owners);
         self.unknown_since
             .retain(|p, _| owners.get(p) == Some(&Owner::UnknownHost));
         for (&pid, owner) in &owners {
@@ -1096,6 +1100,47 @@ impl Backstop {
             }
         }
         taken
+    }
+
+    /// The last attribution step, kept apart from [`attribute`]: a process nothing else names
+    /// that runs under a live `tessera run` (its owner, pid and start time; see
+    /// [`crate::owner`]), or was found under one before, is that allocation's, connected or
+    /// not (a double-forked child without `LD_PRELOAD`, a `dlmopen`-first process).
+    fn attribute_owned(&self, watched: &[Watched], owners: &mut HashMap<i32, Owner>) {
+        let owned = self.arb.owned();
+        if owned.is_empty() {
+            return;
+        }
+        let proc = std::path::Path::new("/proc");
+        let index: HashMap<&str, usize> = watched
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (w.id.as_str(), i))
+            .collect();
+        let list: Vec<_> = owned.iter().map(|(_, o, ..)| *o).collect();
+        let parent = |p: i32| self.procfs.parent(p);
+        let start = |p: i32| crate::owner::start_time(proc, p);
+        let mut members = self.arb.members();
+        for (&pid, owner) in owners.iter_mut() {
+            if matches!(owner, Owner::Allocation(_)) {
+                continue;
+            }
+            let Some(start_time) = start(pid) else {
+                continue;
+            };
+            let me = tessera_protocol::ProcessOwner { pid, start_time };
+            let id = match members.of(me) {
+                Some(id) => Some(id.to_owned()),
+                None => crate::owner::owned_ancestor(pid, &list, &parent, &start)
+                    .map(|i| owned[i].0.clone()),
+            };
+            if let Some(id) = id
+                && let Some(&i) = index.get(id.as_str())
+            {
+                *owner = Owner::Allocation(i);
+                members.note(&id, me);
+            }
+        }
     }
 
     /// The compute rule over one interval; charges what was used outside leases.

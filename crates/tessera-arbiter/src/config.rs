@@ -82,10 +82,16 @@ pub struct Config {
     /// at once (each socket counts its own).
     #[arg(long, default_value_t = 256, value_name = "N")]
     pub max_pending_handshakes: usize,
-    /// Connections that have not finished their handshake per peer uid (`SO_PEERCRED`). Looser
-    /// than per pid: pods often share a uid (root).
-    #[arg(long, default_value_t = 128, value_name = "N")]
-    pub max_pending_per_uid: usize,
+    /// Connections that have not finished their handshake per container (the peer's cgroup;
+    /// its uid where that cannot be read). Past it a new connection takes the place of the
+    /// container's oldest pending one, so a flood delays only its own container.
+    #[arg(
+        long,
+        alias = "max-pending-per-uid",
+        default_value_t = 128,
+        value_name = "N"
+    )]
+    pub max_pending_per_container: usize,
     /// Connections that have not finished their handshake per peer pid (`SO_PEERCRED`).
     #[arg(long, default_value_t = 32, value_name = "N")]
     pub max_pending_per_pid: usize,
@@ -96,6 +102,11 @@ pub struct Config {
     /// it bounds the arbiter's memory: see docs/arbiter.md.
     #[arg(long, default_value_t = 4096, value_name = "N")]
     pub max_tenant_connections: usize,
+    /// Admitted tenant connections every allocation may always have, whatever the others hold
+    /// (reserved out of `--max-tenant-connections`): a few allocations cannot fill the arbiter
+    /// for the rest.
+    #[arg(long, default_value_t = 16, value_name = "N")]
+    pub guaranteed_connections_per_allocation: usize,
     /// Where Prometheus metrics are served (`GET /metrics`, plain HTTP): HOST:PORT, port 0 for
     /// any free port (logged), or `none`. Loopback by default; the DaemonSet binds the pod's
     /// address. See docs/metrics.md.
@@ -114,10 +125,11 @@ impl Config {
         crate::admission::Limits {
             handshake_timeout: std::time::Duration::from_millis(self.handshake_timeout_ms.max(1)),
             pending: self.max_pending_handshakes,
-            pending_per_uid: self.max_pending_per_uid,
+            pending_per_group: self.max_pending_per_container,
             pending_per_pid: self.max_pending_per_pid,
             per_allocation: self.max_connections_per_allocation,
             admitted: self.max_tenant_connections,
+            guaranteed: self.guaranteed_connections_per_allocation,
         }
     }
 }

@@ -2,7 +2,8 @@
 //!
 //! Modules:
 //! - [`admission`]: admission before cost: handshakes on the runtime under one deadline and a
-//!   small frame limit, caps on pending and admitted connections, refusal counters.
+//!   small frame limit, pending places per container (oldest dropped first), admitted places
+//!   per allocation with guaranteed room, companion connections, refusal counters.
 //! - [`backstop`]: the memory backstop: NVML's per-process memory, attributed to allocations by
 //!   connected pids and their descendants, over-limit processes killed or reported.
 //! - [`config`]: command-line and environment configuration.
@@ -10,6 +11,8 @@
 //! - [`ledger`]: the memory ledger (pure): atomic reserve, release, redeclare, connection drop.
 //! - [`metrics`]: Prometheus metrics on `--metrics-addr`: a collector reading the state at
 //!   scrape time, the tenant path's refusal and request counters, the small HTTP server.
+//! - [`owner`]: allocations owned by a process (`tessera run`): its descendants attributed to
+//!   it, the allocation deleted once the owner and all its processes are gone.
 //! - [`pressure`]: taking unused memory credit back from an allocation's other processes
 //!   before a reservation is refused (tickets, pressure channels, the wait).
 //! - [`store`]: persistence of allocations (atomic JSON file), ids and tokens.
@@ -32,6 +35,7 @@ pub mod config;
 pub mod gpus;
 pub mod ledger;
 pub mod metrics;
+pub mod owner;
 pub mod pressure;
 pub mod scheduler;
 pub mod server;

@@ -122,6 +122,19 @@ impl PressureHub {
         i.tickets.insert(ticket, (key, conn));
     }
 
+    /// Uses up `ticket` for a companion connection (a lease connection, see
+    /// [`tessera_protocol::Role::Companion`]) of account `key`; returns the memory connection it
+    /// was issued on, which the companion is tied to.
+    pub fn redeem(&self, ticket: u64, key: AccountKey) -> Result<ConnId, PressureError> {
+        let mut i = self.lock();
+        let (tkey, mem) = *i.tickets.get(&ticket).ok_or(PressureError::UnknownTicket)?;
+        if tkey != key {
+            return Err(PressureError::WrongAllocation);
+        }
+        i.tickets.remove(&ticket);
+        Ok(mem)
+    }
+
     /// Makes connection `ctl` of account `key` the pressure channel of the memory connection
     /// that was given `ticket`; returns that connection. The ticket is used up.
     pub fn subscribe(
@@ -303,6 +316,16 @@ mod tests {
 
     fn soon() -> Instant {
         Instant::now() + Duration::from_secs(5)
+    }
+
+    #[test]
+    fn a_ticket_is_redeemed_once_and_only_by_its_allocation() {
+        let hub = PressureHub::new();
+        hub.issue_ticket(1, 10, 5);
+        assert_eq!(hub.redeem(5, 2), Err(PressureError::WrongAllocation));
+        assert_eq!(hub.redeem(5, 1), Ok(10));
+        assert_eq!(hub.redeem(5, 1), Err(PressureError::UnknownTicket));
+        assert_eq!(hub.redeem(6, 1), Err(PressureError::UnknownTicket));
     }
 
     #[test]

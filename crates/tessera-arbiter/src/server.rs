@@ -197,6 +197,7 @@ impl Server {
                 admin::accept,
             ),
             tokio::spawn(Arc::clone(&tenant_admission).report("tenant", REPORT_EVERY)),
+            tokio::spawn(crate::owner::reap_loop(Arc::clone(&arbiter))),
             tokio::spawn(Arc::clone(&admin_admission).report("admin", REPORT_EVERY)),
         ];
         let epoch = arbiter.epoch();

@@ -139,6 +139,8 @@ pub struct Arbiter {
     pressure: PressureHub,
     /// Tenant requests by kind (metrics).
     requests: RequestStats,
+    /// Processes of owned allocations found under their owner (see [`crate::owner`]).
+    members: Mutex<crate::owner::Members>,
 }
 
 fn now_unix() -> u64 {
@@ -295,6 +297,7 @@ impl Arbiter {
             epoch: Instant::now(),
             pressure: PressureHub::new(),
             requests: RequestStats::default(),
+            members: Mutex::default(),
         });
         for g in &arb.gpus {
             arb.scheduler_for(&g.uuid);
@@ -356,6 +359,12 @@ impl Arbiter {
                 violations: 0,
             },
         );
+    }
+
+    /// Allocations the arbiter holds now (each is guaranteed room on the tenant socket, see
+    /// [`crate::admission`]).
+    pub fn allocation_count(&self) -> usize {
+        self.live().by_id.len()
     }
 
     /// A new connection number.
@@ -582,6 +591,28 @@ impl Arbiter {
             .collect()
     }
 
+    /// Owned allocations: id, owner, how many processes of it are connected, and whether it
+    /// was restored from the state file (created before this arbiter started; for the reaper,
+    /// see [`crate::owner`]).
+    pub fn owned(&self) -> Vec<(String, tessera_protocol::ProcessOwner, usize, bool)> {
+        let started_unix = now_unix().saturating_sub(self.epoch.elapsed().as_secs());
+        let live = self.live();
+        live.by_id
+            .values()
+            .filter_map(|a| {
+                let o = a.record.owner?;
+                let connected = live.procs.get(&a.key).map_or(0, |p| p.len());
+                let restored = a.record.created_unix < started_unix;
+                Some((a.record.id.clone(), o, connected, restored))
+            })
+            .collect()
+    }
+
+    /// The processes the backstop attributed to owned allocations through their owner.
+    pub fn members(&self) -> MutexGuard<'_, crate::owner::Members> {
+        self.members.lock()
+    }
+
     /// GPU time granted to allocation `id` in leases so far, ns (for the backstop).
     pub fn leased_total(&self, id: &str) -> Option<u64> {
         let (key, sched) = self
@@ -670,6 +701,16 @@ impl Arbiter {
         &self,
         req: CreateAllocation,
     ) -> Result<(String, AllocationStatus), StateError> {
+        self.create_owned(req, None).await
+    }
+
+    /// Validates, persists and registers an allocation owned by `owner` (see
+    /// [`crate::owner`]); returns its token and status.
+    pub async fn create_owned(
+        &self,
+        req: CreateAllocation,
+        owner: Option<tessera_protocol::ProcessOwner>,
+    ) -> Result<(String, AllocationStatus), StateError> {
         let mut records = self.admin.lock().await;
         let gpu = self.resolve_gpu(&req.gpu)?.clone();
         if !(1..=100).contains(&req.share) {
@@ -729,6 +770,7 @@ impl Arbiter {
             cap: req.cap,
             labels: req.labels,
             created_unix: now_unix(),
+            owner,
         };
         let mut next = records.clone();
         next.push(record.clone());
@@ -836,6 +878,10 @@ impl Arbiter {
             throttled_total_ns: sched.throttled_ns,
             oom_refusals: a.counters.oom_refusals(),
             leases: sched.leases,
+            owner: r.owner,
+            orphaned: r
+                .owner
+                .is_some_and(|o| !crate::owner::alive(std::path::Path::new("/proc"), o)),
         })
     }
 

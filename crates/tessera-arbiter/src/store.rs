@@ -93,6 +93,10 @@ pub struct AllocationRecord {
     pub labels: BTreeMap<String, String>,
     /// Creation time, Unix seconds.
     pub created_unix: u64,
+    /// The process that owns it (`tessera run`; see [`crate::owner`]). Absent in files written
+    /// before owners existed.
+    #[serde(default)]
+    pub owner: Option<tessera_protocol::ProcessOwner>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -271,6 +275,7 @@ mod tests {
             cap: Some(30),
             labels: BTreeMap::from([("k".into(), "v".into())]),
             created_unix: 1,
+            owner: None,
         }
     }
 

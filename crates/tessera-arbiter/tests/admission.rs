@@ -6,8 +6,6 @@ mod common;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -16,9 +14,6 @@ use tessera_protocol::{ServerHello, TenantReply, TenantRequest, frame};
 
 /// The resident-memory bound docs/arbiter.md states for the default caps, MiB.
 const RSS_BOUND_MIB: u64 = 160;
-
-/// Set in a flood child: `socket;connections;seconds`.
-const CHILD_ENV: &str = "TESSERA_ADMISSION_FLOOD";
 
 fn status_field(pid: i32, key: &str) -> u64 {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -44,28 +39,11 @@ fn create(arb: &Arbiter, limit: u64) -> String {
         .0
 }
 
-/// Not a test of its own: the body of a flood child process (see [`spawn_flood`]).
+/// Not a test of its own: the body of a flood child process (see
+/// [`tessera_testkit::flood::spawn_child`]).
 #[test]
 fn flood_child() {
-    let Ok(spec) = std::env::var(CHILD_ENV) else {
-        return;
-    };
-    let mut it = spec.split(';');
-    let socket = PathBuf::from(it.next().unwrap());
-    let n = it.next().unwrap().parse().unwrap();
-    let secs = it.next().unwrap().parse().unwrap();
-    let c = tessera_testkit::flood::flood(&socket, n, secs, 150);
-    println!("connects={} closed={}", c.connects, c.closed);
-}
-
-fn spawn_flood(socket: &Path, n: usize, secs: f64) -> std::process::Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args(["flood_child", "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, format!("{};{n};{secs}", socket.display()))
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap()
+    tessera_testkit::flood::child_main();
 }
 
 fn counter(out: &str, key: &str) -> u64 {
@@ -101,8 +79,8 @@ fn a_flood_from_two_processes_costs_no_threads_and_keeps_honest_tenants_served()
 
     let secs = 4.0;
     let children = [
-        spawn_flood(&arb.socket, 1500, secs),
-        spawn_flood(&arb.socket, 1500, secs),
+        tessera_testkit::flood::spawn_child(&arb.socket, 1500, secs),
+        tessera_testkit::flood::spawn_child(&arb.socket, 1500, secs),
     ];
     let started = Instant::now();
     let (mut peak_rss, mut peak_threads, mut slowest, mut calls) = (0, 0, Duration::ZERO, 0);
@@ -177,7 +155,7 @@ fn a_flood_from_two_processes_costs_no_threads_and_keeps_honest_tenants_served()
     );
 }
 
-/// The last total the arbiter reported for the tenant socket's cap `key` (`pid`, `uid`, ...).
+/// The last total the arbiter reported for the tenant socket's cap `key` (`pid`, `group`, ...).
 fn reported(log: &str, key: &str) -> u64 {
     log.lines()
         .rev()
@@ -245,19 +223,22 @@ fn a_trickled_hello_is_dropped_at_one_deadline_and_the_pid_cap_refuses_at_once()
         reported(&arb.log_text(), "pid") >= 1
     })
     .unwrap_or_else(|| panic!("{}", arb.log_text()));
-    assert_eq!(reported(&arb.log_text(), "uid"), 0);
+    assert_eq!(reported(&arb.log_text(), "group"), 0);
 }
 
 #[test]
-fn admitted_connections_are_capped_per_allocation_and_in_total() {
+fn admitted_connections_are_capped_per_allocation_and_in_total_with_room_for_every_allocation() {
     let arb = Arbiter::start_with_args(&[
         "--max-connections-per-allocation",
         "3",
         "--max-tenant-connections",
         "5",
+        "--guaranteed-connections-per-allocation",
+        "1",
     ]);
     let a = create(&arb, GIB);
     let b = create(&arb, GIB);
+    // Two allocations: one guaranteed place each, a pool of 5 - 2 = 3.
     let mut held: Vec<_> = (0..3).map(|_| arb.tenant(&a)).collect();
     match TenantClient::connect(&arb.socket, &a) {
         Err(ClientError::Refused(r)) => assert!(r.contains("3 connections"), "{r}"),
@@ -269,8 +250,18 @@ fn admitted_connections_are_capped_per_allocation_and_in_total() {
         Err(ClientError::Refused(r)) => assert!(r.contains("5 tenant connections"), "{r}"),
         other => panic!("{other:?}"),
     }
-    // A closed connection frees its place once its thread has cleaned up.
-    held.remove(0);
+    // The pool is full, but a new allocation still has its guaranteed place.
+    let c = create(&arb, GIB);
+    let mut guaranteed = arb.tenant(&c);
+    assert_eq!(
+        guaranteed.call(&TenantRequest::Ping).unwrap(),
+        TenantReply::Pong
+    );
+    assert!(TenantClient::connect(&arb.socket, &c).is_err());
+    drop(guaranteed);
+    // Closed connections free their places once their threads have cleaned up (the pool is
+    // now 5 - 3 = 2, and held 3: two of `a`'s go).
+    held.drain(..2);
     wait_until(Duration::from_secs(5), || {
         TenantClient::connect(&arb.socket, &a)
             .map(|t| held.push(t))

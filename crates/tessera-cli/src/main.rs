@@ -3,6 +3,8 @@
 //! Thin entry point; each subcommand lives in its own module:
 //! - [`sim`]: run any command on the simulated GPUs.
 //! - [`run`]: run a command under an enforced allocation, without Kubernetes.
+//! - [`delete`]: delete an allocation by id (refused while processes of it are connected,
+//!   unless `--force`).
 //! - [`status`]: show allocations per GPU, like `nvidia-smi` (`--watch`: live).
 //! - [`signals`]: SIGINT/SIGTERM waited for rather than handled (`status --watch`).
 //! - [`doctor`]: a checklist of what Tessera needs here, with the fix for each failure.
@@ -15,6 +17,7 @@
 //! - 3: the arbiter could not be reached; 4: the arbiter refused the request;
 //! - `doctor`: 0 when every check passed or was skipped, 1 when one failed, 2 bad usage.
 
+mod delete;
 mod doctor;
 mod error;
 mod ffi;
@@ -43,6 +46,8 @@ enum Command {
     Run(run::RunArgs),
     /// Show every allocation per GPU.
     Status(status::StatusArgs),
+    /// Delete an allocation by id (refused while processes of it are connected).
+    Delete(delete::DeleteArgs),
     /// Check the driver, the arbiter, the interposer and an allocation; say how to fix failures.
     Doctor(doctor::DoctorArgs),
     /// The probe `tessera doctor` runs as a child under the interposer (internal).
@@ -58,6 +63,7 @@ fn main() -> ExitCode {
         Command::Sim(args) => sim::main(args),
         Command::Run(args) => run::main(args),
         Command::Status(args) => status::main(args),
+        Command::Delete(args) => delete::main(args),
         Command::Doctor(args) => doctor::main(args),
         Command::DoctorProbe(args) => doctor::probe_main(args),
     };

@@ -15,6 +15,15 @@
 //! file permissions decide) can create and delete allocations, and a command that unsets
 //! `LD_PRELOAD` or calls the driver by other means escapes the interposer (see README.md).
 //!
+//! Process tree: `tessera run` is a child subreaper (`PR_SET_CHILD_SUBREAPER`), so a process
+//! the command double-forks away is reparented to it rather than to init, and it creates the
+//! allocation as its owner (its pid and start time). The arbiter's backstop holds every
+//! process under the owner to the allocation's limit, connected or not (a child that drops
+//! `LD_PRELOAD` included), and deletes the allocation once the owner is gone and none of its
+//! processes is left: a `tessera run` killed by SIGKILL leaks nothing. After the command ends,
+//! `tessera run` waits for what it left behind (adopted orphans) before deleting the
+//! allocation and passing the command's exit code through.
+//!
 //! Signals: SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to `tessera run` by another process
 //! (`kill`) are forwarded to the command; the same signals typed at the terminal (Ctrl-C)
 //! already reach the command, which shares the terminal's process group, so they are not
@@ -293,6 +302,14 @@ fn install_forwarding() -> anyhow::Result<()> {
 /// Runs `tessera run`; returns the process exit code.
 pub fn main(args: RunArgs) -> Result<u8, CliError> {
     let interposer = interposer_path(args.interposer.as_deref())?;
+    // SAFETY: PR_SET_CHILD_SUBREAPER takes an integer flag and affects only this process.
+    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) } != 0 {
+        return Err(anyhow::Error::from(std::io::Error::last_os_error())
+            .context("cannot become a child subreaper")
+            .into());
+    }
+    let owner = tessera_protocol::process::this_process()
+        .context("cannot read this process's start time from /proc/self/stat")?;
     let mut admin = AdminClient::connect(&args.admin_socket)
         .map_err(|e| CliError::arbiter(e, &args.admin_socket))?;
     let mut labels = std::collections::BTreeMap::new();
@@ -302,14 +319,15 @@ pub fn main(args: RunArgs) -> Result<u8, CliError> {
         "command".to_owned(),
         args.command[0].to_string_lossy().into_owned(),
     );
+    let create = CreateAllocation {
+        gpu: args.gpu.clone(),
+        memory_limit: args.memory,
+        share: args.share,
+        cap: args.cap.then_some(args.share),
+        labels,
+    };
     let (token, alloc) = admin
-        .create(CreateAllocation {
-            gpu: args.gpu.clone(),
-            memory_limit: args.memory,
-            share: args.share,
-            cap: args.cap.then_some(args.share),
-            labels,
-        })
+        .create_owned(create, owner)
         .map_err(|e| CliError::arbiter(e, &args.admin_socket))?;
     drop(admin);
     let id = alloc.id.clone();
@@ -356,7 +374,21 @@ fn run_command(
     }
     let status = child.wait();
     CHILD.store(0, Ordering::SeqCst);
+    reap_leftovers();
     Ok(status?)
+}
+
+/// Waits for every process the command left behind (reparented to this subreaper): the
+/// allocation lives as long as its processes.
+fn reap_leftovers() {
+    loop {
+        let mut st = 0;
+        // SAFETY: waitpid with a valid status pointer; -1 waits for any child of ours.
+        let r = unsafe { libc::waitpid(-1, &mut st, 0) };
+        if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return;
+        }
+    }
 }
 
 #[cfg(test)]

@@ -3,7 +3,8 @@
 //! The JSON (`--json`) is a stable interface, documented in docs/arbiter.md:
 //! `{"gpus": [{index, uuid, name, memory_total, memory_promised, shares_promised,
 //! allocations: [{id, memory_limit, memory_used, processes, share, cap, gpu_time_10s_ns,
-//! gpu_percent_10s, labels, pod, created_unix, enforced}]}], "unplaced": [...]}`, where `unplaced`
+//! gpu_percent_10s, labels, pod, created_unix, enforced, owner_pid, orphaned}]}], "unplaced": [...]}`,
+//! where `unplaced`
 //! lists allocations whose GPU is not on the node any more (same fields plus `gpu_uuid`), and
 //! `pod` is `namespace/pod/container` from the labels the device plugin writes (or null).
 //!
@@ -72,6 +73,10 @@ pub struct AllocationJson {
     pub created_unix: u64,
     /// Processes the arbiter's memory backstop killed or reported.
     pub enforced: u64,
+    /// Pid of the process that owns it (`tessera run`), if one does.
+    pub owner_pid: Option<i32>,
+    /// Its owner is gone: the arbiter deletes it once none of its processes is left.
+    pub orphaned: bool,
 }
 
 /// One GPU in the JSON output.
@@ -129,6 +134,8 @@ fn alloc_json(a: &AllocationStatus, with_gpu: bool) -> AllocationJson {
         pod: pod_name(&a.labels),
         created_unix: a.created_unix,
         enforced: a.enforced,
+        owner_pid: a.owner.map(|o| o.pid),
+        orphaned: a.orphaned,
     }
 }
 
@@ -284,6 +291,27 @@ pub fn table_with(s: &StatusJson, time: TimeColumn) -> String {
                 &format!(
                     "ENFORCED {}: {} process(es) killed or reported (arbiter log)",
                     a.id, a.enforced
+                ),
+            );
+        }
+        rule(&mut out, &[WIDTH - 2]);
+    }
+    let orphaned: Vec<_> = s
+        .gpus
+        .iter()
+        .flat_map(|g| &g.allocations)
+        .chain(&s.unplaced)
+        .filter(|a| a.orphaned)
+        .collect();
+    if !orphaned.is_empty() {
+        for a in orphaned {
+            let owner = a.owner_pid.map_or(String::new(), |p| format!(" (pid {p})"));
+            line(
+                &mut out,
+                &format!(
+                    "ORPHANED {}: its owner{owner} is gone; deleted once its {} process(es) \
+                     end, or now with `tessera delete {} --force`",
+                    a.id, a.processes, a.id
                 ),
             );
         }

@@ -147,6 +147,18 @@ impl AdminClient {
         }
     }
 
+    /// Creates an allocation owned by process `owner` (see [`AdminRequest::CreateOwned`]).
+    pub fn create_owned(
+        &mut self,
+        create: CreateAllocation,
+        owner: ProcessOwner,
+    ) -> Result<(String, AllocationStatus), ClientError> {
+        match self.call(&AdminRequest::CreateOwned { create, owner })? {
+            AdminReply::Created { token, allocation } => Ok((token, allocation)),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
     /// Every allocation with its use.
     pub fn list(&mut self) -> Result<Vec<AllocationStatus>, ClientError> {
         match self.call(&AdminRequest::List)? {

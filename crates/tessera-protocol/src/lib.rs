@@ -6,6 +6,7 @@
 //! - [`message`]: every message, for both sockets, and the version handshake.
 //! - [`identity`]: the read-only file the device plugin mounts into each container, naming
 //!   its allocation (trusted by the interposer and the backstop).
+//! - [`process`]: a process named by pid and start time (allocation owners).
 //! - [`client`]: small blocking clients (tenant and admin) over a Unix socket; the interposer
 //!   has no async runtime, and the CLI and device plugin reuse the admin one.
 //!
@@ -19,6 +20,7 @@ pub mod client;
 pub mod frame;
 pub mod identity;
 pub mod message;
+pub mod process;
 
 pub use frame::{FrameDecoder, FrameError, MAX_FRAME_LEN};
 pub use message::*;

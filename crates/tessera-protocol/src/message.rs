@@ -20,7 +20,21 @@ pub enum Role {
     },
     /// An admin tool (CLI, device plugin) on the admin socket.
     Admin,
+    /// A second connection of a process whose memory connection was admitted (its lease
+    /// connection): `ticket` is a one-use `Ticket` answer from that connection. It is tied to
+    /// the admitted connection, so it does not meet the admission caps again (at most
+    /// [`COMPANIONS_PER_CONNECTION`] per memory connection).
+    Companion {
+        /// The allocation token (the same as the memory connection's).
+        token: String,
+        /// A ticket the memory connection was given.
+        ticket: u64,
+    },
 }
+
+/// Most [`Role::Companion`] connections one admitted memory connection may have open at once
+/// (its lease connection, and one more while a broken one is being replaced).
+pub const COMPANIONS_PER_CONNECTION: usize = 2;
 
 /// First frame of every connection, client to server.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -254,6 +268,27 @@ pub enum AdminRequest {
         /// Keys to set; a key with an empty value is removed.
         labels: BTreeMap<String, String>,
     },
+    /// Create an allocation owned by a process (`tessera run`); answered by `Created`. The
+    /// backstop attributes every descendant of the owner to it, and the arbiter deletes it once
+    /// the owner is gone and none of its processes is left. (Appended so that `Create` keeps
+    /// its encoding.)
+    CreateOwned {
+        /// The allocation.
+        create: CreateAllocation,
+        /// The process that owns it.
+        owner: ProcessOwner,
+    },
+}
+
+/// A process named so that its pid cannot be reused behind its back: the pid and its start
+/// time (field 22 of `/proc/<pid>/stat`, clock ticks since boot). A process with that pid and
+/// another start time is someone else.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ProcessOwner {
+    /// Host pid.
+    pub pid: i32,
+    /// Its start time, clock ticks after boot.
+    pub start_time: u64,
 }
 
 /// Allocation label naming the pod's namespace (written by the device plugin from
@@ -329,6 +364,10 @@ pub struct AllocationStatus {
     pub oom_refusals: u64,
     /// Compute leases granted to its processes.
     pub leases: u64,
+    /// The process that owns it (`tessera run`), if one does.
+    pub owner: Option<ProcessOwner>,
+    /// Its owner is gone; it is deleted once none of its processes is left.
+    pub orphaned: bool,
 }
 
 /// Classes of admin errors, so tools can map them to exit codes.

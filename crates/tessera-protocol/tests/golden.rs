@@ -54,6 +54,14 @@ fn hellos_both_ways_are_pinned() {
     );
     pinned(Hello::new(Role::Admin), "07000000d3a695a2050101");
     pinned(
+        Hello::new(Role::Companion {
+            token: "ab".into(),
+            ticket: 300,
+        }),
+        // Variant 2 (appended), the token, the ticket as a varint.
+        "0c000000d3a695a2050102026162ac02",
+    );
+    pinned(
         ServerHello::Welcome {
             version: 1,
             allocation: Some(AllocationView {

@@ -62,6 +62,17 @@ pub struct FloodCount {
 /// reconnecting whatever the arbiter closes, at most `per_round` new connections every 10 ms
 /// (paced, so a flood does not starve a small machine of the CPU the rest of the run needs).
 pub fn flood(socket: &Path, n: usize, secs: f64, per_round: usize) -> FloodCount {
+    flood_paced(socket, n, secs, per_round, Duration::from_millis(10))
+}
+
+/// As [`flood`], with `pause` between rounds (a hostile flooder reconnects as fast as it can).
+pub fn flood_paced(
+    socket: &Path,
+    n: usize,
+    secs: f64,
+    per_round: usize,
+    pause: Duration,
+) -> FloodCount {
     raise_nofile();
     let kinds = [Kind::Idle, Kind::Trickle, Kind::BigFrame, Kind::SmallFrame];
     let mut conns: Vec<(Kind, Option<UnixStream>)> =
@@ -111,7 +122,49 @@ pub fn flood(socket: &Path, n: usize, secs: f64, per_round: usize) -> FloodCount
                 }
             }
         }
-        std::thread::sleep(Duration::from_millis(10));
+        std::thread::sleep(pause);
     }
     count
+}
+
+/// Set in a flood child: `socket;connections;seconds[;pause_ms]`.
+pub const CHILD_ENV: &str = "TESSERA_FLOOD_CHILD";
+
+/// The body of a flood child (see [`spawn_child`]): a test binary's `flood_child` test calls
+/// this; outside a flood child it returns at once. Prints what the flood did.
+pub fn child_main() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let mut it = spec.split(';');
+    let socket = std::path::PathBuf::from(it.next().expect("socket"));
+    let n = it.next().and_then(|v| v.parse().ok()).expect("connections");
+    let secs = it.next().and_then(|v| v.parse().ok()).expect("seconds");
+    let pause = it.next().and_then(|v| v.parse().ok()).unwrap_or(10);
+    let c = flood_paced(&socket, n, secs, 150, Duration::from_millis(pause));
+    println!("connects={} closed={}", c.connects, c.closed);
+}
+
+/// Starts the calling test binary again as a flood child (a process of its own, as a hostile
+/// tenant's would be) keeping `n` connections open against `socket` for `secs`; the binary
+/// must have a test named `flood_child` that calls [`child_main`]. Its stdout is piped.
+pub fn spawn_child(socket: &Path, n: usize, secs: f64) -> std::process::Child {
+    spawn_child_paced(socket, n, secs, Duration::from_millis(10))
+}
+
+/// As [`spawn_child`], with `pause` between the flood's rounds.
+pub fn spawn_child_paced(
+    socket: &Path,
+    n: usize,
+    secs: f64,
+    pause: Duration,
+) -> std::process::Child {
+    let spec = format!("{};{n};{secs};{}", socket.display(), pause.as_millis());
+    std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args(["flood_child", "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, spec)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("flood child")
 }

@@ -7,7 +7,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use tessera_protocol::{TenantReply, TenantRequest};
+use tessera_protocol::{Role, TenantReply, TenantRequest};
 
 use super::events::{DriverEvents, Events, Query};
 use super::gate::{Begun, Gate, MAX_STREAMS, Manage, StreamKind};
@@ -18,6 +18,20 @@ use crate::tlog;
 
 /// Longest wait for a grant before the arbiter is considered wedged.
 const GRANT_TIMEOUT: Duration = Duration::from_secs(60);
+/// First and longest pause between attempts while the arbiter does not admit the lease
+/// connection.
+const NOT_ADMITTED_BACKOFF_MIN: Duration = Duration::from_millis(5);
+const NOT_ADMITTED_BACKOFF_MAX: Duration = Duration::from_millis(200);
+
+/// What opening the lease connection found.
+enum Link {
+    Up,
+    /// The socket cannot be connected: the arbiter is down (local leases).
+    Down,
+    /// The arbiter is there and did not admit it (retry; no local lease).
+    NotAdmitted(ConnError),
+}
+
 /// Longest the lease-end drain waits for the streams before reporting anyway.
 const DRAIN_BOUND: Duration = Duration::from_secs(2);
 
@@ -121,23 +135,34 @@ impl<E: Events> Manager<E> {
         }
     }
 
-    fn connect(&mut self) -> bool {
+    /// Opens the lease connection: as a companion of the process's admitted memory connection
+    /// (a ticket from it) when there is one, else with the token alone.
+    fn connect(&mut self) -> Link {
         if self.conn.is_some() {
-            return true;
+            return Link::Up;
         }
         let Some(path) = self.gate.socket.as_deref() else {
-            return false;
+            return Link::Down;
         };
-        match Conn::connect(path, &self.gate.token, Some(GRANT_TIMEOUT)) {
+        let token = self.gate.token.clone();
+        let role = match crate::state::process().and_then(|p| p.session.companion_ticket()) {
+            Some(ticket) => Role::Companion { token, ticket },
+            None => Role::Tenant { token },
+        };
+        match Conn::connect_as(path, role, Some(GRANT_TIMEOUT)) {
             Ok((c, _)) => {
                 self.gate.lease_fd.store(c.fd(), Ordering::Release);
                 self.conn = Some(c);
-                true
+                Link::Up
             }
-            Err(e) => {
+            // Nothing listens there: the arbiter is down.
+            Err(e @ ConnError::Connect { .. }) => {
                 tlog!(Info, "lease connection: {e}");
-                false
+                Link::Down
             }
+            // It is there but did not admit this connection (closed it during the handshake,
+            // or refused it).
+            Err(e) => Link::NotAdmitted(e),
         }
     }
 
@@ -146,11 +171,35 @@ impl<E: Events> Manager<E> {
         self.gate.lease_fd.store(-1, Ordering::Release);
     }
 
-    /// Asks for a lease; `None` when the arbiter cannot be reached (or refuses us).
+    /// Asks for a lease; `None` when the arbiter is down (its socket cannot be connected), or
+    /// answers a lease request with something else. An arbiter that is up but does not admit
+    /// the lease connection (a flood filling its caps, a handshake cut short) is retried with
+    /// backoff while the launch waits: a local lease then would be GPU time outside any lease
+    /// of the arbiter's, which its backstop charges and kills for.
     fn acquire(&mut self) -> Option<(u64, u64)> {
-        for _attempt in 0..2 {
-            if !self.connect() {
-                return None;
+        let mut backoff = NOT_ADMITTED_BACKOFF_MIN;
+        let mut warned = false;
+        let mut broken = 0u32;
+        loop {
+            match self.connect() {
+                Link::Up => {}
+                Link::Down => return None,
+                Link::NotAdmitted(e) => {
+                    if !warned {
+                        tlog!(
+                            Warn,
+                            "lease connection not admitted ({e}): launches wait and retry"
+                        );
+                        warned = true;
+                    }
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(NOT_ADMITTED_BACKOFF_MAX);
+                    continue;
+                }
+            }
+            if warned {
+                tlog!(Info, "lease connection admitted");
+                warned = false;
             }
             let conn = self.conn.as_mut().expect("connected");
             match conn.call(&TenantRequest::LeaseAcquire) {
@@ -163,8 +212,21 @@ impl<E: Events> Manager<E> {
                     self.drop_conn();
                     return None;
                 }
-                // A broken connection (arbiter restarted): one fresh attempt.
-                Err(ConnError::Closed | ConnError::Io(_)) => self.drop_conn(),
+                // A broken connection (arbiter restarted, or evicted): a fresh one, after a
+                // pause from the second time on.
+                Err(ConnError::Closed) => {
+                    self.drop_conn();
+                    broken += 1;
+                    if broken > 1 {
+                        std::thread::sleep(backoff);
+                        backoff = (backoff * 2).min(NOT_ADMITTED_BACKOFF_MAX);
+                    }
+                }
+                Err(ConnError::Io(e)) if broken == 0 => {
+                    tlog!(Info, "LeaseAcquire: {e}; reconnecting");
+                    self.drop_conn();
+                    broken += 1;
+                }
                 Err(e) => {
                     tlog!(Warn, "LeaseAcquire failed: {e}");
                     self.drop_conn();
@@ -172,7 +234,6 @@ impl<E: Events> Manager<E> {
                 }
             }
         }
-        None
     }
 
     fn set_ctx(&mut self, ctx: CUcontext) -> bool {

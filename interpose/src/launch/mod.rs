@@ -32,10 +32,16 @@
 //!   more launch, the lease ends then rather than at its deadline (the GPU would idle). In both
 //!   cases, with every stream seen drained and no credit taken since, the report goes out at
 //!   once: there is nothing to wait for.
-//! - **Arbiter unreachable**: the manager grants itself local leases of [`LOCAL_LEASE`], so
-//!   tenants keep running and the work in flight stays bounded exactly as under a real lease;
-//!   each new lease first tries the arbiter again, and real leases resume as soon as it is back.
-//!   (Only a driver without events, where nothing can be measured, is left ungated.)
+//! - **Arbiter unreachable** (its socket cannot be connected: it is down): the manager grants
+//!   itself local leases of [`LOCAL_LEASE`], so tenants keep running and the work in flight
+//!   stays bounded exactly as under a real lease; each new lease first tries the arbiter again,
+//!   and real leases resume as soon as it is back. (Only a driver without events, where nothing
+//!   can be measured, is left ungated.)
+//! - **Arbiter up but not admitting** (a flood fills its caps, it closes the handshake): never
+//!   taken for unreachable. The launch waits and the manager retries with backoff; no local
+//!   lease, which would be GPU time the arbiter's backstop charges and kills for. The lease
+//!   connection is opened as a companion of the process's admitted memory connection (a
+//!   ticket from it), which the arbiter's caps do not count again.
 //!
 //! Per-thread default streams (`_ptsz` with stream 0, `CU_STREAM_PER_THREAD`) belong to the
 //! launching thread and cannot be named from the manager thread: they are sampled through the

@@ -5,7 +5,8 @@
  * its copy of libc) and through it cuInit, cuDeviceGet, cuDevicePrimaryCtxRetain,
  * cuCtxSetCurrent and cuMemAlloc_v2, and allocates argv[1] MiB with them. It prints
  * "hooked <CUresult>", "escaped <CUresult>" and waits 10 s (the backstop should kill it long
- * before). */
+ * before). With DLMOPEN_FIRST set it skips the hooked allocation: its first act is the dlmopen,
+ * so it never connects (it prints no "hooked" line). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <link.h>
@@ -21,7 +22,8 @@ typedef void *(*dlsym_t)(void *, const char *);
 int main(int argc, char **argv) {
     size_t mib = argc > 1 ? strtoull(argv[1], NULL, 10) : 4096;
     CUdeviceptr big;
-    hooked_start();
+    if (!getenv("DLMOPEN_FIRST"))
+        hooked_start();
     void *ns = dlmopen(LM_ID_NEWLM, "libcuda.so.1", RTLD_NOW);
     if (!ns) {
         fprintf(stderr, "dlmopen: %s\n", dlerror());

@@ -8,6 +8,8 @@ Usage: compute_client.py MODE SECONDS KERNEL_MS [LINGER_SECONDS]
   cuEventSynchronize) | sync_host (+ cuStreamSynchronize, then 0.6 ms of host work). Launches as fast as the interposer lets it for SECONDS of wall time, then
   waits for the GPU; prints one JSON line, then stays alive LINGER_SECONDS (holding nothing).
   `first_done_after` is when the first launch's kernel had completed (sync mode only).
+  With TESSERA_TEST_GO_FILE set, it first allocates 1 MiB (so it is connected), prints
+  {"ready": PID} and launches only once that file exists.
 """
 import ctypes
 import json
@@ -104,6 +106,13 @@ def main():
             ok(cu.cuGraphLaunch(exec_, stream))
     else:
         raise SystemExit("unknown mode " + mode)
+
+    go = os.environ.get("TESSERA_TEST_GO_FILE")
+    if go:
+        ok(cu.cuMemAlloc(1 << 20))
+        print(json.dumps({"ready": os.getpid()}), flush=True)
+        while not os.path.exists(go):
+            time.sleep(0.01)
 
     launches = 0
     first_done_after = None
