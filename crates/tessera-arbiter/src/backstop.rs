@@ -319,6 +319,11 @@ struct Debt {
     /// Unleased GPU time built up, ns; down to minus one poll interval (kernel time is
     /// reported when a kernel ends, lease time as it passes, so the two drift apart briefly).
     debt_ns: i128,
+    /// GPU time used and leased since the debt last rose above zero (both 0 while there is
+    /// none): an allocation in debt is acted on only if it ran mostly outside leases all that
+    /// time, so a tenant that leases is never caught up in a neighbour's bypass.
+    run_used: u64,
+    run_leased: u64,
 }
 
 /// One allocation's GPU time over the last interval, for [`ComputeBook::observe_gpu`].
@@ -370,15 +375,18 @@ impl ComputeBook {
     ///
     /// Time used beyond an allocation's leases (its own unused lease time of the last interval
     /// pays first) draws on the GPU's slack, `compute_slack` of the interval for all its
-    /// allocations together, shared out max-min fairly: kernels overrunning a lease are
-    /// forgiven, but ten allocations cannot each take the slack. What the slack does not
+    /// allocations together, shared out max-min fairly, first among the allocations that
+    /// leased in the interval (the slack is there for their overruns), then among the others:
+    /// kernels overrunning a lease are forgiven, but ten allocations cannot each take the
+    /// slack, nor crowd a leasing tenant out of it. What the slack does not
     /// cover is debt: charged when it grows (to the allocation's virtual time) and counted
     /// towards the kill rule.
     ///
     /// The kill rule is per GPU too: when the debts of the allocations that ran mostly outside
-    /// leases this interval add up to more than the threshold, each of them is acted on (one
-    /// allocation alone: its own debt against the threshold). A tenant that takes part in leasing has its drift (kernels finishing after a
-    /// revoked lease, local leases while the arbiter restarted) charged to its share, never
+    /// leases, in this interval and all the while they were in debt, add up to more than the
+    /// threshold, each of them is acted on (one allocation alone: its own debt against the
+    /// threshold). A tenant that takes part in leasing has its drift (kernels finishing after
+    /// a revoked lease, local leases while the arbiter restarted) charged to its share, never
     /// punished, and nothing is acted on unless `may_act` (the caller's warm-up after an
     /// arbiter start is over).
     pub fn observe_gpu(
@@ -404,6 +412,8 @@ impl ComputeBook {
                     Debt {
                         leased_seen: u.leased_total,
                         debt_ns: 0,
+                        run_used: 0,
+                        run_leased: 0,
                     },
                 );
                 continue;
@@ -413,9 +423,21 @@ impl ComputeBook {
             let pre = d.debt_ns + i128::from(u.used_ns) - i128::from(leased);
             rows.push((i, d.debt_ns, pre, leased));
         }
-        let needs: Vec<i128> = rows.iter().map(|r| r.2.max(0)).collect();
+        // Allocations that leased in the interval draw on the slack first (it is there for
+        // their overruns), the others get what is left.
         let budget = (elapsed_ns as f64 * policy.compute_slack) as i128;
-        let given = share_out(&needs, budget);
+        let mut given = vec![0; rows.len()];
+        let mut left = budget;
+        for leasing in [true, false] {
+            let tier: Vec<usize> = (0..rows.len())
+                .filter(|&r| (rows[r].3 > 0) == leasing)
+                .collect();
+            let needs: Vec<i128> = tier.iter().map(|&r| rows[r].2.max(0)).collect();
+            for (&r, g) in tier.iter().zip(share_out(&needs, left)) {
+                given[r] = g;
+                left -= g;
+            }
+        }
         let floor = -(elapsed_ns as i128);
         let mut candidates = Vec::new();
         for (&(i, before, pre, leased), slack) in rows.iter().zip(given) {
@@ -424,16 +446,28 @@ impl ComputeBook {
             // first pays back lease time it was granted earlier.
             verdicts[i].charge_ns = (debt.max(0) - before.max(0)).max(0) as u64;
             verdicts[i].unleased_ns = debt.max(0) as u64;
-            let mostly_unleased = i128::from(leased) * 2 < i128::from(uses[i].used_ns);
-            if may_act && mostly_unleased && debt > 0 {
-                candidates.push(i);
-            }
             // Debt from the warm-up is charged but never counted towards a kill: after an
             // arbiter restart tenants ran on local leases it never granted, and samples from
             // before the start arrive with the first polls.
             let kept = if may_act { debt } else { debt.min(0) };
-            if let Some(d) = self.per.get_mut(uses[i].id) {
-                d.debt_ns = kept;
+            let used = uses[i].used_ns;
+            let Some(d) = self.per.get_mut(uses[i].id) else {
+                continue;
+            };
+            d.debt_ns = kept;
+            if kept > 0 {
+                d.run_used = d.run_used.saturating_add(used);
+                d.run_leased = d.run_leased.saturating_add(leased);
+            } else {
+                (d.run_used, d.run_leased) = (0, 0);
+            }
+            let mostly_unleased =
+                |leased: u64, used: u64| u128::from(leased) * 2 < u128::from(used);
+            if kept > 0
+                && mostly_unleased(leased, used)
+                && mostly_unleased(d.run_leased, d.run_used)
+            {
+                candidates.push(i);
             }
         }
         // The neighbours lost the candidates' debts together: past the threshold every one of
@@ -443,7 +477,7 @@ impl ComputeBook {
             for i in candidates {
                 verdicts[i].over = true;
                 if let Some(d) = self.per.get_mut(uses[i].id) {
-                    d.debt_ns = 0;
+                    (d.debt_ns, d.run_used, d.run_leased) = (0, 0, 0);
                 }
             }
         }
@@ -1428,13 +1462,55 @@ mod tests {
         };
         book.observe_gpu(&uses(0, 0), 250 * MS, &pol, true);
         for i in 0..20 {
-            // 2 ms over its leases each poll, below its fair part of the slack (12.5 / 6 ms).
-            let v = book.observe_gpu(&uses(20 * MS, 2 * MS), 250 * MS, &pol, true);
+            // 8 ms over its leases each poll, beyond an equal part of the slack (12.5 / 6 ms):
+            // it leased, so its overrun is served first; the bypassers share the rest.
+            let v = book.observe_gpu(&uses(20 * MS, 8 * MS), 250 * MS, &pol, true);
             let h = v[5];
             assert_eq!((h.charge_ns, h.over), (0, false), "poll {i}: {v:?}");
             let to_bypassers: u64 = v[..5].iter().map(|v| v.charge_ns).sum();
-            assert_eq!(to_bypassers, 5 * 20 * MS - 10_500_000, "poll {i}");
+            assert_eq!(to_bypassers, 5 * 20 * MS - 4_500_000, "poll {i}");
         }
+    }
+
+    #[test]
+    fn a_leasing_tenant_in_debt_is_not_caught_up_in_its_neighbours_bypass() {
+        // Seen in the ten-bypasser test before this rule: the share-90 tenant, flooded by
+        // bypass kernels, drifted into debt while it leased, then had one interval with
+        // hardly a lease (waiting on its drain); the bypassers' debts took the GPU past the
+        // threshold and it was killed with them.
+        let pol = policy();
+        let mut book = ComputeBook::default();
+        let ids: Vec<String> = (0..10).map(|i| format!("b{i}")).collect();
+        let uses = |bypass: u64, honest_used: u64, honest_leased: u64| {
+            let mut u: Vec<ComputeUse<'_>> = ids
+                .iter()
+                .map(|id| ComputeUse {
+                    id,
+                    used_ns: bypass,
+                    leased_total: 0,
+                })
+                .collect();
+            u.push(ComputeUse {
+                id: "honest",
+                used_ns: honest_used,
+                leased_total: honest_leased,
+            });
+            u
+        };
+        book.observe_gpu(&uses(0, 0, 0), 250 * MS, &pol, true);
+        // Three polls: it leases 150 ms and uses 250 (drift), the ten bypass 5 ms each.
+        let mut leased = 0;
+        for _ in 0..3 {
+            leased += 150 * MS;
+            let v = book.observe_gpu(&uses(5 * MS, 250 * MS, leased), 250 * MS, &pol, true);
+            assert!(v.iter().all(|v| !v.over), "{v:?}");
+        }
+        // Then an interval with 5 ms of use and no lease, while the bypassers pass the
+        // threshold together.
+        let v = book.observe_gpu(&uses(60 * MS, 5 * MS, leased), 250 * MS, &pol, true);
+        assert!(v[10].unleased_ns > 0, "in debt: {:?}", v[10]);
+        assert!(v[..10].iter().all(|v| v.over), "{v:?}");
+        assert!(!v[10].over, "the leasing tenant was acted on: {:?}", v[10]);
     }
 
     #[test]
