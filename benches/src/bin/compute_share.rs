@@ -123,6 +123,18 @@ fn busy_between(s: &[Sample], pid: Option<u32>, t0: u64, t1: u64) -> (u64, u64) 
     (v(b).saturating_sub(v(a)), b.t - a.t)
 }
 
+/// `pid`'s busy time in the 1 s window from `t0`, in percent, or `None` when no sample lies
+/// within 25 ms of either end (the sampler was descheduled: the samples nearest to the ends
+/// would make a shorter or longer window, and a short one of a tenant's burst reads high).
+fn window_pct(s: &[Sample], pid: u32, t0: u64) -> Option<f64> {
+    let near = |t: u64| s.iter().any(|x| x.t.abs_diff(t) <= 25_000_000);
+    if !near(t0) || !near(t0 + SEC) {
+        return None;
+    }
+    let (x, wall) = busy_between(s, Some(pid), t0, t0 + SEC);
+    Some(pct(x, wall))
+}
+
 impl Bench {
     fn start(scale: f64) -> Self {
         let need = |name| tessera_benches::need("compute_share", name);
@@ -351,8 +363,9 @@ fn scenario_cap(b: &Bench, rows: &mut Vec<Row>) {
     let mut worst = 0.0f64;
     let mut w = start;
     while w + SEC <= end {
-        let (x, wl) = busy_between(&samples, Some(t.pid), w, w + SEC);
-        worst = worst.max(pct(x, wl));
+        if let Some(x) = window_pct(&samples, t.pid, w) {
+            worst = worst.max(x);
+        }
         w += SEC / 2;
     }
     t.wait();
@@ -395,8 +408,9 @@ fn scenario_capped(b: &Bench, rows: &mut Vec<Row>, tenants: &[(u32, bool)]) {
             let mut worst = 0.0f64;
             let mut w = start;
             while w + SEC <= end {
-                let (x, wl) = busy_between(&samples, Some(pid), w, w + SEC);
-                worst = worst.max(pct(x, wl));
+                if let Some(x) = window_pct(&samples, pid, w) {
+                    worst = worst.max(x);
+                }
                 w += SEC / 10;
             }
             worst_over = worst_over.max(worst - f64::from(share));
