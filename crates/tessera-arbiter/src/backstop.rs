@@ -345,6 +345,9 @@ pub struct ComputeVerdict {
     pub charge_ns: u64,
     /// Unleased GPU time built up, ns (after this observation).
     pub unleased_ns: u64,
+    /// GPU time it used outside its leases in the interval that the slack forgave, ns (not
+    /// charged to its share, but counted against a cap).
+    pub forgiven_ns: u64,
     /// True when the GPU's unleased time passed the threshold and this allocation is one to act
     /// on (its debt is then cleared: the caller acts).
     pub over: bool,
@@ -399,6 +402,7 @@ impl ComputeBook {
         let nothing = ComputeVerdict {
             charge_ns: 0,
             unleased_ns: 0,
+            forgiven_ns: 0,
             over: false,
         };
         let mut verdicts = vec![nothing; uses.len()];
@@ -445,6 +449,10 @@ impl ComputeBook {
             // Only debt that grows above zero is charged: kernel time reported a poll late
             // first pays back lease time it was granted earlier.
             verdicts[i].charge_ns = (debt.max(0) - before.max(0)).max(0) as u64;
+            // This interval's new unleased time, less what was charged of it.
+            let new_unleased = (pre - before.max(0)).max(0);
+            verdicts[i].forgiven_ns =
+                (new_unleased - i128::from(verdicts[i].charge_ns)).max(0) as u64;
             verdicts[i].unleased_ns = debt.max(0) as u64;
             // Debt from the warm-up is charged but never counted towards a kill: after an
             // arbiter restart tenants ran on local leases it never granted, and samples from
@@ -890,6 +898,9 @@ impl Backstop {
             let verdicts = self.book.observe_gpu(&uses, elapsed, &self.policy, may_act);
             for (&(i, _, _), v) in rows.iter().zip(verdicts) {
                 let w = &watched[i];
+                if v.forgiven_ns > 0 {
+                    self.arb.count_for_cap(&w.id, v.forgiven_ns);
+                }
                 if v.charge_ns > 0 {
                     self.arb.charge_unleased(&w.id, v.charge_ns);
                     self.counters
@@ -1298,6 +1309,10 @@ mod tests {
         for i in 1..=10 {
             let v = observe1(&mut book, "a", 125 * MS, 0, 250 * MS, &pol, true);
             assert_eq!(v.charge_ns, 112_500_000);
+            assert_eq!(
+                v.forgiven_ns, 12_500_000,
+                "the slack, counted against a cap"
+            );
             if v.over {
                 over_at = Some(i);
                 break;
@@ -1423,7 +1438,11 @@ mod tests {
             10 * each - 12_500_000,
             "only one slack forgiven for all ten: {first:?}"
         );
-        assert!(first.iter().all(|v| v.charge_ns == each - 1_250_000));
+        assert!(
+            first
+                .iter()
+                .all(|v| v.charge_ns == each - 1_250_000 && v.forgiven_ns == 1_250_000)
+        );
         // Their debts together pass 500 ms on the fifth poll (5 x 110 ms), although each has
         // only 55 ms: all ten are acted on at once.
         let over_at = polls.iter().position(|p| p.iter().any(|v| v.over));

@@ -528,6 +528,19 @@ impl Arbiter {
         Some((sched.uuid().to_owned(), leased))
     }
 
+    /// Counts GPU time allocation `id` used outside its leases, forgiven from its GPU's slack,
+    /// against its cap (not its share).
+    pub fn count_for_cap(&self, id: &str, ns: u64) {
+        let found = self
+            .live()
+            .by_id
+            .get(id)
+            .map(|a| (a.key, a.scheduler.clone()));
+        if let Some((key, sched)) = found {
+            sched.count_for_cap(key, ns, self.now_ns());
+        }
+    }
+
     /// Charges GPU time allocation `id` used outside its leases (seen by the backstop).
     pub fn charge_unleased(&self, id: &str, ns: u64) {
         let found = self
