@@ -513,3 +513,94 @@ fn a_tenant_that_launches_around_the_gate_gets_at_most_15_percent_and_is_killed(
     assert!(log.contains("outside its leases"), "{log}");
     assert!(bed.status(&low_id).enforced >= 1, "counted");
 }
+
+#[test]
+fn ten_allocations_bypassing_together_share_one_slack_and_are_killed() {
+    // Ten share-1 allocations, each a process that connects and then launches only through
+    // the real cuLaunchKernel (5 ms kernels: ten such processes cost little CPU), against a
+    // saturating share-90 tenant. With a 5% slack per allocation each took just under it and
+    // none was charged or killed (49% of the GPU together); with one slack per GPU what is
+    // beyond it is charged and counts towards the kill rule for the GPU's bypassers together.
+    let _serial = serial();
+    let arbiter_started = Instant::now();
+    let bed = Bed::new();
+    let low: Vec<(String, String)> = (0..10).map(|_| bed.create_with(GIB, 1, None)).collect();
+    let (high_token, _) = bed.create_with(GIB, 90, None);
+    let exe = build_c(&bed, "bypass_launch");
+    let high = spawn_client(&bed, &high_token, &["kernel", "14", "2"]);
+    let high_pid = high.id();
+    // The bypass starts once the honest tenant runs and the backstop's warm-up after the
+    // arbiter's start (no compute kill in its first 2 s) is over, so it is policed throughout.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while busy_by_pid(&bed).get(&high_pid).copied().unwrap_or(0) == 0
+        || arbiter_started.elapsed() < Duration::from_millis(2_500)
+    {
+        assert!(Instant::now() < deadline, "the share-90 tenant never ran");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let high_before = busy_by_pid(&bed)[&high_pid];
+    let device_before = tessera_sim_state::device_busy_ns(&bed.sim_dir, 0);
+    let start = Instant::now();
+    let mut bypassers: Vec<Child> = low
+        .iter()
+        .map(|(token, _)| {
+            bed.tenant_command(&exe, token)
+                .args(["10", "5000"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut pids: Vec<u32> = bypassers.iter().map(Child::id).collect();
+    pids.push(high_pid);
+    let busy = watch_busy(&bed, &pids, || start.elapsed() > Duration::from_secs(10));
+    let device = tessera_sim_state::device_busy_ns(&bed.sim_dir, 0) - device_before;
+    let charged: u64 = low
+        .iter()
+        .map(|(_, id)| bed.status(id).gpu_time_10s_ns)
+        .sum();
+    let statuses: Vec<_> = bypassers.iter_mut().map(|c| c.wait().unwrap()).collect();
+    let outs: Vec<String> = bypassers
+        .iter_mut()
+        .map(|c| std::io::read_to_string(c.stdout.take().unwrap()).unwrap_or_default())
+        .collect();
+    finish(&bed, high);
+    let low_busy: u64 = pids[..10]
+        .iter()
+        .map(|p| busy.get(p).copied().unwrap_or(0))
+        .sum();
+    let high_busy = busy[&high_pid] - high_before;
+    let (low_frac, high_frac) = (
+        low_busy as f64 / device as f64,
+        high_busy as f64 / device as f64,
+    );
+    use std::os::unix::process::ExitStatusExt;
+    let killed = statuses
+        .iter()
+        .filter(|s| s.signal() == Some(libc::SIGKILL))
+        .count();
+    eprintln!(
+        "ten bypassers vs share 90 over 10 s: bypassers {:.2} s together ({low_frac:.3} of the \
+         GPU's busy time), honest {:.2} s ({high_frac:.3}), device busy {:.2} s; {killed} of 10 \
+         killed; arbiter charged the ten {:.2} s",
+        low_busy as f64 / 1e9,
+        high_busy as f64 / 1e9,
+        device as f64 / 1e9,
+        charged as f64 / 1e9
+    );
+    assert!(
+        outs.iter().all(|o| o.starts_with("bypassing")),
+        "a client never went around the gate: {outs:?}"
+    );
+    assert!(
+        low_frac <= 0.15,
+        "the ten bypassing allocations got {low_frac:.3} of the GPU time together"
+    );
+    assert!(
+        high_frac >= 0.80,
+        "the share-90 tenant kept only {high_frac:.3} of the GPU time"
+    );
+    assert_eq!(killed, 10, "{statuses:?}\n{}", bed.arbiter_log());
+    assert!(bed.arbiter_log().contains("outside its leases"));
+}

@@ -60,13 +60,13 @@ pub struct Config {
     /// Such processes on the host are only ever reported (or ignored).
     #[arg(long, value_enum, default_value = "kill")]
     pub unknown_processes: crate::backstop::Unknown,
-    /// GPU time an allocation may use outside its leases (kernels launched around the gate)
-    /// before the backstop kills its busiest process, milliseconds. Every such millisecond is
-    /// also charged to the allocation's share.
+    /// GPU time the allocations of a GPU that bypass its leases (kernels launched around the
+    /// gate) may use together beyond the slack before the backstop kills the busiest process
+    /// of each, milliseconds. Every such millisecond is also charged to its allocation's share.
     #[arg(long, default_value_t = 500, value_name = "MS")]
     pub compute_bypass_ms: u64,
-    /// Unleased GPU time forgiven per second, as a percentage of wall time (kernels that run
-    /// past the end of their lease).
+    /// Unleased GPU time forgiven per GPU, as a percentage of wall time, for all the GPU's
+    /// allocations together (kernels that run past the end of their lease).
     #[arg(long, default_value_t = 5.0, value_name = "PERCENT")]
     pub compute_slack_percent: f64,
     /// The host's mount namespace: a process in another one runs in a container. With

@@ -613,14 +613,29 @@ impl Arbiter {
         self.members.lock()
     }
 
-    /// GPU time granted to allocation `id` in leases so far, ns (for the backstop).
-    pub fn leased_total(&self, id: &str) -> Option<u64> {
+    /// The GPU (UUID) allocation `id` is scheduled on and the GPU time granted to it in leases
+    /// so far, ns (for the backstop, which keeps one slack budget per GPU).
+    pub fn leased_total(&self, id: &str) -> Option<(String, u64)> {
         let (key, sched) = self
             .live()
             .by_id
             .get(id)
             .map(|a| (a.key, a.scheduler.clone()))?;
-        sched.leased_total(key, self.now_ns())
+        let leased = sched.leased_total(key, self.now_ns())?;
+        Some((sched.uuid().to_owned(), leased))
+    }
+
+    /// Counts GPU time allocation `id` used outside its leases, forgiven from its GPU's slack,
+    /// against its cap (not its share).
+    pub fn count_for_cap(&self, id: &str, ns: u64) {
+        let found = self
+            .live()
+            .by_id
+            .get(id)
+            .map(|a| (a.key, a.scheduler.clone()));
+        if let Some((key, sched)) = found {
+            sched.count_for_cap(key, ns, self.now_ns());
+        }
     }
 
     /// Charges GPU time allocation `id` used outside its leases (seen by the backstop).
