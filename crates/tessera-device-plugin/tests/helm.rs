@@ -124,7 +124,10 @@ fn the_dra_switch_refuses_while_no_dra_plugin_ships() {
 #[test]
 fn a_misspelled_field_in_the_chart_fails_the_schema_check() {
     let dir = broken_chart("templates/daemonset.yaml", |t| {
-        t.replace("      hostPID: true", "      hostPID: true\n      hostPIDD: true")
+        t.replace(
+            "      hostPID: true",
+            "      hostPID: true\n      hostPIDD: true",
+        )
     });
     let (out, text) = check(&["--chart", dir.path().join("tessera").to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1), "{text}");
