@@ -1,7 +1,8 @@
 //! `tessera run`: run a command under an enforced allocation, without Kubernetes.
 //!
-//! Checks that the interposer loads and exports its hooks (a file that does not load would be
-//! skipped by the loader with a warning, and the command would run unlimited), creates an
+//! Checks that the interposer loads and defines its hooks and marker itself (a file that does
+//! not load would be skipped by the loader with a warning, and the command would run
+//! unlimited), creates an
 //! allocation through the arbiter's admin socket, runs the command with the interposer
 //! preloaded (`LD_PRELOAD`, prepended to any existing value), `TESSERA_SOCKET` /
 //! `TESSERA_TOKEN` set, `CUDA_VISIBLE_DEVICES` set to the allocation's GPU (its UUID, so the

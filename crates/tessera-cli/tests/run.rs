@@ -243,10 +243,17 @@ fn a_file_that_is_not_the_interposer_is_refused_and_nothing_runs() {
     .into_iter()
     .find(|p| std::path::Path::new(p).exists())
     .expect("libc.so.6");
+    // The simulated CUDA driver defines cuMemAlloc_v2 and cuLaunchKernel itself and "exports"
+    // dlsym through libc: only the marker and dladdr tell it apart from the interposer.
+    let libcuda = tessera_testkit::artifact("libtessera_sim_cuda.so");
     let cases = [
         ("/bin/true".to_owned(), "does not load"),
         (text.display().to_string(), "does not load"),
         (libc_so.to_owned(), "not the Tessera interposer"),
+        (
+            libcuda.display().to_string(),
+            "not the Tessera interposer: its dlsym is defined by",
+        ),
     ];
     for (file, why) in cases {
         let out = arb
