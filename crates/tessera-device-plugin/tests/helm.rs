@@ -157,3 +157,65 @@ fn a_bad_manifest_in_deploy_fails_the_schema_check() {
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(text.contains("'imagePullPolicyy' was unexpected"), "{text}");
 }
+
+/// The rendered chart's documents (`--print` output), as JSON values.
+fn rendered(args: &[&str]) -> Vec<(String, serde_json::Value)> {
+    let mut all = vec!["--print"];
+    all.extend_from_slice(args);
+    let (out, text) = check(&all);
+    assert!(out.status.success(), "{text}");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut docs = Vec::new();
+    for chunk in stdout.split("--- # ").skip(1) {
+        let (title, body) = chunk.split_once('\n').unwrap();
+        // The summary line after the last document is not YAML.
+        let body = body.split("\ncheck_deploy:").next().unwrap();
+        let value: serde_json::Value =
+            serde_yaml_ng::from_str(body).unwrap_or_else(|e| panic!("{title}: {e}\n{body}"));
+        docs.push((title.to_owned(), value));
+    }
+    assert!(!docs.is_empty(), "{stdout}");
+    docs
+}
+
+#[test]
+fn the_binaries_accept_every_flag_the_chart_passes() {
+    // Each container's command runs with `--help` appended: clap parses and checks every flag
+    // and value before it prints the help, so a renamed flag or a bad value exits 2.
+    for values in [&[][..], &["--set", "arbiter.unknownProcesses=\"kill\""][..]] {
+        let docs = rendered(values);
+        let (_, ds) = docs
+            .iter()
+            .find(|(t, _)| t.starts_with("chart (defaults) DaemonSet"))
+            .expect("the DaemonSet");
+        let spec = &ds["spec"]["template"]["spec"];
+        let containers = spec["containers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .chain(spec["initContainers"].as_array().unwrap());
+        let mut seen = 0;
+        for c in containers {
+            let cmd: Vec<String> = c["command"]
+                .as_array()
+                .unwrap()
+                .iter()
+                // The kubelet expands $(POD_IP) from the downward API.
+                .map(|a| a.as_str().unwrap().replace("$(POD_IP)", "127.0.0.1"))
+                .collect();
+            let out = Command::new(tessera_testkit::artifact(&cmd[0]))
+                .args(&cmd[1..])
+                .arg("--help")
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}: {cmd:?}\n{}",
+                c["name"],
+                String::from_utf8_lossy(&out.stderr)
+            );
+            seen += 1;
+        }
+        assert_eq!(seen, 3, "arbiter, device plugin and installer");
+    }
+}
