@@ -48,6 +48,17 @@ pub mod session;
 pub mod state;
 pub mod table;
 
+/// Marks this file as Tessera's interposer. `tessera run`, `tessera doctor` and the device
+/// plugin (`tessera-preload`) refuse a file that does not define it itself: a CUDA driver
+/// library exports the hook names too, and any library finds `dlsym` in libc. The value is
+/// the interposer's ABI generation (1 so far).
+#[unsafe(no_mangle)]
+#[allow(
+    non_upper_case_globals,
+    reason = "an exported C symbol, named as C callers see it"
+)]
+pub static tessera_interposer_abi_version: u32 = 1;
+
 /// Library constructor: reads the environment and registers the fork handler. Nothing else
 /// (no socket, no driver loading): start-up stays in the microseconds.
 extern "C" fn tessera_init() {

@@ -16,6 +16,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::{Mutex, MutexGuard};
 
+use tessera_protocol::size::human;
 use tessera_protocol::{
     AdminErrorKind, AllocationStatus, AllocationView, CreateAllocation, GpuInfo, GpuSelector,
     LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS,
@@ -217,14 +218,18 @@ fn check_records(records: &[AllocationRecord], gpus: &[GpuInfo]) -> Result<(), S
         if let Some(g) = gpus.iter().find(|g| g.uuid == r.gpu_uuid) {
             if r.memory_limit > g.memory_total {
                 return bad(format!(
-                    "memory limit {} bytes exceeds GPU {}'s {} bytes",
-                    r.memory_limit, g.uuid, g.memory_total
+                    "memory limit {} exceeds GPU {}'s {}",
+                    human(r.memory_limit),
+                    g.uuid,
+                    human(g.memory_total)
                 ));
             }
             if sum.1 > g.memory_total {
                 return bad(format!(
-                    "brings GPU {}'s promised memory to {} of {} bytes",
-                    g.uuid, sum.1, g.memory_total
+                    "brings GPU {}'s promised memory to {} of {}",
+                    g.uuid,
+                    human(sum.1),
+                    human(g.memory_total)
                 ));
             }
         }
@@ -747,8 +752,10 @@ impl Arbiter {
         check_labels(&req.labels)?;
         if req.memory_limit > gpu.memory_total {
             return Err(StateError::Invalid(format!(
-                "memory limit {} bytes exceeds GPU {}'s {} bytes",
-                req.memory_limit, gpu.index, gpu.memory_total
+                "memory limit {} exceeds GPU {}'s {}",
+                human(req.memory_limit),
+                gpu.index,
+                human(gpu.memory_total)
             )));
         }
         let on_gpu = records.iter().filter(|r| r.gpu_uuid == gpu.uuid);
@@ -764,11 +771,11 @@ impl Arbiter {
         }
         if memory + req.memory_limit > gpu.memory_total {
             return Err(StateError::Exhausted(format!(
-                "GPU {} has {} of {} bytes not yet promised, {} asked",
+                "GPU {} has {} of {} not yet promised, {} asked",
                 gpu.index,
-                gpu.memory_total.saturating_sub(memory),
-                gpu.memory_total,
-                req.memory_limit
+                human(gpu.memory_total.saturating_sub(memory)),
+                human(gpu.memory_total),
+                human(req.memory_limit)
             )));
         }
         let mut id = store::new_id()?;

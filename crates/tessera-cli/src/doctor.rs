@@ -5,7 +5,8 @@
 //! - `driver`, `nvml`: `libcuda.so.1` and `libnvidia-ml.so.1` load; versions and GPUs.
 //! - `arbiter`: the tenant socket answers the handshake in our protocol version; `admin`: the
 //!   admin socket does too (skipped when it was not given and is not there, as in a pod).
-//! - `interposer`: the interposer loads and exports its hooks (the `tessera run` check).
+//! - `interposer`: the interposer loads and defines its hooks and Tessera's marker symbol
+//!   itself (the `tessera run` check).
 //! - `preload` (in a container only): `/etc/ld.so.preload` names the interposer.
 //! - `token`: the arbiter accepts the allocation's token (Hello -> Welcome, which names the
 //!   allocation's GPU and limit); `gpu`: CUDA device 0 of this process is that GPU.
@@ -318,7 +319,10 @@ fn run_checks(args: &DoctorArgs) -> Vec<Check> {
         Some(p) => match tessera_preload::check(p) {
             Ok(()) => Check::ok(
                 "interposer",
-                format!("{} ({source}) exports its hooks", p.display()),
+                format!(
+                    "{} ({source}) defines its hooks and the Tessera marker",
+                    p.display()
+                ),
             ),
             Err(e) => Check::fail(
                 "interposer",

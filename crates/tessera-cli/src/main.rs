@@ -26,6 +26,7 @@ mod signals;
 mod sim;
 mod status;
 
+use std::ffi::OsString;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -57,8 +58,45 @@ enum Command {
 
 pub use error::CliError;
 
+/// Flags whose value is a size (or a spec of sizes).
+const SIZE_FLAGS: [&str; 2] = ["--memory", "--gpus"];
+
+/// `--memory 4 GiB`: the shell splits the size in two and clap sees a stray `GiB`. Says so
+/// when the word after a size flag's value is a unit, with the one-word spelling.
+fn split_size_hint(args: &[OsString]) -> Option<String> {
+    let words: Vec<&str> = args
+        .iter()
+        .take_while(|a| *a != "--")
+        .filter_map(|a| a.to_str())
+        .collect();
+    words.windows(3).find_map(|w| {
+        let unit = w[2];
+        let is_unit = unit.starts_with(|c: char| c.is_ascii_alphabetic())
+            && run::parse_size(&format!("1{unit}")).is_ok();
+        (SIZE_FLAGS.contains(&w[0]) && is_unit).then(|| {
+            format!(
+                "`{} {} {unit}`: a size is one word, without a space: {} {}{unit}",
+                w[0], w[1], w[0], w[1]
+            )
+        })
+    })
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let args: Vec<OsString> = std::env::args_os().collect();
+            if e.kind() == clap::error::ErrorKind::UnknownArgument
+                && let Some(hint) = split_size_hint(&args)
+            {
+                eprintln!("tessera: {hint}");
+                return ExitCode::from(2);
+            }
+            // clap's own message (it names the flag) and exit code (2; 0 for --help).
+            e.exit()
+        }
+    };
     let result = match cli.command {
         Command::Sim(args) => sim::main(args),
         Command::Run(args) => run::main(args),
@@ -73,5 +111,26 @@ fn main() -> ExitCode {
             eprintln!("tessera: {}", err.message());
             ExitCode::from(err.exit_code())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hint(line: &str) -> Option<String> {
+        split_size_hint(&line.split(' ').map(OsString::from).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn a_size_split_by_a_space_is_named() {
+        let h = hint("tessera run --memory 4 GiB -- true").unwrap();
+        assert!(h.contains("--memory 4GiB"), "{h}");
+        let h = hint("tessera sim --gpus 1x4 Gi -- true").unwrap();
+        assert!(h.contains("--gpus 1x4Gi"), "{h}");
+        // A command word after the size, or a unit only after `--`, is something else.
+        assert_eq!(hint("tessera run --memory 4GiB true"), None);
+        assert_eq!(hint("tessera run --memory 4GiB -- GiB"), None);
+        assert_eq!(hint("tessera run --share 4 GiB"), None);
     }
 }

@@ -1,7 +1,8 @@
 //! `tessera run`: run a command under an enforced allocation, without Kubernetes.
 //!
-//! Checks that the interposer loads and exports its hooks (a file that does not load would be
-//! skipped by the loader with a warning, and the command would run unlimited), creates an
+//! Checks that the interposer loads and defines its hooks and marker itself (a file that does
+//! not load would be skipped by the loader with a warning, and the command would run
+//! unlimited), creates an
 //! allocation through the arbiter's admin socket, runs the command with the interposer
 //! preloaded (`LD_PRELOAD`, prepended to any existing value), `TESSERA_SOCKET` /
 //! `TESSERA_TOKEN` set, `CUDA_VISIBLE_DEVICES` set to the allocation's GPU (its UUID, so the
@@ -79,9 +80,9 @@ pub struct RunArgs {
     /// The interposer library [default: libtessera_interpose.so next to `tessera`].
     #[arg(long, env = "TESSERA_INTERPOSER", value_name = "PATH")]
     pub interposer: Option<PathBuf>,
-    /// The command to run, after `--`.
+    /// The command to run, after `--` (so a misspelled flag is an error, never the command).
     #[arg(
-        trailing_var_arg = true,
+        last = true,
         allow_hyphen_values = true,
         required = true,
         value_name = "COMMAND"
@@ -89,102 +90,8 @@ pub struct RunArgs {
     pub command: Vec<OsString>,
 }
 
-/// Errors of size parsing.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum SizeError {
-    /// Nothing given.
-    #[error("empty size: expected e.g. 512MiB, 4GiB, 1.5G or a number of bytes")]
-    Empty,
-    /// The number part is not a number.
-    #[error(
-        "{0:?} is not a size: expected a number then an optional unit (B, KiB, MiB, GiB, TiB, K, M, G, T, KB, MB, GB, TB)"
-    )]
-    Number(String),
-    /// Unknown unit.
-    #[error(
-        "unknown unit {unit:?} in {text:?}: use B, KiB, MiB, GiB, TiB (or K, M, G, T, also 1024-based) or KB, MB, GB, TB (1000-based)"
-    )]
-    Unit {
-        /// The whole input.
-        text: String,
-        /// The unit part.
-        unit: String,
-    },
-    /// Zero bytes.
-    #[error("{0:?} is zero bytes")]
-    Zero(String),
-    /// Fractional bytes.
-    #[error("{0:?} is not a whole number of bytes")]
-    Fraction(String),
-    /// Too big.
-    #[error("{0:?} is too large")]
-    TooLarge(String),
-}
-
-/// Parses a size: a number (fractions allowed with a unit) and an optional unit.
-/// `K`, `M`, `G`, `T` and `KiB`..`TiB` (also `Ki`..`Ti`) are powers of 1024, as GPU memory
-/// is counted; `KB`, `MB`, `GB`, `TB` are powers of 1000; `B` or nothing is bytes.
-/// Units are case-insensitive and may follow a space.
-pub fn parse_size(text: &str) -> Result<u64, SizeError> {
-    let t = text.trim();
-    if t.is_empty() {
-        return Err(SizeError::Empty);
-    }
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let unit = unit.trim();
-    let mult: u128 = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "ki" | "kib" => 1 << 10,
-        "m" | "mi" | "mib" => 1 << 20,
-        "g" | "gi" | "gib" => 1 << 30,
-        "t" | "ti" | "tib" => 1 << 40,
-        "kb" => 1_000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        "tb" => 1_000_000_000_000,
-        _ => {
-            return Err(SizeError::Unit {
-                text: text.into(),
-                unit: unit.into(),
-            });
-        }
-    };
-    let (int, frac) = num.split_once('.').unwrap_or((num, ""));
-    let digits_ok = |s: &str| s.chars().all(|c| c.is_ascii_digit());
-    if (int.is_empty() && frac.is_empty()) || !digits_ok(int) || !digits_ok(frac) {
-        return Err(SizeError::Number(text.into()));
-    }
-    if frac.len() > 18 || int.len() > 20 {
-        return Err(SizeError::TooLarge(text.into()));
-    }
-    let int_v: u128 = if int.is_empty() {
-        0
-    } else {
-        int.parse().map_err(|_| SizeError::TooLarge(text.into()))?
-    };
-    let frac_v: u128 = if frac.is_empty() {
-        0
-    } else {
-        frac.parse().expect("digits")
-    };
-    let scale = 10u128.pow(frac.len() as u32);
-    let frac_bytes = frac_v * mult;
-    if !frac_bytes.is_multiple_of(scale) {
-        return Err(SizeError::Fraction(text.into()));
-    }
-    let bytes = int_v
-        .checked_mul(mult)
-        .and_then(|b| b.checked_add(frac_bytes / scale))
-        .filter(|b| *b <= u128::from(u64::MAX))
-        .ok_or_else(|| SizeError::TooLarge(text.into()))?;
-    if bytes == 0 {
-        return Err(SizeError::Zero(text.into()));
-    }
-    Ok(bytes as u64)
-}
+// One size parser for every command and message (`tessera sim --gpus`, the arbiter's refusals).
+pub use tessera_protocol::size::parse_size;
 
 fn parse_size_arg(text: &str) -> Result<u64, String> {
     parse_size(text).map_err(|e| e.to_string())
@@ -394,45 +301,6 @@ fn reap_leftovers() {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_in_every_documented_form() {
-        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
-        assert_eq!(parse_size("4GiB"), Ok(4 << 30));
-        assert_eq!(parse_size("4G"), Ok(4 << 30));
-        assert_eq!(parse_size("4g"), Ok(4 << 30));
-        assert_eq!(parse_size("4Gi"), Ok(4 << 30));
-        assert_eq!(parse_size("1.5GiB"), Ok(3 << 29));
-        assert_eq!(parse_size(" 2 GiB "), Ok(2 << 30));
-        assert_eq!(parse_size("4GB"), Ok(4_000_000_000));
-        assert_eq!(parse_size("100MB"), Ok(100_000_000));
-        assert_eq!(parse_size("1048576"), Ok(1 << 20));
-        assert_eq!(parse_size("7B"), Ok(7));
-        assert_eq!(parse_size(".5KiB"), Ok(512));
-        assert_eq!(parse_size("1T"), Ok(1 << 40));
-    }
-
-    #[test]
-    fn bad_sizes_are_clear_errors() {
-        assert_eq!(parse_size(""), Err(SizeError::Empty));
-        assert!(matches!(parse_size("4XB"), Err(SizeError::Unit { unit, .. }) if unit == "XB"));
-        assert!(matches!(parse_size("abc"), Err(SizeError::Unit { .. })));
-        assert!(matches!(parse_size("GiB"), Err(SizeError::Number(_))));
-        assert!(matches!(parse_size("1.2.3GiB"), Err(SizeError::Number(_))));
-        assert!(matches!(parse_size("-4GiB"), Err(SizeError::Unit { .. })));
-        assert!(matches!(parse_size("0"), Err(SizeError::Zero(_))));
-        assert!(matches!(parse_size("1.5"), Err(SizeError::Fraction(_))));
-        assert!(matches!(
-            parse_size("99999999999TiB"),
-            Err(SizeError::TooLarge(_))
-        ));
-        assert!(matches!(
-            parse_size("18446744073709551616"),
-            Err(SizeError::TooLarge(_))
-        ));
-        let msg = parse_size("4XB").unwrap_err().to_string();
-        assert!(msg.contains("GiB") && msg.contains("\"XB\""), "{msg}");
-    }
 
     #[test]
     fn gpu_selector_and_preload() {

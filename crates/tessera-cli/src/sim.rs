@@ -43,12 +43,8 @@ pub struct SimArgs {
     /// Inject an XID error event on a GPU (e.g. `0:79`), then exit without running a command.
     #[arg(long, value_name = "GPU:CODE")]
     pub inject_xid: Option<String>,
-    /// The command to run, after `--`.
-    #[arg(
-        trailing_var_arg = true,
-        allow_hyphen_values = true,
-        value_name = "COMMAND"
-    )]
+    /// The command to run, after `--` (so a misspelled flag is an error, never the command).
+    #[arg(last = true, allow_hyphen_values = true, value_name = "COMMAND")]
     pub command: Vec<OsString>,
 }
 

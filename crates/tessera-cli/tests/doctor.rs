@@ -185,6 +185,45 @@ fn interposer_not_loadable() {
 }
 
 #[test]
+fn a_cuda_driver_library_or_libc_is_not_the_interposer() {
+    let arb = Arbiter::start();
+    let token = token_on(&arb, 0, 2 * GIB);
+    let libc_so = [
+        "/lib/x86_64-linux-gnu/libc.so.6",
+        "/usr/lib/x86_64-linux-gnu/libc.so.6",
+    ]
+    .into_iter()
+    .find(|p| Path::new(p).exists())
+    .expect("libc.so.6");
+    let libcuda = artifact("libtessera_sim_cuda.so");
+    for (file, why) in [
+        (libcuda.display().to_string(), "its dlsym is defined by"),
+        (libc_so.to_owned(), "it does not export cuMemAlloc_v2"),
+    ] {
+        let (code, text) = run(&mut doctor(
+            &arb,
+            &["--token", &token, "--interposer", &file],
+        ));
+        assert_eq!(code, Some(1), "{file}: {text}");
+        assert_fails(
+            &text,
+            "interposer",
+            &format!("is not the Tessera interposer: {why}"),
+            "point --interposer (or TESSERA_INTERPOSER) at libtessera_interpose.so",
+        );
+        assert!(!text.contains("exports its hooks"), "{text}");
+    }
+    // The real one passes, and says why.
+    let interposer = interposer_in(arb.dir.path());
+    let (_, text) = run(doctor(&arb, &["--token", &token, "--interposer"]).arg(&interposer));
+    assert!(verdict(&text, "interposer").0.starts_with("ok"), "{text}");
+    assert!(
+        text.contains("defines its hooks and the Tessera marker"),
+        "{text}"
+    );
+}
+
+#[test]
 fn wrong_gpu_visible() {
     let arb = Arbiter::start();
     let interposer = interposer_in(arb.dir.path());

@@ -243,10 +243,17 @@ fn a_file_that_is_not_the_interposer_is_refused_and_nothing_runs() {
     .into_iter()
     .find(|p| std::path::Path::new(p).exists())
     .expect("libc.so.6");
+    // The simulated CUDA driver defines cuMemAlloc_v2 and cuLaunchKernel itself and "exports"
+    // dlsym through libc: only the marker and dladdr tell it apart from the interposer.
+    let libcuda = tessera_testkit::artifact("libtessera_sim_cuda.so");
     let cases = [
         ("/bin/true".to_owned(), "does not load"),
         (text.display().to_string(), "does not load"),
         (libc_so.to_owned(), "not the Tessera interposer"),
+        (
+            libcuda.display().to_string(),
+            "not the Tessera interposer: its dlsym is defined by",
+        ),
     ];
     for (file, why) in cases {
         let out = arb
@@ -434,5 +441,169 @@ fn a_whole_card_allocation_that_uses_another_card_is_killed_there() {
     assert!(
         log.contains("killed") && log.contains("allowed 0"),
         "the kill names the card's limit of 0\n{log}"
+    );
+}
+
+/// Runs `tessera <args>` (aimed at `arb`) whose command would create `marker`; returns the exit
+/// code and stderr, after checking the command did not run and nothing was allocated.
+fn refused_usage(arb: &Arbiter, args: &[&str], marker: &std::path::Path) -> (Option<i32>, String) {
+    let out = arb.tessera(args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !marker.exists(),
+        "{args:?}: the command must not run\n{err}"
+    );
+    assert!(
+        arb.admin().list().unwrap().is_empty(),
+        "{args:?}: nothing allocated"
+    );
+    (out.status.code(), err)
+}
+
+#[test]
+fn flags_after_the_command_need_the_double_dash_and_unknown_flags_exit_2() {
+    let arb = Arbiter::start();
+    let lib = interposer_in(arb.dir.path());
+    let lib = lib.to_str().unwrap();
+    let marker = arb.dir.path().join("ran");
+    let m = marker.to_str().unwrap();
+    // A misspelled flag (`--shares` for `--share`) is clap's error naming it, not the command.
+    let (code, err) = refused_usage(
+        &arb,
+        &[
+            "run",
+            "--memory",
+            "1GiB",
+            "--shares",
+            "30",
+            "--interposer",
+            lib,
+            "--",
+            "touch",
+            m,
+        ],
+        &marker,
+    );
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("unexpected argument '--shares'"), "{err}");
+    // A command without `--` is refused too: its words could be taken for flags.
+    let (code, err) = refused_usage(
+        &arb,
+        &["run", "--memory", "1GiB", "--interposer", lib, "touch", m],
+        &marker,
+    );
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("unexpected argument 'touch'"), "{err}");
+    // `tessera sim` the same way.
+    let (code, err) = refused_usage(&arb, &["sim", "--gpu", "1x4GiB", "--", "touch", m], &marker);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("unexpected argument '--gpu'"), "{err}");
+    // With `--`, everything after it is the command, flags included.
+    let out = arb
+        .tessera(&[
+            "run",
+            "--memory",
+            "1GiB",
+            "--interposer",
+            lib,
+            "--",
+            "sh",
+            "-c",
+        ])
+        .arg(format!("touch {m}; echo \"$@\"", m = m))
+        .args(["sh", "--shares", "30"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout(&out).trim(), "--shares 30");
+    assert!(marker.exists());
+}
+
+#[test]
+fn a_size_split_by_a_space_is_a_clear_error() {
+    let arb = Arbiter::start();
+    let lib = interposer_in(arb.dir.path());
+    let marker = arb.dir.path().join("ran");
+    let m = marker.to_str().unwrap();
+    let (code, err) = refused_usage(
+        &arb,
+        &[
+            "run",
+            "--memory",
+            "4",
+            "GiB",
+            "--interposer",
+            lib.to_str().unwrap(),
+            "--",
+            "touch",
+            m,
+        ],
+        &marker,
+    );
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("a size is one word, without a space: --memory 4GiB"),
+        "{err}"
+    );
+    let (code, err) = refused_usage(
+        &arb,
+        &["sim", "--gpus", "1x4", "Gi", "--", "touch", m],
+        &marker,
+    );
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--gpus 1x4Gi"), "{err}");
+}
+
+#[test]
+fn sim_reads_sizes_as_run_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let lib_dir = tessera_testkit::artifact("libtessera_sim_cuda.so")
+        .parent()
+        .unwrap()
+        .to_owned();
+    // `--gpus 1x4Gi` is accepted like `--memory 4Gi` (that both read 4 GiB is the
+    // `sizes_read_as_tessera_run_reads_them` unit test of tessera-sim-state).
+    let out = std::process::Command::new(tessera())
+        .args(["sim", "--gpus", "1x4Gi", "--state-dir"])
+        .arg(dir.path().join("state"))
+        .arg("--lib-dir")
+        .arg(&lib_dir)
+        .args(["--", "sh", "-c", "echo \"$TESSERA_SIM_GPUS\""])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout(&out).trim(), "1x4Gi");
+    let out = std::process::Command::new(tessera())
+        .args(["sim", "--gpus", "1x4Zi", "--", "true"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("unknown unit \"Zi\""), "{err}");
+}
+
+#[test]
+fn refusals_speak_human_units() {
+    let arb = Arbiter::start();
+    let lib = interposer_in(arb.dir.path());
+    let out = arb
+        .tessera(&["run", "--memory", "100TiB", "--interposer"])
+        .arg(&lib)
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{err}");
+    assert!(
+        err.contains("memory limit 100 TiB exceeds GPU 0's 80 GiB"),
+        "{err}"
     );
 }

@@ -952,6 +952,12 @@ async fn bad_flags_and_missing_interposer_exit_with_documented_codes() {
             "nothing installed"
         );
     }
+    // A CUDA driver library defines the CUDA hooks and finds dlsym in libc: refused too.
+    let libcuda = tessera_testkit::artifact("libtessera_sim_cuda.so");
+    let out = run(&["--install-only", "--interposer", libcuda.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("not the Tessera interposer"), "{err}");
     // --install-only installs and exits 0.
     let out = run(&["--install-only"]);
     assert_eq!(

@@ -6,7 +6,11 @@
 //! `--interposer` path (a program, a truncated copy, another library, a build for another
 //! architecture) would therefore go unnoticed. [`check`] opens the file with `dlopen` (in this
 //! process, `RTLD_NOW | RTLD_LOCAL`: every dependency and symbol is resolved, nothing is added
-//! to the global scope) and looks up the hook symbols [`REQUIRED_SYMBOLS`] in it.
+//! to the global scope) and looks up the hook symbols [`REQUIRED_SYMBOLS`] and the marker
+//! [`MARKER_SYMBOL`] in it. Each must be defined by the file itself (`dladdr` of the address
+//! names the file, compared by device and inode): `dlsym` on a handle also searches the
+//! library's dependencies, so every library linking libc would otherwise "export" `dlsym`, and
+//! a CUDA driver library defines the CUDA hooks. Only Tessera's interposer defines the marker.
 //!
 //! Loading runs the library's constructors in this process. The interposer's constructor only
 //! reads the environment, and it is closed again at once.
@@ -18,6 +22,9 @@ use std::path::{Path, PathBuf};
 /// Symbols every interposer exports: an allocation hook, a launch hook and the `dlsym`
 /// override (without which programs that `dlopen` the driver would escape it).
 pub const REQUIRED_SYMBOLS: [&CStr; 3] = [c"cuMemAlloc_v2", c"cuLaunchKernel", c"dlsym"];
+
+/// Defined only by Tessera's interposer (`interpose/src/lib.rs`).
+pub const MARKER_SYMBOL: &CStr = c"tessera_interposer_abi_version";
 
 /// Why a file is not a usable interposer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -38,6 +45,40 @@ pub enum CheckError {
         /// The first missing symbol.
         symbol: String,
     },
+    /// The symbol resolves, but to another file (a dependency such as libc).
+    #[error(
+        "{path} is not the Tessera interposer: its {symbol} is defined by {defined_in}, not by the file itself"
+    )]
+    ForeignSymbol {
+        /// The file.
+        path: PathBuf,
+        /// The first symbol defined elsewhere.
+        symbol: String,
+        /// The file `dladdr` names for it.
+        defined_in: String,
+    },
+}
+
+/// (device, inode) of a file, to compare two names of one file.
+fn identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// The file `dladdr` says defines `addr`, if it names one.
+fn defining_file(addr: *mut c_void) -> Option<PathBuf> {
+    // SAFETY: Dl_info is plain data; all-zero is a valid value for it.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: `addr` is an address dlsym returned and `info` is writable; dladdr only reads
+    // the loader's tables.
+    let rc = unsafe { libc::dladdr(addr, &mut info) };
+    if rc == 0 || info.dli_fname.is_null() {
+        return None;
+    }
+    // SAFETY: dli_fname is a NUL-terminated string owned by the loader, valid while the
+    // object stays loaded (the handle is still open here); it is copied at once.
+    let name = unsafe { CStr::from_ptr(info.dli_fname) };
+    Some(PathBuf::from(std::ffi::OsStr::from_bytes(name.to_bytes())))
 }
 
 /// The last `dlerror()` text, or a fallback.
@@ -54,7 +95,8 @@ fn dl_error() -> String {
     }
 }
 
-/// Loads `path` and checks it exports every symbol of [`REQUIRED_SYMBOLS`].
+/// Loads `path` and checks it defines every symbol of [`REQUIRED_SYMBOLS`] and [`MARKER_SYMBOL`]
+/// itself.
 pub fn check(path: &Path) -> Result<(), CheckError> {
     let not_loadable = |reason: String| CheckError::NotLoadable {
         path: path.to_path_buf(),
@@ -73,20 +115,42 @@ pub fn check(path: &Path) -> Result<(), CheckError> {
     if handle.is_null() {
         return Err(not_loadable(dl_error()));
     }
-    let missing = REQUIRED_SYMBOLS.iter().find(|s| {
-        // SAFETY: `handle` is a live handle from dlopen and `s` a NUL-terminated name.
-        let p: *mut c_void = unsafe { libc::dlsym(handle, s.as_ptr()) };
-        p.is_null()
-    });
-    // SAFETY: `handle` came from dlopen above and nothing from it is used after this.
+    let own = identity(&abs);
+    let verdict = REQUIRED_SYMBOLS
+        .iter()
+        .chain(std::iter::once(&MARKER_SYMBOL))
+        .try_for_each(|s| {
+            let symbol = || s.to_string_lossy().into_owned();
+            // SAFETY: `handle` is a live handle from dlopen and `s` a NUL-terminated name.
+            let p: *mut c_void = unsafe { libc::dlsym(handle, s.as_ptr()) };
+            if p.is_null() {
+                return Err(CheckError::MissingSymbol {
+                    path: path.to_path_buf(),
+                    symbol: symbol(),
+                });
+            }
+            let file = defining_file(p);
+            let same = match (&file, own) {
+                (Some(f), Some(own)) => identity(f) == Some(own),
+                _ => false,
+            };
+            if same {
+                Ok(())
+            } else {
+                Err(CheckError::ForeignSymbol {
+                    path: path.to_path_buf(),
+                    symbol: symbol(),
+                    defined_in: file.map_or_else(
+                        || "an unnamed object".to_owned(),
+                        |f| f.display().to_string(),
+                    ),
+                })
+            }
+        });
+    // SAFETY: `handle` came from dlopen above and nothing from it (the addresses, the names
+    // dladdr returned) is used after this.
     unsafe { libc::dlclose(handle) };
-    match missing {
-        Some(s) => Err(CheckError::MissingSymbol {
-            path: path.to_path_buf(),
-            symbol: s.to_string_lossy().into_owned(),
-        }),
-        None => Ok(()),
-    }
+    verdict
 }
 
 #[cfg(test)]

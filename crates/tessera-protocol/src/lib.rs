@@ -9,6 +9,8 @@
 //! - [`process`]: a process named by pid and start time (allocation owners).
 //! - [`client`]: small blocking clients (tenant and admin) over a Unix socket; the interposer
 //!   has no async runtime, and the CLI and device plugin reuse the admin one.
+//! - [`size`]: the one size parser (`4GiB`, `1.5G`, `512MiB`) and formatter (`80 GiB`) of every
+//!   command and message.
 //!
 //! A connection opens with a [`message::Hello`] from the client, answered by
 //! [`message::Welcome`] or an error; every later frame is one request or one reply.
@@ -21,6 +23,7 @@ pub mod frame;
 pub mod identity;
 pub mod message;
 pub mod process;
+pub mod size;
 
 pub use frame::{FrameDecoder, FrameError, MAX_FRAME_LEN};
 pub use message::*;

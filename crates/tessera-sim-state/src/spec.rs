@@ -12,10 +12,8 @@ pub enum SpecError {
     Empty,
     #[error("bad GPU spec item {0:?}: expected COUNTxSIZE such as 2x80GiB")]
     BadItem(String),
-    #[error(
-        "bad memory size {0:?}: expected a number with a unit (GiB, MiB, KiB, GB, MB, KB or B)"
-    )]
-    BadSize(String),
+    #[error("bad memory size {0:?}: {1}")]
+    BadSize(String, String),
     #[error("{0} GPUs requested; at most {MAX_GPUS} are supported")]
     TooMany(usize),
     #[error("bad {ENV_CONTEXT_MEMORY} {0:?}: expected a size such as 300MiB, or 0 for none")]
@@ -121,33 +119,16 @@ impl SimSpec {
     }
 }
 
-/// Parses `80GiB`, `512MiB`, `1.5GiB`, `16GB`, `4096` (bytes).
+/// Parses `80GiB`, `4Gi`, `512MiB`, `1.5GiB`, `16GB`, `4096` (bytes): the parser of
+/// `tessera run --memory` ([`tessera_protocol::size::parse_size`]), so every command reads a
+/// size the same way; a simulated GPU is also at most 1 PiB.
 pub fn parse_size(text: &str) -> Result<u64, SpecError> {
-    let t = text.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kib" => 1 << 10,
-        "m" | "mib" => 1 << 20,
-        "g" | "gib" => 1 << 30,
-        "t" | "tib" => 1 << 40,
-        "kb" => 1_000,
-        "mb" => 1_000_000,
-        "gb" => 1_000_000_000,
-        "tb" => 1_000_000_000_000,
-        _ => return Err(SpecError::BadSize(text.to_string())),
-    };
-    let value: f64 = num
-        .parse()
-        .map_err(|_| SpecError::BadSize(text.to_string()))?;
-    let bytes = value * mult as f64;
-    if !(bytes >= 1.0 && bytes < (1u64 << 50) as f64) {
-        return Err(SpecError::BadSize(text.to_string()));
+    let bad = |why: String| SpecError::BadSize(text.trim().to_string(), why);
+    let bytes = tessera_protocol::size::parse_size(text).map_err(|e| bad(e.to_string()))?;
+    if bytes > 1 << 50 {
+        return Err(bad("a simulated GPU has at most 1 PiB".into()));
     }
-    Ok(bytes as u64)
+    Ok(bytes)
 }
 
 /// Parses a context memory size: `300MiB`, `0` (none) or empty (none).
@@ -243,6 +224,18 @@ mod tests {
     }
 
     #[test]
+    fn sizes_read_as_tessera_run_reads_them() {
+        // `tessera run --memory 4Gi` and `tessera sim --gpus 1x4Gi` agree.
+        for text in ["4Gi", "4GiB", "4G", "4 GiB", "4096MiB"] {
+            assert_eq!(
+                SimSpec::parse(&format!("1x{text}")).unwrap().gpus[0].total_bytes,
+                4 << 30,
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
     fn rejects_bad_specs() {
         assert_eq!(SimSpec::parse(""), Err(SpecError::Empty));
         assert!(matches!(
@@ -251,7 +244,11 @@ mod tests {
         ));
         assert!(matches!(
             SimSpec::parse("2x80Zib"),
-            Err(SpecError::BadSize(_))
+            Err(SpecError::BadSize(..))
+        ));
+        assert!(matches!(
+            SimSpec::parse("1x2048TiB"),
+            Err(SpecError::BadSize(_, why)) if why.contains("at most 1 PiB")
         ));
         assert!(matches!(
             SimSpec::parse("axGiB"),
