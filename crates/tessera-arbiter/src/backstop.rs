@@ -540,6 +540,10 @@ pub fn decide(
     actions
 }
 
+/// Weight of an interval's GPU time in [`Debt`]'s recent sums, one interval later: about the
+/// last 2 s (8 polls of 250 ms) count.
+const RECENT_DECAY: f64 = 0.875;
+
 /// Per allocation: GPU time its processes used against the leases it was granted; per GPU:
 /// one slack budget that all its allocations draw on.
 #[derive(Debug, Default)]
@@ -554,11 +558,13 @@ struct Debt {
     /// Unleased GPU time built up, ns; down to minus one poll interval (kernel time is
     /// reported when a kernel ends, lease time as it passes, so the two drift apart briefly).
     debt_ns: i128,
-    /// GPU time used and leased since the debt last rose above zero (both 0 while there is
-    /// none): an allocation in debt is acted on only if it ran mostly outside leases all that
-    /// time, so a tenant that leases is never caught up in a neighbour's bypass.
-    run_used: u64,
-    run_leased: u64,
+    /// GPU time used and leased over the last few intervals (each interval weighs
+    /// [`RECENT_DECAY`] less than the next): an allocation in debt is acted on only if it ran
+    /// mostly outside leases over them too, so a tenant that leases is never caught up in a
+    /// neighbour's bypass because of one bad interval (its kernels stuck behind the bypass
+    /// kernels finish after its lease).
+    recent_used: f64,
+    recent_leased: f64,
 }
 
 /// One allocation's GPU time over the last interval, for [`ComputeBook::observe_gpu`].
@@ -621,7 +627,7 @@ impl ComputeBook {
     /// towards the kill rule.
     ///
     /// The kill rule is per GPU too: when the debts of the allocations that ran mostly outside
-    /// leases, in this interval and all the while they were in debt, add up to more than the
+    /// leases, in this interval and over the last few, add up to more than the
     /// threshold, each of them is acted on (one allocation alone: its own debt against the
     /// threshold). A tenant that takes part in leasing has its drift (kernels finishing after
     /// a revoked lease, local leases while the arbiter restarted) charged to its share, never
@@ -651,8 +657,8 @@ impl ComputeBook {
                     Debt {
                         leased_seen: u.leased_total,
                         debt_ns: 0,
-                        run_used: 0,
-                        run_leased: 0,
+                        recent_used: 0.0,
+                        recent_leased: 0.0,
                     },
                 );
                 continue;
@@ -698,18 +704,13 @@ impl ComputeBook {
                 continue;
             };
             d.debt_ns = kept;
-            if kept > 0 {
-                d.run_used = d.run_used.saturating_add(used);
-                d.run_leased = d.run_leased.saturating_add(leased);
-            } else {
-                (d.run_used, d.run_leased) = (0, 0);
-            }
+            d.recent_used = d.recent_used * RECENT_DECAY + used as f64;
+            // At most an interval's worth: one GPU holds one lease at a time, and leases held
+            // idle must not buy a bypass later.
+            d.recent_leased = d.recent_leased * RECENT_DECAY + leased.min(elapsed_ns) as f64;
             let mostly_unleased =
-                |leased: u64, used: u64| u128::from(leased) * 2 < u128::from(used);
-            if kept > 0
-                && mostly_unleased(leased, used)
-                && mostly_unleased(d.run_leased, d.run_used)
-            {
+                u128::from(leased) * 2 < u128::from(used) && d.recent_leased * 2.0 < d.recent_used;
+            if kept > 0 && mostly_unleased {
                 candidates.push(i);
             }
         }
@@ -720,7 +721,7 @@ impl ComputeBook {
             for i in candidates {
                 verdicts[i].over = true;
                 if let Some(d) = self.per.get_mut(uses[i].id) {
-                    (d.debt_ns, d.run_used, d.run_leased) = (0, 0, 0);
+                    d.debt_ns = 0;
                 }
             }
         }
@@ -2171,6 +2172,43 @@ mod tests {
         // Then an interval with 5 ms of use and no lease, while the bypassers pass the
         // threshold together.
         let v = book.observe_gpu(&uses(60 * MS, 5 * MS, leased), 250 * MS, &pol, true);
+        assert!(v[10].unleased_ns > 0, "in debt: {:?}", v[10]);
+        assert!(v[..10].iter().all(|v| v.over), "{v:?}");
+        assert!(!v[10].over, "the leasing tenant was acted on: {:?}", v[10]);
+    }
+
+    #[test]
+    fn one_interval_without_a_lease_does_not_make_a_leasing_tenant_a_bypasser() {
+        // Seen in a full test run: the share-90 tenant leased all it used, then its kernels,
+        // stuck behind the bypass kernels, finished after its lease: 110 ms used, no lease in
+        // that interval, its debt above zero for the first time, while ten bypassers passed
+        // the threshold together.
+        let pol = policy();
+        let mut book = ComputeBook::default();
+        let ids: Vec<String> = (0..10).map(|i| format!("b{i}")).collect();
+        let uses = |bypass: u64, used: u64, leased: u64| {
+            let mut u: Vec<ComputeUse<'_>> = ids
+                .iter()
+                .map(|id| ComputeUse {
+                    id,
+                    used_ns: bypass,
+                    leased_total: 0,
+                })
+                .collect();
+            u.push(ComputeUse {
+                id: "honest",
+                used_ns: used,
+                leased_total: leased,
+            });
+            u
+        };
+        book.observe_gpu(&uses(0, 0, 0), 250 * MS, &pol, true);
+        let mut leased = 0;
+        for _ in 0..4 {
+            leased += 240 * MS;
+            book.observe_gpu(&uses(10 * MS, 240 * MS, leased), 250 * MS, &pol, true);
+        }
+        let v = book.observe_gpu(&uses(60 * MS, 110 * MS, leased), 250 * MS, &pol, true);
         assert!(v[10].unleased_ns > 0, "in debt: {:?}", v[10]);
         assert!(v[..10].iter().all(|v| v.over), "{v:?}");
         assert!(!v[10].over, "the leasing tenant was acted on: {:?}", v[10]);
