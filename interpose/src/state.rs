@@ -63,6 +63,11 @@ pub fn process() -> Option<&'static Process> {
     create()
 }
 
+/// A companion ticket from this process's memory connection, for its lease connection.
+fn companion_ticket() -> Option<u64> {
+    process().and_then(|p| p.session.companion_ticket())
+}
+
 #[cold]
 fn create() -> Option<&'static Process> {
     let cfg = config::get();
@@ -72,7 +77,7 @@ fn create() -> Option<&'static Process> {
         if cfg.closed() {
             Gate::new(None, token).closed()
         } else {
-            Gate::new(cfg.socket.clone(), token)
+            Gate::new(cfg.socket.clone(), token).with_companion(companion_ticket)
         },
     )));
     match PROCESS.compare_exchange(

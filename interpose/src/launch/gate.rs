@@ -137,6 +137,9 @@ pub struct Gate {
     new_manager: NewManager,
     pub(super) socket: Option<PathBuf>,
     pub(super) token: String,
+    /// Where the lease connection gets a companion ticket from the process's admitted memory
+    /// connection (wired by the process state, [`Gate::with_companion`]; none by default).
+    pub(super) companion: fn() -> Option<u64>,
     /// The process cannot prove its allocation: every launch fails (see [`Gate::closed`]).
     closed: bool,
     /// The lease connection's fd (closed by hand in a forked child).
@@ -184,12 +187,20 @@ impl Gate {
             new_manager,
             socket,
             token,
+            companion: || None,
             closed: false,
             lease_fd: AtomicI32::new(-1),
             watch: AtomicBool::new(false),
             origin: Instant::now(),
             stats: GateStats::default(),
         }
+    }
+
+    /// The same gate, whose lease connection asks `ticket` for a companion ticket (the memory
+    /// connection lives above this module, so it is passed in rather than imported).
+    pub fn with_companion(mut self, ticket: fn() -> Option<u64>) -> Self {
+        self.companion = ticket;
+        self
     }
 
     /// A gate that never grants: every launch returns `CUDA_ERROR_NOT_PERMITTED` without

@@ -145,7 +145,7 @@ impl<E: Events> Manager<E> {
             return Link::Down;
         };
         let token = self.gate.token.clone();
-        let role = match crate::state::process().and_then(|p| p.session.companion_ticket()) {
+        let role = match (self.gate.companion)() {
             Some(ticket) => Role::Companion { token, ticket },
             None => Role::Tenant { token },
         };
