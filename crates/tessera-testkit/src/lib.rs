@@ -6,6 +6,8 @@
 //!   the built binaries and libraries in it, with a clear message when one is missing.
 //! - [`python`]: the Python with `cuda-bindings` used by real-client tests.
 //! - [`sim`]: a simulated GPU in a temp folder (its `lib/` of driver links and its environment).
+//! - [`apiserver`]: a stand-in Kubernetes API server (HTTP + JSON) for ResourceSlices and
+//!   ResourceClaims, with the upstream slice validation rules the schema leaves out.
 //! - [`arbiter`]: the real `tessera-arbiter` on a simulated GPU, with temp sockets and state,
 //!   waited for until it serves.
 //! - [`process`]: kill-on-drop children, exit codes, polling with a timeout.
@@ -17,6 +19,7 @@
 //! Helpers panic with a message naming what is missing: they run inside tests, where a panic
 //! is the failure report.
 
+pub mod apiserver;
 pub mod arbiter;
 pub mod artifacts;
 pub mod flood;
@@ -25,6 +28,7 @@ pub mod prometheus;
 pub mod python;
 pub mod sim;
 
+pub use apiserver::FakeApiServer;
 pub use arbiter::{ArbiterSpec, RunningArbiter, allocation};
 pub use artifacts::{artifact, artifact_with_hint, target_dir};
 pub use process::{KillOnDrop, code, wait_until};
