@@ -25,8 +25,9 @@ use tessera_dra::proto::registration::{InfoRequest, RegistrationStatus};
 use tessera_protocol::AllocationStatus;
 use tessera_protocol::client::AdminClient;
 use tessera_protocol::identity::Identity;
+use tessera_testkit::container::{Bind, Edits, container_command};
 use tessera_testkit::{
-    ArbiterSpec, FakeApiServer, GIB, KillOnDrop, RunningArbiter, SimGpu, artifact,
+    ArbiterSpec, FakeApiServer, GIB, KillOnDrop, RunningArbiter, SimGpu, artifact, target_dir,
 };
 use tonic::transport::Channel;
 
@@ -83,8 +84,17 @@ impl Node {
     }
 
     fn start() -> Node {
+        Self::start_with(false)
+    }
+
+    /// `container`: the emulated containers' setting (no context memory, so a limit is
+    /// exactly the GiB a process gets; the arbiter's host mount namespace is this one's).
+    fn start_with(container: bool) -> Node {
         let dir = tempfile::tempdir().unwrap();
-        let sim = SimGpu::prepare(&dir.path().join("sim"), "2x80GiB");
+        let mut sim = SimGpu::prepare(&dir.path().join("sim"), "2x80GiB");
+        if container {
+            sim.context_memory = "0".into();
+        }
         for sub in ["run/tenant", "registry"] {
             std::fs::create_dir_all(dir.path().join(sub)).unwrap();
         }
@@ -92,7 +102,11 @@ impl Node {
             .log_to(dir.path().join("arbiter.log"));
         spec.socket = dir.path().join("run/tenant/tessera.sock");
         spec.admin_socket = dir.path().join("run/admin.sock");
-        let arbiter = spec.start();
+        let mut cmd = spec.command();
+        if container {
+            cmd.args(["--host-mount-ns", "/proc/self/ns/mnt"]);
+        }
+        let arbiter = spec.start_command(cmd);
         Node {
             dir,
             sim,
@@ -104,6 +118,10 @@ impl Node {
     }
 
     fn start_plugin(&mut self) {
+        self.start_plugin_with(&[]);
+    }
+
+    fn start_plugin_with(&mut self, extra: &[&str]) {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -131,6 +149,7 @@ impl Node {
             .arg(artifact("libtessera_interpose.so"))
             .arg("--sysfs")
             .arg(self.path("sys"))
+            .args(extra)
             .stdout(Stdio::null())
             .stderr(log);
         self.sim.apply(&mut cmd);
@@ -602,4 +621,91 @@ async fn publishes_a_valid_slice_with_one_device_per_gpu_and_removes_it_on_shutd
     node.stop_plugin().await;
     assert!(node.api.slices().is_empty(), "slice removed on shutdown");
     assert!(!node.registration_socket().exists());
+}
+
+/// A CDI spec's edits for its devices, as a runtime merges them (spec-level, then each
+/// device's).
+fn cdi_edits(spec: &Spec) -> Edits {
+    let mut out = Edits::default();
+    let all = std::iter::once(&spec.container_edits)
+        .chain(spec.devices.iter().map(|d| &d.container_edits));
+    for e in all {
+        for m in &e.mounts {
+            out.mounts.push(Bind {
+                host: m.host_path.clone().into(),
+                container: m.container_path.clone().into(),
+                read_only: m.options.iter().any(|o| o == "ro"),
+            });
+        }
+        for kv in &e.env {
+            let (k, v) = kv.split_once('=').expect("NAME=value");
+            out.env.push((k.to_owned(), v.to_owned()));
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cdi_spec_alone_gives_a_container_its_limit() {
+    let mut node = Node::start_with(true);
+    let uid = "uid-cdi00000";
+    node.api
+        .put_claim(claim("infer", uid, "gpu-0", Some(("30", "20Gi"))));
+    // The emulation shares the host's /usr, so the interposer goes elsewhere in containers.
+    node.start_plugin_with(&[
+        "--container-lib-path",
+        "/opt/tessera/libtessera_interpose.so",
+    ]);
+    let mut k = node.kubelet_register().await;
+    assert_eq!(
+        prepare(&mut k, &[kclaim("infer", uid)]).await[uid].error,
+        ""
+    );
+    let edits = cdi_edits(&read_spec(&node, uid));
+    let sim_env: Vec<(&str, String)> = node
+        .sim
+        .vars()
+        .into_iter()
+        .map(|(k, v)| (k, v.to_string_lossy().into_owned()))
+        .collect();
+    let tenant = artifact("tenant");
+    let target = target_dir();
+    // `tenant` takes 1 GiB blocks until refused (or 30 are held).
+    let grab = |e: &Edits| {
+        let root = tempfile::tempdir().unwrap();
+        let out = tokio::task::block_in_place(|| {
+            container_command(
+                e,
+                root.path(),
+                &[&target, node.dir.path()],
+                &sim_env,
+                &tenant,
+                &["--grab-gib", "30", "--seconds", "0.2"],
+            )
+            .output()
+            .unwrap()
+        });
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    };
+    // Preloaded through the spec's read-only /etc/ld.so.preload, with the identity file the
+    // spec mounts: 20 GiB, and the 21st refused.
+    let out = grab(&edits);
+    assert!(
+        out.contains("sees Tessera Sim GPU 80GiB with 20.0 GiB"),
+        "{out}"
+    );
+    assert!(
+        out.contains("holds 20 GiB; the next 1 GiB was refused: CUDA_ERROR_OUT_OF_MEMORY"),
+        "{out}"
+    );
+    // Control: without the preload file the same container sees the whole card.
+    let mut bare = edits.clone();
+    bare.mounts
+        .retain(|m| m.container != Path::new("/etc/ld.so.preload"));
+    let out = grab(&bare);
+    assert!(out.contains("holds 30 GiB"), "{out}");
 }

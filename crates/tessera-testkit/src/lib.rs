@@ -4,6 +4,8 @@
 //! Modules:
 //! - [`artifacts`]: the cargo profile folder next to the running test (`<target>/debug/`) and
 //!   the built binaries and libraries in it, with a clear message when one is missing.
+//! - [`container`]: a container emulated with `unshare` and `chroot` from container edits
+//!   (mounts, environment), for `Allocate` answers and CDI specs alike.
 //! - [`python`]: the Python with `cuda-bindings` used by real-client tests.
 //! - [`sim`]: a simulated GPU in a temp folder (its `lib/` of driver links and its environment).
 //! - [`apiserver`]: a stand-in Kubernetes API server (HTTP + JSON) for ResourceSlices and
@@ -22,6 +24,7 @@
 pub mod apiserver;
 pub mod arbiter;
 pub mod artifacts;
+pub mod container;
 pub mod flood;
 pub mod process;
 pub mod prometheus;
