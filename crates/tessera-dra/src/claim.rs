@@ -36,6 +36,8 @@ pub struct NodeGpu {
     pub uuid: String,
     /// Card memory, bytes.
     pub memory_total: u64,
+    /// Why it is unhealthy (a fatal XID), if it is: nothing new is prepared on it.
+    pub unhealthy: Option<String>,
 }
 
 /// The device name of GPU `index` (a DNS label, as the API requires).
@@ -95,6 +97,14 @@ pub enum ClaimError {
     /// A device this node does not have.
     #[error("device {0} is not a GPU of this node")]
     UnknownDevice(String),
+    /// A GPU marked unhealthy (tainted in the slice; a claim allocated before the taint).
+    #[error("device {device} is unhealthy ({reason})")]
+    Unhealthy {
+        /// Device.
+        device: String,
+        /// Why.
+        reason: String,
+    },
     /// A quantity that is not a whole number.
     #[error("consumedCapacity.{capacity}: {source}")]
     Quantity {
@@ -164,6 +174,12 @@ pub fn plan(
             .iter()
             .find(|g| g.device == r.device)
             .ok_or_else(|| ClaimError::UnknownDevice(r.device.clone()))?;
+        if let Some(reason) = &gpu.unhealthy {
+            return Err(ClaimError::Unhealthy {
+                device: r.device.clone(),
+                reason: reason.clone(),
+            });
+        }
         let (share, memory_limit, whole) =
             limits(r.consumed_capacity.as_ref(), gpu, default_memory)?;
         out.push(Planned {
@@ -244,6 +260,7 @@ mod tests {
                 device: device_name(i),
                 uuid: format!("GPU-{i}"),
                 memory_total: 80 * GIB,
+                unhealthy: None,
             })
             .collect()
     }
@@ -374,6 +391,12 @@ mod tests {
         assert!(matches!(
             plan(&one(&[]), "u1", "node-b", &g, GIB).unwrap_err(),
             ClaimError::OtherPool { .. }
+        ));
+        let mut sick = g.clone();
+        sick[0].unhealthy = Some("XID 79".into());
+        assert!(matches!(
+            plan(&one(&[]), "u1", "node-a", &sick, GIB).unwrap_err(),
+            ClaimError::Unhealthy { .. }
         ));
         let missing = claim("u1", vec![result("gpu-9", "node-a", &[])]);
         assert!(matches!(err(&missing), ClaimError::UnknownDevice(_)));

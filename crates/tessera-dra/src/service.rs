@@ -55,6 +55,7 @@ impl DraService {
                 device: claim::device_name(g.index),
                 uuid: g.uuid.clone(),
                 memory_total: g.memory_total,
+                unhealthy: g.unhealthy.clone(),
             })
             .collect()
     }

@@ -611,6 +611,29 @@ async fn publishes_a_valid_slice_with_one_device_per_gpu_and_removes_it_on_shutd
     assert_eq!(devices[0]["attributes"]["numaNode"]["int"], 1);
     assert!(devices[1]["attributes"].get("numaNode").is_none());
 
+    assert_eq!(spec["pool"]["generation"], 1);
+    assert!(devices.iter().all(|d| d.get("taints").is_none()));
+
+    // A fatal XID on the second card: it stays listed, tainted, in the next generation; an
+    // application's XID (13) on the first changes nothing.
+    tessera_sim_state::inject_xid(&node.sim.dir, 0, 13).unwrap();
+    tessera_sim_state::inject_xid(&node.sim.dir, 1, 79).unwrap();
+    let tainted = until(20, "the slice with the unhealthy GPU tainted", || {
+        node.api
+            .slices()
+            .into_iter()
+            .find(|s| s["spec"]["pool"]["generation"] == 2)
+    })
+    .await;
+    let devices = tainted["spec"]["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 2);
+    assert!(devices[0].get("taints").is_none(), "{:?}", devices[0]);
+    assert_eq!(
+        devices[1]["taints"],
+        json!([{"key": "gpu.tessera.dev/unhealthy", "effect": "NoSchedule"}])
+    );
+    assert!(node.api.state().rejected.is_empty());
+
     // Deleted by someone else: it comes back at the next re-check.
     node.api.state().slices.clear();
     until(20, "the slice re-created", || {
