@@ -157,10 +157,13 @@ pub fn spec(uid: &str, results: &[(Planned, String)], identity: &Path, wiring: &
             Path::new(CONTAINER_PRELOAD),
             true,
         ));
+        // Read-only: connecting to a socket needs no write access to the mount (Linux checks
+        // EROFS only for files, folders and links), and a tenant must not plant files in the
+        // host's socket folder.
         mounts.push(bind(
             &wiring.host_socket_dir,
             &wiring.container_socket_dir,
-            false,
+            true,
         ));
     }
     Spec {
@@ -286,6 +289,7 @@ mod tests {
             "/usr/lib/tessera/libtessera_interpose.so"
         ));
         assert!(ro("/var/lib/tessera/identity/a1.ff", "/etc/tessera/tenant"));
+        assert!(ro("/run/tessera/tenant", "/run/tessera"));
         assert!(
             s.container_edits
                 .env

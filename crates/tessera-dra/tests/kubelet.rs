@@ -403,6 +403,12 @@ async fn two_fractions_share_a_gpu_a_whole_gpu_and_idempotent_restart_safe_prepa
         std::fs::read(&lib.host_path).unwrap(),
         std::fs::read(artifact("libtessera_interpose.so")).unwrap()
     );
+    let sock = mount("/run/tessera");
+    assert_eq!(
+        Path::new(&sock.host_path),
+        node.spec.socket.parent().unwrap()
+    );
+    assert_eq!(sock.options[0], "ro");
     let ident = mount("/etc/tessera/tenant");
     assert_eq!(ident.options[0], "ro");
     let id = Identity::parse(&std::fs::read_to_string(&ident.host_path).unwrap()).unwrap();
