@@ -738,3 +738,75 @@ async fn the_cdi_spec_alone_gives_a_container_its_limit() {
     let out = grab(&bare);
     assert!(out.contains("holds 30 GiB"), "{out}");
 }
+
+/// The `N%` in tenant's `... (N% of the GPU)` line.
+fn gpu_percent(out: &str) -> f64 {
+    out.lines()
+        .find_map(|l| {
+            let rest = l.split(" s (").nth(1)?;
+            rest.strip_suffix("% of the GPU)")?.parse().ok()
+        })
+        .unwrap_or_else(|| panic!("no GPU time line in:\n{out}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_prepared_claims_split_the_gpu_by_their_shares() {
+    let mut node = Node::start_with(true);
+    let (a, b) = ("uid-split030", "uid-split070");
+    node.api
+        .put_claim(claim("a", a, "gpu-0", Some(("30", "20Gi"))));
+    node.api
+        .put_claim(claim("b", b, "gpu-0", Some(("70", "40Gi"))));
+    node.start_plugin_with(&[
+        "--container-lib-path",
+        "/opt/tessera/libtessera_interpose.so",
+    ]);
+    let mut k = node.kubelet_register().await;
+    let r = prepare(&mut k, &[kclaim("a", a), kclaim("b", b)]).await;
+    assert_eq!((r[a].error.as_str(), r[b].error.as_str()), ("", ""));
+    let sim_env: Vec<(&str, String)> = node
+        .sim
+        .vars()
+        .into_iter()
+        .map(|(k, v)| (k, v.to_string_lossy().into_owned()))
+        .collect();
+    let (tenant, target) = (artifact("tenant"), target_dir());
+    let roots = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    // Both at once, each through its own claim's CDI spec only.
+    let children: Vec<_> = [a, b]
+        .iter()
+        .zip(&roots)
+        .map(|(uid, root)| {
+            container_command(
+                &cdi_edits(&read_spec(&node, uid)),
+                root.path(),
+                &[&target, node.dir.path()],
+                &sim_env,
+                &tenant,
+                &["--grab-gib", "1", "--seconds", "3", "--kernel-us", "2000"],
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+        })
+        .collect();
+    let outs: Vec<String> = tokio::task::block_in_place(|| {
+        children
+            .into_iter()
+            .map(|c| {
+                let o = c.wait_with_output().unwrap();
+                format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&o.stdout),
+                    String::from_utf8_lossy(&o.stderr)
+                )
+            })
+            .collect()
+    });
+    let (pa, pb) = (gpu_percent(&outs[0]), gpu_percent(&outs[1]));
+    eprintln!("GPU time: claim a (30 shares) {pa:.0}%, claim b (70 shares) {pb:.0}%");
+    // The split itself is measured (docs/kubernetes.md); here only its direction is checked,
+    // with room for a noisy machine.
+    assert!(pb > pa * 1.3, "a: {outs:?}");
+}
