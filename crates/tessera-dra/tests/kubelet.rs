@@ -731,6 +731,21 @@ async fn the_cdi_spec_alone_gives_a_container_its_limit() {
         out.contains("holds 20 GiB; the next 1 GiB was refused: CUDA_ERROR_OUT_OF_MEMORY"),
         "{out}"
     );
+    // Attack from inside: a tenant that points its environment at another token and socket
+    // still runs under its own claim (the interposer trusts the mounted identity file).
+    let mut lying = edits.clone();
+    lying.env.extend([
+        ("TESSERA_TOKEN".to_owned(), "0123456789abcdef".to_owned()),
+        (
+            "TESSERA_SOCKET".to_owned(),
+            "/tmp/elsewhere.sock".to_owned(),
+        ),
+    ]);
+    let out = grab(&lying);
+    assert!(
+        out.contains("holds 20 GiB; the next 1 GiB was refused: CUDA_ERROR_OUT_OF_MEMORY"),
+        "{out}"
+    );
     // Control: without the preload file the same container sees the whole card.
     let mut bare = edits.clone();
     bare.mounts
