@@ -81,6 +81,10 @@ pub enum ClaimError {
         /// The API server's.
         found: String,
     },
+    /// A namespace, name or uid that is not of the form Kubernetes gives them (they become
+    /// file names and URL paths here).
+    #[error("claim reference {0:?} is not a Kubernetes name or uid")]
+    BadRef(String),
     /// No allocation yet.
     #[error("claim is not allocated (no status.allocation)")]
     NotAllocated,
@@ -130,6 +134,23 @@ pub enum ClaimError {
     /// More than one fraction, or a fraction beside whole GPUs.
     #[error("a claim may hold one GPU fraction or whole GPUs, not {0} results with a fraction")]
     MixedResults(usize),
+}
+
+/// Checks the kubelet's `(namespace, name, uid)`: lower-case DNS characters only (names are
+/// DNS subdomains, uids UUIDs), at most 253 bytes, so none can leave a folder or a URL path.
+pub fn check_ref(namespace: &str, name: &str, uid: &str) -> Result<(), ClaimError> {
+    for part in [namespace, name, uid] {
+        let ok = !part.is_empty()
+            && part.len() <= 253
+            && !part.starts_with('.')
+            && part
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.');
+        if !ok {
+            return Err(ClaimError::BadRef(part.to_owned()));
+        }
+    }
+    Ok(())
 }
 
 /// The allocations `claim` (as read from the API server) needs on this node: its results for
@@ -353,6 +374,24 @@ mod tests {
                 .unwrap()
                 .is_empty()
         );
+    }
+
+    #[test]
+    fn claim_references_cannot_leave_their_folder_or_path() {
+        assert!(check_ref("team-a", "train.0", "3f2a-11").is_ok());
+        for (ns, name, uid) in [
+            ("team-a", "x", "../../etc/passwd"),
+            ("team-a", "x/y", "u"),
+            ("a?b=c", "x", "u"),
+            ("team-a", "x", ""),
+            ("team-a", "..", "u"),
+            ("Team", "x", "u"),
+        ] {
+            assert!(
+                matches!(check_ref(ns, name, uid), Err(ClaimError::BadRef(_))),
+                "{ns} {name} {uid}"
+            );
+        }
     }
 
     #[test]

@@ -62,6 +62,7 @@ impl DraService {
 
     /// Prepares one claim; the error is the per-claim message the kubelet shows.
     async fn prepare_one(&self, c: &Claim) -> Result<Vec<PreparedDevice>, String> {
+        claim::check_ref(&c.namespace, &c.name, &c.uid).map_err(|e| format!("{DRIVER}: {e}"))?;
         let obj = self
             .api
             .get_claim(&c.namespace, &c.name)
@@ -153,10 +154,15 @@ impl DraPlugin for DraService {
         let mut claims = HashMap::new();
         for c in req.into_inner().claims {
             let (uid, settings) = (c.uid.clone(), self.settings.clone());
-            let res = blocking(self.admin_socket.clone(), move |a| {
-                prepare::unprepare(a, &uid, &settings)
-            })
-            .await;
+            let res = match claim::check_ref(&c.namespace, &c.name, &c.uid) {
+                Err(e) => Err(format!("{DRIVER}: {e}")),
+                Ok(()) => {
+                    blocking(self.admin_socket.clone(), move |a| {
+                        prepare::unprepare(a, &uid, &settings)
+                    })
+                    .await
+                }
+            };
             let error = match res {
                 Ok(n) => {
                     tracing::info!(

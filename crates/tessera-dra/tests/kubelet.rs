@@ -524,6 +524,8 @@ async fn refusals_are_per_claim_and_create_nothing() {
         kclaim("not-here", "uid-gpu90000"),
         kclaim("elsewhere", "uid-pool0000"),
         kclaim("missing", "uid-none0000"),
+        // A uid that would name a file outside the CDI folder.
+        kclaim("evil", "../../etc/x"),
     ];
     let r = prepare(&mut k, &claims).await;
     assert_eq!(r[good].error, "");
