@@ -4,6 +4,11 @@
 //! exactly, so an unknown or misspelled field (which serde would drop) fails. Plus what a
 //! schema cannot check: the classes the examples name exist, capacity requests are on the
 //! steps the slice publishes, and the DaemonSet's flags point at the kubelet's folders.
+//!
+//! The same manifests, and the ResourceSlice the plugin publishes, are also checked against
+//! the upstream OpenAPI schemas of Kubernetes 1.34 and 1.37 by `kubernetes-validate --strict`
+//! (PyPI, in `.ci/requirements.txt`; run by the Python of `tessera_testkit::python`, and the
+//! test fails, never skips, without it).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -171,5 +176,73 @@ fn dra_manifests_round_trip_and_name_what_exists() {
     ] {
         assert!(cmd.contains(&format!("{flag}{path}")), "{cmd}");
         assert!(mounts.contains(&path), "{path} not mounted: {mounts:?}");
+    }
+}
+
+#[test]
+fn manifests_and_the_published_slice_pass_the_upstream_schemas_of_1_34_and_1_37() {
+    use tessera_dra::slices::{self, GpuAttrs};
+    let python = tessera_testkit::python();
+    let has = std::process::Command::new(&python)
+        .args(["-c", "import kubernetes_validate"])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(
+        has,
+        "{} lacks kubernetes-validate: pip install -r .ci/requirements.txt",
+        python.display()
+    );
+    let gpu = |index: u32, unhealthy: Option<&str>| GpuAttrs {
+        index,
+        uuid: format!("GPU-{index}0000000-0000-0000-0000-000000000000"),
+        product_name: "NVIDIA H100 80GB HBM3".into(),
+        memory_total: 81559 << 20,
+        compute_capability: (9, 0),
+        driver_version: "570.124.06".into(),
+        pci_bus_id: format!("0000:{:02x}:00.0", index + 1),
+        numa_node: Some(0),
+        unhealthy: unhealthy.map(str::to_owned),
+    };
+    let slice = slices::slice(
+        "node-a",
+        &[gpu(0, None), gpu(1, Some("XID 79"))],
+        1 << 30,
+        3,
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let slice_file = tmp.path().join("slice.json");
+    std::fs::write(&slice_file, serde_json::to_vec(&slice).unwrap()).unwrap();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dra_dir())
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().and_then(|e| e.to_str()) == Some("yaml"))
+        .collect();
+    files.sort();
+    files.push(slice_file);
+    for version in ["1.34.0", "1.37.0"] {
+        let out = std::process::Command::new(&python)
+            .args(["-m", "kubernetes_validate", "--strict", "-k", version])
+            .args(&files)
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success(),
+            "kubernetes-validate {version}:\n{text}"
+        );
+        assert!(
+            text.contains("resourceslice/node-a-gpu.tessera.dev"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("ERROR") && !text.contains("WARN"),
+            "{version}:\n{text}"
+        );
     }
 }
