@@ -36,7 +36,7 @@ pub const OWNER_DRA: &str = "dra";
 /// The claim's uid.
 pub const LABEL_CLAIM_UID: &str = "tessera.dev/claim-uid";
 /// `namespace/name` of the claim (what `tessera status` shows).
-pub const LABEL_CLAIM: &str = "tessera.dev/claim";
+pub use tessera_protocol::LABEL_CLAIM;
 /// The result's index in the claim's results for this driver.
 pub const LABEL_RESULT: &str = "tessera.dev/claim-result";
 

@@ -263,6 +263,9 @@ pub const LABEL_NAMESPACE: &str = "tessera.dev/namespace";
 pub const LABEL_POD: &str = "tessera.dev/pod";
 /// Allocation label naming the container (metric label `container`).
 pub const LABEL_CONTAINER: &str = "tessera.dev/container";
+/// Allocation label naming the DRA claim it serves, `namespace/name` (written by the DRA
+/// plugin; `tessera status` shows it).
+pub const LABEL_CLAIM: &str = "tessera.dev/claim";
 
 /// Most labels one allocation keeps, and the longest key and value (bytes). Labels travel in
 /// every admin `List` reply and become metric labels, so they stay small.
