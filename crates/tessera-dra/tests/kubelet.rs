@@ -3,7 +3,7 @@
 //! JSON) drive the real `tessera-dra` binary, with the real `tessera-arbiter` behind it on
 //! the simulated GPUs (`2x80GiB`).
 //!
-//! Needs the built artifacts next to the test executable: `cargo build -p tessera-arbiter
+//! Needs the built artifacts next to the test executable: `cargo build -p tessera-arbiter -p tessera-cli
 //! -p tessera-sim-nvml -p tessera-sim-cuda -p tessera-interpose -p tessera-dra`.
 
 use std::collections::BTreeSet;
@@ -366,6 +366,24 @@ async fn two_fractions_share_a_gpu_a_whole_gpu_and_idempotent_restart_safe_prepa
     assert_eq!(
         node.claim_allocations(a)[0].labels[LABEL_CLAIM],
         "team-a/train-a"
+    );
+    // `tessera status` names the claim each allocation serves.
+    let out = Command::new(artifact("tessera"))
+        .args(["status", "--json", "--admin-socket"])
+        .arg(&node.spec.admin_socket)
+        .output()
+        .unwrap();
+    let status: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let named: BTreeSet<&str> = status["gpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|g| g["allocations"].as_array().unwrap())
+        .filter_map(|x| x["claim"].as_str())
+        .collect();
+    assert_eq!(
+        named,
+        BTreeSet::from(["team-a/train-a", "team-a/train-b", "team-a/whole"])
     );
 
     // The fraction's CDI spec: preload and interposer read-only, the identity file with the
