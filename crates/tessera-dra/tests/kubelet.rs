@@ -3,8 +3,10 @@
 //! JSON) drive the real `tessera-dra` binary, with the real `tessera-arbiter` behind it on
 //! the simulated GPUs (`2x80GiB`).
 //!
-//! Needs the built artifacts next to the test executable: `cargo build -p tessera-arbiter -p tessera-cli
-//! -p tessera-sim-nvml -p tessera-sim-cuda -p tessera-interpose -p tessera-dra`.
+//! Needs the built artifacts next to the test executable: `cargo build -p tessera-arbiter
+//! -p tessera-cli -p tessera-sim-nvml -p tessera-sim-cuda -p tessera-interpose
+//! -p tessera-examples -p tessera-dra`. The container tests need root and `unshare`, as the
+//! device plugin's do; they fail, never skip, without.
 
 use std::collections::BTreeSet;
 use std::future::Future;
