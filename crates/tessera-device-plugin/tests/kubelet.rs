@@ -1044,12 +1044,7 @@ async fn a_container_gets_the_interposer_and_its_limit() {
 
     let hello = artifact("hello_gpu");
     let target = target_dir();
-    let sim_env: Vec<(&str, String)> = node
-        .sim
-        .vars()
-        .into_iter()
-        .map(|(k, v)| (k, v.to_string_lossy().into_owned()))
-        .collect();
+    let sim_env = node.sim.var_strings();
     let root = tempfile::tempdir().unwrap();
     let out = tokio::task::block_in_place(|| {
         run_in_container(
@@ -1136,11 +1131,7 @@ fn arbiter_log_with(node: &Node, needle: &str) -> String {
 
 /// The simulated machine's variables as strings, for a container's environment.
 fn sim_env(node: &Node) -> Vec<(&'static str, String)> {
-    node.sim
-        .vars()
-        .into_iter()
-        .map(|(k, v)| (k, v.to_string_lossy().into_owned()))
-        .collect()
+    node.sim.var_strings()
 }
 
 /// Allocates `n` units of GPU 0 for pod `pod` through the plugin.

@@ -117,22 +117,6 @@ fn config(a: Args) -> Result<(Config, tessera_log::LogFormat), String> {
     ))
 }
 
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-    tracing::info!("shutting down");
-}
-
 fn exit_code(e: &PluginError) -> u8 {
     match e {
         PluginError::Config(_) | PluginError::Api(_) => 2,
@@ -165,7 +149,10 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match rt.block_on(tessera_dra::run(cfg, shutdown_signal())) {
+    match rt.block_on(tessera_dra::run(
+        cfg,
+        tessera_device_plugin::plugin::shutdown_signal(),
+    )) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e}");

@@ -713,12 +713,7 @@ async fn the_cdi_spec_alone_gives_a_container_its_limit() {
         ""
     );
     let edits = cdi_edits(&read_spec(&node, uid));
-    let sim_env: Vec<(&str, String)> = node
-        .sim
-        .vars()
-        .into_iter()
-        .map(|(k, v)| (k, v.to_string_lossy().into_owned()))
-        .collect();
+    let sim_env = node.sim.var_strings();
     let tenant = artifact("tenant");
     let target = target_dir();
     // `tenant` takes 1 GiB blocks until refused (or 30 are held).
@@ -801,12 +796,7 @@ async fn two_prepared_claims_split_the_gpu_by_their_shares() {
     let mut k = node.kubelet_register().await;
     let r = prepare(&mut k, &[kclaim("a", a), kclaim("b", b)]).await;
     assert_eq!((r[a].error.as_str(), r[b].error.as_str()), ("", ""));
-    let sim_env: Vec<(&str, String)> = node
-        .sim
-        .vars()
-        .into_iter()
-        .map(|(k, v)| (k, v.to_string_lossy().into_owned()))
-        .collect();
+    let sim_env = node.sim.var_strings();
     let (tenant, target) = (artifact("tenant"), target_dir());
     let roots = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
     // Both at once, each through its own claim's CDI spec only.
