@@ -3,10 +3,11 @@
 //! The JSON (`--json`) is a stable interface, documented in docs/arbiter.md:
 //! `{"gpus": [{index, uuid, name, memory_total, memory_promised, shares_promised,
 //! allocations: [{id, memory_limit, memory_used, processes, share, cap, gpu_time_10s_ns,
-//! gpu_percent_10s, labels, pod, created_unix, enforced, owner_pid, orphaned}]}], "unplaced": [...]}`,
-//! where `unplaced`
+//! gpu_percent_10s, labels, pod, claim, created_unix, enforced, owner_pid, orphaned}]}],
+//! "unplaced": [...]}`, where `unplaced`
 //! lists allocations whose GPU is not on the node any more (same fields plus `gpu_uuid`), and
-//! `pod` is `namespace/pod/container` from the labels the device plugin writes (or null).
+//! `pod` is `namespace/pod/container` from the labels the device plugin writes (or null), and
+//! `claim` the DRA claim's `namespace/name` from the DRA plugin's label (or null).
 //!
 //! `--watch [SECONDS]` redraws the table in place every SECONDS (2 by default) until Ctrl-C or
 //! SIGTERM, with GPU use as a percentage of the GPU over the last 10 s.
@@ -20,7 +21,9 @@ use std::time::Duration;
 
 use serde::Serialize;
 use tessera_protocol::client::{AdminClient, ClientError};
-use tessera_protocol::{AllocationStatus, GpuInfo, LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD};
+use tessera_protocol::{
+    AllocationStatus, GpuInfo, LABEL_CLAIM, LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD,
+};
 
 use crate::CliError;
 use crate::run::DEFAULT_ADMIN_SOCKET;
@@ -69,6 +72,8 @@ pub struct AllocationJson {
     pub labels: BTreeMap<String, String>,
     /// `namespace/pod/container` when the device plugin has named it.
     pub pod: Option<String>,
+    /// `namespace/name` of the DRA claim it serves.
+    pub claim: Option<String>,
     /// Creation time, Unix seconds.
     pub created_unix: u64,
     /// Processes the arbiter's memory backstop killed or reported.
@@ -132,6 +137,7 @@ fn alloc_json(a: &AllocationStatus, with_gpu: bool) -> AllocationJson {
         gpu_percent_10s: (a.gpu_time_10s_ns as f64 / WINDOW_NS * 1000.0).round() / 10.0,
         labels: a.labels.clone(),
         pod: pod_name(&a.labels),
+        claim: a.labels.get(LABEL_CLAIM).filter(|c| !c.is_empty()).cloned(),
         created_unix: a.created_unix,
         enforced: a.enforced,
         owner_pid: a.owner.map(|o| o.pid),
@@ -320,11 +326,14 @@ pub fn table_with(s: &StatusJson, time: TimeColumn) -> String {
     out
 }
 
-/// An allocation's row, and under it the pod it serves when known.
+/// An allocation's row, and under it the pod (or DRA claim) it serves when known.
 fn alloc_rows(out: &mut String, cols: &[usize], a: &AllocationJson, time: TimeColumn) {
     row(out, cols, &alloc_cells(a, time));
     if let Some(pod) = &a.pod {
         line(out, &fit(&format!("  pod {pod}"), WIDTH - 4));
+    }
+    if let Some(claim) = &a.claim {
+        line(out, &fit(&format!("  claim {claim}"), WIDTH - 4));
     }
 }
 
@@ -504,6 +513,22 @@ mod tests {
         let t = table(&build(&[gpu(0)], &[a]));
         assert!(t.contains("x-end/main |"), "{t}");
         assert!(t.lines().all(|l| l.chars().count() == WIDTH), "{t}");
+    }
+
+    #[test]
+    fn dra_claims_are_named_from_their_label() {
+        let mut a = alloc("a1b2c3d4", "GPU-0", 30);
+        a.labels
+            .insert(LABEL_CLAIM.to_string(), "team-a/train".to_string());
+        let s = build(&[gpu(0)], std::slice::from_ref(&a));
+        assert_eq!(
+            s.gpus[0].allocations[0].claim.as_deref(),
+            Some("team-a/train")
+        );
+        let t = table(&s);
+        assert!(t.contains("claim team-a/train"), "{t}");
+        let none = build(&[gpu(0)], &[alloc("a1b2c3d4", "GPU-0", 30)]);
+        assert_eq!(none.gpus[0].allocations[0].claim, None);
     }
 
     #[test]

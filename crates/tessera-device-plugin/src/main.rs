@@ -166,22 +166,6 @@ impl MainError {
     }
 }
 
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-    tracing::info!("shutting down");
-}
-
 fn main() -> ExitCode {
     match run(Args::parse()) {
         Ok(()) => ExitCode::SUCCESS,
@@ -210,6 +194,9 @@ fn run(args: Args) -> Result<(), MainError> {
         .enable_all()
         .build()
         .map_err(MainError::Runtime)?
-        .block_on(tessera_device_plugin::run(cfg, shutdown_signal()))?;
+        .block_on(tessera_device_plugin::run(
+            cfg,
+            tessera_device_plugin::plugin::shutdown_signal(),
+        ))?;
     Ok(())
 }

@@ -468,6 +468,24 @@ fn resolve(path: &Path) -> PathBuf {
     out
 }
 
+/// Completes on SIGTERM or SIGINT (the kubelet's pod shutdown, or Ctrl-C); shared by the
+/// plugins' binaries.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+    tracing::info!("shutting down");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -37,6 +37,7 @@ use tessera_device_plugin::proto::podresources::{
 };
 use tessera_protocol::client::{AdminClient, TenantClient};
 use tessera_protocol::{AllocationStatus, GpuInfo, LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD};
+use tessera_testkit::container::{self, Bind, Edits};
 use tessera_testkit::{ArbiterSpec, KillOnDrop, RunningArbiter, SimGpu, artifact, target_dir};
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, watch};
@@ -995,11 +996,27 @@ async fn bad_flags_and_missing_interposer_exit_with_documented_codes() {
     );
 }
 
-/// Runs `program` the way a container runtime would start it from an `Allocate` answer: in a
-/// private mount namespace and a chroot whose `/usr` is the host's, with the answer's mounts
-/// bound (read-only where asked) at their container paths and only the answer's environment
-/// plus `env`. `shared` paths are bound at the same place (the built binaries, the simulated
-/// machine's state). Needs root, as the kubelet's runtime does.
+/// An `Allocate` answer as the container edits a runtime applies.
+fn edits(resp: &ContainerAllocateResponse) -> Edits {
+    Edits {
+        mounts: resp
+            .mounts
+            .iter()
+            .map(|m| Bind {
+                host: m.host_path.clone().into(),
+                container: m.container_path.clone().into(),
+                read_only: m.read_only,
+            })
+            .collect(),
+        env: resp
+            .envs
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+    }
+}
+
+/// [`tessera_testkit::container::run_in_container`] for an `Allocate` answer.
 fn run_in_container(
     resp: &ContainerAllocateResponse,
     root: &Path,
@@ -1007,13 +1024,10 @@ fn run_in_container(
     env: &[(&str, String)],
     program: &Path,
 ) -> std::process::Output {
-    container_command(resp, root, shared, env, program, &[])
-        .output()
-        .expect("unshare (util-linux) is needed to emulate a container")
+    container::run_in_container(&edits(resp), root, shared, env, program)
 }
 
-/// The command [`run_in_container`] runs (with `args` for the program); the container's
-/// process is the command's own pid (every step execs).
+/// [`tessera_testkit::container::container_command`] for an `Allocate` answer.
 fn container_command(
     resp: &ContainerAllocateResponse,
     root: &Path,
@@ -1022,74 +1036,7 @@ fn container_command(
     program: &Path,
     args: &[&str],
 ) -> Command {
-    // Paths go into a shell script unquoted: allow only plain characters.
-    let safe = |p: &Path| {
-        let t = p.display().to_string();
-        assert!(
-            t.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"/._-,".contains(&b)),
-            "unexpected characters in {t}"
-        );
-        t
-    };
-    let r = safe(root);
-    let mut s = String::from("set -e\n");
-    s += &format!("mkdir -p {r}/usr {r}/proc {r}/dev {r}/etc {r}/tmp\n");
-    for link in ["lib", "lib64", "bin", "sbin"] {
-        let host = Path::new("/").join(link);
-        match std::fs::read_link(&host) {
-            Ok(target) => s += &format!("ln -s {} {r}/{link}\n", safe(&target)),
-            Err(_) if host.is_dir() => {
-                s += &format!("mkdir -p {r}/{link}\nmount --rbind /{link} {r}/{link}\n")
-            }
-            Err(_) => {}
-        }
-    }
-    s += &format!(
-        "mount --rbind /usr {r}/usr\nmount --rbind /proc {r}/proc\nmount --rbind /dev {r}/dev\n"
-    );
-    s += &format!("cp /etc/ld.so.cache {r}/etc/ 2>/dev/null || true\n");
-    for p in shared {
-        let p = safe(p);
-        s += &format!("mkdir -p {r}{p}\nmount --bind {p} {r}{p}\n");
-    }
-    for m in &resp.mounts {
-        let host = Path::new(&m.host_path);
-        let (h, c) = (safe(host), safe(Path::new(&m.container_path)));
-        assert!(
-            !c.starts_with("/usr/"),
-            "{c}: this emulation shares the host's /usr"
-        );
-        if host.is_dir() {
-            s += &format!("mkdir -p {r}{c}\n");
-        } else {
-            let parent = safe(Path::new(&m.container_path).parent().unwrap());
-            s += &format!("mkdir -p {r}{parent}\ntouch {r}{c}\n");
-        }
-        s += &format!("mount --bind {h} {r}{c}\n");
-        if m.read_only {
-            s += &format!("mount -o remount,bind,ro {r}{c}\n");
-        }
-    }
-    let mut vars: Vec<String> = resp
-        .envs
-        .iter()
-        .map(|(k, v)| format!("{k}={}", safe(Path::new(v))))
-        .collect();
-    vars.extend(
-        env.iter()
-            .map(|(k, v)| format!("{k}={}", safe(Path::new(v)))),
-    );
-    let args: Vec<String> = args.iter().map(|a| safe(Path::new(a))).collect();
-    s += &format!(
-        "exec chroot {r} /usr/bin/env -i {} {} {}\n",
-        vars.join(" "),
-        safe(program),
-        args.join(" ")
-    );
-    let mut cmd = Command::new("unshare");
-    cmd.args(["--mount", "--propagation", "private", "sh", "-c", &s]);
-    cmd
+    container::container_command(&edits(resp), root, shared, env, program, args)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1103,12 +1050,7 @@ async fn a_container_gets_the_interposer_and_its_limit() {
 
     let hello = artifact("hello_gpu");
     let target = target_dir();
-    let sim_env: Vec<(&str, String)> = node
-        .sim
-        .vars()
-        .into_iter()
-        .map(|(k, v)| (k, v.to_string_lossy().into_owned()))
-        .collect();
+    let sim_env = node.sim.var_strings();
     let root = tempfile::tempdir().unwrap();
     let out = tokio::task::block_in_place(|| {
         run_in_container(
@@ -1195,11 +1137,7 @@ fn arbiter_log_with(node: &Node, needle: &str) -> String {
 
 /// The simulated machine's variables as strings, for a container's environment.
 fn sim_env(node: &Node) -> Vec<(&'static str, String)> {
-    node.sim
-        .vars()
-        .into_iter()
-        .map(|(k, v)| (k, v.to_string_lossy().into_owned()))
-        .collect()
+    node.sim.var_strings()
 }
 
 /// Allocates `n` units of GPU 0 for pod `pod` through the plugin.

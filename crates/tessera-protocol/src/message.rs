@@ -304,6 +304,10 @@ pub const LABEL_CONTAINER: &str = "tessera.dev/container";
 /// others. Only the admin API sets labels, so a tenant cannot join a group.
 pub const LABEL_WHOLE_GROUP: &str = "tessera.dev/whole-group";
 
+/// Allocation label naming the DRA claim it serves, `namespace/name` (written by the DRA
+/// plugin; `tessera status` shows it).
+pub const LABEL_CLAIM: &str = "tessera.dev/claim";
+
 /// Most labels one allocation keeps, and the longest key and value (bytes). Labels travel in
 /// every admin `List` reply and become metric labels, so they stay small.
 pub const MAX_LABELS: usize = 32;

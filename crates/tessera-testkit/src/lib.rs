@@ -4,8 +4,12 @@
 //! Modules:
 //! - [`artifacts`]: the cargo profile folder next to the running test (`<target>/debug/`) and
 //!   the built binaries and libraries in it, with a clear message when one is missing.
+//! - [`container`]: a container emulated with `unshare` and `chroot` from container edits
+//!   (mounts, environment), for `Allocate` answers and CDI specs alike.
 //! - [`python`]: the Python with `cuda-bindings` used by real-client tests.
 //! - [`sim`]: a simulated GPU in a temp folder (its `lib/` of driver links and its environment).
+//! - [`apiserver`]: a stand-in Kubernetes API server (HTTP + JSON) for ResourceSlices and
+//!   ResourceClaims, with the upstream slice validation rules the schema leaves out.
 //! - [`arbiter`]: the real `tessera-arbiter` on a simulated GPU, with temp sockets and state,
 //!   waited for until it serves.
 //! - [`process`]: kill-on-drop children, exit codes, polling with a timeout.
@@ -19,8 +23,10 @@
 //! Helpers panic with a message naming what is missing: they run inside tests, where a panic
 //! is the failure report.
 
+pub mod apiserver;
 pub mod arbiter;
 pub mod artifacts;
+pub mod container;
 pub mod flood;
 pub mod process;
 pub mod prometheus;
@@ -28,6 +34,7 @@ pub mod python;
 pub mod sim;
 pub mod trap;
 
+pub use apiserver::FakeApiServer;
 pub use arbiter::{ArbiterSpec, RunningArbiter, allocation};
 pub use artifacts::{artifact, artifact_with_hint, target_dir};
 pub use process::{KillOnDrop, code, wait_until};

@@ -59,6 +59,14 @@ impl SimGpu {
         ]
     }
 
+    /// [`SimGpu::vars`] as strings (for environments written out, as a container's).
+    pub fn var_strings(&self) -> Vec<(&'static str, String)> {
+        self.vars()
+            .into_iter()
+            .map(|(k, v)| (k, v.to_string_lossy().into_owned()))
+            .collect()
+    }
+
     /// Context memory in bytes, as the simulated driver charges it.
     pub fn context_bytes(&self) -> u64 {
         tessera_sim_state::parse_context_memory(&self.context_memory)

@@ -1,0 +1,37 @@
+//! Tessera's DRA kubelet plugin for driver `gpu.tessera.dev`: the scheduler places GPU
+//! fractions by consumable capacity (`shares`, `memory`), and this plugin turns each prepared
+//! claim into an arbiter allocation with exactly that share and memory limit, enforced by the
+//! interposer and the backstop.
+//!
+//! It shares the device plugin's arbiter client, identity files, interposer installation and
+//! GPU health watcher (`tessera_device_plugin::{arbiter, identity, install, health}`).
+//!
+//! Modules:
+//! - [`proto`]: generated gRPC code for the kubelet's `dra/v1` and `pluginregistration/v1`.
+//! - [`quantity`]: exact parsing of Kubernetes quantities.
+//! - [`claim`]: pure rules: a ResourceClaim's allocation results to planned allocations.
+//! - [`slices`]: pure rules: this node's ResourceSlice (devices, capacities, attributes).
+//! - [`cdi`]: the per-claim CDI spec (interposer, preload, identity, visible devices).
+//! - [`prepare`]: prepare / unprepare over the arbiter, idempotent, the arbiter's labels as
+//!   checkpoint.
+//! - [`apiserver`]: the HTTP + JSON client for ResourceClaims and ResourceSlices.
+//! - [`inventory`]: the node's GPUs and their attributes from NVML and sysfs.
+//! - [`publish`]: keeps the node's ResourceSlice current; removes it on shutdown.
+//! - [`service`]: the `DRAPlugin` and `Registration` gRPC services.
+//! - [`plugin`]: configuration and life cycle.
+
+#![forbid(unsafe_code)]
+
+pub mod apiserver;
+pub mod cdi;
+pub mod claim;
+pub mod inventory;
+pub mod plugin;
+pub mod prepare;
+pub mod proto;
+pub mod publish;
+pub mod quantity;
+pub mod service;
+pub mod slices;
+
+pub use plugin::{Config, PluginError, run};

@@ -1,0 +1,162 @@
+//! `tessera-dra`: the DRA kubelet plugin for driver `gpu.tessera.dev`.
+//!
+//! Exit codes: 0 stopped by SIGTERM/SIGINT; 1 unexpected failure; 2 bad flags; 3 the
+//! interposer could not be found or installed; 5 the GPUs could not be read through NVML.
+
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use tessera_dra::{Config, PluginError};
+
+/// DRA kubelet plugin for gpu.tessera.dev: enforced GPU fractions.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// This node's name (the downward API's spec.nodeName).
+    #[arg(long, env = "NODE_NAME")]
+    node_name: String,
+    /// The kubelet's plugin registration folder.
+    #[arg(long, default_value = "/var/lib/kubelet/plugins_registry")]
+    registry_dir: PathBuf,
+    /// Folder of this plugin's socket.
+    #[arg(long, default_value = "/var/lib/kubelet/plugins/gpu.tessera.dev")]
+    plugin_dir: PathBuf,
+    /// Folder of CDI specs the container runtime reads.
+    #[arg(long, default_value = "/var/run/cdi")]
+    cdi_dir: PathBuf,
+    /// API server URL: plain HTTP (a kubectl proxy sidecar; TLS is not implemented).
+    #[arg(long, default_value = "http://127.0.0.1:8001")]
+    api_server: String,
+    /// Bearer token file sent to the API server.
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// Log format: `text` or `json`.
+    #[arg(long, env = "TESSERA_LOG_FORMAT", default_value = "text")]
+    log_format: tessera_log::LogFormat,
+    /// The arbiter's admin socket.
+    #[arg(
+        long,
+        env = "TESSERA_ADMIN_SOCKET",
+        default_value = "/run/tessera/admin.sock"
+    )]
+    admin_socket: PathBuf,
+    /// The arbiter's tenant socket on the host; its folder is mounted into containers.
+    #[arg(long, default_value = "/run/tessera/tenant/tessera.sock")]
+    tenant_socket: PathBuf,
+    /// Where the tenant socket's folder appears inside containers.
+    #[arg(long, default_value = "/run/tessera")]
+    container_socket_dir: PathBuf,
+    /// Host folder for the versioned interposer copies.
+    #[arg(long, default_value = "/var/lib/tessera/lib")]
+    host_lib_dir: PathBuf,
+    /// Host folder of the identity files.
+    #[arg(long, default_value = "/var/lib/tessera/identity")]
+    host_identity_dir: PathBuf,
+    /// The interposer library to install (default: next to this executable).
+    #[arg(long)]
+    interposer: Option<PathBuf>,
+    /// Path of the interposer inside containers.
+    #[arg(long, default_value = "/usr/lib/tessera/libtessera_interpose.so")]
+    container_lib_path: PathBuf,
+    /// NVML library to load.
+    #[arg(long, env = "TESSERA_NVML_LIB", default_value = "libnvidia-ml.so.1")]
+    nvml_lib: PathBuf,
+    /// sysfs root (NUMA nodes of the GPUs).
+    #[arg(long, default_value = "/sys")]
+    sysfs: PathBuf,
+    /// Memory limit, MiB, of a fraction whose claim names no memory (a multiple of 256).
+    #[arg(long, default_value_t = 1024)]
+    default_memory_mib: u64,
+    /// CDI kind of the node's NVIDIA spec (`nvidia-ctk cdi generate
+    /// --device-name-strategy=uuid`).
+    #[arg(long, default_value = "nvidia.com/gpu")]
+    nvidia_cdi_kind: String,
+    /// Milliseconds between GPU health checks.
+    #[arg(long, default_value_t = 500)]
+    poll_ms: u64,
+    /// Seconds between ResourceSlice re-checks.
+    #[arg(long, default_value_t = 30.0)]
+    resync: f64,
+}
+
+fn config(a: Args) -> Result<(Config, tessera_log::LogFormat), String> {
+    let resync = Duration::try_from_secs_f64(a.resync)
+        .map_err(|_| "--resync must be a non-negative number".to_owned())?
+        .max(Duration::from_millis(100));
+    let default_memory = a
+        .default_memory_mib
+        .checked_mul(1 << 20)
+        .ok_or("--default-memory-mib is too large")?;
+    Ok((
+        Config {
+            node_name: a.node_name,
+            registry_dir: a.registry_dir,
+            plugin_dir: a.plugin_dir,
+            cdi_dir: a.cdi_dir,
+            api_url: a.api_server,
+            token_file: a.token_file,
+            admin_socket: a.admin_socket,
+            tenant_socket: a.tenant_socket,
+            container_socket_dir: a.container_socket_dir,
+            host_lib_dir: a.host_lib_dir,
+            interposer: a.interposer,
+            container_lib_path: a.container_lib_path,
+            host_identity_dir: a.host_identity_dir,
+            nvml_lib: a.nvml_lib,
+            sysfs: a.sysfs,
+            default_memory,
+            nvidia_kind: a.nvidia_cdi_kind,
+            poll: Duration::from_millis(a.poll_ms.clamp(10, 10_000)),
+            resync,
+        },
+        a.log_format,
+    ))
+}
+
+fn exit_code(e: &PluginError) -> u8 {
+    match e {
+        PluginError::Config(_) | PluginError::Api(_) => 2,
+        PluginError::Install(_) => 3,
+        PluginError::Inventory(_) => 5,
+        PluginError::Bind { .. } | PluginError::Serve(_) => 1,
+    }
+}
+
+fn main() -> ExitCode {
+    let (cfg, format) = match config(Args::parse()) {
+        Ok(x) => x,
+        Err(e) => {
+            eprintln!("tessera-dra: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Err(e) = tessera_log::init(format) {
+        eprintln!("tessera-dra: {e}");
+        return ExitCode::from(2);
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!("cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(tessera_dra::run(
+        cfg,
+        tessera_device_plugin::plugin::shutdown_signal(),
+    )) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            ExitCode::from(exit_code(&e))
+        }
+    }
+}

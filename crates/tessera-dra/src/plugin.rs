@@ -1,0 +1,265 @@
+//! Configuration and life cycle: install the interposer, read the GPUs, serve the plugin and
+//! registration sockets, keep the ResourceSlice current, and on shutdown remove the slice and
+//! the sockets.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tessera_device_plugin::health::{self, GpuSource};
+use tessera_device_plugin::install::{self, InstallError};
+use tokio::net::UnixListener;
+use tokio::sync::{Mutex, watch};
+use tokio_stream::wrappers::UnixListenerStream;
+
+use crate::apiserver::{ApiClient, ApiError};
+use crate::cdi::Wiring;
+use crate::claim::DRIVER;
+use crate::inventory::{self, InventoryError};
+use crate::prepare::Settings;
+use crate::proto::dra::dra_plugin_server::DraPluginServer;
+use crate::proto::registration::registration_server::RegistrationServer;
+use crate::service::{DraService, RegistrationService};
+use crate::slices::{GpuAttrs, MEMORY_STEP};
+
+/// Everything the plugin needs; every path is a parameter (tests use temp folders).
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// This node's name (the pool, and the slice's `nodeName`).
+    pub node_name: String,
+    /// The kubelet's plugin registration folder (`/var/lib/kubelet/plugins_registry`).
+    pub registry_dir: PathBuf,
+    /// Folder of the plugin socket (`/var/lib/kubelet/plugins/gpu.tessera.dev`).
+    pub plugin_dir: PathBuf,
+    /// Folder of CDI specs the runtime reads (`/var/run/cdi`).
+    pub cdi_dir: PathBuf,
+    /// API server base URL (`http://127.0.0.1:8001`, a kubectl proxy sidecar).
+    pub api_url: String,
+    /// Bearer token file for the API server, if any.
+    pub token_file: Option<PathBuf>,
+    /// The arbiter's admin socket.
+    pub admin_socket: PathBuf,
+    /// The arbiter's tenant socket on the host.
+    pub tenant_socket: PathBuf,
+    /// Where the tenant socket's folder appears in containers.
+    pub container_socket_dir: PathBuf,
+    /// Host folder of the installed interposer copies.
+    pub host_lib_dir: PathBuf,
+    /// The interposer to install (default: next to the executable).
+    pub interposer: Option<PathBuf>,
+    /// The interposer's path in containers.
+    pub container_lib_path: PathBuf,
+    /// Host folder of identity files.
+    pub host_identity_dir: PathBuf,
+    /// NVML library.
+    pub nvml_lib: PathBuf,
+    /// sysfs root (NUMA nodes).
+    pub sysfs: PathBuf,
+    /// Memory of a fraction whose claim names none.
+    pub default_memory: u64,
+    /// CDI kind of the node's NVIDIA spec.
+    pub nvidia_kind: String,
+    /// GPU health poll interval.
+    pub poll: Duration,
+    /// Slice re-check interval.
+    pub resync: Duration,
+}
+
+/// File name of the plugin socket in [`Config::plugin_dir`].
+pub const PLUGIN_SOCKET: &str = "dra.sock";
+
+impl Config {
+    /// The plugin socket.
+    pub fn plugin_socket(&self) -> PathBuf {
+        self.plugin_dir.join(PLUGIN_SOCKET)
+    }
+
+    /// The registration socket (`<registry>/gpu.tessera.dev-reg.sock`).
+    pub fn registration_socket(&self) -> PathBuf {
+        self.registry_dir.join(format!("{DRIVER}-reg.sock"))
+    }
+}
+
+/// Why the plugin stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    /// Bad configuration.
+    #[error("{0}")]
+    Config(String),
+    /// The interposer could not be installed.
+    #[error(transparent)]
+    Install(#[from] InstallError),
+    /// The GPUs could not be read.
+    #[error(transparent)]
+    Inventory(#[from] InventoryError),
+    /// The API server client could not be made.
+    #[error(transparent)]
+    Api(#[from] ApiError),
+    /// A socket could not be bound.
+    #[error("cannot listen on {path}: {source}")]
+    Bind {
+        /// Path.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// A gRPC server failed.
+    #[error("gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+}
+
+fn bind(path: &Path) -> Result<UnixListener, PluginError> {
+    let err = |source| PluginError::Bind {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    let _ = std::fs::remove_file(path);
+    UnixListener::bind(path).map_err(err)
+}
+
+/// Runs until `shutdown`.
+pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), PluginError> {
+    if cfg.default_memory == 0 || !cfg.default_memory.is_multiple_of(MEMORY_STEP) {
+        return Err(PluginError::Config(format!(
+            "--default-memory must be a positive multiple of {MEMORY_STEP} bytes"
+        )));
+    }
+    let api = ApiClient::new(&cfg.api_url, cfg.token_file.clone())?;
+    let src = install::find_interposer(cfg.interposer.as_deref())?;
+    let installed = install::install(
+        &src,
+        &cfg.host_lib_dir,
+        env!("CARGO_PKG_VERSION"),
+        &cfg.container_lib_path,
+    )?;
+    let (lib, sysfs) = (cfg.nvml_lib.clone(), cfg.sysfs.clone());
+    let attrs = tokio::task::spawn_blocking(move || inventory::read(&lib, &sysfs))
+        .await
+        .map_err(|e| PluginError::Config(format!("inventory task: {e}")))??;
+    tracing::info!("{} GPUs on node {}", attrs.len(), cfg.node_name);
+    let gpus = watch_gpus(&cfg, attrs);
+
+    let container_socket = cfg.container_socket_dir.join(
+        cfg.tenant_socket
+            .file_name()
+            .map(PathBuf::from)
+            .unwrap_or_else(|| "tessera.sock".into()),
+    );
+    let settings = Settings {
+        cdi_dir: cfg.cdi_dir.clone(),
+        identity_dir: cfg.host_identity_dir.clone(),
+        wiring: Wiring {
+            host_lib: installed.lib_path,
+            host_preload: installed.preload_path,
+            container_lib: cfg.container_lib_path.clone(),
+            host_socket_dir: cfg
+                .tenant_socket
+                .parent()
+                .unwrap_or(Path::new("/"))
+                .to_path_buf(),
+            container_socket_dir: cfg.container_socket_dir.clone(),
+            container_socket,
+            container_identity: tessera_protocol::identity::CONTAINER_IDENTITY_FILE.into(),
+        },
+        nvidia_kind: cfg.nvidia_kind.clone(),
+    };
+    let dra = DraService {
+        api: api.clone(),
+        admin_socket: cfg.admin_socket.clone(),
+        settings,
+        pool: cfg.node_name.clone(),
+        gpus: gpus.clone(),
+        default_memory: cfg.default_memory,
+        lock: Mutex::new(()),
+    };
+    let (stop_tx, stop) = watch::channel(false);
+    let publisher = tokio::spawn(crate::publish::run(
+        api,
+        cfg.node_name.clone(),
+        gpus,
+        cfg.default_memory,
+        cfg.resync,
+        stop.clone(),
+    ));
+
+    // The plugin socket serves before the registration socket appears, so the kubelet never
+    // finds an endpoint that does not answer.
+    let plugin_sock = cfg.plugin_socket();
+    let plugin_l = bind(&plugin_sock)?;
+    let mut s1 = stop.clone();
+    let plugin_srv = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(DraPluginServer::new(dra))
+            .serve_with_incoming_shutdown(UnixListenerStream::new(plugin_l), async move {
+                let _ = s1.wait_for(|s| *s).await;
+            }),
+    );
+    let reg_sock = cfg.registration_socket();
+    let reg_l = bind(&reg_sock)?;
+    let (status, _) = watch::channel(None);
+    let reg = RegistrationService {
+        endpoint: plugin_sock.clone(),
+        status,
+    };
+    let mut s2 = stop.clone();
+    let reg_srv = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(RegistrationServer::new(reg))
+            .serve_with_incoming_shutdown(UnixListenerStream::new(reg_l), async move {
+                let _ = s2.wait_for(|s| *s).await;
+            }),
+    );
+    tracing::info!(
+        "serving {} (registration {})",
+        plugin_sock.display(),
+        reg_sock.display()
+    );
+    shutdown.await;
+    let _ = stop_tx.send(true);
+    // The registration socket goes first: the kubelet then stops using the plugin.
+    let _ = std::fs::remove_file(&reg_sock);
+    let _ = publisher.await;
+    for srv in [reg_srv, plugin_srv] {
+        if let Ok(Err(e)) = srv.await {
+            tracing::warn!("gRPC server: {e}");
+        }
+    }
+    let _ = std::fs::remove_file(&plugin_sock);
+    Ok(())
+}
+
+/// The published GPU list: the inventory with the device plugin's health watcher (XID events)
+/// merged in; without NVML events, the inventory as read.
+fn watch_gpus(cfg: &Config, attrs: Vec<GpuAttrs>) -> watch::Receiver<Arc<Vec<GpuAttrs>>> {
+    let (tx, rx) = watch::channel(Arc::new(attrs.clone()));
+    match health::start(
+        GpuSource::Nvml {
+            lib: cfg.nvml_lib.clone(),
+        },
+        cfg.poll,
+    ) {
+        Ok(mut snap) => {
+            tokio::spawn(async move {
+                loop {
+                    let merged = inventory::merge_health(&attrs, &snap.borrow_and_update());
+                    tx.send_if_modified(|cur| {
+                        let changed = **cur != merged;
+                        if changed {
+                            *cur = Arc::new(merged);
+                        }
+                        changed
+                    });
+                    if snap.changed().await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        Err(e) => tracing::warn!("no GPU health events ({e}); publishing the inventory as read"),
+    }
+    rx
+}

@@ -1,0 +1,219 @@
+//! The gRPC services: `DRAPlugin` (prepare and unprepare, thin over [`crate::prepare`]) and
+//! `Registration` (what the kubelet's plugin watcher asks through the registration socket).
+//!
+//! Prepares and unprepares run one at a time (a lock): each lists the arbiter's allocations
+//! and sweeps identity files of deleted ones, which must not race a neighbour's prepare.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use tessera_protocol::client::AdminClient;
+use tokio::sync::{Mutex, watch};
+use tonic::{Request, Response, Status};
+
+use crate::apiserver::ApiClient;
+use crate::claim::{self, DRIVER, NodeGpu};
+use crate::prepare::{self, ClaimRef, PrepareError, PreparedDevice, Settings};
+use crate::proto::dra::dra_plugin_server::DraPlugin;
+use crate::proto::dra::{
+    Claim, Device, NodePrepareResourceResponse, NodePrepareResourcesRequest,
+    NodePrepareResourcesResponse, NodeUnprepareResourceResponse, NodeUnprepareResourcesRequest,
+    NodeUnprepareResourcesResponse,
+};
+use crate::proto::registration::registration_server::Registration;
+use crate::proto::registration::{
+    InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
+};
+use crate::proto::{DRA_V1_SERVICE, PLUGIN_TYPE};
+use crate::slices::GpuAttrs;
+
+/// What the DRA service works with.
+pub struct DraService {
+    /// The API server.
+    pub api: ApiClient,
+    /// The arbiter's admin socket.
+    pub admin_socket: PathBuf,
+    /// Files and wiring.
+    pub settings: Settings,
+    /// This node's pool name (the node name).
+    pub pool: String,
+    /// The node's GPUs as published.
+    pub gpus: watch::Receiver<Arc<Vec<GpuAttrs>>>,
+    /// Memory of a fraction whose result names none.
+    pub default_memory: u64,
+    /// One prepare or unprepare at a time.
+    pub lock: Mutex<()>,
+}
+
+impl DraService {
+    fn node_gpus(&self) -> Vec<NodeGpu> {
+        self.gpus
+            .borrow()
+            .iter()
+            .map(|g| NodeGpu {
+                device: claim::device_name(g.index),
+                uuid: g.uuid.clone(),
+                memory_total: g.memory_total,
+                unhealthy: g.unhealthy.clone(),
+            })
+            .collect()
+    }
+
+    /// Prepares one claim; the error is the per-claim message the kubelet shows.
+    async fn prepare_one(&self, c: &Claim) -> Result<Vec<PreparedDevice>, String> {
+        claim::check_ref(&c.namespace, &c.name, &c.uid).map_err(|e| format!("{DRIVER}: {e}"))?;
+        let obj = self
+            .api
+            .get_claim(&c.namespace, &c.name)
+            .await
+            .map_err(|e| e.to_string())?;
+        let plans = claim::plan(
+            &obj,
+            &c.uid,
+            &self.pool,
+            &self.node_gpus(),
+            self.default_memory,
+        )
+        .map_err(|e| format!("{DRIVER}: {e}"))?;
+        let (ns, name, uid, settings, admin) = (
+            c.namespace.clone(),
+            c.name.clone(),
+            c.uid.clone(),
+            self.settings.clone(),
+            self.admin_socket.clone(),
+        );
+        blocking(admin, move |a| {
+            let r = ClaimRef {
+                namespace: &ns,
+                name: &name,
+                uid: &uid,
+            };
+            prepare::prepare(a, r, &plans, &settings)
+        })
+        .await
+    }
+}
+
+/// Runs `f` with a fresh admin connection on the blocking pool (the client is blocking).
+async fn blocking<T: Send + 'static>(
+    admin: PathBuf,
+    f: impl FnOnce(&mut AdminClient) -> Result<T, PrepareError> + Send + 'static,
+) -> Result<T, String> {
+    let shown = admin.display().to_string();
+    tokio::task::spawn_blocking(move || {
+        let mut client = AdminClient::connect(&admin).map_err(PrepareError::from)?;
+        f(&mut client)
+    })
+    .await
+    .map_err(|e| format!("prepare task failed: {e}"))?
+    .map_err(|e| format!("{DRIVER} (arbiter at {shown}): {e}"))
+}
+
+#[tonic::async_trait]
+impl DraPlugin for DraService {
+    async fn node_prepare_resources(
+        &self,
+        req: Request<NodePrepareResourcesRequest>,
+    ) -> Result<Response<NodePrepareResourcesResponse>, Status> {
+        let _guard = self.lock.lock().await;
+        let mut claims = HashMap::new();
+        for c in req.into_inner().claims {
+            let answer = match self.prepare_one(&c).await {
+                Ok(devs) => NodePrepareResourceResponse {
+                    devices: devs
+                        .into_iter()
+                        .map(|d| Device {
+                            request_names: vec![d.request],
+                            pool_name: d.pool,
+                            device_name: d.device,
+                            cdi_device_ids: d.cdi_ids,
+                            share_id: d.share_id,
+                        })
+                        .collect(),
+                    error: String::new(),
+                },
+                Err(error) => {
+                    tracing::warn!("prepare {}/{} ({}): {error}", c.namespace, c.name, c.uid);
+                    NodePrepareResourceResponse {
+                        devices: Vec::new(),
+                        error,
+                    }
+                }
+            };
+            claims.insert(c.uid, answer);
+        }
+        Ok(Response::new(NodePrepareResourcesResponse { claims }))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        req: Request<NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<NodeUnprepareResourcesResponse>, Status> {
+        let _guard = self.lock.lock().await;
+        let mut claims = HashMap::new();
+        for c in req.into_inner().claims {
+            let (uid, settings) = (c.uid.clone(), self.settings.clone());
+            let res = match claim::check_ref(&c.namespace, &c.name, &c.uid) {
+                Err(e) => Err(format!("{DRIVER}: {e}")),
+                Ok(()) => {
+                    blocking(self.admin_socket.clone(), move |a| {
+                        prepare::unprepare(a, &uid, &settings)
+                    })
+                    .await
+                }
+            };
+            let error = match res {
+                Ok(n) => {
+                    tracing::info!(
+                        "unprepared {}/{} ({}): {n} allocations",
+                        c.namespace,
+                        c.name,
+                        c.uid
+                    );
+                    String::new()
+                }
+                Err(e) => {
+                    tracing::warn!("unprepare {}/{} ({}): {e}", c.namespace, c.name, c.uid);
+                    e
+                }
+            };
+            claims.insert(c.uid, NodeUnprepareResourceResponse { error });
+        }
+        Ok(Response::new(NodeUnprepareResourcesResponse { claims }))
+    }
+}
+
+/// The `Registration` service on the registration socket.
+pub struct RegistrationService {
+    /// The plugin socket's absolute path (the kubelet dials it).
+    pub endpoint: PathBuf,
+    /// The kubelet's verdict, once it sends one.
+    pub status: watch::Sender<Option<RegistrationStatus>>,
+}
+
+#[tonic::async_trait]
+impl Registration for RegistrationService {
+    async fn get_info(&self, _: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
+        Ok(Response::new(PluginInfo {
+            r#type: PLUGIN_TYPE.to_owned(),
+            name: DRIVER.to_owned(),
+            endpoint: self.endpoint.display().to_string(),
+            supported_versions: vec![DRA_V1_SERVICE.to_owned()],
+        }))
+    }
+
+    async fn notify_registration_status(
+        &self,
+        req: Request<RegistrationStatus>,
+    ) -> Result<Response<RegistrationStatusResponse>, Status> {
+        let st = req.into_inner();
+        if st.plugin_registered {
+            tracing::info!("registered with the kubelet");
+        } else {
+            tracing::error!("the kubelet refused the registration: {}", st.error);
+        }
+        let _ = self.status.send(Some(st));
+        Ok(Response::new(RegistrationStatusResponse {}))
+    }
+}

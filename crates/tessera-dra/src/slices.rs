@@ -1,0 +1,327 @@
+//! Pure rules: this node's ResourceSlice from its GPUs.
+//!
+//! One slice, one pool (named after the node), one device per GPU (`gpu-<index>`), each with
+//! `allowMultipleAllocations: true` and two consumable capacities (KEP-5075):
+//! - `shares`: 100, requests 1..=100 in steps of 1, default 100 (a claim that names no
+//!   share takes the whole GPU);
+//! - `memory`: the card's bytes, requests in steps of [`MEMORY_STEP`] from one step up to the
+//!   card (rounded down to a step), default [`DEFAULT_MEMORY`] unless configured.
+//!
+//! Attributes for CEL selectors: `uuid`, `productName`, `architecture`, `index`, `numaNode`,
+//! `cudaComputeCapability` and `driverVersion` as semantic versions, and the standard
+//! `resource.kubernetes.io/pciBusID`. An unhealthy GPU stays listed with a `NoSchedule`
+//! taint, so the scheduler places nothing new on it.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::resource::v1::{
+    CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity,
+    DeviceTaint, ResourcePool, ResourceSlice, ResourceSliceSpec,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+use crate::claim::{CAPACITY_MEMORY, CAPACITY_SHARES, DRIVER, SHARES_PER_GPU, device_name};
+use crate::quantity::format_bytes;
+
+/// Granularity of memory requests.
+pub const MEMORY_STEP: u64 = 256 << 20;
+/// Memory of a fraction whose claim names none (1 GiB): small, so a claim that forgot its
+/// memory cannot take a card's memory from its neighbours; it fails early and visibly.
+pub const DEFAULT_MEMORY: u64 = 1 << 30;
+/// Taint key of an unhealthy GPU.
+pub const TAINT_UNHEALTHY: &str = "gpu.tessera.dev/unhealthy";
+/// The upstream limit of devices in one slice.
+pub const MAX_DEVICES_PER_SLICE: usize = 128;
+
+/// A GPU with what the slice says about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuAttrs {
+    /// NVML index.
+    pub index: u32,
+    /// UUID.
+    pub uuid: String,
+    /// Product name (`NVIDIA H100 80GB HBM3`).
+    pub product_name: String,
+    /// Card memory, bytes.
+    pub memory_total: u64,
+    /// CUDA compute capability `(major, minor)`.
+    pub compute_capability: (u32, u32),
+    /// Driver version as NVML reports it (`570.124.06`).
+    pub driver_version: String,
+    /// PCI bus id, `dddd:bb:dd.f` lower case.
+    pub pci_bus_id: String,
+    /// NUMA node, if the platform has one.
+    pub numa_node: Option<i64>,
+    /// Why it is unhealthy, if it is.
+    pub unhealthy: Option<String>,
+}
+
+/// The architecture name of a compute capability (NVIDIA's CUDA GPU list).
+pub fn architecture(cc: (u32, u32)) -> &'static str {
+    match cc {
+        (7, 0) | (7, 2) => "Volta",
+        (7, 5) => "Turing",
+        (8, 9) => "Ada Lovelace",
+        (8, _) => "Ampere",
+        (9, _) => "Hopper",
+        (10, _) | (11, _) | (12, _) => "Blackwell",
+        _ => "Unknown",
+    }
+}
+
+/// `text` (dot-separated numbers, leading zeros allowed) as a semantic version `x.y.z`;
+/// `None` if it is not numeric.
+pub fn semver(text: &str) -> Option<String> {
+    let parts: Vec<u64> = text
+        .trim()
+        .split('.')
+        .map(|p| p.parse::<u64>().ok())
+        .collect::<Option<_>>()?;
+    if parts.is_empty() || parts.len() > 3 {
+        return None;
+    }
+    let get = |i: usize| parts.get(i).copied().unwrap_or(0);
+    Some(format!("{}.{}.{}", get(0), get(1), get(2)))
+}
+
+/// NVML's bus id (`00000000:3B:00.0`) in the form the standard attribute and sysfs use
+/// (`0000:3b:00.0`).
+pub fn normalize_bus_id(nvml: &str) -> String {
+    let lower = nvml.trim().to_ascii_lowercase();
+    match lower.split_once(':') {
+        Some((domain, rest)) if domain.len() > 4 => {
+            format!("{}:{rest}", &domain[domain.len() - 4..])
+        }
+        _ => lower,
+    }
+}
+
+fn q(v: impl Into<String>) -> Quantity {
+    Quantity(v.into())
+}
+
+fn attr_string(v: &str) -> DeviceAttribute {
+    DeviceAttribute {
+        string: Some(v.to_owned()),
+        ..Default::default()
+    }
+}
+
+fn attr_int(v: i64) -> DeviceAttribute {
+    DeviceAttribute {
+        int: Some(v),
+        ..Default::default()
+    }
+}
+
+fn attr_version(v: String) -> DeviceAttribute {
+    DeviceAttribute {
+        version: Some(v),
+        ..Default::default()
+    }
+}
+
+/// The slice's device for `g`.
+pub fn device(g: &GpuAttrs, default_memory: u64) -> Device {
+    let mut attributes = BTreeMap::from([
+        ("uuid".to_owned(), attr_string(&g.uuid)),
+        ("productName".to_owned(), attr_string(&g.product_name)),
+        (
+            "architecture".to_owned(),
+            attr_string(architecture(g.compute_capability)),
+        ),
+        ("index".to_owned(), attr_int(i64::from(g.index))),
+        (
+            "cudaComputeCapability".to_owned(),
+            attr_version(format!(
+                "{}.{}.0",
+                g.compute_capability.0, g.compute_capability.1
+            )),
+        ),
+        (
+            "resource.kubernetes.io/pciBusID".to_owned(),
+            attr_string(&g.pci_bus_id),
+        ),
+    ]);
+    if let Some(v) = semver(&g.driver_version) {
+        attributes.insert("driverVersion".to_owned(), attr_version(v));
+    }
+    if let Some(n) = g.numa_node {
+        attributes.insert("numaNode".to_owned(), attr_int(n));
+    }
+    let max_memory = (g.memory_total / MEMORY_STEP).max(1) * MEMORY_STEP;
+    let capacity = BTreeMap::from([
+        (
+            CAPACITY_SHARES.to_owned(),
+            DeviceCapacity {
+                value: q(SHARES_PER_GPU.to_string()),
+                request_policy: Some(CapacityRequestPolicy {
+                    default: Some(q(SHARES_PER_GPU.to_string())),
+                    valid_range: Some(CapacityRequestPolicyRange {
+                        min: q("1"),
+                        max: Some(q(SHARES_PER_GPU.to_string())),
+                        step: Some(q("1")),
+                    }),
+                    valid_values: None,
+                }),
+            },
+        ),
+        (
+            CAPACITY_MEMORY.to_owned(),
+            DeviceCapacity {
+                value: q(format_bytes(g.memory_total)),
+                request_policy: Some(CapacityRequestPolicy {
+                    default: Some(q(format_bytes(default_memory.min(max_memory)))),
+                    valid_range: Some(CapacityRequestPolicyRange {
+                        min: q(format_bytes(MEMORY_STEP)),
+                        max: Some(q(format_bytes(max_memory))),
+                        step: Some(q(format_bytes(MEMORY_STEP))),
+                    }),
+                    valid_values: None,
+                }),
+            },
+        ),
+    ]);
+    Device {
+        name: device_name(g.index),
+        allow_multiple_allocations: Some(true),
+        attributes: Some(attributes),
+        capacity: Some(capacity),
+        taints: g.unhealthy.as_ref().map(|_| {
+            vec![DeviceTaint {
+                key: TAINT_UNHEALTHY.to_owned(),
+                effect: "NoSchedule".to_owned(),
+                value: None,
+                time_added: None,
+            }]
+        }),
+        ..Default::default()
+    }
+}
+
+/// The name of `node`'s slice (the node name is a DNS subdomain, so this is one too).
+pub fn slice_name(node: &str) -> String {
+    format!("{node}-gpu.tessera.dev")
+}
+
+/// `node`'s slice at pool `generation`: its first [`MAX_DEVICES_PER_SLICE`] GPUs.
+pub fn slice(node: &str, gpus: &[GpuAttrs], default_memory: u64, generation: i64) -> ResourceSlice {
+    ResourceSlice {
+        metadata: ObjectMeta {
+            name: Some(slice_name(node)),
+            ..Default::default()
+        },
+        spec: ResourceSliceSpec {
+            driver: DRIVER.to_owned(),
+            node_name: Some(node.to_owned()),
+            pool: ResourcePool {
+                name: node.to_owned(),
+                generation,
+                resource_slice_count: 1,
+            },
+            devices: Some(
+                gpus.iter()
+                    .take(MAX_DEVICES_PER_SLICE)
+                    .map(|g| device(g, default_memory))
+                    .collect(),
+            ),
+            ..Default::default()
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn h100(index: u32) -> GpuAttrs {
+        GpuAttrs {
+            index,
+            uuid: format!("GPU-{index}"),
+            product_name: "NVIDIA H100 80GB HBM3".into(),
+            memory_total: 81559 << 20,
+            compute_capability: (9, 0),
+            driver_version: "570.124.06".into(),
+            pci_bus_id: normalize_bus_id("00000000:3B:00.0"),
+            numa_node: Some(0),
+            unhealthy: None,
+        }
+    }
+
+    #[test]
+    fn versions_bus_ids_and_architectures_normalize() {
+        assert_eq!(semver("570.124.06").as_deref(), Some("570.124.6"));
+        assert_eq!(semver("550.54").as_deref(), Some("550.54.0"));
+        assert_eq!(semver("r570"), None);
+        assert_eq!(normalize_bus_id("00000000:3B:00.0"), "0000:3b:00.0");
+        assert_eq!(normalize_bus_id("0000:3b:00.0"), "0000:3b:00.0");
+        assert_eq!(architecture((9, 0)), "Hopper");
+        assert_eq!(architecture((8, 9)), "Ada Lovelace");
+        assert_eq!(architecture((8, 0)), "Ampere");
+    }
+
+    #[test]
+    fn device_has_consistent_capacity_policies_and_attributes() {
+        let d = device(&h100(3), DEFAULT_MEMORY);
+        assert_eq!(d.name, "gpu-3");
+        assert_eq!(d.allow_multiple_allocations, Some(true));
+        let cap = d.capacity.as_ref().unwrap();
+        let mem = &cap["memory"];
+        assert_eq!(mem.value.0, format_bytes(81559 << 20));
+        let p = mem.request_policy.as_ref().unwrap();
+        let r = p.valid_range.as_ref().unwrap();
+        let parse = |x: &Quantity| crate::quantity::parse(&x.0).unwrap();
+        let (min, max, step, def) = (
+            parse(&r.min),
+            parse(r.max.as_ref().unwrap()),
+            parse(r.step.as_ref().unwrap()),
+            parse(p.default.as_ref().unwrap()),
+        );
+        // Upstream validation: default inside the range and on a step from min.
+        assert!(min <= def && def <= max && (def - min).is_multiple_of(step));
+        assert!((max - min).is_multiple_of(step) && max <= 81559 << 20);
+        let shares = &cap["shares"];
+        assert_eq!(shares.value.0, "100");
+        assert_eq!(
+            shares
+                .request_policy
+                .as_ref()
+                .unwrap()
+                .default
+                .as_ref()
+                .unwrap()
+                .0,
+            "100"
+        );
+        let a = d.attributes.as_ref().unwrap();
+        assert_eq!(a["driverVersion"].version.as_deref(), Some("570.124.6"));
+        assert_eq!(a["cudaComputeCapability"].version.as_deref(), Some("9.0.0"));
+        assert_eq!(
+            a["resource.kubernetes.io/pciBusID"].string.as_deref(),
+            Some("0000:3b:00.0")
+        );
+        assert_eq!(a["architecture"].string.as_deref(), Some("Hopper"));
+        assert!(d.taints.is_none());
+        let mut bad = h100(0);
+        bad.unhealthy = Some("XID 79".into());
+        let t = device(&bad, DEFAULT_MEMORY).taints.unwrap();
+        assert_eq!(
+            (t[0].key.as_str(), t[0].effect.as_str()),
+            (TAINT_UNHEALTHY, "NoSchedule")
+        );
+    }
+
+    #[test]
+    fn slice_is_one_pool_on_the_node() {
+        let s = slice("node-a", &[h100(0), h100(1)], DEFAULT_MEMORY, 4);
+        assert_eq!(s.metadata.name.as_deref(), Some("node-a-gpu.tessera.dev"));
+        assert_eq!(s.spec.driver, DRIVER);
+        assert_eq!(s.spec.node_name.as_deref(), Some("node-a"));
+        assert_eq!(
+            (s.spec.pool.name.as_str(), s.spec.pool.generation),
+            ("node-a", 4)
+        );
+        assert_eq!(s.spec.devices.as_ref().unwrap().len(), 2);
+    }
+}
