@@ -115,10 +115,10 @@ fn killing_unknown_processes_is_an_opt_in_value() {
 }
 
 #[test]
-fn the_dra_switch_refuses_while_no_dra_plugin_ships() {
+fn the_dra_switch_refuses_and_points_at_the_dra_manifests() {
     let (out, text) = check(&["--set", "dra.enabled=true"]);
     assert_eq!(out.status.code(), Some(1), "{text}");
-    assert!(text.contains("ships no DRA plugin"), "{text}");
+    assert!(text.contains("install deploy/dra/"), "{text}");
 }
 
 #[test]

@@ -27,7 +27,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{/* Fails the render on values the agents would refuse at start-up anyway. */}}
 {{- define "tessera.validate" -}}
 {{- if .Values.dra.enabled -}}
-{{- fail "dra.enabled: this release of Tessera ships no DRA plugin; use the device plugin (devicePlugin.enabled=true)" -}}
+{{- fail "dra.enabled: the chart does not template the DRA plugin yet; install deploy/dra/ (DaemonSet, RBAC, DeviceClasses) beside a release with devicePlugin.enabled=false" -}}
 {{- end -}}
 {{- if not (has .Values.arbiter.enforce (list "kill" "report")) -}}
 {{- fail (printf "arbiter.enforce must be kill or report, not %q" .Values.arbiter.enforce) -}}
