@@ -455,10 +455,11 @@ fn launches_keep_running_while_the_arbiter_restarts() {
 
 #[test]
 fn a_tenant_that_launches_around_the_gate_gets_at_most_15_percent_and_is_killed() {
-    // Share 10 against a saturating share 90, for up to 20 s. The kill comes 10-14 s in: the
-    // 2 s warm-up after the arbiter's start, then 500 ms of unleased time beyond the GPU's 5%
-    // slack, which a bypasser taking ~10% of the GPU builds up at ~50 ms a second. The
-    // share-10 process connects, then
+    // Share 10 against a saturating share 90; the GPU time is compared over the first 10 s.
+    // The bypasser runs up to 20 s: the kill comes 4-14 s in (the 2 s warm-up after the
+    // arbiter's start, then 500 ms of unleased time beyond the GPU's 5% slack, which a
+    // bypasser taking ~10% of the GPU builds up at ~50 ms a second). The share-10 process
+    // connects, then
     // launches through the real cuLaunchKernel (glibc's own dlsym), never asking for a lease:
     // the interposer cannot see it, the backstop does (NVML's per-process GPU time against
     // the leases the allocation was granted).
@@ -478,7 +479,7 @@ fn a_tenant_that_launches_around_the_gate_gets_at_most_15_percent_and_is_killed(
         .unwrap();
     let pids = [low.id(), high.id()];
     let busy = watch_busy(&bed, &pids, || {
-        start.elapsed() > Duration::from_secs(20) || !alive(pids[0]) || !alive(pids[1])
+        start.elapsed() > Duration::from_secs(10) || !alive(pids[1])
     });
     let status = low.wait().unwrap();
     let out = std::io::read_to_string(low.stdout.take().unwrap()).unwrap_or_default();
@@ -490,7 +491,7 @@ fn a_tenant_that_launches_around_the_gate_gets_at_most_15_percent_and_is_killed(
     let share_low = bl / (bl + bh);
     use std::os::unix::process::ExitStatusExt;
     eprintln!(
-        "compute bypass, share 10 vs 90 until the kill: bypasser busy {:.2} s, honest busy {:.2} s \
+        "compute bypass, share 10 vs 90, GPU time over the first 10 s: bypasser busy {:.2} s, honest busy {:.2} s \
          ({} launches), bypasser's fraction {share_low:.3}; bypasser {status:?}; arbiter charged \
          it {:.2} s",
         bl / 1e9,

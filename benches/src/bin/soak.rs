@@ -14,7 +14,10 @@
 //! - 2 tenants launching kernels (compute sharing runs alongside, and the backstop compares
 //!   their GPU time with their leases);
 //! - 1 process cycling the VMM idiom (create, map, release at once, unmap) at a 1 GiB limit;
-//! - 1 process forking children that each allocate and free 256 MiB.
+//! - 1 process forking children that each allocate and free 256 MiB;
+//! - 1 shell double-forking short-lived tenants (each a context and 128 MiB for 0.2 s, ten a
+//!   second, reparented to `tessera run`, the child subreaper), so pids are recycled fast under
+//!   an allocation the backstop attributes by its owner.
 //!
 //! At the end prints the minutes, the allocations made, refusals, and the backstop's actions
 //! (`enforced` of every allocation): the result is honest only if that is 0.
@@ -115,6 +118,19 @@ fn main() {
         "768MiB",
         &format!("\"$T\" fork --bytes {} --seconds {secs}", 256 << 20),
     );
+    // `( cmd & )`: the subshell exits at once, so each tenant is a grandchild of the shell that
+    // `tessera run` adopts; none is waited for by the shell.
+    let double_fork = load.run(
+        "2GiB",
+        &format!(
+            "end=$(( $(date +%s) + {whole} )); n=0; \
+             while [ \"$(date +%s)\" -lt \"$end\" ]; do \
+               ( \"$T\" hold --bytes {b} --seconds 0.2 > /dev/null 2>&1 & ); n=$((n+1)); sleep 0.1; \
+             done; echo \"{{\\\"grants\\\":$n}}\"",
+            whole = secs as u64,
+            b = 128 << 20
+        ),
+    );
     let rounds = (secs * 2000.0) as u64;
     let handoff = load.run(
         "4GiB",
@@ -145,6 +161,7 @@ fn main() {
     let _ = handoff.kill();
     let _ = handoff.wait();
     let (vmm_out, fork_out) = (finish(vmm), finish(forker));
+    let double_fork_out = finish(double_fork);
     for mut c in holders.into_iter().chain(computes) {
         let _ = c.kill();
         let _ = c.wait();
@@ -171,6 +188,10 @@ fn main() {
         "forked children     {} (each allocated and freed 256 MiB), {} refused",
         sum(&fork_out, "grants"),
         sum(&fork_out, "refusals")
+    );
+    println!(
+        "double-forked       {} short-lived tenants (a context and 128 MiB for 0.2 s each, adopted by tessera run)",
+        sum(&double_fork_out, "grants")
     );
     println!(
         "alongside           hand-off 2 x 3 GiB, 4 processes holding their whole 1 GiB limit (context included), 2 kernel launchers"

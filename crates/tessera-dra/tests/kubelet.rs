@@ -738,14 +738,14 @@ async fn the_cdi_spec_alone_gives_a_container_its_limit() {
         )
     };
     // Preloaded through the spec's read-only /etc/ld.so.preload, with the identity file the
-    // spec mounts: 20 GiB, and the 21st refused.
+    // spec mounts: 20 GiB, its 300 MiB context inside it, so the 20th whole GiB is refused.
     let out = grab(&edits);
     assert!(
         out.contains("sees Tessera Sim GPU 80GiB with 20.0 GiB"),
         "{out}"
     );
     assert!(
-        out.contains("holds 20 GiB; the next 1 GiB was refused: CUDA_ERROR_OUT_OF_MEMORY"),
+        out.contains("holds 19 GiB; the next 1 GiB was refused: CUDA_ERROR_OUT_OF_MEMORY"),
         "{out}"
     );
     // Attack from inside: a tenant that points its environment at another token and socket
@@ -760,7 +760,7 @@ async fn the_cdi_spec_alone_gives_a_container_its_limit() {
     ]);
     let out = grab(&lying);
     assert!(
-        out.contains("holds 20 GiB; the next 1 GiB was refused: CUDA_ERROR_OUT_OF_MEMORY"),
+        out.contains("holds 19 GiB; the next 1 GiB was refused: CUDA_ERROR_OUT_OF_MEMORY"),
         "{out}"
     );
     // Control: without the preload file the same container sees the whole card.
