@@ -17,12 +17,6 @@ use tessera_testkit::KillOnDrop;
 use common::*;
 use tessera_protocol::client::TenantClient;
 
-/// Not a test of its own: the body of a flood child process.
-#[test]
-fn flood_child() {
-    tessera_testkit::flood::child_main();
-}
-
 /// One flood at a time: each fills caps the other would share, and the machine is small.
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());

@@ -672,6 +672,9 @@ impl Arbiter {
         conn: ConnId,
         peer: Option<ProcId>,
     ) -> Result<u64, LedgerError> {
+        // The scheduler forgets the connection first, so that by the time `list` shows the
+        // process gone no lease can still go to it.
+        binding.scheduler.connection_closed(conn, self.now_ns());
         let (freed, gone) = {
             let mut live = self.live();
             let freed = live.ledger.detach(binding.key, conn)?;
@@ -690,7 +693,6 @@ impl Arbiter {
             }
             (freed, gone)
         };
-        binding.scheduler.connection_closed(conn, self.now_ns());
         // The scheduler forgets a deleted allocation once its last process is gone.
         if gone {
             binding

@@ -39,13 +39,6 @@ fn create(arb: &Arbiter, limit: u64) -> String {
         .0
 }
 
-/// Not a test of its own: the body of a flood child process (see
-/// [`tessera_testkit::flood::spawn_child`]).
-#[test]
-fn flood_child() {
-    tessera_testkit::flood::child_main();
-}
-
 fn counter(out: &str, key: &str) -> u64 {
     out.split(&format!("{key}="))
         .nth(1)

@@ -113,13 +113,33 @@ impl FakeKubelet {
     }
 }
 
-/// The PodResources `List` answer, set by the test.
+/// The PodResources `List` answer, set by the test, and how many `List` calls it answered (the
+/// positive signal that the plugin has polled since some point).
 #[derive(Clone, Default)]
 struct FakePodResources {
     pods: Arc<Mutex<Vec<PodResources>>>,
+    lists: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl FakePodResources {
+    fn lists(&self) -> u64 {
+        self.lists.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Waits until the plugin has made `n` more `List` calls than `since` and at least `at_least`
+    /// has passed since `from`: what it did after those polls is what it does.
+    async fn polled(&self, since: u64, n: u64, from: std::time::Instant, at_least: Duration) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while self.lists() < since + n || from.elapsed() < at_least {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the plugin made {} PodResources List calls, {n} expected",
+                self.lists() - since
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     fn set_holding(&self, pod: &str, ids: &[String]) {
         let mut pods = self.pods.lock().unwrap();
         pods.retain(|p| p.name != pod);
@@ -159,6 +179,7 @@ impl PodResourcesLister for FakePodResources {
         _: Request<ListPodResourcesRequest>,
     ) -> Result<Response<ListPodResourcesResponse>, Status> {
         let pod_resources = self.pods.lock().unwrap().clone();
+        self.lists.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(Response::new(ListPodResourcesResponse { pod_resources }))
     }
 
@@ -621,7 +642,10 @@ async fn register_list_prefer_allocate_and_clean_up() {
     })
     .await;
     // Written once: later polls (every 0.2 s) see nothing changed and write nothing.
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let since = podres.lists();
+    podres
+        .polled(since, 3, std::time::Instant::now(), Duration::ZERO)
+        .await;
     let m = scrape(&maddr).await;
     assert_eq!(
         sample(&m, "tessera_plugin_pod_labels_total"),
@@ -677,8 +701,17 @@ async fn register_list_prefer_allocate_and_clean_up() {
         assert!(limit_line.contains(label), "{label} missing: {limit_line}");
     }
 
-    // Stale clean-up: kept while a container holds the units (well past the 1 s grace) ...
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // Stale clean-up: kept while a container holds the units, through polls made well past
+    // the 1 s grace ...
+    let since = podres.lists();
+    podres
+        .polled(
+            since,
+            3,
+            std::time::Instant::now(),
+            Duration::from_millis(2500),
+        )
+        .await;
     assert_eq!(
         node.allocations().len(),
         1,

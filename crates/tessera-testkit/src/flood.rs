@@ -127,27 +127,45 @@ pub fn flood_paced(
     count
 }
 
-/// Set in a flood child: `socket;connections;seconds[;pause_ms]`.
-pub const CHILD_ENV: &str = "TESSERA_FLOOD_CHILD";
-
-/// The body of a flood child (see [`spawn_child`]): a test binary's `flood_child` test calls
-/// this; outside a flood child it returns at once. Prints what the flood did.
-pub fn child_main() {
-    let Ok(spec) = std::env::var(CHILD_ENV) else {
-        return;
+/// The flood child binary's body (`tessera-flood SOCKET CONNECTIONS SECONDS [PAUSE_MS]`, see
+/// [`spawn_child`]): keeps the connections coming for the given time and prints what the flood
+/// did. A wrong argument is an error, so a child that cannot flood never passes for one that did.
+pub fn child_main(args: &[String]) -> Result<FloodCount, String> {
+    let [socket, n, secs, rest @ ..] = args else {
+        return Err("usage: tessera-flood SOCKET CONNECTIONS SECONDS [PAUSE_MS]".into());
     };
-    let mut it = spec.split(';');
-    let socket = std::path::PathBuf::from(it.next().expect("socket"));
-    let n = it.next().and_then(|v| v.parse().ok()).expect("connections");
-    let secs = it.next().and_then(|v| v.parse().ok()).expect("seconds");
-    let pause = it.next().and_then(|v| v.parse().ok()).unwrap_or(10);
-    let c = flood_paced(&socket, n, secs, 150, Duration::from_millis(pause));
+    let num = |what: &str, v: &str| -> Result<f64, String> {
+        v.parse::<f64>()
+            .map_err(|e| format!("{what} {v:?}: {e}"))
+            .and_then(|x| {
+                if x.is_finite() && x >= 0.0 {
+                    Ok(x)
+                } else {
+                    Err(format!("{what} {v:?} is not a count"))
+                }
+            })
+    };
+    let n = num("connections", n)? as usize;
+    let secs = num("seconds", secs)?;
+    let pause = match rest {
+        [] => 10.0,
+        [p] => num("pause", p)?,
+        _ => return Err("too many arguments".into()),
+    };
+    let c = flood_paced(
+        Path::new(socket),
+        n,
+        secs,
+        150,
+        Duration::from_millis(pause as u64),
+    );
     println!("connects={} closed={}", c.connects, c.closed);
+    Ok(c)
 }
 
-/// Starts the calling test binary again as a flood child (a process of its own, as a hostile
-/// tenant's would be) keeping `n` connections open against `socket` for `secs`; the binary
-/// must have a test named `flood_child` that calls [`child_main`]. Its stdout is piped.
+/// Starts a flood child (the `tessera-flood` binary: a process of its own, as a hostile
+/// tenant's would be) keeping `n` connections open against `socket` for `secs`. Its stdout is
+/// piped.
 pub fn spawn_child(socket: &Path, n: usize, secs: f64) -> std::process::Child {
     spawn_child_paced(socket, n, secs, Duration::from_millis(10))
 }
@@ -159,12 +177,13 @@ pub fn spawn_child_paced(
     secs: f64,
     pause: Duration,
 ) -> std::process::Child {
-    let spec = format!("{};{n};{secs};{}", socket.display(), pause.as_millis());
-    std::process::Command::new(std::env::current_exe().expect("test binary"))
-        .args(["flood_child", "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD_ENV, spec)
+    std::process::Command::new(crate::artifact("tessera-flood"))
+        .arg(socket)
+        .arg(n.to_string())
+        .arg(secs.to_string())
+        .arg(pause.as_millis().to_string())
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::process::Stdio::inherit())
         .spawn()
         .expect("flood child")
 }

@@ -14,7 +14,7 @@
 //!   waited for until it serves.
 //! - [`process`]: kill-on-drop children, exit codes, polling with a timeout.
 //! - [`flood`]: a flood of unauthenticated connections against an arbiter socket (admission
-//!   test, `arbiter_load`).
+//!   test, `arbiter_load`), and the `tessera-flood` binary that runs one as a process of its own.
 //! - [`prometheus`]: the Prometheus server and `promtool` the metrics tests need (required:
 //!   missing ones fail the test), and `promtool check metrics`.
 //! - [`trap`]: the pid-reuse trap (a tenant connection kept open after its process exited) and
