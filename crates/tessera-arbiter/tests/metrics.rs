@@ -328,10 +328,25 @@ fn prometheus_sees_gpu_time_memory_and_refusals_as_the_tenants_had_them() {
     let (ca, pa) = compute_tenant(&node, &ta, run);
     let (cb, pb) = compute_tenant(&node, &tb, run);
     let started = unix_now();
-    // Settle 3 s, then look at the 8 s that follow (ending well before the tenants stop).
-    std::thread::sleep(Duration::from_secs(12));
+    // Settle 3 s, then look at the 8 s that follow (ending well before the tenants stop), once
+    // Prometheus has stored a scrape after the window's end.
     let at = started + 11.0;
     let window = 8.0;
+    let stored = wait_until(Duration::from_secs(60), || {
+        unix_now() > at
+            && prom
+                .query(
+                    &format!(
+                        "timestamp(tessera_allocation_gpu_seconds_total{{allocation=\"{}\"}})",
+                        b.id
+                    ),
+                    unix_now(),
+                )
+                .first()
+                .and_then(|r| r["value"][1].as_str()?.parse::<f64>().ok())
+                .is_some_and(|t| t > at)
+    });
+    assert!(stored.is_some(), "no scrape stored after the window");
     let mut rates = Vec::new();
     for (id, pid) in [(&a.id, pa), (&b.id, pb)] {
         // The samples in the window, as Prometheus stored them: their slope is the rate over
@@ -377,7 +392,8 @@ fn prometheus_sees_gpu_time_memory_and_refusals_as_the_tenants_had_them() {
         );
         rates.push((rate, engine));
     }
-    // Each allocation's part of the GPU time is its share, and the engine agrees; by PromQL too.
+    // Each allocation's part of the GPU time as the counters tell it is the engine's, and PromQL's
+    // rate() agrees (how close the part is to the share is `compute_share`'s figure).
     let part = |v: &[(f64, f64)], engine: bool| {
         let f = |x: &(f64, f64)| if engine { x.1 } else { x.0 };
         f(&v[0]) / (f(&v[0]) + f(&v[1]))
@@ -395,10 +411,6 @@ fn prometheus_sees_gpu_time_memory_and_refusals_as_the_tenants_had_them() {
     eprintln!(
         "A's part: {counted:.4} by the counters ({by_promql:.4} by rate()), {engine:.4} by the \
          engine (share 30)"
-    );
-    assert!(
-        (counted - 0.30).abs() <= 0.02,
-        "A's part {counted:.3} (share 30)"
     );
     assert!(
         (by_promql - counted).abs() <= 0.005,
