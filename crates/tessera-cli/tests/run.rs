@@ -139,8 +139,19 @@ fn sigterm_is_forwarded_and_the_allocation_deleted() {
         );
         std::thread::sleep(Duration::from_millis(5));
     }
-    // Let the command start, then signal `tessera run` only (not its process group).
-    std::thread::sleep(Duration::from_millis(200));
+    // Once the command runs (`sleep`, a child of `tessera run`), signal `tessera run` only (not its
+    // process group).
+    let children = format!("/proc/{0}/task/{0}/children", child.id());
+    tessera_testkit::wait_until(Duration::from_secs(10), || {
+        std::fs::read_to_string(&children)
+            .unwrap_or_default()
+            .split_whitespace()
+            .any(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                    .is_ok_and(|c| c.trim() == "sleep")
+            })
+    })
+    .expect("the command never started");
     // SAFETY: kill has no memory preconditions; the pid is our unreaped child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let start = Instant::now();
