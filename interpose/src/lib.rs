@@ -23,7 +23,7 @@
 //!   behind a trait (`events`), the manager thread (`manager`).
 //! - [`hooks`]: the exported `extern "C"` shims.
 //!
-//! The modules form no import circle (checked by `tessera-cuda-abi`'s `import_cycles` test):
+//! The modules form no import circle (checked for every crate by `tessera-testkit`'s `import_cycles` test):
 //! the table sits below the driver loader, the shims above both, the wrappers above the shims.
 //!
 //! Without `TESSERA_TOKEN` every hook passes straight through and `dlsym` hands out the real

@@ -23,7 +23,8 @@
 //! a pid with an admitted connection has [`COMPANION_PENDING`] pending places of its own, and
 //! each memory connection at most [`COMPANIONS_PER_CONNECTION`] companions.
 //!
-//! Admitted connections go to their own thread ([`crate::tenant::spawn`]). Every refusal is
+//! Admitted connections go to whatever the server gave [`accept_tenant`] (the tenant service:
+//! a thread each). Every refusal is
 //! counted ([`Admission::counts`]); a summary is logged at most once per second
 //! ([`Admission::report`]), and individual handshake failures at most
 //! [`FAILURE_LINES_PER_SEC`] lines per second.
@@ -42,7 +43,8 @@ use tokio::net::UnixStream;
 use tokio::sync::Notify;
 
 use crate::ledger::{AccountKey, ConnId};
-use crate::state::Arbiter;
+use crate::peer::ProcId;
+use crate::state::{Arbiter, TenantBinding};
 use crate::wire::{self, WireError};
 
 /// Handshake failures logged one by one per second; the rest are only counted.
@@ -607,9 +609,32 @@ pub fn close_refused(stream: UnixStream) {
     drop(stream);
 }
 
+/// An admitted tenant connection, handed to the tenant service ([`accept_tenant`]'s
+/// `on_admitted`, which the server passes: admission knows nothing of what serves it).
+#[derive(Debug)]
+pub struct AdmittedTenant {
+    /// The shared state.
+    pub arb: Arc<Arbiter>,
+    /// The connection, its handshake done.
+    pub stream: UnixStream,
+    /// Its id.
+    pub conn: ConnId,
+    /// The process that connected.
+    pub proc: Option<ProcId>,
+    /// What it is attached to.
+    pub binding: TenantBinding,
+    /// Its admitted place (freed when dropped).
+    pub slot: TenantSlot,
+}
+
 /// A new tenant connection: counts it as pending (or closes it at once), runs its handshake
-/// on the runtime, and hands it to its own thread once admitted.
-pub fn accept_tenant(arb: Arc<Arbiter>, adm: &Arc<Admission>, stream: UnixStream) {
+/// on the runtime, and hands it to `on_admitted` once admitted (an error there detaches it).
+pub fn accept_tenant<E: std::fmt::Display + 'static>(
+    arb: Arc<Arbiter>,
+    adm: &Arc<Admission>,
+    stream: UnixStream,
+    on_admitted: fn(AdmittedTenant) -> Result<(), E>,
+) {
     let (group, pid) = peer_group(&stream);
     match adm.begin(group, pid) {
         Ok(slot) => {
@@ -617,7 +642,7 @@ pub fn accept_tenant(arb: Arc<Arbiter>, adm: &Arc<Admission>, stream: UnixStream
             // holder of its pid.
             let peer = pid.and_then(|p| {
                 use std::os::fd::AsFd;
-                crate::backstop::peer_process(stream.as_fd(), p)
+                crate::peer::peer_process(stream.as_fd(), p)
             });
             tokio::spawn(tenant_handshake(
                 arb,
@@ -626,19 +651,21 @@ pub fn accept_tenant(arb: Arc<Arbiter>, adm: &Arc<Admission>, stream: UnixStream
                 slot,
                 pid,
                 peer,
+                on_admitted,
             ));
         }
         Err(_) => close_refused(stream),
     }
 }
 
-async fn tenant_handshake(
+async fn tenant_handshake<E: std::fmt::Display>(
     arb: Arc<Arbiter>,
     adm: Arc<Admission>,
     mut stream: UnixStream,
     slot: PendingSlot,
     pid: Option<i32>,
-    peer: Option<crate::backstop::Peer>,
+    peer: Option<crate::peer::Peer>,
+    on_admitted: fn(AdmittedTenant) -> Result<(), E>,
 ) {
     let proc = peer.as_ref().map(|p| p.id);
     let who = match pid {
@@ -705,14 +732,14 @@ async fn tenant_handshake(
     // Admitted: no longer pending, whatever happens next.
     drop(slot);
     let id = binding.view.id.clone();
-    if let Err(e) = crate::tenant::spawn(
-        Arc::clone(&arb),
+    if let Err(e) = on_admitted(AdmittedTenant {
+        arb: Arc::clone(&arb),
         stream,
         conn,
         proc,
-        binding.clone(),
-        tenant_slot,
-    ) {
+        binding: binding.clone(),
+        slot: tenant_slot,
+    }) {
         let _ = arb.detach_tenant(&binding, conn, proc);
         tracing::info!("{who} of {id}: dropped: {e}");
     }

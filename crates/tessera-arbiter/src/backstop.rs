@@ -54,8 +54,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tessera_protocol::identity::{CONTAINER_IDENTITY_FILE, Identity};
 
-use crate::metrics::EnforceReason;
-use crate::state::Arbiter;
+use crate::peer::proc_start;
+pub use crate::peer::{Peer, ProcId};
+use crate::state::{Arbiter, Watched};
+use crate::stats::EnforceReason;
 
 /// What to do with a process that breaks its allocation's limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -128,28 +130,6 @@ impl Tolerance {
     }
 }
 
-/// One allocation as the backstop sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Watched {
-    /// Public id.
-    pub id: String,
-    /// Memory limit, bytes.
-    pub limit: u64,
-    /// Processes that connected to the tenant socket for it (pid and start time).
-    pub pids: Vec<ProcId>,
-    /// Its secret token (what its containers' identity files hold).
-    pub token: String,
-    /// Its compute share; at 100 it holds a whole card (see `whole_gpus`).
-    pub share: u32,
-    /// The cards (NVML indexes) its processes hold wholly: its own when its share is 100,
-    /// with those of the other whole-card allocations made for the same container (one
-    /// identity, several cards; label [`tessera_protocol::LABEL_WHOLE_GROUP`]). Nobody else's
-    /// memory or time is there to protect, so the backstop does not police its processes
-    /// *there* (a pod holding whole GPUs runs without the interposer and its leases); on any
-    /// other card they are policed like any allocation's, against a limit of 0 and no lease.
-    pub whole_gpus: Vec<u32>,
-}
-
 /// One process on a GPU, as NVML reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GpuProcess {
@@ -171,18 +151,6 @@ pub enum Origin {
         /// The token its identity file names.
         token: Option<String>,
     },
-}
-
-/// One process, named so that another process given the same pid later cannot pass for it:
-/// its pid and its start time (clock ticks after boot, field 22 of `/proc/<pid>/stat`; two
-/// processes holding one pid in turn cannot share a start time unless the kernel recycles
-/// the pid within one tick, a full pass over `pid_max` in 10 ms).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ProcId {
-    /// Host pid (in the arbiter's pid namespace).
-    pub pid: i32,
-    /// Start time, clock ticks after boot.
-    pub start: u64,
 }
 
 /// What the backstop learns about processes from the system (`/proc` in production).
@@ -757,94 +725,12 @@ pub fn proc_parent(pid: i32) -> Option<i32> {
     stat_field(pid, 4)
 }
 
-/// The start time of `pid`, clock ticks after boot, from `/proc/<pid>/stat` (field 22; the
-/// protocol's parser, the one allocation owners are named with too).
-pub fn proc_start(pid: i32) -> Option<u64> {
-    tessera_protocol::process::start_time(std::path::Path::new("/proc"), pid)
-}
-
 /// The cgroup v2 path of `pid`: the `0::` line of `/proc/<pid>/cgroup`.
 pub fn proc_cgroup(pid: &str) -> Option<String> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
     text.lines()
         .find_map(|l| l.strip_prefix("0::"))
         .map(str::to_owned)
-}
-
-/// `SO_PEERPIDFD` (Linux 6.5, `asm-generic/socket.h`; not in the `libc` crate yet).
-const SO_PEERPIDFD: libc::c_int = 77;
-
-/// The process behind a tenant connection: its [`ProcId`], and a pidfd of it kept for the
-/// connection's lifetime where the kernel gives one. The pidfd says exactly whether that very
-/// process still lives (a pid reused at once, within the tick of its start time, cannot fool
-/// it); the start time still names it to the pure rules.
-#[derive(Debug, Clone)]
-pub struct Peer {
-    /// Pid and start time.
-    pub id: ProcId,
-    pidfd: Option<Arc<OwnedFd>>,
-}
-
-impl Peer {
-    /// A peer known by pid and start time alone (kernels without `SO_PEERPIDFD`, tests).
-    pub fn without_pidfd(id: ProcId) -> Self {
-        Self { id, pidfd: None }
-    }
-
-    /// False once the process exited (known only with a pidfd; without one, true, and the
-    /// start time checked at every use decides).
-    pub fn is_alive(&self) -> bool {
-        self.pidfd.as_ref().is_none_or(|fd| pidfd_alive(fd))
-    }
-}
-
-/// True while the pidfd's process exists (a zombie, not yet reaped, still holds its pid).
-fn pidfd_alive(fd: &OwnedFd) -> bool {
-    // SAFETY: signal 0 only checks that the pidfd's process still exists; no memory is passed.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_pidfd_send_signal,
-            fd.as_raw_fd(),
-            0,
-            std::ptr::null::<libc::siginfo_t>(),
-            0,
-        )
-    };
-    rc == 0
-}
-
-/// The process behind a connected Unix socket whose `SO_PEERCRED` pid is `pid`, or `None`
-/// when it exited already. The kernel's `SO_PEERPIDFD` names the very process that connected,
-/// so the start time read from `/proc` is checked to be its: read while that process is still
-/// alive (its pid cannot be reused before it is reaped). On kernels without `SO_PEERPIDFD` the
-/// start time is read alone (a process that connects and exits at once, its pid reused before
-/// this runs, could then be mistaken for the new process).
-pub fn peer_process(socket: std::os::fd::BorrowedFd<'_>, pid: i32) -> Option<Peer> {
-    if pid <= 0 {
-        return None;
-    }
-    let mut fd: libc::c_int = -1;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `fd`, an int, on an open socket.
-    let rc = unsafe {
-        libc::getsockopt(
-            socket.as_raw_fd(),
-            libc::SOL_SOCKET,
-            SO_PEERPIDFD,
-            (&mut fd as *mut libc::c_int).cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 || fd < 0 {
-        return proc_start(pid).map(|start| Peer::without_pidfd(ProcId { pid, start }));
-    }
-    // SAFETY: getsockopt returned a new pidfd that we own.
-    let pidfd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let start = proc_start(pid)?;
-    pidfd_alive(&pidfd).then(|| Peer {
-        id: ProcId { pid, start },
-        pidfd: Some(Arc::new(pidfd)),
-    })
 }
 
 /// [`ProcView`] over `/proc`.
@@ -2278,24 +2164,6 @@ mod tests {
         assert_eq!(proc_start(me), Some(mine));
         assert_eq!(proc_start(-5), None);
         assert!(proc_cgroup("self").is_some_and(|c| c.starts_with('/')));
-    }
-
-    #[test]
-    fn a_connected_peer_is_named_by_pid_and_start_time_while_it_lives() {
-        use std::os::fd::AsFd;
-        let (here, there) = std::os::unix::net::UnixStream::pair().unwrap();
-        let me = std::process::id() as i32;
-        let got = peer_process(here.as_fd(), me).expect("our own process is alive");
-        assert_eq!(
-            got.id,
-            ProcId {
-                pid: me,
-                start: proc_start(me).unwrap()
-            }
-        );
-        assert!(got.is_alive());
-        assert!(peer_process(here.as_fd(), 0).is_none());
-        drop(there);
     }
 
     #[test]

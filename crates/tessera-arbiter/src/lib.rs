@@ -9,10 +9,15 @@
 //! - [`config`]: command-line and environment configuration.
 //! - [`gpus`]: GPU discovery (NVML through `nvml-wrapper`, or a fixed list for tests).
 //! - [`ledger`]: the memory ledger (pure): atomic reserve, release, redeclare, connection drop.
-//! - [`metrics`]: Prometheus metrics on `--metrics-addr`: a collector reading the state at
-//!   scrape time, the tenant path's refusal and request counters, the small HTTP server.
+//! - [`metrics`]: Prometheus metrics on `--metrics-addr`: a collector rendering the state's
+//!   [`stats`] at scrape time, and the small HTTP server.
 //! - [`owner`]: allocations owned by a process (`tessera run`): its descendants attributed to
-//!   it, the allocation deleted once the owner and all its processes are gone.
+//!   it, and when the allocation may go (pure rules).
+//! - [`peer`]: naming a process by pid and start time, and a tenant connection's process by its
+//!   pidfd.
+//! - [`reaper`]: deletes owned allocations once the owner and all their processes are gone.
+//! - [`stats`]: what the arbiter counts and samples (backstop actions, refusals, requests by
+//!   kind, scrape samples), owned by the state and rendered by [`metrics`].
 //! - [`pressure`]: taking unused memory credit back from an allocation's other processes
 //!   before a reservation is refused (tickets, pressure channels, the wait).
 //! - [`store`]: persistence of allocations (atomic JSON file), ids and tokens.
@@ -36,10 +41,13 @@ pub mod gpus;
 pub mod ledger;
 pub mod metrics;
 pub mod owner;
+pub mod peer;
 pub mod pressure;
+pub mod reaper;
 pub mod scheduler;
 pub mod server;
 pub mod state;
+pub mod stats;
 pub mod store;
 pub mod tenant;
 pub mod wire;

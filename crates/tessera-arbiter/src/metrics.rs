@@ -4,7 +4,7 @@
 //! Everything per allocation and per GPU is read from the arbiter's state when a scrape comes
 //! ([`ArbiterCollector`]): a deleted allocation's series are gone at the next scrape, and the
 //! tenant fast path keeps no metric of its own beyond a few relaxed atomic increments: refusals
-//! ([`AllocCounters`]) and requests by type ([`RequestStats`]). GPU time, waits and leases are
+//! ([`crate::stats::AllocCounters`]) and requests by type ([`RequestStats`]). GPU time, waits and leases are
 //! counted by the schedulers under the lock they already hold.
 //!
 //! The text is produced by the `prometheus-client` crate (Prometheus text format 0.0.4); the
@@ -17,8 +17,6 @@ use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::str::FromStr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{
@@ -29,12 +27,11 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::{Registry, Unit};
-use tessera_protocol::TenantRequest;
 use tokio::net::TcpListener;
 
 use crate::admission::Admission;
-use crate::scheduler::AllocStats;
 use crate::state::Arbiter;
+use crate::stats::{AllocSample, EnforceReason, GpuSample, RequestKind, RequestStats, Snapshot};
 
 /// Default address of the metrics endpoint (dcgm-exporter uses 9400).
 pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
@@ -74,210 +71,6 @@ impl FromStr for MetricsAddr {
             Err(_) => Err(MetricsError::BadAddress(s.to_owned())),
         }
     }
-}
-
-/// Why the backstop acted on a process of an allocation (label `reason`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EnforceReason {
-    /// Its allocation's processes held more device memory than the limit plus tolerance.
-    MemoryOverLimit,
-    /// Its allocation used too much GPU time outside its leases.
-    ComputeBypass,
-}
-
-impl EnforceReason {
-    /// Every reason, in the order of [`AllocCounters`]' slots.
-    pub const ALL: [EnforceReason; 2] = [Self::MemoryOverLimit, Self::ComputeBypass];
-
-    /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::MemoryOverLimit => "memory_over_limit",
-            Self::ComputeBypass => "compute_bypass",
-        }
-    }
-}
-
-/// Counters of one allocation kept outside the schedulers, shared by its tenant connections
-/// (lock-free: they are bumped on the tenant path).
-#[derive(Debug, Default)]
-pub struct AllocCounters {
-    oom_refusals: AtomicU64,
-    enforced: [AtomicU64; 2],
-    /// GPU time of its processes by NVML, as the backstop reads it.
-    gpu_busy_ns: AtomicU64,
-}
-
-impl AllocCounters {
-    /// A reservation was refused at the limit (the tenant sees an out-of-memory error).
-    pub fn refused(&self) {
-        self.oom_refusals.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Reservations refused so far.
-    pub fn oom_refusals(&self) -> u64 {
-        self.oom_refusals.load(Ordering::Relaxed)
-    }
-
-    /// The backstop acted on one of its processes.
-    pub fn enforced(&self, why: EnforceReason) {
-        self.enforced[why as usize].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// The backstop read `ns` of GPU time used by the allocation's processes (NVML's
-    /// per-process utilisation over one poll interval).
-    pub fn add_gpu_busy(&self, ns: u64) {
-        self.gpu_busy_ns.fetch_add(ns, Ordering::Relaxed);
-    }
-
-    /// GPU time read from NVML so far, ns.
-    pub fn gpu_busy_ns(&self) -> u64 {
-        self.gpu_busy_ns.load(Ordering::Relaxed)
-    }
-
-    /// Backstop actions so far, per reason (in [`EnforceReason::ALL`]'s order).
-    pub fn enforcements(&self) -> [u64; 2] {
-        [0, 1].map(|i| self.enforced[i].load(Ordering::Relaxed))
-    }
-}
-
-/// Upper bounds of the request-duration buckets, seconds: a `Reserve` round trip takes a few
-/// microseconds, one that presses other processes up to the 50 ms memory wait.
-pub const DURATION_BUCKETS: [f64; 12] = [
-    5e-6, 10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 50e-3, 250e-3,
-];
-
-/// The tenant request kinds (label `type`).
-pub const REQUEST_KINDS: [&str; 11] = [
-    "reserve",
-    "release",
-    "redeclare",
-    "mem_info",
-    "ping",
-    "lease_acquire",
-    "lease_release",
-    "reserve_credit",
-    "ticket",
-    "subscribe",
-    "relinquish",
-];
-
-/// Index of `req`'s kind in [`REQUEST_KINDS`].
-pub fn request_kind(req: &TenantRequest) -> usize {
-    match req {
-        TenantRequest::Reserve { .. } => 0,
-        TenantRequest::Release { .. } => 1,
-        TenantRequest::Redeclare { .. } => 2,
-        TenantRequest::MemInfo => 3,
-        TenantRequest::Ping => 4,
-        TenantRequest::LeaseAcquire => 5,
-        TenantRequest::LeaseRelease { .. } => 6,
-        TenantRequest::ReserveCredit { .. } => 7,
-        TenantRequest::Ticket => 8,
-        TenantRequest::Subscribe { .. } => 9,
-        TenantRequest::Relinquish { .. } => 10,
-    }
-}
-
-#[derive(Debug, Default)]
-struct KindStats {
-    count: AtomicU64,
-    sum_ns: AtomicU64,
-    /// Per bucket (not cumulative); the last slot is above every bound.
-    buckets: [AtomicU64; DURATION_BUCKETS.len() + 1],
-}
-
-/// Tenant requests handled, by kind, with a histogram of the time each took: three relaxed
-/// atomic additions per request.
-#[derive(Debug, Default)]
-pub struct RequestStats {
-    kinds: [KindStats; REQUEST_KINDS.len()],
-}
-
-impl RequestStats {
-    /// Counts one request of kind `kind` (see [`request_kind`]) that took `took`.
-    pub fn observe(&self, kind: usize, took: Duration) {
-        let Some(k) = self.kinds.get(kind) else {
-            return;
-        };
-        let secs = took.as_secs_f64();
-        let slot = DURATION_BUCKETS
-            .iter()
-            .position(|b| secs <= *b)
-            .unwrap_or(DURATION_BUCKETS.len());
-        k.count.fetch_add(1, Ordering::Relaxed);
-        k.sum_ns
-            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
-        k.buckets[slot].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Requests of kind `kind` so far.
-    pub fn count(&self, kind: usize) -> u64 {
-        self.kinds
-            .get(kind)
-            .map_or(0, |k| k.count.load(Ordering::Relaxed))
-    }
-}
-
-/// One allocation at scrape time.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct AllocSample {
-    /// Public id.
-    pub id: String,
-    /// GPU index.
-    pub gpu_index: u32,
-    /// GPU UUID.
-    pub gpu_uuid: String,
-    /// `namespace`, `pod`, `container` from its labels, when known.
-    pub pod: [Option<String>; 3],
-    /// Memory limit, bytes.
-    pub memory_limit: u64,
-    /// Bytes reserved in the ledger.
-    pub memory_used: u64,
-    /// Compute share, percent.
-    pub share: u32,
-    /// Compute cap, percent.
-    pub cap: Option<u32>,
-    /// Connected processes.
-    pub processes: u32,
-    /// The scheduler's counters.
-    pub sched: AllocStats,
-    /// Reservations refused at the limit.
-    pub oom_refusals: u64,
-    /// Backstop actions per reason ([`EnforceReason::ALL`]'s order).
-    pub enforced: [u64; 2],
-    /// GPU time of its processes by NVML (the backstop's reading), ns.
-    pub gpu_busy_ns: u64,
-}
-
-/// One GPU at scrape time.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct GpuSample {
-    /// Index (the last known one for a GPU that is gone).
-    pub index: u32,
-    /// UUID.
-    pub uuid: String,
-    /// Memory, bytes (`None`: the GPU is not present).
-    pub memory_total: Option<u64>,
-    /// Bytes promised to its allocations.
-    pub memory_promised: u64,
-    /// Shares promised, percent.
-    pub shares: u32,
-    /// Allocations on it.
-    pub allocations: u32,
-    /// GPU time charged on it so far, ns.
-    pub busy_ns: u64,
-}
-
-/// What one scrape reports.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Snapshot {
-    /// Live allocations.
-    pub allocs: Vec<AllocSample>,
-    /// GPUs: the discovered ones, then any an allocation names that is not present.
-    pub gpus: Vec<GpuSample>,
-    /// Admitted tenant connections.
-    pub tenant_connections: u64,
 }
 
 /// The arbiter's metrics, read from its state at every scrape.
@@ -531,15 +324,14 @@ pub fn encode_snapshot(
         &[snap.tenant_connections],
         |n| (Vec::<(&str, &str)>::new(), *n),
     )?;
-    let kinds: Vec<usize> = (0..REQUEST_KINDS.len()).collect();
     family(
         enc,
         "tessera_arbiter_requests",
         "Tenant requests handled, by type.",
         None,
         Counter,
-        &kinds,
-        |k| ([("type", REQUEST_KINDS[*k])], requests.count(*k)),
+        &RequestKind::ALL,
+        |k| ([("type", k.as_str())], requests.count(*k)),
     )?;
     let mut m = enc.encode_descriptor(
         "tessera_arbiter_request_duration",
@@ -547,20 +339,14 @@ pub fn encode_snapshot(
         Some(&Unit::Seconds),
         MetricType::Histogram,
     )?;
-    for (k, s) in requests.kinds.iter().enumerate() {
-        let labels = [("type", REQUEST_KINDS[k])];
+    for k in RequestKind::ALL {
+        let labels = [("type", k.as_str())];
         let mut e = m.encode_family(&labels)?;
-        let buckets: Vec<(f64, u64)> = DURATION_BUCKETS
-            .iter()
-            .chain(&[f64::INFINITY])
-            .zip(&s.buckets)
-            .map(|(b, c)| (*b, c.load(Ordering::Relaxed)))
-            .collect();
+        let (buckets, sum_ns) = requests.histogram(k);
         // The count is the sum of the buckets read here, so the exposition stays consistent
         // while requests are counted concurrently.
         let count = buckets.iter().map(|b| b.1).sum();
-        let sum = s.sum_ns.load(Ordering::Relaxed) as f64 / NS;
-        e.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
+        e.encode_histogram::<NoLabelSet>(sum_ns as f64 / NS, count, &buckets, None)?;
     }
     Ok(())
 }
@@ -621,6 +407,7 @@ pub async fn serve(listener: TcpListener, registry: Arc<Registry>) {
 mod tests {
     use std::collections::BTreeMap;
     use std::io::{Read, Write};
+    use std::time::Duration;
 
     use tessera_protocol::{CreateAllocation, GpuInfo, GpuSelector};
 
@@ -716,12 +503,10 @@ mod tests {
             .attach_tenant(
                 &token_a,
                 1,
-                Some(crate::backstop::Peer::without_pidfd(
-                    crate::backstop::ProcId {
-                        pid: 4242,
-                        start: 1,
-                    },
-                )),
+                Some(crate::peer::Peer::without_pidfd(crate::peer::ProcId {
+                    pid: 4242,
+                    start: 1,
+                })),
             )
             .unwrap();
         arb.with_ledger(|l| l.reserve(bind.key, 1, 100 << 20))
@@ -730,7 +515,7 @@ mod tests {
         bind.counters.refused();
         arb.note_enforced(&a.id, EnforceReason::MemoryOverLimit);
         arb.requests()
-            .observe(request_kind(&TenantRequest::Ping), Duration::from_micros(7));
+            .observe(RequestKind::Ping, Duration::from_micros(7));
         let registry = registry(Arc::clone(&arb), None);
         let text = render(&registry);
 

@@ -7,27 +7,14 @@
 //! the owner in `/proc`. The backstop ([`crate::backstop`]) attributes a GPU process that no
 //! connection or identity file names to the allocation whose live owner is its ancestor, and
 //! remembers it as a *member* (pid and start time), so it stays attributed after the owner is
-//! gone. The reaper ([`reap`], every [`REAP_EVERY`]) deletes an owned allocation once its
-//! owner is gone, no process of it is connected and no member is alive.
+//! gone. The reaper ([`crate::reaper`]) deletes an owned allocation once its owner is gone, no
+//! process of it is connected and no member is alive ([`gone`]).
 
 #![forbid(unsafe_code)]
 
 use std::collections::{HashMap, HashSet};
-use std::path::Path;
-use std::sync::Arc;
-use std::time::Duration;
 
 use tessera_protocol::ProcessOwner;
-
-use crate::state::Arbiter;
-
-/// How often the reaper looks at owned allocations.
-pub const REAP_EVERY: Duration = Duration::from_millis(250);
-
-/// An allocation restored from the state file is not reaped this soon after the arbiter
-/// started: its processes need a moment to reconnect (an interposer retries for up to 5 s), and
-/// until they have, it would look empty.
-pub const RECONNECT_GRACE: Duration = Duration::from_secs(10);
 
 pub use tessera_protocol::process::{alive, start_time, this_process};
 
@@ -103,46 +90,6 @@ pub fn owned_ancestor(
 /// What the reaper decides for one owned allocation.
 pub fn gone(owner_alive: bool, connected: usize, members_alive: usize) -> bool {
     !owner_alive && connected == 0 && members_alive == 0
-}
-
-/// One look at every owned allocation: deletes those whose owner is gone and whose processes
-/// all ended.
-pub async fn reap(arb: &Arc<Arbiter>, proc: &Path) {
-    let owned = arb.owned();
-    arb.members()
-        .retain(|id| owned.iter().any(|(o, ..)| o == id));
-    let in_grace = arb.now_ns() < RECONNECT_GRACE.as_nanos() as u64;
-    for (id, owner, connected, restored) in owned {
-        if restored && in_grace {
-            continue;
-        }
-        let owner_alive = alive(proc, owner);
-        let members = arb.members().prune(&id, |p| alive(proc, p));
-        if !gone(owner_alive, connected, members) {
-            continue;
-        }
-        match arb.delete(&id).await {
-            Ok(()) => {
-                arb.members().forget(&id);
-                tracing::info!(
-                    "deleted allocation {id}: its owner (pid {}) is gone and none of its \
-                     processes is left",
-                    owner.pid
-                );
-            }
-            Err(e) => tracing::warn!("allocation {id}: owner gone, but not deleted: {e}"),
-        }
-    }
-}
-
-/// Runs [`reap`] every [`REAP_EVERY`] until aborted.
-pub async fn reap_loop(arb: Arc<Arbiter>) {
-    let mut tick = tokio::time::interval(REAP_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        reap(&arb, Path::new("/proc")).await;
-    }
 }
 
 #[cfg(test)]

@@ -188,7 +188,9 @@ impl Server {
                 tenant_listener,
                 Arc::clone(&arbiter),
                 Arc::clone(&tenant_admission),
-                admission::accept_tenant,
+                |arb, adm, stream| {
+                    admission::accept_tenant(arb, adm, stream, crate::tenant::serve_admitted)
+                },
             ),
             accept_loop(
                 admin_listener,
@@ -197,7 +199,7 @@ impl Server {
                 admin::accept,
             ),
             tokio::spawn(Arc::clone(&tenant_admission).report("tenant", REPORT_EVERY)),
-            tokio::spawn(crate::owner::reap_loop(Arc::clone(&arbiter))),
+            tokio::spawn(crate::reaper::reap_loop(Arc::clone(&arbiter))),
             tokio::spawn(Arc::clone(&admin_admission).report("admin", REPORT_EVERY)),
         ];
         let epoch = arbiter.epoch();

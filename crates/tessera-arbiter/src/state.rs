@@ -22,13 +22,11 @@ use tessera_protocol::{
     LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD, MAX_LABEL_KEY, MAX_LABEL_VALUE, MAX_LABELS,
 };
 
-use crate::backstop::{Peer, ProcId};
 use crate::ledger::{AccountKey, ConnId, Ledger, LedgerError};
-use crate::metrics::{
-    AllocCounters, AllocSample, EnforceReason, GpuSample, RequestStats, Snapshot,
-};
+use crate::peer::{Peer, ProcId};
 use crate::pressure::PressureHub;
 use crate::scheduler::{SchedulerHandle, SchedulerParams};
+use crate::stats::{AllocCounters, AllocSample, EnforceReason, GpuSample, RequestStats, Snapshot};
 use crate::store::{self, AllocationRecord, Store, StoreError};
 
 /// Errors of admin operations, each mapped to an [`AdminErrorKind`] for the wire.
@@ -66,6 +64,28 @@ impl StateError {
             }
         }
     }
+}
+
+/// One allocation as the backstop sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Watched {
+    /// Public id.
+    pub id: String,
+    /// Memory limit, bytes.
+    pub limit: u64,
+    /// Processes that connected to the tenant socket for it (pid and start time).
+    pub pids: Vec<ProcId>,
+    /// Its secret token (what its containers' identity files hold).
+    pub token: String,
+    /// Its compute share; at 100 it holds a whole card (see `whole_gpus`).
+    pub share: u32,
+    /// The cards (NVML indexes) its processes hold wholly: its own when its share is 100,
+    /// with those of the other whole-card allocations made for the same container (one
+    /// identity, several cards; label [`tessera_protocol::LABEL_WHOLE_GROUP`]). Nobody else's
+    /// memory or time is there to protect, so the backstop does not police its processes
+    /// *there* (a pod holding whole GPUs runs without the interposer and its leases); on any
+    /// other card they are policed like any allocation's, against a limit of 0 and no lease.
+    pub whole_gpus: Vec<u32>,
 }
 
 /// What a tenant connection learns at its handshake.
@@ -528,7 +548,7 @@ impl Arbiter {
     }
 
     /// Every live allocation with the processes connected for it (for the backstop).
-    pub fn watched(&self) -> Vec<crate::backstop::Watched> {
+    pub fn watched(&self) -> Vec<Watched> {
         let live = self.live();
         let index_of = |uuid: &str| {
             self.gpus
@@ -559,7 +579,7 @@ impl Arbiter {
             gpus.dedup();
             gpus
         };
-        let listed: Vec<(crate::backstop::Watched, Vec<Peer>)> = live
+        let listed: Vec<(Watched, Vec<Peer>)> = live
             .by_id
             .values()
             .map(|a| {
@@ -572,7 +592,7 @@ impl Arbiter {
                         (ProcKey::Conn(_), _) => {}
                     }
                 }
-                let w = crate::backstop::Watched {
+                let w = Watched {
                     id: a.record.id.clone(),
                     limit: a.record.memory_limit,
                     token: a.record.token.clone(),

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use tessera_protocol::{FrameDecoder, ServerHello, TenantReply, TenantRequest};
 
-use crate::admission::TenantSlot;
+use crate::admission::{AdmittedTenant, TenantSlot};
 use crate::ledger::{ConnId, Credit, LedgerError, Reservation};
 use crate::pressure::{PressureError, PressureSink};
 use crate::scheduler::{Grant, GrantSink};
@@ -85,6 +85,12 @@ fn io_err(e: std::io::Error) -> TenantError {
 /// read) and so the arbiter's memory per connection (see docs/arbiter.md).
 pub const TENANT_FRAME_LIMIT: usize = 1024;
 
+/// Serves an admitted connection on its own thread ([`spawn`]): what the server hands
+/// [`crate::admission::accept_tenant`].
+pub fn serve_admitted(a: AdmittedTenant) -> Result<(), TenantError> {
+    spawn(a.arb, a.stream, a.conn, a.proc, a.binding, a.slot)
+}
+
 /// Serves an admitted connection (its `Hello` was read and its token accepted on the runtime,
 /// see [`crate::admission`]) on its own thread, which first sends the `Welcome`. `slot` counts
 /// the connection against the caps until the thread ends.
@@ -92,7 +98,7 @@ pub fn spawn(
     arb: Arc<Arbiter>,
     stream: tokio::net::UnixStream,
     conn: ConnId,
-    proc: Option<crate::backstop::ProcId>,
+    proc: Option<crate::peer::ProcId>,
     binding: TenantBinding,
     slot: TenantSlot,
 ) -> Result<(), TenantError> {
@@ -224,7 +230,7 @@ fn serve(
     arb: Arc<Arbiter>,
     mut stream: UnixStream,
     conn: ConnId,
-    proc: Option<crate::backstop::ProcId>,
+    proc: Option<crate::peer::ProcId>,
     binding: TenantBinding,
     _slot: TenantSlot,
 ) {
@@ -306,7 +312,7 @@ fn serve_requests(
         while let Some(req) = dec.next::<TenantRequest>().map_err(WireError::from)? {
             let first = handled == 0;
             handled = handled.saturating_add(1);
-            let kind = crate::metrics::request_kind(&req);
+            let kind = crate::stats::RequestKind::of(&req);
             if req == TenantRequest::LeaseAcquire {
                 if !leasing {
                     leasing = true;

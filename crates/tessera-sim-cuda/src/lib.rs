@@ -21,7 +21,7 @@
 //! - [`graph`]: CUDA graphs with kernel and host nodes, and stream capture.
 //! - [`proc_address`]: the name table behind `cuGetProcAddress(_v2)`.
 //!
-//! The modules form no import circle (checked by `tessera-cuda-abi`'s `import_cycles` test).
+//! The modules form no import circle (checked for every crate by `tessera-testkit`'s `import_cycles` test).
 
 // The exported entry points' safety contract is the vendor's C API documentation (valid
 // pointers of the documented types); restating it on each of them adds nothing.

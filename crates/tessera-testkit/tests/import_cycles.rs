@@ -1,4 +1,5 @@
-//! No import circles between the modules of the interposer and of the simulated driver.
+//! No import circles between the modules of any crate of the workspace, and the arbiter's layers
+//! point one way.
 //!
 //! A module graph is read from the source text: one node per top-level module (a folder module
 //! such as `launch/` with all its files is one node), one edge per `crate::NAME` path (in `use`
@@ -6,8 +7,8 @@
 //! macros is not a path of the file it is written in. Any strongly connected set of two or more
 //! modules fails the test with one circle through it.
 //!
-//! It lives here because this crate is the one that both checked crates depend on; it reads
-//! only files, so it runs in every `cargo test`.
+//! It lives in the test kit, the crate for what checks the whole workspace; it reads only files
+//! (every member listed in the root `Cargo.toml`), so it runs in every `cargo test`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
@@ -231,33 +232,117 @@ fn cycles(graph: &Graph) -> Vec<Vec<String>> {
         .collect()
 }
 
-fn assert_acyclic(crate_src: &str) {
-    let src = repo_root().join(crate_src);
-    let graph = module_graph(&src);
+/// The workspace members named in the root `Cargo.toml`'s `members = [...]`.
+fn members() -> Vec<String> {
+    let manifest = fs::read_to_string(repo_root().join("Cargo.toml")).unwrap();
+    let start = manifest.find("members = [").expect("a members list") + "members = [".len();
+    let end = start + manifest[start..].find(']').expect("the list's end");
+    manifest[start..end]
+        .split(',')
+        .map(|m| m.trim().trim_matches('"').to_owned())
+        .filter(|m| !m.is_empty())
+        .collect()
+}
+
+#[test]
+fn no_crate_of_the_workspace_has_an_import_circle() {
+    let members = members();
+    assert!(members.len() >= 16, "too few members read: {members:?}");
+    let mut checked = BTreeMap::new();
+    let mut circles = Vec::new();
+    for m in &members {
+        let src = repo_root().join(m).join("src");
+        assert!(src.is_dir(), "{m} has no src/");
+        let graph = module_graph(&src);
+        for c in cycles(&graph) {
+            circles.push(format!("{m}: {}", c.join(" -> ")));
+        }
+        checked.insert(m.as_str(), graph.len());
+    }
+    // The graph reader found the big crates' modules (a reader that finds none finds no circle).
+    for (m, at_least) in [
+        ("crates/tessera-arbiter", 15),
+        ("interpose", 10),
+        ("crates/tessera-sim-cuda", 10),
+    ] {
+        assert!(checked[m] >= at_least, "{m}: only {} modules", checked[m]);
+    }
+    assert!(circles.is_empty(), "import circles: {}", circles.join("; "));
+}
+
+/// The arbiter's layers, bottom up: pure rules and data, the state that ties them together,
+/// the services, the metrics renderer, the wiring. A module may import only from its own layer
+/// or those below (and, by the test above, without a circle); a new module must be given a
+/// layer here.
+const ARBITER_LAYERS: [&[&str]; 5] = [
+    &[
+        "gpus",
+        "ledger",
+        "owner",
+        "peer",
+        "pressure",
+        "scheduler",
+        "stats",
+        "store",
+        "wire",
+    ],
+    &["state"],
+    &["admin", "admission", "backstop", "reaper", "tenant"],
+    &["metrics"],
+    &["config", "server"],
+];
+
+fn layer_violations(graph: &Graph, layers: &[&[&str]]) -> Vec<String> {
+    let layer_of = |m: &str| layers.iter().position(|l| l.contains(&m));
+    let mut out = Vec::new();
+    for (from, tos) in graph {
+        let Some(lf) = layer_of(from) else {
+            out.push(format!("{from} has no layer"));
+            continue;
+        };
+        for to in tos {
+            match layer_of(to) {
+                Some(lt) if lt <= lf => {}
+                Some(_) => out.push(format!("{from} (layer {lf}) imports {to}, a layer above")),
+                None => out.push(format!("{to} has no layer")),
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_arbiter_layers_point_down() {
+    let graph = module_graph(&repo_root().join("crates/tessera-arbiter/src"));
+    let bad = layer_violations(&graph, &ARBITER_LAYERS);
+    assert!(bad.is_empty(), "{}", bad.join("; "));
+    // The state in particular imports no service, renderer or wiring.
     assert!(
-        graph.len() > 3,
-        "{crate_src}: too few modules found ({graph:?})"
-    );
-    let found = cycles(&graph);
-    assert!(
-        found.is_empty(),
-        "import circles in {crate_src}: {}",
-        found
+        graph["state"]
             .iter()
-            .map(|c| c.join(" -> "))
-            .collect::<Vec<_>>()
-            .join("; ")
+            .all(|m| ARBITER_LAYERS[0].contains(&m.as_str())),
+        "state imports {:?}",
+        graph["state"]
     );
 }
 
 #[test]
-fn interposer_modules_form_no_circle() {
-    assert_acyclic("interpose/src");
-}
-
-#[test]
-fn simulated_driver_modules_form_no_circle() {
-    assert_acyclic("crates/tessera-sim-cuda/src");
+fn an_import_from_a_layer_above_is_found() {
+    let d = fixture(&[
+        ("state.rs", "use crate::metrics::Snapshot;\n"),
+        ("metrics.rs", "use crate::state::Arbiter;\n"),
+        ("ledger.rs", ""),
+        ("extra.rs", "use crate::ledger::X;\n"),
+    ]);
+    let g = module_graph(&d.0);
+    let bad = layer_violations(&g, &[&["ledger"], &["state"], &["metrics"]]);
+    assert_eq!(
+        bad,
+        [
+            "extra has no layer".to_owned(),
+            "state (layer 1) imports metrics, a layer above".to_owned()
+        ]
+    );
 }
 
 /// Writes `files` (relative path, text) into a fresh folder.

@@ -1,0 +1,124 @@
+//! Naming a process so that a later process given the same pid cannot pass for it: its pid and
+//! start time ([`ProcId`]), and for a tenant connection a pidfd of the very process that
+//! connected ([`Peer`], from `SO_PEERPIDFD`). Used by admission (who connected), the state (who
+//! holds what) and the backstop (who is whose).
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+/// One process, named so that another process given the same pid later cannot pass for it:
+/// its pid and its start time (clock ticks after boot, field 22 of `/proc/<pid>/stat`; two
+/// processes holding one pid in turn cannot share a start time unless the kernel recycles
+/// the pid within one tick, a full pass over `pid_max` in 10 ms).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ProcId {
+    /// Host pid (in the arbiter's pid namespace).
+    pub pid: i32,
+    /// Start time, clock ticks after boot.
+    pub start: u64,
+}
+
+/// The start time of `pid`, clock ticks after boot, from `/proc/<pid>/stat` (field 22; the
+/// protocol's parser, the one allocation owners are named with too).
+pub fn proc_start(pid: i32) -> Option<u64> {
+    tessera_protocol::process::start_time(std::path::Path::new("/proc"), pid)
+}
+
+/// `SO_PEERPIDFD` (Linux 6.5, `asm-generic/socket.h`; not in the `libc` crate yet).
+const SO_PEERPIDFD: libc::c_int = 77;
+
+/// The process behind a tenant connection: its [`ProcId`], and a pidfd of it kept for the
+/// connection's lifetime where the kernel gives one. The pidfd says exactly whether that very
+/// process still lives (a pid reused at once, within the tick of its start time, cannot fool
+/// it); the start time still names it to the pure rules.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// Pid and start time.
+    pub id: ProcId,
+    pidfd: Option<Arc<OwnedFd>>,
+}
+
+impl Peer {
+    /// A peer known by pid and start time alone (kernels without `SO_PEERPIDFD`, tests).
+    pub fn without_pidfd(id: ProcId) -> Self {
+        Self { id, pidfd: None }
+    }
+
+    /// False once the process exited (known only with a pidfd; without one, true, and the
+    /// start time checked at every use decides).
+    pub fn is_alive(&self) -> bool {
+        self.pidfd.as_ref().is_none_or(|fd| pidfd_alive(fd))
+    }
+}
+
+/// True while the pidfd's process exists (a zombie, not yet reaped, still holds its pid).
+fn pidfd_alive(fd: &OwnedFd) -> bool {
+    // SAFETY: signal 0 only checks that the pidfd's process still exists; no memory is passed.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            fd.as_raw_fd(),
+            0,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    rc == 0
+}
+
+/// The process behind a connected Unix socket whose `SO_PEERCRED` pid is `pid`, or `None`
+/// when it exited already. The kernel's `SO_PEERPIDFD` names the very process that connected,
+/// so the start time read from `/proc` is checked to be its: read while that process is still
+/// alive (its pid cannot be reused before it is reaped). On kernels without `SO_PEERPIDFD` the
+/// start time is read alone (a process that connects and exits at once, its pid reused before
+/// this runs, could then be mistaken for the new process).
+pub fn peer_process(socket: std::os::fd::BorrowedFd<'_>, pid: i32) -> Option<Peer> {
+    if pid <= 0 {
+        return None;
+    }
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `fd`, an int, on an open socket.
+    let rc = unsafe {
+        libc::getsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_PEERPIDFD,
+            (&mut fd as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 || fd < 0 {
+        return proc_start(pid).map(|start| Peer::without_pidfd(ProcId { pid, start }));
+    }
+    // SAFETY: getsockopt returned a new pidfd that we own.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let start = proc_start(pid)?;
+    pidfd_alive(&pidfd).then(|| Peer {
+        id: ProcId { pid, start },
+        pidfd: Some(Arc::new(pidfd)),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connected_peer_is_named_by_pid_and_start_time_while_it_lives() {
+        use std::os::fd::AsFd;
+        let (here, there) = std::os::unix::net::UnixStream::pair().unwrap();
+        let me = std::process::id() as i32;
+        let got = peer_process(here.as_fd(), me).expect("our own process is alive");
+        assert_eq!(
+            got.id,
+            ProcId {
+                pid: me,
+                start: proc_start(me).unwrap()
+            }
+        );
+        assert!(got.is_alive());
+        assert!(peer_process(here.as_fd(), 0).is_none());
+        drop(there);
+    }
+}
