@@ -60,7 +60,7 @@ use crate::state::{Arbiter, Watched};
 use crate::stats::EnforceReason;
 
 /// What to do with a process that breaks its allocation's limit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Enforce {
     /// `SIGKILL` it (the default).
     Kill,
@@ -69,7 +69,7 @@ pub enum Enforce {
 }
 
 /// What to do with a process in a container that belongs to no allocation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Unknown {
     /// `SIGKILL` it (the default; `--enforce report` turns it into a report too).
     Kill,
@@ -1324,12 +1324,14 @@ impl Backstop {
         true
     }
 
-    /// Polls every interval, for ever (run it on its own thread).
-    pub fn run(mut self) {
-        loop {
-            std::thread::sleep(self.policy.interval);
+    /// Polls every interval until `stop` gets a message or its sender is dropped (run it on its
+    /// own thread; the server does).
+    pub fn run(mut self, stop: std::sync::mpsc::Receiver<()>) {
+        use std::sync::mpsc::RecvTimeoutError;
+        while let Err(RecvTimeoutError::Timeout) = stop.recv_timeout(self.policy.interval) {
             self.poll();
         }
+        tracing::info!("backstop: stopped");
     }
 }
 

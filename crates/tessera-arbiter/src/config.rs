@@ -41,7 +41,7 @@ pub struct Config {
     /// device memory (by NVML) than the limit plus the slack (and tolerance): `kill` (SIGKILL)
     /// or `report`.
     #[arg(long, value_enum, default_value = "kill")]
-    pub enforce: crate::backstop::Enforce,
+    pub enforce: EnforceArg,
     /// How often the backstop reads NVML, milliseconds; 0 turns it off.
     #[arg(long, default_value_t = 250, value_name = "MS")]
     pub backstop_interval_ms: u64,
@@ -59,7 +59,7 @@ pub struct Config {
     /// no allocation (no connection, no Tessera identity file): `kill`, `report` or `ignore`.
     /// Such processes on the host are only ever reported (or ignored).
     #[arg(long, value_enum, default_value = "kill")]
-    pub unknown_processes: crate::backstop::Unknown,
+    pub unknown_processes: UnknownArg,
     /// GPU time the allocations of a GPU that bypass its leases (kernels launched around the
     /// gate) may use together beyond the slack before the backstop kills the busiest process
     /// of each, milliseconds. Every such millisecond is also charged to its allocation's share.
@@ -131,5 +131,64 @@ impl Config {
             admitted: self.max_tenant_connections,
             guaranteed: self.guaranteed_connections_per_allocation,
         }
+    }
+}
+
+/// `--enforce`: what the backstop does with a process past its allocation's limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum EnforceArg {
+    /// `SIGKILL` it (the default).
+    Kill,
+    /// Log and count it only.
+    Report,
+}
+
+/// `--unknown-processes`: what the backstop does with a container process that belongs to no
+/// allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum UnknownArg {
+    /// `SIGKILL` it (`--enforce report` turns it into a report too).
+    Kill,
+    /// Log it once.
+    Report,
+    /// Say nothing.
+    Ignore,
+}
+
+impl From<EnforceArg> for crate::backstop::Enforce {
+    fn from(a: EnforceArg) -> Self {
+        match a {
+            EnforceArg::Kill => Self::Kill,
+            EnforceArg::Report => Self::Report,
+        }
+    }
+}
+
+impl From<UnknownArg> for crate::backstop::Unknown {
+    fn from(a: UnknownArg) -> Self {
+        match a {
+            UnknownArg::Kill => Self::Kill,
+            UnknownArg::Report => Self::Report,
+            UnknownArg::Ignore => Self::Ignore,
+        }
+    }
+}
+
+impl Config {
+    /// The backstop's policy from these flags; `None` when `--backstop-interval-ms 0` turns it
+    /// off.
+    pub fn backstop_policy(&self) -> Option<crate::backstop::Policy> {
+        use crate::backstop::{Policy, Tolerance};
+        (self.backstop_interval_ms > 0).then(|| Policy {
+            interval: std::time::Duration::from_millis(self.backstop_interval_ms),
+            memory_tolerance: Tolerance {
+                per_allocation: self.backstop_slack_mib.saturating_mul(1 << 20),
+                per_process: self.backstop_tolerance_mib.saturating_mul(1 << 20),
+            },
+            enforce: self.enforce.into(),
+            unknown: self.unknown_processes.into(),
+            compute_threshold: std::time::Duration::from_millis(self.compute_bypass_ms),
+            compute_slack: (self.compute_slack_percent / 100.0).clamp(0.0, 1.0),
+        })
     }
 }

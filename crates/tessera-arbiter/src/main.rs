@@ -12,11 +12,8 @@
 #![forbid(unsafe_code)]
 
 use std::process::ExitCode;
-use std::sync::Arc;
-use std::time::Duration;
 
 use clap::Parser;
-use tessera_arbiter::backstop;
 use tessera_arbiter::config::Config;
 use tessera_arbiter::gpus::{GpuDiscovery, GpusError, NvmlDiscovery};
 use tessera_arbiter::scheduler::SchedulerParams;
@@ -39,10 +36,6 @@ enum MainError {
     Signals(#[source] std::io::Error),
     #[error(transparent)]
     Server(#[from] ServerError),
-    #[error("cannot start the backstop: {0}")]
-    Backstop(#[source] GpusError),
-    #[error("cannot start the backstop thread: {0}")]
-    BackstopThread(#[source] std::io::Error),
 }
 
 impl MainError {
@@ -63,8 +56,7 @@ impl MainError {
             MainError::Server(ServerError::State(_)) => 5,
             MainError::Runtime(_)
             | MainError::Signals(_)
-            | MainError::Backstop(_)
-            | MainError::BackstopThread(_) => 1,
+            | MainError::Server(ServerError::Backstop(_) | ServerError::BackstopThread(_)) => 1,
         }
     }
 }
@@ -115,30 +107,6 @@ async fn serve(config: Config, gpus: Vec<GpuInfo>) -> Result<(), MainError> {
     let mut term = signal(SignalKind::terminate()).map_err(MainError::Signals)?;
     let mut int = signal(SignalKind::interrupt()).map_err(MainError::Signals)?;
     let server = Server::start(&config, gpus, SchedulerParams::default()).await?;
-    if config.backstop_interval_ms > 0 {
-        let policy = backstop::Policy {
-            interval: Duration::from_millis(config.backstop_interval_ms),
-            memory_tolerance: backstop::Tolerance {
-                per_allocation: config.backstop_slack_mib.saturating_mul(1 << 20),
-                per_process: config.backstop_tolerance_mib.saturating_mul(1 << 20),
-            },
-            enforce: config.enforce,
-            unknown: config.unknown_processes,
-            compute_threshold: Duration::from_millis(config.compute_bypass_ms),
-            compute_slack: (config.compute_slack_percent / 100.0).clamp(0.0, 1.0),
-        };
-        let b = backstop::Backstop::new(
-            Arc::clone(server.arbiter()),
-            policy,
-            config.nvml_lib.as_deref().map(std::path::Path::as_os_str),
-            &config.host_mount_ns,
-        )
-        .map_err(MainError::Backstop)?;
-        std::thread::Builder::new()
-            .name("backstop".into())
-            .spawn(move || b.run())
-            .map_err(MainError::BackstopThread)?;
-    }
     tracing::info!(
         "serving tenants on {} and admin on {} (state in {})",
         config.socket.display(),

@@ -396,11 +396,15 @@ pub async fn bind(addr: SocketAddr) -> Result<TcpListener, MetricsError> {
         .map_err(|source| MetricsError::Bind { addr, source })
 }
 
-/// Serves `GET /metrics` on `listener` until the task is dropped (`tessera_exporter::serve`:
+/// Serves `GET /metrics` on `listener` until `shutdown` completes (`tessera_exporter::serve`:
 /// bounded scrapers, a deadline per connection).
-pub async fn serve(listener: TcpListener, registry: Arc<Registry>) {
+pub async fn serve(
+    listener: TcpListener,
+    registry: Arc<Registry>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
     let text: tessera_exporter::Render = Arc::new(move || render(&registry));
-    tessera_exporter::serve(listener, text, std::future::pending()).await;
+    tessera_exporter::serve(listener, text, shutdown).await;
 }
 
 #[cfg(test)]
@@ -678,7 +682,7 @@ mod tests {
         let listener = rt.block_on(bind("127.0.0.1:0".parse().unwrap())).unwrap();
         let addr = listener.local_addr().unwrap();
         let reg = Arc::new(registry(arb, None));
-        rt.spawn(serve(listener, reg));
+        rt.spawn(serve(listener, reg, std::future::pending()));
         // Clients that connect and say nothing hold a slot each, not the server.
         let _silent: Vec<_> = (0..tessera_exporter::MAX_SCRAPERS - 3)
             .map(|_| std::net::TcpStream::connect(addr).unwrap())

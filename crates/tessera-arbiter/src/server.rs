@@ -1,6 +1,8 @@
 //! Start-up and shutdown: binds both sockets, spawns the accept loops (each connection goes
-//! through [`crate::admission`] first) and the scheduler timers, and on shutdown removes the
-//! sockets and persists the allocations.
+//! through [`crate::admission`] first), the scheduler timers, the reaper, the metrics endpoint
+//! and the backstop's thread; on shutdown stops every one of them (the metrics endpoint and the
+//! backstop finish what they are doing first), removes the sockets and persists the
+//! allocations.
 
 use std::fs;
 use std::io;
@@ -47,6 +49,19 @@ pub enum ServerError {
     /// The metrics endpoint could not listen.
     #[error(transparent)]
     Metrics(#[from] crate::metrics::MetricsError),
+    /// The backstop could not load NVML.
+    #[error("cannot start the backstop: {0}")]
+    Backstop(#[source] crate::gpus::GpusError),
+    /// The backstop's thread could not be started.
+    #[error("cannot start the backstop thread: {0}")]
+    BackstopThread(#[source] io::Error),
+}
+
+/// The backstop's thread and the sender that stops it.
+#[derive(Debug)]
+struct BackstopThread {
+    stop: std::sync::mpsc::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
 }
 
 /// A running arbiter.
@@ -58,6 +73,9 @@ pub struct Server {
     tenant_admission: Arc<Admission>,
     admin_admission: Arc<Admission>,
     metrics_addr: Option<std::net::SocketAddr>,
+    /// The metrics endpoint and what stops it.
+    metrics: Option<(tokio::sync::oneshot::Sender<()>, JoinHandle<()>)>,
+    backstop: Option<BackstopThread>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -206,14 +224,29 @@ impl Server {
         for s in arbiter.schedulers() {
             tasks.push(tokio::spawn(s.run_timer(epoch)));
         }
-        if let Some(listener) = metrics {
+        let metrics = metrics.map(|listener| {
             let registry =
                 metrics::registry(Arc::clone(&arbiter), Some(Arc::clone(&tenant_admission)));
-            tasks.push(tokio::spawn(metrics::serve(listener, Arc::new(registry))));
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let task = tokio::spawn(metrics::serve(listener, Arc::new(registry), async {
+                let _ = stopped.await;
+            }));
             if let Some(addr) = metrics_addr {
                 tracing::info!("metrics on http://{addr}/metrics");
             }
-        }
+            (stop, task)
+        });
+        let backstop = match start_backstop(config, &arbiter) {
+            Ok(b) => b,
+            Err(e) => {
+                for t in &tasks {
+                    t.abort();
+                }
+                let _ = fs::remove_file(&config.socket);
+                let _ = fs::remove_file(&config.admin_socket);
+                return Err(e);
+            }
+        };
         Ok(Self {
             arbiter,
             socket: config.socket.clone(),
@@ -221,6 +254,8 @@ impl Server {
             tenant_admission,
             admin_admission,
             metrics_addr,
+            metrics,
+            backstop,
             tasks,
         })
     }
@@ -245,10 +280,26 @@ impl Server {
         &self.admin_admission
     }
 
-    /// Stops accepting, removes the sockets and persists the allocations.
+    /// Stops every task and the backstop, removes the sockets and persists the allocations.
     pub async fn shutdown(self) -> Result<(), ServerError> {
+        // Accept loops, timers and the reaper hold nothing in flight: stopped where they wait.
         for t in &self.tasks {
             t.abort();
+        }
+        // The metrics endpoint answers the scrapes it has begun, then returns.
+        if let Some((stop, task)) = self.metrics {
+            let _ = stop.send(());
+            let _ = task.await;
+        }
+        // The backstop finishes its poll (a poll acts on what it read) and returns.
+        if let Some(b) = self.backstop {
+            drop(b.stop);
+            if tokio::task::spawn_blocking(move || b.thread.join())
+                .await
+                .is_err()
+            {
+                tracing::warn!("the backstop thread could not be joined");
+            }
         }
         for p in [&self.socket, &self.admin_socket] {
             if let Err(e) = fs::remove_file(p)
@@ -260,4 +311,27 @@ impl Server {
         self.arbiter.persist_all().await?;
         Ok(())
     }
+}
+
+/// Loads NVML for the backstop and starts its thread (none with `--backstop-interval-ms 0`).
+fn start_backstop(
+    config: &Config,
+    arbiter: &Arc<Arbiter>,
+) -> Result<Option<BackstopThread>, ServerError> {
+    let Some(policy) = config.backstop_policy() else {
+        return Ok(None);
+    };
+    let b = crate::backstop::Backstop::new(
+        Arc::clone(arbiter),
+        policy,
+        config.nvml_lib.as_deref().map(Path::as_os_str),
+        &config.host_mount_ns,
+    )
+    .map_err(ServerError::Backstop)?;
+    let (stop, stopped) = std::sync::mpsc::channel();
+    let thread = std::thread::Builder::new()
+        .name("backstop".into())
+        .spawn(move || b.run(stopped))
+        .map_err(ServerError::BackstopThread)?;
+    Ok(Some(BackstopThread { stop, thread }))
 }

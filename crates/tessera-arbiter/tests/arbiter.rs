@@ -607,6 +607,14 @@ fn restart_keeps_allocations_and_tenants_redeclare() {
         !dir.path().join("tessera.sock").exists(),
         "sockets removed at shutdown"
     );
+    // The server stopped the backstop's thread before exiting.
+    let log: String = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "log"))
+        .map(|p| std::fs::read_to_string(p).unwrap())
+        .collect();
+    assert!(log.contains("backstop: stopped"), "{log}");
     assert!(!dir.path().join("admin.sock").exists());
     let state = dir.path().join("state/allocations.json");
     assert_eq!(

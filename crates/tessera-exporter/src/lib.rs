@@ -98,7 +98,11 @@ pub async fn serve(listener: TcpListener, render: Render, shutdown: impl Future<
                     continue;
                 }
             },
-            () = &mut shutdown => return,
+            () = &mut shutdown => {
+                // Drain: the scrapes already accepted finish (each within its deadline).
+                let _ = slots.acquire_many(MAX_SCRAPERS as u32).await;
+                return;
+            }
         };
         let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
             // Too many scrapers at once: closing is the cheapest answer.
