@@ -814,6 +814,18 @@ impl Session {
     /// The memory socket itself is only polled with a zero timeout: a thread blocked in `poll`
     /// on it would be woken by every frame that passes (two context switches per request).
     pub fn watch_once(&'static self) {
+        #[cfg(test)]
+        if tests::PANIC_IN_WATCHER
+            .compare_exchange(
+                self as *const Self as usize,
+                0,
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            )
+            .is_ok()
+        {
+            panic!("injected: a panic in the watcher");
+        }
         let generation = self.generation.load(Ordering::Acquire);
         let before = self.credit.load(Ordering::SeqCst);
         // Arm before looking at the credit: a free after this point wakes us again.
@@ -906,9 +918,12 @@ impl Session {
             .name("tessera-watch".into())
             .stack_size(64 * 1024)
             .spawn(move || {
-                loop {
-                    self.watch_once();
-                }
+                // A panic mid-look leaves nothing half-done that matters: the link's lock is
+                // released on unwind, and `watcher_died` then gives every byte of credit back.
+                let look =
+                    || std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.watch_once()));
+                while look().is_ok() {}
+                self.watcher_died();
             });
         match spawned {
             Ok(_) => {
@@ -930,6 +945,23 @@ impl Session {
                 false
             }
         }
+    }
+
+    /// The watcher thread panicked: nobody answers pressure or flushes deferred releases any
+    /// more, so the process keeps no credit. The channel is closed (which makes [`Self::keep`]
+    /// 0), frees send their releases at once from now on, and the credit held is given back.
+    fn watcher_died(&'static self) {
+        tlog!(
+            Error,
+            "the watcher thread failed: this process now keeps no memory credit (every free is announced at once)"
+        );
+        let fd = self.wake_fd.swap(-1, Ordering::AcqRel);
+        if fd >= 0 {
+            // SAFETY: our own eventfd; no one reads it any more (frees see -1 from now on).
+            unsafe { libc::close(fd) };
+        }
+        self.close_channel();
+        self.try_flush();
     }
 
     /// In a forked child: close the inherited sockets without sending anything on them, so
@@ -1148,6 +1180,41 @@ mod tests {
         assert_eq!(s.limit(), None);
     }
 
+    /// The session whose watcher panics at its next look (its address; 0: none).
+    pub(super) static PANIC_IN_WATCHER: std::sync::atomic::AtomicUsize =
+        std::sync::atomic::AtomicUsize::new(0);
+
+    #[test]
+    fn a_watcher_that_panics_leaves_no_credit_and_frees_still_reach_the_arbiter() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("t.sock");
+        let arb = MockArbiter::start(&sock, 1000);
+        let s = session(&sock, TOKEN, policy(3000, true));
+        s.reserve(300).unwrap();
+        arb.wait_for("channel", |a| a.channels() == 1);
+        PANIC_IN_WATCHER.store(s as *const Session as usize, Ordering::Release);
+        // A free wakes the watcher, which panics at its next look.
+        s.release(100);
+        let end = Instant::now() + Duration::from_secs(5);
+        while s.has_channel() {
+            assert!(Instant::now() < end, "the watcher's panic left the channel open");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(
+            PANIC_IN_WATCHER.load(Ordering::Acquire),
+            0,
+            "it never looked"
+        );
+        assert_eq!(s.keep(), 0, "credit kept with nobody to answer pressure");
+        // What the process does not use is back at the arbiter, and frees go at once.
+        arb.wait_for("credit returned", |a| a.in_use() == 200);
+        s.release(150);
+        arb.wait_for("a free announced at once", |a| a.in_use() == 50);
+        // Allocations still work.
+        s.reserve(500).unwrap();
+        arb.wait_for("reserved", |a| a.in_use() >= 550);
+    }
+
     #[test]
     fn watcher_redeclares_for_an_idle_process() {
         let dir = tempfile::tempdir().unwrap();
@@ -1242,7 +1309,9 @@ mod tests {
             &sock,
             TOKEN,
             Policy {
-                tick: Duration::from_millis(100),
+                // The idle return comes a tick after the free, the flush after the 1 ms
+                // release delay: a tick long enough that even a loaded machine tells them apart.
+                tick: Duration::from_secs(1),
                 ..policy(3000, true)
             },
         );
@@ -1250,11 +1319,11 @@ mod tests {
         arb.wait_for("channel", |a| a.channels() == 1);
         let t = Instant::now();
         s.release(600 * MIB);
-        // Down to the two granules kept, within a few milliseconds.
+        // Down to the two granules kept, after the release delay and before the tick.
         arb.wait_for("flush above keep", |a| a.in_use() == 64 * MIB);
         assert!(
-            t.elapsed() < Duration::from_millis(90),
-            "flushed after {:?}",
+            t.elapsed() < Duration::from_secs(1),
+            "flushed after {:?}, not within the release delay",
             t.elapsed()
         );
         assert_eq!(s.credit(), 64 * MIB);

@@ -114,6 +114,33 @@ impl DriverEvents {
     }
 }
 
+#[cfg(test)]
+impl DriverEvents {
+    /// An event API that does nothing and succeeds: for gate tests whose fake manager never
+    /// calls it, so the gate believes the driver can gate launches.
+    pub(super) fn inert() -> Option<Self> {
+        unsafe extern "C" fn ok1<T>(_: T) -> CUresult {
+            CUDA_SUCCESS
+        }
+        unsafe extern "C" fn ok2<T, U>(_: T, _: U) -> CUresult {
+            CUDA_SUCCESS
+        }
+        unsafe extern "C" fn ok3<T, U, V>(_: T, _: U, _: V) -> CUresult {
+            CUDA_SUCCESS
+        }
+        Some(Self {
+            ctx_get: ok1::<*mut CUcontext>,
+            ctx_set: ok1::<CUcontext>,
+            ev_create: ok2::<*mut CUevent, std::ffi::c_uint>,
+            ev_record: ok2::<CUevent, CUstream>,
+            ev_query: ok1::<CUevent>,
+            ev_elapsed: ok3::<*mut f32, CUevent, CUevent>,
+            ev_destroy: ok1::<CUevent>,
+            is_capturing: None,
+        })
+    }
+}
+
 static DRIVER: OnceLock<Option<DriverEvents>> = OnceLock::new();
 
 /// The real driver's functions, resolved once (`None`: a driver without the event API, where

@@ -142,6 +142,12 @@ pub struct Gate {
     pub(super) companion: fn() -> Option<u64>,
     /// The process cannot prove its allocation: every launch fails (see [`Gate::closed`]).
     closed: bool,
+    /// The lease manager panicked (in a launcher asking for a lease, or on its thread): the
+    /// gate is closed from then on, every launch fails instead of waiting for a lease that
+    /// never comes (see [`Gate::fail`]).
+    failed: AtomicBool,
+    /// Where the driver's event API comes from ([`driver_events`]; a fake in unit tests).
+    events: fn() -> Option<DriverEvents>,
     /// The lease connection's fd (closed by hand in a forked child).
     pub(super) lease_fd: AtomicI32,
     /// Set while the manager waits for work in flight to drain: a synchronise returning then
@@ -189,6 +195,8 @@ impl Gate {
             token,
             companion: || None,
             closed: false,
+            failed: AtomicBool::new(false),
+            events: driver_events,
             lease_fd: AtomicI32::new(-1),
             watch: AtomicBool::new(false),
             origin: Instant::now(),
@@ -200,6 +208,13 @@ impl Gate {
     /// connection lives above this module, so it is passed in rather than imported).
     pub fn with_companion(mut self, ticket: fn() -> Option<u64>) -> Self {
         self.companion = ticket;
+        self
+    }
+
+    /// The same gate with another source of the driver's event API (unit tests).
+    #[cfg(test)]
+    pub(super) fn with_events(mut self, events: fn() -> Option<DriverEvents>) -> Self {
+        self.events = events;
         self
     }
 
@@ -240,12 +255,11 @@ impl Gate {
         }
         let mut slot = slot;
         if self.credits.fetch_sub(1, Ordering::AcqRel) <= 0 {
-            if self.closed {
+            if self.closed || !self.wait_for_credit() {
                 // No lease ever comes: credits stay at or below zero, so this is the slow path.
                 self.credits.fetch_add(1, Ordering::AcqRel);
                 return CUDA_ERROR_NOT_PERMITTED;
             }
-            self.wait_for_credit();
             // Waiting may have spanned a new lease: mark the stream under its epoch.
             slot = self.slot(handle, kind);
         }
@@ -355,19 +369,20 @@ impl Gate {
     /// Without a credit: the first waiting launcher asks the arbiter for the lease itself and
     /// starts it (so the grant wakes the thread that launches, not a manager that would then
     /// have to wake it), then hands it to the manager thread to run; other launchers wait.
+    /// False when the gate has failed ([`Gate::fail`]): the launch must not run.
     #[cold]
-    fn wait_for_credit(&'static self) {
+    fn wait_for_credit(&'static self) -> bool {
         let asked = self.now_ns();
         let mut sh = self.lock_shared();
         if !sh.manager_started {
             sh.manager_started = true;
-            if driver_events().is_none() {
+            if (self.events)().is_none() {
                 tlog!(
                     Warn,
                     "the driver lacks the event API: kernel launches are not gated"
                 );
                 self.credits.store(UNGATED, Ordering::Release);
-                return;
+                return true;
             }
             let spawned = std::thread::Builder::new()
                 .name("tessera-lease".into())
@@ -379,17 +394,32 @@ impl Gate {
                     "cannot start the lease manager; launches are not gated"
                 );
                 self.credits.store(UNGATED, Ordering::Release);
-                return;
+                return true;
             }
         }
         loop {
+            if self.failed.load(Ordering::Acquire) {
+                return false;
+            }
             if self.credits.fetch_sub(1, Ordering::AcqRel) > 0 {
-                return;
+                return true;
             }
             if !sh.acquiring && !sh.leasing && sh.begun.is_none() {
                 sh.acquiring = true;
                 drop(sh);
-                let begun = self.acquire_and_begin(asked);
+                let begun = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    self.acquire_and_begin(asked)
+                }));
+                let begun = match begun {
+                    Ok(b) => b,
+                    Err(_) => {
+                        // The manager's state is unknown: drop it (its lease connection with
+                        // it, so the arbiter ends the lease) and close the gate.
+                        *self.lock_mgr() = None;
+                        self.fail("asking for a lease");
+                        return false;
+                    }
+                };
                 sh = self.lock_shared();
                 sh.acquiring = false;
                 sh.begun = begun;
@@ -410,6 +440,26 @@ impl Gate {
         }
     }
 
+    /// The lease manager panicked while `what`: no lease will be run or reported again, so the
+    /// gate closes for good rather than leave launchers waiting for one. It logs once, takes
+    /// every credit away and wakes every waiter; their launches (and all later ones) fail with
+    /// `CUDA_ERROR_NOT_PERMITTED`, so the application sees an error instead of a hang, and it
+    /// never runs GPU work outside a lease.
+    fn fail(&self, what: &str) {
+        let mut sh = self.lock_shared();
+        if !self.failed.swap(true, Ordering::AcqRel) {
+            tlog!(
+                Error,
+                "the lease manager failed while {what}: kernel launches now fail with CUDA_ERROR_NOT_PERMITTED"
+            );
+        }
+        self.credits.store(i64::MIN / 2, Ordering::Release);
+        sh.acquiring = false;
+        sh.leasing = false;
+        sh.begun = None;
+        self.launchers.notify_all();
+    }
+
     fn lock_mgr(&self) -> MutexGuard<'_, Option<Box<dyn Manage>>> {
         self.mgr.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -419,7 +469,7 @@ impl Gate {
     fn acquire_and_begin(&'static self, asked: u64) -> Option<Begun> {
         let mut guard = self.lock_mgr();
         if guard.is_none() {
-            let Some(events) = driver_events() else {
+            let Some(events) = (self.events)() else {
                 // Unreachable: the manager starts only with the event API.
                 self.set_credits(UNGATED);
                 return None;
@@ -473,8 +523,20 @@ impl Gate {
                     sh = self.manager.wait(sh).unwrap_or_else(|e| e.into_inner());
                 }
             };
-            if let Some(m) = self.lock_mgr().as_mut() {
-                m.run_lease(begun);
+            {
+                let mut guard = self.lock_mgr();
+                let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    if let Some(m) = guard.as_mut() {
+                        m.run_lease(begun);
+                    }
+                }));
+                if ran.is_err() {
+                    // As in `wait_for_credit`: the lease connection goes with the manager.
+                    *guard = None;
+                    drop(guard);
+                    self.fail("running a lease");
+                    continue;
+                }
             }
             // Threads still waiting: one of them asks for the next lease.
             let mut sh = self.lock_shared();
@@ -569,5 +631,101 @@ mod tests {
             "the manager sees a new stream in the slot"
         );
         assert_eq!(gate.use_stream(0x7000, ctx, 4), a, "the slot is reused");
+    }
+
+    /// A lease manager that grants one credit per lease and panics where told to.
+    struct Panicky {
+        gate: &'static Gate,
+        panic_acquiring: bool,
+    }
+
+    impl Manage for Panicky {
+        fn acquire_and_begin(&mut self, asked: u64) -> Begun {
+            assert!(
+                !self.panic_acquiring,
+                "injected: a panic asking for a lease"
+            );
+            self.gate.set_credits(1);
+            Begun {
+                started: Started {
+                    id: Some(1),
+                    duration_ns: 1_000_000,
+                    start: asked,
+                    first: 1,
+                },
+                epoch: 1,
+            }
+        }
+
+        fn run_lease(&mut self, _: Begun) {
+            panic!("injected: a panic running a lease");
+        }
+    }
+
+    fn panicky_gate(panic_acquiring: bool) -> &'static Gate {
+        fn running(gate: &'static Gate, _: DriverEvents) -> Box<dyn Manage> {
+            Box::new(Panicky {
+                gate,
+                panic_acquiring: false,
+            })
+        }
+        fn asking(gate: &'static Gate, _: DriverEvents) -> Box<dyn Manage> {
+            Box::new(Panicky {
+                gate,
+                panic_acquiring: true,
+            })
+        }
+        let make: NewManager = if panic_acquiring { asking } else { running };
+        Box::leak(Box::new(
+            Gate::with_manager(None, "t".into(), make).with_events(DriverEvents::inert),
+        ))
+    }
+
+    /// Launches from `threads` threads `per_thread` times each; every launch must return, and
+    /// the codes are counted (success, not permitted).
+    fn launch_from_threads(gate: &'static Gate, threads: usize, per_thread: usize) -> (u32, u32) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        for _ in 0..threads {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for _ in 0..per_thread {
+                    let r = gate.launch(std::ptr::null_mut(), false, || CUDA_SUCCESS);
+                    tx.send(r).unwrap();
+                }
+            });
+        }
+        drop(tx);
+        let (mut ok, mut refused) = (0, 0);
+        for _ in 0..threads * per_thread {
+            // A hang is the failure this guards against: every launch answers well within this.
+            match rx.recv_timeout(Duration::from_secs(20)) {
+                Ok(CUDA_SUCCESS) => ok += 1,
+                Ok(CUDA_ERROR_NOT_PERMITTED) => refused += 1,
+                Ok(other) => panic!("launch returned {other}"),
+                Err(e) => panic!("a launch never returned ({e}): the tenant hangs"),
+            }
+        }
+        (ok, refused)
+    }
+
+    #[test]
+    fn a_lease_manager_that_panics_running_a_lease_fails_launches_instead_of_hanging() {
+        let gate = panicky_gate(false);
+        let (ok, refused) = launch_from_threads(gate, 4, 50);
+        // The first lease's one credit may be used before the manager panics; nothing after.
+        assert!(ok <= 1, "{ok} launches ran after the lease manager died");
+        assert_eq!(ok + refused, 200);
+        assert!(gate.failed.load(Ordering::Relaxed));
+        assert!(gate.lock_mgr().is_none(), "the broken manager was kept");
+    }
+
+    #[test]
+    fn a_launcher_that_panics_asking_for_a_lease_fails_launches_instead_of_hanging() {
+        let gate = panicky_gate(true);
+        let (ok, refused) = launch_from_threads(gate, 4, 50);
+        assert_eq!((ok, refused), (0, 200));
+        assert!(gate.failed.load(Ordering::Relaxed));
+        let sh = gate.lock_shared();
+        assert!(!sh.acquiring && !sh.leasing, "left the gate mid-lease");
     }
 }
