@@ -14,7 +14,9 @@
 //! - [`cdi`]: the per-claim CDI spec (interposer, preload, identity, visible devices).
 //! - [`prepare`]: prepare / unprepare over the arbiter, idempotent, the arbiter's labels as
 //!   checkpoint.
-//! - [`apiserver`]: the HTTP + JSON client for ResourceClaims and ResourceSlices.
+//! - [`apiserver`]: the API server calls (get ResourceClaims; list, create, replace, delete
+//!   ResourceSlices) behind a small trait, implemented with kube-rs.
+//! - [`cleanup`]: pure rules: which prepared claims nothing uses any more.
 //! - [`inventory`]: the node's GPUs and their attributes from NVML and sysfs.
 //! - [`publish`]: keeps the node's ResourceSlice current; removes it on shutdown.
 //! - [`service`]: the `DRAPlugin` and `Registration` gRPC services.
@@ -25,6 +27,7 @@
 pub mod apiserver;
 pub mod cdi;
 pub mod claim;
+pub mod cleanup;
 pub mod inventory;
 pub mod plugin;
 pub mod prepare;

@@ -1,8 +1,10 @@
 //! The gRPC services: `DRAPlugin` (prepare and unprepare, thin over [`crate::prepare`]) and
 //! `Registration` (what the kubelet's plugin watcher asks through the registration socket).
 //!
-//! Prepares and unprepares run one at a time (a lock): each lists the arbiter's allocations
-//! and sweeps identity files of deleted ones, which must not race a neighbour's prepare.
+//! Prepares, unprepares and the clean-up of claims nothing uses ([`DraService::release_unused`],
+//! rules in [`crate::cleanup`]) run one at a time (a lock): each lists the arbiter's
+//! allocations and sweeps identity files of deleted ones, which must not race a neighbour's
+//! prepare.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -12,8 +14,9 @@ use tessera_protocol::client::AdminClient;
 use tokio::sync::{Mutex, watch};
 use tonic::{Request, Response, Status};
 
-use crate::apiserver::ApiClient;
+use crate::apiserver::KubeApi;
 use crate::claim::{self, DRIVER, NodeGpu};
+use crate::cleanup::{self, Lookup, Release};
 use crate::prepare::{self, ClaimRef, PrepareError, PreparedDevice, Settings};
 use crate::proto::dra::dra_plugin_server::DraPlugin;
 use crate::proto::dra::{
@@ -31,7 +34,7 @@ use crate::slices::GpuAttrs;
 /// What the DRA service works with.
 pub struct DraService {
     /// The API server.
-    pub api: ApiClient,
+    pub api: Arc<dyn KubeApi>,
     /// The arbiter's admin socket.
     pub admin_socket: PathBuf,
     /// Files and wiring.
@@ -108,6 +111,61 @@ async fn blocking<T: Send + 'static>(
     .await
     .map_err(|e| format!("prepare task failed: {e}"))?
     .map_err(|e| format!("{DRIVER} (arbiter at {shown}): {e}"))
+}
+
+impl DraService {
+    /// Unprepares every claim this plugin prepared that nothing uses any more (deleted,
+    /// re-created, or reserved by no pod: [`cleanup::verdict`]); claims the API server gives
+    /// no definite answer about are kept. Returns the released claims' uids with the reason.
+    pub async fn release_unused(&self) -> Result<Vec<(String, Release)>, String> {
+        let _guard = self.lock.lock().await;
+        let all = blocking(self.admin_socket.clone(), |a| {
+            tessera_device_plugin::arbiter::Arbiter::list(a).map_err(PrepareError::from)
+        })
+        .await?;
+        let mut released = Vec::new();
+        for c in cleanup::prepared_claims(&all) {
+            let got = self.api.get_claim(&c.namespace, &c.name).await;
+            let lookup = match &got {
+                Ok(obj) => Lookup::Found(obj),
+                Err(e) if e.is_not_found() => Lookup::NotFound,
+                Err(e) => {
+                    tracing::warn!(
+                        "claim check {}/{}: {e}; kept until a definite answer",
+                        c.namespace,
+                        c.name
+                    );
+                    Lookup::Failed
+                }
+            };
+            let Some(why) = cleanup::verdict(&c.uid, lookup) else {
+                continue;
+            };
+            let (uid, settings) = (c.uid.clone(), self.settings.clone());
+            match blocking(self.admin_socket.clone(), move |a| {
+                prepare::unprepare(a, &uid, &settings)
+            })
+            .await
+            {
+                Ok(n) => {
+                    tracing::info!(
+                        "released claim {}/{} ({}): {why}; {n} allocations deleted",
+                        c.namespace,
+                        c.name,
+                        c.uid
+                    );
+                    released.push((c.uid, why));
+                }
+                Err(e) => tracing::warn!(
+                    "releasing claim {}/{} ({}): {e}",
+                    c.namespace,
+                    c.name,
+                    c.uid
+                ),
+            }
+        }
+        Ok(released)
+    }
 }
 
 #[tonic::async_trait]

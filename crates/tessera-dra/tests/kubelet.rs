@@ -241,7 +241,8 @@ impl Node {
 }
 
 /// A claim as the scheduler leaves it: one request, one result on `device` (with
-/// consumedCapacity and a shareID for a fraction; neither for a whole GPU).
+/// consumedCapacity and a shareID for a fraction; neither for a whole GPU), reserved for one
+/// pod.
 fn claim(name: &str, uid: &str, device: &str, capacity: Option<(&str, &str)>) -> Value {
     let mut result = json!({
         "request": "gpu", "driver": DRIVER, "pool": NODE, "device": device,
@@ -261,11 +262,15 @@ fn claim(name: &str, uid: &str, device: &str, capacity: Option<(&str, &str)>) ->
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"name": name, "namespace": "team-a", "uid": uid},
         "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
-        "status": {"allocation": {
-            "devices": {"results": [result]},
-            "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
-                {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}
-        }}
+        "status": {
+            "allocation": {
+                "devices": {"results": [result]},
+                "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                    {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}
+            },
+            "reservedFor": [{"resource": "pods", "name": format!("{name}-pod"),
+                             "uid": format!("pod-{uid}")}]
+        }
     })
 }
 
