@@ -589,11 +589,18 @@ async fn refusals_are_per_claim_and_create_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publishes_a_valid_slice_with_one_device_per_gpu_and_removes_it_on_shutdown() {
     let mut node = Node::start();
-    // A NUMA node in the stand-in sysfs for the first simulated card (bus 01); none for the
-    // second.
-    let numa = node.path("sys/bus/pci/devices/0000:01:00.0");
-    std::fs::create_dir_all(&numa).unwrap();
-    std::fs::write(numa.join("numa_node"), "1\n").unwrap();
+    // A stand-in sysfs for the first simulated card (bus 01) laid out as Linux does: the
+    // device under its root bridge with a NUMA node, and the bus folder's link to it. The
+    // second card has none (as the simulator, which has no sysfs).
+    let dev = node.path("sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0");
+    std::fs::create_dir_all(&dev).unwrap();
+    std::fs::write(dev.join("numa_node"), "1\n").unwrap();
+    std::fs::create_dir_all(node.path("sys/bus/pci/devices")).unwrap();
+    std::os::unix::fs::symlink(
+        "../../../devices/pci0000:00/0000:00:01.0/0000:01:00.0",
+        node.path("sys/bus/pci/devices/0000:01:00.0"),
+    )
+    .unwrap();
     node.start_plugin();
     let slice = {
         let api = &node.api;
@@ -643,6 +650,15 @@ async fn publishes_a_valid_slice_with_one_device_per_gpu_and_removes_it_on_shutd
 
     assert_eq!(devices[0]["attributes"]["numaNode"]["int"], 1);
     assert!(devices[1]["attributes"].get("numaNode").is_none());
+    assert_eq!(
+        devices[0]["attributes"]["resource.kubernetes.io/pcieRoot"]["string"],
+        "pci0000:00"
+    );
+    assert!(
+        devices[1]["attributes"]
+            .get("resource.kubernetes.io/pcieRoot")
+            .is_none()
+    );
 
     assert_eq!(spec["pool"]["generation"], 1);
     assert!(devices.iter().all(|d| d.get("taints").is_none()));
@@ -837,8 +853,109 @@ async fn two_prepared_claims_split_the_gpu_by_their_shares() {
             .collect()
     });
     let (pa, pb) = (gpu_percent(&outs[0]), gpu_percent(&outs[1]));
-    eprintln!("GPU time: claim a (30 shares) {pa:.0}%, claim b (70 shares) {pb:.0}%");
-    // The split itself is measured (docs/kubernetes.md); here only its direction is checked,
-    // with room for a noisy machine.
-    assert!(pb > pa * 1.3, "a: {outs:?}");
+    let split = pa / (pa + pb);
+    eprintln!(
+        "GPU time: claim a (30 shares) {pa:.0}%, claim b (70 shares) {pb:.0}%: a's part {split:.2}"
+    );
+    // A 30/70 split, within a band a noisy machine stays in (the figure over many runs is in
+    // docs/benchmarks.md); a split by equal shares (0.5) or a starved claim fails.
+    assert!(
+        (0.2..=0.4).contains(&split),
+        "a's part {split:.2}: {outs:?}"
+    );
+    assert!(pa + pb > 40.0, "the GPU was mostly idle: {outs:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_whose_pods_are_gone_are_released_and_others_kept() {
+    let mut node = Node::start();
+    let (gone, recreated, unreserved, running) = (
+        "uid-gone0000",
+        "uid-recr0000",
+        "uid-unre0000",
+        "uid-runn0000",
+    );
+    for (name, uid) in [
+        ("gone", gone),
+        ("recreated", recreated),
+        ("unreserved", unreserved),
+        ("running", running),
+    ] {
+        node.api
+            .put_claim(claim(name, uid, "gpu-0", Some(("10", "1Gi"))));
+    }
+    node.start_plugin_with(&["--claim-check", "0.2"]);
+    let mut k = node.kubelet_register().await;
+    let claims = [
+        kclaim("gone", gone),
+        kclaim("recreated", recreated),
+        kclaim("unreserved", unreserved),
+        kclaim("running", running),
+    ];
+    let r = prepare(&mut k, &claims).await;
+    assert!(claims.iter().all(|c| r[&c.uid].error.is_empty()), "{r:?}");
+    assert_eq!(node.admin().list().unwrap().len(), 4);
+
+    // The kubelet never calls unprepare (it was down, or lost its checkpoint), but the API
+    // server shows each pod gone: the claim deleted, deleted and re-created under the same
+    // name, or with no consumer left in status.reservedFor.
+    {
+        let mut st = node.api.state();
+        st.claims.remove(&("team-a".into(), "gone".into()));
+        st.claims.insert(
+            ("team-a".into(), "recreated".into()),
+            claim("recreated", "uid-new00000", "gpu-1", Some(("10", "1Gi"))),
+        );
+        st.claims
+            .get_mut(&("team-a".into(), "unreserved".into()))
+            .unwrap()["status"]["reservedFor"] = json!([]);
+    }
+    until(20, "the three claims released", || {
+        let left: BTreeSet<String> = node
+            .admin()
+            .list()
+            .unwrap()
+            .into_iter()
+            .filter_map(|a| a.labels.get(LABEL_CLAIM_UID).cloned())
+            .collect();
+        (left == BTreeSet::from([running.to_owned()])).then_some(())
+    })
+    .await;
+    // Their identity files and CDI specs went with them; the running pod's claim is intact.
+    assert_eq!(
+        node.files("cdi"),
+        BTreeSet::from([format!("tessera.dev-claim_{running}.json")])
+    );
+    assert_eq!(node.files("identity").len(), 1);
+    let ident = read_spec(&node, running)
+        .container_edits
+        .mounts
+        .into_iter()
+        .find(|m| m.container_path == "/etc/tessera/tenant")
+        .unwrap();
+    assert!(Path::new(&ident.host_path).exists());
+
+    // An API server that answers with errors frees nothing: the running claim is kept through
+    // several checks while every claim read fails.
+    node.api.state().claims.clear();
+    node.api
+        .put_claim(claim("running", running, "gpu-0", Some(("10", "1Gi"))));
+    node.api.state().fail_claim_reads = true;
+    let seen = node.api.state().requests.len();
+    until(20, "three more claim checks", || {
+        let st = node.api.state();
+        let reads = st.requests[seen..]
+            .iter()
+            .filter(|r| r.contains("/resourceclaims/running"))
+            .count();
+        (reads >= 3).then_some(())
+    })
+    .await;
+    assert_eq!(node.claim_allocations(running).len(), 1);
+    assert_eq!(node.files("cdi").len(), 1);
+    // The kubelet's own unprepare still works and is idempotent with the clean-up.
+    node.api.state().fail_claim_reads = false;
+    assert_eq!(unprepare(&mut k, &claims).await, ["", "", "", ""]);
+    assert!(node.admin().list().unwrap().is_empty());
+    assert!(node.files("cdi").is_empty() && node.files("identity").is_empty());
 }
