@@ -7,7 +7,8 @@
 //! GPU health watcher (`tessera_device_plugin::{arbiter, identity, install, health}`).
 //!
 //! Modules:
-//! - [`proto`]: generated gRPC code for the kubelet's `dra/v1` and `pluginregistration/v1`.
+//! - [`proto`]: generated gRPC code for the kubelet's `dra/v1`, `dra/v1beta1` and
+//!   `pluginregistration/v1`.
 //! - [`quantity`]: exact parsing of Kubernetes quantities.
 //! - [`claim`]: pure rules: a ResourceClaim's allocation results to planned allocations.
 //! - [`slices`]: pure rules: this node's ResourceSlice (devices, capacities, attributes).
@@ -19,7 +20,7 @@
 //! - [`cleanup`]: pure rules: which prepared claims nothing uses any more.
 //! - [`inventory`]: the node's GPUs and their attributes from NVML and sysfs.
 //! - [`publish`]: keeps the node's ResourceSlice current; removes it on shutdown.
-//! - [`service`]: the `DRAPlugin` and `Registration` gRPC services.
+//! - [`service`]: the `DRAPlugin` (v1, v1beta1) and `Registration` gRPC services.
 //! - [`plugin`]: configuration and life cycle.
 
 #![forbid(unsafe_code)]

@@ -19,8 +19,9 @@ use crate::claim::DRIVER;
 use crate::inventory::{self, InventoryError};
 use crate::prepare::Settings;
 use crate::proto::dra::dra_plugin_server::DraPluginServer;
+use crate::proto::dra_v1beta1::dra_plugin_server::DraPluginServer as BetaServer;
 use crate::proto::registration::registration_server::RegistrationServer;
-use crate::service::{DraService, RegistrationService};
+use crate::service::{DraService, DraV1beta1, RegistrationService};
 use crate::slices::{GpuAttrs, MEMORY_STEP};
 
 /// Everything the plugin needs; every path is a parameter (tests use temp folders).
@@ -195,7 +196,8 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
     let mut s1 = stop.clone();
     let plugin_srv = tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(DraPluginServer::from_arc(dra))
+            .add_service(DraPluginServer::from_arc(dra.clone()))
+            .add_service(BetaServer::new(DraV1beta1(dra)))
             .serve_with_incoming_shutdown(UnixListenerStream::new(plugin_l), async move {
                 let _ = s1.wait_for(|s| *s).await;
             }),

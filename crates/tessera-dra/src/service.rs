@@ -1,5 +1,6 @@
-//! The gRPC services: `DRAPlugin` (prepare and unprepare, thin over [`crate::prepare`]) and
-//! `Registration` (what the kubelet's plugin watcher asks through the registration socket).
+//! The gRPC services: `DRAPlugin` (prepare and unprepare, thin over [`crate::prepare`]) in
+//! `dra/v1` and, converted to it, `dra/v1beta1` ([`DraV1beta1`]); and `Registration` (what the
+//! kubelet's plugin watcher asks through the registration socket).
 //!
 //! Prepares, unprepares and the clean-up of claims nothing uses ([`DraService::release_unused`],
 //! rules in [`crate::cleanup`]) run one at a time (a lock): each lists the arbiter's
@@ -24,11 +25,12 @@ use crate::proto::dra::{
     NodePrepareResourcesResponse, NodeUnprepareResourceResponse, NodeUnprepareResourcesRequest,
     NodeUnprepareResourcesResponse,
 };
+use crate::proto::dra_v1beta1 as beta;
 use crate::proto::registration::registration_server::Registration;
 use crate::proto::registration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
 };
-use crate::proto::{DRA_V1_SERVICE, PLUGIN_TYPE};
+use crate::proto::{DRA_V1_SERVICE, DRA_V1BETA1_SERVICE, PLUGIN_TYPE};
 use crate::slices::GpuAttrs;
 
 /// What the DRA service works with.
@@ -242,6 +244,78 @@ impl DraPlugin for DraService {
     }
 }
 
+/// `dra/v1beta1`: the same calls as `v1` (which was copied from it), without `share_id` in
+/// the answer; each request is converted and served by the `v1` implementation.
+pub struct DraV1beta1(pub Arc<DraService>);
+
+fn claims_v1(claims: Vec<beta::Claim>) -> Vec<Claim> {
+    claims
+        .into_iter()
+        .map(|c| Claim {
+            namespace: c.namespace,
+            uid: c.uid,
+            name: c.name,
+        })
+        .collect()
+}
+
+#[tonic::async_trait]
+impl beta::dra_plugin_server::DraPlugin for DraV1beta1 {
+    async fn node_prepare_resources(
+        &self,
+        req: Request<beta::NodePrepareResourcesRequest>,
+    ) -> Result<Response<beta::NodePrepareResourcesResponse>, Status> {
+        let v1 = NodePrepareResourcesRequest {
+            claims: claims_v1(req.into_inner().claims),
+        };
+        let out = DraPlugin::node_prepare_resources(&*self.0, Request::new(v1)).await?;
+        let claims = out
+            .into_inner()
+            .claims
+            .into_iter()
+            .map(|(uid, r)| {
+                let devices = r
+                    .devices
+                    .into_iter()
+                    .map(|d| beta::Device {
+                        request_names: d.request_names,
+                        pool_name: d.pool_name,
+                        device_name: d.device_name,
+                        cdi_device_ids: d.cdi_device_ids,
+                    })
+                    .collect();
+                (
+                    uid,
+                    beta::NodePrepareResourceResponse {
+                        devices,
+                        error: r.error,
+                    },
+                )
+            })
+            .collect();
+        Ok(Response::new(beta::NodePrepareResourcesResponse { claims }))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        req: Request<beta::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<beta::NodeUnprepareResourcesResponse>, Status> {
+        let v1 = NodeUnprepareResourcesRequest {
+            claims: claims_v1(req.into_inner().claims),
+        };
+        let out = DraPlugin::node_unprepare_resources(&*self.0, Request::new(v1)).await?;
+        let claims = out
+            .into_inner()
+            .claims
+            .into_iter()
+            .map(|(uid, r)| (uid, beta::NodeUnprepareResourceResponse { error: r.error }))
+            .collect();
+        Ok(Response::new(beta::NodeUnprepareResourcesResponse {
+            claims,
+        }))
+    }
+}
+
 /// The `Registration` service on the registration socket.
 pub struct RegistrationService {
     /// The plugin socket's absolute path (the kubelet dials it).
@@ -257,7 +331,8 @@ impl Registration for RegistrationService {
             r#type: PLUGIN_TYPE.to_owned(),
             name: DRIVER.to_owned(),
             endpoint: self.endpoint.display().to_string(),
-            supported_versions: vec![DRA_V1_SERVICE.to_owned()],
+            // The kubelet picks the newest it knows (1.34+: v1).
+            supported_versions: vec![DRA_V1_SERVICE.to_owned(), DRA_V1BETA1_SERVICE.to_owned()],
         }))
     }
 

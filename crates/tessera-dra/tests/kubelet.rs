@@ -489,14 +489,22 @@ async fn two_fractions_share_a_gpu_a_whole_gpu_and_idempotent_restart_safe_prepa
     node.arbiter.kill();
     node.arbiter = node.spec.start();
     assert_eq!(prepare(&mut k, &claims).await, r);
-    assert_eq!(
-        (
-            node.admin().list().unwrap().len(),
-            node.files("identity"),
-            node.files("cdi")
-        ),
-        before
+    let after = (
+        node.admin().list().unwrap().len(),
+        node.files("identity"),
+        node.files("cdi"),
     );
+    eprintln!(
+        "before the restarts: {} allocations, {} identity files, {} CDI specs; after the plugin \
+         and the arbiter restarted: {}, {}, {}",
+        before.0,
+        before.1.len(),
+        before.2.len(),
+        after.0,
+        after.1.len(),
+        after.2.len()
+    );
+    assert_eq!(after, before);
 
     // Unprepare: allocations, identity files and specs go; twice is fine.
     assert_eq!(unprepare(&mut k, &claims[..2]).await, ["", ""]);
@@ -508,6 +516,12 @@ async fn two_fractions_share_a_gpu_a_whole_gpu_and_idempotent_restart_safe_prepa
     assert_eq!(node.files("identity").len(), 1);
     assert!(!Path::new(&ident.host_path).exists());
     assert_eq!(unprepare(&mut k, &claims).await, ["", "", ""]);
+    eprintln!(
+        "after unprepare: {} allocations, {} identity files, {} CDI specs",
+        node.admin().list().unwrap().len(),
+        node.files("identity").len(),
+        node.files("cdi").len()
+    );
     assert!(node.admin().list().unwrap().is_empty());
     assert!(node.files("cdi").is_empty() && node.files("identity").is_empty());
 }
@@ -958,4 +972,80 @@ async fn claims_whose_pods_are_gone_are_released_and_others_kept() {
     assert_eq!(unprepare(&mut k, &claims).await, ["", "", "", ""]);
     assert!(node.admin().list().unwrap().is_empty());
     assert!(node.files("cdi").is_empty() && node.files("identity").is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_speaking_only_v1beta1_gets_the_same_answers() {
+    use tessera_dra::proto::dra_v1beta1 as beta;
+    let mut node = Node::start();
+    let uid = "uid-beta0000";
+    node.api
+        .put_claim(claim("beta", uid, "gpu-0", Some(("30", "20Gi"))));
+    node.start_plugin();
+    let mut v1 = node.kubelet_register().await;
+    let reg = connect_unix(&node.registration_socket(), Duration::from_secs(5))
+        .await
+        .unwrap();
+    let info = RegistrationClient::new(reg)
+        .get_info(InfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        info.supported_versions,
+        [DRA_V1, "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"]
+    );
+    let ch = connect_unix(Path::new(&info.endpoint), Duration::from_secs(5))
+        .await
+        .unwrap();
+    let mut k = beta::dra_plugin_client::DraPluginClient::new(ch);
+    let claims = vec![beta::Claim {
+        namespace: "team-a".into(),
+        uid: uid.into(),
+        name: "beta".into(),
+    }];
+    let r = within(
+        20,
+        "v1beta1 NodePrepareResources",
+        k.node_prepare_resources(beta::NodePrepareResourcesRequest {
+            claims: claims.clone(),
+        }),
+    )
+    .await
+    .unwrap()
+    .into_inner()
+    .claims;
+    assert_eq!(r[uid].error, "");
+    // The same devices as through v1 (which also carries the share id).
+    let through_v1 = prepare(&mut v1, &[kclaim("beta", uid)]).await;
+    let d1 = &through_v1[uid].devices[0];
+    let d = &r[uid].devices[0];
+    assert_eq!(
+        (
+            &d.request_names,
+            &d.pool_name,
+            &d.device_name,
+            &d.cdi_device_ids
+        ),
+        (
+            &d1.request_names,
+            &d1.pool_name,
+            &d1.device_name,
+            &d1.cdi_device_ids
+        )
+    );
+    assert_eq!(node.claim_allocations(uid).len(), 1);
+    assert_eq!(node.claim_allocations(uid)[0].share, 30);
+    let u = within(
+        20,
+        "v1beta1 NodeUnprepareResources",
+        k.node_unprepare_resources(beta::NodeUnprepareResourcesRequest { claims }),
+    )
+    .await
+    .unwrap()
+    .into_inner()
+    .claims;
+    assert_eq!(u[uid].error, "");
+    assert!(node.claim_allocations(uid).is_empty());
+    assert!(node.files("cdi").is_empty());
 }
