@@ -239,6 +239,54 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn https_builds_the_tls_stack_and_a_dead_server_is_a_transport_error() {
+        // Port 1 on loopback: nothing listens. The TLS client (rustls with ring) is built, and
+        // the call fails as a transport error, never as "not found" (which would release
+        // claims).
+        let c = Connection::Url {
+            url: "https://127.0.0.1:1".into(),
+            token_file: None,
+        };
+        let api = KubeClient::connect(&c).await.unwrap();
+        let e = api.get_claim("ns", "c").await.unwrap_err();
+        assert!(matches!(e, ApiError::Transport { .. }), "{e:?}");
+        assert!(!e.is_not_found());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_kubeconfig_reaches_the_stand_in_api_server() {
+        let server = tessera_testkit::FakeApiServer::start();
+        let dir = tempfile::tempdir().unwrap();
+        let kc = dir.path().join("kubeconfig");
+        std::fs::write(
+            &kc,
+            format!(
+                "apiVersion: v1\nkind: Config\ncurrent-context: test\n\
+                 clusters: [{{name: stand-in, cluster: {{server: \"{}\"}}}}]\n\
+                 users: [{{name: plugin, user: {{token: secret-token}}}}]\n\
+                 contexts: [{{name: test, context: {{cluster: stand-in, user: plugin}}}}]\n",
+                server.url()
+            ),
+        )
+        .unwrap();
+        let api = KubeClient::connect(&Connection::Kubeconfig(kc))
+            .await
+            .unwrap();
+        assert!(api.list_slices("gpu.tessera.dev", "node-a").await.unwrap().is_empty());
+        let e = api.get_claim("team-a", "missing").await.unwrap_err();
+        assert!(e.is_not_found(), "{e:?}");
+        assert!(
+            server
+                .state()
+                .requests
+                .iter()
+                .any(|r| r.starts_with("GET /apis/resource.k8s.io/v1/resourceslices?")),
+            "{:?}",
+            server.state().requests
+        );
+    }
+
+    #[tokio::test]
     async fn a_missing_kubeconfig_is_a_configuration_error() {
         let c = Connection::Kubeconfig("/nonexistent/kubeconfig".into());
         let e = KubeClient::connect(&c).await.unwrap_err();
