@@ -272,7 +272,12 @@ mod tests {
         let api = KubeClient::connect(&Connection::Kubeconfig(kc))
             .await
             .unwrap();
-        assert!(api.list_slices("gpu.tessera.dev", "node-a").await.unwrap().is_empty());
+        assert!(
+            api.list_slices("gpu.tessera.dev", "node-a")
+                .await
+                .unwrap()
+                .is_empty()
+        );
         let e = api.get_claim("team-a", "missing").await.unwrap_err();
         assert!(e.is_not_found(), "{e:?}");
         assert!(

@@ -13,6 +13,9 @@
 //!   or has finished, so no container of it runs);
 //! - any other answer (transport error, 403, 500): kept. An API outage must never free the
 //!   limits of running pods; the next check decides.
+//!
+//! A claim found unreserved is read once more just before it is unprepared (a new pod may
+//! have reserved it meanwhile); see [`crate::service::DraService::release_unused`].
 
 use std::collections::BTreeMap;
 

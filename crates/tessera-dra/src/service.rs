@@ -2,10 +2,10 @@
 //! `dra/v1` and, converted to it, `dra/v1beta1` ([`DraV1beta1`]); and `Registration` (what the
 //! kubelet's plugin watcher asks through the registration socket).
 //!
-//! Prepares, unprepares and the clean-up of claims nothing uses ([`DraService::release_unused`],
-//! rules in [`crate::cleanup`]) run one at a time (a lock): each lists the arbiter's
-//! allocations and sweeps identity files of deleted ones, which must not race a neighbour's
-//! prepare.
+//! Prepares, unprepares and the unprepares of the clean-up of claims nothing uses
+//! ([`DraService::release_unused`], rules in [`crate::cleanup`]) run one at a time (a lock):
+//! each lists the arbiter's allocations and sweeps identity files of deleted ones, which must
+//! not race a neighbour's prepare.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -120,28 +120,31 @@ impl DraService {
     /// re-created, or reserved by no pod: [`cleanup::verdict`]); claims the API server gives
     /// no definite answer about are kept. Returns the released claims' uids with the reason.
     pub async fn release_unused(&self) -> Result<Vec<(String, Release)>, String> {
-        let _guard = self.lock.lock().await;
+        // The API reads run without the lock (an API server that times out must not hold up
+        // the kubelet's prepares); a claim found unreserved is read again under it, since a
+        // new pod may reserve and prepare it in between. Deleted or re-created claims stay so.
         let all = blocking(self.admin_socket.clone(), |a| {
             tessera_device_plugin::arbiter::Arbiter::list(a).map_err(PrepareError::from)
         })
         .await?;
-        let mut released = Vec::new();
+        let mut stale = Vec::new();
         for c in cleanup::prepared_claims(&all) {
-            let got = self.api.get_claim(&c.namespace, &c.name).await;
-            let lookup = match &got {
-                Ok(obj) => Lookup::Found(obj),
-                Err(e) if e.is_not_found() => Lookup::NotFound,
-                Err(e) => {
-                    tracing::warn!(
-                        "claim check {}/{}: {e}; kept until a definite answer",
-                        c.namespace,
-                        c.name
-                    );
-                    Lookup::Failed
-                }
-            };
-            let Some(why) = cleanup::verdict(&c.uid, lookup) else {
-                continue;
+            if let Some(why) = self.check(&c).await {
+                stale.push((c, why));
+            }
+        }
+        let mut released = Vec::new();
+        if stale.is_empty() {
+            return Ok(released);
+        }
+        let _guard = self.lock.lock().await;
+        for (c, first) in stale {
+            let why = match first {
+                Release::NoConsumer | Release::Deallocated => match self.check(&c).await {
+                    Some(why) => why,
+                    None => continue,
+                },
+                why => why,
             };
             let (uid, settings) = (c.uid.clone(), self.settings.clone());
             match blocking(self.admin_socket.clone(), move |a| {
@@ -167,6 +170,24 @@ impl DraService {
             }
         }
         Ok(released)
+    }
+
+    /// [`cleanup::verdict`] of prepared claim `c` as the API server shows it now.
+    async fn check(&self, c: &cleanup::PreparedClaim) -> Option<Release> {
+        let got = self.api.get_claim(&c.namespace, &c.name).await;
+        let lookup = match &got {
+            Ok(obj) => Lookup::Found(obj),
+            Err(e) if e.is_not_found() => Lookup::NotFound,
+            Err(e) => {
+                tracing::warn!(
+                    "claim check {}/{}: {e}; kept until a definite answer",
+                    c.namespace,
+                    c.name
+                );
+                Lookup::Failed
+            }
+        };
+        cleanup::verdict(&c.uid, lookup)
     }
 }
 
