@@ -3,7 +3,8 @@
 
 1. `helm lint` through Helm v4's own library (the `helm-sdkpy` package): template errors,
    bad Chart.yaml, values that fail the chart's own `fail` checks are lint errors.
-2. Render the chart with real Helm. helm-sdkpy has no `template` action, so the chart is
+2. Render the chart with real Helm (defaults; every feature on, both plugins; the DRA plugin
+   alone; and once more with --set values). helm-sdkpy has no `template` action, so the chart is
    *installed* (Helm's in-memory release storage) against a minimal fake Kubernetes API
    server in this process: it answers discovery, says no object exists yet and records each
    object Helm creates. The recorded objects are exactly what `helm install` sends.
@@ -234,9 +235,11 @@ def main() -> int:
 
     failures += lint(args.chart)
 
-    # Defaults, everything on, and whatever --set asks for.
+    # Defaults, everything on (both plugins), DRA only, and whatever --set asks for.
     everything = {"metrics": {"serviceMonitor": {"enabled": True}},
-                  "grafana": {"dashboard": {"enabled": True}}}
+                  "grafana": {"dashboard": {"enabled": True}},
+                  "dra": {"enabled": True}}
+    dra_only = {"dra": {"enabled": True}, "devicePlugin": {"enabled": False}}
     extra: dict = {}
     for item in args.set:
         key, _, value = item.partition("=")
@@ -245,7 +248,7 @@ def main() -> int:
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = json.loads(value)
-    renders = [("defaults", {}), ("all features", everything)] + \
+    renders = [("defaults", {}), ("all features", everything), ("dra", dra_only)] + \
         ([("--set", extra)] if extra else [])
     for name, values in renders:
         try:

@@ -5,6 +5,7 @@
 //! the newest version the package knows. The venv is `.ci/test`'s (`.ci/requirements-deploy.txt`).
 //! Each check is also shown to fail on a broken chart.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -114,11 +115,166 @@ fn killing_unknown_processes_is_an_opt_in_value() {
     );
 }
 
+/// The rendered document titled `title` (`chart (dra) DaemonSet/tessera-node`).
+fn doc<'a>(docs: &'a [(String, serde_json::Value)], title: &str) -> &'a serde_json::Value {
+    &docs
+        .iter()
+        .find(|(t, _)| t == title)
+        .unwrap_or_else(|| {
+            let titles: Vec<&String> = docs.iter().map(|(t, _)| t).collect();
+            panic!("no {title} in {titles:?}")
+        })
+        .1
+}
+
+fn container_names(ds: &serde_json::Value) -> Vec<String> {
+    ds["spec"]["template"]["spec"]["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap().to_owned())
+        .collect()
+}
+
 #[test]
-fn the_dra_switch_refuses_and_points_at_the_dra_manifests() {
-    let (out, text) = check(&["--set", "dra.enabled=true"]);
+fn the_dra_switch_renders_the_plugin_its_rbac_and_device_classes() {
+    let docs = rendered(&[]);
+    // The `dra` render: dra.enabled=true, devicePlugin.enabled=false.
+    let ds = doc(&docs, "chart (dra) DaemonSet/tessera-node");
+    assert_eq!(container_names(ds), ["arbiter", "dra-plugin"]);
+    let pod = &ds["spec"]["template"]["spec"];
+    assert!(pod.get("initContainers").is_none(), "{pod}");
+    let dra = pod["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "dra-plugin")
+        .unwrap();
+    let cmd: Vec<&str> = dra["command"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert_eq!(cmd[0], "tessera-dra");
+    // In-cluster configuration: no URL, no proxy sidecar.
+    assert!(
+        !cmd.iter().any(|a| a.starts_with("--api-server")),
+        "{cmd:?}"
+    );
+    // The kubelet's folders at their host paths (the kubelet dials the reported endpoint).
+    let mounts: Vec<&str> = dra["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["mountPath"].as_str().unwrap())
+        .collect();
+    for (flag, path) in [
+        ("--registry-dir=", "/var/lib/kubelet/plugins_registry"),
+        ("--plugin-dir=", "/var/lib/kubelet/plugins/gpu.tessera.dev"),
+        ("--cdi-dir=", "/var/run/cdi"),
+        ("--host-identity-dir=", "/var/lib/tessera/identity"),
+    ] {
+        assert!(cmd.contains(&format!("{flag}{path}").as_str()), "{cmd:?}");
+        assert!(mounts.contains(&path), "{path} not mounted: {mounts:?}");
+    }
+    // The API token reaches the DRA plugin only: no automount, a projected volume mounted in
+    // that one container.
+    assert_eq!(pod["automountServiceAccountToken"], false);
+    let sa_dir = "/var/run/secrets/kubernetes.io/serviceaccount";
+    assert!(mounts.contains(&sa_dir));
+    for c in pod["containers"].as_array().unwrap() {
+        if c["name"] != "dra-plugin" {
+            assert!(!c.to_string().contains(sa_dir), "{}", c["name"]);
+        }
+    }
+    let token = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "api-credentials")
+        .unwrap();
+    assert_eq!(
+        token["projected"]["sources"][0]["serviceAccountToken"]["path"],
+        "token"
+    );
+    // RBAC: the slices of the node and the claims it prepares, bound to the pods' account.
+    let role = doc(&docs, "chart (dra) ClusterRole/tessera-dra");
+    let verbs = |res: &str| -> Vec<String> {
+        role["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["resources"][0] == res)
+            .unwrap()["verbs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(verbs("resourceclaims"), ["get", "list"]);
+    for v in ["list", "create", "update", "delete"] {
+        assert!(verbs("resourceslices").iter().any(|x| x == v), "{v}");
+    }
+    let binding = doc(&docs, "chart (dra) ClusterRoleBinding/tessera-dra");
+    assert_eq!(binding["subjects"][0]["name"], pod["serviceAccountName"]);
+    let class = doc(&docs, "chart (dra) DeviceClass/gpu.tessera.dev");
+    assert_eq!(
+        class["spec"]["selectors"][0]["cel"]["expression"],
+        "device.driver == \"gpu.tessera.dev\""
+    );
+    // Both plugins when both are asked for; neither DRA object by default.
+    assert_eq!(
+        container_names(doc(&docs, "chart (all features) DaemonSet/tessera-node")),
+        ["arbiter", "device-plugin", "dra-plugin"]
+    );
+    assert_eq!(
+        container_names(doc(&docs, "chart (defaults) DaemonSet/tessera-node")),
+        ["arbiter", "device-plugin"]
+    );
+    assert!(
+        !docs
+            .iter()
+            .any(|(t, _)| t.starts_with("chart (defaults)") && t.contains("tessera-dra")),
+        "RBAC only with dra.enabled"
+    );
+}
+
+#[test]
+fn device_classes_come_from_values_and_always_require_the_driver() {
+    let docs = rendered(&[
+        "--set",
+        "dra.enabled=true",
+        "--set",
+        r#"dra.deviceClasses=[{"name":"h100.gpu.tessera.dev","expression":"device.attributes[\"gpu.tessera.dev\"].productName.startsWith(\"NVIDIA H100\")"}]"#,
+    ]);
+    let class = doc(&docs, "chart (--set) DeviceClass/h100.gpu.tessera.dev");
+    assert_eq!(
+        class["spec"]["selectors"][0]["cel"]["expression"],
+        r#"device.driver == "gpu.tessera.dev" && (device.attributes["gpu.tessera.dev"].productName.startsWith("NVIDIA H100"))"#
+    );
+    let (out, text) = check(&[
+        "--set",
+        "dra.enabled=true",
+        "--set",
+        "dra.defaultMemoryMiB=1000",
+    ]);
     assert_eq!(out.status.code(), Some(1), "{text}");
-    assert!(text.contains("install deploy/dra/"), "{text}");
+    assert!(
+        text.contains("dra.defaultMemoryMiB must be a positive multiple of 256"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_release_without_either_plugin_is_refused() {
+    let (out, text) = check(&["--set", "devicePlugin.enabled=false"]);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("enable devicePlugin.enabled") && text.contains("dra.enabled"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -184,38 +340,55 @@ fn the_binaries_accept_every_flag_the_chart_passes() {
     // and value before it prints the help, so a renamed flag or a bad value exits 2.
     for values in [&[][..], &["--set", "arbiter.unknownProcesses=\"kill\""][..]] {
         let docs = rendered(values);
-        let (_, ds) = docs
+        // Defaults (device plugin), every feature (both plugins), DRA only.
+        let mut seen = BTreeSet::new();
+        for (title, ds) in docs
             .iter()
-            .find(|(t, _)| t.starts_with("chart (defaults) DaemonSet"))
-            .expect("the DaemonSet");
-        let spec = &ds["spec"]["template"]["spec"];
-        let containers = spec["containers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .chain(spec["initContainers"].as_array().unwrap());
-        let mut seen = 0;
-        for c in containers {
-            let cmd: Vec<String> = c["command"]
+            .filter(|(t, _)| t.ends_with("DaemonSet/tessera-node"))
+        {
+            let spec = &ds["spec"]["template"]["spec"];
+            let init = spec["initContainers"]
                 .as_array()
-                .unwrap()
-                .iter()
-                // The kubelet expands $(POD_IP) from the downward API.
-                .map(|a| a.as_str().unwrap().replace("$(POD_IP)", "127.0.0.1"))
-                .collect();
-            let out = Command::new(tessera_testkit::artifact(&cmd[0]))
-                .args(&cmd[1..])
-                .arg("--help")
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{}: {cmd:?}\n{}",
-                c["name"],
-                String::from_utf8_lossy(&out.stderr)
-            );
-            seen += 1;
+                .cloned()
+                .unwrap_or_default();
+            for c in spec["containers"].as_array().unwrap().iter().chain(&init) {
+                let cmd: Vec<String> = c["command"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    // The kubelet expands $(POD_IP) and $(NODE_NAME) from the downward API.
+                    .map(|a| {
+                        a.as_str()
+                            .unwrap()
+                            .replace("$(POD_IP)", "127.0.0.1")
+                            .replace("$(NODE_NAME)", "node-a")
+                    })
+                    .collect();
+                let out = Command::new(tessera_testkit::artifact(&cmd[0]))
+                    .args(&cmd[1..])
+                    .arg("--help")
+                    .output()
+                    .unwrap();
+                assert!(
+                    out.status.success(),
+                    "{title} {}: {cmd:?}\n{}",
+                    c["name"],
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                seen.insert(c["name"].as_str().unwrap().to_owned());
+            }
         }
-        assert_eq!(seen, 3, "arbiter, device plugin and installer");
+        assert_eq!(
+            seen,
+            BTreeSet::from(
+                [
+                    "arbiter",
+                    "device-plugin",
+                    "dra-plugin",
+                    "install-interposer"
+                ]
+                .map(String::from)
+            )
+        );
     }
 }

@@ -1,252 +1,217 @@
-//! The few API server calls the plugin makes, as plain HTTP/1.1 + JSON over k8s-openapi's
-//! `resource.k8s.io/v1` types: get a ResourceClaim; list, create, update and delete this
-//! node's ResourceSlices.
+//! The few API server calls the plugin makes, behind the small [`KubeApi`] trait: get a
+//! ResourceClaim; list, create, replace and delete this node's ResourceSlices.
 //!
-//! kube-rs would bring a large dependency tree (and its TLS stack) to a 2-call client; this
-//! one speaks plain HTTP to a base URL, with an optional bearer token. In a cluster the URL is
-//! a `kubectl proxy` sidecar on the pod's loopback (`deploy/dra/`), which holds the service
-//! account's credentials and TLS; TLS straight to the API server is not implemented.
+//! [`KubeClient`] implements it with kube-rs (`kube::Api<ResourceClaim>`,
+//! `kube::Api<ResourceSlice>`, k8s-openapi's `resource.k8s.io/v1` types). Where it connects
+//! ([`Connection`]): in a pod, the service account (`KUBERNETES_SERVICE_HOST`, its token and CA,
+//! TLS); else a kubeconfig file; else a plain URL (the tests' stand-in API server speaks plain
+//! HTTP), optionally with a bearer token file.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-use http_body_util::{BodyExt, Full};
-use hyper::body::Bytes;
-use hyper::{Method, Request, StatusCode};
-use hyper_util::rt::TokioIo;
-use k8s_openapi::List;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
 
-/// How long one API call may take.
+/// How long one API call may take to connect, and then to answer.
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Errors of an API call.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
-    /// The base URL is not `http://host:port[/prefix]`.
-    #[error(
-        "API server URL {0:?}: only http://HOST:PORT[/PATH] is supported (use a kubectl proxy sidecar for TLS)"
-    )]
-    Url(String),
-    /// Could not connect or the connection broke.
-    #[error("API server {url}: {message}")]
-    Transport {
-        /// Base URL.
-        url: String,
-        /// Cause.
-        message: String,
-    },
-    /// No answer in time.
-    #[error("API server {0}: no answer within {CALL_TIMEOUT:?}")]
-    Timeout(String),
+    /// No configuration to reach the API server.
+    #[error("API server configuration: {0}")]
+    Config(String),
     /// The object does not exist.
     #[error("{0} not found")]
     NotFound(String),
-    /// A conflict (an update with a stale resourceVersion, a create of an existing name).
+    /// A conflict (a replace with a stale resourceVersion, a create of an existing name).
     #[error("{0}: conflict")]
     Conflict(String),
-    /// Another error status.
-    #[error("{what}: HTTP {status}: {body}")]
+    /// The API server answered with another error status.
+    #[error("{what}: HTTP {code}: {message}")]
     Status {
         /// Request.
         what: String,
         /// Status code.
-        status: u16,
-        /// Body (the API server's Status message).
-        body: String,
+        code: u16,
+        /// The API server's Status message.
+        message: String,
     },
-    /// A body that is not the expected JSON.
-    #[error("{what}: bad JSON: {source}")]
-    Json {
+    /// Could not connect, no answer in time, or an answer that is not the expected JSON.
+    #[error("{what}: {message}")]
+    Transport {
         /// Request.
         what: String,
-        /// Cause.
-        source: serde_json::Error,
-    },
-    /// The token file could not be read.
-    #[error("token file {path}: {source}")]
-    Token {
-        /// Path.
-        path: PathBuf,
-        /// Cause.
-        source: std::io::Error,
+        /// Cause (the error chain).
+        message: String,
     },
 }
 
-/// A client for one API server.
-#[derive(Debug, Clone)]
-pub struct ApiClient {
-    url: String,
-    authority: String,
-    prefix: String,
-    token_file: Option<PathBuf>,
+impl ApiError {
+    fn from_kube(what: String, e: kube::Error) -> Self {
+        match e {
+            kube::Error::Api(s) if s.code == 404 => ApiError::NotFound(what),
+            kube::Error::Api(s) if s.code == 409 => ApiError::Conflict(what),
+            kube::Error::Api(s) => ApiError::Status {
+                what,
+                code: s.code,
+                message: s.message,
+            },
+            other => ApiError::Transport {
+                what,
+                message: tessera_device_plugin::kubelet::error_chain(&other),
+            },
+        }
+    }
+
+    /// Whether the API server said the object does not exist (a definite answer, unlike a
+    /// transport error or a refusal).
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, ApiError::NotFound(_))
+    }
 }
 
-const SLICES: &str = "/apis/resource.k8s.io/v1/resourceslices";
-
-impl ApiClient {
-    /// A client for `url` (`http://host:port[/prefix]`); each call reads `token_file` (a
-    /// projected token rotates) if given.
-    pub fn new(url: &str, token_file: Option<PathBuf>) -> Result<Self, ApiError> {
-        let rest = url
-            .strip_prefix("http://")
-            .ok_or_else(|| ApiError::Url(url.to_owned()))?;
-        let (authority, prefix) = match rest.find('/') {
-            Some(i) => (&rest[..i], rest[i..].trim_end_matches('/')),
-            None => (rest, ""),
-        };
-        if authority.is_empty() || !authority.contains(':') {
-            return Err(ApiError::Url(url.to_owned()));
-        }
-        Ok(Self {
-            url: url.to_owned(),
-            authority: authority.to_owned(),
-            prefix: prefix.to_owned(),
-            token_file: token_file.clone(),
-        })
-    }
-
-    async fn call(
-        &self,
-        method: Method,
-        path: &str,
-        body: Option<Vec<u8>>,
-    ) -> Result<(StatusCode, Bytes), ApiError> {
-        let transport = |e: &dyn std::error::Error| ApiError::Transport {
-            url: self.url.clone(),
-            message: tessera_device_plugin::kubelet::error_chain(e),
-        };
-        let mut req = Request::builder()
-            .method(method)
-            .uri(format!("{}{path}", self.prefix))
-            .header(hyper::header::HOST, &self.authority)
-            .header(hyper::header::ACCEPT, "application/json");
-        if body.is_some() {
-            req = req.header(hyper::header::CONTENT_TYPE, "application/json");
-        }
-        if let Some(p) = &self.token_file {
-            let token = std::fs::read_to_string(p).map_err(|source| ApiError::Token {
-                path: p.clone(),
-                source,
-            })?;
-            req = req.header(
-                hyper::header::AUTHORIZATION,
-                format!("Bearer {}", token.trim()),
-            );
-        }
-        let req = req
-            .body(Full::new(Bytes::from(body.unwrap_or_default())))
-            .map_err(|e| transport(&e))?;
-        let fut = async {
-            let stream = tokio::net::TcpStream::connect(&self.authority)
-                .await
-                .map_err(|e| transport(&e))?;
-            let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-                .await
-                .map_err(|e| transport(&e))?;
-            let conn = tokio::spawn(conn);
-            let resp = send.send_request(req).await.map_err(|e| transport(&e))?;
-            let status = resp.status();
-            let bytes = resp
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| transport(&e))?
-                .to_bytes();
-            conn.abort();
-            Ok((status, bytes))
-        };
-        tokio::time::timeout(CALL_TIMEOUT, fut)
-            .await
-            .map_err(|_| ApiError::Timeout(self.url.clone()))?
-    }
-
-    async fn json<T: serde::de::DeserializeOwned>(
-        &self,
-        what: &str,
-        method: Method,
-        path: &str,
-        body: Option<Vec<u8>>,
-    ) -> Result<T, ApiError> {
-        let (status, bytes) = self.call(method, path, body).await?;
-        check(what, status, &bytes)?;
-        serde_json::from_slice(&bytes).map_err(|source| ApiError::Json {
-            what: what.to_owned(),
-            source,
-        })
-    }
-
+/// What the plugin asks of the API server. [`KubeClient`] in the binary; tests may fake it.
+#[tonic::async_trait]
+pub trait KubeApi: Send + Sync {
     /// The ResourceClaim `namespace/name`.
-    pub async fn get_claim(&self, namespace: &str, name: &str) -> Result<ResourceClaim, ApiError> {
-        let path = format!("/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaims/{name}");
-        self.json(
-            &format!("resourceclaim {namespace}/{name}"),
-            Method::GET,
-            &path,
-            None,
-        )
-        .await
+    async fn get_claim(&self, namespace: &str, name: &str) -> Result<ResourceClaim, ApiError>;
+    /// The ResourceSlices of `driver` on `node`.
+    async fn list_slices(&self, driver: &str, node: &str) -> Result<Vec<ResourceSlice>, ApiError>;
+    /// Creates `slice`.
+    async fn create_slice(&self, slice: &ResourceSlice) -> Result<ResourceSlice, ApiError>;
+    /// Replaces `slice` (its `metadata.resourceVersion` must be current).
+    async fn replace_slice(&self, slice: &ResourceSlice) -> Result<ResourceSlice, ApiError>;
+    /// Deletes slice `name`; absent is fine.
+    async fn delete_slice(&self, name: &str) -> Result<(), ApiError>;
+}
+
+/// Where the API server is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Connection {
+    /// The pod's service account: `KUBERNETES_SERVICE_HOST`/`_PORT`, the token and CA under
+    /// `/var/run/secrets/kubernetes.io/serviceaccount/` (the token file is re-read as it
+    /// rotates).
+    InCluster,
+    /// A kubeconfig file (its current context).
+    Kubeconfig(PathBuf),
+    /// A URL (`http://` or `https://`), with a bearer token file if given.
+    Url {
+        /// Base URL.
+        url: String,
+        /// Token file, re-read on each call.
+        token_file: Option<PathBuf>,
+    },
+}
+
+/// The kube-rs client.
+#[derive(Clone)]
+pub struct KubeClient {
+    client: kube::Client,
+    what: String,
+}
+
+impl std::fmt::Debug for KubeClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "KubeClient({})", self.what)
+    }
+}
+
+impl KubeClient {
+    /// A client for `conn`. Must run inside a Tokio runtime (kube-rs starts its connection
+    /// pool there).
+    pub async fn connect(conn: &Connection) -> Result<Self, ApiError> {
+        let cfg_err = |e: &dyn std::error::Error| {
+            ApiError::Config(tessera_device_plugin::kubelet::error_chain(e))
+        };
+        let mut config = match conn {
+            Connection::InCluster => kube::Config::incluster().map_err(|e| cfg_err(&e))?,
+            Connection::Kubeconfig(path) => {
+                let kc = Kubeconfig::read_from(path).map_err(|e| {
+                    ApiError::Config(format!(
+                        "{}: {}",
+                        path.display(),
+                        tessera_device_plugin::kubelet::error_chain(&e)
+                    ))
+                })?;
+                kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                    .await
+                    .map_err(|e| cfg_err(&e))?
+            }
+            Connection::Url { url, token_file } => {
+                let uri: http::Uri = url
+                    .parse()
+                    .map_err(|e| ApiError::Config(format!("API server URL {url:?}: {e}")))?;
+                if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.host().is_none() {
+                    return Err(ApiError::Config(format!(
+                        "API server URL {url:?}: expected http(s)://HOST[:PORT]"
+                    )));
+                }
+                let mut c = kube::Config::new(uri);
+                c.auth_info.token_file = token_file.as_ref().map(|p| p.display().to_string());
+                c
+            }
+        };
+        config.connect_timeout = Some(CALL_TIMEOUT);
+        config.read_timeout = Some(CALL_TIMEOUT);
+        config.write_timeout = Some(CALL_TIMEOUT);
+        let what = config.cluster_url.to_string();
+        let client = kube::Client::try_from(config).map_err(|e| cfg_err(&e))?;
+        Ok(Self { client, what })
     }
 
-    /// The ResourceSlices of `driver` on `node`.
-    pub async fn list_slices(
-        &self,
-        driver: &str,
-        node: &str,
-    ) -> Result<Vec<ResourceSlice>, ApiError> {
-        let path =
-            format!("{SLICES}?fieldSelector=spec.driver%3D{driver}%2Cspec.nodeName%3D{node}");
-        let list: List<ResourceSlice> = self
-            .json("list resourceslices", Method::GET, &path, None)
-            .await?;
+    fn slices(&self) -> Api<ResourceSlice> {
+        Api::all(self.client.clone())
+    }
+}
+
+#[tonic::async_trait]
+impl KubeApi for KubeClient {
+    async fn get_claim(&self, namespace: &str, name: &str) -> Result<ResourceClaim, ApiError> {
+        let api: Api<ResourceClaim> = Api::namespaced(self.client.clone(), namespace);
+        api.get(name)
+            .await
+            .map_err(|e| ApiError::from_kube(format!("resourceclaim {namespace}/{name}"), e))
+    }
+
+    async fn list_slices(&self, driver: &str, node: &str) -> Result<Vec<ResourceSlice>, ApiError> {
+        let lp =
+            ListParams::default().fields(&format!("spec.driver={driver},spec.nodeName={node}"));
+        let list = self
+            .slices()
+            .list(&lp)
+            .await
+            .map_err(|e| ApiError::from_kube("list resourceslices".into(), e))?;
         Ok(list.items)
     }
 
-    /// Creates `slice`.
-    pub async fn create_slice(&self, slice: &ResourceSlice) -> Result<ResourceSlice, ApiError> {
-        let body = serde_json::to_vec(slice).map_err(|source| ApiError::Json {
-            what: "create resourceslice".into(),
-            source,
-        })?;
-        self.json("create resourceslice", Method::POST, SLICES, Some(body))
+    async fn create_slice(&self, slice: &ResourceSlice) -> Result<ResourceSlice, ApiError> {
+        self.slices()
+            .create(&PostParams::default(), slice)
             .await
+            .map_err(|e| ApiError::from_kube("create resourceslice".into(), e))
     }
 
-    /// Replaces `slice` (its `metadata.resourceVersion` must be current).
-    pub async fn update_slice(&self, slice: &ResourceSlice) -> Result<ResourceSlice, ApiError> {
+    async fn replace_slice(&self, slice: &ResourceSlice) -> Result<ResourceSlice, ApiError> {
         let name = slice.metadata.name.clone().unwrap_or_default();
-        let what = format!("update resourceslice {name}");
-        let body = serde_json::to_vec(slice).map_err(|source| ApiError::Json {
-            what: what.clone(),
-            source,
-        })?;
-        self.json(&what, Method::PUT, &format!("{SLICES}/{name}"), Some(body))
+        self.slices()
+            .replace(&name, &PostParams::default(), slice)
             .await
+            .map_err(|e| ApiError::from_kube(format!("replace resourceslice {name}"), e))
     }
 
-    /// Deletes slice `name`; absent is fine.
-    pub async fn delete_slice(&self, name: &str) -> Result<(), ApiError> {
-        let what = format!("delete resourceslice {name}");
-        let (status, bytes) = self
-            .call(Method::DELETE, &format!("{SLICES}/{name}"), None)
-            .await?;
-        match check(&what, status, &bytes) {
-            Ok(()) | Err(ApiError::NotFound(_)) => Ok(()),
+    async fn delete_slice(&self, name: &str) -> Result<(), ApiError> {
+        match self
+            .slices()
+            .delete(name, &DeleteParams::default())
+            .await
+            .map_err(|e| ApiError::from_kube(format!("delete resourceslice {name}"), e))
+        {
+            Ok(_) | Err(ApiError::NotFound(_)) => Ok(()),
             Err(e) => Err(e),
         }
-    }
-}
-
-fn check(what: &str, status: StatusCode, body: &[u8]) -> Result<(), ApiError> {
-    match status {
-        s if s.is_success() => Ok(()),
-        StatusCode::NOT_FOUND => Err(ApiError::NotFound(what.to_owned())),
-        StatusCode::CONFLICT => Err(ApiError::Conflict(what.to_owned())),
-        s => Err(ApiError::Status {
-            what: what.to_owned(),
-            status: s.as_u16(),
-            body: String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned(),
-        }),
     }
 }
 
@@ -254,25 +219,82 @@ fn check(what: &str, status: StatusCode, body: &[u8]) -> Result<(), ApiError> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn only_plain_http_urls_are_taken() {
-        let c = ApiClient::new("http://127.0.0.1:8001", None).unwrap();
-        assert_eq!(
-            (c.authority.as_str(), c.prefix.as_str()),
-            ("127.0.0.1:8001", "")
-        );
-        let c = ApiClient::new("http://proxy:8001/k8s/", None).unwrap();
-        assert_eq!(c.prefix, "/k8s");
-        for bad in [
-            "https://kubernetes.default.svc",
-            "http://",
-            "127.0.0.1:8001",
-            "http://host",
-        ] {
+    #[tokio::test]
+    async fn urls_must_be_http_or_https_with_a_host() {
+        let ok = Connection::Url {
+            url: "http://127.0.0.1:8001".into(),
+            token_file: None,
+        };
+        assert!(KubeClient::connect(&ok).await.is_ok());
+        for bad in ["127.0.0.1:8001", "ftp://host", "http://", "not a url"] {
+            let c = Connection::Url {
+                url: bad.into(),
+                token_file: None,
+            };
             assert!(
-                matches!(ApiClient::new(bad, None), Err(ApiError::Url(_))),
+                matches!(KubeClient::connect(&c).await, Err(ApiError::Config(_))),
                 "{bad}"
             );
         }
+    }
+
+    #[tokio::test]
+    async fn https_builds_the_tls_stack_and_a_dead_server_is_a_transport_error() {
+        // Port 1 on loopback: nothing listens. The TLS client (rustls with ring) is built, and
+        // the call fails as a transport error, never as "not found" (which would release
+        // claims).
+        let c = Connection::Url {
+            url: "https://127.0.0.1:1".into(),
+            token_file: None,
+        };
+        let api = KubeClient::connect(&c).await.unwrap();
+        let e = api.get_claim("ns", "c").await.unwrap_err();
+        assert!(matches!(e, ApiError::Transport { .. }), "{e:?}");
+        assert!(!e.is_not_found());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_kubeconfig_reaches_the_stand_in_api_server() {
+        let server = tessera_testkit::FakeApiServer::start();
+        let dir = tempfile::tempdir().unwrap();
+        let kc = dir.path().join("kubeconfig");
+        std::fs::write(
+            &kc,
+            format!(
+                "apiVersion: v1\nkind: Config\ncurrent-context: test\n\
+                 clusters: [{{name: stand-in, cluster: {{server: \"{}\"}}}}]\n\
+                 users: [{{name: plugin, user: {{token: secret-token}}}}]\n\
+                 contexts: [{{name: test, context: {{cluster: stand-in, user: plugin}}}}]\n",
+                server.url()
+            ),
+        )
+        .unwrap();
+        let api = KubeClient::connect(&Connection::Kubeconfig(kc))
+            .await
+            .unwrap();
+        assert!(
+            api.list_slices("gpu.tessera.dev", "node-a")
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        let e = api.get_claim("team-a", "missing").await.unwrap_err();
+        assert!(e.is_not_found(), "{e:?}");
+        assert!(
+            server
+                .state()
+                .requests
+                .iter()
+                .any(|r| r.starts_with("GET /apis/resource.k8s.io/v1/resourceslices?")),
+            "{:?}",
+            server.state().requests
+        );
+    }
+
+    #[tokio::test]
+    async fn a_missing_kubeconfig_is_a_configuration_error() {
+        let c = Connection::Kubeconfig("/nonexistent/kubeconfig".into());
+        let e = KubeClient::connect(&c).await.unwrap_err();
+        assert!(e.to_string().contains("/nonexistent/kubeconfig"), "{e}");
     }
 }

@@ -1,5 +1,6 @@
-//! The node's GPUs with the attributes the ResourceSlice publishes, from NVML, plus the NUMA
-//! node from sysfs (`<sysfs>/bus/pci/devices/<bus id>/numa_node`, `-1` meaning none).
+//! The node's GPUs with the attributes the ResourceSlice publishes, from NVML, plus from sysfs
+//! the NUMA node (`<sysfs>/bus/pci/devices/<bus id>/numa_node`, `-1` meaning none) and the
+//! PCIe root ([`pcie_root`]).
 //!
 //! Health comes from the device plugin's watcher ([`tessera_device_plugin::health`]): XID
 //! events mark a GPU unhealthy, and [`merge_health`] carries that onto these attributes.
@@ -51,6 +52,7 @@ pub fn read(lib: &Path, sysfs: &Path) -> Result<Vec<GpuAttrs>, InventoryError> {
             compute_capability: (cc.major as u32, cc.minor as u32),
             driver_version: driver_version.clone(),
             numa_node: numa_node(sysfs, &bus),
+            pcie_root: pcie_root(sysfs, &bus),
             pci_bus_id: bus,
             unhealthy: None,
         });
@@ -63,6 +65,28 @@ pub fn numa_node(sysfs: &Path, bus: &str) -> Option<i64> {
     let p = sysfs.join("bus/pci/devices").join(bus).join("numa_node");
     let n: i64 = std::fs::read_to_string(p).ok()?.trim().parse().ok()?;
     (n >= 0).then_some(n)
+}
+
+/// The PCIe root complex of PCI device `bus`, as the standard `resource.kubernetes.io/pcieRoot`
+/// attribute names it (`pci0000:00`): `<sysfs>/bus/pci/devices/<bus>` is a link into
+/// `<sysfs>/devices/`, and the first folder of its target is the root bridge
+/// (`devices/pci0000:00/0000:00:01.0/0000:01:00.0`). `None` when the link does not resolve
+/// there (no sysfs, a virtual device, the simulated GPUs).
+pub fn pcie_root(sysfs: &Path, bus: &str) -> Option<String> {
+    let devices = std::fs::canonicalize(sysfs.join("devices")).ok()?;
+    let dev = std::fs::canonicalize(sysfs.join("bus/pci/devices").join(bus)).ok()?;
+    let first = dev.strip_prefix(&devices).ok()?.components().next()?;
+    let name = first.as_os_str().to_str()?;
+    is_root_bridge(name).then(|| name.to_owned())
+}
+
+/// `pci` + a 4-digit hex domain + `:` + a 2-digit hex bus.
+fn is_root_bridge(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("pci") else {
+        return false;
+    };
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    matches!(rest.split_once(':'), Some((domain, bus)) if hex(domain, 4) && hex(bus, 2))
 }
 
 /// `gpus` with health from the watcher's `snapshot`: a GPU the watcher marks unhealthy is
@@ -95,6 +119,61 @@ mod tests {
         assert_eq!(numa_node(dir.path(), "0000:00:00.0"), None);
     }
 
+    /// A sysfs tree as Linux lays it out: the device under its root bridge, and the bus
+    /// folder's link to it.
+    fn fake_sysfs(root: &Path, bridge: &str, chain: &[&str]) {
+        let mut dev = root.join("devices").join(bridge);
+        for c in chain {
+            dev = dev.join(c);
+        }
+        std::fs::create_dir_all(&dev).unwrap();
+        let bus = root.join("bus/pci/devices");
+        std::fs::create_dir_all(&bus).unwrap();
+        let rel = format!("../../../devices/{bridge}/{}", chain.join("/"));
+        std::os::unix::fs::symlink(rel, bus.join(chain.last().unwrap())).unwrap();
+    }
+
+    #[test]
+    fn pcie_root_follows_the_bus_link_to_its_root_bridge() {
+        let dir = tempfile::tempdir().unwrap();
+        // Behind a switch: root port, switch ports, then the GPU.
+        fake_sysfs(
+            dir.path(),
+            "pci0000:3a",
+            &[
+                "0000:3a:00.0",
+                "0000:3b:00.0",
+                "0000:3c:00.0",
+                "0000:3d:00.0",
+            ],
+        );
+        fake_sysfs(dir.path(), "pci0001:00", &["0001:00:01.0", "0001:01:00.0"]);
+        assert_eq!(
+            pcie_root(dir.path(), "0000:3d:00.0").as_deref(),
+            Some("pci0000:3a")
+        );
+        assert_eq!(
+            pcie_root(dir.path(), "0001:01:00.0").as_deref(),
+            Some("pci0001:00")
+        );
+        // Not present, or a plain folder (no link into devices/): no attribute.
+        assert_eq!(pcie_root(dir.path(), "0000:99:00.0"), None);
+        let plain = dir.path().join("bus/pci/devices/0000:05:00.0");
+        std::fs::create_dir_all(&plain).unwrap();
+        assert_eq!(pcie_root(dir.path(), "0000:05:00.0"), None);
+        // A link into devices/ whose first folder is no root bridge (a virtual bus).
+        std::fs::create_dir_all(dir.path().join("devices/virtual/0000:06:00.0")).unwrap();
+        std::os::unix::fs::symlink(
+            "../../../devices/virtual/0000:06:00.0",
+            dir.path().join("bus/pci/devices/0000:06:00.0"),
+        )
+        .unwrap();
+        assert_eq!(pcie_root(dir.path(), "0000:06:00.0"), None);
+        assert!(!is_root_bridge("pci0000:3"));
+        assert!(!is_root_bridge("pcizzzz:00"));
+        assert_eq!(pcie_root(Path::new("/nonexistent"), "0000:3d:00.0"), None);
+    }
+
     #[test]
     fn health_marks_and_withdraws() {
         let g = |i: u32| GpuAttrs {
@@ -106,6 +185,7 @@ mod tests {
             driver_version: "1".into(),
             pci_bus_id: "0000:00:00.0".into(),
             numa_node: None,
+            pcie_root: None,
             unhealthy: None,
         };
         let s = |i: u32, bad: Option<&str>| GpuState {

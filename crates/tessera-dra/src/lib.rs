@@ -7,17 +7,20 @@
 //! GPU health watcher (`tessera_device_plugin::{arbiter, identity, install, health}`).
 //!
 //! Modules:
-//! - [`proto`]: generated gRPC code for the kubelet's `dra/v1` and `pluginregistration/v1`.
+//! - [`proto`]: generated gRPC code for the kubelet's `dra/v1`, `dra/v1beta1` and
+//!   `pluginregistration/v1`.
 //! - [`quantity`]: exact parsing of Kubernetes quantities.
 //! - [`claim`]: pure rules: a ResourceClaim's allocation results to planned allocations.
 //! - [`slices`]: pure rules: this node's ResourceSlice (devices, capacities, attributes).
 //! - [`cdi`]: the per-claim CDI spec (interposer, preload, identity, visible devices).
 //! - [`prepare`]: prepare / unprepare over the arbiter, idempotent, the arbiter's labels as
 //!   checkpoint.
-//! - [`apiserver`]: the HTTP + JSON client for ResourceClaims and ResourceSlices.
+//! - [`apiserver`]: the API server calls (get ResourceClaims; list, create, replace, delete
+//!   ResourceSlices) behind a small trait, implemented with kube-rs.
+//! - [`cleanup`]: pure rules: which prepared claims nothing uses any more.
 //! - [`inventory`]: the node's GPUs and their attributes from NVML and sysfs.
 //! - [`publish`]: keeps the node's ResourceSlice current; removes it on shutdown.
-//! - [`service`]: the `DRAPlugin` and `Registration` gRPC services.
+//! - [`service`]: the `DRAPlugin` (v1, v1beta1) and `Registration` gRPC services.
 //! - [`plugin`]: configuration and life cycle.
 
 #![forbid(unsafe_code)]
@@ -25,6 +28,7 @@
 pub mod apiserver;
 pub mod cdi;
 pub mod claim;
+pub mod cleanup;
 pub mod inventory;
 pub mod plugin;
 pub mod prepare;

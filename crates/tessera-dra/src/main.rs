@@ -10,6 +10,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
+use tessera_dra::apiserver::Connection;
 use tessera_dra::{Config, PluginError};
 
 /// DRA kubelet plugin for gpu.tessera.dev: enforced GPU fractions.
@@ -28,12 +29,15 @@ struct Args {
     /// Folder of CDI specs the container runtime reads.
     #[arg(long, default_value = "/var/run/cdi")]
     cdi_dir: PathBuf,
-    /// API server URL: plain HTTP (a kubectl proxy sidecar; TLS is not implemented).
-    #[arg(long, default_value = "http://127.0.0.1:8001")]
-    api_server: String,
-    /// Bearer token file sent to the API server.
-    #[arg(long)]
+    /// API server URL (`https://...` or `http://...`) instead of the pod's service account.
+    #[arg(long, conflicts_with = "kubeconfig")]
+    api_server: Option<String>,
+    /// Bearer token file sent to `--api-server` (re-read on each call).
+    #[arg(long, requires = "api_server")]
     token_file: Option<PathBuf>,
+    /// Kubeconfig file (its current context) instead of the pod's service account.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
     /// Log format: `text` or `json`.
     #[arg(long, env = "TESSERA_LOG_FORMAT", default_value = "text")]
     log_format: tessera_log::LogFormat,
@@ -81,12 +85,29 @@ struct Args {
     /// Seconds between ResourceSlice re-checks.
     #[arg(long, default_value_t = 30.0)]
     resync: f64,
+    /// Seconds between checks of the prepared claims: a claim deleted, re-created or reserved
+    /// by no pod is unprepared (also checked at start).
+    #[arg(long, default_value_t = 60.0)]
+    claim_check: f64,
+}
+
+fn seconds(v: f64, flag: &str) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(v)
+        .map(|d| d.max(Duration::from_millis(100)))
+        .map_err(|_| format!("{flag} must be a non-negative number"))
 }
 
 fn config(a: Args) -> Result<(Config, tessera_log::LogFormat), String> {
-    let resync = Duration::try_from_secs_f64(a.resync)
-        .map_err(|_| "--resync must be a non-negative number".to_owned())?
-        .max(Duration::from_millis(100));
+    let resync = seconds(a.resync, "--resync")?;
+    let claim_check = seconds(a.claim_check, "--claim-check")?;
+    let api = match (a.api_server, a.kubeconfig) {
+        (Some(url), _) => Connection::Url {
+            url,
+            token_file: a.token_file,
+        },
+        (None, Some(path)) => Connection::Kubeconfig(path),
+        (None, None) => Connection::InCluster,
+    };
     let default_memory = a
         .default_memory_mib
         .checked_mul(1 << 20)
@@ -97,8 +118,7 @@ fn config(a: Args) -> Result<(Config, tessera_log::LogFormat), String> {
             registry_dir: a.registry_dir,
             plugin_dir: a.plugin_dir,
             cdi_dir: a.cdi_dir,
-            api_url: a.api_server,
-            token_file: a.token_file,
+            api,
             admin_socket: a.admin_socket,
             tenant_socket: a.tenant_socket,
             container_socket_dir: a.container_socket_dir,
@@ -112,6 +132,7 @@ fn config(a: Args) -> Result<(Config, tessera_log::LogFormat), String> {
             nvidia_kind: a.nvidia_cdi_kind,
             poll: Duration::from_millis(a.poll_ms.clamp(10, 10_000)),
             resync,
+            claim_check,
         },
         a.log_format,
     ))

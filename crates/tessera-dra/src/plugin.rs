@@ -1,6 +1,6 @@
 //! Configuration and life cycle: install the interposer, read the GPUs, serve the plugin and
-//! registration sockets, keep the ResourceSlice current, and on shutdown remove the slice and
-//! the sockets.
+//! registration sockets, keep the ResourceSlice current, release claims nothing uses (on start
+//! and every [`Config::claim_check`]), and on shutdown remove the slice and the sockets.
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -13,14 +13,15 @@ use tokio::net::UnixListener;
 use tokio::sync::{Mutex, watch};
 use tokio_stream::wrappers::UnixListenerStream;
 
-use crate::apiserver::{ApiClient, ApiError};
+use crate::apiserver::{ApiError, Connection, KubeApi, KubeClient};
 use crate::cdi::Wiring;
 use crate::claim::DRIVER;
 use crate::inventory::{self, InventoryError};
 use crate::prepare::Settings;
 use crate::proto::dra::dra_plugin_server::DraPluginServer;
+use crate::proto::dra_v1beta1::dra_plugin_server::DraPluginServer as BetaServer;
 use crate::proto::registration::registration_server::RegistrationServer;
-use crate::service::{DraService, RegistrationService};
+use crate::service::{DraService, DraV1beta1, RegistrationService};
 use crate::slices::{GpuAttrs, MEMORY_STEP};
 
 /// Everything the plugin needs; every path is a parameter (tests use temp folders).
@@ -34,10 +35,8 @@ pub struct Config {
     pub plugin_dir: PathBuf,
     /// Folder of CDI specs the runtime reads (`/var/run/cdi`).
     pub cdi_dir: PathBuf,
-    /// API server base URL (`http://127.0.0.1:8001`, a kubectl proxy sidecar).
-    pub api_url: String,
-    /// Bearer token file for the API server, if any.
-    pub token_file: Option<PathBuf>,
+    /// Where the API server is (the pod's service account in a cluster).
+    pub api: Connection,
     /// The arbiter's admin socket.
     pub admin_socket: PathBuf,
     /// The arbiter's tenant socket on the host.
@@ -64,6 +63,9 @@ pub struct Config {
     pub poll: Duration,
     /// Slice re-check interval.
     pub resync: Duration,
+    /// Interval between checks of the prepared claims against the API server (claims whose
+    /// pods are gone are unprepared).
+    pub claim_check: Duration,
 }
 
 /// File name of the plugin socket in [`Config::plugin_dir`].
@@ -128,7 +130,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
             "--default-memory must be a positive multiple of {MEMORY_STEP} bytes"
         )));
     }
-    let api = ApiClient::new(&cfg.api_url, cfg.token_file.clone())?;
+    let api: Arc<dyn KubeApi> = Arc::new(KubeClient::connect(&cfg.api).await?);
     let src = install::find_interposer(cfg.interposer.as_deref())?;
     let installed = install::install(
         &src,
@@ -167,7 +169,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
         },
         nvidia_kind: cfg.nvidia_kind.clone(),
     };
-    let dra = DraService {
+    let dra = Arc::new(DraService {
         api: api.clone(),
         admin_socket: cfg.admin_socket.clone(),
         settings,
@@ -175,7 +177,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
         gpus: gpus.clone(),
         default_memory: cfg.default_memory,
         lock: Mutex::new(()),
-    };
+    });
     let (stop_tx, stop) = watch::channel(false);
     let publisher = tokio::spawn(crate::publish::run(
         api,
@@ -185,6 +187,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
         cfg.resync,
         stop.clone(),
     ));
+    let checker = tokio::spawn(check_claims(dra.clone(), cfg.claim_check, stop.clone()));
 
     // The plugin socket serves before the registration socket appears, so the kubelet never
     // finds an endpoint that does not answer.
@@ -193,7 +196,8 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
     let mut s1 = stop.clone();
     let plugin_srv = tokio::spawn(
         tonic::transport::Server::builder()
-            .add_service(DraPluginServer::new(dra))
+            .add_service(DraPluginServer::from_arc(dra.clone()))
+            .add_service(BetaServer::new(DraV1beta1(dra)))
             .serve_with_incoming_shutdown(UnixListenerStream::new(plugin_l), async move {
                 let _ = s1.wait_for(|s| *s).await;
             }),
@@ -223,6 +227,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
     // The registration socket goes first: the kubelet then stops using the plugin.
     let _ = std::fs::remove_file(&reg_sock);
     let _ = publisher.await;
+    let _ = checker.await;
     for srv in [reg_srv, plugin_srv] {
         if let Ok(Err(e)) = srv.await {
             tracing::warn!("gRPC server: {e}");
@@ -230,6 +235,24 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
     }
     let _ = std::fs::remove_file(&plugin_sock);
     Ok(())
+}
+
+/// Releases claims nothing uses, now (a plugin that was down may have missed unprepares) and
+/// every `every`, until `stop`.
+async fn check_claims(dra: Arc<DraService>, every: Duration, mut stop: watch::Receiver<bool>) {
+    loop {
+        match dra.release_unused().await {
+            Ok(released) if !released.is_empty() => {
+                tracing::info!("claim check: {} claims released", released.len());
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!("claim check: {e}"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(every) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+    }
 }
 
 /// The published GPU list: the inventory with the device plugin's health watcher (XID events)

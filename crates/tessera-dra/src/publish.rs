@@ -7,13 +7,13 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::apiserver::{ApiClient, ApiError};
+use crate::apiserver::{ApiError, KubeApi};
 use crate::claim::DRIVER;
 use crate::slices::{self, GpuAttrs};
 
 /// One reconciliation: makes the API server's slices of this node what `gpus` says.
 pub async fn sync(
-    api: &ApiClient,
+    api: &dyn KubeApi,
     node: &str,
     gpus: &[GpuAttrs],
     default_memory: u64,
@@ -41,7 +41,7 @@ pub async fn sync(
                 let mut next =
                     slices::slice(node, gpus, default_memory, cur.spec.pool.generation + 1);
                 next.metadata.resource_version = cur.metadata.resource_version.clone();
-                api.update_slice(&next).await?;
+                api.replace_slice(&next).await?;
                 tracing::info!(
                     "updated ResourceSlice {name} to generation {}",
                     next.spec.pool.generation
@@ -55,7 +55,7 @@ pub async fn sync(
 /// Reconciles on every change of `gpus` and every `resync` (a slice deleted by someone else
 /// comes back), until `stop`; then deletes the slice.
 pub async fn run(
-    api: ApiClient,
+    api: Arc<dyn KubeApi>,
     node: String,
     mut gpus: watch::Receiver<Arc<Vec<GpuAttrs>>>,
     default_memory: u64,
@@ -64,7 +64,7 @@ pub async fn run(
 ) {
     loop {
         let current = gpus.borrow_and_update().clone();
-        if let Err(e) = sync(&api, &node, &current, default_memory).await {
+        if let Err(e) = sync(api.as_ref(), &node, &current, default_memory).await {
             tracing::warn!("ResourceSlice sync: {e}");
         }
         tokio::select! {

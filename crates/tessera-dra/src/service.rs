@@ -1,8 +1,11 @@
-//! The gRPC services: `DRAPlugin` (prepare and unprepare, thin over [`crate::prepare`]) and
-//! `Registration` (what the kubelet's plugin watcher asks through the registration socket).
+//! The gRPC services: `DRAPlugin` (prepare and unprepare, thin over [`crate::prepare`]) in
+//! `dra/v1` and, converted to it, `dra/v1beta1` ([`DraV1beta1`]); and `Registration` (what the
+//! kubelet's plugin watcher asks through the registration socket).
 //!
-//! Prepares and unprepares run one at a time (a lock): each lists the arbiter's allocations
-//! and sweeps identity files of deleted ones, which must not race a neighbour's prepare.
+//! Prepares, unprepares and the unprepares of the clean-up of claims nothing uses
+//! ([`DraService::release_unused`], rules in [`crate::cleanup`]) run one at a time (a lock):
+//! each lists the arbiter's allocations and sweeps identity files of deleted ones, which must
+//! not race a neighbour's prepare.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -12,8 +15,9 @@ use tessera_protocol::client::AdminClient;
 use tokio::sync::{Mutex, watch};
 use tonic::{Request, Response, Status};
 
-use crate::apiserver::ApiClient;
+use crate::apiserver::KubeApi;
 use crate::claim::{self, DRIVER, NodeGpu};
+use crate::cleanup::{self, Lookup, Release};
 use crate::prepare::{self, ClaimRef, PrepareError, PreparedDevice, Settings};
 use crate::proto::dra::dra_plugin_server::DraPlugin;
 use crate::proto::dra::{
@@ -21,17 +25,18 @@ use crate::proto::dra::{
     NodePrepareResourcesResponse, NodeUnprepareResourceResponse, NodeUnprepareResourcesRequest,
     NodeUnprepareResourcesResponse,
 };
+use crate::proto::dra_v1beta1 as beta;
 use crate::proto::registration::registration_server::Registration;
 use crate::proto::registration::{
     InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse,
 };
-use crate::proto::{DRA_V1_SERVICE, PLUGIN_TYPE};
+use crate::proto::{DRA_V1_SERVICE, DRA_V1BETA1_SERVICE, PLUGIN_TYPE};
 use crate::slices::GpuAttrs;
 
 /// What the DRA service works with.
 pub struct DraService {
     /// The API server.
-    pub api: ApiClient,
+    pub api: Arc<dyn KubeApi>,
     /// The arbiter's admin socket.
     pub admin_socket: PathBuf,
     /// Files and wiring.
@@ -110,6 +115,82 @@ async fn blocking<T: Send + 'static>(
     .map_err(|e| format!("{DRIVER} (arbiter at {shown}): {e}"))
 }
 
+impl DraService {
+    /// Unprepares every claim this plugin prepared that nothing uses any more (deleted,
+    /// re-created, or reserved by no pod: [`cleanup::verdict`]); claims the API server gives
+    /// no definite answer about are kept. Returns the released claims' uids with the reason.
+    pub async fn release_unused(&self) -> Result<Vec<(String, Release)>, String> {
+        // The API reads run without the lock (an API server that times out must not hold up
+        // the kubelet's prepares); a claim found unreserved is read again under it, since a
+        // new pod may reserve and prepare it in between. Deleted or re-created claims stay so.
+        let all = blocking(self.admin_socket.clone(), |a| {
+            tessera_device_plugin::arbiter::Arbiter::list(a).map_err(PrepareError::from)
+        })
+        .await?;
+        let mut stale = Vec::new();
+        for c in cleanup::prepared_claims(&all) {
+            if let Some(why) = self.check(&c).await {
+                stale.push((c, why));
+            }
+        }
+        let mut released = Vec::new();
+        if stale.is_empty() {
+            return Ok(released);
+        }
+        let _guard = self.lock.lock().await;
+        for (c, first) in stale {
+            let why = match first {
+                Release::NoConsumer | Release::Deallocated => match self.check(&c).await {
+                    Some(why) => why,
+                    None => continue,
+                },
+                why => why,
+            };
+            let (uid, settings) = (c.uid.clone(), self.settings.clone());
+            match blocking(self.admin_socket.clone(), move |a| {
+                prepare::unprepare(a, &uid, &settings)
+            })
+            .await
+            {
+                Ok(n) => {
+                    tracing::info!(
+                        "released claim {}/{} ({}): {why}; {n} allocations deleted",
+                        c.namespace,
+                        c.name,
+                        c.uid
+                    );
+                    released.push((c.uid, why));
+                }
+                Err(e) => tracing::warn!(
+                    "releasing claim {}/{} ({}): {e}",
+                    c.namespace,
+                    c.name,
+                    c.uid
+                ),
+            }
+        }
+        Ok(released)
+    }
+
+    /// [`cleanup::verdict`] of prepared claim `c` as the API server shows it now.
+    async fn check(&self, c: &cleanup::PreparedClaim) -> Option<Release> {
+        let got = self.api.get_claim(&c.namespace, &c.name).await;
+        let lookup = match &got {
+            Ok(obj) => Lookup::Found(obj),
+            Err(e) if e.is_not_found() => Lookup::NotFound,
+            Err(e) => {
+                tracing::warn!(
+                    "claim check {}/{}: {e}; kept until a definite answer",
+                    c.namespace,
+                    c.name
+                );
+                Lookup::Failed
+            }
+        };
+        cleanup::verdict(&c.uid, lookup)
+    }
+}
+
 #[tonic::async_trait]
 impl DraPlugin for DraService {
     async fn node_prepare_resources(
@@ -184,6 +265,78 @@ impl DraPlugin for DraService {
     }
 }
 
+/// `dra/v1beta1`: the same calls as `v1` (which was copied from it), without `share_id` in
+/// the answer; each request is converted and served by the `v1` implementation.
+pub struct DraV1beta1(pub Arc<DraService>);
+
+fn claims_v1(claims: Vec<beta::Claim>) -> Vec<Claim> {
+    claims
+        .into_iter()
+        .map(|c| Claim {
+            namespace: c.namespace,
+            uid: c.uid,
+            name: c.name,
+        })
+        .collect()
+}
+
+#[tonic::async_trait]
+impl beta::dra_plugin_server::DraPlugin for DraV1beta1 {
+    async fn node_prepare_resources(
+        &self,
+        req: Request<beta::NodePrepareResourcesRequest>,
+    ) -> Result<Response<beta::NodePrepareResourcesResponse>, Status> {
+        let v1 = NodePrepareResourcesRequest {
+            claims: claims_v1(req.into_inner().claims),
+        };
+        let out = DraPlugin::node_prepare_resources(&*self.0, Request::new(v1)).await?;
+        let claims = out
+            .into_inner()
+            .claims
+            .into_iter()
+            .map(|(uid, r)| {
+                let devices = r
+                    .devices
+                    .into_iter()
+                    .map(|d| beta::Device {
+                        request_names: d.request_names,
+                        pool_name: d.pool_name,
+                        device_name: d.device_name,
+                        cdi_device_ids: d.cdi_device_ids,
+                    })
+                    .collect();
+                (
+                    uid,
+                    beta::NodePrepareResourceResponse {
+                        devices,
+                        error: r.error,
+                    },
+                )
+            })
+            .collect();
+        Ok(Response::new(beta::NodePrepareResourcesResponse { claims }))
+    }
+
+    async fn node_unprepare_resources(
+        &self,
+        req: Request<beta::NodeUnprepareResourcesRequest>,
+    ) -> Result<Response<beta::NodeUnprepareResourcesResponse>, Status> {
+        let v1 = NodeUnprepareResourcesRequest {
+            claims: claims_v1(req.into_inner().claims),
+        };
+        let out = DraPlugin::node_unprepare_resources(&*self.0, Request::new(v1)).await?;
+        let claims = out
+            .into_inner()
+            .claims
+            .into_iter()
+            .map(|(uid, r)| (uid, beta::NodeUnprepareResourceResponse { error: r.error }))
+            .collect();
+        Ok(Response::new(beta::NodeUnprepareResourcesResponse {
+            claims,
+        }))
+    }
+}
+
 /// The `Registration` service on the registration socket.
 pub struct RegistrationService {
     /// The plugin socket's absolute path (the kubelet dials it).
@@ -199,7 +352,8 @@ impl Registration for RegistrationService {
             r#type: PLUGIN_TYPE.to_owned(),
             name: DRIVER.to_owned(),
             endpoint: self.endpoint.display().to_string(),
-            supported_versions: vec![DRA_V1_SERVICE.to_owned()],
+            // The kubelet picks the newest it knows (1.34+: v1).
+            supported_versions: vec![DRA_V1_SERVICE.to_owned(), DRA_V1BETA1_SERVICE.to_owned()],
         }))
     }
 

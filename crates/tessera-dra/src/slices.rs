@@ -9,7 +9,7 @@
 //!
 //! Attributes for CEL selectors: `uuid`, `productName`, `architecture`, `index`, `numaNode`,
 //! `cudaComputeCapability` and `driverVersion` as semantic versions, and the standard
-//! `resource.kubernetes.io/pciBusID`. An unhealthy GPU stays listed with a `NoSchedule`
+//! `resource.kubernetes.io/pciBusID` and (where sysfs shows one) `resource.kubernetes.io/pcieRoot`. An unhealthy GPU stays listed with a `NoSchedule`
 //! taint, so the scheduler places nothing new on it.
 
 use std::collections::BTreeMap;
@@ -31,6 +31,8 @@ pub const MEMORY_STEP: u64 = 256 << 20;
 pub const DEFAULT_MEMORY: u64 = 1 << 30;
 /// Taint key of an unhealthy GPU.
 pub const TAINT_UNHEALTHY: &str = "gpu.tessera.dev/unhealthy";
+/// The standard attribute of the PCIe root complex (GPUs and NICs on one root share it).
+pub const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
 /// The upstream limit of devices in one slice.
 pub const MAX_DEVICES_PER_SLICE: usize = 128;
 
@@ -53,6 +55,8 @@ pub struct GpuAttrs {
     pub pci_bus_id: String,
     /// NUMA node, if the platform has one.
     pub numa_node: Option<i64>,
+    /// PCIe root complex (`pci0000:00`), if sysfs shows one.
+    pub pcie_root: Option<String>,
     /// Why it is unhealthy, if it is.
     pub unhealthy: Option<String>,
 }
@@ -150,6 +154,9 @@ pub fn device(g: &GpuAttrs, default_memory: u64) -> Device {
     if let Some(n) = g.numa_node {
         attributes.insert("numaNode".to_owned(), attr_int(n));
     }
+    if let Some(r) = &g.pcie_root {
+        attributes.insert(PCIE_ROOT.to_owned(), attr_string(r));
+    }
     let max_memory = (g.memory_total / MEMORY_STEP).max(1) * MEMORY_STEP;
     let capacity = BTreeMap::from([
         (
@@ -245,6 +252,7 @@ mod tests {
             driver_version: "570.124.06".into(),
             pci_bus_id: normalize_bus_id("00000000:3B:00.0"),
             numa_node: Some(0),
+            pcie_root: Some("pci0000:3a".into()),
             unhealthy: None,
         }
     }
@@ -301,8 +309,13 @@ mod tests {
             a["resource.kubernetes.io/pciBusID"].string.as_deref(),
             Some("0000:3b:00.0")
         );
+        assert_eq!(a[PCIE_ROOT].string.as_deref(), Some("pci0000:3a"));
         assert_eq!(a["architecture"].string.as_deref(), Some("Hopper"));
         assert!(d.taints.is_none());
+        let mut no_root = h100(0);
+        no_root.pcie_root = None;
+        let d = device(&no_root, DEFAULT_MEMORY);
+        assert!(!d.attributes.unwrap().contains_key(PCIE_ROOT));
         let mut bad = h100(0);
         bad.unhealthy = Some("XID 79".into());
         let t = device(&bad, DEFAULT_MEMORY).taints.unwrap();

@@ -241,7 +241,8 @@ impl Node {
 }
 
 /// A claim as the scheduler leaves it: one request, one result on `device` (with
-/// consumedCapacity and a shareID for a fraction; neither for a whole GPU).
+/// consumedCapacity and a shareID for a fraction; neither for a whole GPU), reserved for one
+/// pod.
 fn claim(name: &str, uid: &str, device: &str, capacity: Option<(&str, &str)>) -> Value {
     let mut result = json!({
         "request": "gpu", "driver": DRIVER, "pool": NODE, "device": device,
@@ -261,11 +262,15 @@ fn claim(name: &str, uid: &str, device: &str, capacity: Option<(&str, &str)>) ->
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"name": name, "namespace": "team-a", "uid": uid},
         "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}},
-        "status": {"allocation": {
-            "devices": {"results": [result]},
-            "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
-                {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}
-        }}
+        "status": {
+            "allocation": {
+                "devices": {"results": [result]},
+                "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                    {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}
+            },
+            "reservedFor": [{"resource": "pods", "name": format!("{name}-pod"),
+                             "uid": format!("pod-{uid}")}]
+        }
     })
 }
 
@@ -484,14 +489,22 @@ async fn two_fractions_share_a_gpu_a_whole_gpu_and_idempotent_restart_safe_prepa
     node.arbiter.kill();
     node.arbiter = node.spec.start();
     assert_eq!(prepare(&mut k, &claims).await, r);
-    assert_eq!(
-        (
-            node.admin().list().unwrap().len(),
-            node.files("identity"),
-            node.files("cdi")
-        ),
-        before
+    let after = (
+        node.admin().list().unwrap().len(),
+        node.files("identity"),
+        node.files("cdi"),
     );
+    eprintln!(
+        "before the restarts: {} allocations, {} identity files, {} CDI specs; after the plugin \
+         and the arbiter restarted: {}, {}, {}",
+        before.0,
+        before.1.len(),
+        before.2.len(),
+        after.0,
+        after.1.len(),
+        after.2.len()
+    );
+    assert_eq!(after, before);
 
     // Unprepare: allocations, identity files and specs go; twice is fine.
     assert_eq!(unprepare(&mut k, &claims[..2]).await, ["", ""]);
@@ -503,6 +516,12 @@ async fn two_fractions_share_a_gpu_a_whole_gpu_and_idempotent_restart_safe_prepa
     assert_eq!(node.files("identity").len(), 1);
     assert!(!Path::new(&ident.host_path).exists());
     assert_eq!(unprepare(&mut k, &claims).await, ["", "", ""]);
+    eprintln!(
+        "after unprepare: {} allocations, {} identity files, {} CDI specs",
+        node.admin().list().unwrap().len(),
+        node.files("identity").len(),
+        node.files("cdi").len()
+    );
     assert!(node.admin().list().unwrap().is_empty());
     assert!(node.files("cdi").is_empty() && node.files("identity").is_empty());
 }
@@ -584,11 +603,18 @@ async fn refusals_are_per_claim_and_create_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publishes_a_valid_slice_with_one_device_per_gpu_and_removes_it_on_shutdown() {
     let mut node = Node::start();
-    // A NUMA node in the stand-in sysfs for the first simulated card (bus 01); none for the
-    // second.
-    let numa = node.path("sys/bus/pci/devices/0000:01:00.0");
-    std::fs::create_dir_all(&numa).unwrap();
-    std::fs::write(numa.join("numa_node"), "1\n").unwrap();
+    // A stand-in sysfs for the first simulated card (bus 01) laid out as Linux does: the
+    // device under its root bridge with a NUMA node, and the bus folder's link to it. The
+    // second card has none (as the simulator, which has no sysfs).
+    let dev = node.path("sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0");
+    std::fs::create_dir_all(&dev).unwrap();
+    std::fs::write(dev.join("numa_node"), "1\n").unwrap();
+    std::fs::create_dir_all(node.path("sys/bus/pci/devices")).unwrap();
+    std::os::unix::fs::symlink(
+        "../../../devices/pci0000:00/0000:00:01.0/0000:01:00.0",
+        node.path("sys/bus/pci/devices/0000:01:00.0"),
+    )
+    .unwrap();
     node.start_plugin();
     let slice = {
         let api = &node.api;
@@ -638,6 +664,15 @@ async fn publishes_a_valid_slice_with_one_device_per_gpu_and_removes_it_on_shutd
 
     assert_eq!(devices[0]["attributes"]["numaNode"]["int"], 1);
     assert!(devices[1]["attributes"].get("numaNode").is_none());
+    assert_eq!(
+        devices[0]["attributes"]["resource.kubernetes.io/pcieRoot"]["string"],
+        "pci0000:00"
+    );
+    assert!(
+        devices[1]["attributes"]
+            .get("resource.kubernetes.io/pcieRoot")
+            .is_none()
+    );
 
     assert_eq!(spec["pool"]["generation"], 1);
     assert!(devices.iter().all(|d| d.get("taints").is_none()));
@@ -832,8 +867,185 @@ async fn two_prepared_claims_split_the_gpu_by_their_shares() {
             .collect()
     });
     let (pa, pb) = (gpu_percent(&outs[0]), gpu_percent(&outs[1]));
-    eprintln!("GPU time: claim a (30 shares) {pa:.0}%, claim b (70 shares) {pb:.0}%");
-    // The split itself is measured (docs/kubernetes.md); here only its direction is checked,
-    // with room for a noisy machine.
-    assert!(pb > pa * 1.3, "a: {outs:?}");
+    let split = pa / (pa + pb);
+    eprintln!(
+        "GPU time: claim a (30 shares) {pa:.0}%, claim b (70 shares) {pb:.0}%: a's part {split:.2}"
+    );
+    // A 30/70 split, within a band a noisy machine stays in (the figure over many runs is in
+    // docs/benchmarks.md); a split by equal shares (0.5) or a starved claim fails.
+    assert!(
+        (0.2..=0.4).contains(&split),
+        "a's part {split:.2}: {outs:?}"
+    );
+    assert!(pa + pb > 40.0, "the GPU was mostly idle: {outs:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_whose_pods_are_gone_are_released_and_others_kept() {
+    let mut node = Node::start();
+    let (gone, recreated, unreserved, running) = (
+        "uid-gone0000",
+        "uid-recr0000",
+        "uid-unre0000",
+        "uid-runn0000",
+    );
+    for (name, uid) in [
+        ("gone", gone),
+        ("recreated", recreated),
+        ("unreserved", unreserved),
+        ("running", running),
+    ] {
+        node.api
+            .put_claim(claim(name, uid, "gpu-0", Some(("10", "1Gi"))));
+    }
+    node.start_plugin_with(&["--claim-check", "0.2"]);
+    let mut k = node.kubelet_register().await;
+    let claims = [
+        kclaim("gone", gone),
+        kclaim("recreated", recreated),
+        kclaim("unreserved", unreserved),
+        kclaim("running", running),
+    ];
+    let r = prepare(&mut k, &claims).await;
+    assert!(claims.iter().all(|c| r[&c.uid].error.is_empty()), "{r:?}");
+    assert_eq!(node.admin().list().unwrap().len(), 4);
+
+    // The kubelet never calls unprepare (it was down, or lost its checkpoint), but the API
+    // server shows each pod gone: the claim deleted, deleted and re-created under the same
+    // name, or with no consumer left in status.reservedFor.
+    {
+        let mut st = node.api.state();
+        st.claims.remove(&("team-a".into(), "gone".into()));
+        st.claims.insert(
+            ("team-a".into(), "recreated".into()),
+            claim("recreated", "uid-new00000", "gpu-1", Some(("10", "1Gi"))),
+        );
+        st.claims
+            .get_mut(&("team-a".into(), "unreserved".into()))
+            .unwrap()["status"]["reservedFor"] = json!([]);
+    }
+    until(20, "the three claims released", || {
+        let left: BTreeSet<String> = node
+            .admin()
+            .list()
+            .unwrap()
+            .into_iter()
+            .filter_map(|a| a.labels.get(LABEL_CLAIM_UID).cloned())
+            .collect();
+        (left == BTreeSet::from([running.to_owned()])).then_some(())
+    })
+    .await;
+    // Their identity files and CDI specs went with them; the running pod's claim is intact.
+    assert_eq!(
+        node.files("cdi"),
+        BTreeSet::from([format!("tessera.dev-claim_{running}.json")])
+    );
+    assert_eq!(node.files("identity").len(), 1);
+    let ident = read_spec(&node, running)
+        .container_edits
+        .mounts
+        .into_iter()
+        .find(|m| m.container_path == "/etc/tessera/tenant")
+        .unwrap();
+    assert!(Path::new(&ident.host_path).exists());
+
+    // An API server that answers with errors frees nothing: the running claim is kept through
+    // several checks while every claim read fails.
+    node.api.state().claims.clear();
+    node.api
+        .put_claim(claim("running", running, "gpu-0", Some(("10", "1Gi"))));
+    node.api.state().fail_claim_reads = true;
+    let seen = node.api.state().requests.len();
+    until(20, "three more claim checks", || {
+        let st = node.api.state();
+        let reads = st.requests[seen..]
+            .iter()
+            .filter(|r| r.contains("/resourceclaims/running"))
+            .count();
+        (reads >= 3).then_some(())
+    })
+    .await;
+    assert_eq!(node.claim_allocations(running).len(), 1);
+    assert_eq!(node.files("cdi").len(), 1);
+    // The kubelet's own unprepare still works and is idempotent with the clean-up.
+    node.api.state().fail_claim_reads = false;
+    assert_eq!(unprepare(&mut k, &claims).await, ["", "", "", ""]);
+    assert!(node.admin().list().unwrap().is_empty());
+    assert!(node.files("cdi").is_empty() && node.files("identity").is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kubelet_speaking_only_v1beta1_gets_the_same_answers() {
+    use tessera_dra::proto::dra_v1beta1 as beta;
+    let mut node = Node::start();
+    let uid = "uid-beta0000";
+    node.api
+        .put_claim(claim("beta", uid, "gpu-0", Some(("30", "20Gi"))));
+    node.start_plugin();
+    let mut v1 = node.kubelet_register().await;
+    let reg = connect_unix(&node.registration_socket(), Duration::from_secs(5))
+        .await
+        .unwrap();
+    let info = RegistrationClient::new(reg)
+        .get_info(InfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        info.supported_versions,
+        [DRA_V1, "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"]
+    );
+    let ch = connect_unix(Path::new(&info.endpoint), Duration::from_secs(5))
+        .await
+        .unwrap();
+    let mut k = beta::dra_plugin_client::DraPluginClient::new(ch);
+    let claims = vec![beta::Claim {
+        namespace: "team-a".into(),
+        uid: uid.into(),
+        name: "beta".into(),
+    }];
+    let r = within(
+        20,
+        "v1beta1 NodePrepareResources",
+        k.node_prepare_resources(beta::NodePrepareResourcesRequest {
+            claims: claims.clone(),
+        }),
+    )
+    .await
+    .unwrap()
+    .into_inner()
+    .claims;
+    assert_eq!(r[uid].error, "");
+    // The same devices as through v1 (which also carries the share id).
+    let through_v1 = prepare(&mut v1, &[kclaim("beta", uid)]).await;
+    let d1 = &through_v1[uid].devices[0];
+    let d = &r[uid].devices[0];
+    assert_eq!(
+        (
+            &d.request_names,
+            &d.pool_name,
+            &d.device_name,
+            &d.cdi_device_ids
+        ),
+        (
+            &d1.request_names,
+            &d1.pool_name,
+            &d1.device_name,
+            &d1.cdi_device_ids
+        )
+    );
+    assert_eq!(node.claim_allocations(uid).len(), 1);
+    assert_eq!(node.claim_allocations(uid)[0].share, 30);
+    let u = within(
+        20,
+        "v1beta1 NodeUnprepareResources",
+        k.node_unprepare_resources(beta::NodeUnprepareResourcesRequest { claims }),
+    )
+    .await
+    .unwrap()
+    .into_inner()
+    .claims;
+    assert_eq!(u[uid].error, "");
+    assert!(node.claim_allocations(uid).is_empty());
+    assert!(node.files("cdi").is_empty());
 }

@@ -202,6 +202,7 @@ fn manifests_and_the_published_slice_pass_the_upstream_schemas_of_1_34_and_1_37(
         driver_version: "570.124.06".into(),
         pci_bus_id: format!("0000:{:02x}:00.0", index + 1),
         numa_node: Some(0),
+        pcie_root: Some("pci0000:00".into()),
         unhealthy: unhealthy.map(str::to_owned),
     };
     let slice = slices::slice(

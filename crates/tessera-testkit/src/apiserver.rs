@@ -30,6 +30,8 @@ pub struct ApiState {
     pub requests: Vec<String>,
     /// Every write refused by validation, with the reason.
     pub rejected: Vec<String>,
+    /// Answer every ResourceClaim read with a 500 (an API server in trouble).
+    pub fail_claim_reads: bool,
     version: u64,
 }
 
@@ -164,6 +166,9 @@ fn route(st: &mut ApiState, method: &str, target: &str, body: &[u8]) -> (u16, Va
             (seg.next(), seg.next(), seg.next(), seg.next())
             && method == "GET"
         {
+            if st.fail_claim_reads {
+                return status(500, "InternalError", "etcd is unavailable");
+            }
             return match st.claims.get(&(ns.to_owned(), name.to_owned())) {
                 Some(c) => (200, c.clone()),
                 None => status(

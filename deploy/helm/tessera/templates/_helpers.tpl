@@ -26,8 +26,18 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{/* Fails the render on values the agents would refuse at start-up anyway. */}}
 {{- define "tessera.validate" -}}
+{{- if not (or .Values.devicePlugin.enabled .Values.dra.enabled) -}}
+{{- fail "enable devicePlugin.enabled (extended resource tessera.dev/gpu-shares) or dra.enabled (DRA driver gpu.tessera.dev): without either no pod gets a GPU through Tessera" -}}
+{{- end -}}
 {{- if .Values.dra.enabled -}}
-{{- fail "dra.enabled: the chart does not template the DRA plugin yet; install deploy/dra/ (DaemonSet, RBAC, DeviceClasses) beside a release with devicePlugin.enabled=false" -}}
+{{- range .Values.dra.deviceClasses -}}
+{{- if not .name -}}
+{{- fail "dra.deviceClasses: every class needs a name" -}}
+{{- end -}}
+{{- end -}}
+{{- if or (le (int .Values.dra.defaultMemoryMiB) 0) (ne (mod (int .Values.dra.defaultMemoryMiB) 256) 0) -}}
+{{- fail (printf "dra.defaultMemoryMiB must be a positive multiple of 256, not %v" .Values.dra.defaultMemoryMiB) -}}
+{{- end -}}
 {{- end -}}
 {{- if not (has .Values.arbiter.enforce (list "kill" "report")) -}}
 {{- fail (printf "arbiter.enforce must be kill or report, not %q" .Values.arbiter.enforce) -}}
