@@ -1197,7 +1197,10 @@ mod tests {
         s.release(100);
         let end = Instant::now() + Duration::from_secs(5);
         while s.has_channel() {
-            assert!(Instant::now() < end, "the watcher's panic left the channel open");
+            assert!(
+                Instant::now() < end,
+                "the watcher's panic left the channel open"
+            );
             std::thread::sleep(Duration::from_millis(2));
         }
         assert_eq!(

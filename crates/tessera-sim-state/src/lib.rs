@@ -18,6 +18,7 @@
 //! - [`ledger`]: per-process records; global memory accounting; usage readers.
 //! - [`shared`]: shareable VMM allocations, held by several processes, counted once.
 //! - [`engine`]: the per-device execution engine and its busy-time history.
+//! - [`timeslice`]: the rules by which an engine time-slices between contexts (pure).
 //! - [`events`]: XID event injection and reading.
 //! - [`clock`]: the machine-wide monotonic clock every process stamps with.
 
@@ -28,6 +29,7 @@ pub mod events;
 pub mod ledger;
 pub mod shared;
 pub mod spec;
+pub mod timeslice;
 
 pub use dirs::{
     DirsError, default_state_dir, find_built_lib_dir, prepare_lib_dir, state_dir_from_env,
