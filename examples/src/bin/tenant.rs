@@ -6,7 +6,7 @@
 //! 2. allocates 1 GiB blocks until the driver refuses one or N GiB are held, and prints the
 //!    refusal (under `tessera run` that is the allocation's limit: `CUDA_ERROR_OUT_OF_MEMORY`);
 //! 3. launches K µs kernels back to back for S seconds (a few in flight at a time) and prints
-//!    how much GPU time it got, measured with events.
+//!    how much GPU time it got (kernels times their length) in how much wall time.
 //!
 //! Run alone on the simulated GPU: `tessera sim -- target/debug/tenant`; under Tessera:
 //! `tessera sim -- tessera run --memory 8GiB --share 30 -- target/debug/tenant`.
@@ -175,6 +175,8 @@ fn main() {
         }
         let wall = start.elapsed().as_secs_f64();
         let gpu = launched as f64 * args.kernel_us as f64 / 1e6;
+        // Percent of the wall time; its share of the card's busy time needs the other tenants'
+        // figures too (examples/demo.sh divides).
         println!(
             "{n}: ran {launched} kernels of {} us = {gpu:.2} s of GPU time in {wall:.2} s ({:.0}% of the GPU)",
             args.kernel_us,
