@@ -97,11 +97,11 @@ fn run(config: Config) -> Result<(), MainError> {
     }
     for g in &gpus {
         tracing::info!(
-            "GPU {} {} {} ({} bytes)",
+            "GPU {} {} {} ({})",
             g.index,
             g.uuid,
             g.name,
-            g.memory_total
+            tessera_protocol::size::human(g.memory_total)
         );
     }
     tokio::runtime::Builder::new_multi_thread()

@@ -297,7 +297,14 @@ fn later_commands_join_the_running_machine_and_a_different_spec_is_refused() {
     // A long-running first command (as an arbiter would be) holds the machine while it lives.
     let mut first = sim(state.path())
         .env_remove("TESSERA_SIM_GPUS")
-        .args(["--gpus", "2x80GiB", "--", "sh", "-c", "echo up; read _ || true"])
+        .args([
+            "--gpus",
+            "2x80GiB",
+            "--",
+            "sh",
+            "-c",
+            "echo up; read _ || true",
+        ])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
