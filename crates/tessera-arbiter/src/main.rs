@@ -88,7 +88,7 @@ fn main() -> ExitCode {
 fn run(config: Config) -> Result<(), MainError> {
     tessera_log::init(config.log_format)?;
     let gpus = NvmlDiscovery {
-        lib: config.nvml_lib.clone().map(Into::into),
+        lib: Some(config.nvml_lib.clone().into()),
     }
     .discover()
     .map_err(MainError::Gpus)?;
@@ -130,7 +130,7 @@ async fn serve(config: Config, gpus: Vec<GpuInfo>) -> Result<(), MainError> {
         let b = backstop::Backstop::new(
             Arc::clone(server.arbiter()),
             policy,
-            config.nvml_lib.as_deref().map(std::path::Path::as_os_str),
+            Some(config.nvml_lib.as_os_str()),
             &config.host_mount_ns,
         )
         .map_err(MainError::Backstop)?;

@@ -31,19 +31,20 @@ pub struct SimArgs {
     /// machine's, else 1x80GiB].
     #[arg(long, value_name = "SPEC")]
     pub gpus: Option<String>,
-    /// Shared state folder [env: TESSERA_SIM_DIR, default /tmp/tessera-sim-<uid>].
+    /// Shared state folder [env: TESSERA_SIM_DIR] [default: /tmp/tessera-sim-<uid>].
     #[arg(long, value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
-    /// Folder with the built libtessera_sim_*.so [env: TESSERA_SIM_LIB_DIR, default: next to tessera].
+    /// Folder with the built libtessera_sim_*.so [env: TESSERA_SIM_LIB_DIR] [default: next to
+    /// tessera].
     #[arg(long, value_name = "DIR")]
     pub lib_dir: Option<PathBuf>,
     /// Device memory a process's first context on a device costs, e.g. `300MiB`, `0` for none
-    /// [env: TESSERA_SIM_CONTEXT_MEMORY, default 300MiB].
+    /// [env: TESSERA_SIM_CONTEXT_MEMORY] [default: 300MiB].
     #[arg(long, value_name = "SIZE")]
     pub context_memory: Option<String>,
     /// Device memory each further context of a process on the same device costs (every
-    /// `cuCtxCreate` beside the first context) [env: TESSERA_SIM_FURTHER_CONTEXT_MEMORY,
-    /// default: what the first costs].
+    /// `cuCtxCreate` beside the first context) [env: TESSERA_SIM_FURTHER_CONTEXT_MEMORY]
+    /// [default: what the first costs].
     #[arg(long, value_name = "SIZE")]
     pub further_context_memory: Option<String>,
     /// Inject an XID error event on a GPU (e.g. `0:79`), then exit without running a command.
