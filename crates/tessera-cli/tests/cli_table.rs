@@ -190,7 +190,11 @@ fn old_flag_names_in_the_table_still_parse() {
         let old = rest.split('`').next().unwrap();
         // A value the flag accepts: its default where that is one word, else a path.
         let d = &r.flag_info.default;
-        let value = if d != "-" && !d.contains(' ') { d.as_str() } else { "/tmp/x" };
+        let value = if d != "-" && !d.contains(' ') {
+            d.as_str()
+        } else {
+            "/tmp/x"
+        };
         for p in &r.programs {
             let (exe, args) = &by_name[p];
             let out = Command::new(exe)
