@@ -41,8 +41,9 @@ pub enum MachineError {
     BadRecord { path: PathBuf, source: SpecError },
 }
 
-/// A hold on the running machine: its descriptor carries the read lock and stays open across
-/// `exec` (no `FD_CLOEXEC`), so the command and its children keep the machine running.
+/// A hold on the running machine: its read-only descriptor carries the read lock and stays
+/// open across `exec` (no `FD_CLOEXEC`), so the command and its children keep the machine
+/// running.
 #[derive(Debug)]
 pub struct MachineHold {
     /// Never read: owning the descriptor is what keeps the lock.
@@ -145,18 +146,22 @@ pub fn join(dir: &Path, requested: Option<&str>) -> Result<(String, MachineHold)
             .map_err(io(&path))?;
         spec
     };
+    // The hold is a second, read-only descriptor: the one the command keeps cannot rewrite the
+    // record for later joiners.
+    let hold = File::open(&path).map_err(io(&path))?;
     let mut lk = ofd_lock(libc::F_RDLCK);
     // SAFETY: F_OFD_SETLK with a valid, zero-pid flock struct on our own descriptor; then
     // F_SETFD 0 clears FD_CLOEXEC on it (std opens with O_CLOEXEC), so it survives exec.
     let ok = unsafe {
-        libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLK, &mut lk) == 0
-            && libc::fcntl(file.as_raw_fd(), libc::F_SETFD, 0) == 0
-            && libc::flock(file.as_raw_fd(), libc::LOCK_UN) == 0
+        libc::fcntl(hold.as_raw_fd(), libc::F_OFD_SETLK, &mut lk) == 0
+            && libc::fcntl(hold.as_raw_fd(), libc::F_SETFD, 0) == 0
     };
     if !ok {
         return Err(io(&path)(std::io::Error::last_os_error()));
     }
-    Ok((spec, MachineHold { _file: file }))
+    // Closing `file` drops the flock: the next joiner sees this hold.
+    drop(file);
+    Ok((spec, MachineHold { _file: hold }))
 }
 
 #[cfg(test)]
