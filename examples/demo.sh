@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 seconds=${SECONDS_EACH:-6}
+share_a=30 share_b=70
 echo "== building (cargo build)"
 cargo build --quiet -p tessera-cli -p tessera-arbiter -p tessera-sim-cuda -p tessera-sim-nvml \
     -p tessera-interpose -p tessera-examples
@@ -39,11 +40,11 @@ arbiter_pid=$!
 for _ in $(seq 100); do [ -S "$TESSERA_ADMIN_SOCKET" ] && break; sleep 0.05; done
 [ -S "$TESSERA_ADMIN_SOCKET" ] || { cat "$work/arbiter.log"; exit 1; }
 
-echo "== two tenants on GPU 0: A (8 GiB, share 30) and B (16 GiB, share 70), each asking for 12 GiB"
-sim_bg "$bin/tessera" run --memory 8GiB --share 30 -- \
+echo "== two tenants on GPU 0: A (8 GiB, share $share_a) and B (16 GiB, share $share_b), each asking for 12 GiB"
+sim_bg "$bin/tessera" run --memory 8GiB --share "$share_a" -- \
     "$bin/tenant" --name A --grab-gib 12 --seconds "$seconds" > "$work/a.out" &
 a=$!
-sim_bg "$bin/tessera" run --memory 16GiB --share 70 -- \
+sim_bg "$bin/tessera" run --memory 16GiB --share "$share_b" -- \
     "$bin/tenant" --name B --grab-gib 12 --seconds "$seconds" > "$work/b.out" &
 b=$!
 sleep $(( seconds / 2 ))
@@ -52,5 +53,21 @@ sim "$bin/tessera" status
 wait "$a" "$b"
 echo "== what each tenant saw and got"
 cat "$work/a.out" "$work/b.out"
+# Shares divide the GPU's busy time, not the wall time (the card idles a little at each lease
+# hand-off): each tenant's GPU time over both tenants' together, against its share's part of
+# the shares. Both run for the same seconds from the same moment, so their times overlap.
+echo "== each tenant's share of the GPU's busy time"
+awk -v sa="$share_a" -v sb="$share_b" '
+    / s of GPU time in / {
+        for (i = 1; i < NF; i++) if ($(i + 1) == "s" && $(i + 2) == "of" && $(i + 3) == "GPU") gpu[FNR == NR ? "A" : "B"] = $i
+        for (i = 1; i < NF; i++) if ($i == "in" && $(i + 2) == "s") wall = ($(i + 1) > wall ? $(i + 1) : wall)
+    }
+    END {
+        total = gpu["A"] + gpu["B"]
+        if (total <= 0) { print "no GPU time measured"; exit 1 }
+        printf "A: %.1f%% of busy time (target %.0f%%)\n", 100 * gpu["A"] / total, 100 * sa / (sa + sb)
+        printf "B: %.1f%% of busy time (target %.0f%%)\n", 100 * gpu["B"] / total, 100 * sb / (sa + sb)
+        printf "(the GPU was busy %.0f%% of the %.1f s)\n", 100 * total / wall, wall
+    }' "$work/a.out" "$work/b.out"
 echo "== tessera status (after they exit: allocations deleted)"
 sim "$bin/tessera" status

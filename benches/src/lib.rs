@@ -104,7 +104,7 @@ impl SimNode {
         // `process::exit` in a benchmark skips the `Drop` that kills it.
         exit_with_parent(&mut arbiter);
         let arbiter = arbiter
-            .arg("--socket")
+            .arg("--tenant-socket")
             .arg(&socket)
             .arg("--admin-socket")
             .arg(&admin_socket)

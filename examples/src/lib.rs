@@ -10,7 +10,7 @@
 //! This library holds the one piece both need: [`Driver`], `dlopen("libcuda.so.1")` followed by
 //! `cuGetProcAddress_v2` for every entry point.
 
-use std::ffi::{CStr, c_void};
+use std::ffi::{CStr, c_char, c_void};
 
 /// The CUDA driver ABI (`tessera-cuda-abi`): the function-pointer type of every entry point the
 /// examples resolve.
@@ -65,10 +65,10 @@ impl Driver {
         // SAFETY: a valid NUL-terminated name and out-pointer; a null status is allowed.
         let rc =
             unsafe { (self.get_proc)(name.as_ptr(), &mut p, version, 0, std::ptr::null_mut()) };
-        assert!(
-            rc == CUDA_SUCCESS && !p.is_null(),
-            "cannot resolve {name:?}: CUresult {rc}"
-        );
+        if rc != CUDA_SUCCESS || p.is_null() {
+            let name = name.to_string_lossy();
+            fail(&format!("cannot resolve {name}: {}", self.error_text(rc)));
+        }
         // SAFETY: F is a function pointer of the same size (asserted) and, by the caller's
         // contract, of the right signature.
         unsafe { std::mem::transmute_copy(&p) }
@@ -87,7 +87,8 @@ impl Driver {
                 self.sym::<cuCtxSetCurrent_t>(c"cuCtxSetCurrent", 4000),
             )
         };
-        let fail = |what: &str, rc: CUresult| Err(format!("{what} failed with CUresult {rc}"));
+        let fail =
+            |what: &str, rc: CUresult| Err(format!("{what} failed: {}", self.error_text(rc)));
         // SAFETY: plain flags; the out-pointer is a live local; `ctx` was just retained.
         unsafe {
             let rc = init(0);
@@ -108,7 +109,56 @@ impl Driver {
     }
 }
 
-/// Panics with the call's name unless `rc` is `CUDA_SUCCESS`.
-pub fn check(what: &str, rc: CUresult) {
-    assert_eq!(rc, CUDA_SUCCESS, "{what} failed with CUresult {rc}");
+/// `cuGetErrorName`'s C signature.
+type GetErrorName = unsafe extern "C" fn(CUresult, *mut *const c_char) -> CUresult;
+
+impl Driver {
+    /// The driver's name for `rc` and the number, e.g. `CUDA_ERROR_OUT_OF_MEMORY (2)`; just
+    /// the number when the driver does not know it.
+    pub fn error_text(&self, rc: CUresult) -> String {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a valid NUL-terminated name and out-pointer; a null status is allowed.
+        let found = unsafe {
+            (self.get_proc)(
+                c"cuGetErrorName".as_ptr(),
+                &mut p,
+                6000,
+                0,
+                std::ptr::null_mut(),
+            )
+        };
+        if found != CUDA_SUCCESS || p.is_null() {
+            return format!("CUresult {rc}");
+        }
+        // SAFETY: cuGetErrorName has this signature since CUDA 6.0 (the version asked for).
+        let get_name: GetErrorName = unsafe { std::mem::transmute_copy(&p) };
+        let mut name: *const c_char = std::ptr::null();
+        // SAFETY: a live out-pointer; on success the driver points it at a static string.
+        if unsafe { get_name(rc, &mut name) } != CUDA_SUCCESS || name.is_null() {
+            return format!("CUresult {rc}");
+        }
+        // SAFETY: non-null, NUL-terminated and static (the driver's own table).
+        let name = unsafe { CStr::from_ptr(name) }.to_string_lossy();
+        format!("{name} ({rc})")
+    }
+
+    /// Unless `rc` is `CUDA_SUCCESS`: prints `PROGRAM: WHAT failed: NAME (CODE)` on stderr and
+    /// exits with status 1. A CUDA error is an answer to report (under a Tessera limit
+    /// `CUDA_ERROR_OUT_OF_MEMORY` is the expected one), not a bug to panic on.
+    pub fn check(&self, what: &str, rc: CUresult) {
+        if rc != CUDA_SUCCESS {
+            fail(&format!("{what} failed: {}", self.error_text(rc)));
+        }
+    }
+}
+
+/// Prints `PROGRAM: message` on stderr and exits with status 1.
+pub fn fail(message: &str) -> ! {
+    let program = std::env::args_os()
+        .next()
+        .map(std::path::PathBuf::from)
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "example".into());
+    eprintln!("{program}: {message}");
+    std::process::exit(1)
 }

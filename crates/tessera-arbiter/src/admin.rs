@@ -127,14 +127,15 @@ async fn create(
             let cap = cap.map_or("no cap".to_owned(), |c| format!("cap {c}%"));
             let owned = owner.map_or(String::new(), |o| format!(", owned by pid {}", o.pid));
             tracing::info!(
-                "created allocation {} on GPU {} ({limit} bytes, share {share}, {cap}{owned})",
+                "created allocation {} on GPU {} ({}, share {share}, {cap}{owned})",
                 allocation.id,
-                allocation.gpu_index
+                allocation.gpu_index,
+                tessera_protocol::size::human(limit)
             );
             AdminReply::Created { token, allocation }
         }
         Err(e) => {
-            tracing::warn!("refused to create an allocation on {gpu:?}: {e}");
+            tracing::warn!("refused to create an allocation on {gpu}: {e}");
             AdminReply::Error {
                 kind: e.kind(),
                 message: e.to_string(),

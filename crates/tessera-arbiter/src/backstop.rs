@@ -53,6 +53,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tessera_protocol::identity::{CONTAINER_IDENTITY_FILE, Identity};
+use tessera_protocol::size::human;
 
 use crate::peer::proc_start;
 pub use crate::peer::{Peer, ProcId};
@@ -1286,10 +1287,13 @@ impl Backstop {
                 },
                 Some(id),
             ) => tracing::warn!(
-                "backstop: pid {} of allocation {id} {verdict}: it held {used} bytes, its \
-                 allocation's processes {total} bytes, allowed {allowed} (limit plus \
+                "backstop: pid {} of allocation {id} {verdict}: it held {}, its \
+                 allocation's processes {}, allowed {} (limit plus \
                  tolerance); it {how}",
-                a.pid
+                a.pid,
+                human(*used),
+                human(*total),
+                human(*allowed)
             ),
             (
                 Reason::Compute {
@@ -1309,10 +1313,11 @@ impl Backstop {
                 self.policy.interval.as_millis()
             ),
             (Reason::Unknown { container, used }, _) => tracing::warn!(
-                "backstop: unknown {} process {} {verdict}: it uses a GPU ({used} bytes) and \
+                "backstop: unknown {} process {} {verdict}: it uses a GPU ({}) and \
                  belongs to no allocation{}",
                 if *container { "container" } else { "host" },
                 a.pid,
+                human(*used),
                 if *container {
                     " (no Tessera identity in its container)"
                 } else {

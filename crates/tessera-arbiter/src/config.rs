@@ -4,8 +4,9 @@
 
 use std::path::PathBuf;
 
-/// Default tenant socket (mounted into containers).
-pub const DEFAULT_SOCKET: &str = "/run/tessera/tessera.sock";
+/// Default tenant socket. Its folder is what the device plugins mount into containers, so it
+/// holds nothing else (the admin socket is outside it); every binary has this default.
+pub const DEFAULT_SOCKET: &str = "/run/tessera/tenant/tessera.sock";
 /// Default admin socket (never mounted into containers).
 pub const DEFAULT_ADMIN_SOCKET: &str = "/run/tessera/admin.sock";
 /// Default state directory.
@@ -16,14 +17,20 @@ pub const DEFAULT_STATE_DIR: &str = "/var/lib/tessera";
 #[derive(Debug, Clone, clap::Parser)]
 #[command(name = "tessera-arbiter", version, about)]
 pub struct Config {
-    /// Tenant socket (mode 0666: the allocation token is the authority).
-    #[arg(long, env = "TESSERA_SOCKET", default_value = DEFAULT_SOCKET)]
+    /// Tenant socket (mode 0666: the allocation token is the authority); old name `--socket`.
+    #[arg(
+        long = "tenant-socket",
+        alias = "socket",
+        value_name = "PATH",
+        env = "TESSERA_SOCKET",
+        default_value = DEFAULT_SOCKET
+    )]
     pub socket: PathBuf,
     /// Admin socket (mode 0600).
-    #[arg(long, env = "TESSERA_ADMIN_SOCKET", default_value = DEFAULT_ADMIN_SOCKET)]
+    #[arg(long, value_name = "PATH", env = "TESSERA_ADMIN_SOCKET", default_value = DEFAULT_ADMIN_SOCKET)]
     pub admin_socket: PathBuf,
     /// Directory of the persisted allocations (created with mode 0700).
-    #[arg(long, default_value = DEFAULT_STATE_DIR)]
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_STATE_DIR)]
     pub state_dir: PathBuf,
     /// Log format: `text` (lines for people) or `json` (one object per line, for cluster log
     /// pipelines). Levels come from `RUST_LOG` (default `info`).
@@ -34,13 +41,18 @@ pub struct Config {
         value_name = "text|json"
     )]
     pub log_format: tessera_log::LogFormat,
-    /// NVML library to load instead of `libnvidia-ml.so.1` from the loader's search path.
-    #[arg(long, value_name = "PATH")]
-    pub nvml_lib: Option<PathBuf>,
+    /// NVML library to load (a bare name is looked up on the loader's search path).
+    #[arg(
+        long,
+        value_name = "PATH",
+        env = "TESSERA_NVML_LIB",
+        default_value = "libnvidia-ml.so.1"
+    )]
+    pub nvml_lib: PathBuf,
     /// What the memory backstop does with a process whose allocation's processes hold more
     /// device memory (by NVML) than the limit plus the slack (and tolerance): `kill` (SIGKILL)
     /// or `report`.
-    #[arg(long, value_enum, default_value = "kill")]
+    #[arg(long, value_name = "kill|report", value_enum, default_value = "kill")]
     pub enforce: EnforceArg,
     /// How often the backstop reads NVML, milliseconds; 0 turns it off.
     #[arg(long, default_value_t = 250, value_name = "MS")]
@@ -58,7 +70,12 @@ pub struct Config {
     /// What the backstop does with a process in a container that uses a GPU but belongs to
     /// no allocation (no connection, no Tessera identity file): `kill`, `report` or `ignore`.
     /// Such processes on the host are only ever reported (or ignored).
-    #[arg(long, value_enum, default_value = "kill")]
+    #[arg(
+        long,
+        value_name = "kill|report|ignore",
+        value_enum,
+        default_value = "kill"
+    )]
     pub unknown_processes: UnknownArg,
     /// GPU time the allocations of a GPU that bypass its leases (kernels launched around the
     /// gate) may use together beyond the slack before the backstop kills the busiest process

@@ -9,6 +9,8 @@
 
 use std::collections::HashMap;
 
+use tessera_protocol::size::human;
+
 /// Internal key of an allocation in the ledger (not its public id).
 pub type AccountKey = u64;
 /// Arbiter-wide connection number.
@@ -34,7 +36,7 @@ pub enum LedgerError {
         conn: ConnId,
     },
     /// A release of more than the connection holds.
-    #[error("released {asked} bytes but held only {held}")]
+    #[error("released {} but held only {}", human(*.asked), human(*.held))]
     OverRelease {
         /// Bytes the connection holds.
         held: u64,
@@ -42,7 +44,7 @@ pub enum LedgerError {
         asked: u64,
     },
     /// A redeclaration below what the connection is already known to hold.
-    #[error("redeclared {asked} bytes but already holds {held}")]
+    #[error("redeclared {} but already holds {}", human(*.asked), human(*.held))]
     RedeclareBelow {
         /// Bytes the connection holds.
         held: u64,
@@ -50,7 +52,11 @@ pub enum LedgerError {
         asked: u64,
     },
     /// A redeclaration above the whole allocation's limit: no process of it could hold that.
-    #[error("redeclared {asked} bytes, above the allocation's limit of {limit}")]
+    #[error(
+        "redeclared {}, above the allocation's limit of {}",
+        human(*.asked),
+        human(*.limit)
+    )]
     RedeclareAboveLimit {
         /// The account's limit.
         limit: u64,

@@ -80,7 +80,7 @@ fn main() -> ExitCode {
 fn run(config: Config) -> Result<(), MainError> {
     tessera_log::init(config.log_format)?;
     let gpus = NvmlDiscovery {
-        lib: config.nvml_lib.clone().map(Into::into),
+        lib: Some(config.nvml_lib.clone().into()),
     }
     .discover()
     .map_err(MainError::Gpus)?;
@@ -89,11 +89,11 @@ fn run(config: Config) -> Result<(), MainError> {
     }
     for g in &gpus {
         tracing::info!(
-            "GPU {} {} {} ({} bytes)",
+            "GPU {} {} {} ({})",
             g.index,
             g.uuid,
             g.name,
-            g.memory_total
+            tessera_protocol::size::human(g.memory_total)
         );
     }
     tokio::runtime::Builder::new_multi_thread()

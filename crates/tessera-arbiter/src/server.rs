@@ -324,7 +324,7 @@ fn start_backstop(
     let b = crate::backstop::Backstop::new(
         Arc::clone(arbiter),
         policy,
-        config.nvml_lib.as_deref().map(Path::as_os_str),
+        Some(config.nvml_lib.as_os_str()),
         &config.host_mount_ns,
     )
     .map_err(ServerError::Backstop)?;

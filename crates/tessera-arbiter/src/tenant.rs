@@ -276,7 +276,10 @@ fn serve(
     match (result, freed) {
         (Err(TenantError::Wire(WireError::Closed)), Ok(_)) | (Ok(()), Ok(_)) => {}
         (Err(e), Ok(freed)) => {
-            tracing::info!("{who} of {id}: closed: {e} (released {freed} bytes)")
+            tracing::info!(
+                "{who} of {id}: closed: {e} (released {})",
+                tessera_protocol::size::human(freed)
+            )
         }
         (_, Err(e)) => tracing::error!("{who} of {id}: ledger: {e}"),
     }

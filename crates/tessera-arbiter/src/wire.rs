@@ -38,7 +38,7 @@ pub enum WireError {
     #[error(transparent)]
     Frame(#[from] FrameError),
     /// The peer sent nothing in time.
-    #[error("no hello within {0:?}")]
+    #[error("no hello within {} ms", .0.as_millis())]
     Timeout(Duration),
     /// The first frame announces more than a `Hello` can be.
     #[error("hello of {0} bytes exceeds the {HELLO_FRAME_LIMIT} byte limit")]

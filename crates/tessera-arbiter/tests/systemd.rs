@@ -32,7 +32,7 @@ fn the_arbiter_accepts_every_flag_of_the_unit_and_its_paths_are_the_defaults() {
     assert_eq!(words[0], "/usr/local/bin/tessera-arbiter");
     let flags = &words[1..];
     for (flag, want) in [
-        ("--socket=", DEFAULT_SOCKET),
+        ("--tenant-socket=", DEFAULT_SOCKET),
         ("--admin-socket=", DEFAULT_ADMIN_SOCKET),
         ("--state-dir=", DEFAULT_STATE_DIR),
     ] {

@@ -21,7 +21,7 @@ pub struct DeleteArgs {
     #[arg(long)]
     pub force: bool,
     /// Arbiter admin socket.
-    #[arg(long, env = "TESSERA_ADMIN_SOCKET", default_value = DEFAULT_ADMIN_SOCKET)]
+    #[arg(long, value_name = "PATH", env = "TESSERA_ADMIN_SOCKET", default_value = DEFAULT_ADMIN_SOCKET)]
     pub admin_socket: PathBuf,
 }
 

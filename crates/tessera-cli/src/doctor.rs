@@ -16,7 +16,7 @@
 //!
 //! Where things come from, as the interposer takes them: the token and socket from the
 //! identity file when there is one, else `--token`/`TESSERA_TOKEN` and
-//! `--socket`/`TESSERA_SOCKET` (default /run/tessera/tessera.sock).
+//! `--tenant-socket`/`TESSERA_SOCKET` (default /run/tessera/tenant/tessera.sock).
 //!
 //! Exit codes: 0 every check passed or was skipped, 1 a check failed, 2 bad usage.
 
@@ -69,8 +69,14 @@ pub struct DoctorArgs {
         hide_env_values = true
     )]
     pub token: Option<String>,
-    /// Arbiter tenant socket [default: the identity file's, else /run/tessera/tessera.sock].
-    #[arg(long, env = "TESSERA_SOCKET", value_name = "PATH")]
+    /// Arbiter tenant socket; old name `--socket` [default: the identity file's, else
+    /// /run/tessera/tenant/tessera.sock].
+    #[arg(
+        long = "tenant-socket",
+        alias = "socket",
+        env = "TESSERA_SOCKET",
+        value_name = "PATH"
+    )]
     pub socket: Option<PathBuf>,
     /// Arbiter admin socket; checked when given or present [default: /run/tessera/admin.sock].
     #[arg(long, env = "TESSERA_ADMIN_SOCKET", value_name = "PATH")]
@@ -603,7 +609,7 @@ fn check_arbiter(socket: &Path) -> Check {
                 "{} welcomed an admin client: it is the admin socket",
                 socket.display()
             ),
-            "point --socket / TESSERA_SOCKET at the tenant socket (tessera.sock), not admin.sock",
+            "point --tenant-socket / TESSERA_SOCKET at the tenant socket (tessera.sock), not admin.sock",
         ),
     }
 }

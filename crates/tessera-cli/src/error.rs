@@ -31,6 +31,10 @@ pub enum CliError {
     /// The simulated GPUs could not be prepared (exit 1).
     #[error(transparent)]
     SimDirs(#[from] tessera_sim_state::DirsError),
+    /// The running simulated machine's spec could not be read or written (exit 1; a spec
+    /// that differs from it is a usage error, exit 2).
+    #[error(transparent)]
+    SimMachine(tessera_sim_state::MachineError),
     /// An XID could not be injected into the simulated GPUs (exit 1).
     #[error(transparent)]
     SimEvents(#[from] tessera_sim_state::EventsError),
@@ -40,6 +44,15 @@ pub enum CliError {
     /// Anything else: exit 1.
     #[error(transparent)]
     Other(#[from] anyhow::Error),
+}
+
+impl From<tessera_sim_state::MachineError> for CliError {
+    fn from(e: tessera_sim_state::MachineError) -> Self {
+        match e {
+            tessera_sim_state::MachineError::Differs { .. } => CliError::Usage(e.to_string()),
+            e => CliError::SimMachine(e),
+        }
+    }
 }
 
 fn arbiter_message(socket: &std::path::Path, err: &ClientError) -> String {
@@ -78,6 +91,7 @@ impl CliError {
             CliError::Doctor(_)
             | CliError::Signals(_)
             | CliError::SimDirs(_)
+            | CliError::SimMachine(_)
             | CliError::SimEvents(_)
             | CliError::Other(_) => 1,
         }

@@ -45,7 +45,7 @@ use crate::CliError;
 /// Default admin socket (same as the arbiter's).
 pub const DEFAULT_ADMIN_SOCKET: &str = "/run/tessera/admin.sock";
 /// Default tenant socket (same as the arbiter's).
-pub const DEFAULT_SOCKET: &str = "/run/tessera/tessera.sock";
+pub const DEFAULT_SOCKET: &str = "/run/tessera/tenant/tessera.sock";
 /// File name of the interposer, looked for next to the `tessera` executable.
 pub const INTERPOSER_FILE: &str = "libtessera_interpose.so";
 /// Share given when `--share` is not: weights are relative and WFQ hands idle time to whoever
@@ -72,10 +72,16 @@ pub struct RunArgs {
     #[arg(long)]
     pub cap: bool,
     /// Arbiter admin socket.
-    #[arg(long, env = "TESSERA_ADMIN_SOCKET", default_value = DEFAULT_ADMIN_SOCKET)]
+    #[arg(long, value_name = "PATH", env = "TESSERA_ADMIN_SOCKET", default_value = DEFAULT_ADMIN_SOCKET)]
     pub admin_socket: PathBuf,
-    /// Arbiter tenant socket, handed to the command.
-    #[arg(long, env = "TESSERA_SOCKET", default_value = DEFAULT_SOCKET)]
+    /// Arbiter tenant socket, handed to the command; old name `--socket`.
+    #[arg(
+        long = "tenant-socket",
+        alias = "socket",
+        value_name = "PATH",
+        env = "TESSERA_SOCKET",
+        default_value = DEFAULT_SOCKET
+    )]
     pub socket: PathBuf,
     /// The interposer library [default: libtessera_interpose.so next to `tessera`].
     #[arg(long, env = "TESSERA_INTERPOSER", value_name = "PATH")]

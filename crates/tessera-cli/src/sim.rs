@@ -6,6 +6,10 @@
 //! `TESSERA_SIM_FURTHER_CONTEXT_MEMORY`, each further context of a process, is passed on as set)
 //! and execs the command: it replaces this process, so its exit status, and any signal sent to
 //! `tessera sim`, are the command's own.
+//!
+//! Every command of one state folder sees the same GPUs ([`tessera_sim_state::machine`]):
+//! without `--gpus` (or `TESSERA_SIM_GPUS`) a command joins the machine running there, and a
+//! spec that differs from the running machine's is refused (exit 2).
 
 #![forbid(unsafe_code)]
 
@@ -22,22 +26,25 @@ use tessera_sim_state::{
 /// Arguments of `tessera sim`.
 #[derive(Debug, clap::Args)]
 pub struct SimArgs {
-    /// GPUs to simulate, e.g. `2x80GiB` or `1x16GiB,1x24GiB` [env: TESSERA_SIM_GPUS, default 1x80GiB].
+    /// GPUs to simulate, e.g. `2x80GiB` or `1x16GiB,1x24GiB`; must match the machine already
+    /// running in the state folder, if any [env: TESSERA_SIM_GPUS] [default: the running
+    /// machine's, else 1x80GiB].
     #[arg(long, value_name = "SPEC")]
     pub gpus: Option<String>,
-    /// Shared state folder [env: TESSERA_SIM_DIR, default /tmp/tessera-sim-<uid>].
+    /// Shared state folder [env: TESSERA_SIM_DIR] [default: /tmp/tessera-sim-<uid>].
     #[arg(long, value_name = "DIR")]
     pub state_dir: Option<PathBuf>,
-    /// Folder with the built libtessera_sim_*.so [env: TESSERA_SIM_LIB_DIR, default: next to tessera].
+    /// Folder with the built libtessera_sim_*.so [env: TESSERA_SIM_LIB_DIR] [default: next to
+    /// tessera].
     #[arg(long, value_name = "DIR")]
     pub lib_dir: Option<PathBuf>,
     /// Device memory a process's first context on a device costs, e.g. `300MiB`, `0` for none
-    /// [env: TESSERA_SIM_CONTEXT_MEMORY, default 300MiB].
+    /// [env: TESSERA_SIM_CONTEXT_MEMORY] [default: 300MiB].
     #[arg(long, value_name = "SIZE")]
     pub context_memory: Option<String>,
     /// Device memory each further context of a process on the same device costs (every
-    /// `cuCtxCreate` beside the first context) [env: TESSERA_SIM_FURTHER_CONTEXT_MEMORY,
-    /// default: what the first costs].
+    /// `cuCtxCreate` beside the first context) [env: TESSERA_SIM_FURTHER_CONTEXT_MEMORY]
+    /// [default: what the first costs].
     #[arg(long, value_name = "SIZE")]
     pub further_context_memory: Option<String>,
     /// Inject an XID error event on a GPU (e.g. `0:79`), then exit without running a command.
@@ -50,20 +57,30 @@ pub struct SimArgs {
 
 /// Runs `tessera sim`; returns the process exit code.
 pub fn main(args: SimArgs) -> Result<u8, CliError> {
-    let gpus = match &args.gpus {
-        Some(g) => g.clone(),
+    // The user's spec, a flag over the environment; without one, the running machine's.
+    let requested = match &args.gpus {
+        Some(g) => Some((g.clone(), "--gpus")),
         None => std::env::var(ENV_GPUS)
             .ok()
             .filter(|v| !v.trim().is_empty())
-            .unwrap_or_else(|| tessera_sim_state::DEFAULT_GPUS.to_string()),
+            .map(|v| (v, ENV_GPUS)),
     };
-    let spec = SimSpec::parse(&gpus)
-        .map_err(|e| CliError::usage(format!("invalid GPU spec {gpus:?}: {e}")))?;
+    if let Some((gpus, from)) = &requested {
+        SimSpec::parse(gpus)
+            .map_err(|e| CliError::usage(format!("invalid GPU spec {from} {gpus}: {e}")))?;
+    }
     let state_dir = match &args.state_dir {
         Some(d) => d.clone(),
         None => tessera_sim_state::state_dir_from_env(),
     };
     if let Some(xid) = &args.inject_xid {
+        let gpus = match &requested {
+            Some((g, _)) => g.clone(),
+            None => tessera_sim_state::machine::running_spec(&state_dir)?
+                .unwrap_or_else(|| tessera_sim_state::DEFAULT_GPUS.to_string()),
+        };
+        let spec = SimSpec::parse(&gpus)
+            .map_err(|e| CliError::usage(format!("invalid GPU spec {gpus}: {e}")))?;
         if !args.command.is_empty() {
             return Err(CliError::usage(
                 "--inject-xid does not run a command; drop the command or the flag",
@@ -125,6 +142,21 @@ pub fn main(args: SimArgs) -> Result<u8, CliError> {
     };
     let built = tessera_sim_state::find_built_lib_dir(args.lib_dir.as_deref())?;
     let lib = tessera_sim_state::prepare_lib_dir(&state_dir, &built)?;
+    // Last, once nothing else can fail: joins the running machine (or starts it). The hold's
+    // descriptor stays open into the command, which keeps the machine's spec while it runs.
+    let (gpus, _hold) =
+        tessera_sim_state::machine::join(&state_dir, requested.as_ref().map(|(g, _)| g.as_str()))
+            .map_err(|e| match (e, &requested) {
+            // Say where the differing spec came from (a stale TESSERA_SIM_GPUS, say).
+            (tessera_sim_state::MachineError::Differs { dir, running, .. }, Some((g, from))) => {
+                tessera_sim_state::MachineError::Differs {
+                    dir,
+                    running,
+                    requested: format!("{from} {g}"),
+                }
+            }
+            (e, _) => e,
+        })?;
     let mut ld = OsString::from(lib.as_os_str());
     if let Some(old) = std::env::var_os("LD_LIBRARY_PATH").filter(|v| !v.is_empty()) {
         ld.push(":");

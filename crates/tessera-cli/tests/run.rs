@@ -617,4 +617,13 @@ fn refusals_speak_human_units() {
         err.contains("memory limit 100 TiB exceeds GPU 0's 80 GiB"),
         "{err}"
     );
+    // And the arbiter's log says it so too: the GPU as people name it, sizes in units.
+    let line =
+        "refused to create an allocation on GPU 0: memory limit 100 TiB exceeds GPU 0's 80 GiB";
+    let logged = tessera_testkit::wait_until(std::time::Duration::from_secs(5), || {
+        arb.process_log().contains(line)
+    });
+    let log = arb.process_log();
+    assert!(logged.is_some(), "{log}");
+    assert!(!log.contains("Index(") && !log.contains(" bytes"), "{log}");
 }

@@ -266,3 +266,89 @@ fn context_memory_flags_set_what_the_first_and_each_further_context_cost() {
         String::from_utf8_lossy(&bad.stderr)
     );
 }
+
+/// What `sim_visible.py` (a cuda-bindings client) counts on the machine of `state`, run by
+/// `tessera sim` with `args` before the `--`.
+fn gpus_seen(state: &Path, args: &[&str]) -> (u64, u64) {
+    let out = sim(state)
+        .env_remove("TESSERA_SIM_GPUS")
+        .args(args)
+        .arg("--")
+        .arg(python())
+        .arg(script("sim_visible.py"))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    (
+        v["count"].as_u64().unwrap(),
+        v["nvml_count"].as_u64().unwrap(),
+    )
+}
+
+#[test]
+fn later_commands_join_the_running_machine_and_a_different_spec_is_refused() {
+    let state = tempfile::tempdir().unwrap();
+    // A long-running first command (as an arbiter would be) holds the machine while it lives.
+    let mut first = sim(state.path())
+        .env_remove("TESSERA_SIM_GPUS")
+        .args([
+            "--gpus",
+            "2x80GiB",
+            "--",
+            "sh",
+            "-c",
+            "echo up; read _ || true",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(first.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "up");
+    let stdin = first.stdin.take();
+    let mut first = KillOnDrop::new(first);
+
+    // Without --gpus: the running machine's two GPUs, for CUDA and NVML alike.
+    assert_eq!(gpus_seen(state.path(), &[]), (2, 2));
+    assert_eq!(gpus_seen(state.path(), &["--gpus", "80GiB,80GiB"]), (2, 2));
+    // Another spec, by flag or by the environment: refused before anything runs.
+    let marker = state.path().join("ran");
+    for (flag, env) in [(Some("1x80GiB"), None), (None, Some("1x80GiB"))] {
+        let mut cmd = sim(state.path());
+        cmd.env_remove("TESSERA_SIM_GPUS");
+        if let Some(f) = flag {
+            cmd.args(["--gpus", f]);
+        }
+        if let Some(e) = env {
+            cmd.env("TESSERA_SIM_GPUS", e);
+        }
+        let out = cmd.arg("--").arg("touch").arg(&marker).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        let from = if flag.is_some() {
+            "--gpus 1x80GiB"
+        } else {
+            "TESSERA_SIM_GPUS 1x80GiB"
+        };
+        assert!(
+            err.contains("is running with GPUs 2x80GiB")
+                && err.contains(&format!("{from} differs")),
+            "{err}"
+        );
+        assert!(!marker.exists(), "nothing ran");
+    }
+
+    // Once the machine's last process is gone, a new spec may start another.
+    drop(stdin);
+    assert!(first.wait().unwrap().success());
+    assert_eq!(gpus_seen(state.path(), &["--gpus", "1x80GiB"]), (1, 1));
+}

@@ -340,11 +340,11 @@ fn respond(
             });
         } else if let (Some((p, (token, a))), Some(identity)) = (mine.first(), &identity) {
             tracing::info!(
-                "allocation {} on {}: {} units, {} bytes",
+                "allocation {} on {}: {} units, {}",
                 a.id,
                 p.uuid,
                 p.units.len(),
-                a.memory_limit
+                tessera_protocol::size::human(a.memory_limit)
             );
             container_responses.push(fraction_response(m, &p.uuid, token, &a.id, identity));
         }

@@ -26,13 +26,21 @@ enum Source {
 #[command(version, about)]
 struct Args {
     /// The kubelet's device-plugins folder (kubelet.sock and our socket).
-    #[arg(long, default_value = "/var/lib/kubelet/device-plugins")]
+    #[arg(
+        long,
+        value_name = "DIR",
+        default_value = "/var/lib/kubelet/device-plugins"
+    )]
     kubelet_dir: PathBuf,
     /// Our socket's file name in the kubelet folder.
-    #[arg(long, default_value = "tessera.sock")]
+    #[arg(long, value_name = "NAME", default_value = "tessera.sock")]
     endpoint: String,
     /// The kubelet's PodResources socket (pod names for allocations, stale clean-up).
-    #[arg(long, default_value = "/var/lib/kubelet/pod-resources/kubelet.sock")]
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "/var/lib/kubelet/pod-resources/kubelet.sock"
+    )]
     pod_resources_socket: PathBuf,
     /// Log format: `text` or `json` (one object per line). Levels come from `RUST_LOG`
     /// (default `info`).
@@ -47,54 +55,73 @@ struct Args {
     #[arg(long)]
     no_stale_cleanup: bool,
     /// Serve Prometheus metrics at http://ADDR/metrics (IP:PORT, port 0 picks one; `none`: off).
-    #[arg(long, default_value = tessera_device_plugin::metrics::DEFAULT_ADDR)]
+    #[arg(long, value_name = "ADDR|none", default_value = tessera_device_plugin::metrics::DEFAULT_ADDR)]
     metrics_addr: String,
     /// The arbiter's admin socket.
     #[arg(
         long,
+        value_name = "PATH",
         env = "TESSERA_ADMIN_SOCKET",
         default_value = "/run/tessera/admin.sock"
     )]
     admin_socket: PathBuf,
     /// The arbiter's tenant socket on the host; its folder is mounted into containers.
-    #[arg(long, default_value = "/run/tessera/tenant/tessera.sock")]
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "/run/tessera/tenant/tessera.sock"
+    )]
     tenant_socket: PathBuf,
     /// Where the tenant socket's folder appears inside containers.
-    #[arg(long, default_value = "/run/tessera")]
+    #[arg(long, value_name = "DIR", default_value = "/run/tessera")]
     container_socket_dir: PathBuf,
     /// Host folder for the versioned interposer copies.
-    #[arg(long, default_value = "/var/lib/tessera/lib")]
+    #[arg(long, value_name = "DIR", default_value = "/var/lib/tessera/lib")]
     host_lib_dir: PathBuf,
     /// Host folder of the per-container identity files (token and socket, mounted read-only
     /// at /etc/tessera/tenant in each container).
-    #[arg(long, default_value = "/var/lib/tessera/identity")]
+    #[arg(long, value_name = "DIR", default_value = "/var/lib/tessera/identity")]
     host_identity_dir: PathBuf,
     /// The interposer library to install (default: next to this executable).
-    #[arg(long)]
+    #[arg(long, value_name = "PATH")]
     interposer: Option<PathBuf>,
     /// Path of the interposer inside containers.
-    #[arg(long, default_value = "/usr/lib/tessera/libtessera_interpose.so")]
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "/usr/lib/tessera/libtessera_interpose.so"
+    )]
     container_lib_path: PathBuf,
     /// Units each GPU is advertised as.
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, value_name = "N", default_value_t = 100)]
     shares_per_gpu: u32,
     /// Extended resource name.
-    #[arg(long, default_value = "tessera.dev/gpu-shares")]
+    #[arg(long, value_name = "NAME", default_value = "tessera.dev/gpu-shares")]
     resource_name: String,
     /// Where the GPU list and health come from (auto: NVML, else the arbiter).
-    #[arg(long, value_enum, default_value = "auto")]
+    #[arg(
+        long,
+        value_name = "auto|nvml|arbiter",
+        value_enum,
+        default_value = "auto"
+    )]
     gpu_source: Source,
     /// NVML library to load.
-    #[arg(long, env = "TESSERA_NVML_LIB", default_value = "libnvidia-ml.so.1")]
+    #[arg(
+        long,
+        value_name = "PATH",
+        env = "TESSERA_NVML_LIB",
+        default_value = "libnvidia-ml.so.1"
+    )]
     nvml_lib: PathBuf,
     /// Seconds an allocation no container holds is kept before deletion.
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, value_name = "SECONDS", default_value_t = 60.0)]
     stale_grace: f64,
     /// Seconds between stale allocation checks.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
     stale_interval: f64,
     /// Milliseconds between socket and GPU checks.
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, value_name = "MS", default_value_t = 500)]
     poll_ms: u64,
     /// Install the interposer into --host-lib-dir and exit (for an init container).
     #[arg(long)]

@@ -1105,7 +1105,8 @@ async fn a_container_gets_the_interposer_and_its_limit() {
         "{shown}"
     );
     assert!(
-        stderr.contains("cuMemAlloc failed with CUresult 2"),
+        stderr.contains("cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY (2)")
+            && !stderr.contains("panicked"),
         "{shown}"
     );
     assert!(!out.status.success(), "{shown}");

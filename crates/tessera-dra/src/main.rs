@@ -18,76 +18,103 @@ use tessera_dra::{Config, PluginError};
 #[command(version, about)]
 struct Args {
     /// This node's name (the downward API's spec.nodeName).
-    #[arg(long, env = "NODE_NAME")]
+    #[arg(long, value_name = "NAME", env = "NODE_NAME")]
     node_name: String,
     /// The kubelet's plugin registration folder.
-    #[arg(long, default_value = "/var/lib/kubelet/plugins_registry")]
+    #[arg(
+        long,
+        value_name = "DIR",
+        default_value = "/var/lib/kubelet/plugins_registry"
+    )]
     registry_dir: PathBuf,
     /// Folder of this plugin's socket.
-    #[arg(long, default_value = "/var/lib/kubelet/plugins/gpu.tessera.dev")]
+    #[arg(
+        long,
+        value_name = "DIR",
+        default_value = "/var/lib/kubelet/plugins/gpu.tessera.dev"
+    )]
     plugin_dir: PathBuf,
     /// Folder of CDI specs the container runtime reads.
-    #[arg(long, default_value = "/var/run/cdi")]
+    #[arg(long, value_name = "DIR", default_value = "/var/run/cdi")]
     cdi_dir: PathBuf,
     /// API server URL (`https://...` or `http://...`) instead of the pod's service account.
-    #[arg(long, conflicts_with = "kubeconfig")]
+    #[arg(long, value_name = "URL", conflicts_with = "kubeconfig")]
     api_server: Option<String>,
     /// Bearer token file sent to `--api-server` (re-read on each call).
-    #[arg(long, requires = "api_server")]
+    #[arg(long, value_name = "PATH", requires = "api_server")]
     token_file: Option<PathBuf>,
     /// Kubeconfig file (its current context) instead of the pod's service account.
-    #[arg(long)]
+    #[arg(long, value_name = "PATH")]
     kubeconfig: Option<PathBuf>,
     /// Log format: `text` or `json`.
-    #[arg(long, env = "TESSERA_LOG_FORMAT", default_value = "text")]
+    #[arg(
+        long,
+        value_name = "text|json",
+        env = "TESSERA_LOG_FORMAT",
+        default_value = "text"
+    )]
     log_format: tessera_log::LogFormat,
     /// The arbiter's admin socket.
     #[arg(
         long,
+        value_name = "PATH",
         env = "TESSERA_ADMIN_SOCKET",
         default_value = "/run/tessera/admin.sock"
     )]
     admin_socket: PathBuf,
     /// The arbiter's tenant socket on the host; its folder is mounted into containers.
-    #[arg(long, default_value = "/run/tessera/tenant/tessera.sock")]
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "/run/tessera/tenant/tessera.sock"
+    )]
     tenant_socket: PathBuf,
     /// Where the tenant socket's folder appears inside containers.
-    #[arg(long, default_value = "/run/tessera")]
+    #[arg(long, value_name = "DIR", default_value = "/run/tessera")]
     container_socket_dir: PathBuf,
     /// Host folder for the versioned interposer copies.
-    #[arg(long, default_value = "/var/lib/tessera/lib")]
+    #[arg(long, value_name = "DIR", default_value = "/var/lib/tessera/lib")]
     host_lib_dir: PathBuf,
     /// Host folder of the identity files.
-    #[arg(long, default_value = "/var/lib/tessera/identity")]
+    #[arg(long, value_name = "DIR", default_value = "/var/lib/tessera/identity")]
     host_identity_dir: PathBuf,
     /// The interposer library to install (default: next to this executable).
-    #[arg(long)]
+    #[arg(long, value_name = "PATH")]
     interposer: Option<PathBuf>,
     /// Path of the interposer inside containers.
-    #[arg(long, default_value = "/usr/lib/tessera/libtessera_interpose.so")]
+    #[arg(
+        long,
+        value_name = "PATH",
+        default_value = "/usr/lib/tessera/libtessera_interpose.so"
+    )]
     container_lib_path: PathBuf,
     /// NVML library to load.
-    #[arg(long, env = "TESSERA_NVML_LIB", default_value = "libnvidia-ml.so.1")]
+    #[arg(
+        long,
+        value_name = "PATH",
+        env = "TESSERA_NVML_LIB",
+        default_value = "libnvidia-ml.so.1"
+    )]
     nvml_lib: PathBuf,
     /// sysfs root (NUMA nodes of the GPUs).
-    #[arg(long, default_value = "/sys")]
+    #[arg(long, value_name = "DIR", default_value = "/sys")]
     sysfs: PathBuf,
     /// Memory limit, MiB, of a fraction whose claim names no memory (a multiple of 256).
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, value_name = "MIB", default_value_t = 1024)]
     default_memory_mib: u64,
     /// CDI kind of the node's NVIDIA spec (`nvidia-ctk cdi generate
     /// --device-name-strategy=uuid`).
-    #[arg(long, default_value = "nvidia.com/gpu")]
+    #[arg(long, value_name = "KIND", default_value = "nvidia.com/gpu")]
     nvidia_cdi_kind: String,
     /// Milliseconds between GPU health checks.
-    #[arg(long, default_value_t = 500)]
+    #[arg(long, value_name = "MS", default_value_t = 500)]
     poll_ms: u64,
     /// Seconds between ResourceSlice re-checks.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, value_name = "SECONDS", default_value_t = 30.0)]
     resync: f64,
     /// Seconds between checks of the prepared claims: a claim deleted, re-created or reserved
     /// by no pod is unprepared (also checked at start).
-    #[arg(long, default_value_t = 60.0)]
+    #[arg(long, value_name = "SECONDS", default_value_t = 60.0)]
     claim_check: f64,
 }
 

@@ -231,6 +231,16 @@ pub enum GpuSelector {
     Uuid(String),
 }
 
+/// `GPU 0` or `GPU GPU-8f0c...`: as people name a GPU in logs and refusals.
+impl std::fmt::Display for GpuSelector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GpuSelector::Index(i) => write!(f, "GPU {i}"),
+            GpuSelector::Uuid(u) => write!(f, "GPU {u}"),
+        }
+    }
+}
+
 /// A new allocation's parameters.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CreateAllocation {

@@ -10,6 +10,8 @@
 //!   busy-time counters.
 //! - `events`: injected XID events.
 //! - `lib/`: symlinks `libcuda.so.1` etc. to the built simulated libraries.
+//! - `machine`: the GPU spec of the running machine, read-locked by every process that
+//!   `tessera sim` started there.
 //!
 //! Modules:
 //! - [`spec`]: `TESSERA_SIM_GPUS` and `TESSERA_SIM_(FURTHER_)CONTEXT_MEMORY` parsing and per-GPU identity
@@ -20,6 +22,7 @@
 //! - [`engine`]: the per-device execution engine and its busy-time history.
 //! - [`timeslice`]: the rules by which an engine time-slices between contexts (pure).
 //! - [`events`]: XID event injection and reading.
+//! - [`machine`]: the running machine's spec, shared by every `tessera sim` of one folder.
 //! - [`clock`]: the machine-wide monotonic clock every process stamps with.
 
 pub mod clock;
@@ -27,6 +30,7 @@ pub mod dirs;
 pub mod engine;
 pub mod events;
 pub mod ledger;
+pub mod machine;
 pub mod shared;
 pub mod spec;
 pub mod timeslice;
@@ -37,6 +41,7 @@ pub use dirs::{
 pub use engine::{Engine, EngineError, device_busy_ns, device_utilization, process_busy_ns};
 pub use events::{EventsError, XidEvent, inject_xid, read_xid_events};
 pub use ledger::{Ledger, LedgerError, ProcessUsage, device_memory_used, read_processes};
+pub use machine::{MachineError, MachineHold};
 pub use shared::SharedHold;
 pub use spec::{
     GpuInfo, SimSpec, SpecError, context_memory_from_env, further_context_memory_from_env,

@@ -52,7 +52,7 @@ impl ArbiterSpec {
     /// `.output()` captures it): the caller's own Tessera variables and preloads removed.
     pub fn command(&self) -> Command {
         let mut cmd = Command::new(&self.binary);
-        cmd.arg("--socket")
+        cmd.arg("--tenant-socket")
             .arg(&self.socket)
             .arg("--admin-socket")
             .arg(&self.admin_socket)

@@ -7,7 +7,7 @@
 use std::ffi::{CStr, c_char, c_void};
 use std::time::Instant;
 
-use tessera_examples::{Driver, SPIN_PTX as PTX, abi, check};
+use tessera_examples::{Driver, SPIN_PTX as PTX, abi};
 
 fn main() {
     let d = Driver::load().unwrap_or_else(|e| {
@@ -38,27 +38,27 @@ fn main() {
         let launch: abi::cuLaunchKernel_t = d.sym(c"cuLaunchKernel", 4000);
 
         let mut n = 0;
-        check("cuDeviceGetCount", count(&mut n));
+        d.check("cuDeviceGetCount", count(&mut n));
         for i in 0..n {
             let mut buf = [0 as c_char; 64];
             let mut bytes = 0;
-            check("cuDeviceGetName", name(buf.as_mut_ptr(), 64, i));
-            check("cuDeviceTotalMem", total(&mut bytes, i));
+            d.check("cuDeviceGetName", name(buf.as_mut_ptr(), 64, i));
+            d.check("cuDeviceTotalMem", total(&mut bytes, i));
             let s = CStr::from_ptr(buf.as_ptr()).to_string_lossy();
             println!("GPU {i}: {s}, {} GiB", bytes >> 30);
         }
         let mut dptr = 0u64;
-        check("cuMemAlloc", alloc(&mut dptr, 40 << 30));
+        d.check("cuMemAlloc", alloc(&mut dptr, 40 << 30));
         let (mut f, mut t) = (0, 0);
-        check("cuMemGetInfo", info(&mut f, &mut t));
+        d.check("cuMemGetInfo", info(&mut f, &mut t));
         println!("allocated 40 GiB: {} GiB free of {} GiB", f >> 30, t >> 30);
         let msg = b"hello from the simulated GPU";
         let mut back = [0u8; 28];
-        check(
+        d.check(
             "cuMemcpyHtoD",
             htod(dptr, msg.as_ptr() as *const c_void, msg.len()),
         );
-        check(
+        d.check(
             "cuMemcpyDtoH",
             dtoh(back.as_mut_ptr() as *mut c_void, dptr, back.len()),
         );
@@ -66,28 +66,28 @@ fn main() {
 
         let mut module = std::ptr::null_mut();
         let mut spin = std::ptr::null_mut();
-        check(
+        d.check(
             "cuModuleLoadData",
             load(&mut module, PTX.as_ptr() as *const c_void),
         );
-        check(
+        d.check(
             "cuModuleGetFunction",
             getf(&mut spin, module, c"spin".as_ptr()),
         );
         let mut streams = [std::ptr::null_mut(); 2];
         let mut events = [std::ptr::null_mut(); 4];
         for s in &mut streams {
-            check("cuStreamCreate", stream_create(s, 0));
+            d.check("cuStreamCreate", stream_create(s, 0));
         }
         for e in &mut events {
-            check("cuEventCreate", ev_create(e, 0));
+            d.check("cuEventCreate", ev_create(e, 0));
         }
         let t0 = Instant::now();
         for (i, &s) in streams.iter().enumerate() {
             let mut ns: u64 = 100_000_000 * (i as u64 + 1);
             let mut params = [&mut ns as *mut u64 as *mut c_void];
-            check("cuEventRecord", ev_record(events[2 * i], s));
-            check(
+            d.check("cuEventRecord", ev_record(events[2 * i], s));
+            d.check(
                 "cuLaunchKernel",
                 launch(
                     spin,
@@ -103,11 +103,11 @@ fn main() {
                     std::ptr::null_mut(),
                 ),
             );
-            check("cuEventRecord", ev_record(events[2 * i + 1], s));
+            d.check("cuEventRecord", ev_record(events[2 * i + 1], s));
         }
         let submitted = t0.elapsed();
         for &s in &streams {
-            check("cuStreamSynchronize", stream_sync(s));
+            d.check("cuStreamSynchronize", stream_sync(s));
         }
         println!(
             "launched 100 ms + 200 ms kernels on two streams in {:.3} ms; both done after {:.0} ms (one engine: they run in turn)",
@@ -116,12 +116,12 @@ fn main() {
         );
         for i in 0..2 {
             let mut ms = 0f32;
-            check(
+            d.check(
                 "cuEventElapsedTime",
                 ev_elapsed(&mut ms, events[2 * i], events[2 * i + 1]),
             );
             println!("stream {i}: events measured {ms:.1} ms");
         }
-        check("cuMemFree", free(dptr));
+        d.check("cuMemFree", free(dptr));
     }
 }
