@@ -18,62 +18,36 @@
 
 use std::ffi::{CString, OsString};
 use std::os::unix::ffi::OsStringExt;
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::OnceLock;
 
 pub use tessera_protocol::identity::CONTAINER_IDENTITY_FILE;
-use tessera_protocol::identity::Identity;
+use tessera_protocol::identity::{Identity, IdentityReadError};
+use tessera_protocol::node::{self, Closed, Target};
 
 /// The process's settings, read once.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
-    /// The tenant's allocation token; `None` means pass everything through untouched.
-    pub token: Option<String>,
-    /// The arbiter's tenant socket. `None` with a token closes the process (see
-    /// [`Config::closed`]).
-    pub socket: Option<PathBuf>,
+    /// Which allocation the process belongs to, by the node contract's rule
+    /// ([`node::resolve`], shared with `tessera doctor`).
+    pub target: Target,
     /// Path of the real driver to load instead of `libcuda.so.1`.
     pub real_libcuda: Option<CString>,
-    /// Why the process cannot prove its allocation (an unreadable identity file).
-    pub identity_error: Option<String>,
 }
 
 impl Config {
     /// Builds the configuration from the identity file (`None`: no such file; `Some(Err)`: it
     /// exists but could not be read or parsed) and a variable lookup.
     pub fn from_sources(
-        identity: Option<Result<Identity, String>>,
+        identity: Option<Result<Identity, IdentityReadError>>,
         get: impl Fn(&str) -> Option<OsString>,
     ) -> Self {
-        let non_empty = |k: &str| get(k).filter(|v| !v.is_empty());
-        let real_libcuda =
-            non_empty("TESSERA_REAL_LIBCUDA").and_then(|v| CString::new(v.into_vec()).ok());
-        match identity {
-            Some(Ok(id)) => Self {
-                token: Some(id.token),
-                socket: id.socket,
-                real_libcuda,
-                identity_error: None,
-            },
-            Some(Err(e)) => Self {
-                // Enforcing, with nothing to connect with: closed.
-                token: Some(String::new()),
-                socket: None,
-                real_libcuda,
-                identity_error: Some(e),
-            },
-            None => {
-                let token =
-                    non_empty("TESSERA_TOKEN").map(|v| v.to_string_lossy().trim().to_owned());
-                let token = token.filter(|t| !t.is_empty());
-                let socket = non_empty("TESSERA_SOCKET").map(PathBuf::from);
-                Self {
-                    token,
-                    socket,
-                    real_libcuda,
-                    identity_error: None,
-                }
-            }
+        let real_libcuda = get(node::ENV_REAL_LIBCUDA)
+            .filter(|v| !v.is_empty())
+            .and_then(|v| CString::new(v.into_vec()).ok());
+        Self {
+            target: node::resolve(identity, &get),
+            real_libcuda,
         }
     }
 
@@ -82,15 +56,40 @@ impl Config {
         Self::from_sources(None, get)
     }
 
-    /// True when limits are enforced.
+    /// True when limits are enforced (the process is a tenant, able to prove it or not).
     pub fn enforcing(&self) -> bool {
-        self.token.is_some()
+        !matches!(self.target, Target::NotATenant)
     }
 
     /// True when the process enforces but cannot reach an arbiter it can prove itself to:
     /// allocations are refused and launches fail.
     pub fn closed(&self) -> bool {
-        self.enforcing() && (self.socket.is_none() || self.identity_error.is_some())
+        matches!(self.target, Target::Closed(_))
+    }
+
+    /// Why it is closed.
+    pub fn closed_reason(&self) -> Option<&Closed> {
+        match &self.target {
+            Target::Closed(why) => Some(why),
+            _ => None,
+        }
+    }
+
+    /// The allocation's token (empty when closed: there is nothing to prove with).
+    pub fn token(&self) -> Option<String> {
+        match &self.target {
+            Target::NotATenant => None,
+            Target::Closed(_) => Some(String::new()),
+            Target::Tenant { token, .. } => Some(token.clone()),
+        }
+    }
+
+    /// The tenant socket (none when closed).
+    pub fn socket(&self) -> Option<&Path> {
+        match &self.target {
+            Target::Tenant { socket, .. } => Some(socket),
+            _ => None,
+        }
     }
 }
 
@@ -99,7 +98,7 @@ static CONFIG: OnceLock<Config> = OnceLock::new();
 /// The process configuration (read on first use).
 pub fn get() -> &'static Config {
     CONFIG.get_or_init(|| {
-        let identity = Identity::read(std::path::Path::new(CONTAINER_IDENTITY_FILE));
+        let identity = Identity::read(Path::new(CONTAINER_IDENTITY_FILE));
         Config::from_sources(identity, |k| std::env::var_os(k))
     })
 }
@@ -117,58 +116,34 @@ mod tests {
         move |k| m.get(k).cloned()
     }
 
-    fn cfg(pairs: &[(&str, &str)]) -> Config {
-        Config::from_lookup(env(pairs))
+    /// The interposer follows the node contract in every case of its table (the one
+    /// `tessera doctor` is checked against too).
+    #[test]
+    fn the_interposer_follows_the_node_contract() {
+        for (what, file, vars, want) in node::contract_cases() {
+            let identity = file.map(|t| Identity::read_from(t.as_bytes()));
+            let c = Config::from_sources(identity, env(&vars));
+            assert_eq!(c.target, want, "{what}");
+            assert_eq!(c.enforcing(), want != Target::NotATenant, "{what}");
+            assert_eq!(c.closed(), matches!(want, Target::Closed(_)), "{what}");
+            assert_eq!(c.socket().is_some(), matches!(want, Target::Tenant { .. }));
+        }
     }
 
     #[test]
-    fn no_token_means_pass_through() {
-        let c = cfg(&[("TESSERA_SOCKET", "/tmp/s")]);
-        assert!(!c.enforcing());
-        assert!(!c.closed());
-        assert!(!cfg(&[("TESSERA_TOKEN", "  ")]).enforcing());
-        assert!(!cfg(&[("TESSERA_TOKEN", "")]).enforcing());
-    }
-
-    #[test]
-    fn token_without_socket_is_closed() {
-        let c = cfg(&[("TESSERA_TOKEN", "abc")]);
-        assert!(c.enforcing());
-        assert!(c.closed());
-        assert_eq!(c.socket, None);
-    }
-
-    #[test]
-    fn all_variables_read() {
-        let c = cfg(&[
-            ("TESSERA_TOKEN", "abc\n"),
+    fn the_real_driver_is_read_and_other_tools_limits_ignored() {
+        let c = Config::from_lookup(env(&[
+            ("TESSERA_TOKEN", "abc"),
             ("TESSERA_SOCKET", "/run/t.sock"),
             ("TESSERA_REAL_LIBCUDA", "/opt/libcuda.so.1"),
             // Variables other tools use for their limits are ignored here.
             ("CUDA_DEVICE_MEMORY_LIMIT", "99g"),
-        ]);
-        assert_eq!(c.token.as_deref(), Some("abc"));
-        assert_eq!(c.socket, Some(PathBuf::from("/run/t.sock")));
-        assert!(!c.closed());
+        ]));
+        assert_eq!(c.token().as_deref(), Some("abc"));
         assert_eq!(
             c.real_libcuda.as_deref().map(|s| s.to_bytes()),
             Some(&b"/opt/libcuda.so.1"[..])
         );
-    }
-
-    #[test]
-    fn the_identity_file_wins_over_the_environment() {
-        let file = Identity::parse("token=from-file\nsocket=/run/tessera/tessera.sock\n").unwrap();
-        // The tenant unset its token and pointed the socket at a fake arbiter.
-        let c = Config::from_sources(
-            Some(Ok(file.clone())),
-            env(&[("TESSERA_SOCKET", "/tmp/fake.sock")]),
-        );
-        assert_eq!(c.token.as_deref(), Some("from-file"));
-        assert_eq!(c.socket, Some(PathBuf::from("/run/tessera/tessera.sock")));
-        assert!(!c.closed());
-        let c = Config::from_sources(Some(Ok(file)), env(&[("TESSERA_TOKEN", "other")]));
-        assert_eq!(c.token.as_deref(), Some("from-file"));
     }
 
     /// A file whose read fails, as an unreadable identity file's does.
@@ -184,42 +159,18 @@ mod tests {
     }
 
     #[test]
-    fn an_identity_file_that_cannot_be_used_closes_the_process() {
-        let path = std::path::Path::new(CONTAINER_IDENTITY_FILE);
-        let unreadable =
-            Identity::read_from(BrokenRead).map_err(|e| format!("{}: {e}", path.display()));
-        for (what, text) in [("empty", ""), ("unknown key", "token=x\nlimit=9\n")] {
-            let bad = Identity::read_from(text.as_bytes())
-                .map_err(|e| format!("{}: {e}", path.display()));
-            assert!(bad.is_err(), "{what}");
-            let c = Config::from_sources(
-                Some(bad),
-                env(&[("TESSERA_TOKEN", "t"), ("TESSERA_SOCKET", "/s")]),
-            );
-            assert!(c.enforcing() && c.closed(), "{what}: {c:?}");
-            assert!(
-                c.identity_error
-                    .as_deref()
-                    .unwrap()
-                    .starts_with(CONTAINER_IDENTITY_FILE)
-            );
-        }
+    fn an_unreadable_identity_file_closes_the_process() {
         let c = Config::from_sources(
-            Some(unreadable),
+            Some(Identity::read_from(BrokenRead)),
             env(&[("TESSERA_TOKEN", "t"), ("TESSERA_SOCKET", "/s")]),
         );
         assert!(c.enforcing() && c.closed(), "unreadable: {c:?}");
         assert!(
-            c.identity_error
-                .as_deref()
+            c.closed_reason()
                 .unwrap()
+                .to_string()
                 .contains("permission denied")
         );
-        // A file without a socket line cannot reach the arbiter either.
-        let c = Config::from_sources(
-            Some(Identity::parse("token=t\n").map_err(|e| e.to_string())),
-            env(&[("TESSERA_SOCKET", "/s")]),
-        );
-        assert!(c.closed());
+        assert_eq!(c.socket(), None);
     }
 }

@@ -4,6 +4,7 @@
 
 use std::fmt::{self, Write as _};
 use std::sync::atomic::{AtomicU8, Ordering};
+use tessera_protocol::node;
 
 /// Log levels, most severe first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -52,7 +53,7 @@ pub fn set_level(level: Level) {
 pub fn enabled(level: Level) -> bool {
     let mut cur = LEVEL.load(Ordering::Relaxed);
     if cur == UNSET {
-        let env = std::env::var("TESSERA_LOG").ok();
+        let env = std::env::var(node::ENV_LOG).ok();
         let l = parse_level(env.as_deref());
         set_level(l);
         cur = l as u8;

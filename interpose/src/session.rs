@@ -646,14 +646,14 @@ impl Session {
         }
         let Some(path) = self.socket.as_deref() else {
             if !link.refused {
-                match &crate::config::get().identity_error {
+                match crate::config::get().closed_reason() {
                     Some(e) => tlog!(
                         Error,
                         "cannot prove this process's allocation ({e}): every allocation is refused and every launch fails"
                     ),
                     None => tlog!(
                         Error,
-                        "TESSERA_TOKEN is set but TESSERA_SOCKET is not: every allocation is refused and every launch fails"
+                        "no tenant socket to prove this process's allocation to: every allocation is refused and every launch fails"
                     ),
                 }
             }

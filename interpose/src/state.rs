@@ -71,13 +71,14 @@ fn companion_ticket() -> Option<u64> {
 #[cold]
 fn create() -> Option<&'static Process> {
     let cfg = config::get();
-    let token = cfg.token.clone()?;
+    let token = cfg.token()?;
+    let socket = cfg.socket().map(ToOwned::to_owned);
     let fresh = Box::into_raw(Box::new(Process::new(
-        Session::new(cfg.socket.clone(), token.clone(), Policy::default()),
+        Session::new(socket.clone(), token.clone(), Policy::default()),
         if cfg.closed() {
             Gate::new(None, token).closed()
         } else {
-            Gate::new(cfg.socket.clone(), token).with_companion(companion_ticket)
+            Gate::new(socket, token).with_companion(companion_ticket)
         },
     )));
     match PROCESS.compare_exchange(

@@ -3,14 +3,15 @@
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
+use tessera_protocol::node;
 
 /// Default tenant socket. Its folder is what the device plugins mount into containers, so it
 /// holds nothing else (the admin socket is outside it); every binary has this default.
-pub const DEFAULT_SOCKET: &str = "/run/tessera/tenant/tessera.sock";
+pub const DEFAULT_SOCKET: &str = node::DEFAULT_TENANT_SOCKET;
 /// Default admin socket (never mounted into containers).
-pub const DEFAULT_ADMIN_SOCKET: &str = "/run/tessera/admin.sock";
+pub const DEFAULT_ADMIN_SOCKET: &str = node::DEFAULT_ADMIN_SOCKET;
 /// Default state directory.
-pub const DEFAULT_STATE_DIR: &str = "/var/lib/tessera";
+pub const DEFAULT_STATE_DIR: &str = node::DEFAULT_STATE_DIR;
 
 /// `tessera-arbiter`: the per-node daemon that enforces Tessera's GPU memory limits and
 /// compute shares.
@@ -22,12 +23,12 @@ pub struct Config {
         long = "tenant-socket",
         alias = "socket",
         value_name = "PATH",
-        env = "TESSERA_SOCKET",
+        env = node::ENV_SOCKET,
         default_value = DEFAULT_SOCKET
     )]
     pub socket: PathBuf,
     /// Admin socket (mode 0600).
-    #[arg(long, value_name = "PATH", env = "TESSERA_ADMIN_SOCKET", default_value = DEFAULT_ADMIN_SOCKET)]
+    #[arg(long, value_name = "PATH", env = node::ENV_ADMIN_SOCKET, default_value = DEFAULT_ADMIN_SOCKET)]
     pub admin_socket: PathBuf,
     /// Directory of the persisted allocations (created with mode 0700).
     #[arg(long, value_name = "DIR", default_value = DEFAULT_STATE_DIR)]
@@ -36,7 +37,7 @@ pub struct Config {
     /// pipelines). Levels come from `RUST_LOG` (default `info`).
     #[arg(
         long,
-        env = "TESSERA_LOG_FORMAT",
+        env = node::ENV_LOG_FORMAT,
         default_value = "text",
         value_name = "text|json"
     )]
@@ -45,7 +46,7 @@ pub struct Config {
     #[arg(
         long,
         value_name = "PATH",
-        env = "TESSERA_NVML_LIB",
+        env = node::ENV_NVML_LIB,
         default_value = "libnvidia-ml.so.1"
     )]
     pub nvml_lib: PathBuf,

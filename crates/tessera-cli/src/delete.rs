@@ -6,6 +6,7 @@
 //! allocations are refused from then on and their memory stays counted until they exit.
 
 use std::path::PathBuf;
+use tessera_protocol::node;
 
 use tessera_protocol::client::AdminClient;
 
@@ -21,7 +22,7 @@ pub struct DeleteArgs {
     #[arg(long)]
     pub force: bool,
     /// Arbiter admin socket.
-    #[arg(long, value_name = "PATH", env = "TESSERA_ADMIN_SOCKET", default_value = DEFAULT_ADMIN_SOCKET)]
+    #[arg(long, value_name = "PATH", env = node::ENV_ADMIN_SOCKET, default_value = DEFAULT_ADMIN_SOCKET)]
     pub admin_socket: PathBuf,
 }
 

@@ -14,9 +14,12 @@
 //!   with the token (so its context and memory are not the doctor's), allocates 1 GiB blocks
 //!   until refused, reads `cuMemGetInfo` and NVML, and launches one short kernel.
 //!
-//! Where things come from, as the interposer takes them: the token and socket from the
-//! identity file when there is one, else `--token`/`TESSERA_TOKEN` and
-//! `--tenant-socket`/`TESSERA_SOCKET` (default /run/tessera/tenant/tessera.sock).
+//! Where things come from: by the node contract's rule, the interposer's
+//! (`tessera_protocol::node::resolve`): the token and socket from the identity file when there
+//! is one, else `--token`/`TESSERA_TOKEN` and `--tenant-socket`/`TESSERA_SOCKET`; a token
+//! without a socket, or an identity file that cannot be used, fails the `token` check, as the
+//! interposer would refuse everything. Without a token the `arbiter` check looks at
+//! `--tenant-socket` or the default, /run/tessera/tenant/tessera.sock.
 //!
 //! Exit codes: 0 every check passed or was skipped, 1 a check failed, 2 bad usage.
 
@@ -26,9 +29,11 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+use tessera_protocol::node;
 
 use serde::{Deserialize, Serialize};
-use tessera_protocol::identity::{CONTAINER_IDENTITY_FILE, Identity};
+use tessera_protocol::identity::{CONTAINER_IDENTITY_FILE, Identity, IdentityReadError};
+use tessera_protocol::node::{Closed, Target};
 use tessera_protocol::{AllocationView, Hello, PROTOCOL_VERSION, Role, ServerHello, frame};
 
 use crate::CliError;
@@ -58,28 +63,28 @@ pub struct DoctorArgs {
     pub json: bool,
     /// The interposer library [default: what /etc/ld.so.preload or LD_PRELOAD names, else
     /// libtessera_interpose.so next to `tessera`].
-    #[arg(long, env = "TESSERA_INTERPOSER", value_name = "PATH")]
+    #[arg(long, env = node::ENV_INTERPOSER, value_name = "PATH")]
     pub interposer: Option<PathBuf>,
     /// Allocation token for the token check and the probe (ignored when the identity file
     /// exists: it names the token, as for the interposer).
     #[arg(
         long,
-        env = "TESSERA_TOKEN",
+        env = node::ENV_TOKEN,
         value_name = "TOKEN",
         hide_env_values = true
     )]
     pub token: Option<String>,
-    /// Arbiter tenant socket; old name `--socket` [default: the identity file's, else
-    /// /run/tessera/tenant/tessera.sock].
+    /// Arbiter tenant socket; old name `--socket`; a token needs one, as for the interposer
+    /// [default: the identity file's, else /run/tessera/tenant/tessera.sock].
     #[arg(
         long = "tenant-socket",
         alias = "socket",
-        env = "TESSERA_SOCKET",
+        env = node::ENV_SOCKET,
         value_name = "PATH"
     )]
     pub socket: Option<PathBuf>,
     /// Arbiter admin socket; checked when given or present [default: /run/tessera/admin.sock].
-    #[arg(long, env = "TESSERA_ADMIN_SOCKET", value_name = "PATH")]
+    #[arg(long, env = node::ENV_ADMIN_SOCKET, value_name = "PATH")]
     pub admin_socket: Option<PathBuf>,
     /// Where the container's identity file is.
     #[arg(long, value_name = "PATH", default_value = CONTAINER_IDENTITY_FILE)]
@@ -264,6 +269,20 @@ fn interposer_among(entries: &[PathBuf]) -> Option<PathBuf> {
         .cloned()
 }
 
+/// The allocation this process belongs to, by the node contract's rule (the interposer's):
+/// the identity file, else `--token`/`TESSERA_TOKEN` and `--tenant-socket`/`TESSERA_SOCKET`
+/// (clap has read the variables into the flags).
+fn doctor_target(
+    identity: Option<Result<Identity, IdentityReadError>>,
+    args: &DoctorArgs,
+) -> Target {
+    node::resolve(identity, |k| match k {
+        node::ENV_TOKEN => args.token.clone().map(Into::into),
+        node::ENV_SOCKET => args.socket.clone().map(Into::into),
+        _ => None,
+    })
+}
+
 fn run_checks(args: &DoctorArgs) -> Vec<Check> {
     let mut checks = Vec::new();
     let preload_list = std::fs::read_to_string(&args.ld_so_preload).ok();
@@ -274,6 +293,7 @@ fn run_checks(args: &DoctorArgs) -> Vec<Check> {
     let preloaded_interposer = interposer_among(&preloaded);
     let identity = Identity::read(&args.identity_file);
     let in_container = identity.is_some() || preloaded_interposer.is_some();
+    let target = doctor_target(identity, args);
 
     // 1. Driver and NVML.
     let cuda = check_driver();
@@ -282,13 +302,15 @@ fn run_checks(args: &DoctorArgs) -> Vec<Check> {
     checks.push(check_nvml());
 
     // 2. Arbiter.
-    let (id_token, id_socket) = match &identity {
-        Some(Ok(id)) => (Some(id.token.clone()), id.socket.clone()),
-        _ => (None, None),
+    // A tenant's socket is the one the interposer would use; otherwise the one given, or the
+    // default, to see whether an arbiter runs here at all.
+    let socket = match &target {
+        Target::Tenant { socket, .. } => socket.clone(),
+        _ => args
+            .socket
+            .clone()
+            .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET)),
     };
-    let socket = id_socket
-        .or_else(|| args.socket.clone())
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET));
     let arbiter = check_arbiter(&socket);
     let arbiter_ok = arbiter.status == Status::Ok;
     checks.push(arbiter);
@@ -369,20 +391,28 @@ fn run_checks(args: &DoctorArgs) -> Vec<Check> {
              recreate the pod, and check the plugin's log (its mounts may have been refused)",
         )
     });
-    let token = match &identity {
-        Some(_) => id_token,
-        None => args.token.clone().filter(|t| !t.trim().is_empty()),
+    let token = match &target {
+        Target::Tenant { token, .. } => Some(token.clone()),
+        _ => None,
     };
-    let allocation = match (&identity, &token) {
-        (Some(Err(e)), _) => {
+    let allocation = match &target {
+        Target::Closed(why) => {
             checks.push(Check::fail(
                 "token",
-                format!("the identity file is unusable: {e}"),
-                "the device plugin writes it; recreate the pod",
+                format!("this process cannot prove its allocation: {why}"),
+                match why {
+                    Closed::TokenWithoutSocket => {
+                        "set --tenant-socket / TESSERA_SOCKET to the arbiter's tenant socket, or \
+                         unset TESSERA_TOKEN (the interposer refuses every allocation and launch)"
+                    }
+                    Closed::UnusableIdentity(_) | Closed::IdentityWithoutSocket => {
+                        "the device plugin writes the identity file; recreate the pod"
+                    }
+                },
             ));
             None
         }
-        (_, None) => {
+        Target::NotATenant => {
             checks.push(Check::skip(
                 "token",
                 "no allocation here: not in a container and no --token/TESSERA_TOKEN given \
@@ -390,12 +420,12 @@ fn run_checks(args: &DoctorArgs) -> Vec<Check> {
             ));
             None
         }
-        (_, Some(_)) if !arbiter_ok => {
+        Target::Tenant { .. } if !arbiter_ok => {
             checks.push(Check::skip("token", "the arbiter is not reachable"));
             None
         }
-        (_, Some(t)) => {
-            let (c, a) = check_token(&socket, t);
+        Target::Tenant { token, .. } => {
+            let (c, a) = check_token(&socket, token);
             checks.push(c);
             a
         }
@@ -773,9 +803,9 @@ fn run_probe(
             "LD_PRELOAD",
             crate::run::ld_preload(interposer, std::env::var_os("LD_PRELOAD")),
         )
-        .env("TESSERA_TOKEN", token)
-        .env("TESSERA_SOCKET", socket)
-        .env_remove("TESSERA_ADMIN_SOCKET")
+        .env(node::ENV_TOKEN, token)
+        .env(node::ENV_SOCKET, socket)
+        .env_remove(node::ENV_ADMIN_SOCKET)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -1063,6 +1093,30 @@ fn nvml_total(uuid: &str) -> Result<u64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `doctor` names the allocation exactly as the interposer does, in every case of the node
+    /// contract's table (the interposer's config test runs the same table).
+    #[test]
+    fn doctor_and_the_interposer_agree_on_the_target() {
+        for (what, file, env, want) in node::contract_cases() {
+            let var = |k: &str| {
+                env.iter()
+                    .find(|(n, _)| *n == k)
+                    .map(|(_, v)| v.to_string())
+            };
+            let args = DoctorArgs {
+                json: false,
+                interposer: None,
+                token: var(node::ENV_TOKEN),
+                socket: var(node::ENV_SOCKET).map(PathBuf::from),
+                admin_socket: None,
+                identity_file: PathBuf::from(CONTAINER_IDENTITY_FILE),
+                ld_so_preload: PathBuf::from(LD_SO_PRELOAD),
+            };
+            let identity = file.map(|t| Identity::read_from(t.as_bytes()));
+            assert_eq!(doctor_target(identity, &args), want, "{what}");
+        }
+    }
 
     #[test]
     fn preload_lists_split_like_the_loader() {

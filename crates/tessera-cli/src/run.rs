@@ -35,6 +35,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicI32, Ordering};
+use tessera_protocol::node;
 
 use anyhow::{Context, bail};
 use tessera_protocol::client::AdminClient;
@@ -43,9 +44,9 @@ use tessera_protocol::{CreateAllocation, GpuSelector};
 use crate::CliError;
 
 /// Default admin socket (same as the arbiter's).
-pub const DEFAULT_ADMIN_SOCKET: &str = "/run/tessera/admin.sock";
+pub const DEFAULT_ADMIN_SOCKET: &str = node::DEFAULT_ADMIN_SOCKET;
 /// Default tenant socket (same as the arbiter's).
-pub const DEFAULT_SOCKET: &str = "/run/tessera/tenant/tessera.sock";
+pub const DEFAULT_SOCKET: &str = node::DEFAULT_TENANT_SOCKET;
 /// File name of the interposer, looked for next to the `tessera` executable.
 pub const INTERPOSER_FILE: &str = "libtessera_interpose.so";
 /// Share given when `--share` is not: weights are relative and WFQ hands idle time to whoever
@@ -72,19 +73,19 @@ pub struct RunArgs {
     #[arg(long)]
     pub cap: bool,
     /// Arbiter admin socket.
-    #[arg(long, value_name = "PATH", env = "TESSERA_ADMIN_SOCKET", default_value = DEFAULT_ADMIN_SOCKET)]
+    #[arg(long, value_name = "PATH", env = node::ENV_ADMIN_SOCKET, default_value = DEFAULT_ADMIN_SOCKET)]
     pub admin_socket: PathBuf,
     /// Arbiter tenant socket, handed to the command; old name `--socket`.
     #[arg(
         long = "tenant-socket",
         alias = "socket",
         value_name = "PATH",
-        env = "TESSERA_SOCKET",
+        env = node::ENV_SOCKET,
         default_value = DEFAULT_SOCKET
     )]
     pub socket: PathBuf,
     /// The interposer library [default: libtessera_interpose.so next to `tessera`].
-    #[arg(long, env = "TESSERA_INTERPOSER", value_name = "PATH")]
+    #[arg(long, env = node::ENV_INTERPOSER, value_name = "PATH")]
     pub interposer: Option<PathBuf>,
     /// The command to run, after `--` (so a misspelled flag is an error, never the command).
     #[arg(
@@ -272,10 +273,10 @@ fn run_command(
             "LD_PRELOAD",
             ld_preload(interposer, std::env::var_os("LD_PRELOAD")),
         )
-        .env("TESSERA_SOCKET", &args.socket)
-        .env("TESSERA_TOKEN", token)
+        .env(node::ENV_SOCKET, &args.socket)
+        .env(node::ENV_TOKEN, token)
         .env("CUDA_VISIBLE_DEVICES", gpu_uuid)
-        .env_remove("TESSERA_ADMIN_SOCKET");
+        .env_remove(node::ENV_ADMIN_SOCKET);
     let mut child = cmd
         .spawn()
         .with_context(|| format!("cannot run {}", args.command[0].to_string_lossy()))?;

@@ -18,6 +18,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
+use tessera_protocol::node;
 
 use serde::Serialize;
 use tessera_protocol::client::{AdminClient, ClientError};
@@ -39,7 +40,7 @@ pub struct StatusArgs {
     #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "2")]
     pub watch: Option<f64>,
     /// Arbiter admin socket.
-    #[arg(long, value_name = "PATH", env = "TESSERA_ADMIN_SOCKET", default_value = DEFAULT_ADMIN_SOCKET)]
+    #[arg(long, value_name = "PATH", env = node::ENV_ADMIN_SOCKET, default_value = DEFAULT_ADMIN_SOCKET)]
     pub admin_socket: PathBuf,
 }
 

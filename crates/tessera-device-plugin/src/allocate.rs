@@ -24,12 +24,9 @@ use crate::install::Installed;
 use crate::proto::deviceplugin::{ContainerAllocateResponse, Mount};
 use crate::units::{self, Claim, UnitsError};
 
-/// Environment variable carrying the allocation's secret token into the container.
-pub const ENV_TOKEN: &str = "TESSERA_TOKEN";
-/// Environment variable carrying the tenant socket's path inside the container.
-pub const ENV_SOCKET: &str = "TESSERA_SOCKET";
-/// Environment variable carrying the public allocation id(s) (not secret).
-pub const ENV_ALLOCATION: &str = "TESSERA_ALLOCATION_ID";
+/// The environment variables carrying into the container the allocation's secret token, the
+/// tenant socket's path inside it and the public allocation id(s): the node contract's.
+pub use tessera_protocol::node::{ENV_ALLOCATION_ID as ENV_ALLOCATION, ENV_SOCKET, ENV_TOKEN};
 /// The NVIDIA container runtime's GPU selection.
 pub const ENV_VISIBLE: &str = "NVIDIA_VISIBLE_DEVICES";
 /// Where glibc's loader reads libraries to preload.

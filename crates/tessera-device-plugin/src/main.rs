@@ -10,6 +10,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
+use tessera_protocol::node;
 
 use clap::{Parser, ValueEnum};
 use tessera_device_plugin::{Config, PluginError, SourceKind};
@@ -46,7 +47,7 @@ struct Args {
     /// (default `info`).
     #[arg(
         long,
-        env = "TESSERA_LOG_FORMAT",
+        env = node::ENV_LOG_FORMAT,
         default_value = "text",
         value_name = "text|json"
     )]
@@ -61,26 +62,26 @@ struct Args {
     #[arg(
         long,
         value_name = "PATH",
-        env = "TESSERA_ADMIN_SOCKET",
-        default_value = "/run/tessera/admin.sock"
+        env = node::ENV_ADMIN_SOCKET,
+        default_value = node::DEFAULT_ADMIN_SOCKET
     )]
     admin_socket: PathBuf,
     /// The arbiter's tenant socket on the host; its folder is mounted into containers.
     #[arg(
         long,
         value_name = "PATH",
-        default_value = "/run/tessera/tenant/tessera.sock"
+        default_value = node::DEFAULT_TENANT_SOCKET
     )]
     tenant_socket: PathBuf,
     /// Where the tenant socket's folder appears inside containers.
-    #[arg(long, value_name = "DIR", default_value = "/run/tessera")]
+    #[arg(long, value_name = "DIR", default_value = node::CONTAINER_SOCKET_DIR)]
     container_socket_dir: PathBuf,
     /// Host folder for the versioned interposer copies.
-    #[arg(long, value_name = "DIR", default_value = "/var/lib/tessera/lib")]
+    #[arg(long, value_name = "DIR", default_value = node::HOST_LIB_DIR)]
     host_lib_dir: PathBuf,
     /// Host folder of the per-container identity files (token and socket, mounted read-only
     /// at /etc/tessera/tenant in each container).
-    #[arg(long, value_name = "DIR", default_value = "/var/lib/tessera/identity")]
+    #[arg(long, value_name = "DIR", default_value = node::HOST_IDENTITY_DIR)]
     host_identity_dir: PathBuf,
     /// The interposer library to install (default: next to this executable).
     #[arg(long, value_name = "PATH")]
@@ -89,7 +90,7 @@ struct Args {
     #[arg(
         long,
         value_name = "PATH",
-        default_value = "/usr/lib/tessera/libtessera_interpose.so"
+        default_value = node::CONTAINER_LIB_PATH
     )]
     container_lib_path: PathBuf,
     /// Units each GPU is advertised as.
@@ -110,7 +111,7 @@ struct Args {
     #[arg(
         long,
         value_name = "PATH",
-        env = "TESSERA_NVML_LIB",
+        env = node::ENV_NVML_LIB,
         default_value = "libnvidia-ml.so.1"
     )]
     nvml_lib: PathBuf,

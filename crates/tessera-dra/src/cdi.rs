@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use tessera_protocol::node;
 
 use serde::Serialize;
 
@@ -140,7 +141,7 @@ pub fn spec(uid: &str, results: &[(Planned, String)], identity: &Path, wiring: &
     let mut env = BTreeMap::from([
         ("CUDA_VISIBLE_DEVICES", visible.clone()),
         ("NVIDIA_VISIBLE_DEVICES", visible),
-        ("TESSERA_ALLOCATION_ID", ids.join(",")),
+        (node::ENV_ALLOCATION_ID, ids.join(",")),
     ]);
     let mut mounts = vec![bind(identity, &wiring.container_identity, true)];
     let fraction = results.iter().any(|(p, _)| !p.whole);
@@ -148,7 +149,7 @@ pub fn spec(uid: &str, results: &[(Planned, String)], identity: &Path, wiring: &
         // The identity file carries token and socket (the interposer trusts it over the
         // environment); the variable is for tools and people, the token is never in the spec.
         env.insert(
-            "TESSERA_SOCKET",
+            node::ENV_SOCKET,
             wiring.container_socket.display().to_string(),
         );
         mounts.push(bind(&wiring.host_lib, &wiring.container_lib, true));

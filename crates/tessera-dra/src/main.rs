@@ -8,6 +8,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
+use tessera_protocol::node;
 
 use clap::Parser;
 use tessera_dra::apiserver::Connection;
@@ -50,7 +51,7 @@ struct Args {
     #[arg(
         long,
         value_name = "text|json",
-        env = "TESSERA_LOG_FORMAT",
+        env = node::ENV_LOG_FORMAT,
         default_value = "text"
     )]
     log_format: tessera_log::LogFormat,
@@ -58,25 +59,25 @@ struct Args {
     #[arg(
         long,
         value_name = "PATH",
-        env = "TESSERA_ADMIN_SOCKET",
-        default_value = "/run/tessera/admin.sock"
+        env = node::ENV_ADMIN_SOCKET,
+        default_value = node::DEFAULT_ADMIN_SOCKET
     )]
     admin_socket: PathBuf,
     /// The arbiter's tenant socket on the host; its folder is mounted into containers.
     #[arg(
         long,
         value_name = "PATH",
-        default_value = "/run/tessera/tenant/tessera.sock"
+        default_value = node::DEFAULT_TENANT_SOCKET
     )]
     tenant_socket: PathBuf,
     /// Where the tenant socket's folder appears inside containers.
-    #[arg(long, value_name = "DIR", default_value = "/run/tessera")]
+    #[arg(long, value_name = "DIR", default_value = node::CONTAINER_SOCKET_DIR)]
     container_socket_dir: PathBuf,
     /// Host folder for the versioned interposer copies.
-    #[arg(long, value_name = "DIR", default_value = "/var/lib/tessera/lib")]
+    #[arg(long, value_name = "DIR", default_value = node::HOST_LIB_DIR)]
     host_lib_dir: PathBuf,
     /// Host folder of the identity files.
-    #[arg(long, value_name = "DIR", default_value = "/var/lib/tessera/identity")]
+    #[arg(long, value_name = "DIR", default_value = node::HOST_IDENTITY_DIR)]
     host_identity_dir: PathBuf,
     /// The interposer library to install (default: next to this executable).
     #[arg(long, value_name = "PATH")]
@@ -85,14 +86,14 @@ struct Args {
     #[arg(
         long,
         value_name = "PATH",
-        default_value = "/usr/lib/tessera/libtessera_interpose.so"
+        default_value = node::CONTAINER_LIB_PATH
     )]
     container_lib_path: PathBuf,
     /// NVML library to load.
     #[arg(
         long,
         value_name = "PATH",
-        env = "TESSERA_NVML_LIB",
+        env = node::ENV_NVML_LIB,
         default_value = "libnvidia-ml.so.1"
     )]
     nvml_lib: PathBuf,

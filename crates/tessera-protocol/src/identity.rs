@@ -38,6 +38,46 @@ pub enum IdentityError {
     NoToken,
 }
 
+/// Errors of reading an identity file: it could not be read, or its text is not an identity.
+/// Each names the file when it was read from a path.
+#[derive(Debug, thiserror::Error)]
+pub enum IdentityReadError {
+    /// It could not be opened or read.
+    #[error("{}{source}", at(path))]
+    Io {
+        /// The file, when read from a path.
+        path: Option<PathBuf>,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Its text is not an identity.
+    #[error("{}{source}", at(path))]
+    Parse {
+        /// The file, when read from a path.
+        path: Option<PathBuf>,
+        /// Cause.
+        #[source]
+        source: IdentityError,
+    },
+}
+
+fn at(path: &Option<PathBuf>) -> String {
+    path.as_ref()
+        .map(|p| format!("{}: ", p.display()))
+        .unwrap_or_default()
+}
+
+impl IdentityReadError {
+    fn at(self, p: &std::path::Path) -> Self {
+        let path = Some(p.to_owned());
+        match self {
+            Self::Io { source, .. } => Self::Io { path, source },
+            Self::Parse { source, .. } => Self::Parse { path, source },
+        }
+    }
+}
+
 /// The parsed identity file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Identity {
@@ -83,24 +123,26 @@ impl Identity {
 
     /// Reads and parses an identity file from `file`, reading at most one byte more than
     /// [`MAX_IDENTITY_LEN`] (a larger file is refused by [`Identity::parse`] without being read
-    /// whole). Errors are said in words, for logs and checklists.
-    pub fn read_from(file: impl std::io::Read) -> Result<Self, String> {
+    /// whole).
+    pub fn read_from(file: impl std::io::Read) -> Result<Self, IdentityReadError> {
         use std::io::Read;
         let mut text = String::new();
         file.take(MAX_IDENTITY_LEN as u64 + 1)
             .read_to_string(&mut text)
-            .map_err(|e| e.to_string())?;
-        Self::parse(&text).map_err(|e| e.to_string())
+            .map_err(|source| IdentityReadError::Io { path: None, source })?;
+        Self::parse(&text).map_err(|source| IdentityReadError::Parse { path: None, source })
     }
 
     /// Reads the identity file at `path`: `None` when there is none, `Some(Err)` when it exists
     /// but cannot be opened, read or parsed (the error names the path).
-    pub fn read(path: &std::path::Path) -> Option<Result<Self, String>> {
-        let named = |e: String| format!("{}: {e}", path.display());
+    pub fn read(path: &std::path::Path) -> Option<Result<Self, IdentityReadError>> {
         match std::fs::File::open(path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(e) => Some(Err(named(e.to_string()))),
-            Ok(f) => Some(Self::read_from(f).map_err(named)),
+            Err(source) => Some(Err(IdentityReadError::Io {
+                path: Some(path.to_owned()),
+                source,
+            })),
+            Ok(f) => Some(Self::read_from(f).map_err(|e| e.at(path))),
         }
     }
 
@@ -148,11 +190,11 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("tessera-identity-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("tenant");
-        assert_eq!(Identity::read(&path), None, "absent");
+        assert!(Identity::read(&path).is_none(), "absent");
         std::fs::write(&path, "token=abc\n").unwrap();
         assert_eq!(Identity::read(&path).unwrap().unwrap().token, "abc");
         std::fs::write(&path, "token\n").unwrap();
-        let err = Identity::read(&path).unwrap().unwrap_err();
+        let err = Identity::read(&path).unwrap().unwrap_err().to_string();
         assert!(
             err.starts_with(&path.display().to_string()) && err.contains("line 1"),
             "{err}"
@@ -162,6 +204,7 @@ mod tests {
             Identity::read(&path)
                 .unwrap()
                 .unwrap_err()
+                .to_string()
                 .contains("longer than")
         );
         std::fs::remove_dir_all(&dir).unwrap();

@@ -9,6 +9,8 @@
 //! - [`process`]: a process named by pid and start time (allocation owners).
 //! - [`client`]: small blocking clients (tenant and admin) over a Unix socket; the interposer
 //!   has no async runtime, and the CLI and device plugin reuse the admin one.
+//! - [`node`]: the node contract: environment variable names, default paths, and how a process
+//!   finds its allocation ([`node::resolve`]), for the interposer and `doctor` alike.
 //! - [`size`]: the one size parser (`4GiB`, `1.5G`, `512MiB`) and formatter (`80 GiB`) of every
 //!   command and message.
 //!
@@ -22,6 +24,7 @@ pub mod client;
 pub mod frame;
 pub mod identity;
 pub mod message;
+pub mod node;
 pub mod process;
 pub mod size;
 
