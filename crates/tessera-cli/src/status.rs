@@ -19,6 +19,7 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
 use tessera_protocol::node;
+pub use tessera_protocol::size::human_fixed as human;
 
 use serde::Serialize;
 use tessera_protocol::client::{AdminClient, ClientError};
@@ -172,22 +173,6 @@ pub fn build(gpus: &[GpuInfo], allocs: &[AllocationStatus]) -> StatusJson {
         gpus: gpus_json,
         unplaced,
     }
-}
-
-/// Bytes for people: `512 B`, `1.50 KiB`, `4.00 GiB`.
-pub fn human(bytes: u64) -> String {
-    const UNITS: [(&str, u64); 4] = [
-        ("TiB", 1 << 40),
-        ("GiB", 1 << 30),
-        ("MiB", 1 << 20),
-        ("KiB", 1 << 10),
-    ];
-    for (unit, size) in UNITS {
-        if bytes >= size {
-            return format!("{:.2} {unit}", bytes as f64 / size as f64);
-        }
-    }
-    format!("{bytes} B")
 }
 
 const WIDTH: usize = 78;

@@ -102,6 +102,16 @@ pub fn parse_size(text: &str) -> Result<u64, SizeError> {
 /// Bytes for people: exact when whole (`80 GiB`, `512 MiB`, `7 B`), else two decimals
 /// (`1.50 GiB`) in the largest binary unit that fits.
 pub fn human(bytes: u64) -> String {
+    format_bytes(bytes, true)
+}
+
+/// Bytes for a table column: always two decimals (`80.00 GiB`, `7.29 GiB`), so a column of
+/// them lines up; the same units as [`human`].
+pub fn human_fixed(bytes: u64) -> String {
+    format_bytes(bytes, false)
+}
+
+fn format_bytes(bytes: u64, whole_exact: bool) -> String {
     const UNITS: [(&str, u64); 5] = [
         ("PiB", 1 << 50),
         ("TiB", 1 << 40),
@@ -111,7 +121,7 @@ pub fn human(bytes: u64) -> String {
     ];
     for (unit, size) in UNITS {
         if bytes >= size {
-            return if bytes.is_multiple_of(size) {
+            return if whole_exact && bytes.is_multiple_of(size) {
                 format!("{} {unit}", bytes / size)
             } else {
                 format!("{:.2} {unit}", bytes as f64 / size as f64)
@@ -124,6 +134,14 @@ pub fn human(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fixed_sizes_line_up() {
+        assert_eq!(human_fixed(80 << 30), "80.00 GiB");
+        assert_eq!(human_fixed((7 << 30) + (300 << 20)), "7.29 GiB");
+        assert_eq!(human_fixed(512), "512 B");
+        assert_eq!(human(80 << 30), "80 GiB");
+    }
 
     #[test]
     fn sizes_in_every_documented_form() {

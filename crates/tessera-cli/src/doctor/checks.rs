@@ -1,0 +1,322 @@
+//! The checks that ask the system: the driver, NVML, the arbiter's sockets, the token and the
+//! GPU it names.
+
+use super::*;
+
+pub(super) fn cuda_version(v: i32) -> String {
+    format!("{}.{}", v / 1000, (v % 1000) / 10)
+}
+
+/// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as NVML and `nvidia-smi -L` print it.
+pub(super) fn format_uuid(b: &[u8; 16]) -> String {
+    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
+}
+
+pub(super) fn check_driver() -> Check {
+    let fix = "install the NVIDIA driver (or run on the simulated GPU: `tessera sim -- tessera \
+               doctor`); in a container, the NVIDIA container toolkit mounts libcuda.so.1";
+    let lib = match Lib::open(c"libcuda.so.1") {
+        Ok(l) => l,
+        Err(e) => return Check::fail("driver", format!("libcuda.so.1 does not load: {e}"), fix),
+    };
+    // SAFETY: each type is the documented C signature of the named entry point.
+    let r = unsafe {
+        (|| -> Result<(i32, i32), String> {
+            let version: ffi::cuDriverGetVersion_t = lib.sym(c"cuDriverGetVersion")?;
+            let init: ffi::cuInit_t = lib.sym(c"cuInit")?;
+            let count: ffi::cuDeviceGetCount_t = lib.sym(c"cuDeviceGetCount")?;
+            let mut v = 0;
+            let rc = version(&mut v);
+            if rc != ffi::CUDA_SUCCESS {
+                return Err(format!("cuDriverGetVersion failed: CUresult {rc}"));
+            }
+            let rc = init(0);
+            if rc != ffi::CUDA_SUCCESS {
+                return Err(format!("cuInit failed: CUresult {rc}"));
+            }
+            let mut n = 0;
+            let rc = count(&mut n);
+            if rc != ffi::CUDA_SUCCESS {
+                return Err(format!("cuDeviceGetCount failed: CUresult {rc}"));
+            }
+            Ok((v, n))
+        })()
+    };
+    match r {
+        Ok((_, 0)) => Check::fail(
+            "driver",
+            "libcuda.so.1 loads but this process sees no GPU",
+            "check CUDA_VISIBLE_DEVICES (and NVIDIA_VISIBLE_DEVICES in a container)",
+        ),
+        Ok((v, n)) => Check::ok(
+            "driver",
+            format!("CUDA driver {}, {n} GPU(s) visible", cuda_version(v)),
+        ),
+        Err(e) => Check::fail("driver", e, fix),
+    }
+}
+
+/// A string out of an NVML getter.
+///
+/// # Safety
+/// `f` must be an NVML string getter and `dev` a handle from the same library.
+pub(super) unsafe fn nvml_string(f: ffi::nvmlDeviceGetString_t, dev: ffi::nvmlDevice_t) -> String {
+    let mut buf = [0 as c_char; 96];
+    // SAFETY: by the caller's contract; the buffer's length is passed.
+    if unsafe { f(dev, buf.as_mut_ptr(), buf.len() as u32) } != ffi::NVML_SUCCESS {
+        return "?".into();
+    }
+    // SAFETY: NVML NUL-terminates within the given length.
+    unsafe { CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+pub(super) fn check_nvml() -> Check {
+    let fix = "install the NVIDIA driver's libnvidia-ml.so.1 (the arbiter and the device plugin \
+               read GPUs and usage through it)";
+    let lib = match Lib::open(c"libnvidia-ml.so.1") {
+        Ok(l) => l,
+        Err(e) => return Check::fail("nvml", format!("libnvidia-ml.so.1 does not load: {e}"), fix),
+    };
+    // SAFETY: each type is the documented C signature of the named entry point.
+    let r = unsafe {
+        (|| -> Result<String, String> {
+            let init: ffi::nvmlInit_v2_t = lib.sym(c"nvmlInit_v2")?;
+            let version: ffi::nvmlSystemGetDriverVersion_t =
+                lib.sym(c"nvmlSystemGetDriverVersion")?;
+            let count: ffi::nvmlDeviceGetCount_v2_t = lib.sym(c"nvmlDeviceGetCount_v2")?;
+            let by_index: ffi::nvmlDeviceGetHandleByIndex_v2_t =
+                lib.sym(c"nvmlDeviceGetHandleByIndex_v2")?;
+            let name: ffi::nvmlDeviceGetString_t = lib.sym(c"nvmlDeviceGetName")?;
+            let uuid: ffi::nvmlDeviceGetString_t = lib.sym(c"nvmlDeviceGetUUID")?;
+            let rc = init();
+            if rc != ffi::NVML_SUCCESS {
+                return Err(format!("nvmlInit_v2 failed: nvmlReturn {rc}"));
+            }
+            let mut buf = [0 as c_char; 96];
+            let v = if version(buf.as_mut_ptr(), buf.len() as u32) == ffi::NVML_SUCCESS {
+                CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned()
+            } else {
+                "?".into()
+            };
+            let mut n = 0u32;
+            let rc = count(&mut n);
+            if rc != ffi::NVML_SUCCESS {
+                return Err(format!("nvmlDeviceGetCount_v2 failed: nvmlReturn {rc}"));
+            }
+            let mut gpus = Vec::new();
+            for i in 0..n {
+                let mut dev = std::ptr::null_mut();
+                if by_index(i, &mut dev) == ffi::NVML_SUCCESS {
+                    gpus.push(format!(
+                        "{i}: {} {}",
+                        nvml_string(name, dev),
+                        nvml_string(uuid, dev)
+                    ));
+                }
+            }
+            Ok(format!("driver {v}, {n} GPU(s): {}", gpus.join("; ")))
+        })()
+    };
+    match r {
+        Ok(d) => Check::ok("nvml", d),
+        Err(e) => Check::fail("nvml", e, fix),
+    }
+}
+
+/// One handshake on `socket`; the stream gets a timeout so a wedged arbiter cannot hang us.
+pub(super) fn hello(socket: &Path, role: Role) -> Result<ServerHello, String> {
+    let mut s = UnixStream::connect(socket)
+        .map_err(|e| format!("cannot connect to {}: {e}", socket.display()))?;
+    let t = Some(Duration::from_secs(10));
+    let _ = s.set_read_timeout(t);
+    let _ = s.set_write_timeout(t);
+    frame::write_frame(&mut s, &Hello::new(role)).map_err(|e| e.to_string())?;
+    frame::read_frame(&mut s)
+        .map_err(|e| format!("{} answered no handshake: {e}", socket.display()))
+}
+
+pub(super) fn version_refusal(reason: &str) -> bool {
+    reason.contains("protocol version")
+}
+
+pub(super) fn check_arbiter(socket: &Path) -> Check {
+    let fix_down = "start tessera-arbiter (systemd: `systemctl start tessera-arbiter`; \
+                    Kubernetes: the tessera DaemonSet), or point --socket / TESSERA_SOCKET at \
+                    its tenant socket";
+    let fix_version =
+        "run a tessera CLI and arbiter of the same release (protocol versions differ)";
+    // An admin hello on the tenant socket is refused by role, after the version is checked:
+    // it proves the arbiter is there and speaks our version without needing a token.
+    match hello(socket, Role::Admin) {
+        Err(e) => Check::fail("arbiter", e, fix_down),
+        Ok(ServerHello::Refused { reason }) if version_refusal(&reason) => Check::fail(
+            "arbiter",
+            format!("{}: {reason}", socket.display()),
+            fix_version,
+        ),
+        Ok(ServerHello::Refused { .. }) => Check::ok(
+            "arbiter",
+            format!(
+                "{} answers, protocol version {PROTOCOL_VERSION}",
+                socket.display()
+            ),
+        ),
+        Ok(ServerHello::Welcome { .. }) => Check::fail(
+            "arbiter",
+            format!(
+                "{} welcomed an admin client: it is the admin socket",
+                socket.display()
+            ),
+            "point --tenant-socket / TESSERA_SOCKET at the tenant socket (tessera.sock), not admin.sock",
+        ),
+    }
+}
+
+pub(super) fn check_admin(explicit: Option<&Path>) -> Check {
+    let path = explicit.map_or_else(|| PathBuf::from(DEFAULT_ADMIN_SOCKET), Path::to_path_buf);
+    if explicit.is_none() && !path.exists() {
+        return Check::skip(
+            "admin",
+            format!("{} not here (normal in a container)", path.display()),
+        );
+    }
+    match hello(&path, Role::Admin) {
+        Ok(ServerHello::Welcome { version, .. }) => Check::ok(
+            "admin",
+            format!("{} answers, protocol version {version}", path.display()),
+        ),
+        Ok(ServerHello::Refused { reason }) => Check::fail(
+            "admin",
+            format!("{} refused: {reason}", path.display()),
+            if version_refusal(&reason) {
+                "run a tessera CLI and arbiter of the same release"
+            } else {
+                "point --admin-socket / TESSERA_ADMIN_SOCKET at admin.sock, not the tenant socket"
+            },
+        ),
+        Err(e) => Check::fail(
+            "admin",
+            e,
+            "start tessera-arbiter, or point --admin-socket / TESSERA_ADMIN_SOCKET at its admin \
+             socket (reading it needs the socket's group or root)",
+        ),
+    }
+}
+
+pub(super) fn check_token(socket: &Path, token: &str) -> (Check, Option<AllocationView>) {
+    match hello(
+        socket,
+        Role::Tenant {
+            token: token.to_owned(),
+        },
+    ) {
+        Ok(ServerHello::Welcome {
+            allocation: Some(a),
+            version,
+        }) => (
+            Check::ok(
+                "token",
+                format!(
+                    "accepted (protocol {version}): allocation {} on GPU {} {}, limit {}, share {}{}",
+                    a.id,
+                    a.gpu_index,
+                    a.gpu_uuid,
+                    human(a.memory_limit),
+                    a.share,
+                    a.cap.map(|c| format!(", cap {c}%")).unwrap_or_default()
+                ),
+            ),
+            Some(a),
+        ),
+        Ok(ServerHello::Welcome {
+            allocation: None, ..
+        }) => (
+            Check::fail(
+                "token",
+                "welcomed without an allocation",
+                "point --socket at the tenant socket",
+            ),
+            None,
+        ),
+        Ok(ServerHello::Refused { reason }) => (
+            Check::fail(
+                "token",
+                format!("refused by the arbiter: {reason}"),
+                "the allocation is gone or the token is wrong: in a pod, recreate the pod (the \
+                 device plugin makes a new allocation); else use the token `tessera run` hands \
+                 its command (TESSERA_TOKEN)",
+            ),
+            None,
+        ),
+        Err(e) => (
+            Check::fail(
+                "token",
+                e,
+                "check that the arbiter is running and the socket is its tenant socket",
+            ),
+            None,
+        ),
+    }
+}
+
+pub(super) fn check_gpu(a: &AllocationView) -> Check {
+    let fix = format!(
+        "make the allocation's GPU the one the process sees: CUDA_VISIBLE_DEVICES={} (`tessera \
+         run` sets it; in a pod the device plugin sets NVIDIA_VISIBLE_DEVICES: do not override it)",
+        a.gpu_uuid
+    );
+    let lib = match Lib::open(c"libcuda.so.1") {
+        Ok(l) => l,
+        Err(e) => return Check::fail("gpu", e, fix),
+    };
+    let mut uuid = ffi::CUuuid::default();
+    // SAFETY: documented C signatures; `uuid` is a CUuuid the call writes.
+    let rc = unsafe {
+        lib.sym::<ffi::cuInit_t>(c"cuInit")
+            .and_then(|init| Ok((init, lib.sym::<ffi::cuDeviceGetUuid_t>(c"cuDeviceGetUuid")?)))
+            .map(|(init, get)| {
+                let rc = init(0);
+                if rc != ffi::CUDA_SUCCESS {
+                    rc
+                } else {
+                    get(&mut uuid, 0)
+                }
+            })
+    };
+    match rc {
+        Ok(ffi::CUDA_SUCCESS) => {
+            let seen = format_uuid(&uuid.bytes);
+            if seen.eq_ignore_ascii_case(&a.gpu_uuid) {
+                Check::ok(
+                    "gpu",
+                    format!("CUDA device 0 is {seen}, the allocation's GPU"),
+                )
+            } else {
+                Check::fail(
+                    "gpu",
+                    format!(
+                        "CUDA device 0 is {seen}, but the allocation is on {}",
+                        a.gpu_uuid
+                    ),
+                    fix,
+                )
+            }
+        }
+        Ok(rc) => Check::fail(
+            "gpu",
+            format!("cuDeviceGetUuid(0) failed: CUresult {rc}"),
+            fix,
+        ),
+        Err(e) => Check::fail("gpu", e, fix),
+    }
+}
