@@ -36,9 +36,12 @@ pub enum ConnError {
     /// The arbiter closed the connection.
     #[error("arbiter closed the connection")]
     Closed,
-    /// A frame could not be encoded or decoded.
+    /// A frame could not be encoded.
     #[error("bad frame: {0}")]
     Codec(#[source] postcard::Error),
+    /// A frame from the arbiter could not be decoded (or had bytes past its message).
+    #[error("bad frame: {0}")]
+    Decode(#[source] tessera_protocol::FrameError),
     /// A frame was well formed but not what the protocol allows here (its length, or a reply
     /// of the wrong kind).
     #[error("bad frame: {0}")]
@@ -230,8 +233,9 @@ impl Conn {
                     self.rbuf.resize(total, 0);
                 }
                 if self.rlen >= total {
-                    let msg = postcard::from_bytes(&self.rbuf[HEADER_LEN..total])
-                        .map_err(ConnError::Codec);
+                    // The protocol's decoder: the message must use every byte of its frame.
+                    let msg = tessera_protocol::frame::decode(&self.rbuf[HEADER_LEN..total])
+                        .map_err(ConnError::Decode);
                     self.rbuf.copy_within(total..self.rlen, 0);
                     self.rlen -= total;
                     return msg;
@@ -332,5 +336,34 @@ mod tests {
             token: "x".repeat(4000),
         });
         assert!(matches!(encode(&hello), Err(ConnError::Codec(_))));
+    }
+
+    #[test]
+    fn a_reply_with_bytes_past_its_message_is_an_error() {
+        use std::io::Write;
+        let (here, mut there) = UnixStream::pair().unwrap();
+        let mut conn = Conn {
+            stream: here,
+            rbuf: vec![0; 1024],
+            rlen: 0,
+        };
+        let mut frame = frame::encode(&TenantReply::Pong).unwrap();
+        frame.push(0xAA);
+        let len = (frame.len() - HEADER_LEN) as u32;
+        frame[..HEADER_LEN].copy_from_slice(&len.to_le_bytes());
+        there.write_all(&frame).unwrap();
+        let got: Result<TenantReply, _> = conn.recv();
+        assert!(
+            matches!(
+                got,
+                Err(ConnError::Decode(tessera_protocol::FrameError::Trailing(1)))
+            ),
+            "{got:?}"
+        );
+        // A clean frame after it is read as usual.
+        there
+            .write_all(&frame::encode(&TenantReply::Pong).unwrap())
+            .unwrap();
+        assert!(matches!(conn.recv::<TenantReply>(), Ok(TenantReply::Pong)));
     }
 }
