@@ -241,6 +241,22 @@ fn sixty_four_contexts_in_one_process_are_charged_by_the_driver_and_the_interpos
 }
 
 #[test]
+fn free_memory_inside_the_tenant_is_net_of_its_contexts() {
+    // Three contexts (the primary and two more) and 16 MiB under 1 GiB: cuMemGetInfo and NVML
+    // (through dlsym) both say what is left for allocations, the contexts taken out.
+    let bed = Bed::new();
+    let (token, _id) = bed.create(GIB);
+    let exe = build_c(&bed, "ctx_client");
+    let c = Client::ready(Client::start(&bed, &exe, &token, 3, 16 * MIB));
+    assert_eq!(c.rc("primary"), Some(0));
+    assert_eq!(c.rc("alloc"), Some(0));
+    let left = (GIB - 3 * CONTEXT - 16 * MIB) as i64;
+    assert_eq!(c.rc("memfree"), Some(left), "cuMemGetInfo: {:?}", c.steps);
+    assert_eq!(c.rc("nvmlfree"), Some(left), "NVML: {:?}", c.steps);
+    c.finish();
+}
+
+#[test]
 fn a_context_the_limit_has_no_room_for_is_refused_and_the_process_runs_on() {
     // An allocation smaller than one context: the process gets CUDA_ERROR_OUT_OF_MEMORY from
     // cuDevicePrimaryCtxRetain, no crash, and the card holds nothing for it.
