@@ -5,7 +5,7 @@
  * ("create <i> <rc>"); says which object answered each route ("routes ..."), reports the
  * free memory cuMemGetInfo and NVML (reached through dlsym, as pynvml does) give it then
  * ("memfree <bytes>", "nvmlfree <bytes>"), prints "ready" and holds everything until stdin
- * closes. Then it destroys the contexts it made
+ * closes, allocating BYTES in the primary context for each line "alloc BYTES" ("got <rc>"). Then it destroys the contexts it made
  * ("destroyed <n> <first failure or 0>"), reports the free memory of the primary context
  * ("free <bytes>") and releases it ("released <rc>"). A refused step stops the making, never
  * the program: it always reaches "ready" and exits 0. */
@@ -110,8 +110,14 @@ int main(int argc, char **argv) {
     }
     printf("ready\n");
 
-    char buf[64];
-    while (read(0, buf, sizeof buf) > 0) {
+    char line[128];
+    while (fgets(line, sizeof line, stdin)) {
+        unsigned long long more = 0;
+        if (have_primary && sscanf(line, "alloc %llu", &more) == 1) {
+            CUdeviceptr p = 0;
+            cuCtxSetCurrent(primary);
+            printf("got %d\n", cuMemAlloc_v2(&p, (size_t)more));
+        }
     }
 
     CUresult first = 0;
