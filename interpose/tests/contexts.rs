@@ -293,6 +293,36 @@ fn a_context_bigger_than_the_estimate_is_charged_its_size_on_the_card() {
 }
 
 #[test]
+fn green_contexts_are_reserved_like_contexts() {
+    // Room for three contexts; the client asks for four green contexts (CUDA 12.4), through
+    // the linked symbol and cuGetProcAddress in turn: three are made and charged by the
+    // interposer and by the simulated driver, the fourth is refused before the driver is asked.
+    let bed = Bed::with_arbiter_args(&["--backstop-interval-ms", "50"]);
+    let (token, id) = bed.create(3 * CONTEXT);
+    let exe = build_c(&bed, "green_client");
+    let c = Client::ready(Client::start(&bed, &exe, &token, 4, 0));
+    assert_eq!(c.routes, "routes gpa=interposer");
+    let greens: Vec<i64> = c
+        .steps
+        .iter()
+        .filter(|(s, _)| s == "green")
+        .map(|(_, r)| *r)
+        .collect();
+    assert_eq!(c.rc("desc"), Some(0), "{:?}", c.steps);
+    assert_eq!(greens, vec![0, 0, 0, OOM], "{:?}", c.steps);
+    assert_eq!(bed.used(&id), 3 * CONTEXT);
+    assert_eq!(bed.sim_used(), 3 * bed.context_bytes());
+    assert_eq!(c.finish(), vec!["destroyed 3 0".to_owned()]);
+    wait_until(Duration::from_secs(5), || bed.used(&id) == 0).expect("ledger back to zero");
+    assert_eq!(bed.sim_used(), 0);
+    assert!(
+        !bed.arbiter_log().contains("backstop: pid"),
+        "{}",
+        bed.arbiter_log()
+    );
+}
+
+#[test]
 fn a_context_the_limit_has_no_room_for_is_refused_and_the_process_runs_on() {
     // An allocation smaller than one context: the process gets CUDA_ERROR_OUT_OF_MEMORY from
     // cuDevicePrimaryCtxRetain, no crash, and the card holds nothing for it.
