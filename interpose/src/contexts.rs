@@ -16,13 +16,17 @@
 //!   with `cuCtxDestroy_v2`.
 //! - `cuInit` makes none: the runtime's implicit context is the primary one, retained as above.
 //!
-//! Green contexts (`cuGreenCtxCreate`, CUDA 12.4) are not hooked: neither the simulated driver
-//! nor `tessera-cuda-abi` has them. A context made there (or through the 32-bit v1
-//! `cuCtxCreate`) is not reserved; the backstop still counts its memory from NVML.
+//! - `cuGreenCtxCreate` (CUDA 12.4, "Green Contexts") makes a context with device state of its
+//!   own from a resource descriptor; it goes with `cuGreenCtxDestroy`. Reserved like
+//!   `cuCtxCreate`'s (the driver must export it; on an older one the hook answers what a
+//!   missing entry point does).
+//!
+//! A context made through the 32-bit v1 `cuCtxCreate` is not reserved; the backstop still
+//! counts its memory from NVML.
 //!
 //! The reserved figure is an estimate fixed at build time, never read from the tenant's
-//! environment: the arbiter does not yet correct it to what NVML reports for the process
-//! (docs/interposer.md says what that means on cards whose contexts cost more).
+//! environment; the arbiter charges what NVML shows for the process beyond its reservations
+//! (a context that costs more on the card), docs/interposer.md.
 
 #![forbid(unsafe_code)]
 

@@ -794,6 +794,52 @@ pub unsafe extern "C" fn cuCtxDestroy_v2(ctx: CUcontext) -> CUresult {
     }
 }
 
+/// `cuGreenCtxCreate` (CUDA 12.4): a green context has device state of its own, so it is
+/// reserved like `cuCtxCreate_v2`'s.
+///
+/// # Safety
+/// C contract of `cuGreenCtxCreate`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGreenCtxCreate(
+    pctx: *mut *mut c_void,
+    desc: *mut c_void,
+    dev: CUdevice,
+    flags: c_uint,
+) -> CUresult {
+    // SAFETY: as for cuCtxCreate_v2.
+    unsafe {
+        cuda::<cuGreenCtxCreate_t>(
+            HookId::GreenCtxCreate,
+            |real| real(pctx, desc, dev, flags),
+            |real, p| {
+                if pctx.is_null() {
+                    return Outcome::PassThrough;
+                }
+                contexts::create(p, || {
+                    let r = real(pctx, desc, dev, flags);
+                    (r, written(r, pctx) as u64)
+                })
+            },
+        )
+    }
+}
+
+/// `cuGreenCtxDestroy`: a green context made here gives its cost back.
+///
+/// # Safety
+/// C contract of `cuGreenCtxDestroy`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGreenCtxDestroy(ctx: *mut c_void) -> CUresult {
+    // SAFETY: the type is this entry point's signature; arguments forwarded unchanged.
+    unsafe {
+        cuda::<cuGreenCtxDestroy_t>(
+            HookId::GreenCtxDestroy,
+            |real| real(ctx),
+            |real, p| contexts::destroy(p, ctx as u64, || real(ctx)),
+        )
+    }
+}
+
 // ---- virtualised queries ------------------------------------------------------------------
 
 /// `cuMemGetInfo_v2`: total = the allocation's limit, free = what is left of it.

@@ -142,6 +142,8 @@ hook_table! {
     CtxCreate_v3: Cuda c"cuCtxCreate_v3", "cuCtxCreate", 11040, 12050, false;
     CtxCreate_v4: Cuda c"cuCtxCreate_v4", "cuCtxCreate", 12050, MAX, false;
     CtxDestroy_v2: Cuda c"cuCtxDestroy_v2", "cuCtxDestroy", 4000, MAX, false;
+    GreenCtxCreate: Cuda c"cuGreenCtxCreate", "cuGreenCtxCreate", 12040, MAX, false;
+    GreenCtxDestroy: Cuda c"cuGreenCtxDestroy", "cuGreenCtxDestroy", 12040, MAX, false;
     NvmlMemoryInfo: Nvml c"nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo", 0, MAX, false;
     NvmlMemoryInfo_v2: Nvml c"nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetMemoryInfo_v2", 0, MAX, false;
 }

@@ -75,6 +75,15 @@ impl Client {
         self.steps.iter().find(|(s, _)| s == step).map(|(_, r)| *r)
     }
 
+    /// Allocates `bytes` more in the client's primary context; the driver's answer.
+    fn alloc(&mut self, bytes: u64) -> i64 {
+        writeln!(self.child.stdin.as_mut().unwrap(), "alloc {bytes}").unwrap();
+        let line = self.line();
+        line.strip_prefix("got ")
+            .and_then(|r| r.parse().ok())
+            .unwrap_or_else(|| panic!("bad line {line:?}"))
+    }
+
     /// Closes stdin (the client lets go of everything) and reads what it reported.
     fn finish(mut self) -> Vec<String> {
         drop(self.child.stdin.take());
@@ -238,6 +247,79 @@ fn sixty_four_contexts_in_one_process_are_charged_by_the_driver_and_the_interpos
     );
     wait_until(Duration::from_secs(5), || bed.used(&id) == 0).expect("ledger back to zero");
     assert_eq!(bed.sim_used(), 0);
+}
+
+#[test]
+fn free_memory_inside_the_tenant_is_net_of_its_contexts() {
+    // Three contexts (the primary and two more) and 16 MiB under 1 GiB: cuMemGetInfo and NVML
+    // (through dlsym) both say what is left for allocations, the contexts taken out.
+    let bed = Bed::new();
+    let (token, _id) = bed.create(GIB);
+    let exe = build_c(&bed, "ctx_client");
+    let c = Client::ready(Client::start(&bed, &exe, &token, 3, 16 * MIB));
+    assert_eq!(c.rc("primary"), Some(0));
+    assert_eq!(c.rc("alloc"), Some(0));
+    let left = (GIB - 3 * CONTEXT - 16 * MIB) as i64;
+    assert_eq!(c.rc("memfree"), Some(left), "cuMemGetInfo: {:?}", c.steps);
+    assert_eq!(c.rc("nvmlfree"), Some(left), "NVML: {:?}", c.steps);
+    c.finish();
+}
+
+#[test]
+fn a_context_bigger_than_the_estimate_is_charged_its_size_on_the_card() {
+    // The simulated card charges 500 MiB per context; the interposer reserves 300 MiB. The
+    // arbiter reads the difference from NVML and charges it, so an allocation that fits the
+    // estimate but not the card is refused (without the correction it was granted, the card
+    // held 1100 MiB for a 1 GiB allocation and the backstop killed the process).
+    let bed = Bed::with_context_memory("500MiB", &["--backstop-interval-ms", "50"]);
+    let (token, id) = bed.create(GIB);
+    let exe = build_c(&bed, "ctx_client");
+    let mut c = Client::ready(Client::start(&bed, &exe, &token, 1, 0));
+    assert_eq!(c.rc("primary"), Some(0));
+    assert_eq!(bed.sim_used(), 500 * MIB);
+    wait_until(Duration::from_secs(5), || bed.used(&id) >= 500 * MIB)
+        .unwrap_or_else(|| panic!("ledger at {}, the card at 500 MiB", bed.used(&id)));
+    assert!(bed.used(&id) <= 500 * MIB + SLACK);
+    assert_eq!(c.alloc(600 * MIB), OOM, "fits 300 + 600, not 500 + 600");
+    assert_eq!(c.alloc(500 * MIB), 0, "500 + 500 fits");
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(300) {
+        assert!(bed.sim_used() <= GIB + SLACK);
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    assert_eq!(bed.status(&id).enforced, 0, "{}", bed.arbiter_log());
+    c.finish();
+    wait_until(Duration::from_secs(5), || bed.used(&id) == 0).expect("ledger back to zero");
+}
+
+#[test]
+fn green_contexts_are_reserved_like_contexts() {
+    // Room for three contexts; the client asks for four green contexts (CUDA 12.4), through
+    // the linked symbol and cuGetProcAddress in turn: three are made and charged by the
+    // interposer and by the simulated driver, the fourth is refused before the driver is asked.
+    let bed = Bed::with_arbiter_args(&["--backstop-interval-ms", "50"]);
+    let (token, id) = bed.create(3 * CONTEXT);
+    let exe = build_c(&bed, "green_client");
+    let c = Client::ready(Client::start(&bed, &exe, &token, 4, 0));
+    assert_eq!(c.routes, "routes gpa=interposer");
+    let greens: Vec<i64> = c
+        .steps
+        .iter()
+        .filter(|(s, _)| s == "green")
+        .map(|(_, r)| *r)
+        .collect();
+    assert_eq!(c.rc("desc"), Some(0), "{:?}", c.steps);
+    assert_eq!(greens, vec![0, 0, 0, OOM], "{:?}", c.steps);
+    assert_eq!(bed.used(&id), 3 * CONTEXT);
+    assert_eq!(bed.sim_used(), 3 * bed.context_bytes());
+    assert_eq!(c.finish(), vec!["destroyed 3 0".to_owned()]);
+    wait_until(Duration::from_secs(5), || bed.used(&id) == 0).expect("ledger back to zero");
+    assert_eq!(bed.sim_used(), 0);
+    assert!(
+        !bed.arbiter_log().contains("backstop: pid"),
+        "{}",
+        bed.arbiter_log()
+    );
 }
 
 #[test]

@@ -218,6 +218,23 @@ impl Bench {
         ]
     }
 
+    /// GPU time the arbiter charged each tenant (`(share, capped)`, matched in order to the
+    /// allocations listed) over the last 10 s, in percent of 10 s.
+    fn charged_per_tenant(&self, tenants: &[(u32, bool)]) -> Vec<f64> {
+        let mut list = AdminClient::connect(&self.node.admin_socket)
+            .and_then(|mut a| a.list())
+            .unwrap_or_default();
+        tenants
+            .iter()
+            .map(|&(share, cap)| {
+                let i = list
+                    .iter()
+                    .position(|a| a.share == share && a.cap.is_some() == cap);
+                i.map_or(0.0, |i| pct(list.remove(i).gpu_time_10s_ns, 10 * SEC))
+            })
+            .collect()
+    }
+
     /// GPU time the arbiter charged over the last 10 s, summed over allocations.
     fn charged_10s(&self) -> u64 {
         AdminClient::connect(&self.node.admin_socket)
@@ -398,6 +415,7 @@ fn scenario_capped(b: &Bench, rows: &mut Vec<Row>, tenants: &[(u32, bool)]) {
     let start = monotonic_ns();
     std::thread::sleep(Duration::from_secs_f64(len));
     let end = monotonic_ns();
+    let charged = b.charged_per_tenant(tenants);
     let samples = sampler.finish();
     let pids: Vec<u32> = running.iter().map(|t| t.pid).collect();
     let name = tenants
@@ -436,7 +454,12 @@ fn scenario_capped(b: &Bench, rows: &mut Vec<Row>, tenants: &[(u32, bool)]) {
     rows.push(Row(
         format!("{name}, {len:.0} s"),
         format!("cap +1 pt, {}", fmt_split(&want)),
-        format!("{}; split {}", got.join(", "), fmt_split(&split_now)),
+        format!(
+            "{}; split {}; charged (last 10 s) {}",
+            got.join(", "),
+            fmt_split(&split_now),
+            fmt_split(&charged)
+        ),
         format!(
             "cap {worst_over:+.1} pt worst 1 s, split {:.1} pt",
             max_err(&split_now, &want)

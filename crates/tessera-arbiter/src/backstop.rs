@@ -513,6 +513,45 @@ pub fn decide(
 /// last 2 s (8 polls of 250 ms) count.
 const RECENT_DECAY: f64 = 0.875;
 
+/// What the card holds for each connected process beyond what its connections reserved: the
+/// arbiter charges it to the allocation, so its ledger is what the card holds for it. The
+/// interposer reserves a fixed estimate per context (300 MiB, what the simulated card charges
+/// by default); a real context can cost more (300-600 MiB on common cards, more with large modules
+/// loaded), the driver rounds allocations up, and without this a process whose allocations
+/// fit the estimate could take the card past the limit and be killed by the memory rule. With
+/// it, the next reservation that would not fit on the card is refused instead.
+///
+/// Pure: fed, each poll, (process, NVML's bytes for it, the bytes its connections hold). An
+/// excess is charged only as far as two polls in a row saw it (the smaller of the two): the
+/// two figures are read at different instants, and a process between a free and its ledger
+/// release shows more on the card than it holds for a moment. It is recomputed every poll, so
+/// it follows the card down as well as up (the unused part of a reservation is never given
+/// back: the process may still use it without asking).
+#[derive(Debug, Default)]
+pub struct ExcessBook {
+    last: HashMap<ProcId, u64>,
+}
+
+impl ExcessBook {
+    /// This poll's figures; returns the excess to charge per process (absent: none). Forgets
+    /// processes not listed.
+    pub fn observe(&mut self, seen: &[(ProcId, u64, u64)]) -> HashMap<ProcId, u64> {
+        let now: HashMap<ProcId, u64> = seen
+            .iter()
+            .map(|&(id, card, held)| (id, card.saturating_sub(held)))
+            .collect();
+        let charge = now
+            .iter()
+            .filter_map(|(id, &x)| {
+                let both = x.min(self.last.get(id).copied().unwrap_or(0));
+                (both > 0).then_some((*id, both))
+            })
+            .collect();
+        self.last = now;
+        charge
+    }
+}
+
 /// Per allocation: GPU time its processes used against the leases it was granted; per GPU:
 /// one slack budget that all its allocations draw on.
 #[derive(Debug, Default)]
@@ -895,6 +934,8 @@ pub struct Backstop {
     /// [`HOST_GRACE`] (a process under `tessera run` has a context before its first allocation
     /// connects it).
     unknown_since: HashMap<i32, Instant>,
+    /// What the card holds for connected processes beyond their reservations.
+    excess: ExcessBook,
     /// What it did so far.
     pub counters: Arc<Counters>,
 }
@@ -963,6 +1004,7 @@ impl Backstop {
             started: Instant::now(),
             compute_off: false,
             reported: HashSet::new(),
+            excess: ExcessBook::default(),
             unknown_since: HashMap::new(),
             counters: Arc::default(),
         })
@@ -1074,6 +1116,7 @@ impl Backstop {
                 self.unknown_since.entry(pid).or_insert(now);
             }
         }
+        self.correct_excess(&memory);
         let memory = policed_memory(&watched, &procs, &owners);
         let (gpu_ns, policed_ns) = policed_gpu_time(&watched, &gpu_per, &owners);
         let mut actions = decide(&watched, &memory, &owners, self.policy.memory_tolerance);
@@ -1087,6 +1130,21 @@ impl Backstop {
             }
         }
         taken
+    }
+
+    /// Charges each connected process what the card holds for it beyond what its connections
+    /// reserved (see [`ExcessBook`]), from NVML's memory per pid.
+    fn correct_excess(&mut self, memory: &HashMap<i32, u64>) {
+        let procs = self.arb.connected_processes();
+        let seen: Vec<(ProcId, u64, u64)> = procs
+            .iter()
+            .map(|&(_, id, _, held)| (id, memory.get(&id.pid).copied().unwrap_or(0), held))
+            .collect();
+        let charge = self.excess.observe(&seen);
+        for (key, id, conn, _) in procs {
+            self.arb
+                .set_excess(key, conn, charge.get(&id).copied().unwrap_or(0));
+        }
     }
 
     /// The last attribution step, kept apart from [`attribute`]: a process nothing else names
@@ -2142,6 +2200,27 @@ mod tests {
         }
         // The bypasser alone counts: 50 ms a poll less at most all of the slack, past 500 ms.
         assert!((11..=14).contains(&polls), "{polls}");
+    }
+
+    #[test]
+    fn a_processes_excess_on_the_card_is_charged_once_two_polls_saw_it_and_follows_the_card() {
+        let (a, b) = (ProcId { pid: 10, start: 1 }, ProcId { pid: 11, start: 1 });
+        const MIB: u64 = 1 << 20;
+        let mut book = ExcessBook::default();
+        // a: a 500 MiB context on the card, 300 MiB reserved for it; b: within its reservation.
+        let first = book.observe(&[(a, 500 * MIB, 300 * MIB), (b, 100 * MIB, 400 * MIB)]);
+        assert!(first.is_empty(), "one poll is not enough: {first:?}");
+        let second = book.observe(&[(a, 500 * MIB, 300 * MIB), (b, 100 * MIB, 400 * MIB)]);
+        assert_eq!(second, HashMap::from([(a, 200 * MIB)]));
+        // A moment's excess (b between a free and its release) is not charged.
+        let third = book.observe(&[(a, 500 * MIB, 300 * MIB), (b, 450 * MIB, 400 * MIB)]);
+        assert_eq!(third, HashMap::from([(a, 200 * MIB)]));
+        // a's context shrank on the card (or it reserved more): the charge follows down.
+        let fourth = book.observe(&[(a, 400 * MIB, 300 * MIB), (b, 100 * MIB, 400 * MIB)]);
+        assert_eq!(fourth, HashMap::from([(a, 100 * MIB)]));
+        // A pid given to another process starts from nothing.
+        let c = ProcId { pid: 10, start: 2 };
+        assert!(book.observe(&[(c, 900 * MIB, 0)]).is_empty());
     }
 
     #[test]

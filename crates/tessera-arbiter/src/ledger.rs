@@ -133,6 +133,9 @@ struct Account {
     closed: bool,
     /// Bytes held per connection. Few entries (one per process), so a small map is fine.
     conns: HashMap<ConnId, u64>,
+    /// Bytes the card holds for a connection's process beyond what its connections reserved
+    /// (see [`Ledger::set_excess`]), counted in `in_use`.
+    excess: HashMap<ConnId, u64>,
 }
 
 impl Account {
@@ -177,6 +180,7 @@ impl Ledger {
                 in_use: 0,
                 closed: false,
                 conns: HashMap::new(),
+                excess: HashMap::new(),
             });
     }
 
@@ -362,14 +366,43 @@ impl Ledger {
             .conns
             .remove(&conn)
             .ok_or(LedgerError::UnknownConnection { key, conn })?;
-        // The account's total is the sum of its connections': this cannot fail unless the
-        // ledger is broken, and then zero is the least wrong total.
-        let in_use = acct.in_use.checked_sub(held);
+        let excess = acct.excess.remove(&conn).unwrap_or(0);
+        // The account's total is the sum of its connections' (and their excess): this cannot
+        // fail unless the ledger is broken, and then zero is the least wrong total.
+        let in_use = acct.in_use.checked_sub(held.saturating_add(excess));
         acct.in_use = in_use.unwrap_or(0);
         if acct.closed && acct.conns.is_empty() {
             self.accounts.remove(&key);
         }
         in_use.map(|_| held).ok_or(LedgerError::Overflow(key))
+    }
+
+    /// Sets what the card holds for `conn`'s process beyond what its connections reserved
+    /// (NVML's figure for the process less their bytes: a context bigger than the interposer's
+    /// estimate, the driver's rounding), so that the account's use is what the card holds for
+    /// it and a later reservation that would not fit on the card is refused. Replaces the
+    /// connection's previous excess; 0 clears it; it goes with the connection. Accepted even
+    /// when the account then passes its limit (the memory exists). Returns the account's use.
+    pub fn set_excess(
+        &mut self,
+        key: AccountKey,
+        conn: ConnId,
+        bytes: u64,
+    ) -> Result<u64, LedgerError> {
+        let acct = self.account(key, conn)?;
+        let old = acct.excess.get(&conn).copied().unwrap_or(0);
+        let in_use = acct
+            .in_use
+            .checked_sub(old)
+            .and_then(|u| u.checked_add(bytes))
+            .ok_or(LedgerError::Overflow(key))?;
+        acct.in_use = in_use;
+        if bytes == 0 {
+            acct.excess.remove(&conn);
+        } else {
+            acct.excess.insert(conn, bytes);
+        }
+        Ok(in_use)
     }
 
     /// Limit and use of an account.
@@ -399,6 +432,37 @@ mod tests {
     use super::*;
 
     const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn a_process_excess_on_the_card_counts_until_it_is_cleared_or_its_connection_goes() {
+        let mut l = Ledger::new();
+        l.open(1, 1024 * MIB);
+        l.attach(1, 10).unwrap();
+        l.attach(1, 11).unwrap();
+        // Conn 10 reserved a 300 MiB context estimate; the card holds 500 MiB for it.
+        l.reserve(1, 10, 300 * MIB).unwrap();
+        assert_eq!(l.set_excess(1, 10, 200 * MIB).unwrap(), 500 * MIB);
+        // 600 MiB fitted the estimate (900), not the card (1100).
+        assert!(matches!(
+            l.reserve(1, 11, 600 * MIB).unwrap(),
+            Reservation::Denied { .. }
+        ));
+        assert!(matches!(
+            l.reserve(1, 11, 524 * MIB).unwrap(),
+            Reservation::Granted { in_use } if in_use == 1024 * MIB
+        ));
+        // A new figure replaces the old; over the limit is accepted (the memory exists).
+        assert_eq!(l.set_excess(1, 10, 250 * MIB).unwrap(), 1074 * MIB);
+        assert_eq!(l.set_excess(1, 10, 0).unwrap(), 824 * MIB);
+        l.set_excess(1, 10, 100 * MIB).unwrap();
+        // The connection's bytes and its excess go together.
+        assert_eq!(l.detach(1, 10).unwrap(), 300 * MIB);
+        assert_eq!(l.usage(1).unwrap().in_use, 524 * MIB);
+        assert!(matches!(
+            l.set_excess(1, 10, MIB),
+            Err(LedgerError::UnknownConnection { .. })
+        ));
+    }
 
     #[test]
     fn reserve_within_limit_and_deny_past_it() {

@@ -136,6 +136,8 @@ enum ProcKey {
 #[derive(Debug)]
 struct ProcEntry {
     conns: u32,
+    /// Its connections, oldest first.
+    conn_ids: Vec<ConnId>,
     /// The process, as its first connection named it (its pidfd says whether it lives).
     peer: Option<Peer>,
 }
@@ -417,12 +419,18 @@ impl Arbiter {
         };
         live.ledger.attach(key, conn).ok()?;
         let pk = proc_key(peer.as_ref().map(|p| p.id), conn);
-        live.procs
+        let entry = live
+            .procs
             .entry(key)
             .or_default()
             .entry(pk)
-            .or_insert(ProcEntry { conns: 0, peer })
-            .conns += 1;
+            .or_insert(ProcEntry {
+                conns: 0,
+                conn_ids: Vec::new(),
+                peer,
+            });
+        entry.conns += 1;
+        entry.conn_ids.push(conn);
         Some(TenantBinding {
             key,
             view,
@@ -680,6 +688,38 @@ impl Arbiter {
         &self.pressure
     }
 
+    /// Every live connected process (named by its pidfd) with its account, its oldest
+    /// connection and the bytes its connections hold in the ledger (their excess left out).
+    pub fn connected_processes(&self) -> Vec<(AccountKey, ProcId, ConnId, u64)> {
+        let live = self.live();
+        let mut out = Vec::new();
+        for (key, procs) in &live.procs {
+            for (pk, e) in procs {
+                let (ProcKey::Proc(id), Some(peer)) = (pk, &e.peer) else {
+                    continue;
+                };
+                let Some(&first) = e.conn_ids.first() else {
+                    continue;
+                };
+                if !peer.is_alive() {
+                    continue;
+                }
+                let held: u64 = e
+                    .conn_ids
+                    .iter()
+                    .filter_map(|c| live.ledger.held(*key, *c))
+                    .sum();
+                out.push((*key, *id, first, held));
+            }
+        }
+        out
+    }
+
+    /// See [`Ledger::set_excess`]; a connection gone since is ignored.
+    pub fn set_excess(&self, key: AccountKey, conn: ConnId, bytes: u64) {
+        let _ = self.live().ledger.set_excess(key, conn, bytes);
+    }
+
     /// Runs `f` on the ledger under the live lock (the tenant hot path).
     pub fn with_ledger<R>(&self, f: impl FnOnce(&mut Ledger) -> R) -> R {
         f(&mut self.live().ledger)
@@ -702,6 +742,7 @@ impl Arbiter {
                 let pk = proc_key(peer, conn);
                 if let Some(e) = procs.get_mut(&pk) {
                     e.conns -= 1;
+                    e.conn_ids.retain(|c| *c != conn);
                     if e.conns == 0 {
                         procs.remove(&pk);
                     }

@@ -290,6 +290,12 @@ pub type cuCtxCreate_v3_t =
 pub type cuCtxCreate_v4_t =
     unsafe extern "C" fn(*mut CUcontext, *mut c_void, c_uint, CUdevice) -> CUresult;
 pub type cuCtxDestroy_v2_t = unsafe extern "C" fn(CUcontext) -> CUresult;
+/// `cuGreenCtxCreate` (CUDA 12.4): `(phCtx, CUdevResourceDesc desc, dev, flags)`; both handles
+/// are opaque pointers.
+pub type cuGreenCtxCreate_t =
+    unsafe extern "C" fn(*mut *mut c_void, *mut c_void, CUdevice, c_uint) -> CUresult;
+/// `cuGreenCtxDestroy` (CUDA 12.4).
+pub type cuGreenCtxDestroy_t = unsafe extern "C" fn(*mut c_void) -> CUresult;
 pub type cuCtxGetCurrent_t = unsafe extern "C" fn(*mut CUcontext) -> CUresult;
 pub type cuCtxSetCurrent_t = unsafe extern "C" fn(CUcontext) -> CUresult;
 pub type cuCtxSynchronize_t = unsafe extern "C" fn() -> CUresult;

@@ -315,6 +315,117 @@ pub unsafe extern "C" fn cuCtxCreate_v4(
     guard(|| create(pctx, flags, dev))
 }
 
+// ---- green contexts (CUDA 12.4) ------------------------------------------------------------
+//
+// CUDA driver API reference, "Green Contexts": `cuDeviceGetDevResource` describes a device's
+// resources (here its SMs), `cuDevResourceGenerateDesc` turns resources into a descriptor,
+// `cuGreenCtxCreate(phCtx, desc, dev, flags)` makes a green context from it (`flags` must be
+// `CU_GREEN_CTX_DEFAULT_STREAM`; the new context is not made current) and `cuGreenCtxDestroy`
+// destroys it; `cuCtxFromGreenCtx` gives the `CUcontext` that stands for it. A green context
+// has device state of its own like any context, so the simulator charges it like one.
+
+/// `CU_DEV_RESOURCE_TYPE_SM`.
+pub const CU_DEV_RESOURCE_TYPE_SM: i32 = 1;
+/// `CU_GREEN_CTX_DEFAULT_STREAM`.
+pub const CU_GREEN_CTX_DEFAULT_STREAM: u32 = 1;
+/// Streaming multiprocessors of a simulated device.
+const SIM_SM_COUNT: u32 = 132;
+
+/// `CUdevResource` (144 bytes: the type, 92 bytes of padding, then a 48-byte union whose SM
+/// member is `{ unsigned int smCount; }`).
+#[repr(C)]
+pub struct CUdevResource {
+    pub kind: i32,
+    pub internal_padding: [u8; 92],
+    pub sm_count: u32,
+    pub oversize: [u8; 44],
+}
+
+/// `cuDeviceGetDevResource`: the device's SMs (the only resource type simulated).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDeviceGetDevResource(
+    dev: CUdevice,
+    resource: *mut CUdevResource,
+    kind: i32,
+) -> CUresult {
+    guard(|| {
+        gpu(dev)?;
+        if resource.is_null() || kind != CU_DEV_RESOURCE_TYPE_SM {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: non-null out-pointer to a CUdevResource from the caller.
+        unsafe {
+            resource.write(CUdevResource {
+                kind,
+                internal_padding: [0; 92],
+                sm_count: SIM_SM_COUNT,
+                oversize: [0; 44],
+            });
+        }
+        Ok(())
+    })
+}
+
+/// `cuDevResourceGenerateDesc`: any non-empty set of SM resources makes a descriptor (an
+/// opaque handle; the simulator does not partition its engine).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDevResourceGenerateDesc(
+    desc: *mut Handle,
+    resources: *const CUdevResource,
+    count: u32,
+) -> CUresult {
+    guard(|| {
+        if desc.is_null() || resources.is_null() || count == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: non-null out-pointer from the caller.
+        unsafe { put(desc, next_handle() as Handle) }
+    })
+}
+
+/// `cuGreenCtxCreate`: a context charged like `cuCtxCreate`'s, not made current.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGreenCtxCreate(
+    pctx: *mut Handle,
+    desc: Handle,
+    dev: CUdevice,
+    flags: u32,
+) -> CUresult {
+    guard(|| {
+        if pctx.is_null() || desc == 0 as Handle || flags != CU_GREEN_CTX_DEFAULT_STREAM {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let g = gpu(dev)?;
+        rt()?
+            .ledger
+            .context_changed(g.index, true)
+            .map_err(ledger_error)?;
+        let c = Context::new(g.index, false, 0);
+        CONTEXTS.insert(c.id, c.clone());
+        // SAFETY: non-null out-pointer from the caller.
+        unsafe { put(pctx, c.id as Handle) }
+    })
+}
+
+/// `cuGreenCtxDestroy`.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuGreenCtxDestroy(ctx: Handle) -> CUresult {
+    cuCtxDestroy_v2(ctx)
+}
+
+/// `cuCtxFromGreenCtx`: the green context's `CUcontext` (the same handle here).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxFromGreenCtx(pctx: *mut Handle, ctx: Handle) -> CUresult {
+    guard(|| {
+        let c = lookup(ctx)?;
+        if pctx.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: non-null out-pointer from the caller.
+        unsafe { put(pctx, c.id as Handle) }
+    })
+}
+
 /// `cuCtxDestroy_v2`.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuCtxDestroy_v2(ctx: Handle) -> CUresult {

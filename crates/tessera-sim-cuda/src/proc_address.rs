@@ -120,6 +120,15 @@ fn table() -> &'static [Entry] {
             e!("cuCtxCreate", 3020, cuCtxCreate_v2),
             e!("cuCtxCreate", 11040, none),
             e!("cuCtxCreate", 12050, cuCtxCreate_v4),
+            e!("cuDeviceGetDevResource", 12040, cuDeviceGetDevResource),
+            e!(
+                "cuDevResourceGenerateDesc",
+                12040,
+                cuDevResourceGenerateDesc
+            ),
+            e!("cuGreenCtxCreate", 12040, cuGreenCtxCreate),
+            e!("cuGreenCtxDestroy", 12040, cuGreenCtxDestroy),
+            e!("cuCtxFromGreenCtx", 12040, cuCtxFromGreenCtx),
             e!("cuCtxDestroy", 4000, cuCtxDestroy_v2),
             e!("cuCtxPushCurrent", 4000, cuCtxPushCurrent_v2),
             e!("cuCtxPopCurrent", 4000, cuCtxPopCurrent_v2),

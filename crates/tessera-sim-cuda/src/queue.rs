@@ -247,8 +247,9 @@ impl Stream {
         }
         match engine {
             Some(e) => {
+                // The kernel's own length (see `Engine::run`), not the wall time it took.
                 let (start, end) = e.run(ns);
-                let _ = rt.ledger.add_busy(self.device, end - start);
+                let _ = rt.ledger.add_busy(self.device, (end - start).min(ns));
             }
             // The state folder vanished: still take the time, unshared.
             None => std::thread::sleep(std::time::Duration::from_nanos(

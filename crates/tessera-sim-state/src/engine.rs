@@ -9,7 +9,16 @@
 //! the pid slots, so a lock-free reader can tell a torn read and retry), then [`BUCKETS`] pairs `(bucket index, busy ns)` of
 //! [`BUCKET_NS`]-wide time buckets, a ring used for utilization over the last second, then
 //! [`PID_SLOTS`] pairs `(pid, busy ns)`: each process's cumulative busy time on the device, what
-//! NVML's per-process utilization is computed from.
+//! NVML's per-process utilization is computed from, then the running kernel's length (ns, 0
+//! when unknown).
+//!
+//! Busy time is a kernel's own length, not the wall time its stream worker took: a card runs a
+//! kernel for its duration whatever the host does, and NVML's utilization is the "percent of
+//! time over the past sample period during which one or more kernels was executing on the GPU"
+//! (NVML API reference, `nvmlUtilization_t`). The worker holds the engine until it wakes, so a
+//! host that descheduled it (on a loaded machine, for 100 ms and more) leaves the device idle
+//! after the kernel, as a card would be while its host stalls; counting that wall time made a
+//! 1 ms kernel read as 138 ms of its process's GPU time.
 //!
 //! Pid slots are claimed by the holder under the flock: its own slot, else a free one, else one
 //! whose pid is dead (`kill(pid, 0)` fails with `ESRCH`). When all are held by live processes
@@ -35,7 +44,8 @@ pub const BUCKETS: usize = 128;
 pub const PID_SLOTS: usize = 64;
 const HEADER_WORDS: usize = 4;
 const PIDS_AT: usize = HEADER_WORDS + 2 * BUCKETS;
-const FILE_WORDS: usize = PIDS_AT + 2 * PID_SLOTS;
+const KERNEL_NS_AT: usize = PIDS_AT + 2 * PID_SLOTS;
+const FILE_WORDS: usize = KERNEL_NS_AT + 1;
 const FILE_BYTES: usize = FILE_WORDS * 8;
 /// Longest time one kernel may hold the engine: a first parameter that is really a pointer
 /// must not wedge the device for hours.
@@ -117,7 +127,8 @@ impl Engine {
 
     /// Occupies the engine for `ns` nanoseconds (at most [`MAX_KERNEL_NS`]), waiting first for
     /// any kernel of any process to finish. Returns the (start, end) monotonic ns of the time
-    /// the engine was actually held.
+    /// the engine was actually held; the busy time counted is the kernel's length (see the
+    /// module notes), `min(ns, end - start)`.
     pub fn run(&self, ns: u64) -> (u64, u64) {
         let ns = ns.min(MAX_KERNEL_NS);
         let fd = self.file.as_raw_fd();
@@ -139,6 +150,7 @@ impl Engine {
         self.word(3).fetch_add(1, Ordering::SeqCst);
         self.word(2)
             .store(u64::from(std::process::id()), Ordering::SeqCst);
+        self.word(KERNEL_NS_AT).store(ns, Ordering::SeqCst);
         self.word(1).store(start, Ordering::SeqCst);
         self.word(3).fetch_add(1, Ordering::SeqCst);
         let deadline = start + ns;
@@ -151,7 +163,7 @@ impl Engine {
         }
         let end = monotonic_ns();
         self.word(3).fetch_add(1, Ordering::SeqCst);
-        self.account(start, end);
+        self.account(start, end.min(start + ns));
         self.word(1).store(0, Ordering::SeqCst);
         self.word(3).fetch_add(1, Ordering::SeqCst);
         // SAFETY: unlocking our own descriptor.
@@ -245,11 +257,20 @@ pub fn device_busy_ns(dir: &Path, gpu: u32) -> u64 {
         return 0;
     };
     let running = if w[1] != 0 {
-        monotonic_ns().saturating_sub(w[1])
+        running_part(&w, monotonic_ns())
     } else {
         0
     };
     w[0] + running
+}
+
+/// How much of the running kernel (started at `w[1]`) has run by `now`: at most its length.
+fn running_part(w: &[u64], now: u64) -> u64 {
+    let ran = now.saturating_sub(w[1]);
+    match w[KERNEL_NS_AT] {
+        0 => ran,
+        ns => ran.min(ns),
+    }
 }
 
 /// Cumulative engine busy time of each process on `gpu`, ns, including its running kernel, as
@@ -285,7 +306,7 @@ pub fn process_busy_ns(dir: &Path, gpu: u32) -> (u64, Vec<(u32, u64)>) {
             .collect();
         // A holder killed mid-kernel leaves its start behind; its kernel ran no further.
         if w[1] != 0 && !pid_dead(w[2]) {
-            let running = now.saturating_sub(w[1]);
+            let running = running_part(&w, now);
             match out.iter_mut().find(|(pid, _)| u64::from(*pid) == w[2]) {
                 Some(entry) => entry.1 += running,
                 None => out.push((w[2] as u32, running)),
@@ -313,7 +334,7 @@ pub fn device_utilization(dir: &Path, gpu: u32, window: Duration) -> f64 {
         }
     }
     if w[1] != 0 {
-        busy += now.saturating_sub(w[1].max(from));
+        busy += running_part(&w, now).min(now.saturating_sub(from));
     }
     (busy as f64 / window_ns as f64).min(1.0)
 }
@@ -366,6 +387,27 @@ mod tests {
             (50_000_000..300_000_000).contains(&per_pid[0].1),
             "{per_pid:?}"
         );
+    }
+
+    #[test]
+    fn a_kernel_counts_its_length_not_a_stalled_workers_wall_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = Engine::open(dir.path(), 0).unwrap();
+        e.run(2_000_000);
+        let done = device_busy_ns(dir.path(), 0);
+        assert!((2_000_000..=2_000_000).contains(&done), "busy {done}");
+        // A 1 ms kernel whose worker has not woken for 200 ms (a descheduled host thread): it
+        // ran for 1 ms, then the device idled.
+        e.word(2)
+            .store(u64::from(std::process::id()), Ordering::SeqCst);
+        e.word(KERNEL_NS_AT).store(1_000_000, Ordering::SeqCst);
+        e.word(1)
+            .store(monotonic_ns() - 200_000_000, Ordering::SeqCst);
+        assert_eq!(device_busy_ns(dir.path(), 0), done + 1_000_000);
+        let (_, per_pid) = process_busy_ns(dir.path(), 0);
+        assert_eq!(per_pid, vec![(std::process::id(), done + 1_000_000)]);
+        let u = device_utilization(dir.path(), 0, Duration::from_secs(1));
+        assert!(u <= 0.0031, "utilization {u}");
     }
 
     #[test]

@@ -2,8 +2,10 @@
  * Retains the primary context ("primary <rc>"), allocates BYTES in it unless 0 ("alloc <rc>"),
  * then makes CONTEXTS - 1 more, in turn through the linked cuCtxCreate_v2, dlsym's
  * cuCtxCreate_v2 and cuGetProcAddress("cuCtxCreate", 12080), i.e. cuCtxCreate_v4
- * ("create <i> <rc>"); says which object answered each route ("routes ..."), prints "ready"
- * and holds everything until stdin closes. Then it destroys the contexts it made
+ * ("create <i> <rc>"); says which object answered each route ("routes ..."), reports the
+ * free memory cuMemGetInfo and NVML (reached through dlsym, as pynvml does) give it then
+ * ("memfree <bytes>", "nvmlfree <bytes>"), prints "ready" and holds everything until stdin
+ * closes, allocating BYTES in the primary context for each line "alloc BYTES" ("got <rc>"). Then it destroys the contexts it made
  * ("destroyed <n> <first failure or 0>"), reports the free memory of the primary context
  * ("free <bytes>") and releases it ("released <rc>"). A refused step stops the making, never
  * the program: it always reaches "ready" and exits 0. */
@@ -32,6 +34,26 @@ CUresult cuGetProcAddress_v2(const char *, void **, int, unsigned long long, int
 typedef CUresult (*create_v2_t)(CUcontext *, unsigned int, CUdevice);
 typedef CUresult (*create_v4_t)(CUcontext *, void *, unsigned int, CUdevice);
 typedef CUresult (*destroy_t)(CUcontext);
+typedef struct {
+    unsigned long long total, free, used;
+} nvml_memory_t;
+typedef int (*nvml_init_t)(void);
+typedef int (*nvml_handle_t)(unsigned int, void **);
+typedef int (*nvml_meminfo_t)(void *, nvml_memory_t *);
+
+/* Free memory by NVML, or -1. */
+static long long nvml_free(void) {
+    void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    if (!h) return -1;
+    nvml_init_t init = (nvml_init_t)dlsym(h, "nvmlInit_v2");
+    nvml_handle_t handle = (nvml_handle_t)dlsym(h, "nvmlDeviceGetHandleByIndex_v2");
+    nvml_meminfo_t info = (nvml_meminfo_t)dlsym(h, "nvmlDeviceGetMemoryInfo");
+    void *dev = NULL;
+    nvml_memory_t m = {0, 0, 0};
+    if (!init || !handle || !info || init() != 0 || handle(0, &dev) != 0 || info(dev, &m) != 0)
+        return -1;
+    return (long long)m.free;
+}
 
 static const char *owner(void *p) {
     Dl_info info;
@@ -79,10 +101,23 @@ int main(int argc, char **argv) {
         if (r != 0) break;
         made[n++] = c;
     }
+    if (have_primary) {
+        cuCtxSetCurrent(primary);
+        size_t free_bytes = 0, total = 0;
+        cuMemGetInfo_v2(&free_bytes, &total);
+        printf("memfree %zu\n", free_bytes);
+        printf("nvmlfree %lld\n", nvml_free());
+    }
     printf("ready\n");
 
-    char buf[64];
-    while (read(0, buf, sizeof buf) > 0) {
+    char line[128];
+    while (fgets(line, sizeof line, stdin)) {
+        unsigned long long more = 0;
+        if (have_primary && sscanf(line, "alloc %llu", &more) == 1) {
+            CUdeviceptr p = 0;
+            cuCtxSetCurrent(primary);
+            printf("got %d\n", cuMemAlloc_v2(&p, (size_t)more));
+        }
     }
 
     CUresult first = 0;

@@ -62,8 +62,21 @@ impl Bed {
     /// As [`Bed::with_arbiter_args`] on other simulated GPUs (e.g. `1x16GiB`, a card that a
     /// few allocations fill).
     pub fn with_gpus(gpus: &str, args: &[&str]) -> Self {
+        Self::with_sim(gpus, None, args)
+    }
+
+    /// As [`Bed::with_arbiter_args`] on a simulated card whose contexts cost `context_memory`
+    /// (e.g. `500MiB`, a context bigger than the interposer's estimate).
+    pub fn with_context_memory(context_memory: &str, args: &[&str]) -> Self {
+        Self::with_sim(SIM_GPUS, Some(context_memory), args)
+    }
+
+    fn with_sim(gpus: &str, context_memory: Option<&str>, args: &[&str]) -> Self {
         let dir = tempfile::tempdir().unwrap();
-        let sim = SimGpu::prepare(&dir.path().join("sim"), gpus);
+        let mut sim = SimGpu::prepare(&dir.path().join("sim"), gpus);
+        if let Some(m) = context_memory {
+            sim.context_memory = m.to_owned();
+        }
         let mut bed = Self {
             socket: dir.path().join("tessera.sock"),
             admin_socket: dir.path().join("admin.sock"),
