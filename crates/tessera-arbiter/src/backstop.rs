@@ -43,7 +43,9 @@
 //!   pid): system tools such as `nvidia-smi` or DCGM are not ours to kill.
 //!
 //! [`decide`] and [`ComputeBook`] are the pure rules (tested with fixed snapshots and a fake
-//! clock); [`Backstop`] does the I/O: NVML, `/proc`, `kill(2)`, the log.
+//! clock); [`Backstop`] does the I/O through small traits: the GPUs through [`GpuSource`]
+//! (NVML: [`NvmlSource`]), processes through [`ProcView`] (`/proc`), kills through [`Killer`]
+//! (`SIGKILL`), so `poll` and `act` are tested with fakes.
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::CString;
@@ -912,9 +914,131 @@ pub struct Counters {
     pub unknown: AtomicU64,
 }
 
-/// The backstop's thread: NVML in, kills out.
+/// Errors of a [`GpuSource`].
+#[derive(Debug, thiserror::Error)]
+pub enum GpuSourceError {
+    /// NVML failed.
+    #[error(transparent)]
+    Nvml(#[from] nvml_wrapper::error::NvmlError),
+    /// A fake source was told to fail (tests).
+    #[error("{0}")]
+    Other(String),
+}
+
+/// One per-process utilisation sample of a GPU, as NVML gives them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UtilSample {
+    /// Host pid.
+    pub pid: i32,
+    /// SM utilisation over the sample, percent.
+    pub sm_util: u32,
+    /// When it was taken, µs since the epoch.
+    pub timestamp: u64,
+}
+
+/// What the backstop reads from the GPUs: NVML in production ([`NvmlSource`]), a fake in
+/// tests.
+pub trait GpuSource: Send {
+    /// How many GPUs there are.
+    fn device_count(&self) -> Result<u32, GpuSourceError>;
+    /// The processes on GPU `gpu` with their device memory (compute and graphics).
+    fn processes(&self, gpu: u32) -> Result<Vec<GpuProcess>, GpuSourceError>;
+    /// GPU `gpu`'s per-process utilisation samples newer than `since_us` (none: empty). `None`
+    /// when this system cannot give them at all.
+    fn utilization(&self, gpu: u32, since_us: u64) -> Option<Vec<UtilSample>>;
+}
+
+/// [`GpuSource`] over NVML.
+pub struct NvmlSource(nvml_wrapper::Nvml);
+
+impl NvmlSource {
+    /// Loads NVML (`lib`, or `libnvidia-ml.so.1` from the loader's search path).
+    pub fn load(lib: Option<&std::ffi::OsStr>) -> Result<Self, crate::gpus::GpusError> {
+        let mut builder = nvml_wrapper::Nvml::builder();
+        if let Some(lib) = lib {
+            builder.lib_path(lib);
+        }
+        builder
+            .init()
+            .map(Self)
+            .map_err(|source| crate::gpus::GpusError::Load {
+                lib: lib.map_or("libnvidia-ml.so.1".into(), |l| {
+                    l.to_string_lossy().into_owned()
+                }),
+                source,
+            })
+    }
+}
+
+impl GpuSource for NvmlSource {
+    fn device_count(&self) -> Result<u32, GpuSourceError> {
+        Ok(self.0.device_count()?)
+    }
+
+    fn processes(&self, gpu: u32) -> Result<Vec<GpuProcess>, GpuSourceError> {
+        let dev = self.0.device_by_index(gpu)?;
+        let mut list = dev.running_compute_processes()?;
+        // A compute-only GPU (or the simulator) has no graphics list.
+        list.extend(dev.running_graphics_processes().unwrap_or_default());
+        Ok(list
+            .into_iter()
+            .map(|p| GpuProcess {
+                pid: p.pid as i32,
+                gpu,
+                used: match p.used_gpu_memory {
+                    nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => b,
+                    nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => 0,
+                },
+            })
+            .collect())
+    }
+
+    fn utilization(&self, gpu: u32, since_us: u64) -> Option<Vec<UtilSample>> {
+        let dev = self.0.device_by_index(gpu).ok()?;
+        match dev.process_utilization_stats(since_us) {
+            Ok(s) => Some(
+                s.into_iter()
+                    .map(|s| UtilSample {
+                        pid: s.pid as i32,
+                        sm_util: s.sm_util,
+                        timestamp: s.timestamp,
+                    })
+                    .collect(),
+            ),
+            Err(nvml_wrapper::error::NvmlError::NotFound) => Some(Vec::new()),
+            Err(e) => {
+                tracing::warn!(
+                    "backstop: per-process GPU time unavailable ({e}); compute bypass is not policed"
+                );
+                None
+            }
+        }
+    }
+}
+
+/// How the backstop stops a process: `SIGKILL` in production ([`Sigkill`]), a recorder in
+/// tests.
+pub trait Killer: Send {
+    /// Kills `pid`; false when it could not (it exited meanwhile).
+    fn kill(&self, pid: i32) -> bool;
+}
+
+/// [`Killer`] by `kill(2)`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Sigkill;
+
+impl Killer for Sigkill {
+    fn kill(&self, pid: i32) -> bool {
+        // SAFETY: kill(2) has no memory preconditions; a pid that exited meanwhile fails with
+        // ESRCH (or, reused, is the risk every pid-based tool takes within one poll interval).
+        unsafe { libc::kill(pid, libc::SIGKILL) == 0 }
+    }
+}
+
+/// The backstop's thread: GPU readings in, kills out.
 pub struct Backstop {
-    nvml: nvml_wrapper::Nvml,
+    gpus: Box<dyn GpuSource>,
+    killer: Box<dyn Killer>,
     arb: Arc<Arbiter>,
     policy: Policy,
     procfs: ProcFs,
@@ -963,25 +1087,31 @@ fn now_us() -> u64 {
 
 impl Backstop {
     /// Loads NVML (`lib`, or `libnvidia-ml.so.1` from the loader's search path); `host_ns`
-    /// names the host's mount namespace.
+    /// names the host's mount namespace. Kills with `SIGKILL`.
     pub fn new(
         arb: Arc<Arbiter>,
         policy: Policy,
         lib: Option<&std::ffi::OsStr>,
         host_ns: &std::path::Path,
     ) -> Result<Self, crate::gpus::GpusError> {
-        let mut builder = nvml_wrapper::Nvml::builder();
-        if let Some(lib) = lib {
-            builder.lib_path(lib);
-        }
-        let nvml = builder
-            .init()
-            .map_err(|source| crate::gpus::GpusError::Load {
-                lib: lib.map_or("libnvidia-ml.so.1".into(), |l| {
-                    l.to_string_lossy().into_owned()
-                }),
-                source,
-            })?;
+        let gpus = NvmlSource::load(lib)?;
+        Ok(Self::with_io(
+            arb,
+            policy,
+            Box::new(gpus),
+            Box::new(Sigkill),
+            host_ns,
+        ))
+    }
+
+    /// A backstop reading `gpus` and stopping processes with `killer` (fakes in tests).
+    pub fn with_io(
+        arb: Arc<Arbiter>,
+        policy: Policy,
+        gpus: Box<dyn GpuSource>,
+        killer: Box<dyn Killer>,
+        host_ns: &std::path::Path,
+    ) -> Self {
         let (procfs, err) = ProcFs::new(host_ns);
         if let Some(e) = err {
             tracing::warn!(
@@ -991,8 +1121,9 @@ impl Backstop {
                 host_ns.display()
             );
         }
-        Ok(Self {
-            nvml,
+        Self {
+            gpus,
+            killer,
             arb,
             policy,
             procfs,
@@ -1007,28 +1138,14 @@ impl Backstop {
             excess: ExcessBook::default(),
             unknown_since: HashMap::new(),
             counters: Arc::default(),
-        })
+        }
     }
 
     /// Every process on every GPU with its device memory.
-    fn gpu_processes(&self) -> Result<Vec<GpuProcess>, nvml_wrapper::error::NvmlError> {
+    fn gpu_processes(&self) -> Result<Vec<GpuProcess>, GpuSourceError> {
         let mut out = Vec::new();
-        for i in 0..self.nvml.device_count()? {
-            let dev = self.nvml.device_by_index(i)?;
-            let mut list = dev.running_compute_processes()?;
-            // A compute-only GPU (or the simulator) has no graphics list.
-            list.extend(dev.running_graphics_processes().unwrap_or_default());
-            for p in list {
-                let used = match p.used_gpu_memory {
-                    nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => b,
-                    nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => 0,
-                };
-                out.push(GpuProcess {
-                    pid: p.pid as i32,
-                    gpu: i,
-                    used,
-                });
-            }
+        for i in 0..self.gpus.device_count()? {
+            out.extend(self.gpus.processes(i)?);
         }
         Ok(out)
     }
@@ -1040,31 +1157,21 @@ impl Backstop {
         if self.compute_off {
             return out;
         }
-        let Ok(n) = self.nvml.device_count() else {
+        let Ok(n) = self.gpus.device_count() else {
             return out;
         };
         for i in 0..n {
-            let Ok(dev) = self.nvml.device_by_index(i) else {
-                continue;
-            };
             let since = self.last_seen.get(&i).copied().unwrap_or(0);
-            let samples = match dev.process_utilization_stats(since) {
-                Ok(s) => s,
-                Err(nvml_wrapper::error::NvmlError::NotFound) => Vec::new(),
-                Err(e) => {
-                    tracing::warn!(
-                        "backstop: per-process GPU time unavailable ({e}); compute bypass is not policed"
-                    );
-                    self.compute_off = true;
-                    return HashMap::new();
-                }
+            let Some(samples) = self.gpus.utilization(i, since) else {
+                self.compute_off = true;
+                return HashMap::new();
             };
             let newest = samples.iter().map(|s| s.timestamp).max().unwrap_or(0);
             self.last_seen
                 .insert(i, newest.max(since).max(now_us().saturating_sub(1)));
             let mut per: HashMap<i32, (u64, u64)> = HashMap::new();
             for s in samples {
-                let e = per.entry(s.pid as i32).or_default();
+                let e = per.entry(s.pid).or_default();
                 e.0 += u64::from(s.sm_util.min(100));
                 e.1 += 1;
             }
@@ -1318,11 +1425,7 @@ impl Backstop {
             self.arb.note_enforced(id, why);
         }
         let verdict = if kill {
-            // SAFETY: kill(2) has no memory preconditions; a pid that exited meanwhile
-            // fails with ESRCH (or, reused, is the risk every pid-based tool takes
-            // within one poll interval).
-            let rc = unsafe { libc::kill(a.pid, libc::SIGKILL) };
-            if rc == 0 {
+            if self.killer.kill(a.pid) {
                 self.counters.killed.fetch_add(1, Ordering::Relaxed);
                 "killed"
             } else {
@@ -2263,5 +2366,164 @@ mod tests {
         assert_eq!(view.origin(std::process::id() as i32), Origin::Host);
         // Our root has no read-only identity file (and a gone pid has none either).
         assert_eq!(read_identity(-1), None);
+    }
+
+    /// GPU readings set by the test; `fail` makes every read fail, as a wedged NVML would.
+    #[derive(Default)]
+    struct FakeGpus {
+        procs: std::sync::Mutex<Vec<GpuProcess>>,
+        fail: std::sync::atomic::AtomicBool,
+    }
+
+    impl GpuSource for Arc<FakeGpus> {
+        fn device_count(&self) -> Result<u32, GpuSourceError> {
+            if self.fail.load(Ordering::Relaxed) {
+                return Err(GpuSourceError::Other("NVML is gone".into()));
+            }
+            Ok(1)
+        }
+
+        fn processes(&self, gpu: u32) -> Result<Vec<GpuProcess>, GpuSourceError> {
+            let all = self.procs.lock().unwrap();
+            Ok(all.iter().copied().filter(|p| p.gpu == gpu).collect())
+        }
+
+        fn utilization(&self, _: u32, _: u64) -> Option<Vec<UtilSample>> {
+            Some(Vec::new())
+        }
+    }
+
+    /// Records whom it was told to kill; kills nobody.
+    struct Recorder(Arc<std::sync::Mutex<Vec<i32>>>);
+
+    impl Killer for Recorder {
+        fn kill(&self, pid: i32) -> bool {
+            self.0.lock().unwrap().push(pid);
+            true
+        }
+    }
+
+    /// What [`bed`] makes: the arbiter, the allocation's id, the fake readings, whom the fake
+    /// killer was told to kill, and the backstop.
+    type Bed = (
+        Arc<Arbiter>,
+        String,
+        Arc<FakeGpus>,
+        Arc<std::sync::Mutex<Vec<i32>>>,
+        Backstop,
+    );
+
+    /// An arbiter with one 80 GiB GPU and one 1 GiB allocation whose tenant is this very test
+    /// process (connected, named by pid and start time); a backstop over fakes in `enforce`.
+    fn bed(dir: &std::path::Path, enforce: Enforce) -> Bed {
+        let gpus = vec![tessera_protocol::GpuInfo {
+            index: 0,
+            uuid: "GPU-0".into(),
+            name: "fake".into(),
+            memory_total: 80 * GIB,
+        }];
+        let arb = Arbiter::new(
+            gpus,
+            crate::store::Store::open(dir).unwrap(),
+            crate::scheduler::SchedulerParams::default(),
+        )
+        .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (token, view) = rt
+            .block_on(arb.create(tessera_protocol::CreateAllocation {
+                gpu: tessera_protocol::GpuSelector::Index(0),
+                memory_limit: GIB,
+                share: 10,
+                cap: None,
+                labels: Default::default(),
+            }))
+            .unwrap();
+        let me = std::process::id() as i32;
+        let peer = Peer::without_pidfd(ProcId {
+            pid: me,
+            start: proc_start(me).unwrap(),
+        });
+        arb.attach_tenant(&token, 1, Some(peer)).unwrap();
+        let readings = Arc::new(FakeGpus::default());
+        let killed = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let policy = Policy {
+            interval: Duration::from_millis(250),
+            memory_tolerance: Tolerance::from(DEFAULT_MEMORY_SLACK),
+            enforce,
+            unknown: Unknown::Report,
+            compute_threshold: Duration::from_millis(500),
+            compute_slack: 0.05,
+        };
+        let b = Backstop::with_io(
+            Arc::clone(&arb),
+            policy,
+            Box::new(Arc::clone(&readings)),
+            Box::new(Recorder(Arc::clone(&killed))),
+            std::path::Path::new("/proc/self/ns/mnt"),
+        );
+        (arb, view.id, readings, killed, b)
+    }
+
+    fn on_gpu0(pid: i32, used: u64) -> GpuProcess {
+        GpuProcess { pid, gpu: 0, used }
+    }
+
+    #[test]
+    fn a_poll_kills_the_process_that_takes_its_allocation_past_the_limit_and_no_other() {
+        let dir = tempfile::tempdir().unwrap();
+        let (arb, id, readings, killed, mut b) = bed(dir.path(), Enforce::Kill);
+        let me = std::process::id() as i32;
+        // Within the limit and its slack: nothing happens.
+        *readings.procs.lock().unwrap() = vec![on_gpu0(me, GIB + DEFAULT_MEMORY_SLACK)];
+        assert!(b.poll().is_empty());
+        assert!(killed.lock().unwrap().is_empty());
+        // One byte past it: this process (the allocation's only one) is killed, counted and
+        // noted on the allocation for `tessera status`.
+        *readings.procs.lock().unwrap() = vec![on_gpu0(me, GIB + DEFAULT_MEMORY_SLACK + 1)];
+        let taken = b.poll();
+        assert_eq!(taken.len(), 1, "{taken:?}");
+        assert!(
+            matches!(taken[0].reason, Reason::Memory { .. }),
+            "{taken:?}"
+        );
+        assert_eq!(taken[0].allocation.as_deref(), Some(id.as_str()));
+        assert_eq!(*killed.lock().unwrap(), [me]);
+        assert_eq!(b.counters.polls.load(Ordering::Relaxed), 2);
+        assert_eq!(b.counters.killed.load(Ordering::Relaxed), 1);
+        assert_eq!(b.counters.breaches.load(Ordering::Relaxed), 1);
+        let snap = arb.snapshot();
+        assert_eq!(snap.allocs[0].enforced, [1, 0], "one memory action noted");
+    }
+
+    #[test]
+    fn in_report_mode_a_poll_acts_without_killing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_arb, _, readings, killed, mut b) = bed(dir.path(), Enforce::Report);
+        let me = std::process::id() as i32;
+        *readings.procs.lock().unwrap() = vec![on_gpu0(me, 4 * GIB)];
+        let taken = b.poll();
+        assert_eq!(taken.len(), 1);
+        assert!(killed.lock().unwrap().is_empty(), "report mode killed");
+        assert_eq!(b.counters.killed.load(Ordering::Relaxed), 0);
+        assert_eq!(b.counters.breaches.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_gpu_source_that_fails_is_counted_and_nobody_is_touched() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_arb, _, readings, killed, mut b) = bed(dir.path(), Enforce::Kill);
+        let me = std::process::id() as i32;
+        *readings.procs.lock().unwrap() = vec![on_gpu0(me, 4 * GIB)];
+        readings.fail.store(true, Ordering::Relaxed);
+        assert!(b.poll().is_empty());
+        assert!(b.poll().is_empty());
+        assert_eq!(b.counters.failed_polls.load(Ordering::Relaxed), 2);
+        assert!(killed.lock().unwrap().is_empty());
+        // NVML comes back: the breach is acted on at the next poll.
+        readings.fail.store(false, Ordering::Relaxed);
+        assert_eq!(b.poll().len(), 1);
+        assert_eq!(*killed.lock().unwrap(), [me]);
     }
 }
