@@ -1,5 +1,7 @@
 //! A small arbiter stand-in for unit tests of the session logic: real Unix socket, real
-//! frames, one ledger per connection released when the connection closes. It can be killed
+//! frames, and the arbiter's own ledger rules (`tessera-ledger`: reserve, credit, release,
+//! redeclare, a connection's bytes given back when it closes), so the sessions are checked
+//! against the real credit rule, not a copy. It can be killed
 //! (every connection shut down, socket removed) to test outages. The real arbiter is tested
 //! against the interposer by the integration tests.
 
@@ -20,11 +22,15 @@ use std::time::{Duration, Instant};
 use tessera_protocol::frame::{read_frame, write_frame};
 use tessera_protocol::{AllocationView, Hello, Role, ServerHello, TenantReply, TenantRequest};
 
+/// The mock's one allocation in the ledger.
+const KEY: tessera_ledger::AccountKey = 1;
+
 /// Shared ledger of the mock.
 #[derive(Debug, Default)]
 pub struct Books {
-    /// Bytes per open connection.
-    pub per_conn: HashMap<u64, u64>,
+    /// The arbiter's ledger, with one account ([`KEY`]); a connection is attached from its
+    /// welcome until it closes.
+    pub ledger: tessera_ledger::Ledger,
     /// Requests seen, in order.
     pub log: Vec<TenantRequest>,
     /// Pressure channels: memory connection -> the channel's stream.
@@ -57,7 +63,9 @@ impl MockArbiter {
         let listener = UnixListener::bind(path).expect("bind mock socket");
         listener.set_nonblocking(true).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
-        let books = Arc::new(Mutex::new(Books::default()));
+        let mut initial = Books::default();
+        initial.ledger.open(KEY, limit);
+        let books = Arc::new(Mutex::new(initial));
         let streams = Arc::new(Mutex::new(Vec::new()));
         let (s, b, st) = (stop.clone(), books.clone(), streams.clone());
         let thread = std::thread::spawn(move || {
@@ -89,12 +97,16 @@ impl MockArbiter {
 
     /// Bytes in use across all connections.
     pub fn in_use(&self) -> u64 {
-        self.books.lock().per_conn.values().sum()
+        self.books.lock().ledger.usage(KEY).map_or(0, |u| u.in_use)
     }
 
-    /// Open connections.
+    /// Open connections (pressure channels are not counted: they hold nothing).
     pub fn connections(&self) -> usize {
-        self.books.lock().per_conn.len()
+        self.books
+            .lock()
+            .ledger
+            .usage(KEY)
+            .map_or(0, |u| u.connections as usize)
     }
 
     /// Protocol violations seen so far (see [`Books::violations`]).
@@ -194,7 +206,11 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
         share: 50,
         cap: None,
     };
-    books.lock().per_conn.insert(id, 0);
+    books
+        .lock()
+        .ledger
+        .attach(KEY, id)
+        .expect("the account is open");
     if write_frame(
         &mut stream,
         &ServerHello::Welcome {
@@ -204,7 +220,7 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
     )
     .is_err()
     {
-        books.lock().per_conn.remove(&id);
+        let _ = books.lock().ledger.detach(KEY, id);
         return;
     }
     // Set when this connection is the pressure channel of connection `channel_of`.
@@ -216,7 +232,7 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
             let mut b = books.lock();
             b.log.push(req.clone());
             // As the real arbiter: a lie closes the connection.
-            let held = |c: Option<u64>| c.and_then(|c| b.per_conn.get(&c).copied()).unwrap_or(0);
+            let held = |c: Option<u64>| c.and_then(|c| b.ledger.held(KEY, c)).unwrap_or(0);
             let lie = match req {
                 TenantRequest::Release { bytes } => bytes > held(Some(id)),
                 TenantRequest::Relinquish { bytes, .. } => bytes > held(channel_of),
@@ -227,24 +243,21 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
                 b.violations.push(req);
                 break;
             }
-            let total: u64 = b.per_conn.values().sum();
             match req {
                 TenantRequest::Subscribe { ticket } => {
                     b.channels.insert(ticket, stream.try_clone().unwrap());
                     // A channel is not a process: it holds nothing and is not counted.
-                    b.per_conn.remove(&id);
+                    let _ = b.ledger.detach(KEY, id);
                     channel_of = Some(ticket);
                     Some(TenantReply::Subscribed)
                 }
                 TenantRequest::Relinquish { seq, bytes } => {
                     let mem = channel_of.expect("relinquish on a channel");
-                    if let Some(held) = b.per_conn.get_mut(&mem) {
-                        *held = held.saturating_sub(bytes);
-                    }
+                    let _ = b.ledger.release(KEY, mem, bytes);
                     b.relinquished.push((seq, bytes));
                     None
                 }
-                req => serve_one(req, &mut b, id, total, limit),
+                req => serve_one(req, &mut b, id),
             }
         };
         if let Some(r) = reply
@@ -254,55 +267,38 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
         }
     }
     let mut b = books.lock();
-    b.per_conn.remove(&id);
+    let _ = b.ledger.detach(KEY, id);
     b.channels.remove(&id);
 }
 
-fn serve_one(
-    req: TenantRequest,
-    b: &mut Books,
-    id: u64,
-    total: u64,
-    limit: u64,
-) -> Option<TenantReply> {
-    let mine = b.per_conn.get_mut(&id).expect("own entry");
+fn serve_one(req: TenantRequest, b: &mut Books, id: u64) -> Option<TenantReply> {
+    use tessera_ledger::{Credit, Reservation};
+    let usage = b.ledger.usage(KEY).expect("the account is open");
+    let (limit, total) = (usage.limit, usage.in_use);
+    let denied = |in_use| Some(TenantReply::Denied { limit, in_use });
     match req {
-        TenantRequest::Reserve { bytes } => {
-            if total + bytes <= limit {
-                *mine += bytes;
-                Some(TenantReply::Reserved {
-                    in_use: total + bytes,
-                })
-            } else {
-                Some(TenantReply::Denied {
-                    limit,
-                    in_use: total,
-                })
-            }
-        }
+        TenantRequest::Reserve { bytes } => match b.ledger.reserve(KEY, id, bytes) {
+            Ok(Reservation::Granted { in_use }) => Some(TenantReply::Reserved { in_use }),
+            Ok(Reservation::Denied { in_use, .. }) => denied(in_use),
+            Err(e) => panic!("mock ledger: {e}"),
+        },
         TenantRequest::Release { bytes } => {
-            *mine = mine.saturating_sub(bytes);
+            b.ledger.release(KEY, id, bytes).expect("checked above");
             None
         }
-        TenantRequest::Redeclare { bytes } => {
-            *mine = bytes;
-            Some(TenantReply::Reserved {
-                in_use: total + bytes,
-            })
-        }
+        TenantRequest::Redeclare { bytes } => match b.ledger.redeclare(KEY, id, bytes) {
+            Ok(in_use) => Some(TenantReply::Reserved { in_use }),
+            Err(e) => Some(TenantReply::Error {
+                message: e.to_string(),
+            }),
+        },
         TenantRequest::ReserveCredit { bytes, extra, .. } => {
-            if total + bytes <= limit {
-                let granted = bytes + extra.min((limit - total - bytes) / 2);
-                *mine += granted;
-                Some(TenantReply::Granted {
-                    bytes: granted,
-                    in_use: total + granted,
-                })
-            } else {
-                Some(TenantReply::Denied {
-                    limit,
-                    in_use: total,
-                })
+            match b.ledger.reserve_credit(KEY, id, bytes, extra) {
+                Ok(Credit::Granted { bytes, in_use }) => {
+                    Some(TenantReply::Granted { bytes, in_use })
+                }
+                Ok(Credit::Denied { in_use, .. }) => denied(in_use),
+                Err(e) => panic!("mock ledger: {e}"),
             }
         }
         // The ticket is the connection's own number.

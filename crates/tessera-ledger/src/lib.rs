@@ -1,0 +1,764 @@
+//! The memory ledger: bytes held per allocation and per connection.
+//!
+//! Pure data, no I/O: the arbiter keeps one [`Ledger`] behind a mutex, so every operation
+//! (check-and-add included) is one critical section and therefore atomic across all processes
+//! of an allocation. Connections are tracked individually so that a process that dies (its
+//! socket closes) gives back exactly what it held.
+
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+
+use tessera_protocol::size::human;
+
+/// Internal key of an allocation in the ledger (not its public id).
+pub type AccountKey = u64;
+/// Arbiter-wide connection number.
+pub type ConnId = u64;
+
+/// Errors of ledger operations. The first three are arbiter bugs or races with deletion; the
+/// others are a tenant's lies about its memory, refused with nothing changed (the caller
+/// closes that connection).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LedgerError {
+    /// The account does not exist (never opened, or closed and drained).
+    #[error("no ledger account {0}")]
+    UnknownAccount(AccountKey),
+    /// The account was closed (allocation deleted): it takes no new connections.
+    #[error("ledger account {0} is closed")]
+    Closed(AccountKey),
+    /// The connection is not attached to the account.
+    #[error("connection {conn} is not attached to account {key}")]
+    UnknownConnection {
+        /// Account.
+        key: AccountKey,
+        /// Connection.
+        conn: ConnId,
+    },
+    /// A release of more than the connection holds.
+    #[error("released {} but held only {}", human(*.asked), human(*.held))]
+    OverRelease {
+        /// Bytes the connection holds.
+        held: u64,
+        /// Bytes it asked to release.
+        asked: u64,
+    },
+    /// A redeclaration below what the connection is already known to hold.
+    #[error("redeclared {} but already holds {}", human(*.asked), human(*.held))]
+    RedeclareBelow {
+        /// Bytes the connection holds.
+        held: u64,
+        /// Bytes declared.
+        asked: u64,
+    },
+    /// A redeclaration above the whole allocation's limit: no process of it could hold that.
+    #[error(
+        "redeclared {}, above the allocation's limit of {}",
+        human(*.asked),
+        human(*.limit)
+    )]
+    RedeclareAboveLimit {
+        /// The account's limit.
+        limit: u64,
+        /// Bytes declared.
+        asked: u64,
+    },
+    /// A count would leave the range of `u64` (only lies get there: no GPU holds 2^64 bytes).
+    #[error("byte count overflow in account {0}")]
+    Overflow(AccountKey),
+}
+
+/// Outcome of a reservation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reservation {
+    /// Granted; allocation-wide bytes in use after it.
+    Granted {
+        /// Bytes in use after the reservation.
+        in_use: u64,
+    },
+    /// Refused; nothing changed.
+    Denied {
+        /// The account's limit.
+        limit: u64,
+        /// Bytes in use.
+        in_use: u64,
+    },
+}
+
+/// Outcome of a reservation with credit ([`Ledger::reserve_credit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Credit {
+    /// Granted: `bytes` reserved in all (the request and the credit given).
+    Granted {
+        /// Bytes reserved for the connection by this call.
+        bytes: u64,
+        /// Allocation-wide bytes in use after it.
+        in_use: u64,
+    },
+    /// Refused; nothing changed.
+    Denied {
+        /// The account's limit.
+        limit: u64,
+        /// Bytes in use.
+        in_use: u64,
+    },
+}
+
+/// Outcome of a release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Released {
+    /// Bytes subtracted.
+    pub freed: u64,
+    /// Allocation-wide bytes in use after it.
+    pub in_use: u64,
+}
+
+/// What the admin API reports about one account.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    /// Limit, bytes.
+    pub limit: u64,
+    /// Bytes in use across all connections.
+    pub in_use: u64,
+    /// Attached connections.
+    pub connections: u32,
+    /// Closed (deleted) but still draining.
+    pub closed: bool,
+}
+
+#[derive(Debug)]
+struct Account {
+    limit: u64,
+    in_use: u64,
+    closed: bool,
+    /// Bytes held per connection. Few entries (one per process), so a small map is fine.
+    conns: HashMap<ConnId, u64>,
+    /// Bytes the card holds for a connection's process beyond what its connections reserved
+    /// (see [`Ledger::set_excess`]), counted in `in_use`.
+    excess: HashMap<ConnId, u64>,
+}
+
+impl Account {
+    /// Adds `bytes` to `conn` (attached) and to the total, both or neither.
+    fn add(&mut self, key: AccountKey, conn: ConnId, bytes: u64) -> Result<(), LedgerError> {
+        let held = self
+            .conns
+            .get_mut(&conn)
+            .ok_or(LedgerError::UnknownConnection { key, conn })?;
+        let (Some(total), Some(mine)) = (self.in_use.checked_add(bytes), held.checked_add(bytes))
+        else {
+            return Err(LedgerError::Overflow(key));
+        };
+        self.in_use = total;
+        *held = mine;
+        Ok(())
+    }
+}
+
+/// Bytes held per allocation and connection.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    accounts: HashMap<AccountKey, Account>,
+}
+
+impl Ledger {
+    /// An empty ledger.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Opens an account with `limit` bytes. Reopening an existing key replaces its limit.
+    pub fn open(&mut self, key: AccountKey, limit: u64) {
+        self.accounts
+            .entry(key)
+            .and_modify(|a| {
+                a.limit = limit;
+                a.closed = false;
+            })
+            .or_insert(Account {
+                limit,
+                in_use: 0,
+                closed: false,
+                conns: HashMap::new(),
+                excess: HashMap::new(),
+            });
+    }
+
+    /// Closes an account: further reservations are denied and no connection may attach, but
+    /// releases are still served. The account disappears once its last connection detaches.
+    /// Returns true when it disappeared now (no connection was attached).
+    pub fn close(&mut self, key: AccountKey) -> Result<bool, LedgerError> {
+        let acct = self
+            .accounts
+            .get_mut(&key)
+            .ok_or(LedgerError::UnknownAccount(key))?;
+        acct.closed = true;
+        if acct.conns.is_empty() {
+            self.accounts.remove(&key);
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Attaches a new connection holding nothing.
+    pub fn attach(&mut self, key: AccountKey, conn: ConnId) -> Result<(), LedgerError> {
+        let acct = self
+            .accounts
+            .get_mut(&key)
+            .ok_or(LedgerError::UnknownAccount(key))?;
+        if acct.closed {
+            return Err(LedgerError::Closed(key));
+        }
+        acct.conns.entry(conn).or_insert(0);
+        Ok(())
+    }
+
+    fn account(&mut self, key: AccountKey, conn: ConnId) -> Result<&mut Account, LedgerError> {
+        let acct = self
+            .accounts
+            .get_mut(&key)
+            .ok_or(LedgerError::UnknownAccount(key))?;
+        if !acct.conns.contains_key(&conn) {
+            return Err(LedgerError::UnknownConnection { key, conn });
+        }
+        Ok(acct)
+    }
+
+    /// Reserves `bytes` for `conn` if the whole account stays within its limit: check and add
+    /// happen together, so racing connections can never pass the limit. A closed account
+    /// denies everything.
+    pub fn reserve(
+        &mut self,
+        key: AccountKey,
+        conn: ConnId,
+        bytes: u64,
+    ) -> Result<Reservation, LedgerError> {
+        let acct = self.account(key, conn)?;
+        let fits = acct
+            .in_use
+            .checked_add(bytes)
+            .is_some_and(|total| total <= acct.limit);
+        if acct.closed || !fits {
+            return Ok(Reservation::Denied {
+                limit: acct.limit,
+                in_use: acct.in_use,
+            });
+        }
+        acct.add(key, conn, bytes)?;
+        Ok(Reservation::Granted {
+            in_use: acct.in_use,
+        })
+    }
+
+    /// Reserves `bytes` for `conn` like [`Ledger::reserve`], plus up to `extra` bytes of
+    /// credit (memory the process may allocate later without asking). The credit is taken
+    /// only from room nobody else needs: at most half of what stays free after `bytes`, so
+    /// one process's credit never fills the allocation. Returns the bytes reserved in all.
+    pub fn reserve_credit(
+        &mut self,
+        key: AccountKey,
+        conn: ConnId,
+        bytes: u64,
+        extra: u64,
+    ) -> Result<Credit, LedgerError> {
+        let acct = self.account(key, conn)?;
+        let after = acct
+            .in_use
+            .checked_add(bytes)
+            .filter(|total| *total <= acct.limit);
+        let (Some(after), false) = (after, acct.closed) else {
+            return Ok(Credit::Denied {
+                limit: acct.limit,
+                in_use: acct.in_use,
+            });
+        };
+        // `after <= limit` above, so neither can fail; checked all the same.
+        let room = acct
+            .limit
+            .checked_sub(after)
+            .ok_or(LedgerError::Overflow(key))?;
+        let granted = bytes
+            .checked_add(extra.min(room / 2))
+            .ok_or(LedgerError::Overflow(key))?;
+        acct.add(key, conn, granted)?;
+        Ok(Credit::Granted {
+            bytes: granted,
+            in_use: acct.in_use,
+        })
+    }
+
+    /// The other connections of account `key` that hold any bytes (whose unused credit could
+    /// be pressed back), in no particular order.
+    pub fn others_holding(&self, key: AccountKey, conn: ConnId) -> Vec<ConnId> {
+        self.accounts
+            .get(&key)
+            .map(|a| {
+                a.conns
+                    .iter()
+                    .filter(|(c, held)| **c != conn && **held > 0)
+                    .map(|(c, _)| *c)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Releases `bytes` held by `conn`. More than it holds is refused with nothing changed
+    /// ([`LedgerError::OverRelease`]): the tenant lies or lost count, and its connection is
+    /// closed rather than trusted with another process's bytes.
+    pub fn release(
+        &mut self,
+        key: AccountKey,
+        conn: ConnId,
+        bytes: u64,
+    ) -> Result<Released, LedgerError> {
+        let acct = self.account(key, conn)?;
+        let held = acct.conns[&conn];
+        let left = held
+            .checked_sub(bytes)
+            .ok_or(LedgerError::OverRelease { held, asked: bytes })?;
+        let in_use = acct
+            .in_use
+            .checked_sub(bytes)
+            .ok_or(LedgerError::Overflow(key))?;
+        acct.conns.insert(conn, left);
+        acct.in_use = in_use;
+        Ok(Released {
+            freed: bytes,
+            in_use,
+        })
+    }
+
+    /// Sets what `conn` holds to `bytes` (after an arbiter restart the process declares its
+    /// live memory). Accepted even when the allocation as a whole passes its limit (the memory
+    /// exists; a process that reserved after the restart but before an older one redeclared
+    /// can cause that), but never below what `conn` already holds, never above the limit for
+    /// one connection (no process of the allocation could have held more), and never past
+    /// `u64`. Idempotent.
+    pub fn redeclare(
+        &mut self,
+        key: AccountKey,
+        conn: ConnId,
+        bytes: u64,
+    ) -> Result<u64, LedgerError> {
+        let acct = self.account(key, conn)?;
+        let held = acct.conns[&conn];
+        if bytes < held {
+            return Err(LedgerError::RedeclareBelow { held, asked: bytes });
+        }
+        if bytes > acct.limit {
+            return Err(LedgerError::RedeclareAboveLimit {
+                limit: acct.limit,
+                asked: bytes,
+            });
+        }
+        acct.add(key, conn, bytes - held)?;
+        Ok(acct.in_use)
+    }
+
+    /// Detaches `conn` (its process exited or its socket closed) and frees all it held.
+    /// Returns the bytes freed. Drops a closed account once its last connection is gone.
+    pub fn detach(&mut self, key: AccountKey, conn: ConnId) -> Result<u64, LedgerError> {
+        let acct = self
+            .accounts
+            .get_mut(&key)
+            .ok_or(LedgerError::UnknownAccount(key))?;
+        let held = acct
+            .conns
+            .remove(&conn)
+            .ok_or(LedgerError::UnknownConnection { key, conn })?;
+        let excess = acct.excess.remove(&conn).unwrap_or(0);
+        // The account's total is the sum of its connections' (and their excess): this cannot
+        // fail unless the ledger is broken, and then zero is the least wrong total.
+        let in_use = acct.in_use.checked_sub(held.saturating_add(excess));
+        acct.in_use = in_use.unwrap_or(0);
+        if acct.closed && acct.conns.is_empty() {
+            self.accounts.remove(&key);
+        }
+        in_use.map(|_| held).ok_or(LedgerError::Overflow(key))
+    }
+
+    /// Sets what the card holds for `conn`'s process beyond what its connections reserved
+    /// (NVML's figure for the process less their bytes: a context bigger than the interposer's
+    /// estimate, the driver's rounding), so that the account's use is what the card holds for
+    /// it and a later reservation that would not fit on the card is refused. Replaces the
+    /// connection's previous excess; 0 clears it; it goes with the connection. Accepted even
+    /// when the account then passes its limit (the memory exists). Returns the account's use.
+    pub fn set_excess(
+        &mut self,
+        key: AccountKey,
+        conn: ConnId,
+        bytes: u64,
+    ) -> Result<u64, LedgerError> {
+        let acct = self.account(key, conn)?;
+        let old = acct.excess.get(&conn).copied().unwrap_or(0);
+        let in_use = acct
+            .in_use
+            .checked_sub(old)
+            .and_then(|u| u.checked_add(bytes))
+            .ok_or(LedgerError::Overflow(key))?;
+        acct.in_use = in_use;
+        if bytes == 0 {
+            acct.excess.remove(&conn);
+        } else {
+            acct.excess.insert(conn, bytes);
+        }
+        Ok(in_use)
+    }
+
+    /// Limit and use of an account.
+    pub fn usage(&self, key: AccountKey) -> Option<Usage> {
+        self.accounts.get(&key).map(|a| Usage {
+            limit: a.limit,
+            in_use: a.in_use,
+            connections: a.conns.len() as u32,
+            closed: a.closed,
+        })
+    }
+
+    /// Bytes `conn` holds in account `key`.
+    pub fn held(&self, key: AccountKey, conn: ConnId) -> Option<u64> {
+        self.accounts
+            .get(&key)
+            .and_then(|a| a.conns.get(&conn).copied())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use parking_lot::Mutex;
+
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn a_process_excess_on_the_card_counts_until_it_is_cleared_or_its_connection_goes() {
+        let mut l = Ledger::new();
+        l.open(1, 1024 * MIB);
+        l.attach(1, 10).unwrap();
+        l.attach(1, 11).unwrap();
+        // Conn 10 reserved a 300 MiB context estimate; the card holds 500 MiB for it.
+        l.reserve(1, 10, 300 * MIB).unwrap();
+        assert_eq!(l.set_excess(1, 10, 200 * MIB).unwrap(), 500 * MIB);
+        // 600 MiB fitted the estimate (900), not the card (1100).
+        assert!(matches!(
+            l.reserve(1, 11, 600 * MIB).unwrap(),
+            Reservation::Denied { .. }
+        ));
+        assert!(matches!(
+            l.reserve(1, 11, 524 * MIB).unwrap(),
+            Reservation::Granted { in_use } if in_use == 1024 * MIB
+        ));
+        // A new figure replaces the old; over the limit is accepted (the memory exists).
+        assert_eq!(l.set_excess(1, 10, 250 * MIB).unwrap(), 1074 * MIB);
+        assert_eq!(l.set_excess(1, 10, 0).unwrap(), 824 * MIB);
+        l.set_excess(1, 10, 100 * MIB).unwrap();
+        // The connection's bytes and its excess go together.
+        assert_eq!(l.detach(1, 10).unwrap(), 300 * MIB);
+        assert_eq!(l.usage(1).unwrap().in_use, 524 * MIB);
+        assert!(matches!(
+            l.set_excess(1, 10, MIB),
+            Err(LedgerError::UnknownConnection { .. })
+        ));
+    }
+
+    #[test]
+    fn reserve_within_limit_and_deny_past_it() {
+        let mut l = Ledger::new();
+        l.open(1, 100 * MIB);
+        l.attach(1, 10).unwrap();
+        assert_eq!(
+            l.reserve(1, 10, 60 * MIB).unwrap(),
+            Reservation::Granted { in_use: 60 * MIB }
+        );
+        assert_eq!(
+            l.reserve(1, 10, 41 * MIB).unwrap(),
+            Reservation::Denied {
+                limit: 100 * MIB,
+                in_use: 60 * MIB
+            }
+        );
+        assert_eq!(
+            l.reserve(1, 10, 40 * MIB).unwrap(),
+            Reservation::Granted { in_use: 100 * MIB }
+        );
+        assert_eq!(l.usage(1).unwrap().in_use, 100 * MIB);
+    }
+
+    #[test]
+    fn reserve_never_overflows() {
+        let mut l = Ledger::new();
+        l.open(1, u64::MAX);
+        l.attach(1, 1).unwrap();
+        assert!(matches!(
+            l.reserve(1, 1, u64::MAX - 1).unwrap(),
+            Reservation::Granted { .. }
+        ));
+        assert!(matches!(
+            l.reserve(1, 1, 2).unwrap(),
+            Reservation::Denied { .. }
+        ));
+        assert_eq!(l.usage(1).unwrap().in_use, u64::MAX - 1);
+    }
+
+    #[test]
+    fn limit_is_shared_by_all_connections_of_an_account() {
+        let mut l = Ledger::new();
+        l.open(7, 10);
+        l.attach(7, 1).unwrap();
+        l.attach(7, 2).unwrap();
+        assert!(matches!(
+            l.reserve(7, 1, 6).unwrap(),
+            Reservation::Granted { in_use: 6 }
+        ));
+        assert_eq!(
+            l.reserve(7, 2, 5).unwrap(),
+            Reservation::Denied {
+                limit: 10,
+                in_use: 6
+            }
+        );
+        assert!(matches!(
+            l.reserve(7, 2, 4).unwrap(),
+            Reservation::Granted { in_use: 10 }
+        ));
+        // Another account is independent.
+        l.open(8, 10);
+        l.attach(8, 3).unwrap();
+        assert!(matches!(
+            l.reserve(8, 3, 10).unwrap(),
+            Reservation::Granted { in_use: 10 }
+        ));
+    }
+
+    #[test]
+    fn racing_reservations_from_threads_never_pass_the_limit() {
+        let limit = 1000u64;
+        let ledger = Arc::new(Mutex::new(Ledger::new()));
+        {
+            let mut l = ledger.lock();
+            l.open(1, limit);
+            for conn in 0..8 {
+                l.attach(1, conn).unwrap();
+            }
+        }
+        let handles: Vec<_> = (0..8u64)
+            .map(|conn| {
+                let ledger = Arc::clone(&ledger);
+                std::thread::spawn(move || {
+                    let mut granted = 0u64;
+                    for i in 0..1000u64 {
+                        let bytes = 1 + (i + conn) % 7;
+                        let r = ledger.lock().reserve(1, conn, bytes).unwrap();
+                        match r {
+                            Reservation::Granted { in_use } => {
+                                assert!(in_use <= limit);
+                                granted += bytes;
+                                if i % 3 == 0 {
+                                    ledger.lock().release(1, conn, bytes).unwrap();
+                                    granted -= bytes;
+                                }
+                            }
+                            Reservation::Denied { in_use, .. } => assert!(in_use <= limit),
+                        }
+                    }
+                    granted
+                })
+            })
+            .collect();
+        let total: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
+        let mut l = ledger.lock();
+        let usage = l.usage(1).unwrap();
+        assert_eq!(
+            usage.in_use, total,
+            "ledger equals the sum of what threads hold"
+        );
+        assert!(usage.in_use <= limit);
+        for conn in 0..8 {
+            l.detach(1, conn).unwrap();
+        }
+        assert_eq!(l.usage(1).unwrap().in_use, 0);
+    }
+
+    #[test]
+    fn credit_is_given_only_from_room_nobody_needs() {
+        let mut l = Ledger::new();
+        l.open(1, 100);
+        l.attach(1, 1).unwrap();
+        l.attach(1, 2).unwrap();
+        // 40 + at most half of the 60 left: 30.
+        assert_eq!(
+            l.reserve_credit(1, 1, 40, 1000).unwrap(),
+            Credit::Granted {
+                bytes: 70,
+                in_use: 70
+            }
+        );
+        assert_eq!(
+            l.reserve_credit(1, 2, 31, 0).unwrap(),
+            Credit::Denied {
+                limit: 100,
+                in_use: 70
+            }
+        );
+        assert_eq!(
+            l.reserve_credit(1, 2, 30, 10).unwrap(),
+            Credit::Granted {
+                bytes: 30,
+                in_use: 100
+            }
+        );
+        assert_eq!(l.others_holding(1, 1), vec![2]);
+        l.release(1, 2, 30).unwrap();
+        assert!(
+            l.others_holding(1, 1).is_empty(),
+            "a connection holding nothing has no credit"
+        );
+        assert_eq!(
+            l.reserve_credit(1, 2, u64::MAX, 1).unwrap(),
+            Credit::Denied {
+                limit: 100,
+                in_use: 70
+            }
+        );
+    }
+
+    #[test]
+    fn release_of_more_than_held_is_refused_and_changes_nothing() {
+        let mut l = Ledger::new();
+        l.open(1, 100);
+        l.attach(1, 1).unwrap();
+        l.attach(1, 2).unwrap();
+        l.reserve(1, 1, 30).unwrap();
+        l.reserve(1, 2, 50).unwrap();
+        assert_eq!(
+            l.release(1, 1, 10).unwrap(),
+            Released {
+                freed: 10,
+                in_use: 70,
+            }
+        );
+        // Connection 1 holds 20: releasing 45 is a lie, refused whole.
+        assert_eq!(
+            l.release(1, 1, 45).unwrap_err(),
+            LedgerError::OverRelease {
+                held: 20,
+                asked: 45
+            }
+        );
+        assert_eq!(
+            l.release(1, 1, u64::MAX).unwrap_err(),
+            LedgerError::OverRelease {
+                held: 20,
+                asked: u64::MAX
+            }
+        );
+        assert_eq!(l.held(1, 1), Some(20));
+        assert_eq!(l.held(1, 2), Some(50));
+        assert_eq!(l.usage(1).unwrap().in_use, 70);
+    }
+
+    #[test]
+    fn redeclare_may_pass_the_limit_and_blocks_reserves_until_below() {
+        let mut l = Ledger::new();
+        l.open(1, 100);
+        l.attach(1, 1).unwrap();
+        l.attach(1, 2).unwrap();
+        assert_eq!(l.redeclare(1, 1, 80).unwrap(), 80);
+        assert_eq!(l.redeclare(1, 2, 40).unwrap(), 120);
+        // Idempotent: declaring again sets, never adds.
+        assert_eq!(l.redeclare(1, 2, 40).unwrap(), 120);
+        assert_eq!(
+            l.reserve(1, 1, 1).unwrap(),
+            Reservation::Denied {
+                limit: 100,
+                in_use: 120
+            }
+        );
+        l.release(1, 2, 30).unwrap();
+        assert_eq!(l.usage(1).unwrap().in_use, 90);
+        assert!(matches!(
+            l.reserve(1, 1, 10).unwrap(),
+            Reservation::Granted { in_use: 100 }
+        ));
+    }
+
+    #[test]
+    fn redeclare_never_lowers_a_holding_passes_the_limit_alone_or_wraps() {
+        let mut l = Ledger::new();
+        l.open(1, 100);
+        l.attach(1, 1).unwrap();
+        l.attach(1, 2).unwrap();
+        l.reserve(1, 1, 60).unwrap();
+        assert_eq!(
+            l.redeclare(1, 1, 0).unwrap_err(),
+            LedgerError::RedeclareBelow { held: 60, asked: 0 }
+        );
+        assert_eq!(
+            l.redeclare(1, 2, 101).unwrap_err(),
+            LedgerError::RedeclareAboveLimit {
+                limit: 100,
+                asked: 101
+            }
+        );
+        assert!(l.redeclare(1, 2, u64::MAX).is_err());
+        assert_eq!(l.usage(1).unwrap().in_use, 60);
+        assert_eq!(l.held(1, 2), Some(0));
+        // At the edge of u64: a total that would wrap is refused, nothing changes.
+        l.open(2, u64::MAX);
+        l.attach(2, 3).unwrap();
+        l.attach(2, 4).unwrap();
+        l.redeclare(2, 3, u64::MAX - 5).unwrap();
+        assert_eq!(l.redeclare(2, 4, 10).unwrap_err(), LedgerError::Overflow(2));
+        assert_eq!(l.usage(2).unwrap().in_use, u64::MAX - 5);
+        assert_eq!(l.held(2, 4), Some(0));
+    }
+
+    #[test]
+    fn detach_frees_everything_the_connection_held() {
+        let mut l = Ledger::new();
+        l.open(1, 100);
+        l.attach(1, 1).unwrap();
+        l.attach(1, 2).unwrap();
+        l.reserve(1, 1, 30).unwrap();
+        l.reserve(1, 2, 50).unwrap();
+        assert_eq!(l.detach(1, 2).unwrap(), 50);
+        let u = l.usage(1).unwrap();
+        assert_eq!((u.in_use, u.connections), (30, 1));
+        assert_eq!(
+            l.reserve(1, 2, 1).unwrap_err(),
+            LedgerError::UnknownConnection { key: 1, conn: 2 }
+        );
+        assert!(matches!(
+            l.reserve(1, 1, 70).unwrap(),
+            Reservation::Granted { in_use: 100 }
+        ));
+    }
+
+    #[test]
+    fn closed_account_denies_reserves_serves_releases_and_drains() {
+        let mut l = Ledger::new();
+        l.open(1, 100);
+        l.attach(1, 1).unwrap();
+        l.reserve(1, 1, 40).unwrap();
+        assert!(!l.close(1).unwrap(), "a connection is still attached");
+        assert_eq!(
+            l.reserve(1, 1, 1).unwrap(),
+            Reservation::Denied {
+                limit: 100,
+                in_use: 40
+            }
+        );
+        assert_eq!(l.attach(1, 2).unwrap_err(), LedgerError::Closed(1));
+        assert_eq!(l.release(1, 1, 40).unwrap().in_use, 0);
+        assert!(l.usage(1).unwrap().closed);
+        l.detach(1, 1).unwrap();
+        assert!(l.usage(1).is_none(), "drained account is gone");
+        // Closing an idle account removes it at once.
+        l.open(2, 5);
+        assert!(l.close(2).unwrap());
+        assert_eq!(l.close(2).unwrap_err(), LedgerError::UnknownAccount(2));
+    }
+}
