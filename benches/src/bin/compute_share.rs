@@ -12,11 +12,13 @@
 //!   tenant's GPU time, the worst 1 s window of each capped one, and the split;
 //! - idle-reclaim latency p50/p90/p99/max (a bursty tenant goes idle; how long until the waiting
 //!   tenant's launch is let through);
-//! - total GPU busy with and without Tessera (two tenants, 30/70).
+//! - total GPU busy with and without Tessera (two tenants, 30/70);
+//! - a tenant whose queue drains at every step (with and without host work) against a
+//!   free-running one, 50/50: its part of the busy time.
 //!
 //! Build and run: `cargo build --release --workspace && target/release/compute_share`
 //! (`--scale 0.5` halves every duration; `--only idle,cap` runs some scenarios: `split`, `join`,
-//! `cap`, `capped`, `idle`, `total`). Everything it needs is found next to it.
+//! `cap`, `capped`, `idle`, `total`, `sync`). Everything it needs is found next to it.
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -317,6 +319,39 @@ fn scenario_30_70(b: &Bench, rows: &mut Vec<Row>) -> (f64, bool) {
     (pct(dev, wall), charged > 0)
 }
 
+/// A tenant whose queue drains at every step (it waits for each kernel; then, in the second
+/// row, works 0.6 ms on the host) against a free-running one, both share 50: drains and host
+/// work must not be taken for idleness (an early hand-back at every step would give most of
+/// the GPU to the other). With the host work, the synchroniser leaves the GPU idle for part of
+/// its turns, so its fair part of the busy time is below half.
+fn scenario_sync(b: &Bench, rows: &mut Vec<Row>) {
+    for (what, host_us, target) in [
+        ("sync every launch vs free-running, 50/50", "0", ">= 40.0"),
+        ("sync + 0.6 ms host work vs free-running", "600", ">= 33.0"),
+    ] {
+        let len = b.secs(10.0);
+        let sampler = Sampler::start(&b.node.sim_dir);
+        let mut sync_args = b.continuous(len + 1.5);
+        sync_args.extend(["--sync".into(), "--host-us".into(), host_us.into()]);
+        let a = b.tenant(Some(50), false, &sync_args);
+        let free = b.tenant(Some(50), false, &b.continuous(len + 1.5));
+        std::thread::sleep(Duration::from_millis(500));
+        let start = monotonic_ns();
+        std::thread::sleep(Duration::from_secs_f64(len));
+        let end = monotonic_ns();
+        let samples = sampler.finish();
+        let got = split(&samples, &[a.pid, free.pid], start, end);
+        a.wait();
+        free.wait();
+        rows.push(Row(
+            what.into(),
+            target.into(),
+            format!("{:.1} (A's part of the busy time)", got[0]),
+            "-".into(),
+        ));
+    }
+}
+
 fn scenario_join_leave(b: &Bench, rows: &mut Vec<Row>) {
     let (p1, p2, total) = (b.secs(3.0), b.secs(7.0), b.secs(10.0));
     let sampler = Sampler::start(&b.node.sim_dir);
@@ -558,7 +593,7 @@ fn scenario_no_control(b: &Bench) -> (f64, Vec<f64>) {
 }
 
 /// Names accepted by `--only`.
-const SCENARIOS: [&str; 6] = ["split", "join", "cap", "capped", "idle", "total"];
+const SCENARIOS: [&str; 7] = ["split", "join", "cap", "capped", "idle", "total", "sync"];
 
 fn main() {
     let mut scale = 1.0;
@@ -621,6 +656,9 @@ fn main() {
     }
     if runs("idle") {
         scenario_idle_reclaim(&bench, &mut rows);
+    }
+    if runs("sync") {
+        scenario_sync(&bench, &mut rows);
     }
     if runs("total") {
         let (busy_free, free_split) = scenario_no_control(&bench);

@@ -3,9 +3,11 @@
 //! then `cuGetProcAddress_v2`) that launches kernels of a fixed length on the simulated GPU for
 //! a while.
 //!
-//! `compute_tenant [--kernel-us N] [--seconds S] [--burst K --idle-ms M]`
+//! `compute_tenant [--kernel-us N] [--seconds S] [--burst K --idle-ms M] [--sync [--host-us H]]`
 //! - continuous (default): launch kernels back to back, synchronising every few launches so
 //!   that without Tessera the queue stays short;
+//! - synchronising (`--sync`): wait for every kernel before the next, then work `H` us on the
+//!   host (a training loop reading its loss), as a tenant whose queue drains at every step;
 //! - bursty (`--burst K`): K kernels, wait for them, note the moment the stream went idle,
 //!   sleep M ms, repeat.
 //!
@@ -26,6 +28,8 @@ struct Args {
     seconds: f64,
     burst: Option<u32>,
     idle_ms: u64,
+    sync: bool,
+    host_ns: u64,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -34,6 +38,8 @@ fn parse_args() -> Result<Args, String> {
         seconds: 10.0,
         burst: None,
         idle_ms: 50,
+        sync: false,
+        host_ns: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -45,6 +51,8 @@ fn parse_args() -> Result<Args, String> {
             "--seconds" => a.seconds = value()?.parse().map_err(|e| format!("{e}"))?,
             "--burst" => a.burst = Some(value()?.parse().map_err(|e| format!("{e}"))?),
             "--idle-ms" => a.idle_ms = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--sync" => a.sync = true,
+            "--host-us" => a.host_ns = value()?.parse::<u64>().map_err(|e| e.to_string())? * 1000,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -123,6 +131,16 @@ fn main() {
         let end = Instant::now() + Duration::from_secs_f64(args.seconds);
         while Instant::now() < end {
             match args.burst {
+                None if args.sync => {
+                    launch_one(&mut events);
+                    launches += 1;
+                    check("cuStreamSynchronize", stream_sync(stream));
+                    // Host work: spun, as a CPU-bound step would be (a sleep would oversleep).
+                    let until = monotonic_ns() + args.host_ns;
+                    while monotonic_ns() < until {
+                        std::hint::spin_loop();
+                    }
+                }
                 None => {
                     for _ in 0..4 {
                         launch_one(&mut events);

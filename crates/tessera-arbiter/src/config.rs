@@ -87,6 +87,10 @@ pub struct Config {
     /// allocations together (kernels that run past the end of their lease).
     #[arg(long, default_value_t = 5.0, value_name = "PERCENT")]
     pub compute_slack_percent: f64,
+    /// How long a reservation that does not fit waits for the allocation's other processes to
+    /// give back unused credit or free memory before it is refused, milliseconds.
+    #[arg(long, default_value_t = 50, value_name = "MS")]
+    pub memory_wait_ms: u64,
     /// The host's mount namespace: a process in another one runs in a container. With
     /// `hostPID` (the DaemonSet) this is init's. If it cannot be read, a process without a
     /// Tessera identity file is taken for a host process (reported, never killed).

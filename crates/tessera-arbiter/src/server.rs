@@ -177,6 +177,7 @@ impl Server {
     ) -> Result<Self, ServerError> {
         let store = Store::open(&config.state_dir).map_err(StateError::from)?;
         let arbiter = Arbiter::new(gpus, store, params)?;
+        arbiter.set_memory_wait(Duration::from_millis(config.memory_wait_ms));
         let tenant_listener = bind(&config.socket, 0o666)?;
         let admin_listener = match bind(&config.admin_socket, 0o600) {
             Ok(l) => l,

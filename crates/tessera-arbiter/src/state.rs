@@ -29,6 +29,14 @@ use crate::scheduler::{SchedulerHandle, SchedulerParams};
 use crate::stats::{AllocCounters, AllocSample, EnforceReason, GpuSample, RequestStats, Snapshot};
 use crate::store::{self, AllocationRecord, Store, StoreError};
 
+/// How long a reservation that does not fit waits, by default, while other processes of its
+/// allocation hold memory, for them to give back unused credit (they answer a `Pressure` as
+/// soon as their watcher thread runs) or to free what they hold. A process preempted between
+/// its allocation and its free holds the bytes for a time slice or more on a busy node; this
+/// wait turns that into a short delay instead of a false out-of-memory. With nothing held by
+/// other processes, a reservation that does not fit is refused at once.
+pub const DEFAULT_MEMORY_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// Errors of admin operations, each mapped to an [`AdminErrorKind`] for the wire.
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
@@ -156,6 +164,9 @@ pub struct Arbiter {
     /// One scheduler per GPU UUID (plus any UUID of a persisted allocation whose GPU vanished).
     schedulers: Mutex<HashMap<String, SchedulerHandle>>,
     sched_params: SchedulerParams,
+    /// How long a reservation that does not fit waits for other processes' credit, ns
+    /// ([`Arbiter::memory_wait`]).
+    memory_wait_ns: AtomicU64,
     next_conn: AtomicU64,
     epoch: Instant,
     /// Pressure channels of tenant processes (memory credit reclaim).
@@ -320,6 +331,7 @@ impl Arbiter {
             live: Mutex::new(Live::default()),
             schedulers: Mutex::new(HashMap::new()),
             sched_params,
+            memory_wait_ns: AtomicU64::new(DEFAULT_MEMORY_WAIT.as_nanos() as u64),
             next_conn: AtomicU64::new(1),
             epoch: Instant::now(),
             pressure: PressureHub::new(),
@@ -392,6 +404,19 @@ impl Arbiter {
     /// [`crate::admission`]).
     pub fn allocation_count(&self) -> usize {
         self.live().by_id.len()
+    }
+
+    /// How long a reservation that does not fit may wait, while other processes of its
+    /// allocation hold memory, for them to give back unused credit or free what they hold
+    /// (`--memory-wait-ms`, [`DEFAULT_MEMORY_WAIT`] by default).
+    pub fn memory_wait(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.memory_wait_ns.load(Ordering::Relaxed))
+    }
+
+    /// Sets [`Arbiter::memory_wait`] (at start-up, from the configuration).
+    pub fn set_memory_wait(&self, wait: std::time::Duration) {
+        self.memory_wait_ns
+            .store(wait.as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// A new connection number.

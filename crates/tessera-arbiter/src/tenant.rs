@@ -31,7 +31,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tessera_protocol::{FrameDecoder, ServerHello, TenantReply, TenantRequest};
 
@@ -67,14 +67,6 @@ pub enum TenantError {
         count: u64,
     },
 }
-
-/// How long a reservation that does not fit may wait, while other processes of its allocation
-/// hold memory, for them to give back unused credit (they answer a `Pressure` as soon as their
-/// watcher thread runs) or to free what they hold. A process preempted between its allocation
-/// and its free holds the bytes for a time slice or more on a busy node; this wait turns that
-/// into a short delay instead of a false out-of-memory. With nothing held by other processes,
-/// a reservation that does not fit is refused at once.
-pub const MEMORY_WAIT: Duration = Duration::from_millis(50);
 
 fn io_err(e: std::io::Error) -> TenantError {
     WireError::Frame(e.into()).into()
@@ -475,7 +467,7 @@ fn handle(
         }
         TenantRequest::MemInfo => {
             // Exact: the other processes' unused credit is not in use.
-            press_others(arb, b, conn, Instant::now() + MEMORY_WAIT);
+            press_others(arb, b, conn, Instant::now() + arb.memory_wait());
             let msg = match arb.with_ledger(|l| l.usage(key)) {
                 Some(u) => TenantReply::MemInfo {
                     limit: u.limit,
@@ -534,7 +526,7 @@ fn violation(arb: &Arbiter, b: &TenantBinding, what: String) -> TenantError {
 
 /// Runs `attempt` on the ledger; while it is refused, presses the allocation's other
 /// processes to give back unused credit, waits for their frees, and tries again, for at most
-/// [`MEMORY_WAIT`]. Refused only when the bytes are really held (or the allocation was
+/// [`Arbiter::memory_wait`]. Refused only when the bytes are really held (or the allocation was
 /// deleted). `given_back`: the `Relinquish` frames the process says it sent on its own pressure
 /// channel; a refusal first waits for the channel to have handled them (the process's own
 /// frees, which travel on another socket).
@@ -545,7 +537,7 @@ fn reserve_pressing(
     given_back: u64,
     mut attempt: impl FnMut(&mut crate::ledger::Ledger) -> Result<Credit, crate::ledger::LedgerError>,
 ) -> Result<Credit, crate::ledger::LedgerError> {
-    let deadline = Instant::now() + MEMORY_WAIT;
+    let deadline = Instant::now() + arb.memory_wait();
     let hub = arb.pressure();
     loop {
         let seen = hub.freed_count();

@@ -691,7 +691,10 @@ fn with_channel(arb: &Arbiter, token: &str) -> (TenantClient, TenantClient) {
 #[test]
 fn pressure_takes_credit_back_before_a_refusal_and_forged_channel_frames_close_only_their_connection()
  {
-    let arb = Arbiter::start();
+    // A generous wait for the pressed process to answer (50 ms by default): the answering
+    // thread below may be scheduled late on a loaded machine, and the test is about what
+    // happens with the answer, not how fast it comes.
+    let arb = Arbiter::start_with_args(&["--memory-wait-ms", "2000"]);
     let mut admin = arb.admin();
     let (token, id) = create(&mut admin, 0, 1000 * MIB, 50);
     let (other_token, other_id) = create(&mut admin, 0, 1000 * MIB, 10);
@@ -748,8 +751,10 @@ fn pressure_takes_credit_back_before_a_refusal_and_forged_channel_frames_close_o
             in_use: 1000 * MIB
         }
     );
+    // Refused once the wait is over (the pressed process could still free memory until
+    // then), not held for ever.
     assert!(
-        t.elapsed() < Duration::from_secs(1),
+        t.elapsed() < Duration::from_secs(30),
         "refusal took {:?}",
         t.elapsed()
     );
