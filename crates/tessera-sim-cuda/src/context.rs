@@ -282,7 +282,9 @@ pub extern "C" fn cuDevicePrimaryCtxSetFlags_v2(dev: CUdevice, flags: u32) -> CU
     })
 }
 
-fn create(pctx: *mut Handle, flags: u32, dev: CUdevice) -> Res {
+/// A new (non-primary) context on `dev`, charged to this process's memory on the card like
+/// every context, and registered; `current`: pushed on the calling thread's stack.
+fn new_context(pctx: *mut Handle, flags: u32, dev: CUdevice, current: bool) -> Res {
     if pctx.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
@@ -293,9 +295,15 @@ fn create(pctx: *mut Handle, flags: u32, dev: CUdevice) -> Res {
         .map_err(ledger_error)?;
     let c = Context::new(g.index, false, flags);
     CONTEXTS.insert(c.id, c.clone());
-    STACK.with(|s| s.borrow_mut().push(c.clone()));
+    if current {
+        STACK.with(|s| s.borrow_mut().push(c.clone()));
+    }
     // SAFETY: non-null out-pointer from the caller.
     unsafe { put(pctx, c.id as Handle) }
+}
+
+fn create(pctx: *mut Handle, flags: u32, dev: CUdevice) -> Res {
+    new_context(pctx, flags, dev, true)
 }
 
 /// `cuCtxCreate_v2`.
@@ -392,18 +400,10 @@ pub unsafe extern "C" fn cuGreenCtxCreate(
     flags: u32,
 ) -> CUresult {
     guard(|| {
-        if pctx.is_null() || desc == 0 as Handle || flags != CU_GREEN_CTX_DEFAULT_STREAM {
+        if desc == 0 as Handle || flags != CU_GREEN_CTX_DEFAULT_STREAM {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let g = gpu(dev)?;
-        rt()?
-            .ledger
-            .context_changed(g.index, true)
-            .map_err(ledger_error)?;
-        let c = Context::new(g.index, false, 0);
-        CONTEXTS.insert(c.id, c.clone());
-        // SAFETY: non-null out-pointer from the caller.
-        unsafe { put(pctx, c.id as Handle) }
+        new_context(pctx, 0, dev, false)
     })
 }
 
