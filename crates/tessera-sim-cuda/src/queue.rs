@@ -243,7 +243,9 @@ impl Stream {
         }
         let Ok(rt) = rt() else { return };
         if engine.is_none() {
-            *engine = Engine::open(&rt.dir, self.device).ok();
+            *engine = Engine::open(&rt.dir, self.device)
+                .ok()
+                .map(|e| e.with_timeslice(timeslice()));
         }
         match engine {
             Some(e) => {
@@ -352,4 +354,21 @@ pub fn host_op(f: HostFn, data: usize) -> Op {
     Op::Host(Box::new(move || unsafe {
         f(data as *mut std::ffi::c_void)
     }))
+}
+
+/// The time-slicing setting of this process (`TESSERA_SIM_TIMESLICE`), read once; a bad
+/// value is said once on stderr and leaves time-slicing off.
+fn timeslice() -> Option<tessera_sim_state::timeslice::Params> {
+    static SETTING: std::sync::OnceLock<Option<tessera_sim_state::timeslice::Params>> =
+        std::sync::OnceLock::new();
+    *SETTING.get_or_init(|| {
+        let text = std::env::var(tessera_sim_state::ENV_TIMESLICE).unwrap_or_default();
+        tessera_sim_state::timeslice::Params::parse(&text).unwrap_or_else(|e| {
+            eprintln!(
+                "tessera-sim: {}: {e}; kernels run whole, in turn",
+                tessera_sim_state::ENV_TIMESLICE
+            );
+            None
+        })
+    })
 }

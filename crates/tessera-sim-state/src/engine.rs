@@ -10,7 +10,15 @@
 //! [`BUCKET_NS`]-wide time buckets, a ring used for utilization over the last second, then
 //! [`PID_SLOTS`] pairs `(pid, busy ns)`: each process's cumulative busy time on the device, what
 //! NVML's per-process utilization is computed from, then the running kernel's length (ns, 0
-//! when unknown).
+//! when unknown), then the time-slicing turn (the context that ran last and how long it has
+//! run) and, per pid slot, how many of that process's kernels wait for the engine.
+//!
+//! **Time-slicing** (an engine made [`Engine::with_timeslice`], `TESSERA_SIM_TIMESLICE`): a
+//! GPU without MPS runs one context at a time and switches between contexts that have work
+//! every time slice (see [`crate::timeslice`]). A kernel then runs in chunks of at most one
+//! slice, the lock taken for each chunk; between chunks the rules say whose turn it is, and a
+//! worker whose turn it is not lets go and waits. A context is a process (its pid). Without
+//! time-slicing a kernel holds the engine from start to end, first come first served.
 //!
 //! Busy time is a kernel's own length, not the wall time its stream worker took: a card runs a
 //! kernel for its duration whatever the host does, and NVML's utilization is the "percent of
@@ -45,7 +53,11 @@ pub const PID_SLOTS: usize = 64;
 const HEADER_WORDS: usize = 4;
 const PIDS_AT: usize = HEADER_WORDS + 2 * BUCKETS;
 const KERNEL_NS_AT: usize = PIDS_AT + 2 * PID_SLOTS;
-const FILE_WORDS: usize = KERNEL_NS_AT + 1;
+/// The time-slicing turn ([`crate::timeslice::Turn`]): the context that ran last, how long.
+const TURN_AT: usize = KERNEL_NS_AT + 1;
+/// Per pid slot: how many of that process's kernels wait for the engine (time-slicing only).
+const WAITING_AT: usize = TURN_AT + 2;
+const FILE_WORDS: usize = WAITING_AT + PID_SLOTS;
 const FILE_BYTES: usize = FILE_WORDS * 8;
 /// Longest time one kernel may hold the engine: a first parameter that is really a pointer
 /// must not wedge the device for hours.
@@ -69,6 +81,8 @@ fn engine_path(dir: &Path, gpu: u32) -> PathBuf {
 pub struct Engine {
     file: File,
     words: *const AtomicU64,
+    /// Time-slicing between contexts; `None`: each kernel runs whole, in turn.
+    slicing: Option<crate::timeslice::Params>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -116,7 +130,15 @@ impl Engine {
         Ok(Engine {
             file,
             words: map as *const AtomicU64,
+            slicing: None,
         })
+    }
+
+    /// The same engine, time-slicing between contexts with `params` (`None`: whole kernels
+    /// in turn). Every process on a device should agree, as they share one engine file.
+    pub fn with_timeslice(mut self, params: Option<crate::timeslice::Params>) -> Self {
+        self.slicing = params;
+        self
     }
 
     fn word(&self, i: usize) -> &AtomicU64 {
@@ -126,11 +148,24 @@ impl Engine {
     }
 
     /// Occupies the engine for `ns` nanoseconds (at most [`MAX_KERNEL_NS`]), waiting first for
-    /// any kernel of any process to finish. Returns the (start, end) monotonic ns of the time
-    /// the engine was actually held; the busy time counted is the kernel's length (see the
-    /// module notes), `min(ns, end - start)`.
+    /// any kernel of any process to finish, or, time-slicing, in slices between the contexts
+    /// that have work. Returns the (start, end) monotonic ns of the time from the kernel's
+    /// first run to its end (with time-slicing it spans other contexts' slices, as an event
+    /// pair around it does on a card); the busy time counted is the kernel's length (see the
+    /// module notes).
     pub fn run(&self, ns: u64) -> (u64, u64) {
-        let ns = ns.min(MAX_KERNEL_NS);
+        match self.slicing {
+            Some(p) => self.run_sliced(std::process::id(), ns, &p),
+            None => {
+                self.lock();
+                let r = self.hold(ns.min(MAX_KERNEL_NS));
+                self.unlock();
+                r
+            }
+        }
+    }
+
+    fn lock(&self) {
         let fd = self.file.as_raw_fd();
         loop {
             // SAFETY: flock on our own descriptor.
@@ -140,6 +175,16 @@ impl Engine {
                 break;
             }
         }
+    }
+
+    fn unlock(&self) {
+        // SAFETY: unlocking our own descriptor.
+        unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+    }
+
+    /// Runs `ns` of a kernel holding the engine (caller holds the lock): marks it running,
+    /// sleeps its length, counts it.
+    fn hold(&self, ns: u64) -> (u64, u64) {
         // A holder killed while updating left the counter odd: even it again.
         let _ = self
             .word(3)
@@ -153,22 +198,83 @@ impl Engine {
         self.word(KERNEL_NS_AT).store(ns, Ordering::SeqCst);
         self.word(1).store(start, Ordering::SeqCst);
         self.word(3).fetch_add(1, Ordering::SeqCst);
-        let deadline = start + ns;
-        loop {
-            let now = monotonic_ns();
-            if now >= deadline {
-                break;
-            }
-            std::thread::sleep(Duration::from_nanos(deadline - now));
-        }
+        sleep_until(start + ns);
         let end = monotonic_ns();
         self.word(3).fetch_add(1, Ordering::SeqCst);
         self.account(start, end.min(start + ns));
         self.word(1).store(0, Ordering::SeqCst);
         self.word(3).fetch_add(1, Ordering::SeqCst);
-        // SAFETY: unlocking our own descriptor.
-        unsafe { libc::flock(fd, libc::LOCK_UN) };
         (start, end)
+    }
+
+    /// [`Engine::run`] time-sliced, for context `ctx` (a process's pid; tests name others).
+    pub fn run_sliced(&self, ctx: u32, ns: u64, p: &crate::timeslice::Params) -> (u64, u64) {
+        use crate::timeslice::{Step, Turn, step};
+        let ns = ns.min(MAX_KERNEL_NS);
+        self.lock();
+        let Some(slot) = self.pid_slot(ctx) else {
+            // Every slot is a live process's: no turn to take part in; run whole, in turn.
+            let r = self.hold(ns);
+            self.unlock();
+            return r;
+        };
+        let waiting = self.word(WAITING_AT + (slot - PIDS_AT) / 2);
+        waiting.fetch_add(1, Ordering::SeqCst);
+        self.unlock();
+        let (mut remaining, mut first, mut end) = (ns, None, 0);
+        while remaining > 0 {
+            self.lock();
+            let turn = Turn {
+                last: self.word(TURN_AT).load(Ordering::SeqCst),
+                used_ns: self.word(TURN_AT + 1).load(Ordering::SeqCst),
+            };
+            match step(
+                p,
+                &turn,
+                u64::from(ctx),
+                remaining,
+                &self.waiting_contexts(),
+            ) {
+                Step::Wait => {
+                    self.unlock();
+                    // Its turn comes within a slice; look again soon.
+                    std::thread::sleep(Duration::from_micros(20));
+                }
+                Step::Run {
+                    switch_ns,
+                    chunk_ns,
+                } => {
+                    // The switch: the engine saves one context and loads the next, running
+                    // nobody's kernel meanwhile.
+                    sleep_until(monotonic_ns() + switch_ns);
+                    let (s, e) = self.hold(chunk_ns);
+                    let mut next = turn;
+                    next.ran(p, u64::from(ctx), chunk_ns);
+                    self.word(TURN_AT).store(next.last, Ordering::SeqCst);
+                    self.word(TURN_AT + 1).store(next.used_ns, Ordering::SeqCst);
+                    first.get_or_insert(s);
+                    end = e;
+                    remaining -= chunk_ns;
+                    if remaining == 0 {
+                        waiting.fetch_sub(1, Ordering::SeqCst);
+                    }
+                    self.unlock();
+                }
+            }
+        }
+        (first.unwrap_or(end), end)
+    }
+
+    /// The contexts (pids) with a kernel waiting for the engine, in slot-independent order
+    /// (caller holds the lock); a process that died waiting is not one.
+    fn waiting_contexts(&self) -> Vec<u64> {
+        let mut out: Vec<u64> = (0..PID_SLOTS)
+            .filter(|&i| self.word(WAITING_AT + i).load(Ordering::SeqCst) > 0)
+            .map(|i| self.word(PIDS_AT + 2 * i).load(Ordering::SeqCst))
+            .filter(|&pid| pid != 0 && !pid_dead(pid))
+            .collect();
+        out.sort_unstable();
+        out
     }
 
     /// Adds [start, end) to the cumulative counter, this process's slot and the bucket ring
@@ -216,8 +322,10 @@ impl Engine {
                 .find(|&s| pid_dead(self.word(s).load(Ordering::Relaxed)))
         })?;
         // Busy time first, then the pid: a lock-free reader never credits the dead owner's
-        // total to the new one.
+        // total to the new one. A dead owner's waiting kernels are gone with it.
         self.word(claim + 1).store(0, Ordering::SeqCst);
+        self.word(WAITING_AT + (claim - PIDS_AT) / 2)
+            .store(0, Ordering::SeqCst);
         self.word(claim).store(mine, Ordering::SeqCst);
         Some(claim)
     }
@@ -227,6 +335,17 @@ impl Drop for Engine {
     fn drop(&mut self) {
         // SAFETY: unmapping the mapping made in `open`, no references outlive self.
         unsafe { libc::munmap(self.words as *mut libc::c_void, FILE_BYTES) };
+    }
+}
+
+/// Sleeps until `deadline` on the monotonic clock (never less: a sleep may wake early).
+fn sleep_until(deadline: u64) {
+    loop {
+        let now = monotonic_ns();
+        if now >= deadline {
+            return;
+        }
+        std::thread::sleep(Duration::from_nanos(deadline - now));
     }
 }
 
@@ -342,6 +461,50 @@ pub fn device_utilization(dir: &Path, gpu: u32, window: Duration) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two contexts (this process and its parent, both alive), each with one 20 ms kernel
+    /// started together: their (start, end) spans and the device's busy time after both.
+    fn two_kernels(slicing: Option<crate::timeslice::Params>) -> [(u64, u64); 2] {
+        let dir = tempfile::tempdir().unwrap();
+        // SAFETY: getppid has no preconditions.
+        let ctxs = [std::process::id(), unsafe { libc::getppid() } as u32];
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+        let spans: Vec<(u64, u64)> = ctxs
+            .map(|ctx| {
+                let (dir, barrier) = (dir.path().to_owned(), barrier.clone());
+                std::thread::spawn(move || {
+                    let e = Engine::open(&dir, 0).unwrap().with_timeslice(slicing);
+                    barrier.wait();
+                    match slicing {
+                        Some(p) => e.run_sliced(ctx, 20_000_000, &p),
+                        None => e.run(20_000_000),
+                    }
+                })
+            })
+            .into_iter()
+            .map(|h| h.join().unwrap())
+            .collect();
+        assert_eq!(
+            device_busy_ns(dir.path(), 0),
+            40_000_000,
+            "busy is the kernels' length"
+        );
+        [spans[0], spans[1]]
+    }
+
+    #[test]
+    fn time_slicing_interleaves_two_contexts_and_whole_kernels_do_not() {
+        let [a, b] = two_kernels(Some(crate::timeslice::Params::default()));
+        // Each kernel ran across the other's slices: their spans overlap, as an event pair
+        // around each would show on a card.
+        assert!(a.0 < b.1 && b.0 < a.1, "spans {a:?} {b:?} do not overlap");
+        // First come first served: one runs whole, then the other.
+        let [a, b] = two_kernels(None);
+        assert!(
+            a.1 <= b.0 || b.1 <= a.0,
+            "whole kernels overlapped: {a:?} {b:?}"
+        );
+    }
 
     #[test]
     fn engine_serialises_and_accounts() {

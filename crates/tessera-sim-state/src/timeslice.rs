@@ -29,6 +29,56 @@ impl Default for Params {
     }
 }
 
+impl Params {
+    /// Reads a setting of `TESSERA_SIM_TIMESLICE`: empty or `off` is none (whole kernels in
+    /// turn), `on` the defaults, `QUANTUM[,SWITCH]` with a unit each (`ns`, `us`, `ms`), e.g.
+    /// `1ms,50us` or `2ms`.
+    pub fn parse(text: &str) -> Result<Option<Self>, String> {
+        let text = text.trim();
+        match text {
+            "" | "off" => return Ok(None),
+            "on" => return Ok(Some(Self::default())),
+            _ => {}
+        }
+        let duration = |t: &str| -> Result<u64, String> {
+            let t = t.trim();
+            let (num, mult) = if let Some(n) = t.strip_suffix("ns") {
+                (n, 1)
+            } else if let Some(n) = t.strip_suffix("us") {
+                (n, 1_000)
+            } else if let Some(n) = t.strip_suffix("ms") {
+                (n, 1_000_000)
+            } else {
+                return Err(format!("{t:?} needs a unit: ns, us or ms"));
+            };
+            let v: f64 = num
+                .trim()
+                .parse()
+                .map_err(|_| format!("{t:?} is not a duration"))?;
+            if !v.is_finite() || v < 0.0 {
+                return Err(format!("{t:?} is not a duration"));
+            }
+            Ok((v * mult as f64).round() as u64)
+        };
+        let mut parts = text.split(',');
+        let quantum_ns = duration(parts.next().unwrap_or(""))?;
+        if quantum_ns == 0 {
+            return Err("the time slice must be longer than 0".into());
+        }
+        let switch_ns = match parts.next() {
+            Some(t) => duration(t)?,
+            None => Self::default().switch_ns,
+        };
+        if parts.next().is_some() {
+            return Err(format!("{text:?}: expected QUANTUM[,SWITCH]"));
+        }
+        Ok(Some(Self {
+            quantum_ns,
+            switch_ns,
+        }))
+    }
+}
+
 /// The engine's turn, shared by every worker of every context.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Turn {
@@ -296,6 +346,27 @@ mod tests {
             "to 2 and back, nothing after 2 ends"
         );
         assert_eq!(s.switches, 2);
+    }
+
+    #[test]
+    fn settings_parse_as_documented() {
+        assert_eq!(Params::parse(""), Ok(None));
+        assert_eq!(Params::parse("off"), Ok(None));
+        assert_eq!(Params::parse("on"), Ok(Some(Params::default())));
+        assert_eq!(
+            Params::parse("2ms,30us"),
+            Ok(Some(Params {
+                quantum_ns: 2 * MS,
+                switch_ns: 30 * US
+            }))
+        );
+        assert_eq!(
+            Params::parse("500us").unwrap().unwrap().switch_ns,
+            Params::default().switch_ns
+        );
+        for bad in ["1", "0ms", "-1ms", "1ms,2ms,3ms", "fast"] {
+            assert!(Params::parse(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
