@@ -58,6 +58,8 @@ const TURN_AT: usize = KERNEL_NS_AT + 1;
 /// Per pid slot: how many of that process's kernels wait for the engine (time-slicing only).
 const WAITING_AT: usize = TURN_AT + 2;
 const FILE_WORDS: usize = WAITING_AT + PID_SLOTS;
+/// A pid slot's pid word while a process claims it.
+const CLAIMING: u64 = u64::MAX;
 const FILE_BYTES: usize = FILE_WORDS * 8;
 /// Longest time one kernel may hold the engine: a first parameter that is really a pointer
 /// must not wedge the device for hours.
@@ -211,16 +213,16 @@ impl Engine {
     pub fn run_sliced(&self, ctx: u32, ns: u64, p: &crate::timeslice::Params) -> (u64, u64) {
         use crate::timeslice::{Step, Turn, step};
         let ns = ns.min(MAX_KERNEL_NS);
-        self.lock();
         let Some(slot) = self.pid_slot(ctx) else {
             // Every slot is a live process's: no turn to take part in; run whole, in turn.
+            self.lock();
             let r = self.hold(ns);
             self.unlock();
             return r;
         };
+        // Said without the lock: the holder sees it at its next slice, whoever gets the lock.
         let waiting = self.word(WAITING_AT + (slot - PIDS_AT) / 2);
         waiting.fetch_add(1, Ordering::SeqCst);
-        self.unlock();
         let (mut remaining, mut first, mut end) = (ns, None, 0);
         while remaining > 0 {
             self.lock();
@@ -271,7 +273,7 @@ impl Engine {
         let mut out: Vec<u64> = (0..PID_SLOTS)
             .filter(|&i| self.word(WAITING_AT + i).load(Ordering::SeqCst) > 0)
             .map(|i| self.word(PIDS_AT + 2 * i).load(Ordering::SeqCst))
-            .filter(|&pid| pid != 0 && !pid_dead(pid))
+            .filter(|&pid| pid != 0 && pid != CLAIMING && !pid_dead(pid))
             .collect();
         out.sort_unstable();
         out
@@ -303,31 +305,34 @@ impl Engine {
 
 impl Engine {
     /// The first word of `pid`'s busy-time slot, claiming one if it has none; `None` when every
-    /// slot belongs to a live process (caller holds the lock).
+    /// slot belongs to a live process. Lock-free (a compare-and-swap claims a slot), so a
+    /// kernel can say it waits for the engine without taking the engine's lock, which its
+    /// holder may take again at once after each slice.
     fn pid_slot(&self, pid: u32) -> Option<usize> {
-        let slots = (0..PID_SLOTS).map(|i| PIDS_AT + 2 * i);
+        let slots = || (0..PID_SLOTS).map(|i| PIDS_AT + 2 * i);
         let mine = u64::from(pid);
-        if let Some(s) = slots
-            .clone()
-            .find(|&s| self.word(s).load(Ordering::Relaxed) == mine)
-        {
+        if let Some(s) = slots().find(|&s| self.word(s).load(Ordering::SeqCst) == mine) {
             return Some(s);
         }
-        let free = slots
-            .clone()
-            .find(|&s| self.word(s).load(Ordering::Relaxed) == 0);
-        let claim = free.or_else(|| {
-            slots
-                .clone()
-                .find(|&s| pid_dead(self.word(s).load(Ordering::Relaxed)))
-        })?;
-        // Busy time first, then the pid: a lock-free reader never credits the dead owner's
-        // total to the new one. A dead owner's waiting kernels are gone with it.
-        self.word(claim + 1).store(0, Ordering::SeqCst);
-        self.word(WAITING_AT + (claim - PIDS_AT) / 2)
-            .store(0, Ordering::SeqCst);
-        self.word(claim).store(mine, Ordering::SeqCst);
-        Some(claim)
+        for s in slots() {
+            let cur = self.word(s).load(Ordering::SeqCst);
+            if (cur == 0 || (cur != CLAIMING && pid_dead(cur)))
+                && self
+                    .word(s)
+                    .compare_exchange(cur, CLAIMING, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+            {
+                // Busy time first, then the pid: a lock-free reader never credits the dead
+                // owner's total to the new one (it skips a slot being claimed). A dead owner's
+                // waiting kernels are gone with it.
+                self.word(s + 1).store(0, Ordering::SeqCst);
+                self.word(WAITING_AT + (s - PIDS_AT) / 2)
+                    .store(0, Ordering::SeqCst);
+                self.word(s).store(mine, Ordering::SeqCst);
+                return Some(s);
+            }
+        }
+        None
     }
 }
 
@@ -421,7 +426,7 @@ pub fn process_busy_ns(dir: &Path, gpu: u32) -> (u64, Vec<(u32, u64)>) {
         }
         let mut out: Vec<(u32, u64)> = (0..PID_SLOTS)
             .map(|i| (w[PIDS_AT + 2 * i] as u32, w[PIDS_AT + 2 * i + 1]))
-            .filter(|&(pid, _)| pid != 0)
+            .filter(|&(pid, _)| pid != 0 && pid != CLAIMING as u32)
             .collect();
         // A holder killed mid-kernel leaves its start behind; its kernel ran no further.
         if w[1] != 0 && !pid_dead(w[2]) {
