@@ -21,7 +21,8 @@ use tessera_protocol::frame::{self, FrameDecoder, FrameError, HEADER_LEN, MAX_FR
 use tessera_protocol::identity::{Identity, IdentityError, MAX_IDENTITY_LEN};
 use tessera_protocol::{
     AdminErrorKind, AdminReply, AdminRequest, AllocationStatus, AllocationView, CreateAllocation,
-    GpuInfo, GpuSelector, Hello, ProcessOwner, Role, ServerHello, TenantReply, TenantRequest,
+    GpuInfo, GpuSelector, Hello, ProcessOwner, RefusalKind, Role, ServerHello, TenantReply,
+    TenantRequest,
 };
 
 /// What every message type on the wire is.
@@ -378,6 +379,10 @@ pub fn samples() -> Samples {
             },
             ServerHello::Refused {
                 reason: "unknown token ✗".into(),
+            },
+            ServerHello::Rejected {
+                kind: RefusalKind::Full,
+                reason: "the arbiter already serves 5 tenant connections".into(),
             },
         ],
         tenant_request: vec![

@@ -111,7 +111,9 @@ impl Conn {
             ServerHello::Welcome {
                 allocation: None, ..
             } => Err(ConnError::Frame("welcome without allocation".into())),
-            ServerHello::Refused { reason } => Err(ConnError::Refused(reason)),
+            ServerHello::Refused { reason } | ServerHello::Rejected { reason, .. } => {
+                Err(ConnError::Refused(reason))
+            }
         }
     }
 

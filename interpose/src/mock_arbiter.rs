@@ -20,7 +20,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use tessera_protocol::frame::{read_frame, write_frame};
-use tessera_protocol::{AllocationView, Hello, Role, ServerHello, TenantReply, TenantRequest};
+use tessera_protocol::{
+    AllocationView, Hello, RefusalKind, Role, ServerHello, TenantReply, TenantRequest,
+};
 
 /// The mock's one allocation in the ledger.
 const KEY: tessera_ledger::AccountKey = 1;
@@ -192,7 +194,8 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
     if !ok {
         let _ = write_frame(
             &mut stream,
-            &ServerHello::Refused {
+            &ServerHello::Rejected {
+                kind: RefusalKind::UnknownToken,
                 reason: "unknown token".into(),
             },
         );

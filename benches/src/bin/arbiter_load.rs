@@ -131,7 +131,7 @@ fn honest(n: usize, pairs: usize, leases: usize) -> Honest {
                     let mut t = loop {
                         match TenantClient::connect(&socket, &token) {
                             Ok(t) => break t,
-                            Err(ClientError::Refused(r)) => panic!("refused: {r}"),
+                            Err(ClientError::Refused { reason, .. }) => panic!("refused: {reason}"),
                             Err(_) => std::thread::sleep(Duration::from_millis(5)),
                         }
                     };
@@ -297,7 +297,7 @@ fn flood(per_child: usize, secs: f64) -> Flood {
                             }
                             break;
                         }
-                        Err(ClientError::Refused(_) | ClientError::Frame(_))
+                        Err(ClientError::Refused { .. } | ClientError::Frame(_))
                             if t0.elapsed() < Duration::from_secs(10) =>
                         {
                             std::thread::sleep(Duration::from_millis(10));

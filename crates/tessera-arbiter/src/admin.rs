@@ -7,7 +7,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tessera_protocol::{AdminReply, AdminRequest, FrameDecoder, Role, ServerHello};
+use tessera_protocol::{
+    AdminReply, AdminRequest, FrameDecoder, PROTOCOL_VERSION, RefusalKind, Role, ServerHello,
+};
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
 
@@ -82,23 +84,13 @@ async fn serve_inner(
         Ok(Role::Admin) => {}
         Ok(Role::Tenant { .. } | Role::Companion { .. }) => {
             let reason = "tenants use the tenant socket";
-            send(
-                stream,
-                &ServerHello::Refused {
-                    reason: reason.into(),
-                },
-            )
-            .await?;
+            let msg = ServerHello::refusal(RefusalKind::WrongSocket, reason, PROTOCOL_VERSION);
+            send(stream, &msg).await?;
             return Err(WireError::WrongRole(reason).into());
         }
-        Err(e @ WireError::BadVersion(_)) => {
-            send(
-                stream,
-                &ServerHello::Refused {
-                    reason: e.to_string(),
-                },
-            )
-            .await?;
+        Err(e @ WireError::BadVersion(v)) => {
+            let msg = ServerHello::refusal(RefusalKind::Version, e.to_string(), v);
+            send(stream, &msg).await?;
             return Err(e.into());
         }
         Err(e) => return Err(e.into()),

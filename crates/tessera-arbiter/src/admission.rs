@@ -38,7 +38,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use tessera_protocol::{COMPANIONS_PER_CONNECTION, Role, ServerHello};
+use tessera_protocol::{
+    COMPANIONS_PER_CONNECTION, PROTOCOL_VERSION, RefusalKind, Role, ServerHello,
+};
 use tokio::net::UnixStream;
 use tokio::sync::Notify;
 
@@ -584,12 +586,25 @@ pub async fn read_hello_or_evicted<R: tokio::io::AsyncRead + Unpin>(
 
 /// Answers a refused connection without ever waiting: one non-blocking write of a small frame
 /// into a socket nobody has written to yet (so it fits), then the caller closes it.
-pub fn refuse_now(stream: &UnixStream, reason: &str) {
+///
+/// The hello was read and is of this protocol version (a client of another version gets
+/// [`refuse_version_now`]), so the refusal carries its kind.
+pub fn refuse_now(stream: &UnixStream, kind: RefusalKind, reason: &str) {
+    send_now(
+        stream,
+        &ServerHello::refusal(kind, reason, PROTOCOL_VERSION),
+    );
+}
+
+/// Answers a client of another protocol version, in the form every version reads.
+pub fn refuse_version_now(stream: &UnixStream, client_version: u32, reason: &str) {
+    let msg = ServerHello::refusal(RefusalKind::Version, reason, client_version);
+    send_now(stream, &msg);
+}
+
+fn send_now(stream: &UnixStream, msg: &ServerHello) {
     let mut out = Vec::new();
-    let msg = ServerHello::Refused {
-        reason: reason.to_owned(),
-    };
-    if wire::push_frame(&mut out, &msg).is_ok() {
+    if wire::push_frame(&mut out, msg).is_ok() {
         let _ = stream.try_write(&out);
     }
 }
@@ -681,8 +696,8 @@ async fn tenant_handshake<E: std::fmt::Display>(
         Ok(r) => r,
         Err(e) => {
             drain_a_little(&stream);
-            if let WireError::BadVersion(_) = e {
-                refuse_now(&stream, &e.to_string());
+            if let WireError::BadVersion(v) = e {
+                refuse_version_now(&stream, v, &e.to_string());
             }
             adm.failed(&who, &e);
             return;
@@ -694,7 +709,7 @@ async fn tenant_handshake<E: std::fmt::Display>(
         Role::Admin => {
             let reason = "admin clients use the admin socket";
             drain_a_little(&stream);
-            refuse_now(&stream, reason);
+            refuse_now(&stream, RefusalKind::WrongSocket, reason);
             adm.failed(&who, &WireError::WrongRole(reason));
             return;
         }
@@ -703,7 +718,7 @@ async fn tenant_handshake<E: std::fmt::Display>(
     let Some(binding) = arb.attach_tenant(&token, conn, peer) else {
         let reason = "unknown allocation token";
         drain_a_little(&stream);
-        refuse_now(&stream, reason);
+        refuse_now(&stream, RefusalKind::UnknownToken, reason);
         adm.failed(&who, &WireError::WrongRole(reason));
         return;
     };
@@ -714,7 +729,7 @@ async fn tenant_handshake<E: std::fmt::Display>(
             Err(e) => {
                 let _ = arb.detach_tenant(&binding, conn, proc);
                 let reason = "unknown or used companion ticket";
-                refuse_now(&stream, &e.to_string());
+                refuse_now(&stream, RefusalKind::BadTicket, &e.to_string());
                 adm.failed(&who, &WireError::WrongRole(reason));
                 return;
             }
@@ -725,7 +740,7 @@ async fn tenant_handshake<E: std::fmt::Display>(
         Err(e) => {
             // Attached a moment ago and holding nothing: this only undoes the attach.
             let _ = arb.detach_tenant(&binding, conn, proc);
-            refuse_now(&stream, &e.to_string());
+            refuse_now(&stream, RefusalKind::Full, &e.to_string());
             return;
         }
     };

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use tessera_protocol::client::{ClientError, TenantClient};
-use tessera_protocol::{ServerHello, TenantReply, TenantRequest, frame};
+use tessera_protocol::{RefusalKind, ServerHello, TenantReply, TenantRequest, frame};
 
 /// The resident-memory bound docs/arbiter.md states for the default caps, MiB.
 const RSS_BOUND_MIB: u64 = 160;
@@ -89,7 +89,7 @@ fn a_flood_from_two_processes_costs_no_threads_and_keeps_honest_tenants_served()
             let mut newcomer = loop {
                 match TenantClient::connect(&arb.socket, &token) {
                     Ok(t) => break t,
-                    Err(e @ (ClientError::Refused(_) | ClientError::Frame(_))) => {
+                    Err(e @ (ClientError::Refused { .. } | ClientError::Frame(_))) => {
                         assert!(t0.elapsed() < Duration::from_secs(5), "not admitted: {e}");
                         std::thread::sleep(Duration::from_millis(20));
                     }
@@ -234,13 +234,19 @@ fn admitted_connections_are_capped_per_allocation_and_in_total_with_room_for_eve
     // Two allocations: one guaranteed place each, a pool of 5 - 2 = 3.
     let mut held: Vec<_> = (0..3).map(|_| arb.tenant(&a)).collect();
     match TenantClient::connect(&arb.socket, &a) {
-        Err(ClientError::Refused(r)) => assert!(r.contains("3 connections"), "{r}"),
+        Err(ClientError::Refused {
+            kind: RefusalKind::Full,
+            reason,
+        }) => assert!(reason.contains("3 connections"), "{reason}"),
         other => panic!("{other:?}"),
     }
     held.push(arb.tenant(&b));
     held.push(arb.tenant(&b));
     match TenantClient::connect(&arb.socket, &b) {
-        Err(ClientError::Refused(r)) => assert!(r.contains("5 tenant connections"), "{r}"),
+        Err(ClientError::Refused {
+            kind: RefusalKind::Full,
+            reason,
+        }) => assert!(reason.contains("5 tenant connections"), "{reason}"),
         other => panic!("{other:?}"),
     }
     // The pool is full, but a new allocation still has its guaranteed place.

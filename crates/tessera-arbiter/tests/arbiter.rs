@@ -14,8 +14,8 @@ use common::*;
 use tessera_protocol::client::{AdminClient, ClientError, TenantClient};
 use tessera_protocol::frame;
 use tessera_protocol::{
-    AdminErrorKind, AdminRequest, CreateAllocation, GpuSelector, Hello, Role, ServerHello,
-    TenantReply, TenantRequest,
+    AdminErrorKind, AdminRequest, CreateAllocation, GpuSelector, Hello, PROTOCOL_VERSION,
+    RefusalKind, Role, ServerHello, TenantReply, TenantRequest,
 };
 
 fn create(admin: &mut AdminClient, gpu: u32, limit: u64, share: u32) -> (String, String) {
@@ -162,7 +162,10 @@ fn create_list_delete_and_validation() {
         other => panic!("{other:?}"),
     }
     match TenantClient::connect(&arb.socket, &token) {
-        Err(ClientError::Refused(reason)) => assert!(reason.contains("unknown"), "{reason}"),
+        Err(ClientError::Refused {
+            kind: RefusalKind::UnknownToken,
+            reason,
+        }) => assert!(reason.contains("unknown"), "{reason}"),
         other => panic!("{other:?}"),
     }
     let ids: Vec<_> = admin.list().unwrap().into_iter().map(|x| x.id).collect();
@@ -423,8 +426,48 @@ fn expect_closed(mut s: UnixStream) {
     assert!(r.is_ok(), "connection not closed: {r:?}");
     if !buf.is_empty() {
         let hello: ServerHello = frame::read_frame(&mut &buf[..]).unwrap();
-        assert!(matches!(hello, ServerHello::Refused { .. }), "{hello:?}");
+        assert!(hello.refused().is_some(), "{hello:?}");
     }
+}
+
+/// A client of another protocol version is told why in the one form every version decodes
+/// (an old interposer or CLI can then log the reason); a client of this version gets the kind.
+#[test]
+fn a_client_of_another_version_reads_why_it_was_refused() {
+    let arb = Arbiter::start();
+    let mut admin = arb.admin();
+    let (token, _) = create(&mut admin, 0, GIB, 10);
+    for socket in [&arb.socket, &arb.admin_socket] {
+        for role in [
+            Role::Admin,
+            Role::Tenant {
+                token: token.clone(),
+            },
+        ] {
+            let mut s = UnixStream::connect(socket).unwrap();
+            let other = PROTOCOL_VERSION + 1;
+            s.write_all(&hello_bytes(tessera_protocol::MAGIC, other, role.clone()))
+                .unwrap();
+            let r: ServerHello = frame::read_frame(&mut s).unwrap();
+            match &r {
+                ServerHello::Refused { reason } => {
+                    assert!(reason.contains(&format!("version {other}")), "{reason}");
+                }
+                other => panic!("{socket:?} {role:?}: {other:?}"),
+            }
+            assert_eq!(r.refused().map(|(k, _)| k), Some(RefusalKind::Version));
+        }
+    }
+    let mut s = UnixStream::connect(&arb.socket).unwrap();
+    let bad = Role::Tenant { token: "00".into() };
+    s.write_all(&hello_bytes(tessera_protocol::MAGIC, PROTOCOL_VERSION, bad))
+        .unwrap();
+    let r: ServerHello = frame::read_frame(&mut s).unwrap();
+    assert_eq!(
+        r.refused().map(|(k, _)| k),
+        Some(RefusalKind::UnknownToken),
+        "{r:?}"
+    );
 }
 
 fn hello_bytes(magic: u32, version: u32, role: Role) -> Vec<u8> {
@@ -452,15 +495,18 @@ fn bad_input_on_either_socket_closes_only_that_connection() {
         .to_le_bytes()
         .to_vec();
     oversized.extend([0u8; 64]);
-    let mut truncated = hello_bytes(tessera_protocol::MAGIC, 1, tenant.clone());
+    let mut truncated = hello_bytes(tessera_protocol::MAGIC, PROTOCOL_VERSION, tenant.clone());
     truncated.truncate(truncated.len() - 3);
-    let mut bad_request = hello_bytes(tessera_protocol::MAGIC, 1, tenant.clone());
+    let mut bad_request = hello_bytes(tessera_protocol::MAGIC, PROTOCOL_VERSION, tenant.clone());
     bad_request.extend([3, 0, 0, 0, 0xff, 0xff, 0xff]);
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("garbage", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n".to_vec()),
         ("oversized", oversized),
         ("truncated", truncated),
-        ("wrong magic", hello_bytes(0x1234_5678, 1, tenant.clone())),
+        (
+            "wrong magic",
+            hello_bytes(0x1234_5678, PROTOCOL_VERSION, tenant.clone()),
+        ),
         (
             "wrong version",
             hello_bytes(tessera_protocol::MAGIC, 99, tenant.clone()),
@@ -469,7 +515,7 @@ fn bad_input_on_either_socket_closes_only_that_connection() {
             "bad token",
             hello_bytes(
                 tessera_protocol::MAGIC,
-                1,
+                PROTOCOL_VERSION,
                 Role::Tenant { token: "00".into() },
             ),
         ),
@@ -498,15 +544,28 @@ fn bad_input_on_either_socket_closes_only_that_connection() {
     }
     // Roles on the wrong socket are refused.
     let mut s = UnixStream::connect(&arb.socket).unwrap();
-    s.write_all(&hello_bytes(tessera_protocol::MAGIC, 1, Role::Admin))
-        .unwrap();
+    s.write_all(&hello_bytes(
+        tessera_protocol::MAGIC,
+        PROTOCOL_VERSION,
+        Role::Admin,
+    ))
+    .unwrap();
     let r: ServerHello = frame::read_frame(&mut s).unwrap();
     assert!(
-        matches!(r, ServerHello::Refused { .. }),
-        "admin role on the tenant socket"
+        matches!(
+            r,
+            ServerHello::Rejected {
+                kind: RefusalKind::WrongSocket,
+                ..
+            }
+        ),
+        "admin role on the tenant socket: {r:?}"
     );
     match TenantClient::connect(&arb.admin_socket, &token) {
-        Err(ClientError::Refused(_)) => {}
+        Err(ClientError::Refused {
+            kind: RefusalKind::WrongSocket,
+            ..
+        }) => {}
         other => panic!("tenant role on the admin socket: {other:?}"),
     }
     let log = arb.log_text();
@@ -964,7 +1023,7 @@ fn trailing_bytes_after_a_message_close_the_connection_on_both_sockets() {
         let mut s = UnixStream::connect(&arb.socket).unwrap();
         s.write_all(&hello_bytes(
             tessera_protocol::MAGIC,
-            1,
+            PROTOCOL_VERSION,
             Role::Tenant {
                 token: token.clone(),
             },
@@ -994,8 +1053,12 @@ fn trailing_bytes_after_a_message_close_the_connection_on_both_sockets() {
     assert_eof(s);
     // And on the admin socket: a List with a trailing byte.
     let mut s = UnixStream::connect(&arb.admin_socket).unwrap();
-    s.write_all(&hello_bytes(tessera_protocol::MAGIC, 1, Role::Admin))
-        .unwrap();
+    s.write_all(&hello_bytes(
+        tessera_protocol::MAGIC,
+        PROTOCOL_VERSION,
+        Role::Admin,
+    ))
+    .unwrap();
     let w: ServerHello = frame::read_frame(&mut s).unwrap();
     assert!(matches!(w, ServerHello::Welcome { .. }), "{w:?}");
     let mut padded = frame::encode(&AdminRequest::List).unwrap();

@@ -85,7 +85,7 @@ impl CliError {
             CliError::Arbiter { source, .. } => match source {
                 ClientError::Connect { .. }
                 | ClientError::Frame(FrameError::Io(_) | FrameError::Closed) => 3,
-                ClientError::Refused(_) | ClientError::Admin { .. } => 4,
+                ClientError::Refused { .. } | ClientError::Admin { .. } => 4,
                 _ => 1,
             },
             CliError::Doctor(_)
@@ -140,7 +140,13 @@ mod tests {
         );
         assert_eq!(code(connect), 3);
         assert_eq!(code(ClientError::Frame(FrameError::Closed)), 3);
-        assert_eq!(code(ClientError::Refused("no".into())), 4);
+        assert_eq!(
+            code(ClientError::Refused {
+                kind: tessera_protocol::RefusalKind::UnknownToken,
+                reason: "no".into()
+            }),
+            4
+        );
         let admin = ClientError::Admin {
             kind: tessera_protocol::AdminErrorKind::Exhausted,
             message: "full".into(),

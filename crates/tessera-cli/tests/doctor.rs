@@ -255,7 +255,7 @@ fn token_refused() {
     assert_fails(
         &text,
         "token",
-        "refused by the arbiter: unknown allocation token",
+        "refused by the arbiter (unknown_token): unknown allocation token",
         "the allocation is gone or the token is wrong",
     );
     assert!(verdict(&text, "limit").0.starts_with("skip"), "{text}");

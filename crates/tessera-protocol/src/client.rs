@@ -25,8 +25,13 @@ pub enum ClientError {
     #[error(transparent)]
     Frame(#[from] FrameError),
     /// The server refused the handshake.
-    #[error("refused by arbiter: {0}")]
-    Refused(String),
+    #[error("refused by arbiter: {reason}")]
+    Refused {
+        /// What went wrong, for callers that must decide.
+        kind: RefusalKind,
+        /// The server's words.
+        reason: String,
+    },
     /// The server answered something that does not fit the request.
     #[error("unexpected reply from arbiter: {0}")]
     Unexpected(String),
@@ -38,6 +43,19 @@ pub enum ClientError {
         /// Reason.
         message: String,
     },
+}
+
+impl ClientError {
+    /// The error for a refusing `hello` (a welcome is not one: [`ClientError::Unexpected`]).
+    fn refused(hello: &ServerHello) -> Self {
+        match hello.refused() {
+            Some((kind, reason)) => Self::Refused {
+                kind,
+                reason: reason.to_owned(),
+            },
+            None => Self::Unexpected(format!("{hello:?}")),
+        }
+    }
 }
 
 fn connect(path: &Path, role: Role) -> Result<(UnixStream, ServerHello), ClientError> {
@@ -74,7 +92,7 @@ impl TenantClient {
             ServerHello::Welcome {
                 allocation: None, ..
             } => Err(ClientError::Unexpected("welcome without allocation".into())),
-            ServerHello::Refused { reason } => Err(ClientError::Refused(reason)),
+            refused => Err(ClientError::refused(&refused)),
         }
     }
 
@@ -116,7 +134,7 @@ impl AdminClient {
         let _ = stream.set_write_timeout(timeout);
         match hello {
             ServerHello::Welcome { .. } => Ok(Self { stream }),
-            ServerHello::Refused { reason } => Err(ClientError::Refused(reason)),
+            refused => Err(ClientError::refused(&refused)),
         }
     }
 

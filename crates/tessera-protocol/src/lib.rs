@@ -31,8 +31,11 @@ pub mod size;
 pub use frame::{FrameDecoder, FrameError, MAX_FRAME_LEN};
 pub use message::*;
 
-/// Protocol version spoken by this build. Peers with a different major version are refused.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Protocol version spoken by this build. Peers of another version are refused, in the one
+/// form of [`ServerHello`] that every version reads ([`ServerHello::Refused`]).
+///
+/// Version 2: refusals carry a [`RefusalKind`] ([`ServerHello::Rejected`]).
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// First bytes of every `Hello`, so a stray client on the socket is told apart from a peer.
 pub const MAGIC: u32 = 0x5445_5353; // "TESS"

@@ -68,11 +68,80 @@ pub enum ServerHello {
         /// The tenant's allocation (`None` for admin connections).
         allocation: Option<AllocationView>,
     },
-    /// Refused; the server closes the connection after this frame.
+    /// Refused, in the form every protocol version reads: a server answers it to a client of
+    /// another version (so that client can say why), and only then. A client therefore reads
+    /// it as [`RefusalKind::Version`]. The server closes the connection after this frame.
     Refused {
         /// Why, for the log and the user.
         reason: String,
     },
+    /// Refused, with a kind a caller can decide on (a client of this version). The server
+    /// closes the connection after this frame.
+    Rejected {
+        /// What went wrong, for callers that must decide.
+        kind: RefusalKind,
+        /// Why, for the log and the user.
+        reason: String,
+    },
+}
+
+/// Why a handshake was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum RefusalKind {
+    /// The client speaks another protocol version.
+    Version,
+    /// The role belongs on the other socket (an admin client on the tenant socket, or a tenant
+    /// on the admin socket).
+    WrongSocket,
+    /// The token names no allocation (a wrong token, or its allocation was deleted).
+    UnknownToken,
+    /// The companion ticket is unknown, used, or another allocation's.
+    BadTicket,
+    /// A connection cap is full (the allocation's, the shared pool's, or the process's
+    /// companions): the same hello may be admitted later.
+    Full,
+}
+
+impl RefusalKind {
+    /// A stable lowercase name, for logs and metrics labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Version => "version",
+            Self::WrongSocket => "wrong_socket",
+            Self::UnknownToken => "unknown_token",
+            Self::BadTicket => "bad_ticket",
+            Self::Full => "full",
+        }
+    }
+}
+
+impl std::fmt::Display for RefusalKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl ServerHello {
+    /// The refusal to send a client of protocol `client_version`: the kind-carrying form to a
+    /// client of this version, the form every version reads to any other.
+    pub fn refusal(kind: RefusalKind, reason: impl Into<String>, client_version: u32) -> Self {
+        let reason = reason.into();
+        if client_version == crate::PROTOCOL_VERSION {
+            Self::Rejected { kind, reason }
+        } else {
+            Self::Refused { reason }
+        }
+    }
+
+    /// The kind and text of a refusal; `None` for a welcome.
+    pub fn refused(&self) -> Option<(RefusalKind, &str)> {
+        match self {
+            Self::Welcome { .. } => None,
+            // Only ever sent across versions (see the variant).
+            Self::Refused { reason } => Some((RefusalKind::Version, reason)),
+            Self::Rejected { kind, reason } => Some((*kind, reason)),
+        }
+    }
 }
 
 /// What a tenant learns about its own allocation.

@@ -12,7 +12,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tessera_protocol::frame;
 use tessera_protocol::{
-    AllocationView, Hello, MAGIC, PROTOCOL_VERSION, Role, ServerHello, TenantReply, TenantRequest,
+    AllocationView, Hello, MAGIC, PROTOCOL_VERSION, RefusalKind, Role, ServerHello, TenantReply,
+    TenantRequest,
 };
 
 fn hex(bytes: &[u8]) -> String {
@@ -41,7 +42,7 @@ fn pinned<T: Serialize + DeserializeOwned + PartialEq + Debug>(msg: T, golden: &
 #[test]
 fn protocol_constants_are_pinned() {
     assert_eq!(MAGIC, 0x5445_5353);
-    assert_eq!(PROTOCOL_VERSION, 1);
+    assert_eq!(PROTOCOL_VERSION, 2);
 }
 
 #[test]
@@ -50,16 +51,16 @@ fn hellos_both_ways_are_pinned() {
         Hello::new(Role::Tenant {
             token: "0123456789abcdef".into(),
         }),
-        "18000000d3a695a20501001030313233343536373839616263646566",
+        "18000000d3a695a20502001030313233343536373839616263646566",
     );
-    pinned(Hello::new(Role::Admin), "07000000d3a695a2050101");
+    pinned(Hello::new(Role::Admin), "07000000d3a695a2050201");
     pinned(
         Hello::new(Role::Companion {
             token: "ab".into(),
             ticket: 300,
         }),
         // Variant 2 (appended), the token, the ticket as a varint.
-        "0c000000d3a695a2050102026162ac02",
+        "0c000000d3a695a2050202026162ac02",
     );
     pinned(
         ServerHello::Welcome {
@@ -75,12 +76,59 @@ fn hellos_both_ways_are_pinned() {
         },
         "1b00000000010108306131623263336401054750552d3180808080601e0132",
     );
+    // The form every version reads: these bytes must never change, so a client of any version
+    // can say why a server of another version refused it.
     pinned(
         ServerHello::Refused {
             reason: "bad token".into(),
         },
         "0b000000010962616420746f6b656e",
     );
+    pinned(
+        ServerHello::Rejected {
+            kind: RefusalKind::UnknownToken,
+            reason: "bad token".into(),
+        },
+        "0c00000002020962616420746f6b656e",
+    );
+}
+
+#[test]
+fn a_refusal_across_versions_is_the_form_every_version_reads() {
+    let old_client = PROTOCOL_VERSION - 1;
+    let across = ServerHello::refusal(RefusalKind::Version, "protocol version 1", old_client);
+    assert_eq!(
+        across,
+        ServerHello::Refused {
+            reason: "protocol version 1".into()
+        }
+    );
+    // Whatever the kind, a client of another version gets the old form.
+    let across = ServerHello::refusal(RefusalKind::UnknownToken, "bad token", old_client + 7);
+    assert!(matches!(across, ServerHello::Refused { .. }));
+    assert_eq!(across.refused(), Some((RefusalKind::Version, "bad token")));
+    let same = ServerHello::refusal(RefusalKind::Full, "full", PROTOCOL_VERSION);
+    assert_eq!(same.refused(), Some((RefusalKind::Full, "full")));
+    let welcome = ServerHello::Welcome {
+        version: PROTOCOL_VERSION,
+        allocation: None,
+    };
+    assert_eq!(welcome.refused(), None);
+}
+
+#[test]
+fn every_refusal_kind_is_pinned() {
+    let kinds = [
+        (RefusalKind::Version, "00", "version"),
+        (RefusalKind::WrongSocket, "01", "wrong_socket"),
+        (RefusalKind::UnknownToken, "02", "unknown_token"),
+        (RefusalKind::BadTicket, "03", "bad_ticket"),
+        (RefusalKind::Full, "04", "full"),
+    ];
+    for (kind, byte, name) in kinds {
+        pinned(kind, &format!("01000000{byte}"));
+        assert_eq!(kind.to_string(), name);
+    }
 }
 
 #[test]

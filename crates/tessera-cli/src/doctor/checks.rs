@@ -145,10 +145,6 @@ pub(super) fn hello(socket: &Path, role: Role) -> Result<ServerHello, String> {
         .map_err(|e| format!("{} answered no handshake: {e}", socket.display()))
 }
 
-pub(super) fn version_refusal(reason: &str) -> bool {
-    reason.contains("protocol version")
-}
-
 pub(super) fn check_arbiter(socket: &Path) -> Check {
     let fix_down = "start tessera-arbiter (systemd: `systemctl start tessera-arbiter`; \
                     Kubernetes: the tessera DaemonSet), or point --socket / TESSERA_SOCKET at \
@@ -157,21 +153,30 @@ pub(super) fn check_arbiter(socket: &Path) -> Check {
         "run a tessera CLI and arbiter of the same release (protocol versions differ)";
     // An admin hello on the tenant socket is refused by role, after the version is checked:
     // it proves the arbiter is there and speaks our version without needing a token.
-    match hello(socket, Role::Admin) {
+    let answer = hello(socket, Role::Admin);
+    match answer.as_ref().map(ServerHello::refused) {
         Err(e) => Check::fail("arbiter", e, fix_down),
-        Ok(ServerHello::Refused { reason }) if version_refusal(&reason) => Check::fail(
+        Ok(Some((RefusalKind::Version, reason))) => Check::fail(
             "arbiter",
             format!("{}: {reason}", socket.display()),
             fix_version,
         ),
-        Ok(ServerHello::Refused { .. }) => Check::ok(
+        Ok(Some((RefusalKind::WrongSocket, _))) => Check::ok(
             "arbiter",
             format!(
                 "{} answers, protocol version {PROTOCOL_VERSION}",
                 socket.display()
             ),
         ),
-        Ok(ServerHello::Welcome { .. }) => Check::fail(
+        Ok(Some((kind, reason))) => Check::fail(
+            "arbiter",
+            format!(
+                "{} refused an admin hello as {kind}, not as a tenant-socket would: {reason}",
+                socket.display()
+            ),
+            "point --tenant-socket / TESSERA_SOCKET at the arbiter's tenant socket",
+        ),
+        Ok(None) => Check::fail(
             "arbiter",
             format!(
                 "{} welcomed an admin client: it is the admin socket",
@@ -195,15 +200,18 @@ pub(super) fn check_admin(explicit: Option<&Path>) -> Check {
             "admin",
             format!("{} answers, protocol version {version}", path.display()),
         ),
-        Ok(ServerHello::Refused { reason }) => Check::fail(
-            "admin",
-            format!("{} refused: {reason}", path.display()),
-            if version_refusal(&reason) {
-                "run a tessera CLI and arbiter of the same release"
-            } else {
-                "point --admin-socket / TESSERA_ADMIN_SOCKET at admin.sock, not the tenant socket"
-            },
-        ),
+        Ok(refused) => {
+            let (kind, reason) = refused.refused().unwrap_or((RefusalKind::WrongSocket, ""));
+            Check::fail(
+                "admin",
+                format!("{} refused: {reason}", path.display()),
+                if kind == RefusalKind::Version {
+                    "run a tessera CLI and arbiter of the same release"
+                } else {
+                    "point --admin-socket / TESSERA_ADMIN_SOCKET at admin.sock, not the tenant socket"
+                },
+            )
+        }
         Err(e) => Check::fail(
             "admin",
             e,
@@ -248,16 +256,29 @@ pub(super) fn check_token(socket: &Path, token: &str) -> (Check, Option<Allocati
             ),
             None,
         ),
-        Ok(ServerHello::Refused { reason }) => (
-            Check::fail(
-                "token",
-                format!("refused by the arbiter: {reason}"),
-                "the allocation is gone or the token is wrong: in a pod, recreate the pod (the \
-                 device plugin makes a new allocation); else use the token `tessera run` hands \
-                 its command (TESSERA_TOKEN)",
-            ),
-            None,
-        ),
+        Ok(refused) => {
+            let (kind, reason) = refused.refused().unwrap_or((RefusalKind::UnknownToken, ""));
+            let fix = match kind {
+                RefusalKind::Version => "run a tessera CLI and arbiter of the same release",
+                RefusalKind::Full => {
+                    "the allocation's connection places are in use: stop some of its processes, \
+                     or raise the arbiter's --max-connections-per-allocation"
+                }
+                _ => {
+                    "the allocation is gone or the token is wrong: in a pod, recreate the pod \
+                     (the device plugin makes a new allocation); else use the token `tessera run` \
+                     hands its command (TESSERA_TOKEN)"
+                }
+            };
+            (
+                Check::fail(
+                    "token",
+                    format!("refused by the arbiter ({kind}): {reason}"),
+                    fix,
+                ),
+                None,
+            )
+        }
         Err(e) => (
             Check::fail(
                 "token",
@@ -318,5 +339,68 @@ pub(super) fn check_gpu(a: &AllocationView) -> Check {
             fix,
         ),
         Err(e) => Check::fail("gpu", e, fix),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixListener;
+
+    use super::*;
+
+    /// Runs `check` against a socket that reads one hello and answers `answer`.
+    fn against<T>(answer: ServerHello, check: impl FnOnce(&Path) -> T) -> T {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("s.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let _: Hello = frame::read_frame(&mut s).unwrap();
+            frame::write_frame(&mut s, &answer).unwrap();
+        });
+        let c = check(&path);
+        server.join().unwrap();
+        c
+    }
+
+    fn rejected(kind: RefusalKind) -> ServerHello {
+        ServerHello::Rejected {
+            kind,
+            reason: "words that say nothing of versions".into(),
+        }
+    }
+
+    #[test]
+    fn the_arbiter_check_decides_on_the_kind_not_the_words() {
+        // A server of another version answers the old form, whatever its words.
+        let old = ServerHello::Refused {
+            reason: "no".into(),
+        };
+        let c = against(old, check_arbiter);
+        assert_eq!(c.status, Status::Fail, "{c:?}");
+        assert!(c.fix.unwrap().contains("same release"));
+        // Refused by role: the arbiter is there and speaks our version.
+        let c = against(rejected(RefusalKind::WrongSocket), check_arbiter);
+        assert_eq!(c.status, Status::Ok, "{c:?}");
+        // Any other kind is not what a tenant socket answers an admin hello.
+        let c = against(rejected(RefusalKind::UnknownToken), check_arbiter);
+        assert_eq!(c.status, Status::Fail, "{c:?}");
+        assert!(c.detail.contains("unknown_token"), "{c:?}");
+    }
+
+    #[test]
+    fn the_token_check_names_the_fix_for_each_kind() {
+        let fix = |answer| {
+            let (c, view) = against(answer, |p| check_token(p, "t"));
+            assert!(view.is_none());
+            assert_eq!(c.status, Status::Fail, "{c:?}");
+            c.fix.unwrap()
+        };
+        assert!(fix(rejected(RefusalKind::UnknownToken)).contains("recreate the pod"));
+        assert!(fix(rejected(RefusalKind::Full)).contains("connection places"));
+        let old = ServerHello::Refused {
+            reason: "protocol version 1".into(),
+        };
+        assert!(fix(old).contains("same release"));
     }
 }

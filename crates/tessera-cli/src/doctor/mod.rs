@@ -39,7 +39,9 @@ use tessera_protocol::node;
 use serde::{Deserialize, Serialize};
 use tessera_protocol::identity::{CONTAINER_IDENTITY_FILE, Identity, IdentityReadError};
 use tessera_protocol::node::{Closed, Target};
-use tessera_protocol::{AllocationView, Hello, PROTOCOL_VERSION, Role, ServerHello, frame};
+use tessera_protocol::{
+    AllocationView, Hello, PROTOCOL_VERSION, RefusalKind, Role, ServerHello, frame,
+};
 
 use crate::CliError;
 use crate::ffi::{self, Lib};
