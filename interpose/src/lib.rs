@@ -12,7 +12,9 @@
 //! - [`dlsym`]: our `dlsym` (with an exact `RTLD_NEXT` trampoline), our `cuGetProcAddress`, and
 //!   the wrapper of each table row they hand out.
 //! - [`conn`]: one blocking, `SIGPIPE`-free connection to the arbiter's tenant socket.
-//! - [`session`]: reserve / release / re-declare, reconnection, behaviour while the arbiter is down.
+//! - [`session`]: reserve / release / re-declare, reconnection, behaviour while the arbiter is
+//!   down: credit arithmetic (`credit`), the link state machine (`link`), the pressure channel
+//!   (`channel`), the watcher thread (`watcher`).
 //! - [`ledger`]: live objects and their charged sizes.
 //! - [`state`]: the per-process state and its reset in a forked child.
 //! - [`memory`]: the accounting logic behind each allocation, free and memory query.

@@ -1,0 +1,137 @@
+//! The pressure channel: a second connection, subscribed with a ticket of the memory one, on
+//! which the arbiter sends `Pressure` before it refuses anyone and this process answers with
+//! `Relinquish`, giving back every unused byte of credit.
+
+use std::os::fd::RawFd;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tessera_protocol::{TenantReply, TenantRequest};
+
+use super::watcher::wait_either;
+use super::{Session, UNASKED};
+use crate::conn::{Conn, ConnError};
+use crate::tlog;
+
+impl Session {
+    /// Gives all the credit back at once on the pressure channel (one `send`, no wait); false
+    /// when the channel is busy or gone (the watcher then does it).
+    pub(super) fn give_back_now(&self) -> bool {
+        let Some(mut channel) = self.channel.try_lock() else {
+            return false;
+        };
+        let Some(ch) = channel.as_mut() else {
+            return false;
+        };
+        let bytes = self.drop_credit_above(0);
+        if bytes == 0 {
+            return true;
+        }
+        let sent = ch.send_nowait(&TenantRequest::Relinquish {
+            seq: UNASKED,
+            bytes,
+        });
+        if sent.is_ok() {
+            self.given_back.fetch_add(1, Ordering::AcqRel);
+            return true;
+        }
+        // Not announced: still ours; the watcher gives them back (it may wait for the socket).
+        self.held.fetch_add(bytes, Ordering::SeqCst);
+        self.credit.fetch_add(bytes, Ordering::SeqCst);
+        if let Err(e) = sent
+            && !matches!(e, ConnError::WouldBlock)
+        {
+            tlog!(Info, "pressure channel lost: {e}");
+            *channel = None;
+            self.channel_fd.store(-1, Ordering::Release);
+        }
+        false
+    }
+
+    pub(super) fn close_channel(&self) {
+        self.channel_fd.store(-1, Ordering::Release);
+        *self.channel.lock() = None;
+    }
+
+    /// Opens the pressure channel for memory connection `mem`: a ticket on `mem`, a second
+    /// connection that subscribes with it. Done before any credit is taken, so every byte of
+    /// credit can be pressed back. Without it the process simply keeps no credit.
+    pub(super) fn open_channel(&self, path: &std::path::Path, mem: &mut Conn) {
+        self.close_channel();
+        let opened = (|| {
+            let ticket = match mem.call(&TenantRequest::Ticket)? {
+                TenantReply::Ticket { ticket } => ticket,
+                other => return Err(ConnError::Frame(format!("Ticket answered {other:?}"))),
+            };
+            let (mut ch, _) = Conn::connect(path, &self.token, Some(self.policy.rpc_timeout))?;
+            ch.send_blocking(&TenantRequest::Subscribe { ticket })?;
+            let mut answers = 0;
+            loop {
+                match ch.recv_reply()? {
+                    TenantReply::Subscribed => return Ok((ch, answers)),
+                    // Pressed before the answer: nothing is held as credit yet.
+                    TenantReply::Pressure { seq } => {
+                        ch.send_blocking(&TenantRequest::Relinquish { seq, bytes: 0 })?;
+                        answers += 1;
+                    }
+                    other => return Err(ConnError::Frame(format!("Subscribe answered {other:?}"))),
+                }
+            }
+        })();
+        match opened {
+            Ok((ch, answers)) => {
+                self.given_back.store(answers, Ordering::Release);
+                self.channel_fd.store(ch.fd(), Ordering::Release);
+                *self.channel.lock() = Some(ch);
+            }
+            Err(e) => tlog!(
+                Info,
+                "no pressure channel ({e}); this process keeps no memory credit"
+            ),
+        }
+    }
+
+    /// Answers every `Pressure` waiting on the channel: all unused credit goes back at once.
+    pub(super) fn answer_pressure(&'static self) {
+        let mut guard = self.channel.lock();
+        let Some(ch) = guard.as_mut() else { return };
+        loop {
+            let seq = match ch.recv_reply() {
+                Ok(TenantReply::Pressure { seq }) => seq,
+                Ok(other) => {
+                    tlog!(Warn, "unexpected frame on the pressure channel: {other:?}");
+                    break;
+                }
+                Err(e) => {
+                    tlog!(Info, "pressure channel lost: {e}");
+                    break;
+                }
+            };
+            self.pressed_ms.store(self.now_ms(), Ordering::Relaxed);
+            let bytes = self.drop_credit();
+            // Blocking (bounded by the connection's timeout): the answer must not be lost.
+            let sent = ch.send_blocking(&TenantRequest::Relinquish { seq, bytes });
+            if sent.is_ok() {
+                self.given_back.fetch_add(1, Ordering::AcqRel);
+            }
+            if let Err(e) = sent {
+                tlog!(Info, "pressure channel lost while relinquishing: {e}");
+                // Whether the arbiter booked them is unknown: the memory connection is
+                // re-established, and its `Redeclare` makes the ledger exact again.
+                self.reset_memory_conn.store(true, Ordering::Release);
+                break;
+            }
+            if !ch.has_buffered_frame() && !wait_readable(ch.fd(), Duration::ZERO) {
+                return;
+            }
+        }
+        // A broken channel: the process keeps no credit until the next connection opens one.
+        *guard = None;
+        self.channel_fd.store(-1, Ordering::Release);
+    }
+}
+
+/// True when `fd` is readable now.
+fn wait_readable(fd: RawFd, tick: Duration) -> bool {
+    wait_either(-1, fd, tick).1
+}
