@@ -23,6 +23,15 @@ fn session(path: &std::path::Path, token: &str, p: Policy) -> &'static Session {
     )))
 }
 
+/// A mock arbiter with an allocation of `limit` bytes on a socket in a fresh folder (kept
+/// while the first value lives).
+fn mock(limit: u64) -> (tempfile::TempDir, std::path::PathBuf, MockArbiter) {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("t.sock");
+    let arb = MockArbiter::start(&sock, limit);
+    (dir, sock, arb)
+}
+
 /// A session on a fake clock: it waits only as long as the test moves the clock.
 fn session_on(
     path: Option<&std::path::Path>,
@@ -69,9 +78,7 @@ fn wait_until_waiting_for(clock: &FakeClock, d: Duration) {
 
 #[test]
 fn reserve_deny_release() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, 1000);
+    let (_dir, sock, arb) = mock(1000);
     let s = session(&sock, TOKEN, policy(500, false));
     assert!(!s.connected(), "lazy: nothing before the first call");
     assert_eq!(arb.connections(), 0);
@@ -104,9 +111,7 @@ fn reserve_deny_release() {
 
 #[test]
 fn outage_waits_then_redeclares() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, 1000);
+    let (_dir, sock, arb) = mock(1000);
     let clock = FakeClock::leaked();
     let s = session_on(Some(&sock), TOKEN, policy(3000, false), clock);
     s.reserve(300).unwrap();
@@ -164,9 +169,7 @@ fn outage_past_the_bound_fails() {
 
 #[test]
 fn refused_token_fails_fast() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, 1000);
+    let (_dir, sock, arb) = mock(1000);
     let clock = FakeClock::leaked();
     let s = session_on(Some(&sock), "wrong", policy(3000, false), clock);
     let twice = drive(clock, move || [s.reserve(1), s.reserve(1)], |_| {});
@@ -201,9 +204,7 @@ pub(super) static PANIC_IN_WATCHER: std::sync::atomic::AtomicUsize =
 
 #[test]
 fn a_watcher_that_panics_leaves_no_credit_and_frees_still_reach_the_arbiter() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, 1000);
+    let (_dir, sock, arb) = mock(1000);
     let s = session(&sock, TOKEN, policy(3000, true));
     s.reserve(300).unwrap();
     arb.wait_for("channel", |a| a.channels() == 1);
@@ -235,9 +236,7 @@ fn a_watcher_that_panics_leaves_no_credit_and_frees_still_reach_the_arbiter() {
 
 #[test]
 fn watcher_redeclares_for_an_idle_process() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, 1000);
+    let (_dir, sock, arb) = mock(1000);
     let s = session(&sock, TOKEN, policy(3000, true));
     s.reserve(700).unwrap();
     arb.kill();
@@ -283,9 +282,7 @@ fn still(path: &std::path::Path) -> (&'static Session, &'static FakeClock) {
 
 #[test]
 fn a_round_trip_asks_only_for_what_the_credit_lacks_plus_a_granule() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, GIB);
+    let (_dir, sock, arb) = mock(GIB);
     let (s, _) = still(&sock);
     assert_eq!(granule(GIB), 32 * MIB);
     assert_eq!(s.reserve(600 * MIB), Ok(600 * MIB));
@@ -322,9 +319,7 @@ fn a_round_trip_asks_only_for_what_the_credit_lacks_plus_a_granule() {
 #[test]
 fn a_free_above_the_kept_credit_is_announced_within_the_delay_and_an_idle_process_returns_the_rest()
 {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, GIB);
+    let (_dir, sock, arb) = mock(GIB);
     let (s, clock) = still(&sock);
     let p = policy(3000, true);
     s.reserve(600 * MIB).unwrap();
@@ -370,9 +365,7 @@ fn a_free_above_the_kept_credit_is_announced_within_the_delay_and_an_idle_proces
 
 #[test]
 fn concurrent_frees_and_reserves_stay_exact() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, 1 << 40);
+    let (_dir, sock, arb) = mock(1 << 40);
     let s = session(&sock, TOKEN, policy(3000, true));
     let threads: Vec<_> = (0..8)
         .map(|i| {
@@ -409,9 +402,7 @@ fn is_reserve(r: &TenantRequest) -> bool {
 
 #[test]
 fn free_then_alloc_of_no_more_is_taken_from_the_credit_without_a_round_trip() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, GIB);
+    let (_dir, sock, arb) = mock(GIB);
     let (s, _) = still(&sock);
     s.reserve(600 * MIB).unwrap();
     assert_eq!(mem_log(&arb).len(), 1);
@@ -447,9 +438,7 @@ fn free_then_alloc_of_no_more_is_taken_from_the_credit_without_a_round_trip() {
 
 #[test]
 fn mem_info_is_exact_with_credit_held() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, GIB);
+    let (_dir, sock, arb) = mock(GIB);
     let (s, _) = still(&sock);
     s.reserve(500 * MIB).unwrap();
     s.reserve(300 * MIB).unwrap();
@@ -466,9 +455,7 @@ fn mem_info_is_exact_with_credit_held() {
 
 #[test]
 fn pressure_takes_every_unused_byte_back_at_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, GIB);
+    let (_dir, sock, arb) = mock(GIB);
     let (s, clock) = still(&sock);
     s.reserve(300 * MIB).unwrap();
     s.reserve(100 * MIB).unwrap();
@@ -507,9 +494,7 @@ fn pressure_takes_every_unused_byte_back_at_once() {
 
 #[test]
 fn no_credit_without_a_pressure_channel() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, GIB);
+    let (_dir, sock, arb) = mock(GIB);
     // No watcher: nobody could answer pressure, so nothing is held ahead of need.
     let s = session(&sock, TOKEN, policy(3000, false));
     s.reserve(100 * MIB).unwrap();
@@ -528,9 +513,7 @@ fn no_credit_without_a_pressure_channel() {
 
 #[test]
 fn netted_bytes_are_redeclared_after_a_restart() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, 1000);
+    let (_dir, sock, arb) = mock(1000);
     // The watcher, woken by the free, sleeps the release delay before it looks at the socket.
     let s = session(
         &sock,
