@@ -30,6 +30,7 @@
 
 #![forbid(unsafe_code)]
 
+use crate::context_book::Book;
 use crate::ffi::{CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CUresult};
 use crate::memory::Outcome;
 use crate::state::Process;
@@ -85,12 +86,7 @@ pub fn primary_release(
     dev: i32,
     driver: impl FnOnce() -> CUresult,
 ) -> Outcome<CUresult> {
-    let mut book = p.contexts();
-    let r = driver();
-    if r == CUDA_SUCCESS {
-        p.session.release(book.primary_released(dev));
-    }
-    Outcome::Handled(r)
+    primary_let_go(p, dev, driver, Book::primary_released)
 }
 
 /// `cuDevicePrimaryCtxReset(_v2)`: the context goes, and its cost with it.
@@ -99,10 +95,22 @@ pub fn primary_reset(
     dev: i32,
     driver: impl FnOnce() -> CUresult,
 ) -> Outcome<CUresult> {
+    primary_let_go(p, dev, driver, Book::primary_reset)
+}
+
+/// A call that may end device `dev`'s primary context: once the driver did it, `book_it`
+/// updates the book and says what cost goes back. The book stays locked across the driver
+/// call, as for a retain.
+fn primary_let_go(
+    p: &'static Process,
+    dev: i32,
+    driver: impl FnOnce() -> CUresult,
+    book_it: fn(&mut Book, i32) -> u64,
+) -> Outcome<CUresult> {
     let mut book = p.contexts();
     let r = driver();
     if r == CUDA_SUCCESS {
-        p.session.release(book.primary_reset(dev));
+        p.session.release(book_it(&mut book, dev));
     }
     Outcome::Handled(r)
 }

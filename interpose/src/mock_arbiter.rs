@@ -153,9 +153,10 @@ impl MockArbiter {
         self.books.lock().channels.len()
     }
 
-    /// Waits until `f` holds (or panics after 5 s).
+    /// Waits until `f` holds (or panics after 30 s: a deadline for a broken test only, generous
+    /// so that a loaded machine never reaches it).
     pub fn wait_for(&self, what: &str, f: impl Fn(&Self) -> bool) {
-        let end = Instant::now() + Duration::from_secs(5);
+        let end = Instant::now() + Duration::from_secs(30);
         while !f(self) {
             assert!(Instant::now() < end, "timed out waiting for {what}");
             std::thread::sleep(Duration::from_millis(2));

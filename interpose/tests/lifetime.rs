@@ -11,6 +11,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
+use tessera_testkit::{FirstLine, spawn_first_line};
 
 fn tessera() -> PathBuf {
     artifact("tessera")
@@ -111,68 +112,53 @@ fn a_command_run_with_env_u_ld_preload_is_held_to_the_limit() {
         "hold".as_ref(),
         bytes.as_ref(),
     ];
-    let mut run = tessera_run(&bed, "1GiB", &command)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut first = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(run.stdout.take().unwrap()),
-        &mut first,
-    )
-    .unwrap();
+    let FirstLine {
+        child: mut run,
+        stdin: _stdin,
+        line: first,
+    } = spawn_first_line(tessera_run(&bed, "1GiB", &command).stdin(Stdio::piped()));
     let t = Instant::now();
-    let _stdin = run.stdin.take();
-    let mut run = tessera_testkit::KillOnDrop::new(run);
     assert!(
         first.contains("\"held\": 0"),
         "the driver refused it: {first:?}"
     );
-    let back = wait_until(Duration::from_secs(3), || bed.sim_used() <= GIB + 512 * MIB);
-    back.unwrap_or_else(|| panic!("it kept {} bytes\n{}", bed.sim_used(), bed.arbiter_log()));
-    assert!(
-        t.elapsed() < Duration::from_secs(1),
-        "after {:?}",
-        t.elapsed()
-    );
-    // Killed: `tessera run` passes 128 + SIGKILL through, and the allocation is gone.
-    assert_eq!(run.wait().unwrap().code(), Some(128 + 9));
-    assert!(only_allocation(&bed).is_none());
+    killed_by_the_backstop(&bed, &mut run, t);
 }
 
 #[test]
 fn a_dlmopen_first_process_under_tessera_run_is_held_to_the_limit() {
     let bed = Bed::new();
     let exe = build_c(&bed, "dlmopen");
-    let mut run = tessera_run(&bed, "1GiB", &[exe.as_os_str(), "4096".as_ref()])
-        .env("DLMOPEN_FIRST", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut first = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(run.stdout.take().unwrap()),
-        &mut first,
-    )
-    .unwrap();
+    let FirstLine {
+        child: mut run,
+        line: first,
+        ..
+    } = spawn_first_line(
+        tessera_run(&bed, "1GiB", &[exe.as_os_str(), "4096".as_ref()])
+            .env("DLMOPEN_FIRST", "1")
+            .stdin(Stdio::null()),
+    );
     let t = Instant::now();
-    let mut run = tessera_testkit::KillOnDrop::new(run);
     assert_eq!(first.trim(), "escaped 0", "the second driver gave it 4 GiB");
     assert!(
         only_allocation(&bed).is_some_and(|a| a.processes == 0),
         "it never connected"
     );
-    let back = wait_until(Duration::from_secs(3), || bed.sim_used() <= GIB + 512 * MIB);
+    killed_by_the_backstop(&bed, &mut run, t);
+}
+
+/// The command under `run`, which got memory past the interposer, is killed by the backstop:
+/// its memory goes back to the card, `tessera run` passes 128 + SIGKILL through, and the
+/// allocation is gone. How long the kill took after `since` is printed, not bounded (a loaded
+/// machine makes it slow; the backstop's interval, 250 ms, is what sets it).
+fn killed_by_the_backstop(bed: &Bed, run: &mut tessera_testkit::KillOnDrop, since: Instant) {
+    let back = wait_until(Duration::from_secs(30), || {
+        bed.sim_used() <= GIB + 512 * MIB
+    });
     back.unwrap_or_else(|| panic!("it kept {} bytes\n{}", bed.sim_used(), bed.arbiter_log()));
-    assert!(
-        t.elapsed() < Duration::from_secs(1),
-        "after {:?}",
-        t.elapsed()
-    );
+    eprintln!("killed and its memory back {:?} after", since.elapsed());
     assert_eq!(run.wait().unwrap().code(), Some(128 + 9));
-    assert!(only_allocation(&bed).is_none());
+    assert!(only_allocation(bed).is_none());
 }
 
 #[test]

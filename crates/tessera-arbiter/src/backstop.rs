@@ -2083,6 +2083,46 @@ mod tests {
         assert!(given.iter().all(|g| (2..=3).contains(g)), "{given:?}");
     }
 
+    /// The names of `n` bypassing allocations.
+    fn bypasser_ids(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("b{i}")).collect()
+    }
+
+    /// One poll's GPU use: each of `ids` used `bypass` ns and never leased, and the last one,
+    /// "honest", used `used` ns against `leased` ns leased in all.
+    fn beside_honest(ids: &[String], bypass: u64, used: u64, leased: u64) -> Vec<ComputeUse<'_>> {
+        let mut u: Vec<ComputeUse<'_>> = ids
+            .iter()
+            .map(|id| ComputeUse {
+                id,
+                used_ns: bypass,
+                leased_total: 0,
+            })
+            .collect();
+        u.push(ComputeUse {
+            id: "honest",
+            used_ns: used,
+            leased_total: leased,
+        });
+        u
+    }
+
+    /// The policy, ten bypassers' names, and a book that has seen them and "honest" once, all
+    /// at zero.
+    fn ten_bypassers_seen() -> (Policy, ComputeBook, Vec<String>) {
+        let (pol, mut book, ids) = (policy(), ComputeBook::default(), bypasser_ids(10));
+        book.observe_gpu(&beside_honest(&ids, 0, 0, 0), 250 * MS, &pol, true);
+        (pol, book, ids)
+    }
+
+    /// `v` (ten bypassers, then "honest"): "honest" is in debt, yet only the bypassers are
+    /// acted on.
+    fn only_the_bypassers_acted_on_beside_a_debt(v: &[ComputeVerdict]) {
+        assert!(v[10].unleased_ns > 0, "in debt: {:?}", v[10]);
+        assert!(v[..10].iter().all(|v| v.over), "{v:?}");
+        assert!(!v[10].over, "the leasing tenant was acted on: {:?}", v[10]);
+    }
+
     /// `n` share-1 allocations each using `each` ns around the gate per 250 ms poll, beside an
     /// honest one whose GPU time matches its leases; `polls` polls. Returns every verdict of
     /// the bypassers and the honest one's total charge and whether it was ever over.
@@ -2093,24 +2133,9 @@ mod tests {
     ) -> (Vec<Vec<ComputeVerdict>>, u64, bool) {
         let pol = policy();
         let mut book = ComputeBook::default();
-        let ids: Vec<String> = (0..n).map(|i| format!("b{i}")).collect();
+        let ids = bypasser_ids(n);
         let mut leased = 0;
-        let uses = |used: u64, leased: u64| {
-            let mut u: Vec<ComputeUse<'_>> = ids
-                .iter()
-                .map(|id| ComputeUse {
-                    id,
-                    used_ns: used,
-                    leased_total: 0,
-                })
-                .collect();
-            u.push(ComputeUse {
-                id: "honest",
-                used_ns: 200 * MS,
-                leased_total: leased,
-            });
-            u
-        };
+        let uses = |used: u64, leased: u64| beside_honest(&ids, used, 200 * MS, leased);
         book.observe_gpu(&uses(0, 0), 250 * MS, &pol, true);
         let (mut out, mut honest_charged, mut honest_over) = (Vec::new(), 0, false);
         for _ in 0..polls {
@@ -2159,24 +2184,11 @@ mod tests {
     fn a_lease_overrun_is_forgiven_whole_beside_bypassers() {
         let pol = policy();
         let mut book = ComputeBook::default();
-        let ids: Vec<String> = (0..5).map(|i| format!("b{i}")).collect();
+        let ids = bypasser_ids(5);
         let mut leased = 0;
         let mut uses = |used: u64, overrun: u64| {
-            let mut u: Vec<ComputeUse<'_>> = ids
-                .iter()
-                .map(|id| ComputeUse {
-                    id,
-                    used_ns: used,
-                    leased_total: 0,
-                })
-                .collect();
             leased += 100 * MS;
-            u.push(ComputeUse {
-                id: "honest",
-                used_ns: 100 * MS + overrun,
-                leased_total: leased,
-            });
-            u
+            beside_honest(&ids, used, 100 * MS + overrun, leased)
         };
         book.observe_gpu(&uses(0, 0), 250 * MS, &pol, true);
         for i in 0..20 {
@@ -2196,26 +2208,8 @@ mod tests {
         // bypass kernels, drifted into debt while it leased, then had one interval with
         // hardly a lease (waiting on its drain); the bypassers' debts took the GPU past the
         // threshold and it was killed with them.
-        let pol = policy();
-        let mut book = ComputeBook::default();
-        let ids: Vec<String> = (0..10).map(|i| format!("b{i}")).collect();
-        let uses = |bypass: u64, honest_used: u64, honest_leased: u64| {
-            let mut u: Vec<ComputeUse<'_>> = ids
-                .iter()
-                .map(|id| ComputeUse {
-                    id,
-                    used_ns: bypass,
-                    leased_total: 0,
-                })
-                .collect();
-            u.push(ComputeUse {
-                id: "honest",
-                used_ns: honest_used,
-                leased_total: honest_leased,
-            });
-            u
-        };
-        book.observe_gpu(&uses(0, 0, 0), 250 * MS, &pol, true);
+        let (pol, mut book, ids) = ten_bypassers_seen();
+        let uses = |bypass: u64, used: u64, leased: u64| beside_honest(&ids, bypass, used, leased);
         // Three polls: it leases 150 ms and uses 250 (drift), the ten bypass 5 ms each.
         let mut leased = 0;
         for _ in 0..3 {
@@ -2226,9 +2220,7 @@ mod tests {
         // Then an interval with 5 ms of use and no lease, while the bypassers pass the
         // threshold together.
         let v = book.observe_gpu(&uses(60 * MS, 5 * MS, leased), 250 * MS, &pol, true);
-        assert!(v[10].unleased_ns > 0, "in debt: {:?}", v[10]);
-        assert!(v[..10].iter().all(|v| v.over), "{v:?}");
-        assert!(!v[10].over, "the leasing tenant was acted on: {:?}", v[10]);
+        only_the_bypassers_acted_on_beside_a_debt(&v);
     }
 
     #[test]
@@ -2237,35 +2229,15 @@ mod tests {
         // stuck behind the bypass kernels, finished after its lease: 110 ms used, no lease in
         // that interval, its debt above zero for the first time, while ten bypassers passed
         // the threshold together.
-        let pol = policy();
-        let mut book = ComputeBook::default();
-        let ids: Vec<String> = (0..10).map(|i| format!("b{i}")).collect();
-        let uses = |bypass: u64, used: u64, leased: u64| {
-            let mut u: Vec<ComputeUse<'_>> = ids
-                .iter()
-                .map(|id| ComputeUse {
-                    id,
-                    used_ns: bypass,
-                    leased_total: 0,
-                })
-                .collect();
-            u.push(ComputeUse {
-                id: "honest",
-                used_ns: used,
-                leased_total: leased,
-            });
-            u
-        };
-        book.observe_gpu(&uses(0, 0, 0), 250 * MS, &pol, true);
+        let (pol, mut book, ids) = ten_bypassers_seen();
+        let uses = |bypass: u64, used: u64, leased: u64| beside_honest(&ids, bypass, used, leased);
         let mut leased = 0;
         for _ in 0..4 {
             leased += 240 * MS;
             book.observe_gpu(&uses(10 * MS, 240 * MS, leased), 250 * MS, &pol, true);
         }
         let v = book.observe_gpu(&uses(60 * MS, 110 * MS, leased), 250 * MS, &pol, true);
-        assert!(v[10].unleased_ns > 0, "in debt: {:?}", v[10]);
-        assert!(v[..10].iter().all(|v| v.over), "{v:?}");
-        assert!(!v[10].over, "the leasing tenant was acted on: {:?}", v[10]);
+        only_the_bypassers_acted_on_beside_a_debt(&v);
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use run_support::*;
+use tessera_testkit::{FirstLine, spawn_first_line};
 
 fn stdout(o: &std::process::Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
@@ -334,7 +335,6 @@ fn the_command_sees_only_its_gpu_and_not_the_admin_socket() {
 
 #[test]
 fn a_cuda_command_sees_and_uses_only_its_allocations_gpu() {
-    use std::io::BufRead;
     let arb = Arbiter::start();
     let lib = interposer_in(arb.dir.path());
     let script =
@@ -345,19 +345,11 @@ fn a_cuda_command_sees_and_uses_only_its_allocations_gpu() {
         .arg(tessera_testkit::python())
         .arg(&script)
         .args(["256", "1000000"]);
-    let mut child = arb
-        .sim
-        .apply(&mut cmd)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdin = child.stdin.take();
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let mut child = tessera_testkit::KillOnDrop::new(child);
+    let FirstLine {
+        mut child,
+        stdin,
+        line,
+    } = spawn_first_line(arb.sim.apply(&mut cmd).stdin(Stdio::piped()));
     let v: serde_json::Value =
         serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("{e}: {line:?}"));
     assert_eq!(v["count"], 1, "one GPU visible: {v}");
@@ -391,7 +383,6 @@ fn a_cuda_command_sees_and_uses_only_its_allocations_gpu() {
 /// allocates there is killed; NVML (the simulated GPU's record) is the truth.
 #[test]
 fn a_whole_card_allocation_that_uses_another_card_is_killed_there() {
-    use std::io::BufRead;
     let arb = Arbiter::start();
     let lib = interposer_in(arb.dir.path());
     let script =
@@ -411,19 +402,11 @@ fn a_whole_card_allocation_that_uses_another_card_is_killed_there() {
         .arg(tessera_testkit::python())
         .arg(&script)
         .args(["512", "1000000"]);
-    let mut child = arb
-        .sim
-        .apply(&mut cmd)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let _stdin = child.stdin.take();
-    let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let mut child = tessera_testkit::KillOnDrop::new(child);
+    let FirstLine {
+        mut child,
+        stdin: _stdin,
+        line,
+    } = spawn_first_line(arb.sim.apply(&mut cmd).stdin(Stdio::piped()));
     // The script prints after its allocation and kernel, so the backstop may kill it before
     // it can say anything: an empty line is that race, and the log below still names the kill.
     if !line.trim().is_empty() {

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use tessera_testkit::{KillOnDrop, python};
+use tessera_testkit::{FirstLine, KillOnDrop, python, spawn_first_line};
 
 fn script(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -295,8 +295,8 @@ fn gpus_seen(state: &Path, args: &[&str]) -> (u64, u64) {
 fn later_commands_join_the_running_machine_and_a_different_spec_is_refused() {
     let state = tempfile::tempdir().unwrap();
     // A long-running first command (as an arbiter would be) holds the machine while it lives.
-    let mut first = sim(state.path())
-        .env_remove("TESSERA_SIM_GPUS")
+    let mut cmd = sim(state.path());
+    cmd.env_remove("TESSERA_SIM_GPUS")
         .args([
             "--gpus",
             "2x80GiB",
@@ -305,17 +305,13 @@ fn later_commands_join_the_running_machine_and_a_different_spec_is_refused() {
             "-c",
             "echo up; read _ || true",
         ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(first.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
+        .stdin(Stdio::piped());
+    let FirstLine {
+        child: mut first,
+        stdin,
+        line,
+    } = spawn_first_line(&mut cmd);
     assert_eq!(line.trim(), "up");
-    let stdin = first.stdin.take();
-    let mut first = KillOnDrop::new(first);
 
     // Without --gpus: the running machine's two GPUs, for CUDA and NVML alike.
     assert_eq!(gpus_seen(state.path(), &[]), (2, 2));

@@ -4,12 +4,11 @@
 //! empty value leaves no device (`cuInit` answers `CUDA_ERROR_NO_DEVICE`). NVML ignores it.
 //! A real `cuda-bindings` client (`tests/python/sim_visible.py`) under `tessera sim`.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use tessera_sim_state::SimSpec;
-use tessera_testkit::{KillOnDrop, python};
+use tessera_testkit::{FirstLine, python, spawn_first_line};
 
 const GPUS: &str = "1x16GiB,1x24GiB,1x80GiB";
 const GIB: u64 = 1 << 30;
@@ -130,17 +129,11 @@ fn an_empty_value_or_no_valid_entry_leaves_no_device() {
 #[test]
 fn memory_and_kernels_go_to_the_physical_gpu_behind_the_ordinal() {
     let state = tempfile::tempdir().unwrap();
-    let mut child = client(state.path(), "2,0", &["256", "50000000"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stdin = child.stdin.take();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let mut child = KillOnDrop::new(child);
+    let FirstLine {
+        mut child,
+        stdin,
+        line,
+    } = spawn_first_line(client(state.path(), "2,0", &["256", "50000000"]).stdin(Stdio::piped()));
     let v: serde_json::Value =
         serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("{e}: {line:?}"));
     assert_eq!(v["ctx_device"], 0, "cuCtxGetDevice answers the ordinal");

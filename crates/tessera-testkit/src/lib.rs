@@ -37,7 +37,7 @@ pub mod trap;
 pub use apiserver::FakeApiServer;
 pub use arbiter::{ArbiterSpec, RunningArbiter, allocation};
 pub use artifacts::{artifact, artifact_with_hint, target_dir};
-pub use process::{KillOnDrop, code, wait_until};
+pub use process::{FirstLine, KillOnDrop, code, spawn_first_line, wait_until};
 pub use python::python;
 pub use sim::SimGpu;
 

@@ -2,9 +2,10 @@
 
 #![forbid(unsafe_code)]
 
+use std::io::{BufRead, BufReader};
 use std::ops::{Deref, DerefMut};
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Child, ExitStatus};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 /// A child killed (and reaped) when dropped, so a failing test leaves no process behind.
@@ -79,4 +80,34 @@ pub fn wait_exit(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
         status.is_some()
     });
     status
+}
+
+/// A child started by [`spawn_first_line`], once it has printed its first line.
+#[derive(Debug)]
+pub struct FirstLine {
+    /// The child, killed and reaped when dropped.
+    pub child: KillOnDrop,
+    /// Its stdin, when the command piped it: dropping it closes the child's input.
+    pub stdin: Option<ChildStdin>,
+    /// The first line it printed, newline included (empty when it closed its output first).
+    pub line: String,
+}
+
+/// Spawns `cmd` with its stdout piped and reads the first line the child prints (a child that
+/// says it is ready, or reports what it did first). The child is killed on drop from the start,
+/// so a test that fails while reading leaves no process behind. Its stdout is closed after that
+/// line; stdin is as `cmd` set it (taken out when piped).
+pub fn spawn_first_line(cmd: &mut Command) -> FirstLine {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {cmd:?}: {e}"));
+    let stdin = child.stdin.take();
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let child = KillOnDrop::new(child);
+    let mut line = String::new();
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .unwrap_or_else(|e| panic!("reading the first line of {cmd:?}: {e}"));
+    FirstLine { child, stdin, line }
 }

@@ -2,13 +2,11 @@
 //! which the arbiter sends `Pressure` before it refuses anyone and this process answers with
 //! `Relinquish`, giving back every unused byte of credit.
 
-use std::os::fd::RawFd;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use tessera_protocol::{TenantReply, TenantRequest};
 
-use super::watcher::wait_either;
+use super::clock::poll_readable;
 use super::{Session, UNASKED};
 use crate::conn::{Conn, ConnError};
 use crate::tlog;
@@ -121,7 +119,7 @@ impl Session {
                 self.reset_memory_conn.store(true, Ordering::Release);
                 break;
             }
-            if !ch.has_buffered_frame() && !wait_readable(ch.fd(), Duration::ZERO) {
+            if !ch.has_buffered_frame() && !poll_readable(-1, ch.fd(), 0).1 {
                 return;
             }
         }
@@ -129,9 +127,4 @@ impl Session {
         *guard = None;
         self.channel_fd.store(-1, Ordering::Release);
     }
-}
-
-/// True when `fd` is readable now.
-fn wait_readable(fd: RawFd, tick: Duration) -> bool {
-    wait_either(-1, fd, tick).1
 }

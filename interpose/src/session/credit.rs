@@ -21,7 +21,11 @@ pub fn granule(limit: u64) -> u64 {
 
 impl Session {
     pub(super) fn now_ms(&self) -> u64 {
-        self.origin.elapsed().as_millis() as u64 + 1
+        self.clock
+            .now()
+            .saturating_duration_since(self.origin)
+            .as_millis() as u64
+            + 1
     }
 
     /// True within [`PRESSED_FOR`] of a `Pressure` (the watcher clears the mark afterwards,
@@ -60,7 +64,7 @@ impl Session {
         if self.take_credit(bytes) {
             return Ok(self.last_in_use.load(Ordering::Acquire));
         }
-        self.request(true, |s, link| {
+        self.request(true, |s, conn| {
             // All the credit goes towards this request: the arbiter is asked for the rest.
             let credit = s.credit.swap(0, Ordering::SeqCst);
             if credit >= bytes {
@@ -80,7 +84,6 @@ impl Session {
             } else {
                 TenantRequest::Reserve { bytes: need }
             };
-            let conn = link.conn.as_mut().expect("connected");
             let answer = conn.call(&req);
             let granted = match &answer {
                 Ok(TenantReply::Reserved { in_use }) => Some((need, *in_use)),

@@ -32,25 +32,26 @@ enum Step<R> {
 }
 
 impl Session {
-    /// Runs `op` on a connected link, reconnecting as needed. `op` returns `None` when the
-    /// connection broke (it is dropped and the request retried). With `wait`, an unreachable
-    /// arbiter is waited for up to the outage bound; without, one attempt is made.
+    /// Runs `op` on the open connection, connecting or reconnecting as needed. `op` returns
+    /// `None` when the connection broke (it is dropped and the request retried). With `wait`,
+    /// an unreachable arbiter is waited for up to the outage bound; without, one attempt is
+    /// made.
     pub(super) fn request<R>(
         &'static self,
         wait: bool,
-        mut op: impl FnMut(&'static Self, &mut Link) -> Option<R>,
+        mut op: impl FnMut(&'static Self, &mut Conn) -> Option<R>,
     ) -> Result<R, SessionError> {
-        let deadline = Instant::now() + self.policy.outage_wait;
+        let deadline = self.clock.now() + self.policy.outage_wait;
         loop {
             let step = self.with_link(|link| {
-                let now = Instant::now();
-                if !self.ensure_connected(link, now) {
+                let now = self.clock.now();
+                let Some(conn) = self.ensure_connected(link, now) else {
                     if link.refused {
                         return Step::Fail(SessionError::Unavailable);
                     }
                     return Step::Wait(link.next_attempt);
-                }
-                match op(self, link) {
+                };
+                match op(self, conn) {
                     Some(r) => Step::Done(r),
                     None => {
                         self.drop_conn(link);
@@ -62,12 +63,12 @@ impl Session {
                 Step::Done(r) => return Ok(r),
                 Step::Fail(e) => return Err(e),
                 Step::Wait(at) => {
-                    let now = Instant::now();
+                    let now = self.clock.now();
                     if !wait || now >= deadline {
                         return Err(SessionError::Unavailable);
                     }
                     let until = at.min(deadline);
-                    std::thread::sleep(
+                    self.clock.sleep(
                         until
                             .saturating_duration_since(now)
                             .max(Duration::from_millis(1)),
@@ -99,18 +100,23 @@ impl Session {
         link.conn = None;
         self.conn_fd.store(-1, Ordering::Release);
         self.close_channel();
-        let now = Instant::now();
+        let now = self.clock.now();
         link.next_attempt = now + link.backoff.min(self.policy.backoff_min);
     }
 
     /// Connects if needed (respecting the backoff); on a new connection re-declares what is
-    /// allocated and opens the pressure channel.
-    pub(super) fn ensure_connected(&'static self, link: &mut Link, now: Instant) -> bool {
+    /// allocated and opens the pressure channel. Returns the open connection, `None` while
+    /// there is none (unreachable, refused, or waiting out the backoff).
+    pub(super) fn ensure_connected<'l>(
+        &'static self,
+        link: &'l mut Link,
+        now: Instant,
+    ) -> Option<&'l mut Conn> {
         if link.conn.is_some() {
-            return true;
+            return link.conn.as_mut();
         }
         if now < link.next_attempt {
-            return false;
+            return None;
         }
         let Some(path) = self.socket.as_deref() else {
             if !link.refused {
@@ -127,7 +133,7 @@ impl Session {
             }
             link.refused = true;
             link.next_attempt = now + self.policy.refused_pause;
-            return false;
+            return None;
         };
         // Credit died with the old connection: only what is allocated is re-declared.
         self.drop_credit();
@@ -165,7 +171,6 @@ impl Session {
                         view.memory_limit
                     );
                 }
-                link.conn = Some(conn);
                 link.generation += 1;
                 self.generation.store(link.generation, Ordering::Release);
                 link.backoff = self.policy.backoff_min;
@@ -175,13 +180,13 @@ impl Session {
                 if self.policy.watch && !link.watcher_started {
                     link.watcher_started = self.start_watcher();
                 }
-                true
+                Some(link.conn.insert(conn))
             }
             Err(ConnError::Refused(reason)) => {
                 tlog!(Error, "arbiter refused this process: {reason}");
                 link.refused = true;
                 link.next_attempt = now + self.policy.refused_pause;
-                false
+                None
             }
             Err(e) => {
                 if !link.warned_down {
@@ -191,7 +196,7 @@ impl Session {
                 link.refused = false;
                 link.next_attempt = now + link.backoff;
                 link.backoff = (link.backoff * 2).min(self.policy.backoff_max);
-                false
+                None
             }
         }
     }

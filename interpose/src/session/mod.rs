@@ -29,6 +29,7 @@
 
 //!
 //! Modules (one `impl Session` block each, over the fields declared here):
+//! - [`clock`]: the time and timed waits behind a trait, with a fake for the tests.
 //! - [`credit`]: credit arithmetic: the granule, what is kept, reserve and release, giving
 //!   credit back above a bound.
 //! - [`link`]: the link state machine: lazy connection, backoff, refusal, reconnection with
@@ -49,10 +50,12 @@ use crate::conn::Conn;
 use crate::tlog;
 
 mod channel;
+mod clock;
 mod credit;
 mod link;
 mod watcher;
 
+pub use clock::{Clock, SystemClock};
 pub use credit::granule;
 use link::Link;
 
@@ -150,6 +153,8 @@ pub struct Session {
     reset_memory_conn: AtomicBool,
     /// `Relinquish` frames sent on the current pressure channel.
     given_back: AtomicU64,
+    /// Where the session reads the time and waits (the machine's, but for tests).
+    clock: &'static dyn Clock,
     origin: Instant,
 }
 
@@ -164,13 +169,24 @@ impl std::fmt::Debug for Session {
 impl Session {
     /// A session that will connect to `socket` with `token` on first use.
     pub fn new(socket: Option<PathBuf>, token: String, policy: Policy) -> Self {
+        Self::with_clock(socket, token, policy, &SystemClock)
+    }
+
+    /// [`Session::new`] on another clock (a test's fake one).
+    pub fn with_clock(
+        socket: Option<PathBuf>,
+        token: String,
+        policy: Policy,
+        clock: &'static dyn Clock,
+    ) -> Self {
+        let now = clock.now();
         Self {
             socket,
             token,
             policy,
             link: Mutex::new(Link {
                 conn: None,
-                next_attempt: Instant::now(),
+                next_attempt: now,
                 backoff: policy.backoff_min,
                 refused: false,
                 ever_connected: false,
@@ -192,7 +208,8 @@ impl Session {
             pressed_ms: AtomicU64::new(0),
             reset_memory_conn: AtomicBool::new(false),
             given_back: AtomicU64::new(0),
-            origin: Instant::now(),
+            clock,
+            origin: now,
         }
     }
 
@@ -230,9 +247,8 @@ impl Session {
     /// when connected; otherwise answers from the last known values without waiting; waits
     /// only while no limit is known yet.
     pub fn mem_info(&'static self) -> Option<(u64, u64)> {
-        let asked = self.request(false, |s, link| {
+        let asked = self.request(false, |s, conn| {
             let release = s.drop_credit();
-            let conn = link.conn.as_mut().expect("connected");
             match conn.call_after_release(release, &TenantRequest::MemInfo) {
                 Ok(TenantReply::MemInfo { limit, in_use }) => {
                     s.limit.store(limit, Ordering::Release);
@@ -275,13 +291,10 @@ impl Session {
     /// attempt), for the lease connection to present as a [`tessera_protocol::Role::Companion`]:
     /// tied to the admitted memory connection, it does not meet the arbiter's caps again.
     pub fn companion_ticket(&'static self) -> Option<u64> {
-        self.request(false, |_, link| {
-            let conn = link.conn.as_mut()?;
-            match conn.call(&TenantRequest::Ticket) {
-                Ok(TenantReply::Ticket { ticket }) => Some(Some(ticket)),
-                Ok(_) => Some(None),
-                Err(_) => None,
-            }
+        self.request(false, |_, conn| match conn.call(&TenantRequest::Ticket) {
+            Ok(TenantReply::Ticket { ticket }) => Some(Some(ticket)),
+            Ok(_) => Some(None),
+            Err(_) => None,
         })
         .ok()
         .flatten()

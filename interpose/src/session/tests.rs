@@ -1,5 +1,6 @@
 use super::*;
 use crate::mock_arbiter::{MockArbiter, TOKEN};
+use crate::session::clock::FakeClock;
 
 fn policy(outage_ms: u64, watch: bool) -> Policy {
     Policy {
@@ -22,11 +23,62 @@ fn session(path: &std::path::Path, token: &str, p: Policy) -> &'static Session {
     )))
 }
 
-#[test]
-fn reserve_deny_release() {
+/// A mock arbiter with an allocation of `limit` bytes on a socket in a fresh folder (kept
+/// while the first value lives).
+fn mock(limit: u64) -> (tempfile::TempDir, std::path::PathBuf, MockArbiter) {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, 1000);
+    let arb = MockArbiter::start(&sock, limit);
+    (dir, sock, arb)
+}
+
+/// A session on a fake clock: it waits only as long as the test moves the clock.
+fn session_on(
+    path: Option<&std::path::Path>,
+    token: &str,
+    p: Policy,
+    clock: &'static FakeClock,
+) -> &'static Session {
+    Box::leak(Box::new(Session::with_clock(
+        path.map(ToOwned::to_owned),
+        token.to_owned(),
+        p,
+        clock,
+    )))
+}
+
+/// Runs `f` on a thread and moves `clock` to the end of each wait the thread blocks in, so
+/// every wait lasts exactly what it asked for in fake time; `at` sees the fake time between
+/// moves (to make something happen at a point of it). Only for sessions without a watcher,
+/// whose waits are all the thread's.
+fn drive<R: Send + 'static>(
+    clock: &'static FakeClock,
+    f: impl FnOnce() -> R + Send + 'static,
+    mut at: impl FnMut(Duration),
+) -> R {
+    let t = std::thread::spawn(f);
+    while !t.is_finished() {
+        at(clock.elapsed());
+        if !clock.advance_to_next_wake() {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    t.join().unwrap()
+}
+
+/// Polls (in real time, with a generous deadline for a broken test) until `clock` has a
+/// thread blocked in a wait that ends `d` from now.
+fn wait_until_waiting_for(clock: &FakeClock, d: Duration) {
+    let end = Instant::now() + Duration::from_secs(30);
+    while !clock.waiting_for(d) {
+        assert!(Instant::now() < end, "nobody began a wait of {d:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn reserve_deny_release() {
+    let (_dir, sock, arb) = mock(1000);
     let s = session(&sock, TOKEN, policy(500, false));
     assert!(!s.connected(), "lazy: nothing before the first call");
     assert_eq!(arb.connections(), 0);
@@ -59,36 +111,34 @@ fn reserve_deny_release() {
 
 #[test]
 fn outage_waits_then_redeclares() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, 1000);
-    let s = session(&sock, TOKEN, policy(3000, false));
+    let (_dir, sock, arb) = mock(1000);
+    let clock = FakeClock::leaked();
+    let s = session_on(Some(&sock), TOKEN, policy(3000, false), clock);
     s.reserve(300).unwrap();
     s.reserve(200).unwrap();
     arb.kill();
     // A free while the arbiter is down never waits.
-    let t = Instant::now();
     s.release(200);
-    assert!(
-        t.elapsed() < Duration::from_millis(100),
-        "free waited {:?}",
-        t.elapsed()
-    );
+    assert_eq!(clock.waits(), 0, "the free waited");
     assert_eq!(s.held(), 300);
-    // The arbiter comes back after 300 ms; the allocation waits for it.
-    let sock2 = sock.clone();
-    let back = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(300));
-        MockArbiter::start(&sock2, 1000)
-    });
-    let t = Instant::now();
-    assert_eq!(s.reserve(100), Ok(400));
-    let waited = t.elapsed();
-    assert!(
-        waited >= Duration::from_millis(250),
-        "did not wait: {waited:?}"
+    // The arbiter comes back 300 ms into the allocation's wait; the allocation waits for it.
+    let mut arb2 = None;
+    let got = drive(
+        clock,
+        move || s.reserve(100),
+        |now| {
+            if arb2.is_none() && now >= Duration::from_millis(300) {
+                arb2 = Some(MockArbiter::start(&sock, 1000));
+            }
+        },
     );
-    let arb2 = back.join().unwrap();
+    assert_eq!(got, Ok(400));
+    assert!(
+        clock.elapsed() >= Duration::from_millis(300),
+        "did not wait: {:?}",
+        clock.elapsed()
+    );
+    let arb2 = arb2.expect("the allocation ended before the arbiter came back");
     // The new arbiter's ledger is exact: 300 re-declared + 100 new.
     assert_eq!(arb2.in_use(), 400);
     assert_eq!(arb2.log()[0], TenantRequest::Redeclare { bytes: 300 });
@@ -99,45 +149,53 @@ fn outage_waits_then_redeclares() {
 fn outage_past_the_bound_fails() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("none.sock");
-    let s = session(&sock, TOKEN, policy(300, false));
-    let t = Instant::now();
-    assert_eq!(s.reserve(1), Err(SessionError::Unavailable));
-    let waited = t.elapsed();
+    let clock = FakeClock::leaked();
+    let p = policy(300, false);
+    let s = session_on(Some(&sock), TOKEN, p, clock);
+    assert_eq!(
+        drive(clock, move || s.reserve(1), |_| {}),
+        Err(SessionError::Unavailable)
+    );
+    // It waited the outage bound, retrying with backoff, and gave up there.
+    let waited = clock.elapsed();
     assert!(
-        waited >= Duration::from_millis(300) && waited < Duration::from_secs(2),
+        waited >= p.outage_wait && waited < p.outage_wait + p.backoff_max,
         "{waited:?}"
     );
-    assert_eq!(s.mem_info(), None);
+    assert!(clock.waits() > 1, "no retry: {} waits", clock.waits());
+    assert_eq!(drive(clock, move || s.mem_info(), |_| {}), None);
     assert_eq!(s.held(), 0);
 }
 
 #[test]
 fn refused_token_fails_fast() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let _arb = MockArbiter::start(&sock, 1000);
-    let s = session(&sock, "wrong", policy(3000, false));
-    let t = Instant::now();
-    assert_eq!(s.reserve(1), Err(SessionError::Unavailable));
-    assert_eq!(s.reserve(1), Err(SessionError::Unavailable));
-    assert!(
-        t.elapsed() < Duration::from_millis(500),
-        "{:?}",
-        t.elapsed()
+    let (_dir, sock, arb) = mock(1000);
+    let clock = FakeClock::leaked();
+    let s = session_on(Some(&sock), "wrong", policy(3000, false), clock);
+    let twice = drive(clock, move || [s.reserve(1), s.reserve(1)], |_| {});
+    assert_eq!(
+        twice,
+        [
+            Err(SessionError::Unavailable),
+            Err(SessionError::Unavailable)
+        ]
     );
+    // Neither waited, and the second did not ask again within the pause after a refusal.
+    assert_eq!(clock.waits(), 0);
+    assert_eq!(arb.connections(), 0);
+    assert!(arb.log().is_empty(), "{:?}", arb.log());
 }
 
 #[test]
 fn token_without_socket_refuses_everything() {
-    let s: &'static Session = Box::leak(Box::new(Session::new(
-        None,
-        TOKEN.into(),
-        policy(3000, false),
-    )));
-    let t = Instant::now();
-    assert_eq!(s.reserve(1), Err(SessionError::Unavailable));
-    assert!(t.elapsed() < Duration::from_millis(500));
-    assert_eq!(s.limit(), None);
+    let clock = FakeClock::leaked();
+    let s = session_on(None, TOKEN, policy(3000, false), clock);
+    assert_eq!(
+        drive(clock, move || s.reserve(1), |_| {}),
+        Err(SessionError::Unavailable)
+    );
+    assert_eq!(clock.waits(), 0, "a process that cannot be proved waited");
+    assert_eq!(drive(clock, move || s.limit(), |_| {}), None);
 }
 
 /// The session whose watcher panics at its next look (its address; 0: none).
@@ -146,16 +204,14 @@ pub(super) static PANIC_IN_WATCHER: std::sync::atomic::AtomicUsize =
 
 #[test]
 fn a_watcher_that_panics_leaves_no_credit_and_frees_still_reach_the_arbiter() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, 1000);
+    let (_dir, sock, arb) = mock(1000);
     let s = session(&sock, TOKEN, policy(3000, true));
     s.reserve(300).unwrap();
     arb.wait_for("channel", |a| a.channels() == 1);
     PANIC_IN_WATCHER.store(s as *const Session as usize, Ordering::Release);
     // A free wakes the watcher, which panics at its next look.
     s.release(100);
-    let end = Instant::now() + Duration::from_secs(5);
+    let end = Instant::now() + Duration::from_secs(30);
     while s.has_channel() {
         assert!(
             Instant::now() < end,
@@ -180,9 +236,7 @@ fn a_watcher_that_panics_leaves_no_credit_and_frees_still_reach_the_arbiter() {
 
 #[test]
 fn watcher_redeclares_for_an_idle_process() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, 1000);
+    let (_dir, sock, arb) = mock(1000);
     let s = session(&sock, TOKEN, policy(3000, true));
     s.reserve(700).unwrap();
     arb.kill();
@@ -215,21 +269,21 @@ fn mem_log(arb: &MockArbiter) -> Vec<TenantRequest> {
         .collect()
 }
 
-fn slow_flush(p: Policy) -> Policy {
-    // The watcher does not announce a free before the next allocation in these tests.
-    Policy {
-        release_delay: Duration::from_secs(5),
-        tick: Duration::from_secs(5),
-        ..p
-    }
+/// A session with a watcher on a fake clock that the test does not move: the watcher answers
+/// pressure (no time needed) but never announces a free or returns idle credit on its own, so
+/// what the test sees is what its own calls did, however slow the machine.
+fn still(path: &std::path::Path) -> (&'static Session, &'static FakeClock) {
+    let clock = FakeClock::leaked();
+    (
+        session_on(Some(path), TOKEN, policy(3000, true), clock),
+        clock,
+    )
 }
 
 #[test]
 fn a_round_trip_asks_only_for_what_the_credit_lacks_plus_a_granule() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, GIB);
-    let s = session(&sock, TOKEN, slow_flush(policy(3000, true)));
+    let (_dir, sock, arb) = mock(GIB);
+    let (s, _) = still(&sock);
     assert_eq!(granule(GIB), 32 * MIB);
     assert_eq!(s.reserve(600 * MIB), Ok(600 * MIB));
     arb.wait_for("channel", |a| a.channels() == 1);
@@ -265,32 +319,28 @@ fn a_round_trip_asks_only_for_what_the_credit_lacks_plus_a_granule() {
 #[test]
 fn a_free_above_the_kept_credit_is_announced_within_the_delay_and_an_idle_process_returns_the_rest()
 {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, GIB);
-    let s = session(
-        &sock,
-        TOKEN,
-        Policy {
-            // The idle return comes a tick after the free, the flush after the 1 ms
-            // release delay: a tick long enough that even a loaded machine tells them apart.
-            tick: Duration::from_secs(1),
-            ..policy(3000, true)
-        },
-    );
+    let (_dir, sock, arb) = mock(GIB);
+    let (s, clock) = still(&sock);
+    let p = policy(3000, true);
     s.reserve(600 * MIB).unwrap();
     arb.wait_for("channel", |a| a.channels() == 1);
-    let t = Instant::now();
     s.release(600 * MIB);
-    // Down to the two granules kept, after the release delay and before the tick.
-    arb.wait_for("flush above keep", |a| a.in_use() == 64 * MIB);
-    assert!(
-        t.elapsed() < Duration::from_secs(1),
-        "flushed after {:?}, not within the release delay",
-        t.elapsed()
+    // Woken by the free, the watcher waits the release delay (not a tick) ...
+    wait_until_waiting_for(clock, p.release_delay);
+    assert_eq!(
+        arb.in_use(),
+        632 * MIB,
+        "announced before the release delay"
     );
+    clock.advance(p.release_delay);
+    // ... then announces what is above the two granules kept, with no tick gone by.
+    arb.wait_for("flush above keep", |a| a.in_use() == 64 * MIB);
     assert_eq!(s.credit(), 64 * MIB);
-    // Untouched for a tick: given back.
+    assert!(clock.elapsed() < p.tick);
+    // Untouched for a whole tick: given back.
+    wait_until_waiting_for(clock, p.tick);
+    assert_eq!(arb.in_use(), 64 * MIB, "returned before the tick");
+    clock.advance(p.tick);
     arb.wait_for("idle return", |a| a.in_use() == 0);
     assert_eq!((s.held(), s.credit()), (0, 0));
     // Given back unasked on the pressure channel (ordered before any answer to a pressure).
@@ -315,9 +365,7 @@ fn a_free_above_the_kept_credit_is_announced_within_the_delay_and_an_idle_proces
 
 #[test]
 fn concurrent_frees_and_reserves_stay_exact() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, 1 << 40);
+    let (_dir, sock, arb) = mock(1 << 40);
     let s = session(&sock, TOKEN, policy(3000, true));
     let threads: Vec<_> = (0..8)
         .map(|i| {
@@ -354,10 +402,8 @@ fn is_reserve(r: &TenantRequest) -> bool {
 
 #[test]
 fn free_then_alloc_of_no_more_is_taken_from_the_credit_without_a_round_trip() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, GIB);
-    let s = session(&sock, TOKEN, slow_flush(policy(3000, true)));
+    let (_dir, sock, arb) = mock(GIB);
+    let (s, _) = still(&sock);
     s.reserve(600 * MIB).unwrap();
     assert_eq!(mem_log(&arb).len(), 1);
     // Free then allocate the same size: no request at all, the arbiter still counts it.
@@ -392,10 +438,8 @@ fn free_then_alloc_of_no_more_is_taken_from_the_credit_without_a_round_trip() {
 
 #[test]
 fn mem_info_is_exact_with_credit_held() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, GIB);
-    let s = session(&sock, TOKEN, slow_flush(policy(3000, true)));
+    let (_dir, sock, arb) = mock(GIB);
+    let (s, _) = still(&sock);
     s.reserve(500 * MIB).unwrap();
     s.reserve(300 * MIB).unwrap();
     s.release(500 * MIB);
@@ -411,32 +455,17 @@ fn mem_info_is_exact_with_credit_held() {
 
 #[test]
 fn pressure_takes_every_unused_byte_back_at_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, GIB);
-    // An idle tick of 1 s: long enough not to return the credit during the test, short
-    // enough to see the pressed mark wear off.
-    let s = session(
-        &sock,
-        TOKEN,
-        Policy {
-            tick: Duration::from_secs(1),
-            ..slow_flush(policy(3000, true))
-        },
-    );
+    let (_dir, sock, arb) = mock(GIB);
+    let (s, clock) = still(&sock);
     s.reserve(300 * MIB).unwrap();
     s.reserve(100 * MIB).unwrap();
     s.release(300 * MIB);
     arb.wait_for("channel", |a| a.channels() == 1);
     let credit = s.credit();
     assert!(credit >= 300 * MIB);
-    let t = Instant::now();
+    // Answered at once: no time passes on the session's clock.
     assert_eq!(arb.press_all(7), credit);
-    assert!(
-        t.elapsed() < Duration::from_secs(1),
-        "answered after {:?}",
-        t.elapsed()
-    );
+    assert_eq!(clock.elapsed(), Duration::ZERO);
     assert_eq!(arb.in_use(), 100 * MIB);
     assert_eq!((s.held(), s.credit()), (100 * MIB, 0));
     // Pressed lately: no credit asked for or kept.
@@ -452,23 +481,20 @@ fn pressure_takes_every_unused_byte_back_at_once() {
     );
     // A second pressure with nothing to give answers 0.
     assert_eq!(arb.press_all(8), 0);
-    // The pressed mark wears off: credit again.
-    let t = Instant::now();
+    // The pressed mark wears off once the watcher looks again after PRESSED_FOR: credit again.
+    let end = Instant::now() + Duration::from_secs(30);
     while s.keep() == 0 {
-        assert!(
-            t.elapsed() < Duration::from_secs(5),
-            "the pressed mark never wore off"
-        );
-        std::thread::sleep(Duration::from_millis(10));
+        assert!(Instant::now() < end, "the pressed mark never wore off");
+        if !clock.advance_to_next_wake() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
-    assert!(t.elapsed() >= PRESSED_FOR - Duration::from_millis(20));
+    assert!(clock.elapsed() >= PRESSED_FOR, "{:?}", clock.elapsed());
 }
 
 #[test]
 fn no_credit_without_a_pressure_channel() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, GIB);
+    let (_dir, sock, arb) = mock(GIB);
     // No watcher: nobody could answer pressure, so nothing is held ahead of need.
     let s = session(&sock, TOKEN, policy(3000, false));
     s.reserve(100 * MIB).unwrap();
@@ -487,9 +513,7 @@ fn no_credit_without_a_pressure_channel() {
 
 #[test]
 fn netted_bytes_are_redeclared_after_a_restart() {
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("t.sock");
-    let arb = MockArbiter::start(&sock, 1000);
+    let (_dir, sock, arb) = mock(1000);
     // The watcher, woken by the free, sleeps the release delay before it looks at the socket.
     let s = session(
         &sock,

@@ -4,7 +4,6 @@
 
 use std::os::fd::RawFd;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
 
 use super::Session;
 use crate::tlog;
@@ -41,7 +40,7 @@ impl Session {
         let (woken, mut pressed) = if before > self.keep() {
             (true, false)
         } else {
-            wait_either(
+            self.clock.wait_either(
                 self.wake_fd.load(Ordering::Acquire),
                 self.channel_fd.load(Ordering::Acquire),
                 self.policy.tick,
@@ -58,13 +57,15 @@ impl Session {
             self.drain_wake_fd();
             // Give the process the chance to allocate the freed bytes again; a pressure that
             // comes meanwhile is answered at once.
-            let end = Instant::now() + self.policy.release_delay;
+            let end = self.clock.now() + self.policy.release_delay;
             loop {
-                let left = end.saturating_duration_since(Instant::now());
+                let left = end.saturating_duration_since(self.clock.now());
                 if left.is_zero() {
                     break;
                 }
-                (_, pressed) = wait_either(-1, self.channel_fd.load(Ordering::Acquire), left);
+                (_, pressed) =
+                    self.clock
+                        .wait_either(-1, self.channel_fd.load(Ordering::Acquire), left);
                 if pressed {
                     self.answer_pressure();
                 }
@@ -91,10 +92,11 @@ impl Session {
             let mut link = self.lock();
             !link.ever_connected
                 || link.conn.is_some()
-                || self.ensure_connected(&mut link, Instant::now())
+                || self.ensure_connected(&mut link, self.clock.now()).is_some()
         };
         if !reconnected {
-            std::thread::sleep(self.policy.tick.min(self.policy.backoff_max));
+            self.clock
+                .sleep(self.policy.tick.min(self.policy.backoff_max));
         }
     }
 
@@ -119,6 +121,10 @@ impl Session {
                 "cannot create the watcher's eventfd; frees send their release at once"
             );
         }
+        // Published before the thread starts, so its first look already waits on it (a look
+        // without it would sleep through that round's frees); a free before the thread runs
+        // leaves its wake-up in the eventfd's count.
+        self.wake_fd.store(efd, Ordering::Release);
         let spawned = std::thread::Builder::new()
             .name("tessera-watch".into())
             .stack_size(64 * 1024)
@@ -131,18 +137,17 @@ impl Session {
                 self.watcher_died();
             });
         match spawned {
-            Ok(_) => {
-                // Frees defer their release only once the watcher runs.
-                self.wake_fd.store(efd, Ordering::Release);
-                true
-            }
+            Ok(_) => true,
             Err(_) => {
                 tlog!(
                     Warn,
                     "cannot start the watcher thread; reconnection waits for the next call"
                 );
+                // Frees send their release at once again.
+                self.wake_fd.store(-1, Ordering::Release);
                 if efd >= 0 {
-                    // SAFETY: our own eventfd, never published.
+                    // SAFETY: our own eventfd; no thread reads it, and frees from now on see
+                    // -1 (the same hand-over as in `watcher_died`).
                     unsafe { libc::close(efd) };
                 }
                 // Nobody would answer pressure: keep no credit.
@@ -168,39 +173,6 @@ impl Session {
         self.close_channel();
         self.try_flush();
     }
-}
-
-/// Waits up to `tick` for `wake` or `chan` to become readable (negative fds are ignored; with
-/// neither it just sleeps). Returns which were readable.
-pub(super) fn wait_either(wake: RawFd, chan: RawFd, tick: Duration) -> (bool, bool) {
-    if wake < 0 && chan < 0 {
-        std::thread::sleep(tick);
-        return (false, false);
-    }
-    let mut pfd = [
-        libc::pollfd {
-            fd: wake,
-            events: libc::POLLIN,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: chan,
-            events: libc::POLLIN,
-            revents: 0,
-        },
-    ];
-    let ms = tick.as_millis().min(i32::MAX as u128) as i32;
-    // Sub-millisecond waits round up so the release delay is not a busy loop.
-    let ms = if ms == 0 && !tick.is_zero() { 1 } else { ms };
-    // SAFETY: `pfd` is a valid pollfd array of length 2; negative fds are ignored by poll.
-    let n = unsafe { libc::poll(pfd.as_mut_ptr(), 2, ms) };
-    if n <= 0 {
-        return (false, false);
-    }
-    let ready = |p: &libc::pollfd| {
-        p.fd >= 0 && p.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0
-    };
-    (ready(&pfd[0]), ready(&pfd[1]))
 }
 
 /// True when the peer of socket `fd` has closed it (checked without waiting).
