@@ -62,11 +62,17 @@ fn in_report_mode_the_bypass_is_logged_and_left_running() {
     assert_eq!(parent.ask(&format!("alloc {}", 100 * MIB))["alloc"], 0);
     let spawned = parent.ask(&format!("spawn_bare {}", 2 * GIB));
     let child = spawned["child"].as_u64().unwrap() as u32;
-    let reported = wait_until(Duration::from_secs(3), || {
-        bed.arbiter_log().contains("reported")
+    // Reported at every poll while the breach lasts: a second report means the backstop acted
+    // on it again, and in report mode that leaves it running (no fixed wait for a kill that
+    // may or may not come).
+    let reported = wait_until(Duration::from_secs(30), || {
+        bed.arbiter_log().matches("reported").count() >= 2
     });
-    assert!(reported.is_some(), "no report\n{}", bed.arbiter_log());
-    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        reported.is_some(),
+        "not reported twice\n{}",
+        bed.arbiter_log()
+    );
     assert!(alive(child), "report mode must not kill");
     assert!(parent.exit().success());
 }
