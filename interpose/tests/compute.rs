@@ -17,6 +17,15 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Waits (generously) until `pid`'s kernels have run on the simulated engine: the tenant is
+/// connected and launching, whatever the machine's load.
+fn running_on_the_engine(bed: &Bed, pid: u32) {
+    wait_until(Duration::from_secs(30), || {
+        busy_by_pid(bed).get(&pid).is_some_and(|&ns| ns > 0)
+    })
+    .unwrap_or_else(|| panic!("{pid} never ran a kernel\n{}", bed.arbiter_log()));
+}
+
 fn busy_by_pid(bed: &Bed) -> HashMap<u32, u64> {
     tessera_sim_state::read_processes(&bed.sim_dir)
         .unwrap()
@@ -362,7 +371,7 @@ fn a_launcher_cancelled_while_waiting_for_a_lease_exits_cleanly() {
     let (a_token, _) = bed.create_with(GIB, 50, None);
     let (c_token, _) = bed.create_with(GIB, 50, None);
     let a = spawn_client(&bed, &a_token, &["kernel", "4", "2"]);
-    std::thread::sleep(Duration::from_millis(300));
+    running_on_the_engine(&bed, a.id());
     let (status, stdout, stderr) = run(bed.tenant_command(&exe, &c_token).args(["12", "40"]));
     let _ = finish(&bed, a);
     assert!(
@@ -422,7 +431,7 @@ fn launches_keep_running_while_the_arbiter_restarts() {
     let (token, id) = bed.create_with(GIB, 50, None);
     let c = spawn_client(&bed, &token, &["kernel", "3", "2"]);
     let pid = c.id();
-    std::thread::sleep(Duration::from_millis(700));
+    running_on_the_engine(&bed, pid);
     bed.kill_arbiter();
     std::thread::sleep(Duration::from_millis(500));
     bed.start_arbiter();

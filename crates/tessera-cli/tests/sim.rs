@@ -115,7 +115,6 @@ fn two_processes_share_memory_and_serialise_kernels() {
         wall >= Duration::from_millis(1800),
         "kernels overlapped: {wall:?}"
     );
-    assert!(wall < Duration::from_secs(20), "too slow: {wall:?}");
     let busy = tessera_sim_state::device_busy_ns(state.path(), 0);
     assert!(
         (2_000_000_000..2_400_000_000).contains(&busy),

@@ -245,7 +245,8 @@ fn watcher_redeclares_for_an_idle_process() {
     arb2.wait_for("redeclare", |a| a.in_use() == 700);
     arb2.wait_for("channel", |a| a.channels() == 1);
     assert_eq!(arb2.connections(), 1);
-    assert!(s.connected());
+    // The session marks itself connected just after the channel is subscribed: wait for it.
+    arb2.wait_for("the session connected", |_| s.connected());
     // Known use survives; a new reservation is counted on top.
     assert_eq!(s.reserve(300), Ok(1000));
     assert_eq!(

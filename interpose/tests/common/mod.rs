@@ -326,6 +326,19 @@ impl Served {
         self.read()
     }
 
+    /// Sends `fork_child BYTES`: returns the parent's answer (`forked`, `release_fd`) and the
+    /// child's (`child_alloc`, `child_pid`). The two processes print at the same time, so the
+    /// lines are told apart by what they say, not by their order.
+    pub fn fork_child(&mut self, bytes: u64) -> (serde_json::Value, serde_json::Value) {
+        let first = self.ask(&format!("fork_child {bytes}"));
+        let second = self.read();
+        if first.get("forked").is_some() {
+            (first, second)
+        } else {
+            (second, first)
+        }
+    }
+
     /// Sends `exit` and waits.
     pub fn exit(mut self) -> ExitStatus {
         let _ = writeln!(self.stdin, "exit");
