@@ -38,13 +38,20 @@ unsafe fn run<F: Copy>(
     let Some(_g) = guard::enter() else {
         return pass(real);
     };
-    guard::no_unwind(panicked, || match state::process() {
+    guard::no_unwind(panicked, || match state::process_here() {
         None => pass(real),
         Some(p) => match logic(real, p) {
             Outcome::Handled(r) => r,
             Outcome::PassThrough => pass(real),
         },
     })
+}
+
+/// The state accounting for device `dev` (the hook's own argument, not the current context:
+/// a context made for device 1 while device 0 is current costs device 1's slice).
+#[inline]
+fn on(dev: CUdevice, p: &'static Process) -> &'static Process {
+    state::process_on(Some(dev)).unwrap_or(p)
 }
 
 /// [`run`] for CUDA driver entry points.
@@ -640,7 +647,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUd
                 if pctx.is_null() {
                     return Outcome::PassThrough;
                 }
-                contexts::primary_retain(p, dev, || real(pctx, dev))
+                contexts::primary_retain(on(dev, p), dev, || real(pctx, dev))
             },
         )
     }
@@ -659,7 +666,7 @@ macro_rules! primary_end {
                 cuda::<cuDevicePrimaryCtxRelease_v2_t>(
                     HookId::$id,
                     |real| real(dev),
-                    |real, p| $logic(p, dev, || real(dev)),
+                    |real, p| $logic(on(dev, p), dev, || real(dev)),
                 )
             }
         }
@@ -710,7 +717,7 @@ pub unsafe extern "C" fn cuCtxCreate_v2(
                 if pctx.is_null() {
                     return Outcome::PassThrough;
                 }
-                contexts::create(p, || {
+                contexts::create(on(dev, p), || {
                     let r = real(pctx, flags, dev);
                     (r, written(r, pctx) as u64)
                 })
@@ -740,7 +747,7 @@ pub unsafe extern "C" fn cuCtxCreate_v3(
                 if pctx.is_null() {
                     return Outcome::PassThrough;
                 }
-                contexts::create(p, || {
+                contexts::create(on(dev, p), || {
                     let r = real(pctx, params, num_params, flags, dev);
                     (r, written(r, pctx) as u64)
                 })
@@ -769,7 +776,7 @@ pub unsafe extern "C" fn cuCtxCreate_v4(
                 if pctx.is_null() {
                     return Outcome::PassThrough;
                 }
-                contexts::create(p, || {
+                contexts::create(on(dev, p), || {
                     let r = real(pctx, params, flags, dev);
                     (r, written(r, pctx) as u64)
                 })
@@ -815,7 +822,7 @@ pub unsafe extern "C" fn cuGreenCtxCreate(
                 if pctx.is_null() {
                     return Outcome::PassThrough;
                 }
-                contexts::create(p, || {
+                contexts::create(on(dev, p), || {
                     let r = real(pctx, desc, dev, flags);
                     (r, written(r, pctx) as u64)
                 })
@@ -893,7 +900,7 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -
                 if r != CUDA_SUCCESS {
                     return Outcome::Handled(r);
                 }
-                match p.session.limit() {
+                match on(dev, p).session.limit() {
                     Some(limit) => {
                         *bytes = limit as usize;
                         Outcome::Handled(CUDA_SUCCESS)

@@ -1,0 +1,77 @@
+/* One process on several devices. Usage: multi_gpu DEVICES CHUNK.
+ * For each device ordinal d < DEVICES: retains its primary context, makes it current and
+ * reports cuMemGetInfo and cuDeviceTotalMem ("dev <d> info <free> <total> <devtotal>"), then
+ * allocates CHUNK bytes at a time until refused ("dev <d> got <n> chunks rc <rc>").
+ * Then, with device 0 current, frees the first chunk of every device ("freed <d> <rc>") and
+ * reports each device's free memory again ("dev <d> after <free>"). Prints "peer <rc>" for a
+ * cuMemcpyPeer between the first chunks of devices 0 and 1, "done" at the end and exits 0. */
+#include <stdio.h>
+#include <stdlib.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef int CUdevice;
+typedef void *CUcontext;
+
+CUresult cuInit(unsigned int);
+CUresult cuDeviceGet(CUdevice *, int);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
+CUresult cuCtxSetCurrent(CUcontext);
+CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+CUresult cuMemFree_v2(CUdeviceptr);
+CUresult cuMemGetInfo_v2(size_t *, size_t *);
+CUresult cuDeviceTotalMem_v2(size_t *, CUdevice);
+CUresult cuMemcpyPeer(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t);
+
+#define MAXD 8
+
+int main(int argc, char **argv) {
+    int n = argc > 1 ? atoi(argv[1]) : 2;
+    size_t chunk = argc > 2 ? strtoull(argv[2], NULL, 10) : (1u << 30);
+    if (n > MAXD) n = MAXD;
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (cuInit(0) != 0) {
+        printf("init failed\n");
+        return 1;
+    }
+    CUcontext ctx[MAXD] = {0};
+    CUdeviceptr first[MAXD] = {0};
+    for (int d = 0; d < n; d++) {
+        CUdevice dev = 0;
+        CUresult r = cuDeviceGet(&dev, d);
+        if (r == 0) r = cuDevicePrimaryCtxRetain(&ctx[d], dev);
+        if (r == 0) r = cuCtxSetCurrent(ctx[d]);
+        if (r != 0) {
+            printf("dev %d context %d\n", d, r);
+            continue;
+        }
+        size_t f = 0, t = 0, dt = 0;
+        CUresult ri = cuMemGetInfo_v2(&f, &t);
+        CUresult rt = cuDeviceTotalMem_v2(&dt, dev);
+        printf("dev %d info %zu %zu %zu rc %d %d\n", d, f, t, dt, ri, rt);
+        int got = 0;
+        for (;;) {
+            CUdeviceptr p = 0;
+            r = cuMemAlloc_v2(&p, chunk);
+            if (r != 0) break;
+            if (got == 0) first[d] = p;
+            got++;
+            if (got > 100000) break;
+        }
+        printf("dev %d got %d chunks rc %d\n", d, got, r);
+    }
+    if (n > 1 && first[0] && first[1])
+        printf("peer %d\n", cuMemcpyPeer(first[0], ctx[0], first[1], ctx[1], 4096));
+    if (ctx[0]) cuCtxSetCurrent(ctx[0]);
+    for (int d = 0; d < n; d++)
+        if (first[d]) printf("freed %d %d\n", d, cuMemFree_v2(first[d]));
+    for (int d = 0; d < n; d++) {
+        if (!ctx[d]) continue;
+        cuCtxSetCurrent(ctx[d]);
+        size_t f = 0, t = 0;
+        cuMemGetInfo_v2(&f, &t);
+        printf("dev %d after %zu\n", d, f);
+    }
+    printf("done\n");
+    return 0;
+}
