@@ -54,6 +54,20 @@ fn on(dev: CUdevice, p: &'static Process) -> &'static Process {
     state::process_on(Some(dev)).unwrap_or(p)
 }
 
+/// The state whose ledger counts VMM handle `handle` (a handle is mapped, retained and
+/// released from any device's context, and stays counted on the device that holds it), else
+/// `p`.
+fn by_handle(p: &'static Process, handle: u64) -> &'static Process {
+    state::holder(p, |l| {
+        l.handle(handle).is_some() || l.imported_handle(handle).is_some()
+    })
+}
+
+/// The state whose ledger has mappings in `[va, va + size)`, else `p`.
+fn by_range(p: &'static Process, va: u64, size: usize) -> &'static Process {
+    state::holder(p, |l| l.has_mappings_in(va, size as u64))
+}
+
 /// [`run`] for CUDA driver entry points.
 ///
 /// # Safety
@@ -282,6 +296,12 @@ pub unsafe extern "C" fn cuMemCreate(
                 ) {
                     return Outcome::PassThrough;
                 }
+                // Counted on the device that holds the memory, whichever is current.
+                let p = if location == CU_MEM_LOCATION_TYPE_DEVICE {
+                    on((*prop).location.id, p)
+                } else {
+                    p
+                };
                 memory::vmm_create(p, size as u64, || {
                     let r = real(handle, size, prop, flags);
                     (r, written(r, handle))
@@ -451,7 +471,7 @@ pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> C
         cuda::<cuMemRelease_t>(
             HookId::MemRelease,
             |real| real(handle),
-            |real, p| memory::vmm_release(p, handle, || real(handle)),
+            |real, p| memory::vmm_release(by_handle(p, handle), handle, || real(handle)),
         )
     }
 }
@@ -474,7 +494,7 @@ pub unsafe extern "C" fn cuMemMap(
             HookId::MemMap,
             |real| real(ptr, size, offset, handle, flags),
             |real, p| {
-                memory::vmm_map(p, ptr, size as u64, handle, || {
+                memory::vmm_map(by_handle(p, handle), ptr, size as u64, handle, || {
                     real(ptr, size, offset, handle, flags)
                 })
             },
@@ -493,7 +513,9 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
         cuda::<cuMemUnmap_t>(
             HookId::MemUnmap,
             |real| real(ptr, size),
-            |real, p| memory::vmm_unmap(p, ptr, size as u64, || real(ptr, size)),
+            |real, p| {
+                memory::vmm_unmap(by_range(p, ptr, size), ptr, size as u64, || real(ptr, size))
+            },
         )
     }
 }
@@ -509,7 +531,9 @@ pub unsafe extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUre
         cuda::<cuMemAddressFree_t>(
             HookId::MemAddressFree,
             |real| real(ptr, size),
-            |real, p| memory::vmm_unmap(p, ptr, size as u64, || real(ptr, size)),
+            |real, p| {
+                memory::vmm_unmap(by_range(p, ptr, size), ptr, size as u64, || real(ptr, size))
+            },
         )
     }
 }
@@ -533,7 +557,7 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(
                 if handle.is_null() {
                     return Outcome::PassThrough;
                 }
-                memory::vmm_retain(p, addr as u64, || {
+                memory::vmm_retain(by_range(p, addr as u64, 1), addr as u64, || {
                     let r = real(handle, addr);
                     (r, written(r, handle))
                 })

@@ -344,6 +344,16 @@ pub fn all_states() -> impl Iterator<Item = &'static Process> {
         .map(|p| unsafe { &*p })
 }
 
+/// The first state (`p` first, then every device's) whose ledger satisfies `has`, else `p`:
+/// objects are freed, mapped and released from any device's context, and go back to the
+/// device that holds them.
+pub fn holder(p: &'static Process, has: impl Fn(&Ledger) -> bool) -> &'static Process {
+    std::iter::once(p)
+        .chain(all_states())
+        .find(|s| has(&s.ledger()))
+        .unwrap_or(p)
+}
+
 static ATFORK: AtomicBool = AtomicBool::new(false);
 
 /// Registers the fork handler once (from the constructor when a token is set).

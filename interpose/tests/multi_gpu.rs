@@ -138,3 +138,24 @@ fn a_device_outside_the_allocation_gets_nothing_and_a_neighbours_room_is_not_tak
     );
     let _ = ids;
 }
+
+#[test]
+fn vmm_memory_of_one_device_mapped_for_both_is_counted_on_the_device_that_holds_it() {
+    let bed = Bed::with_gpus("2x80GiB", &[]);
+    let (token, ids) = group(&bed, [10 * GIB, 20 * GIB]);
+    let prog = build_c(&bed, "multi_vmm");
+    let (st, out, err) = run(bed.tenant_command(&prog, &token).arg("2048"));
+    assert!(st.success(), "{out}\n{err}");
+    for step in ["create ", "mapped ", "released ", "peer ", "unmapped "] {
+        assert_eq!(nums(&out, step), [0], "{step}: {out}\n{err}");
+    }
+    // Made while device 0 was current, for device 1, mapped and accessible from both: only
+    // device 1's slice holds the 2 GiB (the 4 KiB peer-copy source is device 0's), and
+    // unmapping (with device 0 current) gives them back to device 1.
+    let free = |what: &str, d: usize| nums(&out, &format!("{what} {d} "))[0] as u64;
+    assert_eq!(free("free", 0), 10 * GIB - CONTEXT - 4096, "{out}");
+    assert_eq!(free("free", 1), 20 * GIB - CONTEXT - 2 * GIB, "{out}");
+    assert_eq!(free("after", 0), 10 * GIB - CONTEXT - 4096, "{out}");
+    assert_eq!(free("after", 1), 20 * GIB - CONTEXT, "{out}");
+    let _ = ids;
+}
