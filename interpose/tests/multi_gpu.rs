@@ -159,3 +159,62 @@ fn vmm_memory_of_one_device_mapped_for_both_is_counted_on_the_device_that_holds_
     assert_eq!(free("after", 1), 20 * GIB - CONTEXT, "{out}");
     let _ = ids;
 }
+
+#[test]
+fn tessera_run_on_two_gpus_holds_each_to_the_limit_per_gpu_and_cleans_up() {
+    let bed = Bed::with_gpus("2x80GiB", &[]);
+    let prog = build_c(&bed, "multi_gpu");
+    let mut cmd = bed.sim_command(&tessera_testkit::artifact("tessera"));
+    cmd.args(["run", "--gpu", "0,1", "--memory", "4GiB", "--share", "30"])
+        .arg("--interposer")
+        .arg(interposer())
+        .arg("--tenant-socket")
+        .arg(&bed.socket)
+        .arg("--admin-socket")
+        .arg(&bed.admin_socket)
+        .arg("--")
+        .arg(&prog)
+        .args(["2", &GIB.to_string()]);
+    let (st, out, err) = run(&mut cmd);
+    assert!(st.success(), "{out}\n{err}");
+    for d in [0, 1] {
+        assert_eq!(
+            nums(&out, &format!("dev {d} info "))[1] as u64,
+            4 * GIB,
+            "{out}"
+        );
+        assert_eq!(
+            nums(&out, &format!("dev {d} got ")),
+            [((4 * GIB - CONTEXT) / GIB) as i64, OOM],
+            "{out}"
+        );
+    }
+    // Both slices are deleted when the command ends.
+    assert!(bed.admin().list().unwrap().is_empty());
+}
+
+#[test]
+fn the_backstop_polices_each_card_on_its_own_slice() {
+    // Polled every 50 ms with no tolerance: an honest process holding 10 GiB on card 0 and
+    // 20 GiB on card 1 (each slice at its limit, 30 GiB in all) is never touched: card 1's
+    // memory is charged to card 1's slice, never summed into card 0's 10 GiB.
+    let bed = Bed::with_gpus(
+        "2x80GiB",
+        &["--backstop-interval-ms", "50", "--backstop-slack-mib", "0"],
+    );
+    let (token, _ids) = group(&bed, [10 * GIB, 20 * GIB]);
+    let prog = build_c(&bed, "multi_gpu");
+    let (st, out, err) =
+        run(bed
+            .tenant_command(&prog, &token)
+            .args(["2", &(512 * MIB).to_string(), "1500"]));
+    assert!(
+        st.success(),
+        "killed? {st:?}\n{out}\n{err}\n{}",
+        bed.arbiter_log()
+    );
+    assert!(out.contains("done"), "{out}");
+    assert!(out.contains("holding"), "{out}");
+    let log = bed.arbiter_log();
+    assert!(!log.contains("backstop: pid"), "{log}");
+}

@@ -1,12 +1,14 @@
-/* One process on several devices. Usage: multi_gpu DEVICES CHUNK.
+/* One process on several devices. Usage: multi_gpu DEVICES CHUNK [HOLD_MS].
  * For each device ordinal d < DEVICES: retains its primary context, makes it current and
  * reports cuMemGetInfo and cuDeviceTotalMem ("dev <d> info <free> <total> <devtotal>"), then
  * allocates CHUNK bytes at a time until refused ("dev <d> got <n> chunks rc <rc>").
+ * Then holds everything HOLD_MS milliseconds (0 by default; "holding" is printed first).
  * Then, with device 0 current, frees the first chunk of every device ("freed <d> <rc>") and
  * reports each device's free memory again ("dev <d> after <free>"). Prints "peer <rc>" for a
  * cuMemcpyPeer between the first chunks of devices 0 and 1, "done" at the end and exits 0. */
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -28,6 +30,7 @@ CUresult cuMemcpyPeer(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t);
 int main(int argc, char **argv) {
     int n = argc > 1 ? atoi(argv[1]) : 2;
     size_t chunk = argc > 2 ? strtoull(argv[2], NULL, 10) : (1u << 30);
+    long hold_ms = argc > 3 ? atol(argv[3]) : 0;
     if (n > MAXD) n = MAXD;
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (cuInit(0) != 0) {
@@ -59,6 +62,10 @@ int main(int argc, char **argv) {
             if (got > 100000) break;
         }
         printf("dev %d got %d chunks rc %d\n", d, got, r);
+    }
+    if (hold_ms > 0) {
+        printf("holding\n");
+        usleep((useconds_t)hold_ms * 1000);
     }
     if (n > 1 && first[0] && first[1])
         printf("peer %d\n", cuMemcpyPeer(first[0], ctx[0], first[1], ctx[1], 4096));
