@@ -3,11 +3,12 @@
 //! The JSON (`--json`) is a stable interface, documented in docs/arbiter.md:
 //! `{"gpus": [{index, uuid, name, memory_total, memory_promised, shares_promised,
 //! allocations: [{id, memory_limit, memory_used, processes, share, cap, gpu_time_10s_ns,
-//! gpu_percent_10s, labels, pod, claim, created_unix, enforced, owner_pid, orphaned}]}],
+//! gpu_percent_10s, labels, pod, claim, group, created_unix, enforced, owner_pid, orphaned}]}],
 //! "unplaced": [...]}`, where `unplaced`
 //! lists allocations whose GPU is not on the node any more (same fields plus `gpu_uuid`), and
 //! `pod` is `namespace/pod/container` from the labels the device plugin writes (or null), and
-//! `claim` the DRA claim's `namespace/name` from the DRA plugin's label (or null).
+//! `claim` the DRA claim's `namespace/name` from the DRA plugin's label (or null), and `group`
+//! the multi-GPU allocation it is one GPU's slice of (or null).
 //!
 //! `--watch [SECONDS]` redraws the table in place every SECONDS (2 by default) until Ctrl-C or
 //! SIGTERM, with GPU use as a percentage of the GPU over the last 10 s.
