@@ -329,6 +329,46 @@ fn route_first(main: &'static Process, dev: i32, slot: usize) -> &'static Proces
     }
 }
 
+static NVML_GET_UUID: AtomicPtr<std::ffi::c_void> = AtomicPtr::new(std::ptr::null_mut());
+type NvmlGetUuidFn =
+    unsafe extern "C" fn(crate::ffi::nvmlDevice_t, *mut std::ffi::c_char, u32) -> u32;
+
+/// The state that accounts for NVML device `device`: the CUDA device with the same UUID (NVML
+/// ignores `CUDA_VISIBLE_DEVICES` and lists every GPU, so its indexes are not ordinals), else
+/// `p` (a GPU this process's CUDA does not see, or CUDA not initialised: as before).
+pub fn process_for_nvml(p: &'static Process, device: crate::ffi::nvmlDevice_t) -> &'static Process {
+    let n = device_count();
+    if n == 0 {
+        return p;
+    }
+    let mut buf = [0 as std::ffi::c_char; 96];
+    let slot = &NVML_GET_UUID;
+    let mut f = slot.load(Ordering::Relaxed);
+    if f.is_null() {
+        f = crate::driver::nvml_symbol(c"nvmlDeviceGetUUID");
+        slot.store(f, Ordering::Relaxed);
+    }
+    if f.is_null() {
+        return p;
+    }
+    // SAFETY: `f` is NVML's nvmlDeviceGetUUID (that signature); `buf` is live and its length
+    // is passed.
+    let get: NvmlGetUuidFn =
+        unsafe { std::mem::transmute::<*mut std::ffi::c_void, NvmlGetUuidFn>(f) };
+    // SAFETY: as above.
+    if unsafe { get(device, buf.as_mut_ptr(), buf.len() as u32) } != 0 {
+        return p;
+    }
+    // SAFETY: NVML wrote a NUL-terminated string into `buf` on success.
+    let uuid = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy();
+    let Some(main) = process() else {
+        return p;
+    };
+    (0..n.min(MAX_DEVICES as i32))
+        .find(|&d| device_uuid(d).is_some_and(|u| u.eq_ignore_ascii_case(&uuid)))
+        .map_or(p, |d| route(main, Some(d)))
+}
+
 /// Every state of this process: its own, then each other device's.
 pub fn all_states() -> impl Iterator<Item = &'static Process> {
     let main = PROCESS.load(Ordering::Acquire);

@@ -46,6 +46,8 @@ fn one_process_on_both_devices_is_refused_at_each_devices_own_limit() {
         assert_eq!(info[1] as u64, limit, "dev {d} total: {out}");
         assert_eq!(info[0] as u64, limit - CONTEXT, "dev {d} free: {out}");
         assert_eq!(info[2] as u64, limit, "dev {d} cuDeviceTotalMem: {out}");
+        // NVML answers per device too, whichever context is current (device 0's here).
+        assert_eq!(nums(&out, &format!("nvml {d} "))[0] as u64, limit, "{out}");
         // Whole chunks up to that limit and not one more: the other device's room never
         // counts here.
         let got = nums(&out, &format!("dev {d} got "));

@@ -2,10 +2,14 @@
  * For each device ordinal d < DEVICES: retains its primary context, makes it current and
  * reports cuMemGetInfo and cuDeviceTotalMem ("dev <d> info <free> <total> <devtotal>"), then
  * allocates CHUNK bytes at a time until refused ("dev <d> got <n> chunks rc <rc>").
+ * With device 0 current, reports NVML's total for each NVML device of index d < DEVICES,
+ * reached through dlsym as pynvml does ("nvml <d> <total>", -1 when NVML fails).
  * Then holds everything HOLD_MS milliseconds (0 by default; "holding" is printed first).
  * Then, with device 0 current, frees the first chunk of every device ("freed <d> <rc>") and
  * reports each device's free memory again ("dev <d> after <free>"). Prints "peer <rc>" for a
  * cuMemcpyPeer between the first chunks of devices 0 and 1, "done" at the end and exits 0. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -26,6 +30,28 @@ CUresult cuDeviceTotalMem_v2(size_t *, CUdevice);
 CUresult cuMemcpyPeer(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t);
 
 #define MAXD 8
+
+typedef struct {
+    unsigned long long total, free, used;
+} nvml_memory_t;
+typedef int (*nvml_init_t)(void);
+typedef int (*nvml_handle_t)(unsigned int, void **);
+typedef int (*nvml_meminfo_t)(void *, nvml_memory_t *);
+
+/* NVML's total memory of device `index`, or -1. */
+static long long nvml_total(int index) {
+    void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    if (!h) return -1;
+    nvml_init_t init = (nvml_init_t)dlsym(h, "nvmlInit_v2");
+    nvml_handle_t handle = (nvml_handle_t)dlsym(h, "nvmlDeviceGetHandleByIndex_v2");
+    nvml_meminfo_t info = (nvml_meminfo_t)dlsym(h, "nvmlDeviceGetMemoryInfo");
+    void *dev = NULL;
+    nvml_memory_t m = {0, 0, 0};
+    if (!init || !handle || !info || init() != 0 || handle((unsigned)index, &dev) != 0 ||
+        info(dev, &m) != 0)
+        return -1;
+    return (long long)m.total;
+}
 
 int main(int argc, char **argv) {
     int n = argc > 1 ? atoi(argv[1]) : 2;
@@ -63,6 +89,8 @@ int main(int argc, char **argv) {
         }
         printf("dev %d got %d chunks rc %d\n", d, got, r);
     }
+    if (ctx[0]) cuCtxSetCurrent(ctx[0]);
+    for (int d = 0; d < n; d++) printf("nvml %d %lld\n", d, nvml_total(d));
     if (hold_ms > 0) {
         printf("holding\n");
         usleep((useconds_t)hold_ms * 1000);
