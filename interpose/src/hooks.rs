@@ -961,6 +961,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
                 if r != NVML_SUCCESS {
                     return Outcome::Handled(r);
                 }
+                // SAFETY: `device` is the caller's own NVML handle, passed on unchanged.
                 let p = state::process_for_nvml(p, device);
                 let Some((free, total)) = memory::virtual_mem_info(p, (*memory).free) else {
                     return Outcome::Handled(NVML_ERROR_UNKNOWN);
@@ -998,6 +999,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
                 if r != NVML_SUCCESS {
                     return Outcome::Handled(r);
                 }
+                // SAFETY: `device` is the caller's own NVML handle, passed on unchanged.
                 let p = state::process_for_nvml(p, device);
                 let Some((free, total)) = memory::virtual_mem_info(p, (*memory).free) else {
                     return Outcome::Handled(NVML_ERROR_UNKNOWN);

@@ -336,7 +336,13 @@ type NvmlGetUuidFn =
 /// The state that accounts for NVML device `device`: the CUDA device with the same UUID (NVML
 /// ignores `CUDA_VISIBLE_DEVICES` and lists every GPU, so its indexes are not ordinals), else
 /// `p` (a GPU this process's CUDA does not see, or CUDA not initialised: as before).
-pub fn process_for_nvml(p: &'static Process, device: crate::ffi::nvmlDevice_t) -> &'static Process {
+///
+/// # Safety
+/// `device` is what the caller passed to an NVML entry point (NVML checks the handle itself).
+pub unsafe fn process_for_nvml(
+    p: &'static Process,
+    device: crate::ffi::nvmlDevice_t,
+) -> &'static Process {
     let n = device_count();
     if n == 0 {
         return p;
