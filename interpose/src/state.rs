@@ -85,19 +85,25 @@ fn create() -> Option<&'static Process> {
             Gate::new(socket, token).with_companion(companion_ticket)
         },
     )));
-    match PROCESS.compare_exchange(
+    Some(publish(&PROCESS, fresh))
+}
+
+/// Publishes `fresh` (from `Box::into_raw`) in the empty `slot`, or, when another thread was
+/// first, drops it and returns that thread's state. States are leaked, never freed.
+fn publish(slot: &AtomicPtr<Process>, fresh: *mut Process) -> &'static Process {
+    match slot.compare_exchange(
         std::ptr::null_mut(),
         fresh,
         Ordering::AcqRel,
         Ordering::Acquire,
     ) {
         // SAFETY: we just published `fresh`; it is never freed.
-        Ok(_) => Some(unsafe { &*fresh }),
+        Ok(_) => unsafe { &*fresh },
         Err(winner) => {
             // SAFETY: `fresh` was never shared; `winner` is a leaked, live state.
             unsafe {
                 drop(Box::from_raw(fresh));
-                Some(&*winner)
+                &*winner
             }
         }
     }
@@ -311,22 +317,7 @@ fn route_first(main: &'static Process, dev: i32, slot: usize) -> &'static Proces
         Session::new(Some(socket.clone()), token.clone(), Policy::default()),
         Gate::new(Some(socket), token),
     )));
-    match SLICES[slot].compare_exchange(
-        std::ptr::null_mut(),
-        fresh,
-        Ordering::AcqRel,
-        Ordering::Acquire,
-    ) {
-        // SAFETY: we just published `fresh`; it is never freed.
-        Ok(_) => unsafe { &*fresh },
-        Err(winner) => {
-            // SAFETY: `fresh` was never shared; `winner` is a leaked, live state.
-            unsafe {
-                drop(Box::from_raw(fresh));
-                &*winner
-            }
-        }
-    }
+    publish(&SLICES[slot], fresh)
 }
 
 static NVML_GET_UUID: AtomicPtr<std::ffi::c_void> = AtomicPtr::new(std::ptr::null_mut());
