@@ -14,7 +14,8 @@
 //! - [`conn`]: one blocking, `SIGPIPE`-free connection to the arbiter's tenant socket.
 //! - [`session`]: reserve / release / re-declare, reconnection, behaviour while the arbiter is down.
 //! - [`ledger`]: live objects and their charged sizes.
-//! - [`state`]: the per-process state and its reset in a forked child.
+//! - [`state`]: the per-process state, one per device of a multi-GPU allocation (routed by the
+//!   current context's device, or the call's), and its reset in a forked child.
 //! - [`memory`]: the accounting logic behind each allocation, free and memory query.
 //! - [`contexts`]: contexts count against the limit: each one's cost reserved before the
 //!   driver makes it, given back when it goes; [`context_book`]: what was reserved for which.
