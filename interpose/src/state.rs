@@ -234,6 +234,29 @@ fn main_uuid() -> Option<&'static str> {
     }
 }
 
+/// Whether the allocation spans several GPUs: 0 not known yet, 1 no, 2 yes.
+static GROUP: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// Whether the process's allocation is a multi-GPU one: the arbiter answers the slice token of
+/// the allocation's own GPU only for the first slice of a group (one extra connection, once).
+/// `None` while the arbiter cannot say (not reachable).
+fn is_group(socket: &std::path::Path, token: &str, own_uuid: &str) -> Option<bool> {
+    match GROUP.load(Ordering::Relaxed) {
+        1 => return Some(false),
+        2 => return Some(true),
+        _ => {}
+    }
+    let probe = tessera_protocol::group::slice_token(token, own_uuid);
+    let timeout = Some(std::time::Duration::from_secs(2));
+    let answer = match crate::conn::Conn::connect(socket, &probe, timeout) {
+        Ok(_) => true,
+        Err(crate::conn::ConnError::Refused(_)) => false,
+        Err(_) => return None,
+    };
+    GROUP.store(if answer { 2 } else { 1 }, Ordering::Relaxed);
+    Some(answer)
+}
+
 /// The state of the calling thread's current device (see [`process_on`]).
 #[inline]
 pub fn process_here() -> Option<&'static Process> {
@@ -307,6 +330,22 @@ fn route_first(main: &'static Process, dev: i32, slot: usize) -> &'static Proces
     let (Some(socket), Some(group_token)) = (cfg.socket(), cfg.token()) else {
         return main;
     };
+    // An allocation of one GPU keeps every device on its one ledger, as it always did (a
+    // container shows it only its GPU; on another card the backstop polices it). Only a
+    // multi-GPU allocation's other devices get states of their own.
+    match is_group(socket, &group_token, own) {
+        Some(true) => {}
+        Some(false) => {
+            let _ = SLICES[slot].compare_exchange(
+                std::ptr::null_mut(),
+                main as *const Process as *mut Process,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+            return main;
+        }
+        None => return main,
+    }
     // An unnamed device, or one past the slots, gets a token nobody has: refused.
     let token = match uuid {
         Some(u) => tessera_protocol::group::slice_token(&group_token, &u),

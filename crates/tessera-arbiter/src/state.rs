@@ -202,6 +202,19 @@ fn view(record: &AllocationRecord) -> AllocationView {
     }
 }
 
+/// The second token of a multi-GPU allocation's first slice: the slice token of its own GPU
+/// ([`tessera_protocol::group::slice_token`] of the group token and that GPU's UUID). Only the
+/// first slice of a group answers it, so an interposer learns from it that its allocation spans
+/// several GPUs (one of one GPU keeps every device on its one ledger); it opens nothing the
+/// group token does not.
+fn group_marker(record: &AllocationRecord) -> Option<String> {
+    let group = record
+        .labels
+        .get(tessera_protocol::group::LABEL_GPU_GROUP)?;
+    (*group == record.id)
+        .then(|| tessera_protocol::group::slice_token(&record.token, &record.gpu_uuid))
+}
+
 /// Characters and lengths of a token: hex, as [`store::new_token`] makes them (64 digits), and
 /// never fewer than 128 bits' worth.
 const TOKEN_LEN: std::ops::RangeInclusive<usize> = 32..=256;
@@ -395,6 +408,9 @@ impl Arbiter {
         live.ledger.open(key, record.memory_limit);
         scheduler.add_allocation(key, record.share, record.cap, self.now_ns());
         live.tokens.insert(record.token.clone(), record.id.clone());
+        if let Some(alias) = group_marker(&record) {
+            live.tokens.insert(alias, record.id.clone());
+        }
         live.by_id.insert(
             record.id.clone(),
             LiveAlloc {
@@ -1020,6 +1036,9 @@ impl Arbiter {
         let mut live = self.live();
         if let Some(a) = live.by_id.remove(id) {
             live.tokens.remove(&a.record.token);
+            if let Some(alias) = group_marker(&a.record) {
+                live.tokens.remove(&alias);
+            }
             // Ok(true): no process attached, the account is gone now.
             if live.ledger.close(a.key).unwrap_or(true) {
                 drop(live);
@@ -1234,6 +1253,13 @@ mod tests {
         assert!(
             arb.attach_tenant(&slice_token(&token, "GPU-7"), 3, None)
                 .is_none()
+        );
+        // The first slice answers its own GPU's slice token too (how an interposer learns it is
+        // in a group).
+        assert_eq!(
+            arb.attach_tenant(&slice_token(&token, "GPU-0"), 5, None)
+                .map(|b| b.view.id),
+            Some(slices[0].id.clone())
         );
         // Separate ledgers: each refuses at its own limit.
         let granted = |key, conn, bytes| {

@@ -12,7 +12,7 @@
 //! A claim is either one fraction or whole GPUs: a container has one identity (one
 //! allocation the interposer enforces), so two fractions in one claim are refused.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
@@ -139,6 +139,14 @@ pub enum ClaimError {
     MixedResults(usize),
 }
 
+/// True when the claim's results are fractions of two or more distinct GPUs: they become one
+/// multi-GPU allocation (see [`tessera_protocol::group`]; [`crate::prepare`] creates it). Whole GPUs keep one allocation
+/// each (the container runs without limits on them), and so do several fractions of one GPU.
+pub fn spans_gpus(plans: &[Planned]) -> bool {
+    let uuids: HashSet<&str> = plans.iter().map(|p| p.uuid.as_str()).collect();
+    plans.len() >= 2 && uuids.len() == plans.len() && plans.iter().all(|p| !p.whole)
+}
+
 /// Checks the kubelet's `(namespace, name, uid)`: lower-case DNS characters only (names are
 /// DNS subdomains, uids UUIDs), at most 253 bytes, so none can leave a folder or a URL path.
 pub fn check_ref(namespace: &str, name: &str, uid: &str) -> Result<(), ClaimError> {
@@ -219,7 +227,7 @@ pub fn plan(
     }
     // Fractions of several GPUs are one multi-GPU allocation; anything else with a fraction
     // in it must be a single result.
-    if out.len() > 1 && out.iter().any(|p| !p.whole) && !crate::prepare::spans_gpus(&out) {
+    if out.len() > 1 && out.iter().any(|p| !p.whole) && !spans_gpus(&out) {
         return Err(ClaimError::MixedResults(out.len()));
     }
     Ok(out)
@@ -462,7 +470,7 @@ mod tests {
         );
         let plans = plan(&tp, "u1", "node-a", &g, GIB).unwrap();
         assert_eq!(plans.len(), 2);
-        assert!(crate::prepare::spans_gpus(&plans));
+        assert!(spans_gpus(&plans));
         let same = claim(
             "u1",
             vec![

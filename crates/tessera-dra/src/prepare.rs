@@ -26,7 +26,7 @@ use tessera_protocol::{
 };
 
 use crate::cdi::{self, CdiError, Wiring};
-use crate::claim::Planned;
+use crate::claim::{Planned, spans_gpus};
 
 /// Who made the allocation (the device plugin's own are `device-plugin`, which it alone
 /// touches; it leaves these alone).
@@ -105,14 +105,6 @@ fn devices(uid: &str, plans: &[Planned], nvidia_kind: &str) -> Vec<PreparedDevic
             cdi_ids: vec![cdi::device_id(uid, i), format!("{nvidia_kind}={}", p.uuid)],
         })
         .collect()
-}
-
-/// True when the claim's results are fractions of two or more distinct GPUs: they become one
-/// multi-GPU allocation (see [`tessera_protocol::group`]). Whole GPUs keep one allocation
-/// each (the container runs without limits on them), and so do several fractions of one GPU.
-pub fn spans_gpus(plans: &[Planned]) -> bool {
-    let uuids: HashSet<&str> = plans.iter().map(|p| p.uuid.as_str()).collect();
-    plans.len() >= 2 && uuids.len() == plans.len() && plans.iter().all(|p| !p.whole)
 }
 
 fn is_ours(a: &AllocationStatus, uid: &str) -> bool {
