@@ -441,7 +441,7 @@ pub fn samples() -> Samples {
                 gpu: GpuSelector::Index(3),
                 labels: status.labels.clone(),
                 cap: None,
-                ..create
+                ..create.clone()
             }),
             AdminRequest::List,
             AdminRequest::CreateOwned {
@@ -455,6 +455,16 @@ pub fn samples() -> Samples {
             AdminRequest::UpdateLabels {
                 id: "a-1".into(),
                 labels: status.labels.clone(),
+            },
+            AdminRequest::CreateGroup {
+                slices: vec![
+                    create.clone(),
+                    CreateAllocation {
+                        gpu: GpuSelector::Uuid("GPU-b".into()),
+                        ..create.clone()
+                    },
+                ],
+                owner: None,
             },
         ],
         admin_reply: vec![
@@ -478,6 +488,10 @@ pub fn samples() -> Samples {
                 allocation: status.clone(),
             },
             AdminReply::Updated(status.clone()),
+            AdminReply::CreatedGroup {
+                token: "cd".repeat(32),
+                allocations: vec![status.clone(), status.clone()],
+            },
             AdminReply::Allocations(vec![status.clone(), status]),
             AdminReply::Deleted,
             AdminReply::Error {

@@ -140,7 +140,11 @@ pub fn destroy(
     ctx: u64,
     driver: impl FnOnce() -> CUresult,
 ) -> Outcome<CUresult> {
-    let Some(charged) = p.contexts().destroy_begin(ctx) else {
+    // A context is destroyed from any device's current context: look in every device's book.
+    let found = std::iter::once(p)
+        .chain(crate::state::all_states())
+        .find_map(|s| s.contexts().destroy_begin(ctx).map(|c| (s, c)));
+    let Some((p, charged)) = found else {
         return Outcome::PassThrough;
     };
     let r = driver();

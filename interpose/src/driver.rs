@@ -222,6 +222,16 @@ pub unsafe fn real<F: Copy>(id: HookId) -> Option<F> {
     Some(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) })
 }
 
+/// Looks up a real NVML function that is not hooked by exact name.
+pub fn nvml_symbol(name: &CStr) -> *mut c_void {
+    let h = ensure(Lib::Nvml);
+    if h.is_null() {
+        return std::ptr::null_mut();
+    }
+    // SAFETY: `h` is the live NVML handle.
+    unsafe { lookup(h, name) }
+}
+
 /// Looks up a real driver function that is not hooked (events, contexts) by exact name.
 pub fn cuda_symbol(name: &CStr) -> *mut c_void {
     let h = ensure(Lib::Cuda);

@@ -38,13 +38,34 @@ unsafe fn run<F: Copy>(
     let Some(_g) = guard::enter() else {
         return pass(real);
     };
-    guard::no_unwind(panicked, || match state::process() {
+    guard::no_unwind(panicked, || match state::process_here() {
         None => pass(real),
         Some(p) => match logic(real, p) {
             Outcome::Handled(r) => r,
             Outcome::PassThrough => pass(real),
         },
     })
+}
+
+/// The state accounting for device `dev` (the hook's own argument, not the current context:
+/// a context made for device 1 while device 0 is current costs device 1's slice).
+#[inline]
+fn on(dev: CUdevice, p: &'static Process) -> &'static Process {
+    state::process_on(Some(dev)).unwrap_or(p)
+}
+
+/// The state whose ledger counts VMM handle `handle` (a handle is mapped, retained and
+/// released from any device's context, and stays counted on the device that holds it), else
+/// `p`.
+fn by_handle(p: &'static Process, handle: u64) -> &'static Process {
+    state::holder(p, |l| {
+        l.handle(handle).is_some() || l.imported_handle(handle).is_some()
+    })
+}
+
+/// The state whose ledger has mappings in `[va, va + size)`, else `p`.
+fn by_range(p: &'static Process, va: u64, size: usize) -> &'static Process {
+    state::holder(p, |l| l.has_mappings_in(va, size as u64))
 }
 
 /// [`run`] for CUDA driver entry points.
@@ -275,6 +296,12 @@ pub unsafe extern "C" fn cuMemCreate(
                 ) {
                     return Outcome::PassThrough;
                 }
+                // Counted on the device that holds the memory, whichever is current.
+                let p = if location == CU_MEM_LOCATION_TYPE_DEVICE {
+                    on((*prop).location.id, p)
+                } else {
+                    p
+                };
                 memory::vmm_create(p, size as u64, || {
                     let r = real(handle, size, prop, flags);
                     (r, written(r, handle))
@@ -444,7 +471,7 @@ pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> C
         cuda::<cuMemRelease_t>(
             HookId::MemRelease,
             |real| real(handle),
-            |real, p| memory::vmm_release(p, handle, || real(handle)),
+            |real, p| memory::vmm_release(by_handle(p, handle), handle, || real(handle)),
         )
     }
 }
@@ -467,7 +494,7 @@ pub unsafe extern "C" fn cuMemMap(
             HookId::MemMap,
             |real| real(ptr, size, offset, handle, flags),
             |real, p| {
-                memory::vmm_map(p, ptr, size as u64, handle, || {
+                memory::vmm_map(by_handle(p, handle), ptr, size as u64, handle, || {
                     real(ptr, size, offset, handle, flags)
                 })
             },
@@ -486,7 +513,9 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
         cuda::<cuMemUnmap_t>(
             HookId::MemUnmap,
             |real| real(ptr, size),
-            |real, p| memory::vmm_unmap(p, ptr, size as u64, || real(ptr, size)),
+            |real, p| {
+                memory::vmm_unmap(by_range(p, ptr, size), ptr, size as u64, || real(ptr, size))
+            },
         )
     }
 }
@@ -502,7 +531,9 @@ pub unsafe extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUre
         cuda::<cuMemAddressFree_t>(
             HookId::MemAddressFree,
             |real| real(ptr, size),
-            |real, p| memory::vmm_unmap(p, ptr, size as u64, || real(ptr, size)),
+            |real, p| {
+                memory::vmm_unmap(by_range(p, ptr, size), ptr, size as u64, || real(ptr, size))
+            },
         )
     }
 }
@@ -526,7 +557,7 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(
                 if handle.is_null() {
                     return Outcome::PassThrough;
                 }
-                memory::vmm_retain(p, addr as u64, || {
+                memory::vmm_retain(by_range(p, addr as u64, 1), addr as u64, || {
                     let r = real(handle, addr);
                     (r, written(r, handle))
                 })
@@ -640,7 +671,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUd
                 if pctx.is_null() {
                     return Outcome::PassThrough;
                 }
-                contexts::primary_retain(p, dev, || real(pctx, dev))
+                contexts::primary_retain(on(dev, p), dev, || real(pctx, dev))
             },
         )
     }
@@ -659,7 +690,7 @@ macro_rules! primary_end {
                 cuda::<cuDevicePrimaryCtxRelease_v2_t>(
                     HookId::$id,
                     |real| real(dev),
-                    |real, p| $logic(p, dev, || real(dev)),
+                    |real, p| $logic(on(dev, p), dev, || real(dev)),
                 )
             }
         }
@@ -710,7 +741,7 @@ pub unsafe extern "C" fn cuCtxCreate_v2(
                 if pctx.is_null() {
                     return Outcome::PassThrough;
                 }
-                contexts::create(p, || {
+                contexts::create(on(dev, p), || {
                     let r = real(pctx, flags, dev);
                     (r, written(r, pctx) as u64)
                 })
@@ -740,7 +771,7 @@ pub unsafe extern "C" fn cuCtxCreate_v3(
                 if pctx.is_null() {
                     return Outcome::PassThrough;
                 }
-                contexts::create(p, || {
+                contexts::create(on(dev, p), || {
                     let r = real(pctx, params, num_params, flags, dev);
                     (r, written(r, pctx) as u64)
                 })
@@ -769,7 +800,7 @@ pub unsafe extern "C" fn cuCtxCreate_v4(
                 if pctx.is_null() {
                     return Outcome::PassThrough;
                 }
-                contexts::create(p, || {
+                contexts::create(on(dev, p), || {
                     let r = real(pctx, params, flags, dev);
                     (r, written(r, pctx) as u64)
                 })
@@ -815,7 +846,7 @@ pub unsafe extern "C" fn cuGreenCtxCreate(
                 if pctx.is_null() {
                     return Outcome::PassThrough;
                 }
-                contexts::create(p, || {
+                contexts::create(on(dev, p), || {
                     let r = real(pctx, desc, dev, flags);
                     (r, written(r, pctx) as u64)
                 })
@@ -893,7 +924,7 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -
                 if r != CUDA_SUCCESS {
                     return Outcome::Handled(r);
                 }
-                match p.session.limit() {
+                match on(dev, p).session.limit() {
                     Some(limit) => {
                         *bytes = limit as usize;
                         Outcome::Handled(CUDA_SUCCESS)
@@ -930,6 +961,8 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
                 if r != NVML_SUCCESS {
                     return Outcome::Handled(r);
                 }
+                // SAFETY: `device` is the caller's own NVML handle, passed on unchanged.
+                let p = state::process_for_nvml(p, device);
                 let Some((free, total)) = memory::virtual_mem_info(p, (*memory).free) else {
                     return Outcome::Handled(NVML_ERROR_UNKNOWN);
                 };
@@ -966,6 +999,8 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
                 if r != NVML_SUCCESS {
                     return Outcome::Handled(r);
                 }
+                // SAFETY: `device` is the caller's own NVML handle, passed on unchanged.
+                let p = state::process_for_nvml(p, device);
                 let Some((free, total)) = memory::virtual_mem_info(p, (*memory).free) else {
                     return Outcome::Handled(NVML_ERROR_UNKNOWN);
                 };

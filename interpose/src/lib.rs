@@ -16,7 +16,8 @@
 //!   down: credit arithmetic (`credit`), the link state machine (`link`), the pressure channel
 //!   (`channel`), the watcher thread (`watcher`).
 //! - [`ledger`]: live objects and their charged sizes.
-//! - [`state`]: the per-process state and its reset in a forked child.
+//! - [`state`]: the per-process state, one per device of a multi-GPU allocation (routed by the
+//!   current context's device, or the call's), and its reset in a forked child.
 //! - [`memory`]: the accounting logic behind each allocation, free and memory query.
 //! - [`contexts`]: contexts count against the limit: each one's cost reserved before the
 //!   driver makes it, given back when it goes; [`context_book`]: what was reserved for which.

@@ -309,7 +309,12 @@ pub fn free(
     key: u64,
     driver: impl FnOnce() -> CUresult,
 ) -> Outcome<CUresult> {
-    let Some(bytes) = p.ledger().remove(kind, key) else {
+    // Memory is freed from any device's current context (unified addressing): the object is
+    // released to the device that holds it, wherever its free is called.
+    let found = std::iter::once(p)
+        .chain(crate::state::all_states())
+        .find_map(|s| s.ledger().remove(kind, key).map(|b| (s, b)));
+    let Some((p, bytes)) = found else {
         return Outcome::PassThrough;
     };
     let r = driver();

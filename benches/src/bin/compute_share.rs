@@ -14,11 +14,13 @@
 //!   tenant's launch is let through);
 //! - total GPU busy with and without Tessera (two tenants, 30/70);
 //! - a tenant whose queue drains at every step (with and without host work) against a
-//!   free-running one, 50/50: its part of the busy time.
+//!   free-running one, 50/50: its part of the busy time;
+//! - a 2-GPU allocation, share 30 on each GPU with one rank per GPU (as tensor-parallel ranks
+//!   run), against a share-70 tenant on each GPU: each GPU's split (on two simulated GPUs).
 //!
 //! Build and run: `cargo build --release --workspace && target/release/compute_share`
 //! (`--scale 0.5` halves every duration; `--only idle,cap` runs some scenarios: `split`, `join`,
-//! `cap`, `capped`, `idle`, `total`, `sync`). Everything it needs is found next to it.
+//! `cap`, `capped`, `idle`, `total`, `sync`, `multi`). Everything it needs is found next to it.
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -86,7 +88,11 @@ impl Sampler {
             while !*st.lock() {
                 let before = monotonic_ns();
                 let procs = tessera_sim_state::read_processes(&dir).unwrap_or_default();
-                let busy = procs.iter().map(|p| (p.pid, p.busy_ns[0])).collect();
+                // Every tenant runs on one GPU: its busy time on all of them is its GPU's.
+                let busy = procs
+                    .iter()
+                    .map(|p| (p.pid, p.busy_ns.iter().sum()))
+                    .collect();
                 let device = tessera_sim_state::device_busy_ns(&dir, 0);
                 let t = monotonic_ns();
                 // A read the scheduler interrupted does not say when its counters were
@@ -150,7 +156,8 @@ impl Bench {
             need("compute_tenant"),
             need("libtessera_interpose.so"),
         );
-        let node = tessera_benches::SimNode::start("compute_share", "1x80GiB");
+        // Two GPUs for the multi-GPU scenario; the others use GPU 0 only.
+        let node = tessera_benches::SimNode::start("compute_share", "2x80GiB");
         Self {
             node,
             tessera,
@@ -167,11 +174,17 @@ impl Bench {
     /// Starts a tenant: under `tessera run --share N [--cap]`, or bare (no Tessera) when
     /// `share` is None.
     fn tenant(&self, share: Option<u32>, cap: bool, args: &[String]) -> Tenant {
+        self.tenant_on(0, share, cap, args)
+    }
+
+    /// [`Bench::tenant`] on GPU `gpu`.
+    fn tenant_on(&self, gpu: u32, share: Option<u32>, cap: bool, args: &[String]) -> Tenant {
         let mut cmd = match share {
             Some(n) => {
                 let mut c = self.node.command(&self.tessera);
                 // Room for the tenant's context (300 MiB: contexts count against the limit).
-                c.args(["run", "--memory", "512MiB", "--share", &n.to_string()]);
+                c.args(["run", "--memory", "512MiB", "--share", &n.to_string()])
+                    .args(["--gpu", &gpu.to_string()]);
                 if cap {
                     c.arg("--cap");
                 }
@@ -183,8 +196,13 @@ impl Bench {
             }
             None => self.node.command(&self.tenant),
         };
-        cmd.args(args)
-            .stdin(Stdio::null())
+        cmd.args(args);
+        Self::spawn(cmd)
+    }
+
+    /// Starts a prepared tenant command and reads its pid line.
+    fn spawn(mut cmd: std::process::Command) -> Tenant {
+        cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         let mut child = cmd.spawn().expect("start a tenant");
@@ -593,13 +611,81 @@ fn scenario_no_control(b: &Bench) -> (f64, Vec<f64>) {
 }
 
 /// Names accepted by `--only`.
-const SCENARIOS: [&str; 7] = ["split", "join", "cap", "capped", "idle", "total", "sync"];
+const SCENARIOS: [&str; 8] = [
+    "split", "join", "cap", "capped", "idle", "total", "sync", "multi",
+];
+
+/// A 2-GPU allocation, share 30 on each GPU, with one rank per GPU (each rank sees only its
+/// GPU, under the allocation's one token, as tensor-parallel ranks run), against a share-70
+/// tenant of its own on each GPU: each GPU's split of its busy time.
+fn scenario_multi(b: &Bench, rows: &mut Vec<Row>) {
+    let len = b.secs(10.0);
+    let mut admin = b.node.admin();
+    let uuids: Vec<String> = admin
+        .gpus()
+        .expect("GPU list")
+        .into_iter()
+        .map(|g| g.uuid)
+        .collect();
+    let slices = (0..2)
+        .map(|i| tessera_protocol::CreateAllocation {
+            gpu: tessera_protocol::GpuSelector::Index(i),
+            memory_limit: 512 << 20,
+            share: 30,
+            cap: None,
+            labels: Default::default(),
+        })
+        .collect();
+    let (token, allocs) = admin
+        .create_group(slices, None)
+        .expect("a 2-GPU allocation");
+    drop(admin);
+    let sampler = Sampler::start(&b.node.sim_dir);
+    let ranks: Vec<Tenant> = uuids
+        .iter()
+        .take(2)
+        .map(|uuid| {
+            let mut cmd = b.node.command(&b.tenant);
+            cmd.env("LD_PRELOAD", &b.interposer)
+                .env(tessera_protocol::node::ENV_SOCKET, &b.node.socket)
+                .env(tessera_protocol::node::ENV_TOKEN, &token)
+                .env("CUDA_VISIBLE_DEVICES", uuid)
+                .args(b.continuous(len + 1.5));
+            Bench::spawn(cmd)
+        })
+        .collect();
+    let rivals: Vec<Tenant> = (0..2)
+        .map(|gpu| b.tenant_on(gpu, Some(70), false, &b.continuous(len + 1.5)))
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let start = monotonic_ns();
+    std::thread::sleep(Duration::from_secs_f64(len));
+    let end = monotonic_ns();
+    let samples = sampler.finish();
+    let want = [30.0, 70.0];
+    for (gpu, (rank, rival)) in ranks.iter().zip(&rivals).enumerate() {
+        let got = split(&samples, &[rank.pid, rival.pid], start, end);
+        rows.push(Row(
+            format!("2-GPU allocation 30 vs 70, GPU {gpu}, {len:.0} s"),
+            "30.0/70.0".into(),
+            fmt_split(&got),
+            format!("{:.1} pt", max_err(&got, &want)),
+        ));
+    }
+    for t in ranks.into_iter().chain(rivals) {
+        t.wait();
+    }
+    let mut admin = b.node.admin();
+    for a in allocs {
+        let _ = admin.delete(&a.id);
+    }
+}
 
 fn main() {
     let mut scale = 1.0;
     let mut only: Option<Vec<String>> = None;
     let usage = "usage: compute_share [--scale F] [--only NAME[,NAME...]]\n  \
-                 scenarios: split, join, cap, capped, idle, total (total runs split too)";
+                 scenarios: split, join, cap, capped, idle, total, sync, multi (total runs split too)";
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -659,6 +745,9 @@ fn main() {
     }
     if runs("sync") {
         scenario_sync(&bench, &mut rows);
+    }
+    if runs("multi") {
+        scenario_multi(&bench, &mut rows);
     }
     if runs("total") {
         let (busy_free, free_split) = scenario_no_control(&bench);

@@ -136,11 +136,45 @@ async fn create(
     }
 }
 
+async fn create_group(
+    arb: &Arbiter,
+    slices: Vec<tessera_protocol::CreateAllocation>,
+    owner: Option<tessera_protocol::ProcessOwner>,
+) -> AdminReply {
+    let n = slices.len();
+    match arb.create_group(slices, owner).await {
+        Ok((token, allocations)) => {
+            let parts: Vec<String> = allocations
+                .iter()
+                .map(|a| {
+                    format!(
+                        "{} on GPU {} ({}, share {})",
+                        a.id,
+                        a.gpu_index,
+                        tessera_protocol::size::human(a.memory_limit),
+                        a.share
+                    )
+                })
+                .collect();
+            tracing::info!("created a {n}-GPU allocation: {}", parts.join(", "));
+            AdminReply::CreatedGroup { token, allocations }
+        }
+        Err(e) => {
+            tracing::warn!("refused to create a {n}-GPU allocation: {e}");
+            AdminReply::Error {
+                kind: e.kind(),
+                message: e.to_string(),
+            }
+        }
+    }
+}
+
 async fn handle(arb: &Arbiter, req: AdminRequest) -> AdminReply {
     match req {
         AdminRequest::ListGpus => AdminReply::Gpus(arb.gpus().to_vec()),
         AdminRequest::Create(c) => create(arb, c, None).await,
         AdminRequest::CreateOwned { create: c, owner } => create(arb, c, Some(owner)).await,
+        AdminRequest::CreateGroup { slices, owner } => create_group(arb, slices, owner).await,
         AdminRequest::List => AdminReply::Allocations(arb.list().await),
         AdminRequest::UpdateLabels { id, labels } => match arb.update_labels(&id, labels).await {
             Ok(a) => {

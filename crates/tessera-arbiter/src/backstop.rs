@@ -263,7 +263,7 @@ impl Cgroups {
 }
 
 /// Whom a GPU process belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Owner {
     /// The allocation at this index of the watched list.
     Allocation(usize),
@@ -444,6 +444,128 @@ pub fn policed_gpu_time(
     (all, policed)
 }
 
+/// Device memory of one process charged to one owner: for a slice of a multi-GPU
+/// allocation, what the process holds on that slice's card, or (`outside`) on the cards
+/// outside its group; for any other owner, what it holds on all cards together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Charge {
+    /// The process.
+    pub pid: i32,
+    /// Whom the memory is charged to.
+    pub owner: Owner,
+    /// True for memory on cards outside its multi-GPU allocation (allowed: nothing).
+    pub outside: bool,
+    /// Bytes.
+    pub used: u64,
+}
+
+/// The slice of `watched[i]`'s GPU group on card `gpu`, if `watched[i]` is a slice of a
+/// multi-GPU allocation and the group has one there.
+fn slice_on(watched: &[Watched], i: usize, gpu: u32) -> Option<usize> {
+    let group = watched[i].group.as_ref()?;
+    if watched[i].gpu == Some(gpu) {
+        return Some(i);
+    }
+    watched
+        .iter()
+        .position(|w| w.group.as_ref() == Some(group) && w.gpu == Some(gpu))
+}
+
+/// Where the memory or time a process of `owner` uses on card `gpu` is charged: the
+/// process's own owner, except for a slice of a multi-GPU allocation, whose group is policed
+/// per card: the group's slice on that card, or `(owner, true)` for a card outside the group.
+fn card_owner(watched: &[Watched], owner: Owner, gpu: u32) -> (Owner, bool) {
+    match owner {
+        Owner::Allocation(i) if watched[i].group.is_some() => match slice_on(watched, i, gpu) {
+            Some(j) => (Owner::Allocation(j), false),
+            None => (owner, true),
+        },
+        other => (other, false),
+    }
+}
+
+/// The charges the memory rule polices, from NVML's per-card processes: each process's
+/// memory per owner (see [`Charge`]), less what a process of a whole-card allocation holds
+/// on the cards that allocation holds wholly. Memory on a card is charged to that card's
+/// slice of a multi-GPU allocation, never summed into another card's.
+pub fn card_charges(
+    watched: &[Watched],
+    procs: &[GpuProcess],
+    owners: &HashMap<i32, Owner>,
+) -> Vec<Charge> {
+    let mut sums: HashMap<(i32, Owner, bool), u64> = HashMap::new();
+    for p in procs {
+        let Some(&owner) = owners.get(&p.pid) else {
+            continue;
+        };
+        if on_own_whole_card(watched, Some(&owner), p.gpu) {
+            continue;
+        }
+        let (owner, outside) = card_owner(watched, owner, p.gpu);
+        *sums.entry((p.pid, owner, outside)).or_default() += p.used;
+    }
+    let mut out: Vec<Charge> = sums
+        .into_iter()
+        .map(|((pid, owner, outside), used)| Charge {
+            pid,
+            owner,
+            outside,
+            used,
+        })
+        .collect();
+    out.sort_by_key(|c| (c.pid, c.outside));
+    out
+}
+
+/// One process's GPU time over an interval, charged to one allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimeRow {
+    /// The process.
+    pub pid: i32,
+    /// Index in the watched list of the allocation charged.
+    pub allocation: usize,
+    /// All its GPU time charged there, ns.
+    pub all_ns: u64,
+    /// The part the compute rule polices (see [`policed_gpu_time`]), ns.
+    pub policed_ns: u64,
+}
+
+/// GPU time per process and allocation, from time per (pid, GPU): as [`policed_gpu_time`],
+/// except that a process of a multi-GPU allocation is charged per card, to that card's slice
+/// (whose leases cover it); its time on a card outside its group is its own slice's, unleased.
+pub fn gpu_time_rows(
+    watched: &[Watched],
+    per_gpu: &HashMap<(i32, u32), u64>,
+    owners: &HashMap<i32, Owner>,
+) -> Vec<TimeRow> {
+    let mut sums: HashMap<(i32, usize), (u64, u64)> = HashMap::new();
+    for (&(pid, gpu), &ns) in per_gpu {
+        let Some(&owner) = owners.get(&pid) else {
+            continue;
+        };
+        let whole = on_own_whole_card(watched, Some(&owner), gpu);
+        let Owner::Allocation(i) = card_owner(watched, owner, gpu).0 else {
+            continue;
+        };
+        let e = sums.entry((pid, i)).or_default();
+        e.0 += ns;
+        if !whole {
+            e.1 += ns;
+        }
+    }
+    let mut rows: Vec<TimeRow> = sums
+        .into_iter()
+        .map(|((pid, allocation), (all_ns, policed_ns))| TimeRow {
+            pid,
+            allocation,
+            all_ns,
+            policed_ns,
+        })
+        .collect();
+    rows.sort_by_key(|r| (r.allocation, r.pid));
+    rows
+}
+
 /// The memory rule and the unknown-process rule: which processes to act on, given the
 /// allocations, each pid's device memory (all GPUs together) and its owner. Unknown host
 /// processes come back as actions too (the caller reports them; it never kills them).
@@ -453,32 +575,57 @@ pub fn decide(
     owners: &HashMap<i32, Owner>,
     tolerance: impl Into<Tolerance>,
 ) -> Vec<Action> {
+    let mut charges: Vec<Charge> = memory
+        .iter()
+        .filter_map(|(&pid, &used)| {
+            owners.get(&pid).map(|&owner| Charge {
+                pid,
+                owner,
+                outside: false,
+                used,
+            })
+        })
+        .collect();
+    charges.sort_by_key(|c| c.pid);
+    decide_charges(watched, &charges, tolerance)
+}
+
+/// [`decide`] over charges (see [`card_charges`]): each allocation's charges against its
+/// limit, and a multi-GPU allocation's memory on cards outside its group against nothing.
+pub fn decide_charges(
+    watched: &[Watched],
+    charges: &[Charge],
+    tolerance: impl Into<Tolerance>,
+) -> Vec<Action> {
     let tolerance = tolerance.into();
-    let mut groups: Vec<Vec<(i32, u64)>> = vec![Vec::new(); watched.len()];
+    // Per allocation: its charges, then (second half) its charges outside its group.
+    let mut groups: Vec<Vec<(i32, u64)>> = vec![Vec::new(); 2 * watched.len()];
     let mut actions = Vec::new();
-    let mut pids: Vec<_> = memory.keys().copied().collect();
-    pids.sort_unstable();
-    for pid in pids {
-        let used = memory[&pid];
-        match owners.get(&pid) {
-            Some(Owner::Allocation(i)) => groups[*i].push((pid, used)),
-            Some(Owner::UnknownHost) | Some(Owner::UnknownContainer) => actions.push(Action {
+    for c in charges {
+        let (pid, used) = (c.pid, c.used);
+        match c.owner {
+            Owner::Allocation(i) => {
+                groups[i + if c.outside { watched.len() } else { 0 }].push((pid, used))
+            }
+            Owner::UnknownHost | Owner::UnknownContainer => actions.push(Action {
                 pid,
                 allocation: None,
                 unconnected: true,
                 reason: Reason::Unknown {
-                    container: owners[&pid] == Owner::UnknownContainer,
+                    container: c.owner == Owner::UnknownContainer,
                     used,
                 },
             }),
-            None => {}
         }
     }
-    for (w, group) in watched.iter().zip(groups) {
+    for (slot, group) in groups.into_iter().enumerate() {
+        let outside = slot >= watched.len();
+        let w = &watched[slot % watched.len()];
         let total: u64 = group.iter().map(|(_, u)| u).sum();
         // A whole-card allocation's memory here is only what it holds on cards it does not
-        // own (see [`policed_memory`]), where it may hold nothing.
-        let allowed = if w.share < 100 {
+        // own (see [`card_charges`]), where it may hold nothing; so is a multi-GPU
+        // allocation's on cards outside its group.
+        let allowed = if w.share < 100 && !outside {
             tolerance.allowed(w.limit, group.len())
         } else {
             0
@@ -529,16 +676,28 @@ const RECENT_DECAY: f64 = 0.875;
 /// release shows more on the card than it holds for a moment. It is recomputed every poll, so
 /// it follows the card down as well as up (the unused part of a reservation is never given
 /// back: the process may still use it without asking).
-#[derive(Debug, Default)]
-pub struct ExcessBook {
-    last: HashMap<ProcId, u64>,
+#[derive(Debug)]
+pub struct ExcessBook<K = ProcId> {
+    last: HashMap<K, u64>,
 }
 
-impl ExcessBook {
+impl<K> Default for ExcessBook<K> {
+    fn default() -> Self {
+        Self {
+            last: HashMap::new(),
+        }
+    }
+}
+
+/// What the backstop's [`ExcessBook`] is keyed by: the process and, for a slice of a
+/// multi-GPU allocation, the slice's card.
+pub type ExcessKey = (ProcId, Option<u32>);
+
+impl<K: Copy + Eq + std::hash::Hash> ExcessBook<K> {
     /// This poll's figures; returns the excess to charge per process (absent: none). Forgets
     /// processes not listed.
-    pub fn observe(&mut self, seen: &[(ProcId, u64, u64)]) -> HashMap<ProcId, u64> {
-        let now: HashMap<ProcId, u64> = seen
+    pub fn observe(&mut self, seen: &[(K, u64, u64)]) -> HashMap<K, u64> {
+        let now: HashMap<K, u64> = seen
             .iter()
             .map(|&(id, card, held)| (id, card.saturating_sub(held)))
             .collect();
@@ -1059,7 +1218,7 @@ pub struct Backstop {
     /// connects it).
     unknown_since: HashMap<i32, Instant>,
     /// What the card holds for connected processes beyond their reservations.
-    excess: ExcessBook,
+    excess: ExcessBook<ExcessKey>,
     /// What it did so far.
     pub counters: Arc<Counters>,
 }
@@ -1223,12 +1382,12 @@ impl Backstop {
                 self.unknown_since.entry(pid).or_insert(now);
             }
         }
-        self.correct_excess(&memory);
-        let memory = policed_memory(&watched, &procs, &owners);
-        let (gpu_ns, policed_ns) = policed_gpu_time(&watched, &gpu_per, &owners);
-        let mut actions = decide(&watched, &memory, &owners, self.policy.memory_tolerance);
+        self.correct_excess(&memory, &procs);
+        let charges = card_charges(&watched, &procs, &owners);
+        let rows = gpu_time_rows(&watched, &gpu_per, &owners);
+        let mut actions = decide_charges(&watched, &charges, self.policy.memory_tolerance);
         if let Some(elapsed) = elapsed {
-            actions.extend(self.compute(&watched, &owners, &gpu_ns, &policed_ns, elapsed));
+            actions.extend(self.compute(&watched, &rows, elapsed));
         }
         let mut taken = Vec::new();
         for a in actions {
@@ -1241,16 +1400,31 @@ impl Backstop {
 
     /// Charges each connected process what the card holds for it beyond what its connections
     /// reserved (see [`ExcessBook`]), from NVML's memory per pid.
-    fn correct_excess(&mut self, memory: &HashMap<i32, u64>) {
+    /// A process connected for a slice of a multi-GPU allocation is compared with what it holds
+    /// on that slice's card only (the book is keyed per card then).
+    fn correct_excess(&mut self, memory: &HashMap<i32, u64>, on_cards: &[GpuProcess]) {
         let procs = self.arb.connected_processes();
-        let seen: Vec<(ProcId, u64, u64)> = procs
+        let on_card = |pid: i32, gpu: u32| -> u64 {
+            on_cards
+                .iter()
+                .filter(|p| p.pid == pid && p.gpu == gpu)
+                .map(|p| p.used)
+                .sum()
+        };
+        let seen: Vec<(ExcessKey, u64, u64)> = procs
             .iter()
-            .map(|&(_, id, _, held)| (id, memory.get(&id.pid).copied().unwrap_or(0), held))
+            .map(|&(_, id, _, held, card)| {
+                let used = match card {
+                    Some(gpu) => on_card(id.pid, gpu),
+                    None => memory.get(&id.pid).copied().unwrap_or(0),
+                };
+                ((id, card), used, held)
+            })
             .collect();
         let charge = self.excess.observe(&seen);
-        for (key, id, conn, _) in procs {
+        for (key, id, conn, _, card) in procs {
             self.arb
-                .set_excess(key, conn, charge.get(&id).copied().unwrap_or(0));
+                .set_excess(key, conn, charge.get(&(id, card)).copied().unwrap_or(0));
         }
     }
 
@@ -1296,24 +1470,13 @@ impl Backstop {
     }
 
     /// The compute rule over one interval; charges what was used outside leases.
-    fn compute(
-        &mut self,
-        watched: &[Watched],
-        owners: &HashMap<i32, Owner>,
-        gpu_ns: &HashMap<i32, u64>,
-        policed_ns: &HashMap<i32, u64>,
-        elapsed: u64,
-    ) -> Vec<Action> {
+    fn compute(&mut self, watched: &[Watched], rows: &[TimeRow], elapsed: u64) -> Vec<Action> {
         let mut busy = vec![0u64; watched.len()];
-        for (&pid, &ns) in gpu_ns {
-            if let Some(Owner::Allocation(i)) = owners.get(&pid) {
-                busy[*i] += ns;
-            }
-        }
         let mut groups: Vec<Vec<(i32, u64)>> = vec![Vec::new(); watched.len()];
-        for (&pid, &ns) in policed_ns {
-            if let Some(Owner::Allocation(i)) = owners.get(&pid) {
-                groups[*i].push((pid, ns));
+        for r in rows {
+            busy[r.allocation] += r.all_ns;
+            if r.policed_ns > 0 {
+                groups[r.allocation].push((r.pid, r.policed_ns));
             }
         }
         let live: HashSet<&str> = watched.iter().map(|w| w.id.as_str()).collect();
@@ -1522,6 +1685,8 @@ mod tests {
             token: format!("tok-{id}"),
             share: 50,
             whole_gpus: Vec::new(),
+            gpu: None,
+            group: None,
         }
     }
 
@@ -1574,9 +1739,24 @@ mod tests {
         let memory = memory_per_pid(procs);
         let pids: Vec<i32> = memory.keys().copied().collect();
         let owners = attribute(watched, &pids, view, &mut Cgroups::default());
-        let memory = policed_memory(watched, procs, &owners);
-        decide(watched, &memory, &owners, tol)
-            .into_iter()
+        // The path `poll` takes: per-card charges (equal to the per-pid sums of
+        // `policed_memory` for allocations that span one card).
+        let tol: Tolerance = tol.into();
+        let charges = card_charges(watched, procs, &owners);
+        let by_pid = decide(
+            watched,
+            &policed_memory(watched, procs, &owners),
+            &owners,
+            tol,
+        );
+        let acts = decide_charges(watched, &charges, tol);
+        if watched.iter().all(|w| w.group.is_none()) {
+            assert_eq!(
+                acts, by_pid,
+                "per-card charges change nothing without GPU groups"
+            );
+        }
+        acts.into_iter()
             .filter(|a| {
                 !matches!(
                     a.reason,
@@ -1778,6 +1958,100 @@ mod tests {
         // A whole allocation whose card is gone owns nothing: policed everywhere.
         let gone = [whole("a", &[1], &[])];
         assert_eq!(run(&gone, &[on(1, 1, GIB)], &Fake::default(), 0).len(), 1);
+    }
+
+    /// Slice `id` of GPU group `group` on card `gpu`.
+    fn slice(id: &str, group: &str, gpu: u32, limit: u64, pids: &[i32]) -> Watched {
+        let mut x = w(id, limit, pids);
+        x.gpu = Some(gpu);
+        x.group = Some(group.into());
+        x
+    }
+
+    #[test]
+    fn a_multi_gpu_allocation_is_policed_per_card_never_summed() {
+        // One process (connected for slice a) on both cards of a 10/20 GiB allocation.
+        let g = [
+            slice("a", "a", 0, 10 * GIB, &[1]),
+            slice("b", "a", 1, 20 * GIB, &[]),
+        ];
+        let at_limits = [on(0, 1, 10 * GIB), on(1, 1, 20 * GIB)];
+        assert!(run(&g, &at_limits, &Fake::default(), 0).is_empty());
+        // Over on card 1 only: charged to b, card 0's figure is not added in.
+        let over1 = [on(0, 1, 10 * GIB), on(1, 1, 20 * GIB + MIB)];
+        let acts = run(&g, &over1, &Fake::default(), 0);
+        assert_eq!(acts.len(), 1, "{acts:?}");
+        assert_eq!(acts[0].allocation.as_deref(), Some("b"));
+        assert_eq!(total(&acts[0]), 20 * GIB + MIB);
+        // Over on card 0 only: charged to a, however little card 1 holds.
+        let over0 = [on(0, 1, 10 * GIB + MIB), on(1, 1, MIB)];
+        let acts = run(&g, &over0, &Fake::default(), 0);
+        assert_eq!(acts.len(), 1, "{acts:?}");
+        assert_eq!(acts[0].allocation.as_deref(), Some("a"));
+        assert_eq!(total(&acts[0]), 10 * GIB + MIB);
+        // Two processes, one per card (TP ranks), each at its card's limit: nothing.
+        let g2 = [
+            slice("a", "a", 0, 10 * GIB, &[1]),
+            slice("b", "a", 1, 20 * GIB, &[2]),
+        ];
+        let ranks = [on(0, 1, 10 * GIB), on(1, 2, 20 * GIB)];
+        assert!(run(&g2, &ranks, &Fake::default(), 0).is_empty());
+    }
+
+    #[test]
+    fn a_multi_gpu_tenant_cannot_use_a_card_outside_its_group_nor_charge_a_neighbour() {
+        // Group a on cards 0 and 1; neighbour c on card 2 with room to spare.
+        let g = [
+            slice("a", "a", 0, 10 * GIB, &[1]),
+            slice("b", "a", 1, 20 * GIB, &[]),
+            w("c", 40 * GIB, &[9]),
+        ];
+        // The tenant's process takes memory on card 2: allowed nothing there, whatever room
+        // its slices or the neighbour have; the neighbour is untouched.
+        let procs = [on(0, 1, GIB), on(2, 1, MIB), on(2, 9, GIB)];
+        let acts = run(&g, &procs, &Fake::default(), 512 * MIB);
+        assert_eq!(acts.len(), 1, "{acts:?}");
+        assert_eq!((acts[0].pid, acts[0].allocation.as_deref()), (1, Some("a")));
+        assert_eq!(
+            acts[0].reason,
+            Reason::Memory {
+                used: MIB,
+                total: MIB,
+                allowed: 0
+            }
+        );
+        // A process of the neighbour's on card 1 is the neighbour's (summed into c, as for
+        // any one-card allocation), never charged to slice b.
+        let procs = [on(1, 9, 41 * GIB)];
+        let acts = run(&g, &procs, &Fake::default(), 0);
+        assert_eq!(acts.len(), 1, "{acts:?}");
+        assert_eq!(acts[0].allocation.as_deref(), Some("c"));
+    }
+
+    #[test]
+    fn a_multi_gpu_allocations_gpu_time_is_charged_to_each_cards_slice() {
+        let g = [slice("a", "a", 0, GIB, &[1]), slice("b", "a", 1, GIB, &[])];
+        let owners = HashMap::from([(1, Owner::Allocation(0))]);
+        let per_gpu = HashMap::from([((1, 0), 3 * MS), ((1, 1), 5 * MS), ((1, 7), 2 * MS)]);
+        let rows = gpu_time_rows(&g, &per_gpu, &owners);
+        // Card 0 and card 7 (outside the group, unleased) on a; card 1 on b.
+        assert_eq!(
+            rows,
+            vec![
+                TimeRow {
+                    pid: 1,
+                    allocation: 0,
+                    all_ns: 5 * MS,
+                    policed_ns: 5 * MS
+                },
+                TimeRow {
+                    pid: 1,
+                    allocation: 1,
+                    all_ns: 5 * MS,
+                    policed_ns: 5 * MS
+                },
+            ]
+        );
     }
 
     #[test]

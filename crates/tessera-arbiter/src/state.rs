@@ -94,6 +94,13 @@ pub struct Watched {
     /// *there* (a pod holding whole GPUs runs without the interposer and its leases); on any
     /// other card they are policed like any allocation's, against a limit of 0 and no lease.
     pub whole_gpus: Vec<u32>,
+    /// The card (NVML index) it lives on, when present.
+    pub gpu: Option<u32>,
+    /// Its GPU group (label [`tessera_protocol::group::LABEL_GPU_GROUP`]) when it is one
+    /// slice of a multi-GPU allocation: its group's processes are policed per card, what they
+    /// hold on a card charged to that card's slice, and on a card outside the group against a
+    /// limit of 0.
+    pub group: Option<String>,
 }
 
 /// What a tenant connection learns at its handshake.
@@ -193,6 +200,19 @@ fn view(record: &AllocationRecord) -> AllocationView {
         share: record.share,
         cap: record.cap,
     }
+}
+
+/// The second token of a multi-GPU allocation's first slice: the slice token of its own GPU
+/// ([`tessera_protocol::group::slice_token`] of the group token and that GPU's UUID). Only the
+/// first slice of a group answers it, so an interposer learns from it that its allocation spans
+/// several GPUs (one of one GPU keeps every device on its one ledger); it opens nothing the
+/// group token does not.
+fn group_marker(record: &AllocationRecord) -> Option<String> {
+    let group = record
+        .labels
+        .get(tessera_protocol::group::LABEL_GPU_GROUP)?;
+    (*group == record.id)
+        .then(|| tessera_protocol::group::slice_token(&record.token, &record.gpu_uuid))
 }
 
 /// Characters and lengths of a token: hex, as [`store::new_token`] makes them (64 digits), and
@@ -388,6 +408,9 @@ impl Arbiter {
         live.ledger.open(key, record.memory_limit);
         scheduler.add_allocation(key, record.share, record.cap, self.now_ns());
         live.tokens.insert(record.token.clone(), record.id.clone());
+        if let Some(alias) = group_marker(&record) {
+            live.tokens.insert(alias, record.id.clone());
+        }
         live.by_id.insert(
             record.id.clone(),
             LiveAlloc {
@@ -631,6 +654,12 @@ impl Arbiter {
                     token: a.record.token.clone(),
                     share: a.record.share,
                     whole_gpus: whole_gpus(&a.record),
+                    gpu: index_of(&a.record.gpu_uuid),
+                    group: a
+                        .record
+                        .labels
+                        .get(tessera_protocol::group::LABEL_GPU_GROUP)
+                        .cloned(),
                     pids,
                 };
                 (w, peers)
@@ -714,9 +743,26 @@ impl Arbiter {
     }
 
     /// Every live connected process (named by its pidfd) with its account, its oldest
-    /// connection and the bytes its connections hold in the ledger (their excess left out).
-    pub fn connected_processes(&self) -> Vec<(AccountKey, ProcId, ConnId, u64)> {
+    /// connection, the bytes its connections hold in the ledger (their excess left out), and
+    /// the card (NVML index) of that account when it is one slice of a multi-GPU allocation
+    /// (such a process's card memory is compared per card; other accounts' over all cards).
+    pub fn connected_processes(&self) -> Vec<(AccountKey, ProcId, ConnId, u64, Option<u32>)> {
         let live = self.live();
+        let slice_card: HashMap<AccountKey, u32> = live
+            .by_id
+            .values()
+            .filter(|a| {
+                a.record
+                    .labels
+                    .contains_key(tessera_protocol::group::LABEL_GPU_GROUP)
+            })
+            .filter_map(|a| {
+                self.gpus
+                    .iter()
+                    .find(|g| g.uuid.eq_ignore_ascii_case(&a.record.gpu_uuid))
+                    .map(|g| (a.key, g.index))
+            })
+            .collect();
         let mut out = Vec::new();
         for (key, procs) in &live.procs {
             for (pk, e) in procs {
@@ -734,7 +780,7 @@ impl Arbiter {
                     .iter()
                     .filter_map(|c| live.ledger.held(*key, *c))
                     .sum();
-                out.push((*key, *id, first, held));
+                out.push((*key, *id, first, held, slice_card.get(key).copied()));
             }
         }
         out
@@ -812,14 +858,13 @@ impl Arbiter {
         self.create_owned(req, None).await
     }
 
-    /// Validates, persists and registers an allocation owned by `owner` (see
-    /// [`crate::owner`]); returns its token and status.
-    pub async fn create_owned(
+    /// Checks `req` against the rules of `create` with `records` already promised; returns
+    /// its GPU.
+    fn check_create(
         &self,
-        req: CreateAllocation,
-        owner: Option<tessera_protocol::ProcessOwner>,
-    ) -> Result<(String, AllocationStatus), StateError> {
-        let mut records = self.admin.lock().await;
+        records: &[AllocationRecord],
+        req: &CreateAllocation,
+    ) -> Result<GpuInfo, StateError> {
         let gpu = self.resolve_gpu(&req.gpu)?.clone();
         if !(1..=100).contains(&req.share) {
             return Err(StateError::Invalid(format!(
@@ -866,13 +911,24 @@ impl Arbiter {
                 human(req.memory_limit)
             )));
         }
+        Ok(gpu)
+    }
+
+    /// A record for `req` on `gpu` with a fresh id (none of `records`' ids) and `token`.
+    fn new_record(
+        records: &[AllocationRecord],
+        req: CreateAllocation,
+        gpu: &GpuInfo,
+        token: String,
+        owner: Option<tessera_protocol::ProcessOwner>,
+    ) -> Result<AllocationRecord, StateError> {
         let mut id = store::new_id()?;
         while records.iter().any(|r| r.id == id) {
             id = store::new_id()?;
         }
-        let record = AllocationRecord {
+        Ok(AllocationRecord {
             id,
-            token: store::new_token()?,
+            token,
             gpu_index: gpu.index,
             gpu_uuid: gpu.uuid.clone(),
             memory_limit: req.memory_limit,
@@ -881,7 +937,19 @@ impl Arbiter {
             labels: req.labels,
             created_unix: now_unix(),
             owner,
-        };
+        })
+    }
+
+    /// Validates, persists and registers an allocation owned by `owner` (see
+    /// [`crate::owner`]); returns its token and status.
+    pub async fn create_owned(
+        &self,
+        req: CreateAllocation,
+        owner: Option<tessera_protocol::ProcessOwner>,
+    ) -> Result<(String, AllocationStatus), StateError> {
+        let mut records = self.admin.lock().await;
+        let gpu = self.check_create(&records, &req)?;
+        let record = Self::new_record(&records, req, &gpu, store::new_token()?, owner)?;
         let mut next = records.clone();
         next.push(record.clone());
         self.persist(next.clone()).await?;
@@ -893,6 +961,65 @@ impl Arbiter {
             .status_of(&id)
             .ok_or_else(|| StateError::NotFound(id.clone()))?;
         Ok((token, status))
+    }
+
+    /// Creates one allocation spanning several GPUs (see [`tessera_protocol::group`]): a
+    /// slice per entry, each checked as `create` checks one, on distinct GPUs, all persisted in
+    /// one write or none. Every slice is labelled with the group id (the first slice's id);
+    /// the first slice's token is the group token, the others' are derived from it. Returns the
+    /// group token and the slices' statuses in the order asked.
+    pub async fn create_group(
+        &self,
+        slices: Vec<CreateAllocation>,
+        owner: Option<tessera_protocol::ProcessOwner>,
+    ) -> Result<(String, Vec<AllocationStatus>), StateError> {
+        use tessera_protocol::group::{LABEL_GPU_GROUP, MAX_GROUP_GPUS, slice_token};
+        if slices.is_empty() || slices.len() > MAX_GROUP_GPUS {
+            return Err(StateError::Invalid(format!(
+                "{} GPUs asked, 1 to {MAX_GROUP_GPUS} allowed",
+                slices.len()
+            )));
+        }
+        let mut records = self.admin.lock().await;
+        let mut next = records.clone();
+        let group_token = store::new_token()?;
+        let mut group_id: Option<String> = None;
+        let mut made: Vec<AllocationRecord> = Vec::new();
+        for mut req in slices {
+            let gpu = self.check_create(&next, &req)?;
+            if made.iter().any(|r| r.gpu_uuid == gpu.uuid) {
+                return Err(StateError::Invalid(format!(
+                    "GPU {} is asked twice; one slice per GPU",
+                    gpu.index
+                )));
+            }
+            let token = match group_id {
+                None => group_token.clone(),
+                Some(_) => slice_token(&group_token, &gpu.uuid),
+            };
+            let mut record = Self::new_record(&next, req.clone(), &gpu, token, owner)?;
+            let gid = group_id.get_or_insert_with(|| record.id.clone()).clone();
+            req.labels.insert(LABEL_GPU_GROUP.to_owned(), gid);
+            check_labels(&req.labels)?;
+            record.labels = req.labels;
+            next.push(record.clone());
+            made.push(record);
+        }
+        self.persist(next.clone()).await?;
+        *records = next;
+        drop(records);
+        let ids: Vec<String> = made.iter().map(|r| r.id.clone()).collect();
+        for r in made {
+            self.insert_live(r);
+        }
+        let statuses = ids
+            .iter()
+            .map(|id| {
+                self.status_of(id)
+                    .ok_or_else(|| StateError::NotFound(id.clone()))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((group_token, statuses))
     }
 
     /// Deletes and persists. Live processes of the allocation keep their connection: their
@@ -909,6 +1036,9 @@ impl Arbiter {
         let mut live = self.live();
         if let Some(a) = live.by_id.remove(id) {
             live.tokens.remove(&a.record.token);
+            if let Some(alias) = group_marker(&a.record) {
+                live.tokens.remove(&alias);
+            }
             // Ok(true): no process attached, the account is gone now.
             if live.ledger.close(a.key).unwrap_or(true) {
                 drop(live);
@@ -1065,5 +1195,127 @@ mod tests {
         assert_eq!(of(&b), [0, 1]);
         assert_eq!(of(&c), [2]);
         assert!(of(&d).is_empty());
+    }
+
+    fn two_gpu_arbiter(dir: &std::path::Path) -> Arc<Arbiter> {
+        let gpus = (0..2)
+            .map(|i| GpuInfo {
+                index: i,
+                uuid: format!("GPU-{i}"),
+                name: "sim".into(),
+                memory_total: 80 * GIB,
+            })
+            .collect();
+        Arbiter::new(gpus, Store::open(dir).unwrap(), SchedulerParams::default()).unwrap()
+    }
+
+    fn slice_req(gpu: u32, limit: u64, share: u32) -> CreateAllocation {
+        CreateAllocation {
+            gpu: GpuSelector::Index(gpu),
+            memory_limit: limit,
+            share,
+            cap: None,
+            labels: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn a_group_is_one_slice_per_gpu_under_one_token_with_per_gpu_limits() {
+        use tessera_protocol::group::{LABEL_GPU_GROUP, slice_token};
+        let dir = tempfile::tempdir().unwrap();
+        let arb = two_gpu_arbiter(dir.path());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (token, slices) = rt
+            .block_on(arb.create_group(
+                vec![slice_req(0, 10 * GIB, 30), slice_req(1, 20 * GIB, 30)],
+                None,
+            ))
+            .unwrap();
+        assert_eq!(slices.len(), 2);
+        assert_eq!((slices[0].gpu_index, slices[0].memory_limit), (0, 10 * GIB));
+        assert_eq!((slices[1].gpu_index, slices[1].memory_limit), (1, 20 * GIB));
+        for s in &slices {
+            assert_eq!(s.labels[LABEL_GPU_GROUP], slices[0].id);
+        }
+        // The group token opens GPU 0's slice; GPU 1's is reached only through its derived
+        // token, and a token for a GPU outside the group opens nothing.
+        let a = arb.attach_tenant(&token, 1, None).unwrap();
+        assert_eq!(a.view.id, slices[0].id);
+        let b = arb
+            .attach_tenant(&slice_token(&token, "GPU-1"), 2, None)
+            .unwrap();
+        assert_eq!(
+            (b.view.id.as_str(), b.view.memory_limit),
+            (slices[1].id.as_str(), 20 * GIB)
+        );
+        assert!(
+            arb.attach_tenant(&slice_token(&token, "GPU-7"), 3, None)
+                .is_none()
+        );
+        // The first slice answers its own GPU's slice token too (how an interposer learns it is
+        // in a group).
+        assert_eq!(
+            arb.attach_tenant(&slice_token(&token, "GPU-0"), 5, None)
+                .map(|b| b.view.id),
+            Some(slices[0].id.clone())
+        );
+        // Separate ledgers: each refuses at its own limit.
+        let granted = |key, conn, bytes| {
+            arb.with_ledger(|l| {
+                matches!(
+                    l.reserve(key, conn, bytes),
+                    Ok(crate::ledger::Reservation::Granted { .. })
+                )
+            })
+        };
+        assert!(granted(a.key, 1, 10 * GIB));
+        assert!(!granted(a.key, 1, 1));
+        assert!(granted(b.key, 2, 20 * GIB));
+        assert!(!granted(b.key, 2, 1));
+        // The backstop sees the slices per card, in one group.
+        let w = arb.watched();
+        let of = |id: &str| w.iter().find(|x| x.id == id).unwrap().clone();
+        assert_eq!(
+            (of(&slices[0].id).gpu, of(&slices[1].id).gpu),
+            (Some(0), Some(1))
+        );
+        assert_eq!(
+            of(&slices[1].id).group.as_deref(),
+            Some(slices[0].id.as_str())
+        );
+        // It survives a restart (one record per slice, derived token included).
+        drop((a, b));
+        drop(arb);
+        let again = two_gpu_arbiter(dir.path());
+        assert!(
+            again
+                .attach_tenant(&slice_token(&token, "gpu-1"), 4, None)
+                .is_some()
+        );
+    }
+
+    #[test]
+    fn a_group_is_created_whole_or_not_at_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let arb = two_gpu_arbiter(dir.path());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(arb.create(slice_req(1, GIB, 80))).unwrap();
+        // GPU 1 has 20 shares left: the whole group is refused and GPU 0 keeps its shares.
+        let e = rt
+            .block_on(arb.create_group(vec![slice_req(0, GIB, 30), slice_req(1, GIB, 30)], None))
+            .unwrap_err();
+        assert!(matches!(e, StateError::Exhausted(_)), "{e}");
+        assert_eq!(arb.allocation_count(), 1);
+        let e = rt
+            .block_on(arb.create_group(vec![slice_req(0, GIB, 10), slice_req(0, GIB, 10)], None))
+            .unwrap_err();
+        assert!(e.to_string().contains("asked twice"), "{e}");
+        let e = rt.block_on(arb.create_group(Vec::new(), None)).unwrap_err();
+        assert!(matches!(e, StateError::Invalid(_)), "{e}");
+        assert_eq!(arb.allocation_count(), 1);
     }
 }

@@ -56,11 +56,12 @@ pub const DEFAULT_SHARE: u32 = 10;
 /// Arguments of `tessera run`.
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
-    /// GPU by index or UUID.
-    #[arg(long, default_value = "0", value_name = "INDEX|UUID", value_parser = parse_gpu_arg,
-          allow_hyphen_values = true)]
-    pub gpu: GpuSelector,
-    /// Memory limit for all processes of the command together, e.g. 512MiB, 4GiB, 1.5G.
+    /// GPU by index or UUID; several, comma-separated (0,1), make one allocation spanning them,
+    /// with --memory, --share and --cap applying to each GPU.
+    #[arg(long, default_value = "0", value_name = "INDEX|UUID[,...]", value_parser = parse_gpu_arg,
+          value_delimiter = ',', allow_hyphen_values = true)]
+    pub gpu: Vec<GpuSelector>,
+    /// Memory limit for all processes of the command together, on each GPU, e.g. 512MiB, 4GiB.
     #[arg(long, value_name = "SIZE", value_parser = parse_size_arg)]
     pub memory: u64,
     /// Compute weight 1..=100 (relative to the other allocations of the GPU; the shares of a
@@ -233,25 +234,36 @@ pub fn main(args: RunArgs) -> Result<u8, CliError> {
         "command".to_owned(),
         args.command[0].to_string_lossy().into_owned(),
     );
-    let create = CreateAllocation {
-        gpu: args.gpu.clone(),
-        memory_limit: args.memory,
-        share: args.share,
-        cap: args.cap.then_some(args.share),
-        labels,
-    };
-    let (token, alloc) = admin
-        .create_owned(create, owner)
-        .map_err(|e| CliError::arbiter(e, &args.admin_socket))?;
+    let slices: Vec<CreateAllocation> = args
+        .gpu
+        .iter()
+        .map(|gpu| CreateAllocation {
+            gpu: gpu.clone(),
+            memory_limit: args.memory,
+            share: args.share,
+            cap: args.cap.then_some(args.share),
+            labels: labels.clone(),
+        })
+        .collect();
+    // One GPU: a plain allocation (as before multi-GPU ones existed); several: one group,
+    // all or nothing, under one token.
+    let (token, allocs) = match <[CreateAllocation; 1]>::try_from(slices) {
+        Ok([create]) => admin.create_owned(create, owner).map(|(t, a)| (t, vec![a])),
+        Err(slices) => admin.create_group(slices, Some(owner)),
+    }
+    .map_err(|e| CliError::arbiter(e, &args.admin_socket))?;
     drop(admin);
-    let id = alloc.id.clone();
-    let status = run_command(&args, &interposer, &token, &alloc.gpu_uuid);
-    let deleted = AdminClient::connect(&args.admin_socket).and_then(|mut a| a.delete(&id));
-    if let Err(e) = &deleted {
-        eprintln!(
-            "tessera run: could not delete allocation {id}: {e}; it stays until deleted \
-             (see `tessera status`)"
-        );
+    // The command sees exactly its GPUs, in the order asked (ordinal 0 is the first).
+    let visible: Vec<&str> = allocs.iter().map(|a| a.gpu_uuid.as_str()).collect();
+    let status = run_command(&args, &interposer, &token, &visible.join(","));
+    for id in allocs.iter().map(|a| &a.id) {
+        let deleted = AdminClient::connect(&args.admin_socket).and_then(|mut a| a.delete(id));
+        if let Err(e) = &deleted {
+            eprintln!(
+                "tessera run: could not delete allocation {id}: {e}; it stays until deleted \
+                 (see `tessera status`)"
+            );
+        }
     }
     let status = status?;
     Ok(match status.code() {
@@ -264,7 +276,7 @@ fn run_command(
     args: &RunArgs,
     interposer: &Path,
     token: &str,
-    gpu_uuid: &str,
+    visible_devices: &str,
 ) -> anyhow::Result<std::process::ExitStatus> {
     install_forwarding()?;
     let mut cmd = Command::new(&args.command[0]);
@@ -275,7 +287,7 @@ fn run_command(
         )
         .env(node::ENV_SOCKET, &args.socket)
         .env(node::ENV_TOKEN, token)
-        .env("CUDA_VISIBLE_DEVICES", gpu_uuid)
+        .env("CUDA_VISIBLE_DEVICES", visible_devices)
         .env_remove(node::ENV_ADMIN_SOCKET);
     let mut child = cmd
         .spawn()

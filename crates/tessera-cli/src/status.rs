@@ -3,11 +3,12 @@
 //! The JSON (`--json`) is a stable interface, documented in docs/arbiter.md:
 //! `{"gpus": [{index, uuid, name, memory_total, memory_promised, shares_promised,
 //! allocations: [{id, memory_limit, memory_used, processes, share, cap, gpu_time_10s_ns,
-//! gpu_percent_10s, labels, pod, claim, created_unix, enforced, owner_pid, orphaned}]}],
+//! gpu_percent_10s, labels, pod, claim, group, created_unix, enforced, owner_pid, orphaned}]}],
 //! "unplaced": [...]}`, where `unplaced`
 //! lists allocations whose GPU is not on the node any more (same fields plus `gpu_uuid`), and
 //! `pod` is `namespace/pod/container` from the labels the device plugin writes (or null), and
-//! `claim` the DRA claim's `namespace/name` from the DRA plugin's label (or null).
+//! `claim` the DRA claim's `namespace/name` from the DRA plugin's label (or null), and `group`
+//! the multi-GPU allocation it is one GPU's slice of (or null).
 //!
 //! `--watch [SECONDS]` redraws the table in place every SECONDS (2 by default) until Ctrl-C or
 //! SIGTERM, with GPU use as a percentage of the GPU over the last 10 s.
@@ -26,6 +27,8 @@ use tessera_protocol::client::{AdminClient, ClientError};
 use tessera_protocol::{
     AllocationStatus, GpuInfo, LABEL_CLAIM, LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD,
 };
+
+use tessera_protocol::group::LABEL_GPU_GROUP;
 
 use crate::CliError;
 use crate::run::DEFAULT_ADMIN_SOCKET;
@@ -76,6 +79,9 @@ pub struct AllocationJson {
     pub pod: Option<String>,
     /// `namespace/name` of the DRA claim it serves.
     pub claim: Option<String>,
+    /// The multi-GPU allocation it is one GPU's slice of (the group id: its first slice's
+    /// id), or null.
+    pub group: Option<String>,
     /// Creation time, Unix seconds.
     pub created_unix: u64,
     /// Processes the arbiter's memory backstop killed or reported.
@@ -140,6 +146,7 @@ fn alloc_json(a: &AllocationStatus, with_gpu: bool) -> AllocationJson {
         labels: a.labels.clone(),
         pod: pod_name(&a.labels),
         claim: a.labels.get(LABEL_CLAIM).filter(|c| !c.is_empty()).cloned(),
+        group: a.labels.get(LABEL_GPU_GROUP).cloned(),
         created_unix: a.created_unix,
         enforced: a.enforced,
         owner_pid: a.owner.map(|o| o.pid),
@@ -269,6 +276,7 @@ pub fn table_with(s: &StatusJson, time: TimeColumn) -> String {
         }
         rule(&mut out, &cols);
     }
+    group_tables(&mut out, &cols, s, time);
     let enforced: Vec<_> = s
         .gpus
         .iter()
@@ -310,6 +318,32 @@ pub fn table_with(s: &StatusJson, time: TimeColumn) -> String {
         rule(&mut out, &[WIDTH - 2]);
     }
     out
+}
+
+/// One table per multi-GPU allocation: a row per GPU it spans (each GPU's own limit, use,
+/// share and time), so its slices, listed under their GPUs above, are also seen together.
+fn group_tables(out: &mut String, cols: &[usize], s: &StatusJson, time: TimeColumn) {
+    let mut groups: BTreeMap<&str, Vec<(u32, &AllocationJson)>> = BTreeMap::new();
+    for g in &s.gpus {
+        for a in &g.allocations {
+            if let Some(id) = &a.group {
+                groups.entry(id).or_default().push((g.index, a));
+            }
+        }
+    }
+    for (id, slices) in groups {
+        line(
+            out,
+            &format!("Allocation {id} on {} GPUs (limits per GPU)", slices.len()),
+        );
+        rule(out, cols);
+        for (index, a) in slices {
+            let mut cells = alloc_cells(a, time);
+            cells[0] = format!("GPU {index}");
+            row(out, cols, &cells);
+        }
+        rule(out, cols);
+    }
 }
 
 /// An allocation's row, and under it the pod (or DRA claim) it serves when known.
@@ -584,6 +618,38 @@ mod tests {
             "{t}"
         );
         assert!(t.lines().all(|l| l.chars().count() == WIDTH), "{t}");
+    }
+
+    #[test]
+    fn a_multi_gpu_allocation_has_a_row_per_gpu_grouped() {
+        let mut a = alloc("a1b2c3d4", "GPU-0", 30);
+        let mut b = alloc("e5f6a7b8", "GPU-1", 30);
+        b.memory_limit = 20 << 30;
+        for x in [&mut a, &mut b] {
+            x.labels.insert(LABEL_GPU_GROUP.into(), "a1b2c3d4".into());
+        }
+        let lone = alloc("0badcafe", "GPU-1", 10);
+        let s = build(&[gpu(0), gpu(1)], &[a, b, lone]);
+        assert_eq!(s.gpus[1].allocations[0].group.as_deref(), Some("a1b2c3d4"));
+        assert_eq!(s.gpus[1].allocations[1].group, None);
+        let t = table(&s);
+        let at = t
+            .find("Allocation a1b2c3d4 on 2 GPUs")
+            .unwrap_or_else(|| panic!("{t}"));
+        let group: Vec<&str> = t[at..].lines().filter(|l| l.contains("| GPU ")).collect();
+        assert_eq!(group.len(), 2, "{t}");
+        assert!(
+            group[0].contains("| GPU 0 ") && group[0].contains("/ 4.00 GiB"),
+            "{t}"
+        );
+        assert!(
+            group[1].contains("| GPU 1 ") && group[1].contains("/ 20.00 GiB"),
+            "{t}"
+        );
+        assert!(!t[at..].contains("0badcafe"), "{t}");
+        for l in t.lines() {
+            assert_eq!(l.chars().count(), WIDTH, "{l:?}");
+        }
     }
 
     #[test]

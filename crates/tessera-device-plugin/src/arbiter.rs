@@ -20,6 +20,12 @@ pub trait Arbiter {
     fn list(&mut self) -> Result<Vec<AllocationStatus>, ClientError>;
     /// Creates an allocation; returns its secret token and status.
     fn create(&mut self, req: CreateAllocation) -> Result<(String, AllocationStatus), ClientError>;
+    /// Creates one allocation spanning several GPUs (one slice per request, all or none);
+    /// returns the group token and the slices in order.
+    fn create_group(
+        &mut self,
+        slices: Vec<CreateAllocation>,
+    ) -> Result<(String, Vec<AllocationStatus>), ClientError>;
     /// Deletes an allocation.
     fn delete(&mut self, id: &str) -> Result<(), ClientError>;
     /// Merges labels into an allocation's labels.
@@ -39,6 +45,12 @@ impl Arbiter for AdminClient {
     }
     fn create(&mut self, req: CreateAllocation) -> Result<(String, AllocationStatus), ClientError> {
         AdminClient::create(self, req)
+    }
+    fn create_group(
+        &mut self,
+        slices: Vec<CreateAllocation>,
+    ) -> Result<(String, Vec<AllocationStatus>), ClientError> {
+        AdminClient::create_group(self, slices, None)
     }
     fn delete(&mut self, id: &str) -> Result<(), ClientError> {
         AdminClient::delete(self, id)
@@ -235,6 +247,38 @@ pub mod fake {
             let token = format!("token-{}", self.creates);
             self.allocations.push((token.clone(), status.clone()));
             Ok((token, status))
+        }
+
+        /// As the arbiter: every slice or none, labelled with the group (the first slice's
+        /// id), under the first slice's token.
+        fn create_group(
+            &mut self,
+            slices: Vec<CreateAllocation>,
+        ) -> Result<(String, Vec<AllocationStatus>), ClientError> {
+            let mut made: Vec<(String, AllocationStatus)> = Vec::new();
+            for req in slices {
+                match self.create(req) {
+                    Ok(x) => made.push(x),
+                    Err(e) => {
+                        let ids: Vec<String> = made.iter().map(|(_, a)| a.id.clone()).collect();
+                        self.allocations.retain(|(_, a)| !ids.contains(&a.id));
+                        return Err(e);
+                    }
+                }
+            }
+            let group = made[0].1.id.clone();
+            for (_, a) in self.allocations.iter_mut() {
+                if made.iter().any(|(_, m)| m.id == a.id) {
+                    a.labels.insert(
+                        tessera_protocol::group::LABEL_GPU_GROUP.to_owned(),
+                        group.clone(),
+                    );
+                }
+            }
+            let token = made[0].0.clone();
+            let ids: Vec<String> = made.into_iter().map(|(_, a)| a.id).collect();
+            let statuses = ids.iter().filter_map(|id| self.get(id).cloned()).collect();
+            Ok((token, statuses))
         }
 
         fn delete(&mut self, id: &str) -> Result<(), ClientError> {

@@ -489,6 +489,12 @@ mod tests {
             ) -> Result<(String, AllocationStatus), ClientError> {
                 self.0.create(req)
             }
+            fn create_group(
+                &mut self,
+                slices: Vec<tessera_protocol::CreateAllocation>,
+            ) -> Result<(String, Vec<AllocationStatus>), ClientError> {
+                self.0.create_group(slices)
+            }
             fn delete(&mut self, id: &str) -> Result<(), ClientError> {
                 self.0.delete(id)
             }

@@ -12,7 +12,7 @@
 //! A claim is either one fraction or whole GPUs: a container has one identity (one
 //! allocation the interposer enforces), so two fractions in one claim are refused.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
@@ -131,9 +131,20 @@ pub enum ClaimError {
     /// A capacity this driver does not publish.
     #[error("consumedCapacity.{0} is not a capacity of {DRIVER}")]
     UnknownCapacity(String),
-    /// More than one fraction, or a fraction beside whole GPUs.
-    #[error("a claim may hold one GPU fraction or whole GPUs, not {0} results with a fraction")]
+    /// A fraction beside whole GPUs, or two fractions of one GPU.
+    #[error(
+        "a claim may hold fractions of distinct GPUs (one multi-GPU allocation) or whole GPUs, \
+         not {0} results mixing them or sharing a GPU"
+    )]
     MixedResults(usize),
+}
+
+/// True when the claim's results are fractions of two or more distinct GPUs: they become one
+/// multi-GPU allocation (see [`tessera_protocol::group`]; [`crate::prepare`] creates it). Whole GPUs keep one allocation
+/// each (the container runs without limits on them), and so do several fractions of one GPU.
+pub fn spans_gpus(plans: &[Planned]) -> bool {
+    let uuids: HashSet<&str> = plans.iter().map(|p| p.uuid.as_str()).collect();
+    plans.len() >= 2 && uuids.len() == plans.len() && plans.iter().all(|p| !p.whole)
 }
 
 /// Checks the kubelet's `(namespace, name, uid)`: lower-case DNS characters only (names are
@@ -214,7 +225,9 @@ pub fn plan(
             whole,
         });
     }
-    if out.len() > 1 && out.iter().any(|p| !p.whole) {
+    // Fractions of several GPUs are one multi-GPU allocation; anything else with a fraction
+    // in it must be a single result.
+    if out.len() > 1 && out.iter().any(|p| !p.whole) && !spans_gpus(&out) {
         return Err(ClaimError::MixedResults(out.len()));
     }
     Ok(out)
@@ -447,6 +460,25 @@ mod tests {
             ],
         );
         assert!(matches!(err(&two), ClaimError::MixedResults(2)));
+        // Fractions of two GPUs are one multi-GPU allocation; two of one GPU are not.
+        let tp = claim(
+            "u1",
+            vec![
+                result("gpu-0", "node-a", &[("shares", "30")]),
+                result("gpu-1", "node-a", &[("shares", "30")]),
+            ],
+        );
+        let plans = plan(&tp, "u1", "node-a", &g, GIB).unwrap();
+        assert_eq!(plans.len(), 2);
+        assert!(spans_gpus(&plans));
+        let same = claim(
+            "u1",
+            vec![
+                result("gpu-0", "node-a", &[("shares", "30")]),
+                result("gpu-0", "node-a", &[("shares", "30")]),
+            ],
+        );
+        assert!(matches!(err(&same), ClaimError::MixedResults(2)));
         let mut unallocated = one(&[]);
         unallocated.status = None;
         assert!(matches!(err(&unallocated), ClaimError::NotAllocated));

@@ -26,7 +26,7 @@ use tessera_protocol::{
 };
 
 use crate::cdi::{self, CdiError, Wiring};
-use crate::claim::Planned;
+use crate::claim::{Planned, spans_gpus};
 
 /// Who made the allocation (the device plugin's own are `device-plugin`, which it alone
 /// touches; it leaves these alone).
@@ -172,31 +172,47 @@ pub fn prepare<A: Arbiter + ?Sized>(
         return Ok(Vec::new());
     }
 
+    let reqs: Vec<CreateAllocation> = plans
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let labels = BTreeMap::from([
+                (LABEL_OWNER.to_owned(), OWNER_DRA.to_owned()),
+                (LABEL_CLAIM_UID.to_owned(), c.uid.to_owned()),
+                (
+                    LABEL_CLAIM.to_owned(),
+                    format!("{}/{}", c.namespace, c.name),
+                ),
+                (LABEL_RESULT.to_owned(), i.to_string()),
+                (LABEL_NAMESPACE.to_owned(), c.namespace.to_owned()),
+            ]);
+            CreateAllocation {
+                gpu: GpuSelector::Uuid(p.uuid.clone()),
+                memory_limit: p.memory_limit,
+                share: p.share,
+                cap: None,
+                labels,
+            }
+        })
+        .collect();
     let mut made: Vec<(String, AllocationStatus)> = Vec::new();
     let mut failed = None;
-    for (i, p) in plans.iter().enumerate() {
-        let labels = BTreeMap::from([
-            (LABEL_OWNER.to_owned(), OWNER_DRA.to_owned()),
-            (LABEL_CLAIM_UID.to_owned(), c.uid.to_owned()),
-            (
-                LABEL_CLAIM.to_owned(),
-                format!("{}/{}", c.namespace, c.name),
-            ),
-            (LABEL_RESULT.to_owned(), i.to_string()),
-            (LABEL_NAMESPACE.to_owned(), c.namespace.to_owned()),
-        ]);
-        let req = CreateAllocation {
-            gpu: GpuSelector::Uuid(p.uuid.clone()),
-            memory_limit: p.memory_limit,
-            share: p.share,
-            cap: None,
-            labels,
-        };
-        match arbiter.create(req) {
-            Ok(x) => made.push(x),
-            Err(e) => {
-                failed = Some(e);
-                break;
+    if spans_gpus(plans) {
+        // Fractions of several GPUs: one multi-GPU allocation under one token, each GPU's
+        // slice with its own limit and share (the interposer keeps one per device), created
+        // whole or not at all.
+        match arbiter.create_group(reqs) {
+            Ok((token, slices)) => made = slices.into_iter().map(|a| (token.clone(), a)).collect(),
+            Err(e) => failed = Some(e),
+        }
+    } else {
+        for req in reqs {
+            match arbiter.create(req) {
+                Ok(x) => made.push(x),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
             }
         }
     }
@@ -212,8 +228,9 @@ pub fn prepare<A: Arbiter + ?Sized>(
     live.extend(made.iter().map(|(_, a)| a.id.clone()));
     identity::sweep(&s.identity_dir, &live);
 
-    // One identity per claim: its first allocation's token (for whole GPUs it only lets the
-    // backstop tell the claim's processes from strangers).
+    // One identity per claim: its first allocation's token (for a multi-GPU allocation, the
+    // group token; for whole GPUs it only lets the backstop tell the claim's processes from
+    // strangers).
     let (token, first) = &made[0];
     let fraction = plans.iter().any(|p| !p.whole);
     let id = Identity {

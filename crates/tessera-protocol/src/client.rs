@@ -177,6 +177,19 @@ impl AdminClient {
         }
     }
 
+    /// Creates one allocation spanning several GPUs (see [`AdminRequest::CreateGroup`]);
+    /// returns the group token and one status per GPU, in the order asked.
+    pub fn create_group(
+        &mut self,
+        slices: Vec<CreateAllocation>,
+        owner: Option<ProcessOwner>,
+    ) -> Result<(String, Vec<AllocationStatus>), ClientError> {
+        match self.call(&AdminRequest::CreateGroup { slices, owner })? {
+            AdminReply::CreatedGroup { token, allocations } => Ok((token, allocations)),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
     /// Every allocation with its use.
     pub fn list(&mut self) -> Result<Vec<AllocationStatus>, ClientError> {
         match self.call(&AdminRequest::List)? {

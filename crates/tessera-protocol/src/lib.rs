@@ -4,6 +4,8 @@
 //! - [`frame`]: length-prefixed frames with a size limit, blocking I/O and an incremental
 //!   decoder for partial input (used by the async arbiter).
 //! - [`message`]: every message, for both sockets, and the version handshake.
+//! - [`group`]: allocations spanning several GPUs: the group label and each GPU's slice
+//!   token, derived from the group token.
 //! - [`identity`]: the read-only file the device plugin mounts into each container, naming
 //!   its allocation (trusted by the interposer and the backstop).
 //! - [`process`]: a process named by pid and start time (allocation owners).
@@ -22,6 +24,7 @@
 
 pub mod client;
 pub mod frame;
+pub mod group;
 pub mod identity;
 pub mod message;
 pub mod node;

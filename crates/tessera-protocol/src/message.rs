@@ -357,6 +357,15 @@ pub enum AdminRequest {
         /// The process that owns it.
         owner: ProcessOwner,
     },
+    /// Create one allocation spanning several GPUs: one slice per entry (distinct GPUs, each
+    /// with its own limit, share and cap), all or none, under one token (see
+    /// [`crate::group`]); answered by `CreatedGroup`. (Appended.)
+    CreateGroup {
+        /// One slice per GPU; the first one's token is the group's.
+        slices: Vec<CreateAllocation>,
+        /// The process that owns every slice (`tessera run`), if any.
+        owner: Option<ProcessOwner>,
+    },
 }
 
 /// A process named so that its pid cannot be reused behind its back: the pid and its start
@@ -491,4 +500,12 @@ pub enum AdminReply {
     },
     /// Answer to `UpdateLabels`: the allocation with its new labels.
     Updated(AllocationStatus),
+    /// Answer to `CreateGroup`: the group token (the first slice's) and the slices, in the
+    /// order asked.
+    CreatedGroup {
+        /// Secret handed to the tenant.
+        token: String,
+        /// One allocation per GPU.
+        allocations: Vec<AllocationStatus>,
+    },
 }
