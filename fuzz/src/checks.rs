@@ -21,7 +21,7 @@ use tessera_protocol::frame::{self, FrameDecoder, FrameError, HEADER_LEN, MAX_FR
 use tessera_protocol::identity::{Identity, IdentityError, MAX_IDENTITY_LEN};
 use tessera_protocol::{
     AdminErrorKind, AdminReply, AdminRequest, AllocationStatus, AllocationView, CreateAllocation,
-    GpuInfo, GpuSelector, Hello, ProcessOwner, Role, ServerHello, TenantReply, TenantRequest,
+    GpuInfo, GpuSelector, Hello, ProcessOwner, Role, ServerHello, TenantReply, TenantRequest, Tier,
 };
 
 /// What every message type on the wire is.
@@ -337,6 +337,7 @@ pub fn samples() -> Samples {
             start_time: u64::MAX,
         }),
         orphaned: true,
+        tier: Tier::Latency,
     };
     let create = CreateAllocation {
         gpu: GpuSelector::Uuid("GPU-x".into()),
@@ -428,6 +429,12 @@ pub fn samples() -> Samples {
             TenantReply::Ticket { ticket: u64::MAX },
             TenantReply::Subscribed,
             TenantReply::Pressure { seq: 127 },
+            TenantReply::LeaseGrantedBounded {
+                lease_id: 2,
+                duration_ns: 20_000_000,
+                max_inflight_ns: 1_000_000,
+            },
+            TenantReply::LeaseRevoked { lease_id: u64::MAX },
         ],
         admin_request: vec![
             AdminRequest::ListGpus,
@@ -450,6 +457,19 @@ pub fn samples() -> Samples {
             AdminRequest::UpdateLabels {
                 id: "a-1".into(),
                 labels: status.labels.clone(),
+            },
+            AdminRequest::CreateTiered {
+                create: create.clone(),
+                owner: None,
+                tier: Tier::Latency,
+            },
+            AdminRequest::CreateTiered {
+                create: create.clone(),
+                owner: Some(ProcessOwner {
+                    pid: 2,
+                    start_time: 9,
+                }),
+                tier: Tier::BestEffort,
             },
         ],
         admin_reply: vec![

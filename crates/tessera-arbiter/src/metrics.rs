@@ -185,6 +185,15 @@ pub fn encode_snapshot(
     )?;
     family(
         enc,
+        "tessera_allocation_latency_tier",
+        "1 when the allocation is in the latency tier (served first within its share), 0 when best-effort.",
+        None,
+        Gauge,
+        a,
+        |x| (al(x), f64::from(u8::from(x.tier == tessera_protocol::Tier::Latency))),
+    )?;
+    family(
+        enc,
         "tessera_allocation_gpu",
         "GPU time charged to the allocation: its leases (the longer of time held and busy time reported) and GPU time used outside leases.",
         Some(Unit::Seconds),

@@ -898,6 +898,9 @@ fn prune(history: &mut VecDeque<(u64, u64)>, now: u64, window: u64) {
 /// Where a grant goes: the waiting connection. Called with the scheduler locked, so it must
 /// not block (the tenant connection writes the reply with a non-blocking send).
 pub trait GrantSink: Send + Sync {
+    /// Tells the holder its lease `lease_id` is revoked (a latency request); false when the
+    /// connection cannot take it (it is then closed, which stops its launches too).
+    fn revoke(&self, lease_id: u64) -> bool;
     /// Delivers the grant; false when the connection cannot take it (it is then treated as
     /// closed and its lease given to the next waiter).
     fn grant(&self, grant: Grant) -> bool;
@@ -907,6 +910,8 @@ struct Inner {
     sched: GpuScheduler,
     /// Connections waiting for a grant.
     pending: HashMap<ConnId, Arc<dyn GrantSink>>,
+    /// Connections that were granted a lease, to be told of a revocation (until they close).
+    holders: HashMap<ConnId, Arc<dyn GrantSink>>,
 }
 
 impl std::fmt::Debug for Inner {
@@ -922,13 +927,26 @@ impl Inner {
     /// Hands out grants; a connection that cannot take one is closed in the scheduler, which
     /// may grant the next waiter.
     fn deliver(&mut self, mut grants: Vec<Grant>, now: u64) {
+        // Revocations first: the best-effort holder stops launching while the grant travels.
+        for r in self.sched.take_revocations() {
+            if let Some(sink) = self.holders.get(&r.conn)
+                && !sink.revoke(r.lease_id)
+            {
+                self.holders.remove(&r.conn);
+                grants.extend(self.sched.connection_closed(r.conn, now));
+            }
+        }
         while let Some(g) = grants.pop() {
-            let delivered = self
-                .pending
-                .remove(&g.conn)
-                .is_some_and(|sink| sink.grant(g));
-            if !delivered {
-                grants.extend(self.sched.connection_closed(g.conn, now));
+            let sink = self.pending.remove(&g.conn);
+            let delivered = sink.as_ref().is_some_and(|sink| sink.grant(g));
+            match sink {
+                Some(sink) if delivered => {
+                    self.holders.insert(g.conn, sink);
+                }
+                _ => {
+                    self.holders.remove(&g.conn);
+                    grants.extend(self.sched.connection_closed(g.conn, now));
+                }
             }
         }
     }
@@ -954,6 +972,7 @@ impl SchedulerHandle {
             inner: Mutex::new(Inner {
                 sched: GpuScheduler::new(params),
                 pending: HashMap::new(),
+                holders: HashMap::new(),
             }),
             changed: Notify::new(),
         }))
@@ -979,6 +998,12 @@ impl SchedulerHandle {
     /// Registers an allocation.
     pub fn add_allocation(&self, key: AccountKey, share: u32, cap: Option<u32>, now: u64) {
         self.lock().sched.add_allocation(key, share, cap, now);
+    }
+
+    /// Sets a registered allocation's tier (see [`GpuScheduler::set_tier`]).
+    pub fn set_tier(&self, key: AccountKey, tier: Tier) {
+        // Registered just before by the caller: an unknown key cannot happen here.
+        let _ = self.lock().sched.set_tier(key, tier);
     }
 
     /// Forgets an allocation.
@@ -1019,6 +1044,7 @@ impl SchedulerHandle {
     pub fn connection_closed(&self, conn: ConnId, now: u64) {
         let mut inner = self.lock();
         inner.pending.remove(&conn);
+        inner.holders.remove(&conn);
         let grants = inner.sched.connection_closed(conn, now);
         inner.deliver(grants, now);
         drop(inner);

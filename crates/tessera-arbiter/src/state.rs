@@ -387,6 +387,7 @@ impl Arbiter {
         let key = live.next_key;
         live.ledger.open(key, record.memory_limit);
         scheduler.add_allocation(key, record.share, record.cap, self.now_ns());
+        scheduler.set_tier(key, record.tier);
         live.tokens.insert(record.token.clone(), record.id.clone());
         live.by_id.insert(
             record.id.clone(),
@@ -508,6 +509,7 @@ impl Arbiter {
                         memory_used: live.ledger.usage(a.key).map_or(0, |u| u.in_use),
                         share: r.share,
                         cap: r.cap,
+                        tier: r.tier,
                         processes: live.procs.get(&a.key).map_or(0, |p| p.len() as u32),
                         sched: Default::default(),
                         oom_refusals: a.counters.oom_refusals(),
@@ -819,6 +821,18 @@ impl Arbiter {
         req: CreateAllocation,
         owner: Option<tessera_protocol::ProcessOwner>,
     ) -> Result<(String, AllocationStatus), StateError> {
+        self.create_tiered(req, owner, tessera_protocol::Tier::BestEffort)
+            .await
+    }
+
+    /// [`Arbiter::create_owned`] in a service tier (admin socket only: the tier is the
+    /// operator's, never the tenant's).
+    pub async fn create_tiered(
+        &self,
+        req: CreateAllocation,
+        owner: Option<tessera_protocol::ProcessOwner>,
+        tier: tessera_protocol::Tier,
+    ) -> Result<(String, AllocationStatus), StateError> {
         let mut records = self.admin.lock().await;
         let gpu = self.resolve_gpu(&req.gpu)?.clone();
         if !(1..=100).contains(&req.share) {
@@ -881,6 +895,7 @@ impl Arbiter {
             labels: req.labels,
             created_unix: now_unix(),
             owner,
+            tier,
         };
         let mut next = records.clone();
         next.push(record.clone());
@@ -992,6 +1007,7 @@ impl Arbiter {
             orphaned: r
                 .owner
                 .is_some_and(|o| !crate::owner::alive(std::path::Path::new("/proc"), o)),
+            tier: r.tier,
         })
     }
 
