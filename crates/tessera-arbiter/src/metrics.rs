@@ -190,7 +190,12 @@ pub fn encode_snapshot(
         None,
         Gauge,
         a,
-        |x| (al(x), f64::from(u8::from(x.tier == tessera_protocol::Tier::Latency))),
+        |x| {
+            (
+                al(x),
+                f64::from(u8::from(x.tier == tessera_protocol::Tier::Latency)),
+            )
+        },
     )?;
     family(
         enc,

@@ -813,7 +813,10 @@ impl GpuScheduler {
         // A best-effort lease gives way at once to an eligible latency request: it is ended
         // here (charged as held) and its holder told to stop launching.
         if let Some(l) = self.current
-            && self.allocs.get(&l.key).is_some_and(|a| a.tier != Tier::Latency)
+            && self
+                .allocs
+                .get(&l.key)
+                .is_some_and(|a| a.tier != Tier::Latency)
             && self.latency_waiter(now).is_some()
         {
             self.end_lease(l, 0, false, now);
@@ -1846,7 +1849,10 @@ mod tests {
         let g = s.acquire(2, 20, 5 * MS).unwrap();
         assert_eq!(g.len(), 1, "granted at once");
         assert_eq!(g[0].conn, 20);
-        assert_eq!(g[0].max_inflight_ns, None, "a latency holder is not bounded");
+        assert_eq!(
+            g[0].max_inflight_ns, None,
+            "a latency holder is not bounded"
+        );
         assert_eq!(
             s.take_revocations(),
             vec![Revocation {
@@ -1864,13 +1870,16 @@ mod tests {
         assert!(s.acquire(1, 10, 6 * MS).unwrap().is_empty());
         let next = s.release(20, g[0].lease_id, 8 * MS, true, 13 * MS);
         assert_eq!(next.len(), 1);
-        assert_eq!(next[0].conn, 10, "work-conserving: the rest goes to best-effort");
+        assert_eq!(
+            next[0].conn, 10,
+            "work-conserving: the rest goes to best-effort"
+        );
         assert_eq!(next[0].max_inflight_ns, Some(MS));
     }
 
     #[test]
     fn best_effort_is_unbounded_without_a_latency_tenant_and_a_best_effort_request_revokes_nothing()
-     {
+    {
         let mut s = GpuScheduler::new(SchedulerParams::default());
         s.add_allocation(1, 50, None, 0);
         s.add_allocation(2, 50, None, 0);
@@ -1921,7 +1930,10 @@ mod tests {
             s.set_tier(k, Tier::Latency).unwrap();
         }
         let g = s.acquire(1, 10, 0).unwrap()[0];
-        assert!(s.acquire(2, 20, MS).unwrap().is_empty(), "waits for the other");
+        assert!(
+            s.acquire(2, 20, MS).unwrap().is_empty(),
+            "waits for the other"
+        );
         assert!(s.take_revocations().is_empty());
         let next = s.release(10, g.lease_id, 3 * MS, true, 4 * MS);
         assert_eq!(next[0].conn, 20);
@@ -1949,13 +1961,19 @@ mod tests {
             // slack of 5 ms (0.5 points).
             for w in 0..10 {
                 let l = sim.fraction(1, w * S, (w + 1) * S);
-                assert!(l <= share + 0.5 + 1e-9, "share {share}: window {w}: {l:.2}%");
+                assert!(
+                    l <= share + 0.5 + 1e-9,
+                    "share {share}: window {w}: {l:.2}%"
+                );
             }
             let (l, b) = (sim.fraction(1, 0, 10 * S), sim.fraction(2, 0, 10 * S));
             // The guarantee: served first, it gets about its share...
             assert!(l >= share - 2.0, "share {share}: latency got {l:.2}%");
             // ...and best-effort all the rest (work-conserving: the GPU never idles).
-            assert!(l + b >= 99.0, "share {share}: {l:.2} + {b:.2} leaves the GPU idle");
+            assert!(
+                l + b >= 99.0,
+                "share {share}: {l:.2} + {b:.2} leaves the GPU idle"
+            );
         }
     }
 }

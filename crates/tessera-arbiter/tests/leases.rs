@@ -335,9 +335,7 @@ fn alloc(share: u32) -> CreateAllocation {
 fn tiered(arb: &Arbiter) -> ([String; 2], [String; 2]) {
     let mut admin = arb.admin();
     let (tb, b) = admin.create(alloc(60)).unwrap();
-    let (tl, l) = admin
-        .create_tiered(alloc(40), None, Tier::Latency)
-        .unwrap();
+    let (tl, l) = admin.create_tiered(alloc(40), None, Tier::Latency).unwrap();
     assert_eq!((b.tier, l.tier), (Tier::BestEffort, Tier::Latency));
     ([tb, tl], [b.id, l.id])
 }
@@ -381,7 +379,7 @@ fn a_latency_request_revokes_the_best_effort_lease_at_once_and_best_effort_is_bo
     );
     // Both are shown with their tier.
     let list = arb.admin().list().unwrap();
-    let tier = |id: &str| list.iter().find(|x| &x.id == id).unwrap().tier;
+    let tier = |id: &str| list.iter().find(|x| x.id == id).unwrap().tier;
     assert_eq!((tier(&b), tier(&l)), (Tier::BestEffort, Tier::Latency));
 }
 
@@ -411,7 +409,11 @@ fn a_best_effort_tenant_cannot_make_itself_latency_from_its_socket() {
     let mut buf = [0u8; 64];
     let n = s.read(&mut buf).unwrap_or(0);
     assert!(
-        n == 0 || matches!(tessera_protocol::frame::read_frame::<_, TenantReply>(&mut &buf[..n]), Ok(TenantReply::Error { .. })),
+        n == 0
+            || matches!(
+                tessera_protocol::frame::read_frame::<_, TenantReply>(&mut &buf[..n]),
+                Ok(TenantReply::Error { .. })
+            ),
         "the arbiter served an admin request on the tenant socket: {:?}",
         &buf[..n]
     );

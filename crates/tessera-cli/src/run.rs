@@ -72,6 +72,10 @@ pub struct RunArgs {
     /// otherwise idle.
     #[arg(long)]
     pub cap: bool,
+    /// Service tier: `best-effort`, or `latency` (served first within its share, which is
+    /// then also its ceiling; other tenants keep little work in flight while it runs).
+    #[arg(long, default_value = "best-effort", value_name = "TIER")]
+    pub tier: tessera_protocol::Tier,
     /// Arbiter admin socket.
     #[arg(long, value_name = "PATH", env = node::ENV_ADMIN_SOCKET, default_value = DEFAULT_ADMIN_SOCKET)]
     pub admin_socket: PathBuf,
@@ -241,7 +245,7 @@ pub fn main(args: RunArgs) -> Result<u8, CliError> {
         labels,
     };
     let (token, alloc) = admin
-        .create_owned(create, owner)
+        .create_tiered(create, Some(owner), args.tier)
         .map_err(|e| CliError::arbiter(e, &args.admin_socket))?;
     drop(admin);
     let id = alloc.id.clone();

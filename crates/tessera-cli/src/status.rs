@@ -3,7 +3,7 @@
 //! The JSON (`--json`) is a stable interface, documented in docs/arbiter.md:
 //! `{"gpus": [{index, uuid, name, memory_total, memory_promised, shares_promised,
 //! allocations: [{id, memory_limit, memory_used, processes, share, cap, gpu_time_10s_ns,
-//! gpu_percent_10s, labels, pod, claim, created_unix, enforced, owner_pid, orphaned}]}],
+//! gpu_percent_10s, labels, pod, claim, created_unix, enforced, owner_pid, orphaned, tier}]}],
 //! "unplaced": [...]}`, where `unplaced`
 //! lists allocations whose GPU is not on the node any more (same fields plus `gpu_uuid`), and
 //! `pod` is `namespace/pod/container` from the labels the device plugin writes (or null), and
@@ -18,8 +18,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
-use tessera_protocol::node;
 pub use tessera_protocol::size::human_fixed as human;
+use tessera_protocol::{Tier, node};
 
 use serde::Serialize;
 use tessera_protocol::client::{AdminClient, ClientError};
@@ -84,6 +84,8 @@ pub struct AllocationJson {
     pub owner_pid: Option<i32>,
     /// Its owner is gone: the arbiter deletes it once none of its processes is left.
     pub orphaned: bool,
+    /// Service tier: `latency` or `best-effort`.
+    pub tier: String,
 }
 
 /// One GPU in the JSON output.
@@ -144,6 +146,7 @@ fn alloc_json(a: &AllocationStatus, with_gpu: bool) -> AllocationJson {
         enforced: a.enforced,
         owner_pid: a.owner.map(|o| o.pid),
         orphaned: a.orphaned,
+        tier: a.tier.as_str().to_owned(),
     }
 }
 
@@ -320,6 +323,12 @@ fn alloc_rows(out: &mut String, cols: &[usize], a: &AllocationJson, time: TimeCo
     }
     if let Some(claim) = &a.claim {
         line(out, &fit(&format!("  claim {claim}"), WIDTH - 4));
+    }
+    if a.tier == Tier::Latency.as_str() {
+        line(
+            out,
+            "  tier latency (served first; its share is also its ceiling)",
+        );
     }
 }
 

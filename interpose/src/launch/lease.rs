@@ -1185,7 +1185,17 @@ mod tests {
         // Work in flight: the drain, then the release (which the arbiter ignores).
         assert_eq!(s.stop(1_200 * US), Action::Drain);
         let r = s.m.step(Observation::Drained { waiters: 1 }, 3_000 * US);
-        assert!(matches!(r, Action::Release { lease_id: Some(LEASE_ID), early: false, .. }), "{r:?}");
+        assert!(
+            matches!(
+                r,
+                Action::Release {
+                    lease_id: Some(LEASE_ID),
+                    early: false,
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
         assert!(!s.m.revoke(LEASE_ID, 3_100 * US), "over: nothing to revoke");
     }
 }
