@@ -9,7 +9,8 @@
 //! - `shares only`: both under `tessera run --share`, every one best-effort;
 //! - `latency tier`: the latency tenant(s) under `tessera run --tier latency`.
 //!
-//! Then the same with 2 latency tenants and 3 best-effort ones. Per row: the latency tenants'
+//! Then the same with short best-effort kernels (0.1-1 ms), and with 2 latency tenants and 3
+//! best-effort ones. Per row: the latency tenants'
 //! p50/p99/p99.9 and their ratio to `alone`, and the best-effort tenants' GPU time as a part of
 //! what the latency tenants leave (wall time less their busy time), from the simulated
 //! engine's per-process busy counters (ground truth, not what the interposer reports).
@@ -52,6 +53,8 @@ struct Mix {
     name: &'static str,
     latency: Vec<(u32, f64, u32, u64)>,
     best_effort: Vec<u32>,
+    /// The best-effort kernels' lengths, us (drawn uniformly).
+    be_kernel_us: (u64, u64),
 }
 
 struct Row {
@@ -124,7 +127,9 @@ impl Bench {
         if mode != Mode::Alone {
             for &share in &mix.best_effort {
                 let mut c = self.command(mode, share, false);
-                c.args(["--kernel-us", "1000", "--kernel-us-max", "10000"])
+                let (lo, hi) = mix.be_kernel_us;
+                c.args(["--kernel-us", &lo.to_string()])
+                    .args(["--kernel-us-max", &hi.to_string()])
                     .args(["--seconds", &format!("{}", secs + 2.0)]);
                 be.push(Tenant::spawn(c));
             }
@@ -252,12 +257,20 @@ fn main() {
                    27% load; share 40) + 1 best-effort (1-10 ms kernels, saturating; share 60)",
             latency: vec![(40, 30.0, 4, 2_000)],
             best_effort: vec![60],
+            be_kernel_us: (1_000, 10_000),
+        },
+        Mix {
+            name: "the same with short best-effort kernels (0.1-1 ms)",
+            latency: vec![(40, 30.0, 4, 2_000)],
+            best_effort: vec![60],
+            be_kernel_us: (100, 1_000),
         },
         Mix {
             name: "2 latency tenants (4 x 1.5 ms per request, mean gap 40 ms: 15% load each; \
-                   share 25 each) + 3 best-effort (1-10 ms kernels; share 16 each)",
-            latency: vec![(25, 40.0, 4, 1_500), (25, 40.0, 4, 1_500)],
-            best_effort: vec![16, 16, 16],
+                   share 30 each) + 3 best-effort (1-10 ms kernels; share 13 each)",
+            latency: vec![(30, 40.0, 4, 1_500), (30, 40.0, 4, 1_500)],
+            best_effort: vec![13, 13, 13],
+            be_kernel_us: (1_000, 10_000),
         },
     ];
     println!(

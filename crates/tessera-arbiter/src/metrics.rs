@@ -515,7 +515,13 @@ mod tests {
         let (_, b) = rt
             .block_on(arb.create(create(0, 70, Some(50), &[])))
             .unwrap();
-        let (_, c) = rt.block_on(arb.create(create(1, 10, None, &[]))).unwrap();
+        let (_, c) = rt
+            .block_on(arb.create_tiered(
+                create(1, 10, None, &[]),
+                None,
+                tessera_protocol::Tier::Latency,
+            ))
+            .unwrap();
         // A tenant of A holds 100 MiB, is refused twice, and was killed once by the backstop.
         let bind = arb
             .attach_tenant(
@@ -550,6 +556,9 @@ mod tests {
         assert_eq!(one(&text, "tessera_allocation_cap_ratio", &la), 1.0);
         let lb = format!("allocation=\"{}\"", b.id);
         assert_eq!(one(&text, "tessera_allocation_cap_ratio", &lb), 0.5);
+        let lc = format!("allocation=\"{}\"", c.id);
+        assert_eq!(one(&text, "tessera_allocation_latency_tier", &la), 0.0);
+        assert_eq!(one(&text, "tessera_allocation_latency_tier", &lc), 1.0);
         assert_eq!(
             one(&text, "tessera_allocation_oom_refusals_total", &la),
             2.0

@@ -527,6 +527,22 @@ mod tests {
     }
 
     #[test]
+    fn the_tier_is_in_the_json_and_a_latency_one_in_the_table() {
+        let mut a = alloc("a1b2c3d4", "GPU-0", 30);
+        a.tier = Tier::Latency;
+        let b = alloc("b1b2c3d4", "GPU-0", 20);
+        let s = build(&[gpu(0)], &[a, b]);
+        let tiers: Vec<&str> = s.gpus[0]
+            .allocations
+            .iter()
+            .map(|x| x.tier.as_str())
+            .collect();
+        assert_eq!(tiers, ["latency", "best-effort"]);
+        let t = table(&s);
+        assert_eq!(t.matches("tier latency").count(), 1, "{t}");
+    }
+
+    #[test]
     fn watch_frames_show_the_rate_and_the_time() {
         let s = build(&[gpu(0)], &[alloc("a1b2c3d4", "GPU-0", 30)]);
         let f = frame(Ok(&s), Duration::from_secs(2), 86_400 + 3723);
