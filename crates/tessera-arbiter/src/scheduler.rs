@@ -1976,4 +1976,29 @@ mod tests {
             );
         }
     }
+
+    #[test]
+    fn a_latency_tenant_running_past_its_leases_stays_within_its_share_in_every_second() {
+        // The attack on the ceiling: a saturating latency tenant whose work runs 1-20 ms past
+        // every lease (charged, as the GPU was its). Every sliding 1 s window holds at most its
+        // share plus a point.
+        for over in [MS, 5 * MS, 20 * MS] {
+            let mut sim = Sim::new();
+            sim.alloc(1, 30, None);
+            sim.s.set_tier(1, Tier::Latency).unwrap();
+            sim.alloc(2, 70, None);
+            sim.lateness.insert(1, (0, over));
+            sim.join(1, 10);
+            sim.join(2, 20);
+            sim.run(10 * S);
+            let mut from = 0;
+            while from + S <= 10 * S {
+                let w = sim.fraction(1, from, from + S);
+                assert!(w <= 31.0, "{over} ns late: {w:.1}% in [{from}, +1 s)");
+                from += 50 * MS;
+            }
+            let b = sim.fraction(2, 0, 10 * S);
+            assert!(b >= 68.0, "{over} ns late: best-effort got {b:.1}%");
+        }
+    }
 }
