@@ -20,6 +20,20 @@ pub trait Arbiter {
     fn list(&mut self) -> Result<Vec<AllocationStatus>, ClientError>;
     /// Creates an allocation; returns its secret token and status.
     fn create(&mut self, req: CreateAllocation) -> Result<(String, AllocationStatus), ClientError>;
+    /// Creates an allocation in `tier` (the operator's choice). Without an implementation only
+    /// best-effort ones can be made: asking for latency fails, never falls back.
+    fn create_tiered(
+        &mut self,
+        req: CreateAllocation,
+        tier: tessera_protocol::Tier,
+    ) -> Result<(String, AllocationStatus), ClientError> {
+        match tier {
+            tessera_protocol::Tier::BestEffort => self.create(req),
+            tessera_protocol::Tier::Latency => Err(ClientError::Unexpected(
+                "this arbiter connection cannot create latency allocations".into(),
+            )),
+        }
+    }
     /// Deletes an allocation.
     fn delete(&mut self, id: &str) -> Result<(), ClientError>;
     /// Merges labels into an allocation's labels.
@@ -39,6 +53,13 @@ impl Arbiter for AdminClient {
     }
     fn create(&mut self, req: CreateAllocation) -> Result<(String, AllocationStatus), ClientError> {
         AdminClient::create(self, req)
+    }
+    fn create_tiered(
+        &mut self,
+        req: CreateAllocation,
+        tier: tessera_protocol::Tier,
+    ) -> Result<(String, AllocationStatus), ClientError> {
+        AdminClient::create_tiered(self, req, None, tier)
     }
     fn delete(&mut self, id: &str) -> Result<(), ClientError> {
         AdminClient::delete(self, id)
@@ -234,6 +255,19 @@ pub mod fake {
             };
             let token = format!("token-{}", self.creates);
             self.allocations.push((token.clone(), status.clone()));
+            Ok((token, status))
+        }
+
+        fn create_tiered(
+            &mut self,
+            req: CreateAllocation,
+            tier: tessera_protocol::Tier,
+        ) -> Result<(String, AllocationStatus), ClientError> {
+            let (token, mut status) = self.create(req)?;
+            status.tier = tier;
+            if let Some(last) = self.allocations.last_mut() {
+                last.1.tier = tier;
+            }
             Ok((token, status))
         }
 

@@ -121,6 +121,7 @@ fn matches(existing: &[AllocationStatus], plans: &[Planned]) -> bool {
                     && a.gpu_uuid == p.uuid
                     && a.share == p.share
                     && a.memory_limit == p.memory_limit
+                    && a.tier == p.tier
             })
         })
 }
@@ -192,7 +193,7 @@ pub fn prepare<A: Arbiter + ?Sized>(
             cap: None,
             labels,
         };
-        match arbiter.create(req) {
+        match arbiter.create_tiered(req, p.tier) {
             Ok(x) => made.push(x),
             Err(e) => {
                 failed = Some(e);
