@@ -254,22 +254,22 @@ fn main() {
     let mixes = [
         Mix {
             name: "1 latency tenant (requests of 4 x 2 ms kernels, Poisson, mean gap 30 ms: \
-                   27% load; share 40) + 1 best-effort (1-10 ms kernels, saturating; share 60)",
-            latency: vec![(40, 30.0, 4, 2_000)],
-            best_effort: vec![60],
+                   27% load; share 60) + 1 best-effort (1-10 ms kernels, saturating; share 40)",
+            latency: vec![(60, 30.0, 4, 2_000)],
+            best_effort: vec![40],
             be_kernel_us: (1_000, 10_000),
         },
         Mix {
             name: "the same with short best-effort kernels (0.1-1 ms)",
-            latency: vec![(40, 30.0, 4, 2_000)],
-            best_effort: vec![60],
+            latency: vec![(60, 30.0, 4, 2_000)],
+            best_effort: vec![40],
             be_kernel_us: (100, 1_000),
         },
         Mix {
             name: "2 latency tenants (4 x 1.5 ms per request, mean gap 40 ms: 15% load each; \
-                   share 30 each) + 3 best-effort (1-10 ms kernels; share 13 each)",
-            latency: vec![(30, 40.0, 4, 1_500), (30, 40.0, 4, 1_500)],
-            best_effort: vec![13, 13, 13],
+                   share 35 each) + 3 best-effort (1-10 ms kernels; share 10 each)",
+            latency: vec![(35, 40.0, 4, 1_500), (35, 40.0, 4, 1_500)],
+            best_effort: vec![10, 10, 10],
             be_kernel_us: (1_000, 10_000),
         },
     ];
