@@ -240,8 +240,7 @@ pub fn tier_of(
 ) -> tessera_protocol::Tier {
     let latency = config.iter().any(|c| {
         c.source == "FromClass"
-            && c
-                .requests
+            && c.requests
                 .as_ref()
                 .is_none_or(|rs| rs.is_empty() || rs.iter().any(|x| x == request))
             && c.opaque.as_ref().is_some_and(|o| {
@@ -343,7 +342,12 @@ mod tests {
         // Another driver's configuration, or another value: best-effort.
         let other = config("FromClass", "gpu.nvidia.com", None, latency);
         assert_eq!(tier_of(&[other], "gpu"), Tier::BestEffort);
-        let odd = config("FromClass", DRIVER, None, serde_json::json!({"tier": "urgent"}));
+        let odd = config(
+            "FromClass",
+            DRIVER,
+            None,
+            serde_json::json!({"tier": "urgent"}),
+        );
         assert_eq!(tier_of(&[odd], "gpu"), Tier::BestEffort);
         assert_eq!(tier_of(&[], "gpu"), Tier::BestEffort);
     }
