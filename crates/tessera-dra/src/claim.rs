@@ -334,7 +334,7 @@ mod tests {
         let class = config("FromClass", DRIVER, None, latency.clone());
         assert_eq!(tier_of(&[class], "gpu"), Tier::Latency);
         let named = config("FromClass", DRIVER, Some(&["gpu"]), latency.clone());
-        assert_eq!(tier_of(&[named.clone()], "gpu"), Tier::Latency);
+        assert_eq!(tier_of(std::slice::from_ref(&named), "gpu"), Tier::Latency);
         assert_eq!(tier_of(&[named], "other"), Tier::BestEffort);
         // The attack: the workload's own claim asks for latency. Ignored.
         let own = config("FromClaim", DRIVER, None, latency.clone());
