@@ -16,7 +16,8 @@
 //! **Time-slicing** (an engine made [`Engine::with_timeslice`], `TESSERA_SIM_TIMESLICE`): a
 //! GPU without MPS runs one context at a time and switches between contexts that have work
 //! every time slice (see [`crate::timeslice`]). A kernel then runs in chunks of at most one
-//! slice, the lock taken for each chunk; between chunks the rules say whose turn it is, and a
+//! slice while another context waits (alone, it runs on, on one clock, and stops after the
+//! slice in which another context starts waiting), the lock taken for each chunk; between chunks the rules say whose turn it is, and a
 //! worker whose turn it is not lets go and waits. A context is a process (its pid). Without
 //! time-slicing a kernel holds the engine from start to end, first come first served.
 //!
