@@ -3,6 +3,7 @@
 //! - [`exit_with_parent`]: a started arbiter goes when the benchmark does.
 //! - [`tenant_field`]: a counter from the JSON line a `mem_tenant` prints.
 //! - [`number_flag`]: the one optional `--FLAG N` of a benchmark program.
+//! - [`Tenant`]: a `compute_tenant` started (bare or under `tessera run`), its pid and output.
 //! - [`SimNode`]: a simulated GPU and the real `tessera-arbiter` serving it, in a temp folder,
 //!   with the benchmark programs' artifacts found next to the running executable.
 
@@ -203,6 +204,57 @@ pub fn exit_with_parent(cmd: &mut Command) {
             );
             Ok(())
         });
+    }
+}
+
+/// A running `compute_tenant`: its real pid (the tenant process, not `tessera run`) and the
+/// lines it printed after its `pid` line.
+pub struct Tenant {
+    child: Child,
+    /// The tenant process's pid (what the simulated engine counts its busy time under).
+    pub pid: u32,
+    lines: std::sync::Arc<parking_lot::Mutex<Vec<String>>>,
+    reader: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Tenant {
+    /// Starts `cmd` (stdout piped, stdin closed) and reads the `pid N` line it prints first.
+    pub fn spawn(mut cmd: Command) -> Self {
+        use std::io::{BufRead, BufReader};
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = cmd.spawn().expect("start a tenant");
+        let mut out = BufReader::new(child.stdout.take().expect("piped"));
+        let mut first = String::new();
+        out.read_line(&mut first).expect("tenant output");
+        let pid = first
+            .trim()
+            .strip_prefix("pid ")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("tenant did not start: {first:?}"));
+        let lines = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let sink = std::sync::Arc::clone(&lines);
+        let reader = std::thread::spawn(move || {
+            for line in out.lines().map_while(Result::ok) {
+                sink.lock().push(line);
+            }
+        });
+        Self {
+            child,
+            pid,
+            lines,
+            reader: Some(reader),
+        }
+    }
+
+    /// Waits for it to exit; the lines it printed after its pid.
+    pub fn wait(mut self) -> Vec<String> {
+        let _ = self.child.wait();
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+        std::mem::take(&mut *self.lines.lock())
     }
 }
 

@@ -22,7 +22,7 @@ use tessera_protocol::identity::{Identity, IdentityError, MAX_IDENTITY_LEN};
 use tessera_protocol::{
     AdminErrorKind, AdminReply, AdminRequest, AllocationStatus, AllocationView, CreateAllocation,
     GpuInfo, GpuSelector, Hello, ProcessOwner, RefusalKind, Role, ServerHello, TenantReply,
-    TenantRequest,
+    TenantRequest, Tier,
 };
 
 /// What every message type on the wire is.
@@ -338,6 +338,7 @@ pub fn samples() -> Samples {
             start_time: u64::MAX,
         }),
         orphaned: true,
+        tier: Tier::Latency,
     };
     let create = CreateAllocation {
         gpu: GpuSelector::Uuid("GPU-x".into()),
@@ -433,6 +434,12 @@ pub fn samples() -> Samples {
             TenantReply::Ticket { ticket: u64::MAX },
             TenantReply::Subscribed,
             TenantReply::Pressure { seq: 127 },
+            TenantReply::LeaseGrantedBounded {
+                lease_id: 2,
+                duration_ns: 20_000_000,
+                max_inflight_ns: 1_000_000,
+            },
+            TenantReply::LeaseRevoked { lease_id: u64::MAX },
         ],
         admin_request: vec![
             AdminRequest::ListGpus,
@@ -465,6 +472,19 @@ pub fn samples() -> Samples {
                     },
                 ],
                 owner: None,
+            },
+            AdminRequest::CreateTiered {
+                create: create.clone(),
+                owner: None,
+                tier: Tier::Latency,
+            },
+            AdminRequest::CreateTiered {
+                create: create.clone(),
+                owner: Some(ProcessOwner {
+                    pid: 2,
+                    start_time: 9,
+                }),
+                tier: Tier::BestEffort,
             },
         ],
         admin_reply: vec![

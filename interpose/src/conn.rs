@@ -180,6 +180,40 @@ impl Conn {
         self.recv()
     }
 
+    /// A frame the arbiter sent unasked (`LeaseRevoked`), if one has arrived: never blocks.
+    pub fn try_recv_reply(&mut self) -> Result<Option<TenantReply>, ConnError> {
+        if !self.has_buffered_frame() {
+            if self.rbuf.len() < self.rlen + 256 {
+                self.rbuf.resize(self.rlen + 256, 0);
+            }
+            let room = &mut self.rbuf[self.rlen..];
+            // SAFETY: `room` is valid writable memory of its (non-zero) length; the fd is open.
+            let n = unsafe {
+                libc::recv(
+                    self.stream.as_raw_fd(),
+                    room.as_mut_ptr().cast(),
+                    room.len(),
+                    libc::MSG_DONTWAIT,
+                )
+            };
+            if n == 0 {
+                return Err(ConnError::Closed);
+            }
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                return match e.kind() {
+                    io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Ok(None),
+                    _ => Err(e.into()),
+                };
+            }
+            self.rlen += n as usize;
+            if !self.has_buffered_frame() {
+                return Ok(None);
+            }
+        }
+        self.recv().map(Some)
+    }
+
     /// True when a whole frame is already buffered (read from the socket, not yet decoded).
     pub fn has_buffered_frame(&self) -> bool {
         self.rlen >= HEADER_LEN && {

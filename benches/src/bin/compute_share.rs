@@ -24,9 +24,8 @@
 
 use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,24 +42,7 @@ struct Bench {
     scale: f64,
 }
 
-/// A running tenant: its real pid (the compute_tenant process, not `tessera run`) and the
-/// lines it printed after it.
-struct Tenant {
-    child: Child,
-    pid: u32,
-    lines: Arc<Mutex<Vec<String>>>,
-    reader: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Tenant {
-    fn wait(mut self) -> Vec<String> {
-        let _ = self.child.wait();
-        if let Some(r) = self.reader.take() {
-            let _ = r.join();
-        }
-        std::mem::take(&mut *self.lines.lock())
-    }
-}
+use tessera_benches::Tenant;
 
 /// One sample of every process's cumulative busy time.
 struct Sample {
@@ -197,36 +179,7 @@ impl Bench {
             None => self.node.command(&self.tenant),
         };
         cmd.args(args);
-        Self::spawn(cmd)
-    }
-
-    /// Starts a prepared tenant command and reads its pid line.
-    fn spawn(mut cmd: std::process::Command) -> Tenant {
-        cmd.stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        let mut child = cmd.spawn().expect("start a tenant");
-        let mut out = BufReader::new(child.stdout.take().expect("piped"));
-        let mut first = String::new();
-        out.read_line(&mut first).expect("tenant output");
-        let pid = first
-            .trim()
-            .strip_prefix("pid ")
-            .and_then(|p| p.parse().ok())
-            .unwrap_or_else(|| panic!("tenant did not start: {first:?}"));
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let l = Arc::clone(&lines);
-        let reader = std::thread::spawn(move || {
-            for line in out.lines().map_while(Result::ok) {
-                l.lock().push(line);
-            }
-        });
-        Tenant {
-            child,
-            pid,
-            lines,
-            reader: Some(reader),
-        }
+        Tenant::spawn(cmd)
     }
 
     fn continuous(&self, seconds: f64) -> Vec<String> {
@@ -651,7 +604,7 @@ fn scenario_multi(b: &Bench, rows: &mut Vec<Row>) {
                 .env(tessera_protocol::node::ENV_TOKEN, &token)
                 .env("CUDA_VISIBLE_DEVICES", uuid)
                 .args(b.continuous(len + 1.5));
-            Bench::spawn(cmd)
+            Tenant::spawn(cmd)
         })
         .collect();
     let rivals: Vec<Tenant> = (0..2)

@@ -3,13 +3,20 @@
 //! then `cuGetProcAddress_v2`) that launches kernels of a fixed length on the simulated GPU for
 //! a while.
 //!
-//! `compute_tenant [--kernel-us N] [--seconds S] [--burst K --idle-ms M] [--sync [--host-us H]]`
+//! `compute_tenant [--kernel-us N [--kernel-us-max X]] [--seconds S] [--burst K --idle-ms M]
+//! [--sync [--host-us H]] [--requests MEAN_MS --request-kernels K]`
 //! - continuous (default): launch kernels back to back, synchronising every few launches so
 //!   that without Tessera the queue stays short;
 //! - synchronising (`--sync`): wait for every kernel before the next, then work `H` us on the
 //!   host (a training loop reading its loss), as a tenant whose queue drains at every step;
 //! - bursty (`--burst K`): K kernels, wait for them, note the moment the stream went idle,
-//!   sleep M ms, repeat.
+//!   sleep M ms, repeat;
+//! - requests (`--requests MEAN_MS`): a latency-bound service: requests arrive as a Poisson
+//!   process (exponential gaps of mean MEAN_MS, fixed by a seed), each K kernels then a
+//!   synchronise; a request that arrives while the previous one runs waits for it. Prints
+//!   `latency <ns>` per request, from its arrival to its completion.
+//!
+//! `--kernel-us-max X`: each kernel's length is drawn uniformly between N and X us.
 //!
 //! Prints `pid <pid>` first, then at exit one line per event on the machine-wide monotonic
 //! clock: `idle <ns>` (bursty: the stream became idle) and `unblocked <ns> <waited ns>` (a
@@ -30,6 +37,9 @@ struct Args {
     idle_ms: u64,
     sync: bool,
     host_ns: u64,
+    kernel_max_ns: u64,
+    requests_ms: Option<f64>,
+    request_kernels: u32,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -40,6 +50,9 @@ fn parse_args() -> Result<Args, String> {
         idle_ms: 50,
         sync: false,
         host_ns: 0,
+        kernel_max_ns: 0,
+        requests_ms: None,
+        request_kernels: 4,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -53,6 +66,13 @@ fn parse_args() -> Result<Args, String> {
             "--idle-ms" => a.idle_ms = value()?.parse().map_err(|e| format!("{e}"))?,
             "--sync" => a.sync = true,
             "--host-us" => a.host_ns = value()?.parse::<u64>().map_err(|e| e.to_string())? * 1000,
+            "--kernel-us-max" => {
+                a.kernel_max_ns = value()?.parse::<u64>().map_err(|e| e.to_string())? * 1000
+            }
+            "--requests" => a.requests_ms = Some(value()?.parse().map_err(|e| format!("{e}"))?),
+            "--request-kernels" => {
+                a.request_kernels = value()?.parse().map_err(|e| format!("{e}"))?
+            }
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -104,10 +124,20 @@ fn main() {
         check("cuStreamCreate", stream_create(&mut stream, 0));
 
         let mut ns = args.kernel_ns;
-        let mut params = [(&mut ns as *mut u64).cast::<c_void>()];
+        let ns_at: *mut u64 = &mut ns;
+        let mut params = [ns_at.cast::<c_void>()];
+        // A seeded generator (xorshift64*): the same arrivals and lengths in every run, and
+        // another sequence per tenant of a run (the pid).
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ u64::from(std::process::id()));
+        let (lo, hi) = (args.kernel_ns, args.kernel_max_ns.max(args.kernel_ns));
         let mut events: Vec<String> = Vec::new();
         let mut launches = 0u64;
         let mut launch_one = |events: &mut Vec<String>| {
+            if hi > lo {
+                // SAFETY: `ns_at` points at `ns`, alive for this scope; the driver read the
+                // previous value during the previous launch call (parameters are copied).
+                *ns_at = lo + rng.next() % (hi - lo + 1);
+            }
             let t0 = monotonic_ns();
             let rc = launch(
                 func,
@@ -129,7 +159,21 @@ fn main() {
             }
         };
         let end = Instant::now() + Duration::from_secs_f64(args.seconds);
-        while Instant::now() < end {
+        if let Some(mean_ms) = args.requests_ms {
+            let mut gaps = Rng(0x2545_f491_4f6c_dd1d ^ u64::from(std::process::id()));
+            let mut arrival = monotonic_ns();
+            while Instant::now() < end {
+                arrival += gaps.exponential_ns(mean_ms * 1e6);
+                wait_until(arrival);
+                for _ in 0..args.request_kernels {
+                    launch_one(&mut events);
+                    launches += 1;
+                }
+                check("cuStreamSynchronize", stream_sync(stream));
+                events.push(format!("latency {}", monotonic_ns() - arrival));
+            }
+        }
+        while args.requests_ms.is_none() && Instant::now() < end {
             match args.burst {
                 None if args.sync => {
                     launch_one(&mut events);
@@ -164,5 +208,36 @@ fn main() {
             let _ = writeln!(out, "{e}");
         }
         let _ = writeln!(out, "launches {launches}");
+    }
+}
+
+/// xorshift64* (Vigna): a small seeded generator, good enough for arrival gaps and lengths.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// An exponential gap of mean `mean_ns` (a Poisson process's inter-arrival time).
+    fn exponential_ns(&mut self, mean_ns: f64) -> u64 {
+        // Uniform in (0, 1]: never ln(0).
+        let u = ((self.next() >> 11) + 1) as f64 / (1u64 << 53) as f64;
+        (-u.ln() * mean_ns) as u64
+    }
+}
+
+/// Waits until `t` on the monotonic clock: a sleep to 200 us before it, then a spin (a sleep
+/// alone wakes late by tens of microseconds and more under load, which would read as latency).
+fn wait_until(t: u64) {
+    let now = monotonic_ns();
+    if t > now + 200_000 {
+        std::thread::sleep(Duration::from_nanos(t - now - 200_000));
+    }
+    while monotonic_ns() < t {
+        std::hint::spin_loop();
     }
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tessera_protocol::{
-    AdminReply, AdminRequest, FrameDecoder, PROTOCOL_VERSION, RefusalKind, Role, ServerHello,
+    AdminReply, AdminRequest, FrameDecoder, PROTOCOL_VERSION, RefusalKind, Role, ServerHello, Tier,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
@@ -112,14 +112,15 @@ async fn create(
     arb: &Arbiter,
     c: tessera_protocol::CreateAllocation,
     owner: Option<tessera_protocol::ProcessOwner>,
+    tier: tessera_protocol::Tier,
 ) -> AdminReply {
     let (gpu, limit, share, cap) = (c.gpu.clone(), c.memory_limit, c.share, c.cap);
-    match arb.create_owned(c, owner).await {
+    match arb.create_tiered(c, owner, tier).await {
         Ok((token, allocation)) => {
             let cap = cap.map_or("no cap".to_owned(), |c| format!("cap {c}%"));
             let owned = owner.map_or(String::new(), |o| format!(", owned by pid {}", o.pid));
             tracing::info!(
-                "created allocation {} on GPU {} ({}, share {share}, {cap}{owned})",
+                "created allocation {} on GPU {} ({}, share {share}, {cap}, {tier}{owned})",
                 allocation.id,
                 allocation.gpu_index,
                 tessera_protocol::size::human(limit)
@@ -172,8 +173,15 @@ async fn create_group(
 async fn handle(arb: &Arbiter, req: AdminRequest) -> AdminReply {
     match req {
         AdminRequest::ListGpus => AdminReply::Gpus(arb.gpus().to_vec()),
-        AdminRequest::Create(c) => create(arb, c, None).await,
-        AdminRequest::CreateOwned { create: c, owner } => create(arb, c, Some(owner)).await,
+        AdminRequest::Create(c) => create(arb, c, None, Tier::BestEffort).await,
+        AdminRequest::CreateOwned { create: c, owner } => {
+            create(arb, c, Some(owner), Tier::BestEffort).await
+        }
+        AdminRequest::CreateTiered {
+            create: c,
+            owner,
+            tier,
+        } => create(arb, c, owner, tier).await,
         AdminRequest::CreateGroup { slices, owner } => create_group(arb, slices, owner).await,
         AdminRequest::List => AdminReply::Allocations(arb.list().await),
         AdminRequest::UpdateLabels { id, labels } => match arb.update_labels(&id, labels).await {

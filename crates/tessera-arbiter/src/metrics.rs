@@ -185,6 +185,20 @@ pub fn encode_snapshot(
     )?;
     family(
         enc,
+        "tessera_allocation_latency_tier",
+        "1 when the allocation is in the latency tier (served first within its share), 0 when best-effort.",
+        None,
+        Gauge,
+        a,
+        |x| {
+            (
+                al(x),
+                f64::from(u8::from(x.tier == tessera_protocol::Tier::Latency)),
+            )
+        },
+    )?;
+    family(
+        enc,
         "tessera_allocation_gpu",
         "GPU time charged to the allocation: its leases (the longer of time held and busy time reported) and GPU time used outside leases.",
         Some(Unit::Seconds),
@@ -501,7 +515,13 @@ mod tests {
         let (_, b) = rt
             .block_on(arb.create(create(0, 70, Some(50), &[])))
             .unwrap();
-        let (_, c) = rt.block_on(arb.create(create(1, 10, None, &[]))).unwrap();
+        let (_, c) = rt
+            .block_on(arb.create_tiered(
+                create(1, 10, None, &[]),
+                None,
+                tessera_protocol::Tier::Latency,
+            ))
+            .unwrap();
         // A tenant of A holds 100 MiB, is refused twice, and was killed once by the backstop.
         let bind = arb
             .attach_tenant(
@@ -536,6 +556,9 @@ mod tests {
         assert_eq!(one(&text, "tessera_allocation_cap_ratio", &la), 1.0);
         let lb = format!("allocation=\"{}\"", b.id);
         assert_eq!(one(&text, "tessera_allocation_cap_ratio", &lb), 0.5);
+        let lc = format!("allocation=\"{}\"", c.id);
+        assert_eq!(one(&text, "tessera_allocation_latency_tier", &la), 0.0);
+        assert_eq!(one(&text, "tessera_allocation_latency_tier", &lc), 1.0);
         assert_eq!(
             one(&text, "tessera_allocation_oom_refusals_total", &la),
             2.0

@@ -30,7 +30,15 @@
 //!   closed connection releases its lease (charged the wall time held);
 //! - a holder whose lease ran to its end is still busy and asks again right after releasing:
 //!   if it is next by virtual time, the GPU waits up to `rerequest_window_ns` for that request
-//!   instead of going to a waiter that is further behind (an early hand-back never waits).
+//!   instead of going to a waiter that is further behind (an early hand-back never waits);
+//! - tiers ([`Tier`], set by the operator): a latency allocation's share is its guarantee and
+//!   its ceiling over the cap window (no bucket: its requests come in bursts); within that
+//!   budget its requests are served before every best-effort one, and a best-effort lease
+//!   outstanding when one becomes eligible is revoked at once ([`GpuScheduler::take_revocations`]
+//!   names it for the holder). While a latency allocation is registered, best-effort grants
+//!   carry a bound on the predicted kernel time their holder keeps in flight
+//!   ([`SchedulerParams::best_effort_inflight_ns`]), so a latency request waits about that long
+//!   for the GPU, not a lease. Best-effort allocations get every other moment (work-conserving).
 
 #![forbid(unsafe_code)]
 
@@ -42,6 +50,8 @@ use parking_lot::{Mutex, MutexGuard};
 use tokio::sync::Notify;
 
 use crate::ledger::{AccountKey, ConnId};
+
+pub use tessera_protocol::Tier;
 
 /// Errors of scheduler operations.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -85,6 +95,10 @@ pub struct SchedulerParams {
     /// just after its release, and without this wait the waiter would win every time
     /// (strict alternation instead of the weighted split).
     pub rerequest_window_ns: u64,
+    /// While a latency allocation is registered on the GPU: the predicted kernel time a
+    /// best-effort holder may keep in flight (what a latency request waits for at most, beside
+    /// the revocation's round trip), ns.
+    pub best_effort_inflight_ns: u64,
 }
 
 impl Default for SchedulerParams {
@@ -102,6 +116,7 @@ impl Default for SchedulerParams {
             window_ns: 10_000 * MS,
             idle_after_ns: 50 * MS,
             rerequest_window_ns: 2 * MS,
+            best_effort_inflight_ns: MS,
         }
     }
 }
@@ -115,12 +130,27 @@ pub struct Grant {
     pub lease_id: u64,
     /// Lease length, ns.
     pub duration_ns: u64,
+    /// The predicted kernel time the holder may keep in flight, ns (`None`: unbounded): set
+    /// for a best-effort holder while a latency allocation is registered.
+    pub max_inflight_ns: Option<u64>,
+}
+
+/// A lease taken back before its end (a latency request became eligible): the holder must
+/// stop launching at once; its lease is already over in the scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Revocation {
+    /// The holder.
+    pub conn: ConnId,
+    /// The lease revoked.
+    pub lease_id: u64,
 }
 
 #[derive(Debug)]
 struct Alloc {
     share: u32,
+    /// A latency allocation's is at most its share (see [`GpuScheduler::set_tier`]).
     cap: Option<u32>,
+    tier: Tier,
     vtime: f64,
     /// Token bucket in ns of GPU time (capped allocations only); may go negative on overrun.
     bucket_ns: f64,
@@ -197,6 +227,8 @@ pub struct GpuScheduler {
     next_lease: u64,
     /// Every ns charged on this GPU (allocations removed since included).
     charged_total_ns: u64,
+    /// Leases revoked for a latency request and not yet told to their holders.
+    revoked: Vec<Revocation>,
 }
 
 impl GpuScheduler {
@@ -210,6 +242,7 @@ impl GpuScheduler {
             held_for: None,
             next_lease: 1,
             charged_total_ns: 0,
+            revoked: Vec::new(),
         }
     }
 
@@ -221,6 +254,7 @@ impl GpuScheduler {
             Alloc {
                 share: share.max(1),
                 cap,
+                tier: Tier::BestEffort,
                 vtime: 0.0,
                 bucket_ns: depth,
                 bucket_at: now,
@@ -236,6 +270,32 @@ impl GpuScheduler {
                 leases: 0,
             },
         );
+    }
+
+    /// Sets `key`'s tier (before its first request; the operator's choice, stored with the
+    /// allocation). A latency allocation's share becomes its ceiling too: its cap is its share
+    /// (or its own cap, if lower) over the cap window.
+    pub fn set_tier(&mut self, key: AccountKey, tier: Tier) -> Result<(), SchedulerError> {
+        let a = self
+            .allocs
+            .get_mut(&key)
+            .ok_or(SchedulerError::UnknownAllocation(key))?;
+        a.tier = tier;
+        if tier == Tier::Latency {
+            a.cap = Some(a.cap.map_or(a.share, |c| c.min(a.share)).clamp(1, 100));
+        }
+        Ok(())
+    }
+
+    /// Whether a latency allocation is registered on this GPU (best-effort grants are then
+    /// bounded in flight).
+    pub fn latency_registered(&self) -> bool {
+        self.allocs.values().any(|a| a.tier == Tier::Latency)
+    }
+
+    /// The leases revoked since the last call, for their holders to be told.
+    pub fn take_revocations(&mut self) -> Vec<Revocation> {
+        std::mem::take(&mut self.revoked)
     }
 
     /// Forgets an allocation (its processes are gone); drops any waiter or lease it had.
@@ -360,6 +420,9 @@ impl GpuScheduler {
                 } else {
                     self.need(a)
                 };
+                if a.tier == Tier::Latency {
+                    return Some(self.window_frees(a, need, now));
+                }
                 let have = self.bucket(a, now);
                 let missing = need as f64 - have;
                 let refilled = if missing <= 0.0 {
@@ -511,6 +574,15 @@ impl GpuScheduler {
         if self.room(a, now) < self.need(a) as f64 || self.waiting.iter().any(|w| w.key == key) {
             return;
         }
+        if self.latency_waiter(now).is_some() {
+            return;
+        }
+        // A latency holder asking again is served first anyway: granting best-effort in
+        // between would only be revoked at once.
+        if a.tier == Tier::Latency {
+            self.held_for = Some((key, now + self.params.rerequest_window_ns));
+            return;
+        }
         // Held too when no waiter could take a whole lease: the holder is the one that can.
         let best_waiter = self
             .waiting
@@ -537,7 +609,7 @@ impl GpuScheduler {
     /// uncapped 70, in `compute_share`).
     fn need(&self, a: &Alloc) -> u64 {
         let floor = self.threshold();
-        if a.cap.is_none() {
+        if a.cap.is_none() || a.tier == Tier::Latency {
             return floor;
         }
         a.lease_ns
@@ -592,6 +664,13 @@ impl GpuScheduler {
         };
         let limit = self.cap_limit(cap) as f64;
         let used = self.window_used(a, now) + self.cap_margin(a, now);
+        // A latency allocation's budget is the window alone: a request is a burst, and a
+        // bucket a few leases deep would make the second of two close requests wait.
+        let running = a.leasing.map_or(0.0, |t| now.saturating_sub(t) as f64);
+        let left = limit - used as f64 - running;
+        if a.tier == Tier::Latency {
+            return left;
+        }
         self.bucket(a, now).min(limit - used as f64)
     }
 
@@ -687,9 +766,13 @@ impl GpuScheduler {
                 && !self.others_ready(key, now))
     }
 
-    /// The waiter to serve by virtual time among the eligible ones (the GPU held for a
-    /// re-request serves only its allocation).
+    /// The waiter to serve: an eligible latency one first (by virtual time among them), else
+    /// by virtual time among the eligible ones (the GPU held for a re-request serves only its
+    /// allocation, unless a latency request is eligible).
     fn best_waiter(&self, now: u64) -> Option<usize> {
+        if let Some(i) = self.latency_waiter(now) {
+            return Some(i);
+        }
         let mut best: Option<(usize, f64)> = None;
         for (i, w) in self.waiting.iter().enumerate() {
             if self.held_for.is_some_and(|(k, _)| k != w.key) {
@@ -708,7 +791,40 @@ impl GpuScheduler {
         best.map(|(i, _)| i)
     }
 
+    /// The eligible latency waiter to serve first (least virtual time), if any: one whose
+    /// window still has room for a minimal lease.
+    fn latency_waiter(&self, now: u64) -> Option<usize> {
+        let mut best: Option<(usize, f64)> = None;
+        for (i, w) in self.waiting.iter().enumerate() {
+            let Some(a) = self.allocs.get(&w.key) else {
+                continue;
+            };
+            if a.tier != Tier::Latency || self.room(a, now) < self.need(a) as f64 {
+                continue;
+            }
+            if best.is_none_or(|(_, v)| a.vtime < v) {
+                best = Some((i, a.vtime));
+            }
+        }
+        best.map(|(i, _)| i)
+    }
+
     fn dispatch(&mut self, now: u64) -> Vec<Grant> {
+        // A best-effort lease gives way at once to an eligible latency request: it is ended
+        // here (charged as held) and its holder told to stop launching.
+        if let Some(l) = self.current
+            && self
+                .allocs
+                .get(&l.key)
+                .is_some_and(|a| a.tier != Tier::Latency)
+            && self.latency_waiter(now).is_some()
+        {
+            self.end_lease(l, 0, false, now);
+            self.revoked.push(Revocation {
+                conn: l.conn,
+                lease_id: l.id,
+            });
+        }
         if self.current.is_some() {
             return Vec::new();
         }
@@ -752,6 +868,9 @@ impl GpuScheduler {
             a.bucket_at = now;
             a.leasing = Some(now);
         }
+        let max_inflight_ns = (self.allocs[&w.key].tier != Tier::Latency
+            && self.latency_registered())
+        .then_some(self.params.best_effort_inflight_ns);
         let id = self.next_lease;
         self.next_lease += 1;
         self.current = Some(Lease {
@@ -765,6 +884,7 @@ impl GpuScheduler {
             conn: w.conn,
             lease_id: id,
             duration_ns: duration,
+            max_inflight_ns,
         }]
     }
 }
@@ -781,6 +901,9 @@ fn prune(history: &mut VecDeque<(u64, u64)>, now: u64, window: u64) {
 /// Where a grant goes: the waiting connection. Called with the scheduler locked, so it must
 /// not block (the tenant connection writes the reply with a non-blocking send).
 pub trait GrantSink: Send + Sync {
+    /// Tells the holder its lease `lease_id` is revoked (a latency request); false when the
+    /// connection cannot take it (it is then closed, which stops its launches too).
+    fn revoke(&self, lease_id: u64) -> bool;
     /// Delivers the grant; false when the connection cannot take it (it is then treated as
     /// closed and its lease given to the next waiter).
     fn grant(&self, grant: Grant) -> bool;
@@ -790,6 +913,8 @@ struct Inner {
     sched: GpuScheduler,
     /// Connections waiting for a grant.
     pending: HashMap<ConnId, Arc<dyn GrantSink>>,
+    /// Connections that were granted a lease, to be told of a revocation (until they close).
+    holders: HashMap<ConnId, Arc<dyn GrantSink>>,
 }
 
 impl std::fmt::Debug for Inner {
@@ -805,13 +930,26 @@ impl Inner {
     /// Hands out grants; a connection that cannot take one is closed in the scheduler, which
     /// may grant the next waiter.
     fn deliver(&mut self, mut grants: Vec<Grant>, now: u64) {
+        // Revocations first: the best-effort holder stops launching while the grant travels.
+        for r in self.sched.take_revocations() {
+            if let Some(sink) = self.holders.get(&r.conn)
+                && !sink.revoke(r.lease_id)
+            {
+                self.holders.remove(&r.conn);
+                grants.extend(self.sched.connection_closed(r.conn, now));
+            }
+        }
         while let Some(g) = grants.pop() {
-            let delivered = self
-                .pending
-                .remove(&g.conn)
-                .is_some_and(|sink| sink.grant(g));
-            if !delivered {
-                grants.extend(self.sched.connection_closed(g.conn, now));
+            let sink = self.pending.remove(&g.conn);
+            let delivered = sink.as_ref().is_some_and(|sink| sink.grant(g));
+            match sink {
+                Some(sink) if delivered => {
+                    self.holders.insert(g.conn, sink);
+                }
+                _ => {
+                    self.holders.remove(&g.conn);
+                    grants.extend(self.sched.connection_closed(g.conn, now));
+                }
             }
         }
     }
@@ -837,6 +975,7 @@ impl SchedulerHandle {
             inner: Mutex::new(Inner {
                 sched: GpuScheduler::new(params),
                 pending: HashMap::new(),
+                holders: HashMap::new(),
             }),
             changed: Notify::new(),
         }))
@@ -862,6 +1001,12 @@ impl SchedulerHandle {
     /// Registers an allocation.
     pub fn add_allocation(&self, key: AccountKey, share: u32, cap: Option<u32>, now: u64) {
         self.lock().sched.add_allocation(key, share, cap, now);
+    }
+
+    /// Sets a registered allocation's tier (see [`GpuScheduler::set_tier`]).
+    pub fn set_tier(&self, key: AccountKey, tier: Tier) {
+        // Registered just before by the caller: an unknown key cannot happen here.
+        let _ = self.lock().sched.set_tier(key, tier);
     }
 
     /// Forgets an allocation.
@@ -902,6 +1047,7 @@ impl SchedulerHandle {
     pub fn connection_closed(&self, conn: ConnId, now: u64) {
         let mut inner = self.lock();
         inner.pending.remove(&conn);
+        inner.holders.remove(&conn);
         let grants = inner.sched.connection_closed(conn, now);
         inner.deliver(grants, now);
         drop(inner);
@@ -1020,6 +1166,13 @@ mod tests {
 
         fn take(&mut self, grants: Vec<Grant>) {
             assert!(grants.len() <= 1, "one lease per GPU at a time");
+            // The sim runs a lease whole: a revocation comes only with no lease out here.
+            for r in self.s.take_revocations() {
+                assert!(
+                    self.lease.is_none_or(|l| l.lease_id != r.lease_id),
+                    "the lease being run was revoked"
+                );
+            }
             if let Some(g) = grants.into_iter().next() {
                 assert!(self.lease.is_none(), "granted while a lease is out");
                 self.lease = Some(g);
@@ -1670,5 +1823,182 @@ mod tests {
             "lease bounded by the bucket: {}",
             g[0].duration_ns
         );
+    }
+
+    /// A best-effort tenant (1, conn 10) holding a lease and a latency tenant (2, conn 20,
+    /// share 40) registered.
+    fn best_effort_holding() -> (GpuScheduler, Grant) {
+        let mut s = GpuScheduler::new(SchedulerParams::default());
+        s.add_allocation(1, 60, None, 0);
+        s.add_allocation(2, 40, None, 0);
+        s.set_tier(2, Tier::Latency).unwrap();
+        let g = s.acquire(1, 10, 0).unwrap()[0];
+        (s, g)
+    }
+
+    #[test]
+    fn a_latency_request_revokes_the_best_effort_lease_at_once() {
+        let (mut s, be) = best_effort_holding();
+        assert_eq!(
+            be.max_inflight_ns,
+            Some(MS),
+            "best-effort is bounded in flight while a latency tenant is registered"
+        );
+        assert!(s.take_revocations().is_empty());
+        // 5 ms into a 20 ms lease the latency tenant asks: it is granted now, not at 20 ms.
+        let g = s.acquire(2, 20, 5 * MS).unwrap();
+        assert_eq!(g.len(), 1, "granted at once");
+        assert_eq!(g[0].conn, 20);
+        assert_eq!(
+            g[0].max_inflight_ns, None,
+            "a latency holder is not bounded"
+        );
+        assert_eq!(
+            s.take_revocations(),
+            vec![Revocation {
+                conn: 10,
+                lease_id: be.lease_id
+            }]
+        );
+        assert!(s.take_revocations().is_empty(), "told once");
+        // The revoked holder's late release is stale and changes nothing; it was charged the
+        // 5 ms it held.
+        assert!(s.release(10, be.lease_id, 5 * MS, true, 6 * MS).is_empty());
+        assert_eq!(s.current(), Some((20, g[0].lease_id)));
+        assert_eq!(s.alloc_stats(1, 6 * MS).unwrap().gpu_ns, 5 * MS);
+        // The best-effort tenant asks again and gets the GPU when the request is done.
+        assert!(s.acquire(1, 10, 6 * MS).unwrap().is_empty());
+        let next = s.release(20, g[0].lease_id, 8 * MS, true, 13 * MS);
+        assert_eq!(next.len(), 1);
+        assert_eq!(
+            next[0].conn, 10,
+            "work-conserving: the rest goes to best-effort"
+        );
+        assert_eq!(next[0].max_inflight_ns, Some(MS));
+    }
+
+    #[test]
+    fn best_effort_is_unbounded_without_a_latency_tenant_and_a_best_effort_request_revokes_nothing()
+    {
+        let mut s = GpuScheduler::new(SchedulerParams::default());
+        s.add_allocation(1, 50, None, 0);
+        s.add_allocation(2, 50, None, 0);
+        let g = s.acquire(1, 10, 0).unwrap()[0];
+        assert_eq!(g.max_inflight_ns, None);
+        assert!(s.acquire(2, 20, MS).unwrap().is_empty(), "waits its turn");
+        assert!(s.take_revocations().is_empty());
+        // Registering a latency tenant bounds the next best-effort grant; removing it lifts it.
+        s.add_allocation(3, 10, None, MS);
+        s.set_tier(3, Tier::Latency).unwrap();
+        let g2 = s.release(10, g.lease_id, 20 * MS, false, 20 * MS);
+        assert_eq!(g2[0].max_inflight_ns, Some(MS));
+        s.remove_allocation(3, 21 * MS);
+        s.acquire(1, 10, 21 * MS).unwrap();
+        let g3 = s.release(g2[0].conn, g2[0].lease_id, MS, true, 22 * MS);
+        assert_eq!(g3[0].max_inflight_ns, None);
+        assert_eq!(
+            s.set_tier(9, Tier::Latency),
+            Err(SchedulerError::UnknownAllocation(9))
+        );
+    }
+
+    #[test]
+    fn a_latency_request_goes_before_best_effort_waiters_and_the_rerequest_hold() {
+        let mut s = GpuScheduler::new(SchedulerParams::default());
+        s.add_allocation(1, 50, None, 0);
+        s.add_allocation(2, 50, None, 0);
+        s.add_allocation(3, 5, None, 0);
+        s.set_tier(3, Tier::Latency).unwrap();
+        let g = s.acquire(1, 10, 0).unwrap()[0];
+        assert!(s.acquire(2, 20, MS).unwrap().is_empty());
+        // Lease 1 ends used to its end: the GPU would be held for 1's re-request, but a
+        // latency request that arrives meanwhile is served first, with a share of only 5.
+        let next = s.release(10, g.lease_id, g.duration_ns, false, g.duration_ns);
+        let be2 = next[0];
+        assert_eq!(be2.conn, 20);
+        assert!(s.acquire(1, 10, g.duration_ns).unwrap().is_empty());
+        let lat = s.acquire(3, 30, g.duration_ns + MS).unwrap();
+        assert_eq!(lat[0].conn, 30, "served before both best-effort tenants");
+        assert_eq!(s.take_revocations()[0].conn, 20);
+    }
+
+    #[test]
+    fn two_latency_tenants_do_not_revoke_each_other() {
+        let mut s = GpuScheduler::new(SchedulerParams::default());
+        for k in [1, 2] {
+            s.add_allocation(k, 30, None, 0);
+            s.set_tier(k, Tier::Latency).unwrap();
+        }
+        let g = s.acquire(1, 10, 0).unwrap()[0];
+        assert!(
+            s.acquire(2, 20, MS).unwrap().is_empty(),
+            "waits for the other"
+        );
+        assert!(s.take_revocations().is_empty());
+        let next = s.release(10, g.lease_id, 3 * MS, true, 4 * MS);
+        assert_eq!(next[0].conn, 20);
+    }
+
+    /// A latency tenant that saturates the GPU (always asks again) beside a saturating
+    /// best-effort one: `shares` (latency share, best-effort share).
+    fn saturating_latency(latency_share: u32) -> Sim {
+        let mut sim = Sim::new();
+        sim.alloc(1, latency_share, None);
+        sim.s.set_tier(1, Tier::Latency).unwrap();
+        sim.alloc(2, 100, None);
+        sim.join(1, 10);
+        sim.join(2, 20);
+        sim.run(10 * S);
+        sim
+    }
+
+    #[test]
+    fn a_saturating_latency_tenant_gets_no_more_than_its_share_and_best_effort_the_rest() {
+        for share in [20, 40, 70] {
+            let sim = saturating_latency(share);
+            let share = f64::from(share);
+            // The ceiling, in every window of the cap window's length (1 s), with the window's
+            // slack of 5 ms (0.5 points).
+            for w in 0..10 {
+                let l = sim.fraction(1, w * S, (w + 1) * S);
+                assert!(
+                    l <= share + 0.5 + 1e-9,
+                    "share {share}: window {w}: {l:.2}%"
+                );
+            }
+            let (l, b) = (sim.fraction(1, 0, 10 * S), sim.fraction(2, 0, 10 * S));
+            // The guarantee: served first, it gets about its share...
+            assert!(l >= share - 2.0, "share {share}: latency got {l:.2}%");
+            // ...and best-effort all the rest (work-conserving: the GPU never idles).
+            assert!(
+                l + b >= 99.0,
+                "share {share}: {l:.2} + {b:.2} leaves the GPU idle"
+            );
+        }
+    }
+
+    #[test]
+    fn a_latency_tenant_running_past_its_leases_stays_within_its_share_in_every_second() {
+        // The attack on the ceiling: a saturating latency tenant whose work runs 1-20 ms past
+        // every lease (charged, as the GPU was its). Every sliding 1 s window holds at most its
+        // share plus a point.
+        for over in [MS, 5 * MS, 20 * MS] {
+            let mut sim = Sim::new();
+            sim.alloc(1, 30, None);
+            sim.s.set_tier(1, Tier::Latency).unwrap();
+            sim.alloc(2, 70, None);
+            sim.lateness.insert(1, (0, over));
+            sim.join(1, 10);
+            sim.join(2, 20);
+            sim.run(10 * S);
+            let mut from = 0;
+            while from + S <= 10 * S {
+                let w = sim.fraction(1, from, from + S);
+                assert!(w <= 31.0, "{over} ns late: {w:.1}% in [{from}, +1 s)");
+                from += 50 * MS;
+            }
+            let b = sim.fraction(2, 0, 10 * S);
+            assert!(b >= 68.0, "{over} ns late: best-effort got {b:.1}%");
+        }
     }
 }

@@ -407,6 +407,7 @@ impl Arbiter {
         let key = live.next_key;
         live.ledger.open(key, record.memory_limit);
         scheduler.add_allocation(key, record.share, record.cap, self.now_ns());
+        scheduler.set_tier(key, record.tier);
         live.tokens.insert(record.token.clone(), record.id.clone());
         if let Some(alias) = group_marker(&record) {
             live.tokens.insert(alias, record.id.clone());
@@ -531,6 +532,7 @@ impl Arbiter {
                         memory_used: live.ledger.usage(a.key).map_or(0, |u| u.in_use),
                         share: r.share,
                         cap: r.cap,
+                        tier: r.tier,
                         processes: live.procs.get(&a.key).map_or(0, |p| p.len() as u32),
                         sched: Default::default(),
                         oom_refusals: a.counters.oom_refusals(),
@@ -921,6 +923,7 @@ impl Arbiter {
         gpu: &GpuInfo,
         token: String,
         owner: Option<tessera_protocol::ProcessOwner>,
+        tier: tessera_protocol::Tier,
     ) -> Result<AllocationRecord, StateError> {
         let mut id = store::new_id()?;
         while records.iter().any(|r| r.id == id) {
@@ -937,6 +940,7 @@ impl Arbiter {
             labels: req.labels,
             created_unix: now_unix(),
             owner,
+            tier,
         })
     }
 
@@ -947,9 +951,21 @@ impl Arbiter {
         req: CreateAllocation,
         owner: Option<tessera_protocol::ProcessOwner>,
     ) -> Result<(String, AllocationStatus), StateError> {
+        self.create_tiered(req, owner, tessera_protocol::Tier::BestEffort)
+            .await
+    }
+
+    /// [`Arbiter::create_owned`] in a service tier (admin socket only: the tier is the
+    /// operator's, never the tenant's).
+    pub async fn create_tiered(
+        &self,
+        req: CreateAllocation,
+        owner: Option<tessera_protocol::ProcessOwner>,
+        tier: tessera_protocol::Tier,
+    ) -> Result<(String, AllocationStatus), StateError> {
         let mut records = self.admin.lock().await;
         let gpu = self.check_create(&records, &req)?;
-        let record = Self::new_record(&records, req, &gpu, store::new_token()?, owner)?;
+        let record = Self::new_record(&records, req, &gpu, store::new_token()?, owner, tier)?;
         let mut next = records.clone();
         next.push(record.clone());
         self.persist(next.clone()).await?;
@@ -997,7 +1013,14 @@ impl Arbiter {
                 None => group_token.clone(),
                 Some(_) => slice_token(&group_token, &gpu.uuid),
             };
-            let mut record = Self::new_record(&next, req.clone(), &gpu, token, owner)?;
+            let mut record = Self::new_record(
+                &next,
+                req.clone(),
+                &gpu,
+                token,
+                owner,
+                tessera_protocol::Tier::BestEffort,
+            )?;
             let gid = group_id.get_or_insert_with(|| record.id.clone()).clone();
             req.labels.insert(LABEL_GPU_GROUP.to_owned(), gid);
             check_labels(&req.labels)?;
@@ -1122,6 +1145,7 @@ impl Arbiter {
             orphaned: r
                 .owner
                 .is_some_and(|o| !crate::owner::alive(std::path::Path::new("/proc"), o)),
+            tier: r.tier,
         })
     }
 

@@ -230,6 +230,8 @@ pub struct AllocSample {
     pub share: u32,
     /// Compute cap, percent.
     pub cap: Option<u32>,
+    /// Service tier.
+    pub tier: tessera_protocol::Tier,
     /// Connected processes.
     pub processes: u32,
     /// The scheduler's counters.

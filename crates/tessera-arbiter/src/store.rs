@@ -97,6 +97,10 @@ pub struct AllocationRecord {
     /// before owners existed.
     #[serde(default)]
     pub owner: Option<tessera_protocol::ProcessOwner>,
+    /// Its service tier, the operator's choice at creation. Absent in files written before
+    /// tiers existed (best-effort).
+    #[serde(default)]
+    pub tier: tessera_protocol::Tier,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -276,6 +280,7 @@ mod tests {
             labels: BTreeMap::from([("k".into(), "v".into())]),
             created_unix: 1,
             owner: None,
+            tier: tessera_protocol::Tier::Latency,
         }
     }
 

@@ -166,11 +166,28 @@ impl PressureSink for ConnWriter {
 }
 
 impl GrantSink for ConnWriter {
+    fn revoke(&self, lease_id: u64) -> bool {
+        // Under the writer's lock, so the frame never lands inside a reply being written.
+        let _guard = self.lock();
+        let ok = self.send_now(&TenantReply::LeaseRevoked { lease_id });
+        if !ok {
+            let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        }
+        ok
+    }
+
     fn grant(&self, g: Grant) -> bool {
         let mut pending = self.lock();
-        let ok = self.send_now(&TenantReply::LeaseGranted {
-            lease_id: g.lease_id,
-            duration_ns: g.duration_ns,
+        let ok = self.send_now(&match g.max_inflight_ns {
+            None => TenantReply::LeaseGranted {
+                lease_id: g.lease_id,
+                duration_ns: g.duration_ns,
+            },
+            Some(max_inflight_ns) => TenantReply::LeaseGrantedBounded {
+                lease_id: g.lease_id,
+                duration_ns: g.duration_ns,
+                max_inflight_ns,
+            },
         });
         if !ok {
             // A peer that does not read its replies (or is gone) loses the connection; its

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use tessera_protocol::client::TenantClient;
-use tessera_protocol::{CreateAllocation, GpuSelector, TenantReply, TenantRequest};
+use tessera_protocol::{CreateAllocation, GpuSelector, TenantReply, TenantRequest, Tier};
 
 fn lease(c: &mut TenantClient) -> (u64, u64) {
     match c.call(&TenantRequest::LeaseAcquire).unwrap() {
@@ -319,4 +319,115 @@ fn early_hand_back_passes_the_gpu_to_the_waiter() {
             })
             .unwrap();
     }
+}
+
+fn alloc(share: u32) -> CreateAllocation {
+    CreateAllocation {
+        gpu: GpuSelector::Index(0),
+        memory_limit: GIB,
+        share,
+        cap: None,
+        labels: BTreeMap::new(),
+    }
+}
+
+/// A best-effort tenant and a latency one (share 40) on GPU 0: (tokens, ids).
+fn tiered(arb: &Arbiter) -> ([String; 2], [String; 2]) {
+    let mut admin = arb.admin();
+    let (tb, b) = admin.create(alloc(60)).unwrap();
+    let (tl, l) = admin.create_tiered(alloc(40), None, Tier::Latency).unwrap();
+    assert_eq!((b.tier, l.tier), (Tier::BestEffort, Tier::Latency));
+    ([tb, tl], [b.id, l.id])
+}
+
+#[test]
+fn a_latency_request_revokes_the_best_effort_lease_at_once_and_best_effort_is_bounded() {
+    let arb = Arbiter::start();
+    let ([tb, tl], [b, l]) = tiered(&arb);
+    let mut cb = arb.tenant(&tb);
+    // With a latency tenant registered, a best-effort grant bounds its work in flight.
+    let (lb, dur) = match cb.call(&TenantRequest::LeaseAcquire).unwrap() {
+        TenantReply::LeaseGrantedBounded {
+            lease_id,
+            duration_ns,
+            max_inflight_ns,
+        } => {
+            assert_eq!(max_inflight_ns, 1_000_000, "the default bound");
+            (lease_id, duration_ns)
+        }
+        other => panic!("{other:?}"),
+    };
+    // The latency tenant asks while the best-effort one holds: it is granted (an unbounded
+    // lease), and the holder is told its lease is revoked.
+    let asked = Instant::now();
+    let rl = lease_async(arb.tenant(&tl));
+    cb.stream()
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    assert_eq!(
+        cb.recv().unwrap(),
+        TenantReply::LeaseRevoked { lease_id: lb },
+        "the holder is told"
+    );
+    let revoked = asked.elapsed();
+    let ((ll, _), granted, _cl) = rl.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert!(ll > lb);
+    println!(
+        "revoked after {revoked:?}, granted after {:?} (the lease had {} ms)",
+        granted - asked,
+        dur / 1_000_000
+    );
+    // Both are shown with their tier.
+    let list = arb.admin().list().unwrap();
+    let tier = |id: &str| list.iter().find(|x| x.id == id).unwrap().tier;
+    assert_eq!((tier(&b), tier(&l)), (Tier::BestEffort, Tier::Latency));
+}
+
+#[test]
+fn a_best_effort_tenant_cannot_make_itself_latency_from_its_socket() {
+    let arb = Arbiter::start();
+    let ([tb, _], [b, _]) = tiered(&arb);
+    // The attack: the admin request that creates latency allocations, sent on the tenant
+    // socket (the only socket a container has). It is not a tenant request: the connection
+    // is closed, nothing is created, and the tier stays.
+    let cb = arb.tenant(&tb);
+    let before = arb.admin().list().unwrap().len();
+    let mut frame = Vec::new();
+    tessera_protocol::frame::write_frame(
+        &mut frame,
+        &tessera_protocol::AdminRequest::CreateTiered {
+            create: alloc(100),
+            owner: None,
+            tier: Tier::Latency,
+        },
+    )
+    .unwrap();
+    use std::io::{Read, Write};
+    let mut s = cb.stream().try_clone().unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(&frame).unwrap();
+    let mut buf = [0u8; 64];
+    let n = s.read(&mut buf).unwrap_or(0);
+    assert!(
+        n == 0
+            || matches!(
+                tessera_protocol::frame::read_frame::<_, TenantReply>(&mut &buf[..n]),
+                Ok(TenantReply::Error { .. })
+            ),
+        "the arbiter served an admin request on the tenant socket: {:?}",
+        &buf[..n]
+    );
+    drop(cb);
+    let list = arb.admin().list().unwrap();
+    assert_eq!(list.len(), before, "nothing was created");
+    assert_eq!(
+        list.iter().find(|x| x.id == b).unwrap().tier,
+        Tier::BestEffort
+    );
+    // A new connection of the same tenant is still served as best-effort: bounded.
+    let mut again = arb.tenant(&tb);
+    assert!(matches!(
+        again.call(&TenantRequest::LeaseAcquire).unwrap(),
+        TenantReply::LeaseGrantedBounded { .. }
+    ));
 }

@@ -73,6 +73,10 @@ pub struct RunArgs {
     /// otherwise idle.
     #[arg(long)]
     pub cap: bool,
+    /// Service tier: `best-effort`, or `latency` (served first within its share, which is
+    /// then also its ceiling; other tenants keep little work in flight while it runs).
+    #[arg(long, default_value = "best-effort", value_name = "TIER")]
+    pub tier: tessera_protocol::Tier,
     /// Arbiter admin socket.
     #[arg(long, value_name = "PATH", env = node::ENV_ADMIN_SOCKET, default_value = DEFAULT_ADMIN_SOCKET)]
     pub admin_socket: PathBuf,
@@ -216,6 +220,12 @@ fn install_forwarding() -> anyhow::Result<()> {
 
 /// Runs `tessera run`; returns the process exit code.
 pub fn main(args: RunArgs) -> Result<u8, CliError> {
+    if args.gpu.len() > 1 && args.tier != tessera_protocol::Tier::BestEffort {
+        // Refused before anything is created: a group's slices have no tier yet.
+        return Err(CliError::usage(
+            "--tier latency takes one GPU: an allocation spanning GPUs is best-effort",
+        ));
+    }
     let interposer = interposer_path(args.interposer.as_deref())?;
     // SAFETY: PR_SET_CHILD_SUBREAPER takes an integer flag and affects only this process.
     if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) } != 0 {
@@ -245,10 +255,12 @@ pub fn main(args: RunArgs) -> Result<u8, CliError> {
             labels: labels.clone(),
         })
         .collect();
-    // One GPU: a plain allocation (as before multi-GPU ones existed); several: one group,
-    // all or nothing, under one token.
+    // One GPU: a plain allocation in its tier; several: one group, all or nothing, under one
+    // token (best-effort: a group has no tier yet).
     let (token, allocs) = match <[CreateAllocation; 1]>::try_from(slices) {
-        Ok([create]) => admin.create_owned(create, owner).map(|(t, a)| (t, vec![a])),
+        Ok([create]) => admin
+            .create_tiered(create, Some(owner), args.tier)
+            .map(|(t, a)| (t, vec![a])),
         Err(slices) => admin.create_group(slices, Some(owner)),
     }
     .map_err(|e| CliError::arbiter(e, &args.admin_socket))?;

@@ -3,7 +3,8 @@
 //! The JSON (`--json`) is a stable interface, documented in docs/arbiter.md:
 //! `{"gpus": [{index, uuid, name, memory_total, memory_promised, shares_promised,
 //! allocations: [{id, memory_limit, memory_used, processes, share, cap, gpu_time_10s_ns,
-//! gpu_percent_10s, labels, pod, claim, group, created_unix, enforced, owner_pid, orphaned}]}],
+//! gpu_percent_10s, labels, pod, claim, group, created_unix, enforced, owner_pid, orphaned,
+//! tier}]}],
 //! "unplaced": [...]}`, where `unplaced`
 //! lists allocations whose GPU is not on the node any more (same fields plus `gpu_uuid`), and
 //! `pod` is `namespace/pod/container` from the labels the device plugin writes (or null), and
@@ -19,8 +20,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
-use tessera_protocol::node;
 pub use tessera_protocol::size::human_fixed as human;
+use tessera_protocol::{Tier, node};
 
 use serde::Serialize;
 use tessera_protocol::client::{AdminClient, ClientError};
@@ -90,6 +91,8 @@ pub struct AllocationJson {
     pub owner_pid: Option<i32>,
     /// Its owner is gone: the arbiter deletes it once none of its processes is left.
     pub orphaned: bool,
+    /// Service tier: `latency` or `best-effort`.
+    pub tier: String,
 }
 
 /// One GPU in the JSON output.
@@ -151,6 +154,7 @@ fn alloc_json(a: &AllocationStatus, with_gpu: bool) -> AllocationJson {
         enforced: a.enforced,
         owner_pid: a.owner.map(|o| o.pid),
         orphaned: a.orphaned,
+        tier: a.tier.as_str().to_owned(),
     }
 }
 
@@ -355,6 +359,12 @@ fn alloc_rows(out: &mut String, cols: &[usize], a: &AllocationJson, time: TimeCo
     if let Some(claim) = &a.claim {
         line(out, &fit(&format!("  claim {claim}"), WIDTH - 4));
     }
+    if a.tier == Tier::Latency.as_str() {
+        line(
+            out,
+            "  tier latency (served first; its share is also its ceiling)",
+        );
+    }
 }
 
 /// `text` cut to `width` characters, keeping the end (a pod name's tail tells pods apart).
@@ -549,6 +559,22 @@ mod tests {
         assert!(t.contains("claim team-a/train"), "{t}");
         let none = build(&[gpu(0)], &[alloc("a1b2c3d4", "GPU-0", 30)]);
         assert_eq!(none.gpus[0].allocations[0].claim, None);
+    }
+
+    #[test]
+    fn the_tier_is_in_the_json_and_a_latency_one_in_the_table() {
+        let mut a = alloc("a1b2c3d4", "GPU-0", 30);
+        a.tier = Tier::Latency;
+        let b = alloc("b1b2c3d4", "GPU-0", 20);
+        let s = build(&[gpu(0)], &[a, b]);
+        let tiers: Vec<&str> = s.gpus[0]
+            .allocations
+            .iter()
+            .map(|x| x.tier.as_str())
+            .collect();
+        assert_eq!(tiers, ["latency", "best-effort"]);
+        let t = table(&s);
+        assert_eq!(t.matches("tier latency").count(), 1, "{t}");
     }
 
     #[test]

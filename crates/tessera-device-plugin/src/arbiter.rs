@@ -26,6 +26,21 @@ pub trait Arbiter {
         &mut self,
         slices: Vec<CreateAllocation>,
     ) -> Result<(String, Vec<AllocationStatus>), ClientError>;
+
+    /// Creates an allocation in `tier` (the operator's choice). Without an implementation only
+    /// best-effort ones can be made: asking for latency fails, never falls back.
+    fn create_tiered(
+        &mut self,
+        req: CreateAllocation,
+        tier: tessera_protocol::Tier,
+    ) -> Result<(String, AllocationStatus), ClientError> {
+        match tier {
+            tessera_protocol::Tier::BestEffort => self.create(req),
+            tessera_protocol::Tier::Latency => Err(ClientError::Unexpected(
+                "this arbiter connection cannot create latency allocations".into(),
+            )),
+        }
+    }
     /// Deletes an allocation.
     fn delete(&mut self, id: &str) -> Result<(), ClientError>;
     /// Merges labels into an allocation's labels.
@@ -51,6 +66,14 @@ impl Arbiter for AdminClient {
         slices: Vec<CreateAllocation>,
     ) -> Result<(String, Vec<AllocationStatus>), ClientError> {
         AdminClient::create_group(self, slices, None)
+    }
+
+    fn create_tiered(
+        &mut self,
+        req: CreateAllocation,
+        tier: tessera_protocol::Tier,
+    ) -> Result<(String, AllocationStatus), ClientError> {
+        AdminClient::create_tiered(self, req, None, tier)
     }
     fn delete(&mut self, id: &str) -> Result<(), ClientError> {
         AdminClient::delete(self, id)
@@ -279,6 +302,19 @@ pub mod fake {
             let ids: Vec<String> = made.into_iter().map(|(_, a)| a.id).collect();
             let statuses = ids.iter().filter_map(|id| self.get(id).cloned()).collect();
             Ok((token, statuses))
+        }
+
+        fn create_tiered(
+            &mut self,
+            req: CreateAllocation,
+            tier: tessera_protocol::Tier,
+        ) -> Result<(String, AllocationStatus), ClientError> {
+            let (token, mut status) = self.create(req)?;
+            status.tier = tier;
+            if let Some(last) = self.allocations.last_mut() {
+                last.1.tier = tier;
+            }
+            Ok((token, status))
         }
 
         fn delete(&mut self, id: &str) -> Result<(), ClientError> {

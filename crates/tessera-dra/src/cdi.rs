@@ -264,6 +264,7 @@ mod tests {
             share: if whole { 100 } else { 30 },
             memory_limit: 1,
             whole,
+            tier: tessera_protocol::Tier::BestEffort,
         }
     }
 

@@ -64,6 +64,8 @@ pub struct Planned {
     pub memory_limit: u64,
     /// The whole card: no interposer.
     pub whole: bool,
+    /// Its tier: latency only when the claim's DeviceClass says so (see [`tier_of`]).
+    pub tier: tessera_protocol::Tier,
 }
 
 /// Why a claim cannot be prepared on this node.
@@ -214,7 +216,15 @@ pub fn plan(
         }
         let (share, memory_limit, whole) =
             limits(r.consumed_capacity.as_ref(), gpu, default_memory)?;
+        let config = claim
+            .status
+            .as_ref()
+            .and_then(|s| s.allocation.as_ref())
+            .and_then(|a| a.devices.as_ref())
+            .and_then(|d| d.config.as_deref())
+            .unwrap_or_default();
         out.push(Planned {
+            tier: tier_of(config, &r.request),
             request: r.request.clone(),
             pool: r.pool.clone(),
             device: r.device.clone(),
@@ -231,6 +241,31 @@ pub fn plan(
         return Err(ClaimError::MixedResults(out.len()));
     }
     Ok(out)
+}
+
+/// The tier of the result serving `request`: `latency` when an opaque configuration of this
+/// driver from the claim's DeviceClass (`source: FromClass`, written by the cluster's
+/// operator) applying to it says `{"tier": "latency"}`. The same configuration in the claim
+/// itself (`FromClaim`) is the workload's own and is ignored: a tenant never picks its tier.
+pub fn tier_of(
+    config: &[k8s_openapi::api::resource::v1::DeviceAllocationConfiguration],
+    request: &str,
+) -> tessera_protocol::Tier {
+    let latency = config.iter().any(|c| {
+        c.source == "FromClass"
+            && c.requests
+                .as_ref()
+                .is_none_or(|rs| rs.is_empty() || rs.iter().any(|x| x == request))
+            && c.opaque.as_ref().is_some_and(|o| {
+                o.driver == DRIVER
+                    && o.parameters.0.get("tier").and_then(|t| t.as_str()) == Some("latency")
+            })
+    });
+    if latency {
+        tessera_protocol::Tier::Latency
+    } else {
+        tessera_protocol::Tier::BestEffort
+    }
 }
 
 /// `(share, memory limit, whole)` of one result.
@@ -287,6 +322,48 @@ mod tests {
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
     const GIB: u64 = 1 << 30;
+
+    fn config(
+        source: &str,
+        driver: &str,
+        requests: Option<&[&str]>,
+        params: serde_json::Value,
+    ) -> k8s_openapi::api::resource::v1::DeviceAllocationConfiguration {
+        k8s_openapi::api::resource::v1::DeviceAllocationConfiguration {
+            source: source.into(),
+            requests: requests.map(|r| r.iter().map(|x| x.to_string()).collect()),
+            opaque: Some(k8s_openapi::api::resource::v1::OpaqueDeviceConfiguration {
+                driver: driver.into(),
+                parameters: k8s_openapi::apimachinery::pkg::runtime::RawExtension(params),
+            }),
+        }
+    }
+
+    #[test]
+    fn the_tier_comes_from_the_device_class_only() {
+        use tessera_protocol::Tier;
+        let latency = serde_json::json!({"tier": "latency"});
+        // The operator's DeviceClass says latency: for every request, or the named one.
+        let class = config("FromClass", DRIVER, None, latency.clone());
+        assert_eq!(tier_of(&[class], "gpu"), Tier::Latency);
+        let named = config("FromClass", DRIVER, Some(&["gpu"]), latency.clone());
+        assert_eq!(tier_of(std::slice::from_ref(&named), "gpu"), Tier::Latency);
+        assert_eq!(tier_of(&[named], "other"), Tier::BestEffort);
+        // The attack: the workload's own claim asks for latency. Ignored.
+        let own = config("FromClaim", DRIVER, None, latency.clone());
+        assert_eq!(tier_of(&[own], "gpu"), Tier::BestEffort);
+        // Another driver's configuration, or another value: best-effort.
+        let other = config("FromClass", "gpu.nvidia.com", None, latency);
+        assert_eq!(tier_of(&[other], "gpu"), Tier::BestEffort);
+        let odd = config(
+            "FromClass",
+            DRIVER,
+            None,
+            serde_json::json!({"tier": "urgent"}),
+        );
+        assert_eq!(tier_of(&[odd], "gpu"), Tier::BestEffort);
+        assert_eq!(tier_of(&[], "gpu"), Tier::BestEffort);
+    }
 
     fn gpus() -> Vec<NodeGpu> {
         (0..2)

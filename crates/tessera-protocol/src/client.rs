@@ -116,6 +116,11 @@ impl TenantClient {
     pub fn send(&mut self, req: &TenantRequest) -> Result<(), ClientError> {
         Ok(frame::write_frame(&mut self.stream, req)?)
     }
+
+    /// Reads one frame the arbiter sent unasked (`LeaseRevoked`, `Pressure`).
+    pub fn recv(&mut self) -> Result<TenantReply, ClientError> {
+        Ok(frame::read_frame(&mut self.stream)?)
+    }
 }
 
 /// An admin connection.
@@ -186,6 +191,24 @@ impl AdminClient {
     ) -> Result<(String, Vec<AllocationStatus>), ClientError> {
         match self.call(&AdminRequest::CreateGroup { slices, owner })? {
             AdminReply::CreatedGroup { token, allocations } => Ok((token, allocations)),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Creates an allocation in `tier`, owned by `owner` if given (see
+    /// [`AdminRequest::CreateTiered`]).
+    pub fn create_tiered(
+        &mut self,
+        create: CreateAllocation,
+        owner: Option<ProcessOwner>,
+        tier: crate::Tier,
+    ) -> Result<(String, AllocationStatus), ClientError> {
+        match self.call(&AdminRequest::CreateTiered {
+            create,
+            owner,
+            tier,
+        })? {
+            AdminReply::Created { token, allocation } => Ok((token, allocation)),
             other => Err(ClientError::Unexpected(format!("{other:?}"))),
         }
     }

@@ -15,6 +15,7 @@
 //!   finds its allocation ([`node::resolve`]), for the interposer and `doctor` alike.
 //! - [`size`]: the one size parser (`4GiB`, `1.5G`, `512MiB`) and formatter (`80 GiB`) of every
 //!   command and message.
+//! - [`tier`]: an allocation's service tier (latency or best-effort), set by the operator.
 //!
 //! A connection opens with a [`message::Hello`] from the client, answered by
 //! [`message::Welcome`] or an error; every later frame is one request or one reply.
@@ -30,9 +31,11 @@ pub mod message;
 pub mod node;
 pub mod process;
 pub mod size;
+pub mod tier;
 
 pub use frame::{FrameDecoder, FrameError, MAX_FRAME_LEN};
 pub use message::*;
+pub use tier::Tier;
 
 /// Protocol version spoken by this build. Peers of another version are refused, in the one
 /// form of [`ServerHello`] that every version reads ([`ServerHello::Refused`]).

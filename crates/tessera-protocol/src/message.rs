@@ -289,6 +289,23 @@ pub enum TenantReply {
         /// Echoed in `Relinquish`.
         seq: u64,
     },
+    /// A lease for a best-effort holder while a latency tenant is on the GPU: as
+    /// `LeaseGranted`, and the holder keeps at most `max_inflight_ns` of predicted kernel time
+    /// in flight. (Appended: `LeaseGranted` keeps its encoding.)
+    LeaseGrantedBounded {
+        /// Lease id, echoed in `LeaseRelease`.
+        lease_id: u64,
+        /// Lease length, ns.
+        duration_ns: u64,
+        /// Most predicted kernel time in flight, ns.
+        max_inflight_ns: u64,
+    },
+    /// Sent unasked on the lease connection: the lease is over now (a latency tenant asked);
+    /// launch nothing more under it, and ask again for the next one.
+    LeaseRevoked {
+        /// The lease taken back.
+        lease_id: u64,
+    },
 }
 
 /// Which GPU an allocation lives on.
@@ -356,6 +373,17 @@ pub enum AdminRequest {
         create: CreateAllocation,
         /// The process that owns it.
         owner: ProcessOwner,
+    },
+    /// Create an allocation in a service tier, owned by a process or not; answered by
+    /// `Created`. Only the admin socket takes it: a tenant never picks its tier. (Appended so
+    /// that `Create` and `CreateOwned` keep their encodings; they create best-effort ones.)
+    CreateTiered {
+        /// The allocation.
+        create: CreateAllocation,
+        /// The process that owns it, if any (as `CreateOwned`).
+        owner: Option<ProcessOwner>,
+        /// Its tier.
+        tier: crate::Tier,
     },
     /// Create one allocation spanning several GPUs: one slice per entry (distinct GPUs, each
     /// with its own limit, share and cap), all or none, under one token (see
@@ -460,6 +488,8 @@ pub struct AllocationStatus {
     pub owner: Option<ProcessOwner>,
     /// Its owner is gone; it is deleted once none of its processes is left.
     pub orphaned: bool,
+    /// Its service tier (set at creation by the operator).
+    pub tier: crate::Tier,
 }
 
 /// Classes of admin errors, so tools can map them to exit codes.

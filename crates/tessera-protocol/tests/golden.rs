@@ -213,4 +213,14 @@ fn every_tenant_reply_is_pinned() {
     pinned(TenantReply::Ticket { ticket: 42 }, "02000000072a");
     pinned(TenantReply::Subscribed, "0100000008");
     pinned(TenantReply::Pressure { seq: 9 }, "020000000909");
+    // The latency tier's: a best-effort grant bounded in flight, and a revocation.
+    pinned(
+        TenantReply::LeaseGrantedBounded {
+            lease_id: 7,
+            duration_ns: 20_000_000,
+            max_inflight_ns: 1_000_000,
+        },
+        "090000000a0780dac409c0843d",
+    );
+    pinned(TenantReply::LeaseRevoked { lease_id: 7 }, "020000000b07");
 }

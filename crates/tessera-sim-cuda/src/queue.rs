@@ -356,8 +356,8 @@ pub fn host_op(f: HostFn, data: usize) -> Op {
     }))
 }
 
-/// The time-slicing setting of this process (`TESSERA_SIM_TIMESLICE`), read once; a bad
-/// value is said once on stderr and leaves time-slicing off.
+/// The time-slicing setting of this process (`TESSERA_SIM_TIMESLICE`, on unless `off`), read
+/// once; a bad value is said once on stderr and leaves the default slices.
 fn timeslice() -> Option<tessera_sim_state::timeslice::Params> {
     static SETTING: std::sync::OnceLock<Option<tessera_sim_state::timeslice::Params>> =
         std::sync::OnceLock::new();
@@ -365,10 +365,10 @@ fn timeslice() -> Option<tessera_sim_state::timeslice::Params> {
         let text = std::env::var(tessera_sim_state::ENV_TIMESLICE).unwrap_or_default();
         tessera_sim_state::timeslice::Params::parse(&text).unwrap_or_else(|e| {
             eprintln!(
-                "tessera-sim: {}: {e}; kernels run whole, in turn",
+                "tessera-sim: {}: {e}; the default time slices",
                 tessera_sim_state::ENV_TIMESLICE
             );
-            None
+            Some(tessera_sim_state::timeslice::Params::default())
         })
     })
 }

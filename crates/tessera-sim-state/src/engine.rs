@@ -16,7 +16,8 @@
 //! **Time-slicing** (an engine made [`Engine::with_timeslice`], `TESSERA_SIM_TIMESLICE`): a
 //! GPU without MPS runs one context at a time and switches between contexts that have work
 //! every time slice (see [`crate::timeslice`]). A kernel then runs in chunks of at most one
-//! slice, the lock taken for each chunk; between chunks the rules say whose turn it is, and a
+//! slice while another context waits (alone, it runs on, on one clock, and stops after the
+//! slice in which another context starts waiting), the lock taken for each chunk; between chunks the rules say whose turn it is, and a
 //! worker whose turn it is not lets go and waits. A context is a process (its pid). Without
 //! time-slicing a kernel holds the engine from start to end, first come first served.
 //!
@@ -187,6 +188,14 @@ impl Engine {
     /// Runs `ns` of a kernel holding the engine (caller holds the lock): marks it running,
     /// sleeps its length, counts it.
     fn hold(&self, ns: u64) -> (u64, u64) {
+        self.hold_while(ns, ns, || false)
+    }
+
+    /// [`Engine::hold`] for up to `ns`, in steps of `step` on one clock (a late wake-up is
+    /// not added to the next step), stopping after a step when `yield_now` says another
+    /// context waits: a lone context runs on as a card runs it, with no host time lost
+    /// between slices. Returns the (start, end) and the kernel time run.
+    fn hold_while(&self, ns: u64, step: u64, yield_now: impl Fn() -> bool) -> (u64, u64) {
         // A holder killed while updating left the counter odd: even it again.
         let _ = self
             .word(3)
@@ -200,10 +209,19 @@ impl Engine {
         self.word(KERNEL_NS_AT).store(ns, Ordering::SeqCst);
         self.word(1).store(start, Ordering::SeqCst);
         self.word(3).fetch_add(1, Ordering::SeqCst);
-        sleep_until(start + ns);
+        let mut ran = 0;
+        while ran < ns {
+            ran += step.max(1).min(ns - ran);
+            sleep_until(start + ran);
+            if ran < ns && yield_now() {
+                break;
+            }
+        }
         let end = monotonic_ns();
         self.word(3).fetch_add(1, Ordering::SeqCst);
-        self.account(start, end.min(start + ns));
+        // The running kernel's length as far as it ran (a reader caps the running part by it).
+        self.word(KERNEL_NS_AT).store(ran, Ordering::SeqCst);
+        self.account(start, end.min(start + ran));
         self.word(1).store(0, Ordering::SeqCst);
         self.word(3).fetch_add(1, Ordering::SeqCst);
         (start, end)
@@ -249,9 +267,17 @@ impl Engine {
                     // The switch: the engine saves one context and loads the next, running
                     // nobody's kernel meanwhile.
                     sleep_until(monotonic_ns() + switch_ns);
-                    let (s, e) = self.hold(chunk_ns);
+                    // Alone, it runs on past its slice until another context waits.
+                    let me = u64::from(ctx);
+                    let others = || self.waiting_contexts().iter().any(|&c| c != me);
+                    let (s, e) = if others() {
+                        self.hold(chunk_ns)
+                    } else {
+                        self.hold_while(remaining, chunk_ns, others)
+                    };
+                    let chunk_ns = (self.word(KERNEL_NS_AT).load(Ordering::SeqCst)).min(remaining);
                     let mut next = turn;
-                    next.ran(p, u64::from(ctx), chunk_ns);
+                    next.ran(p, me, chunk_ns);
                     self.word(TURN_AT).store(next.last, Ordering::SeqCst);
                     self.word(TURN_AT + 1).store(next.used_ns, Ordering::SeqCst);
                     first.get_or_insert(s);

@@ -64,9 +64,10 @@ pub const ENV_FURTHER_CONTEXT_MEMORY: &str = "TESSERA_SIM_FURTHER_CONTEXT_MEMORY
 /// The context memory test beds and `tessera sim` use unless told otherwise: what a context
 /// costs on a real card.
 pub const MODELED_CONTEXT_MEMORY: &str = "300MiB";
-/// Environment variable turning on time-slicing between processes on a simulated device, as a
-/// GPU without MPS does (`on`, or `QUANTUM[,SWITCH]` such as `1ms,50us`; see
-/// [`timeslice::Params::parse`]). Unset: each kernel runs whole, first come first served.
+/// Environment variable setting time-slicing between processes on a simulated device, as a
+/// GPU without MPS does (unset or `on`: the defaults, 1 ms slices and 50 us switches;
+/// `QUANTUM[,SWITCH]` such as `2ms,30us`; see [`timeslice::Params::parse`]). `off`: each
+/// kernel runs whole, first come first served (the engine before time-slicing).
 pub const ENV_TIMESLICE: &str = "TESSERA_SIM_TIMESLICE";
 /// The GPUs simulated when `TESSERA_SIM_GPUS` is unset.
 pub const DEFAULT_GPUS: &str = "1x80GiB";

@@ -30,14 +30,15 @@ impl Default for Params {
 }
 
 impl Params {
-    /// Reads a setting of `TESSERA_SIM_TIMESLICE`: empty or `off` is none (whole kernels in
-    /// turn), `on` the defaults, `QUANTUM[,SWITCH]` with a unit each (`ns`, `us`, `ms`), e.g.
+    /// Reads a setting of `TESSERA_SIM_TIMESLICE`: `off` is none (whole kernels in turn, first
+    /// come first served), empty (unset) or `on` the defaults, as a GPU without MPS
+    /// time-slices whatever one asks, `QUANTUM[,SWITCH]` with a unit each (`ns`, `us`, `ms`), e.g.
     /// `1ms,50us` or `2ms`.
     pub fn parse(text: &str) -> Result<Option<Self>, String> {
         let text = text.trim();
         match text {
-            "" | "off" => return Ok(None),
-            "on" => return Ok(Some(Self::default())),
+            "off" => return Ok(None),
+            "" | "on" => return Ok(Some(Self::default())),
             _ => {}
         }
         let duration = |t: &str| -> Result<u64, String> {
@@ -350,7 +351,7 @@ mod tests {
 
     #[test]
     fn settings_parse_as_documented() {
-        assert_eq!(Params::parse(""), Ok(None));
+        assert_eq!(Params::parse(""), Ok(Some(Params::default())));
         assert_eq!(Params::parse("off"), Ok(None));
         assert_eq!(Params::parse("on"), Ok(Some(Params::default())));
         assert_eq!(

@@ -652,6 +652,7 @@ mod tests {
                     duration_ns: 1_000_000,
                     start: asked,
                     first: 1,
+                    max_inflight_ns: None,
                 },
                 epoch: 1,
             }

@@ -157,6 +157,9 @@ pub struct Started {
     pub start: u64,
     /// Credits handed out at the start.
     pub first: i64,
+    /// Most estimated kernel time in flight, ns (`None`: the lease's time left bounds it):
+    /// a best-effort holder's bound while a latency tenant is on the GPU.
+    pub max_inflight_ns: Option<u64>,
 }
 
 /// One stream used during the lease, for the refill.
@@ -241,6 +244,8 @@ struct Lease {
     id: Option<u64>,
     start: u64,
     deadline: u64,
+    /// See [`Started::max_inflight_ns`].
+    max_inflight_ns: Option<u64>,
     drain_idle: Duration,
     /// Launch total at the last look (`None`: no look yet).
     last_total: Option<u64>,
@@ -284,6 +289,18 @@ impl Leases {
     /// A lease was obtained (`grant`: id and length from the arbiter; `None`: unreachable, a
     /// local one) by a launch that found no credit at `asked`; it starts `now`.
     pub fn grant(&mut self, grant: Option<(u64, u64)>, asked: u64, now: u64) -> Started {
+        self.grant_bounded(grant, None, asked, now)
+    }
+
+    /// [`Leases::grant`] for a lease whose holder keeps at most `max_inflight_ns` of estimated
+    /// kernel time in flight (`None`: no bound beyond the lease's time left).
+    pub fn grant_bounded(
+        &mut self,
+        grant: Option<(u64, u64)>,
+        max_inflight_ns: Option<u64>,
+        asked: u64,
+        now: u64,
+    ) -> Started {
         if let Some(drained) = self.handed_back.take() {
             // Asked again soon after handing back: the gap belongs to the work, not to idleness.
             self.gap
@@ -294,12 +311,14 @@ impl Leases {
             None => (None, ns(LOCAL_LEASE)),
         };
         // First credits: with no estimate yet, one probe launch.
-        let first = credits_for(self.default_est, Duration::from_nanos(duration_ns), 0.0, 0);
+        let room = duration_ns.min(max_inflight_ns.unwrap_or(u64::MAX));
+        let first = credits_for(self.default_est, Duration::from_nanos(room), 0.0, 0);
         Started {
             id,
             duration_ns,
             start: now,
             first,
+            max_inflight_ns,
         }
     }
 
@@ -310,6 +329,7 @@ impl Leases {
             id: s.id,
             start: s.start,
             deadline: s.start.saturating_add(s.duration_ns),
+            max_inflight_ns: s.max_inflight_ns,
             drain_idle: self.gap.drain_idle(),
             last_total: None,
             last_change: now,
@@ -321,6 +341,19 @@ impl Leases {
         Action::Wait {
             tick: TICK,
             mode: WaitMode::Sleep,
+        }
+    }
+
+    /// The arbiter revoked lease `lease_id` (a latency request): if it is the running one, its
+    /// deadline becomes `now`, so the next look stops it (credits to zero, the drain, the
+    /// release, which the arbiter ignores: it ended the lease already). Whether it was.
+    pub fn revoke(&mut self, lease_id: u64, now: u64) -> bool {
+        match self.lease.as_mut() {
+            Some(l) if l.id == Some(lease_id) => {
+                l.deadline = l.deadline.min(now);
+                true
+            }
+            _ => false,
         }
     }
 
@@ -380,7 +413,10 @@ impl Leases {
                         unknown += s.in_flight;
                     }
                 }
-                let left = Duration::from_nanos(l.deadline - now);
+                // A bounded holder keeps at most its bound in flight, whatever the lease has left.
+                let left = Duration::from_nanos(
+                    (l.deadline - now).min(l.max_inflight_ns.unwrap_or(u64::MAX)),
+                );
                 let credits = credits_for(self.default_est, left, outstanding, unknown);
                 l.phase = Phase::Refilling { credits, wait };
                 Action::Refill { credits }
@@ -963,7 +999,8 @@ mod tests {
                 id: None,
                 duration_ns: ns(LOCAL_LEASE),
                 start: 3 * MS,
-                first: 1
+                first: 1,
+                max_inflight_ns: None,
             }
         );
         s.credits = g.first;
@@ -1098,5 +1135,67 @@ mod tests {
         assert_eq!(credits_for(30e6, ms(20), 30e6, 0), 0);
         // Tiny kernels: capped.
         assert_eq!(credits_for(10.0, ms(100), 0.0, 0), MAX_CREDITS);
+    }
+
+    #[test]
+    fn a_bounded_holder_keeps_at_most_its_bound_in_flight_whatever_the_lease_has_left() {
+        let mut s = Sim::new();
+        // A 20 ms lease bounded at 1 ms in flight, with 0.2 ms launches measured.
+        let g = s.m.grant_bounded(Some((LEASE_ID, 20 * MS)), Some(MS), 0, 0);
+        assert_eq!(g.first, 1, "nothing measured: one probe launch");
+        s.credits = g.first;
+        s.m.take_over(g, 0);
+        s.launch(1);
+        s.loads = vec![Load {
+            in_flight: 1,
+            est_ns: 200_000.0,
+        }];
+        s.look(100 * US);
+        // 1 ms - 0.2 in flight - 0.3 margin: 0.5 ms of room, 2 launches (unbounded: 19.4 ms
+        // of room, 97).
+        assert_eq!(s.credits, 2);
+        // Nothing in flight: still one launch at least, even one longer than the bound.
+        s.loads = vec![Load {
+            in_flight: 0,
+            est_ns: 5e6,
+        }];
+        s.total += 1;
+        s.look(200 * US);
+        assert_eq!(s.credits, 1, "a 5 ms kernel alone, not 3");
+        // The next lease without a bound is back to the lease's length.
+        let g = s.m.grant(Some((8, 20 * MS)), 30 * MS, 30 * MS);
+        assert!(g.first >= 3, "{}", g.first);
+    }
+
+    #[test]
+    fn a_revoked_lease_stops_at_the_next_look_and_another_ids_revocation_is_stale() {
+        let mut s = Sim::new();
+        s.lease(20, 0);
+        s.launch(3);
+        s.loads = vec![Load {
+            in_flight: 3,
+            est_ns: 1e6,
+        }];
+        assert!(matches!(s.look(500 * US), Action::Wait { .. }));
+        assert!(!s.m.revoke(LEASE_ID + 1, 600 * US), "not the running lease");
+        assert!(matches!(s.look(1_000 * US), Action::Wait { .. }));
+        assert!(s.m.revoke(LEASE_ID, 1_100 * US));
+        assert_eq!(s.m.deadline(), Some(1_100 * US), "ends now, not at 20 ms");
+        assert_eq!(s.look(1_200 * US), Action::Stop(End::Deadline));
+        // Work in flight: the drain, then the release (which the arbiter ignores).
+        assert_eq!(s.stop(1_200 * US), Action::Drain);
+        let r = s.m.step(Observation::Drained { waiters: 1 }, 3_000 * US);
+        assert!(
+            matches!(
+                r,
+                Action::Release {
+                    lease_id: Some(LEASE_ID),
+                    early: false,
+                    ..
+                }
+            ),
+            "{r:?}"
+        );
+        assert!(!s.m.revoke(LEASE_ID, 3_100 * US), "over: nothing to revoke");
     }
 }

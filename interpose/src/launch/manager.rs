@@ -176,7 +176,7 @@ impl<E: Events> Manager<E> {
     /// the lease connection (a flood filling its caps, a handshake cut short) is retried with
     /// backoff while the launch waits: a local lease then would be GPU time outside any lease
     /// of the arbiter's, which its backstop charges and kills for.
-    fn acquire(&mut self) -> Option<(u64, u64)> {
+    fn acquire(&mut self) -> Option<(u64, u64, Option<u64>)> {
         let mut backoff = NOT_ADMITTED_BACKOFF_MIN;
         let mut warned = false;
         let mut broken = 0u32;
@@ -202,11 +202,22 @@ impl<E: Events> Manager<E> {
                 warned = false;
             }
             let conn = self.conn.as_mut().expect("connected");
-            match conn.call(&TenantRequest::LeaseAcquire) {
+            let mut reply = conn.call(&TenantRequest::LeaseAcquire);
+            // A revocation of a lease already over (sent while this process drained it) may
+            // come before the answer: it is stale.
+            while let Ok(TenantReply::LeaseRevoked { .. }) = reply {
+                reply = conn.recv_reply();
+            }
+            match reply {
                 Ok(TenantReply::LeaseGranted {
                     lease_id,
                     duration_ns,
-                }) => return Some((lease_id, duration_ns)),
+                }) => return Some((lease_id, duration_ns, None)),
+                Ok(TenantReply::LeaseGrantedBounded {
+                    lease_id,
+                    duration_ns,
+                    max_inflight_ns,
+                }) => return Some((lease_id, duration_ns, Some(max_inflight_ns))),
                 Ok(other) => {
                     tlog!(Warn, "unexpected answer to LeaseAcquire: {other:?}");
                     self.drop_conn();
@@ -386,7 +397,7 @@ impl<E: Events> Manager<E> {
     /// Starts a lease (on the launcher that received it): `grant` from the arbiter, or `None`
     /// for a local one; a new epoch, and its first credits. No driver call: the context cache
     /// belongs to the manager thread.
-    fn begin(&mut self, grant: Option<(u64, u64)>, asked: u64) -> Begun {
+    fn begin(&mut self, grant: Option<(u64, u64, Option<u64>)>, asked: u64) -> Begun {
         let now = self.gate.now_ns();
         self.gate.stats.leases.fetch_add(1, Ordering::Relaxed);
         // A new epoch: streams re-register (fresh capture check, "used in this lease" mark).
@@ -396,7 +407,10 @@ impl<E: Events> Manager<E> {
             t.sampled = t.sampled.max(t.completed);
             t.lease_start = slot.launches.load(Ordering::Acquire);
         }
-        let started = self.leases.grant(grant, asked, now);
+        let bound = grant.and_then(|g| g.2);
+        let started = self
+            .leases
+            .grant_bounded(grant.map(|g| (g.0, g.1)), bound, asked, now);
         self.gate.set_credits(started.first);
         Begun { started, epoch }
     }
@@ -492,6 +506,7 @@ impl<E: Events> Manager<E> {
                         }
                     }
                     looked = self.gate.now_ns();
+                    self.check_revoked(looked);
                     let seen = self.look(epoch, started.start, looked, &mut loads);
                     let obs = Observation::Look {
                         total: seen.total,
@@ -535,6 +550,31 @@ impl<E: Events> Manager<E> {
                     return;
                 }
             };
+        }
+    }
+
+    /// Reads a revocation the arbiter sent (without blocking): the lease ends at this look.
+    /// One `recv` per look on this thread; launches never pay for it.
+    fn check_revoked(&mut self, now: u64) {
+        let Some(conn) = self.conn.as_mut() else {
+            return;
+        };
+        match conn.try_recv_reply() {
+            Ok(None) => {}
+            Ok(Some(TenantReply::LeaseRevoked { lease_id })) => {
+                if self.leases.revoke(lease_id, now) {
+                    tlog!(Debug, "lease {lease_id} revoked for a latency request");
+                }
+            }
+            Ok(Some(other)) => {
+                tlog!(Warn, "unexpected frame during a lease: {other:?}");
+                self.drop_conn();
+            }
+            Err(e) => {
+                // The arbiter went away: it ended the lease; the next acquire reconnects.
+                tlog!(Info, "lease connection: {e}");
+                self.drop_conn();
+            }
         }
     }
 
