@@ -98,7 +98,8 @@ fn honest_processes_of_an_allocation_at_its_limit_are_never_touched() {
         2,
         "the limit is full"
     );
-    std::thread::sleep(Duration::from_millis(500));
+    // Three polls of the backstop at the full limit (a positive signal that it looked).
+    bed.wait_backstop_polls(3);
     // The limit's allocations and the two contexts (the forked child uses its parent's): the
     // card holds exactly the limit.
     assert_eq!(bed.sim_used(), GIB);

@@ -356,12 +356,11 @@ fn the_same_rounds_with_the_descriptor_passed_over_a_unix_socket_stop_at_the_lim
         "{released:?}"
     );
     let contexts = 2 * bed.context_bytes();
-    // Over five backstop polls, everything in place: Y holds its 512 MiB, nothing else is left.
-    let t = std::time::Instant::now();
-    while t.elapsed() < Duration::from_millis(1250) {
-        assert_eq!(bed.sim_used(), 512 * MIB + contexts);
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    // Before and after three backstop polls, everything in place: Y holds its 512 MiB,
+    // nothing else is left.
+    assert_eq!(bed.sim_used(), 512 * MIB + contexts);
+    bed.wait_backstop_polls(3);
+    assert_eq!(bed.sim_used(), 512 * MIB + contexts);
     wait_until(Duration::from_secs(2), || {
         bed.used(&id) == 512 * MIB + 2 * CONTEXT
     });
@@ -525,17 +524,18 @@ fn the_release_at_once_idiom_is_refused_at_create_and_the_card_never_holds_more_
         "released-but-mapped memory still counts"
     );
     assert_eq!(line(), "done");
-    // NVML's truth over five backstop polls, mappings in place: exactly the limit (plus the
-    // context every process has), so the
-    // interposer refused and the backstop had nothing to do.
-    let t = std::time::Instant::now();
-    while t.elapsed() < Duration::from_millis(1250) {
+    // NVML's truth before and after three backstop polls, mappings in place: exactly the
+    // limit (plus the context every process has), so the interposer refused and the backstop
+    // had nothing to do.
+    for look in 0..2 {
         assert_eq!(
             bed.sim_used(),
             GIB + bed.context_bytes(),
             "the card holds the two mapped 512 MiB and the process's context, nothing else"
         );
-        std::thread::sleep(Duration::from_millis(50));
+        if look == 0 {
+            bed.wait_backstop_polls(3);
+        }
     }
     assert!(alive(pid), "refused, not killed\n{}", bed.arbiter_log());
     assert_eq!(

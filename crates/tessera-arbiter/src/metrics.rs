@@ -78,6 +78,7 @@ impl FromStr for MetricsAddr {
 pub struct ArbiterCollector {
     arb: Arc<Arbiter>,
     tenant_admission: Option<Arc<Admission>>,
+    backstop: Option<Arc<crate::backstop::Counters>>,
 }
 
 impl ArbiterCollector {
@@ -86,7 +87,15 @@ impl ArbiterCollector {
         Self {
             arb,
             tenant_admission,
+            backstop: None,
         }
+    }
+
+    /// Also exposes the backstop's `counters` (its polls: a test waits for them before it
+    /// says the backstop left something alone).
+    pub fn with_backstop(mut self, counters: Arc<crate::backstop::Counters>) -> Self {
+        self.backstop = Some(counters);
+        self
     }
 }
 
@@ -373,6 +382,21 @@ impl Collector for ArbiterCollector {
             .as_ref()
             .map_or(0, |a| a.current().1 as u64);
         encode_snapshot(&mut enc, &snap, self.arb.requests())?;
+        // No series with the backstop off (`--backstop-interval-ms 0`).
+        let polls: Vec<u64> = self
+            .backstop
+            .iter()
+            .map(|c| c.polls.load(std::sync::atomic::Ordering::Relaxed))
+            .collect();
+        family(
+            &mut enc,
+            "tessera_arbiter_backstop_polls",
+            "Polls of NVML the backstop has done (failed ones included).",
+            None,
+            MetricType::Counter,
+            &polls,
+            |n| (Vec::<(&str, &str)>::new(), *n),
+        )?;
         let info = Info::new([("version", env!("CARGO_PKG_VERSION"))]);
         let m = enc.encode_descriptor(
             "tessera_arbiter_build",
@@ -386,8 +410,13 @@ impl Collector for ArbiterCollector {
 
 /// The registry of an arbiter's metrics.
 pub fn registry(arb: Arc<Arbiter>, tenant_admission: Option<Arc<Admission>>) -> Registry {
+    registry_of(ArbiterCollector::new(arb, tenant_admission))
+}
+
+/// The registry of `collector`.
+pub fn registry_of(collector: ArbiterCollector) -> Registry {
     let mut r = Registry::default();
-    r.register_collector(Box::new(ArbiterCollector::new(arb, tenant_admission)));
+    r.register_collector(Box::new(collector));
     r
 }
 

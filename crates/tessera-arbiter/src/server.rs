@@ -225,9 +225,17 @@ impl Server {
         for s in arbiter.schedulers() {
             tasks.push(tokio::spawn(s.run_timer(epoch)));
         }
+        // Shared by the backstop (which counts) and the metrics endpoint (which shows them).
+        let backstop_counters = Arc::new(crate::backstop::Counters::default());
         let metrics = metrics.map(|listener| {
-            let registry =
-                metrics::registry(Arc::clone(&arbiter), Some(Arc::clone(&tenant_admission)));
+            let mut collector = metrics::ArbiterCollector::new(
+                Arc::clone(&arbiter),
+                Some(Arc::clone(&tenant_admission)),
+            );
+            if config.backstop_policy().is_some() {
+                collector = collector.with_backstop(Arc::clone(&backstop_counters));
+            }
+            let registry = metrics::registry_of(collector);
             let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
             let task = tokio::spawn(metrics::serve(listener, Arc::new(registry), async {
                 let _ = stopped.await;
@@ -237,7 +245,7 @@ impl Server {
             }
             (stop, task)
         });
-        let backstop = match start_backstop(config, &arbiter) {
+        let backstop = match start_backstop(config, &arbiter, backstop_counters) {
             Ok(b) => b,
             Err(e) => {
                 for t in &tasks {
@@ -318,17 +326,19 @@ impl Server {
 fn start_backstop(
     config: &Config,
     arbiter: &Arc<Arbiter>,
+    counters: Arc<crate::backstop::Counters>,
 ) -> Result<Option<BackstopThread>, ServerError> {
     let Some(policy) = config.backstop_policy() else {
         return Ok(None);
     };
-    let b = crate::backstop::Backstop::new(
+    let mut b = crate::backstop::Backstop::new(
         Arc::clone(arbiter),
         policy,
         Some(config.nvml_lib.as_os_str()),
         &config.host_mount_ns,
     )
     .map_err(ServerError::Backstop)?;
+    b.counters = counters;
     let (stop, stopped) = std::sync::mpsc::channel();
     let thread = std::thread::Builder::new()
         .name("backstop".into())

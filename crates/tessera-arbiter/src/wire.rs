@@ -247,8 +247,10 @@ mod tests {
         let err = read_hello(&mut server, Duration::from_millis(100))
             .await
             .unwrap_err();
+        // A timeout although every byte came within 30 ms: the deadline is for the whole hello,
+        // and it is not early (a loaded machine only makes it late).
         assert!(matches!(err, WireError::Timeout(_)), "{err}");
-        assert!(started.elapsed() < Duration::from_secs(1));
+        assert!(started.elapsed() >= Duration::from_millis(100));
         trickle.abort();
     }
 }

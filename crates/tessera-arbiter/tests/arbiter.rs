@@ -402,9 +402,16 @@ fn killed_process_frees_its_memory() {
             Ok(())
         });
     }
+    let socket = std::fs::read_link(format!("/proc/self/fd/{fd}")).unwrap();
     let mut child = cmd.spawn().unwrap();
+    // The child holds the same socket (the kernel says so), so closing our copy closes
+    // nothing the arbiter can see: no wait for an event that cannot come.
+    let child_fd = format!("/proc/{}/fd/3", child.id());
+    wait_until(Duration::from_secs(10), || {
+        std::fs::read_link(&child_fd).is_ok_and(|l| l == socket)
+    })
+    .expect("the child never held the connection");
     drop(c);
-    std::thread::sleep(Duration::from_millis(50));
     assert_eq!(
         used(&mut admin, &id),
         300 * MIB,

@@ -7,7 +7,7 @@
 //! the interposer, `compute_tenant` and `mem_tenant`.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -17,6 +17,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tessera_protocol::client::TenantClient;
 use tessera_protocol::{TenantReply, TenantRequest};
+use tessera_testkit::http::get as http_get;
 use tessera_testkit::{
     ArbiterSpec, GIB, KillOnDrop, MIB, RunningArbiter, SimGpu, allocation, artifact, wait_until,
 };
@@ -50,20 +51,7 @@ impl Node {
             "/proc/self/ns/mnt",
         ]);
         let arbiter = spec.start_command(cmd);
-        let mut metrics = None;
-        wait_until(Duration::from_secs(10), || {
-            metrics = arbiter.log_text().lines().find_map(|l| {
-                l.split("metrics on http://")
-                    .nth(1)?
-                    .split('/')
-                    .next()?
-                    .parse()
-                    .ok()
-            });
-            metrics.is_some()
-        });
-        let metrics = metrics
-            .unwrap_or_else(|| panic!("no metrics address in the log: {}", arbiter.log_text()));
+        let metrics = arbiter.metrics_addr(Duration::from_secs(10));
         Self {
             _dir: dir,
             sim,
@@ -84,43 +72,6 @@ impl Node {
             .stdin(Stdio::null());
         cmd
     }
-}
-
-/// A plain HTTP/1.1 GET; returns (status, body), the body de-chunked.
-fn http_get(addr: SocketAddr, target: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "GET {target} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
-    let text = String::from_utf8_lossy(&raw).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let chunked = head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked");
-    if !chunked {
-        return (status, body.to_owned());
-    }
-    let mut out = String::new();
-    let mut rest = body;
-    while let Some((size, tail)) = rest.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
-        if n == 0 || tail.len() < n {
-            break;
-        }
-        out.push_str(&tail[..n]);
-        rest = tail[n..].trim_start_matches("\r\n");
-    }
-    (status, out)
 }
 
 /// `s` for a URL query.
@@ -417,8 +368,10 @@ fn prometheus_sees_gpu_time_memory_and_refusals_as_the_tenants_had_them() {
         (by_promql - counted).abs() <= 0.005,
         "rate(): {by_promql:.3}"
     );
+    // Within 5 points, not 1: the hand-overs charged to each holder (see above) grow with the
+    // machine's load and need not fall evenly on the two.
     assert!(
-        (counted - engine).abs() <= 0.01,
+        (counted - engine).abs() <= 0.05,
         "A's part {counted:.3} by the counters, {engine:.3} by the engine"
     );
     let (ca, cb) = (
@@ -467,8 +420,17 @@ fn prometheus_sees_gpu_time_memory_and_refusals_as_the_tenants_had_them() {
         assert_eq!(v["refusals"], 1, "{line}");
         refusals += 1;
     }
-    // Two scrapes later Prometheus has it all.
-    std::thread::sleep(Duration::from_millis(2500));
+    // Prometheus has it all once a scrape shows the last change (the refusals just made).
+    let refused_seen = || {
+        prom.query("tessera_allocation_oom_refusals_total", unix_now())
+            .iter()
+            .any(|s| {
+                s["metric"]["allocation"] == a.id.as_str()
+                    && s["value"][1].as_str() == Some(refusals.to_string().as_str())
+            })
+    };
+    wait_until(Duration::from_secs(60), refused_seen)
+        .expect("Prometheus never scraped the refusals");
     let now = unix_now();
     let used = |id: &str| prom.value_of("tessera_allocation_memory_used_bytes", now, id);
     assert_eq!(used(&a.id), (300 * MIB) as f64);
@@ -494,7 +456,12 @@ fn prometheus_sees_gpu_time_memory_and_refusals_as_the_tenants_had_them() {
     // A deleted allocation's series are gone at the next scrape.
     drop(hold_b);
     admin.delete(&b.id).unwrap();
-    std::thread::sleep(Duration::from_millis(2500));
+    wait_until(Duration::from_secs(60), || {
+        prom.query("tessera_allocation_memory_limit_bytes", unix_now())
+            .len()
+            == 1
+    })
+    .expect("the deleted allocation's series stayed");
     let left = prom.query("tessera_allocation_memory_limit_bytes", unix_now());
     assert_eq!(left.len(), 1, "{left:?}");
     assert_eq!(left[0]["metric"]["allocation"], a.id.as_str());

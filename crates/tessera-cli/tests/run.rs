@@ -610,3 +610,33 @@ fn refusals_speak_human_units() {
     assert!(logged.is_some(), "{log}");
     assert!(!log.contains("Index(") && !log.contains(" bytes"), "{log}");
 }
+
+/// A group of GPUs has no tier: `--tier latency` on two GPUs is refused before anything is
+/// created, never run best-effort behind the operator's back.
+#[test]
+fn a_latency_tier_on_several_gpus_is_refused() {
+    let arb = Arbiter::start();
+    let lib = interposer_in(arb.dir.path());
+    let marker = arb.dir.path().join("ran");
+    let m = marker.to_str().unwrap();
+    let (code, err) = refused_usage(
+        &arb,
+        &[
+            "run",
+            "--gpu",
+            "0,1",
+            "--memory",
+            "1GiB",
+            "--tier",
+            "latency",
+            "--interposer",
+            lib.to_str().unwrap(),
+            "--",
+            "touch",
+            m,
+        ],
+        &marker,
+    );
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--tier latency takes one GPU"), "{err}");
+}

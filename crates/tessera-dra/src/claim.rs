@@ -139,6 +139,13 @@ pub enum ClaimError {
          not {0} results mixing them or sharing a GPU"
     )]
     MixedResults(usize),
+    /// A latency DeviceClass for fractions of several GPUs: a multi-GPU allocation has no tier
+    /// yet, and running it best-effort would not be what the operator asked.
+    #[error(
+        "the DeviceClass asks for the latency tier on fractions of {0} GPUs: a multi-GPU \
+         allocation is best-effort only"
+    )]
+    LatencyGroup(usize),
 }
 
 /// True when the claim's results are fractions of two or more distinct GPUs: they become one
@@ -239,6 +246,13 @@ pub fn plan(
     // in it must be a single result.
     if out.len() > 1 && out.iter().any(|p| !p.whole) && !spans_gpus(&out) {
         return Err(ClaimError::MixedResults(out.len()));
+    }
+    if spans_gpus(&out)
+        && out
+            .iter()
+            .any(|p| p.tier != tessera_protocol::Tier::BestEffort)
+    {
+        return Err(ClaimError::LatencyGroup(out.len()));
     }
     Ok(out)
 }
@@ -556,6 +570,22 @@ mod tests {
             ],
         );
         assert!(matches!(err(&same), ClaimError::MixedResults(2)));
+        // The same two fractions under a latency DeviceClass are refused, not run best-effort.
+        let mut latency_tp = tp.clone();
+        let devices = latency_tp
+            .status
+            .as_mut()
+            .unwrap()
+            .allocation
+            .as_mut()
+            .unwrap();
+        devices.devices.as_mut().unwrap().config = Some(vec![config(
+            "FromClass",
+            DRIVER,
+            None,
+            serde_json::json!({"tier": "latency"}),
+        )]);
+        assert!(matches!(err(&latency_tp), ClaimError::LatencyGroup(2)));
         let mut unallocated = one(&[]);
         unallocated.status = None;
         assert!(matches!(err(&unallocated), ClaimError::NotAllocated));

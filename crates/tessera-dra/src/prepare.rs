@@ -201,22 +201,10 @@ pub fn prepare<A: Arbiter + ?Sized>(
     if spans_gpus(plans) {
         // Fractions of several GPUs: one multi-GPU allocation under one token, each GPU's
         // slice with its own limit and share (the interposer keeps one per device), created
-        // whole or not at all. A group has no tier yet: a latency class fails the claim
-        // rather than running it best-effort.
-        if plans
-            .iter()
-            .any(|p| p.tier != tessera_protocol::Tier::BestEffort)
-        {
-            failed = Some(ClientError::Unexpected(
-                "a latency tier on fractions of several GPUs is not supported yet".into(),
-            ));
-        } else {
-            match arbiter.create_group(reqs) {
-                Ok((token, slices)) => {
-                    made = slices.into_iter().map(|a| (token.clone(), a)).collect();
-                }
-                Err(e) => failed = Some(e),
-            }
+        // whole or not at all (best-effort: the plan refuses a latency class here).
+        match arbiter.create_group(reqs) {
+            Ok((token, slices)) => made = slices.into_iter().map(|a| (token.clone(), a)).collect(),
+            Err(e) => failed = Some(e),
         }
     } else {
         for (req, p) in reqs.into_iter().zip(plans) {

@@ -162,6 +162,50 @@ impl RunningArbiter {
         self.log.as_deref().map(read_log).unwrap_or_default()
     }
 
+    /// The address its metrics endpoint listens on, read from its log (started with
+    /// `--metrics-addr 127.0.0.1:0`, it says which port it got); panics after `timeout`.
+    #[track_caller]
+    pub fn metrics_addr(&self, timeout: Duration) -> std::net::SocketAddr {
+        let mut addr = None;
+        crate::wait_until(timeout, || {
+            addr = self.log_text().lines().find_map(|l| {
+                l.split("metrics on http://")
+                    .nth(1)?
+                    .split('/')
+                    .next()?
+                    .parse()
+                    .ok()
+            });
+            addr.is_some()
+        });
+        addr.unwrap_or_else(|| panic!("no metrics address in the log: {}", self.log_text()))
+    }
+
+    /// NVML polls its backstop has done so far (`tessera_arbiter_backstop_polls_total`, served
+    /// at `metrics`).
+    #[track_caller]
+    pub fn backstop_polls(&self, metrics: std::net::SocketAddr) -> u64 {
+        let (status, body) = crate::http::get(metrics, "/metrics");
+        assert_eq!(status, 200, "{body}");
+        crate::http::sample(&body, "tessera_arbiter_backstop_polls_total")
+            .unwrap_or_else(|| panic!("no backstop poll count (backstop off?):\n{body}"))
+            as u64
+    }
+
+    /// Waits until its backstop has polled `more` times after this call (a positive signal
+    /// that it looked, before a test says it left something alone); panics with the log after
+    /// `timeout`.
+    #[track_caller]
+    pub fn wait_backstop_polls(&self, metrics: std::net::SocketAddr, more: u64, timeout: Duration) {
+        let from = self.backstop_polls(metrics);
+        let done = crate::wait_until(timeout, || self.backstop_polls(metrics) >= from + more);
+        assert!(
+            done.is_some(),
+            "the backstop did not poll {more} times within {timeout:?}: {}",
+            self.log_text()
+        );
+    }
+
     /// SIGTERMs it and waits up to `timeout` for the exit; panics with the log (after a
     /// SIGKILL) when it ignores the signal.
     #[track_caller]

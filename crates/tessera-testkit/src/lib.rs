@@ -12,6 +12,7 @@
 //!   ResourceClaims, with the upstream slice validation rules the schema leaves out.
 //! - [`arbiter`]: the real `tessera-arbiter` on a simulated GPU, with temp sockets and state,
 //!   waited for until it serves.
+//! - [`http`]: a plain HTTP GET (scraping a metrics endpoint) and reading one sample.
 //! - [`process`]: kill-on-drop children, exit codes, polling with a timeout.
 //! - [`flood`]: a flood of unauthenticated connections against an arbiter socket (admission
 //!   test, `arbiter_load`), and the `tessera-flood` binary that runs one as a process of its own.
@@ -28,6 +29,7 @@ pub mod arbiter;
 pub mod artifacts;
 pub mod container;
 pub mod flood;
+pub mod http;
 pub mod process;
 pub mod prometheus;
 pub mod python;

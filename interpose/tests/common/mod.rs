@@ -7,6 +7,7 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
+use std::time::Duration;
 
 use tessera_protocol::AllocationStatus;
 use tessera_protocol::client::AdminClient;
@@ -107,6 +108,9 @@ impl Bed {
         )
         .log_to(self.log_path(self.starts));
         let mut cmd = spec.command();
+        // A free port, so a test can read the backstop's poll count (a later
+        // `--metrics-addr` in the bed's arguments wins).
+        cmd.args(["--metrics-addr", "127.0.0.1:0"]);
         cmd.args(&self.arbiter_args);
         self.arbiter = Some(spec.start_command(cmd));
     }
@@ -121,6 +125,18 @@ impl Bed {
         (1..=self.starts)
             .map(|n| read_log(&self.log_path(n)))
             .collect()
+    }
+
+    /// Waits until the running arbiter's backstop has polled `more` times after this call: it
+    /// looked at the card, so what it left alone it chose to leave.
+    #[track_caller]
+    pub fn wait_backstop_polls(&self, more: u64) {
+        let a = self.arbiter.as_ref().expect("running");
+        a.wait_backstop_polls(
+            a.metrics_addr(Duration::from_secs(10)),
+            more,
+            Duration::from_secs(30),
+        );
     }
 
     pub fn admin(&self) -> AdminClient {
