@@ -180,22 +180,29 @@ impl Conn {
         self.recv()
     }
 
+    /// One `recv(2)` into the free end of the read buffer (callers keep room there), with
+    /// `flags`; its return value (bytes, 0 at end of stream, -1 with `errno`).
+    fn recv_more(&mut self, flags: libc::c_int) -> isize {
+        let room = &mut self.rbuf[self.rlen..];
+        // SAFETY: `room` is valid writable memory of its length; the fd is open while `self`
+        // owns the stream.
+        unsafe {
+            libc::recv(
+                self.stream.as_raw_fd(),
+                room.as_mut_ptr().cast(),
+                room.len(),
+                flags,
+            )
+        }
+    }
+
     /// A frame the arbiter sent unasked (`LeaseRevoked`), if one has arrived: never blocks.
     pub fn try_recv_reply(&mut self) -> Result<Option<TenantReply>, ConnError> {
         if !self.has_buffered_frame() {
             if self.rbuf.len() < self.rlen + 256 {
                 self.rbuf.resize(self.rlen + 256, 0);
             }
-            let room = &mut self.rbuf[self.rlen..];
-            // SAFETY: `room` is valid writable memory of its (non-zero) length; the fd is open.
-            let n = unsafe {
-                libc::recv(
-                    self.stream.as_raw_fd(),
-                    room.as_mut_ptr().cast(),
-                    room.len(),
-                    libc::MSG_DONTWAIT,
-                )
-            };
+            let n = self.recv_more(libc::MSG_DONTWAIT);
             if n == 0 {
                 return Err(ConnError::Closed);
             }
@@ -277,16 +284,7 @@ impl Conn {
                     return msg;
                 }
             }
-            let room = &mut self.rbuf[self.rlen..];
-            // SAFETY: `room` is valid writable memory of its length; the fd is open.
-            let n = unsafe {
-                libc::recv(
-                    self.stream.as_raw_fd(),
-                    room.as_mut_ptr().cast(),
-                    room.len(),
-                    0,
-                )
-            };
+            let n = self.recv_more(0);
             if n == 0 {
                 return Err(ConnError::Closed);
             }

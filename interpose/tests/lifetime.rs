@@ -87,11 +87,12 @@ fn a_double_forked_grandchild_without_ld_preload_is_held_to_the_limit() {
         "double-forked grandchild of 4 GiB under 1 GiB: gone {took:?} after its allocation ({:?} in all)",
         t.elapsed()
     );
-    let log = bed.arbiter_log();
-    assert!(
-        log.contains("killed") && log.contains("never connected"),
-        "{log}"
-    );
+    // The backstop logs its kill after sending the signal: wait for the line.
+    let named = wait_until(Duration::from_secs(30), || {
+        let log = bed.arbiter_log();
+        log.contains("killed") && log.contains("never connected")
+    });
+    assert!(named.is_some(), "{}", bed.arbiter_log());
     // `tessera run` waits for what it left behind, then deletes the allocation.
     let status = run.wait().unwrap();
     assert_eq!(status.code(), Some(0));

@@ -157,7 +157,7 @@ fn linked_programs_dlsym_and_cu_get_proc_address_are_all_hooked() {
     );
     assert_eq!(get("via_wrapper_free"), "0");
     // The arbiter sees the exit as its socket closing, a moment after `wait` returns.
-    wait_until(Duration::from_secs(2), || bed.used(&id) == 0)
+    wait_until(Duration::from_secs(30), || bed.used(&id) == 0)
         .expect("ledger back to zero after exit");
 
     // Without a token: dlsym hands out the real functions and nothing is counted. (The

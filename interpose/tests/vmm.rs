@@ -78,7 +78,7 @@ impl Vmm {
     fn finish(self) {
         let Vmm { bed, id, client } = self;
         assert!(client.exit().success());
-        wait_until(Duration::from_secs(2), || bed.used(&id) == 0)
+        wait_until(Duration::from_secs(30), || bed.used(&id) == 0)
             .expect("nothing left in the ledger after exit");
         assert_eq!(bed.sim_used(), 0);
     }
@@ -288,7 +288,7 @@ fn an_importer_keeps_what_it_maps_after_the_exporter_releases_and_sixteen_rounds
         );
         // X's release after a refusal goes back on the pressure channel, which the arbiter
         // books on its own time.
-        wait_until(Duration::from_secs(2), || {
+        wait_until(Duration::from_secs(30), || {
             bed.used(&id) == mapped + 2 * CONTEXT
         });
         assert_eq!(
@@ -310,7 +310,7 @@ fn an_importer_keeps_what_it_maps_after_the_exporter_releases_and_sixteen_rounds
     assert_eq!(bed.status(&id).enforced, 0, "refused, not killed");
     // Y killed, its mapping in place: the card and the allocation get the memory back.
     y.child.kill_and_reap();
-    wait_until(Duration::from_secs(2), || bed.used(&id) == CONTEXT)
+    wait_until(Duration::from_secs(30), || bed.used(&id) == CONTEXT)
         .expect("nothing charged but X's context");
     assert_eq!(
         bed.sim_used(),
@@ -361,7 +361,7 @@ fn the_same_rounds_with_the_descriptor_passed_over_a_unix_socket_stop_at_the_lim
     assert_eq!(bed.sim_used(), 512 * MIB + contexts);
     bed.wait_backstop_polls(3);
     assert_eq!(bed.sim_used(), 512 * MIB + contexts);
-    wait_until(Duration::from_secs(2), || {
+    wait_until(Duration::from_secs(30), || {
         bed.used(&id) == 512 * MIB + 2 * CONTEXT
     });
     assert_eq!(

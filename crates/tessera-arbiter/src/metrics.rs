@@ -456,7 +456,7 @@ mod tests {
     use std::io::{Read, Write};
     use std::time::Duration;
 
-    use tessera_protocol::{CreateAllocation, GpuInfo, GpuSelector};
+    use tessera_protocol::{CreateAllocation, GpuSelector};
 
     use super::*;
     use crate::scheduler::SchedulerParams;
@@ -465,14 +465,7 @@ mod tests {
     const GIB: u64 = 1 << 30;
 
     fn arbiter(dir: &std::path::Path) -> Arc<Arbiter> {
-        let gpus = (0..2)
-            .map(|i| GpuInfo {
-                index: i,
-                uuid: format!("GPU-{i}"),
-                name: "sim".into(),
-                memory_total: 80 * GIB,
-            })
-            .collect();
+        let gpus = crate::state::test_gpus(2);
         Arbiter::new(gpus, Store::open(dir).unwrap(), SchedulerParams::default()).unwrap()
     }
 

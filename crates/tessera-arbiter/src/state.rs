@@ -1162,6 +1162,19 @@ impl Arbiter {
     }
 }
 
+/// `n` simulated 80 GiB GPUs (`GPU-0`, `GPU-1`, ...), for tests.
+#[cfg(test)]
+pub(crate) fn test_gpus(n: u32) -> Vec<GpuInfo> {
+    (0..n)
+        .map(|i| GpuInfo {
+            index: i,
+            uuid: format!("GPU-{i}"),
+            name: "sim".into(),
+            memory_total: 80 << 30,
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1172,14 +1185,7 @@ mod tests {
     #[test]
     fn a_whole_card_allocation_holds_its_card_and_its_groups_and_nothing_else() {
         let dir = tempfile::tempdir().unwrap();
-        let gpus = (0..4)
-            .map(|i| GpuInfo {
-                index: i,
-                uuid: format!("GPU-{i}"),
-                name: "sim".into(),
-                memory_total: 80 * GIB,
-            })
-            .collect();
+        let gpus = test_gpus(4);
         let arb = Arbiter::new(
             gpus,
             Store::open(dir.path()).unwrap(),
@@ -1222,14 +1228,7 @@ mod tests {
     }
 
     fn two_gpu_arbiter(dir: &std::path::Path) -> Arc<Arbiter> {
-        let gpus = (0..2)
-            .map(|i| GpuInfo {
-                index: i,
-                uuid: format!("GPU-{i}"),
-                name: "sim".into(),
-                memory_total: 80 * GIB,
-            })
-            .collect();
+        let gpus = test_gpus(2);
         Arbiter::new(gpus, Store::open(dir).unwrap(), SchedulerParams::default()).unwrap()
     }
 
