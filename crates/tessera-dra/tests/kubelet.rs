@@ -938,15 +938,14 @@ async fn claims_whose_pods_are_gone_are_released_and_others_kept() {
             .into_iter()
             .filter_map(|a| a.labels.get(LABEL_CLAIM_UID).cloned())
             .collect();
-        (left == BTreeSet::from([running.to_owned()])).then_some(())
+        // Their identity files and CDI specs go with them (after the allocations: waited for
+        // too); the running pod's claim is intact.
+        let cdi =
+            node.files("cdi") == BTreeSet::from([format!("tessera.dev-claim_{running}.json")]);
+        (left == BTreeSet::from([running.to_owned()]) && cdi && node.files("identity").len() == 1)
+            .then_some(())
     })
     .await;
-    // Their identity files and CDI specs went with them; the running pod's claim is intact.
-    assert_eq!(
-        node.files("cdi"),
-        BTreeSet::from([format!("tessera.dev-claim_{running}.json")])
-    );
-    assert_eq!(node.files("identity").len(), 1);
     let ident = read_spec(&node, running)
         .container_edits
         .mounts
