@@ -661,6 +661,8 @@ pub fn decide_charges(
 /// Weight of an interval's GPU time in [`Debt`]'s recent sums, one interval later: about the
 /// last 2 s (8 polls of 250 ms) count.
 const RECENT_DECAY: f64 = 0.875;
+/// The same for [`Debt`]'s long sums: about the last 10 s (40 polls of 250 ms).
+const LONG_DECAY: f64 = 0.975;
 
 /// What the card holds for each connected process beyond what its connections reserved: the
 /// arbiter charges it to the allocation, so its ledger is what the card holds for it. The
@@ -734,6 +736,14 @@ struct Debt {
     /// kernels finish after its lease).
     recent_used: f64,
     recent_leased: f64,
+    /// GPU time used and leased over a longer past (each interval weighs [`LONG_DECAY`] less
+    /// than the next), without the floor on debt: an allocation is acted on only if it used
+    /// more than it was leased over it. A tenant whose leases ran idle while its kernels
+    /// waited behind a neighbour's bypass kernels paid for them in advance; when they run,
+    /// after its leases, it is not a bypasser (its drift is still charged). Leases bank for
+    /// at most this long, and only as far as they were granted (its share).
+    long_used: f64,
+    long_leased: f64,
 }
 
 /// One allocation's GPU time over the last interval, for [`ComputeBook::observe_gpu`].
@@ -796,9 +806,9 @@ impl ComputeBook {
     /// towards the kill rule.
     ///
     /// The kill rule is per GPU too: when the debts of the allocations that ran mostly outside
-    /// leases, in this interval and over the last few, add up to more than the
-    /// threshold, each of them is acted on (one allocation alone: its own debt against the
-    /// threshold). A tenant that takes part in leasing has its drift (kernels finishing after
+    /// leases, in this interval and over the last few, and used more than they leased over
+    /// the last several seconds, add up to more than the threshold, each of them is acted on
+    /// (one allocation alone: its own debt against the threshold). A tenant that takes part in leasing has its drift (kernels finishing after
     /// a revoked lease, local leases while the arbiter restarted) charged to its share, never
     /// punished, and nothing is acted on unless `may_act` (the caller's warm-up after an
     /// arbiter start is over).
@@ -828,6 +838,8 @@ impl ComputeBook {
                         debt_ns: 0,
                         recent_used: 0.0,
                         recent_leased: 0.0,
+                        long_used: 0.0,
+                        long_leased: 0.0,
                     },
                 );
                 continue;
@@ -877,8 +889,11 @@ impl ComputeBook {
             // At most an interval's worth: one GPU holds one lease at a time, and leases held
             // idle must not buy a bypass later.
             d.recent_leased = d.recent_leased * RECENT_DECAY + leased.min(elapsed_ns) as f64;
-            let mostly_unleased =
-                u128::from(leased) * 2 < u128::from(used) && d.recent_leased * 2.0 < d.recent_used;
+            d.long_used = d.long_used * LONG_DECAY + used as f64;
+            d.long_leased = d.long_leased * LONG_DECAY + leased.min(elapsed_ns) as f64;
+            let mostly_unleased = u128::from(leased) * 2 < u128::from(used)
+                && d.recent_leased * 2.0 < d.recent_used
+                && d.long_leased < d.long_used;
             if kept > 0 && mostly_unleased {
                 candidates.push(i);
             }
@@ -2512,6 +2527,58 @@ mod tests {
         }
         let v = book.observe_gpu(&uses(60 * MS, 110 * MS, leased), 250 * MS, &pol, true);
         only_the_bypassers_acted_on_beside_a_debt(&v);
+    }
+
+    #[test]
+    fn kernels_that_ran_late_on_leases_paid_before_do_not_make_a_tenant_a_bypasser() {
+        // Seen once in the ten-bypasser test beside a CPU hog: the share-90 tenant's kernels
+        // waited behind the bypass kernels while its leases ran (part of them idle), and ran
+        // after them, mostly outside leases for seconds. Its debt and the bypassers' passed
+        // the threshold together and it was killed with them, for time it had leased earlier.
+        let (pol, mut book, ids) = ten_bypassers_seen();
+        let uses = |bypass: u64, used: u64, leased: u64| beside_honest(&ids, bypass, used, leased);
+        let mut leased = 0;
+        // 10 s: it holds the GPU's leases but its kernels get only 150 ms of each 250.
+        for _ in 0..40 {
+            leased += 250 * MS;
+            let v = book.observe_gpu(&uses(0, 150 * MS, leased), 250 * MS, &pol, true);
+            assert!(v.iter().all(|v| !v.over), "{v:?}");
+        }
+        // 2.5 s: its queued kernels run, 240 ms a poll, beside 40 ms of lease, while the ten
+        // bypass 10 ms each.
+        let (mut honest_charged, mut bypassers_over) = (0, false);
+        for poll in 0..10 {
+            leased += 40 * MS;
+            let v = book.observe_gpu(&uses(10 * MS, 240 * MS, leased), 250 * MS, &pol, true);
+            assert!(
+                !v[10].over,
+                "poll {poll}: the tenant that leased was acted on: {v:?}"
+            );
+            honest_charged += v[10].charge_ns;
+            bypassers_over |= v[..10].iter().all(|v| v.over);
+        }
+        // Its drift beyond the slack is charged to its share; the bypassers are acted on.
+        assert!(honest_charged > 0, "the drift was not charged");
+        assert!(bypassers_over, "the bypassers were never acted on");
+    }
+
+    #[test]
+    fn leases_held_before_buy_no_bypass_later() {
+        // Attack: lease honestly for 10 s (bank lease time), then launch around the gate with
+        // no lease at all. The long sums tip at the first poll of the bypass; its debt is
+        // over the 500 ms threshold at the third, as without the banked leases.
+        let pol = policy();
+        let mut book = ComputeBook::default();
+        let mut leased = 0;
+        observe1(&mut book, "banker", 0, leased, 250 * MS, &pol, true);
+        for _ in 0..40 {
+            leased += 100 * MS;
+            let v = observe1(&mut book, "banker", 100 * MS, leased, 250 * MS, &pol, true);
+            assert!(!v.over, "{v:?}");
+        }
+        let over_at = (1..=10)
+            .find(|_| observe1(&mut book, "banker", 250 * MS, leased, 250 * MS, &pol, true).over);
+        assert_eq!(over_at, Some(3));
     }
 
     #[test]
