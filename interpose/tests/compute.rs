@@ -349,13 +349,14 @@ fn every_synchronise_wakes_the_lease_manager() {
         };
         let (status, stdout, stderr) = run(cmd.env("TESSERA_LOG", "debug"));
         assert!(status.success(), "{mode}: {stdout}\n{stderr}");
+        let j: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
         if mode == "c_ptsz" {
-            let j: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
             assert_eq!(
                 j["resolved_sync"], "cuStreamSynchronize_ptsz",
                 "flag 2 hands out the _ptsz wrapper"
             );
         }
+        let launches = j["launches"].as_u64().unwrap();
         let wakes: Vec<u64> = stderr
             .lines()
             .filter_map(|l| l.split("synchronise wakes ").nth(1))
@@ -363,14 +364,18 @@ fn every_synchronise_wakes_the_lease_manager() {
             .collect();
         let total: u64 = wakes.iter().sum();
         eprintln!(
-            "{mode}: {} leases, {total} synchronise wake-ups",
+            "{mode}: {launches} launches each synchronised, {} leases, {total} synchronise \
+             wake-ups",
             wakes.len()
         );
         assert!(!wakes.is_empty(), "{mode}: no lease was logged:\n{stderr}");
-        // About 150 kernels of 2 ms, each waited for: the hook fires on nearly all of them.
+        // Each kernel is waited for; a synchronise the hook misses wakes nothing. How many
+        // fit in 0.3 s depends on the host's load (about 150 of 2 ms on a quiet one, 19 seen
+        // beside a CPU hog), so the count is taken against the client's own launches.
         assert!(
-            total >= 20,
-            "{mode}: only {total} synchronise wake-ups in {} leases",
+            total * 4 >= launches && total > 0,
+            "{mode}: only {total} synchronise wake-ups for {launches} synchronised launches \
+             in {} leases",
             wakes.len()
         );
         bed.admin().delete(&id).unwrap();
