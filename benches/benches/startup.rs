@@ -15,6 +15,7 @@ use std::process::{Command, Stdio};
 use criterion::{Criterion, criterion_group, criterion_main};
 use interposer_bed::{Bed, interleaved_medians, profile_dir, write_summary};
 use tessera_cuda_abi::{cuCtxCreate_v2_t, cuCtxDestroy_v2_t};
+use tessera_protocol::node::{ENV_SOCKET, ENV_TOKEN};
 
 /// Starts a CUDA process (`mem_tenant hold`: its context, 1 byte allocated, exit) on the bed's
 /// simulated GPU, under the interposer with the allocation's token when `lib` is given.
@@ -28,8 +29,8 @@ fn cuda_process(bed: &Bed, lib: Option<&std::path::Path>) {
     bed.gpu.apply(&mut cmd);
     if let Some(p) = lib {
         cmd.env("LD_PRELOAD", p)
-            .env("TESSERA_TOKEN", &bed.token)
-            .env("TESSERA_SOCKET", &bed.socket);
+            .env(ENV_TOKEN, &bed.token)
+            .env(ENV_SOCKET, &bed.socket);
     }
     assert!(cmd.status().unwrap().success());
 }
@@ -53,8 +54,8 @@ fn spawn(preload: Option<&std::path::Path>, token: bool) {
         cmd.env("LD_PRELOAD", p);
     }
     if token {
-        cmd.env("TESSERA_TOKEN", "0123456789abcdef")
-            .env("TESSERA_SOCKET", "/nonexistent/tessera.sock");
+        cmd.env(ENV_TOKEN, "0123456789abcdef")
+            .env(ENV_SOCKET, "/nonexistent/tessera.sock");
     }
     assert!(cmd.status().unwrap().success());
 }

@@ -13,7 +13,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use tessera_protocol::client::AdminClient;
-use tessera_sim_state::{ENV_CONTEXT_MEMORY, MODELED_CONTEXT_MEMORY};
+use tessera_protocol::node::{ENV_ADMIN_SOCKET, ENV_METRICS_ADDR, ENV_SOCKET};
+use tessera_sim_state::{ENV_CONTEXT_MEMORY, ENV_DIR, ENV_GPUS, MODELED_CONTEXT_MEMORY};
 
 /// Where the built artifacts are: the folder of this executable.
 pub fn bin_dir() -> PathBuf {
@@ -113,11 +114,11 @@ impl SimNode {
             .arg(dir.path().join("state"))
             .args(args)
             .env("LD_LIBRARY_PATH", &lib_dir)
-            .env("TESSERA_SIM_DIR", &sim_dir)
-            .env("TESSERA_SIM_GPUS", gpus)
+            .env(ENV_DIR, &sim_dir)
+            .env(ENV_GPUS, gpus)
             .env(ENV_CONTEXT_MEMORY, MODELED_CONTEXT_MEMORY)
             // No metrics port unless `args` asks for one (benchmarks may run side by side).
-            .env("TESSERA_METRICS_ADDR", "none")
+            .env(ENV_METRICS_ADDR, "none")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -147,12 +148,12 @@ impl SimNode {
     pub fn command(&self, program: &Path) -> Command {
         let mut cmd = Command::new(program);
         cmd.env("LD_LIBRARY_PATH", &self.lib_dir)
-            .env("TESSERA_SIM_DIR", &self.sim_dir)
-            .env("TESSERA_SIM_GPUS", &self.gpus)
+            .env(ENV_DIR, &self.sim_dir)
+            .env(ENV_GPUS, &self.gpus)
             // Contexts cost memory as on a real card (a caller's `.env` overrides it).
             .env(ENV_CONTEXT_MEMORY, MODELED_CONTEXT_MEMORY)
-            .env("TESSERA_ADMIN_SOCKET", &self.admin_socket)
-            .env("TESSERA_SOCKET", &self.socket)
+            .env(ENV_ADMIN_SOCKET, &self.admin_socket)
+            .env(ENV_SOCKET, &self.socket)
             .env_remove("LD_PRELOAD");
         cmd
     }

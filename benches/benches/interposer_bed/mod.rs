@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use libloading::Library;
 use tessera_protocol::client::TenantClient;
+use tessera_protocol::node;
 use tessera_testkit::{ArbiterSpec, RunningArbiter, SimGpu, allocation, artifact_with_hint};
 
 /// The folder of the benchmark's profile (`target/release`).
@@ -97,11 +98,11 @@ impl Bed {
         // SAFETY: no other thread of this process reads the environment yet (set-up runs
         // before criterion and before any thread is spawned).
         unsafe {
-            std::env::set_var("TESSERA_SIM_DIR", &sim_dir);
-            std::env::set_var("TESSERA_SIM_GPUS", SIM_GPUS);
-            std::env::set_var("TESSERA_REAL_LIBCUDA", lib_dir.join("libcuda.so.1"));
-            std::env::set_var("TESSERA_SOCKET", &socket);
-            std::env::set_var("TESSERA_TOKEN", &token);
+            std::env::set_var(tessera_sim_state::ENV_DIR, &sim_dir);
+            std::env::set_var(tessera_sim_state::ENV_GPUS, SIM_GPUS);
+            std::env::set_var(node::ENV_REAL_LIBCUDA, lib_dir.join("libcuda.so.1"));
+            std::env::set_var(node::ENV_SOCKET, &socket);
+            std::env::set_var(node::ENV_TOKEN, &token);
         }
         // SAFETY: loading the simulated driver and the interposer runs their constructors,
         // which only read the environment set above.

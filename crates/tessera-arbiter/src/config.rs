@@ -134,7 +134,7 @@ pub struct Config {
     /// address. See docs/metrics.md.
     #[arg(
         long,
-        env = "TESSERA_METRICS_ADDR",
+        env = tessera_protocol::node::ENV_METRICS_ADDR,
         default_value = crate::metrics::DEFAULT_METRICS_ADDR,
         value_name = "ADDR|none"
     )]

@@ -27,6 +27,8 @@ pub const ENV_LOG: &str = "TESSERA_LOG";
 pub const ENV_LOG_FORMAT: &str = "TESSERA_LOG_FORMAT";
 /// The NVML library the daemons load.
 pub const ENV_NVML_LIB: &str = "TESSERA_NVML_LIB";
+/// Where the arbiter serves its metrics (its `--metrics-addr`).
+pub const ENV_METRICS_ADDR: &str = "TESSERA_METRICS_ADDR";
 
 /// The arbiter's tenant socket on a host (in its own folder, which the plugins mount into
 /// containers: the admin socket is never in it).

@@ -10,6 +10,7 @@ use tessera_protocol::{CreateAllocation, GpuSelector};
 
 use crate::process::{KillOnDrop, wait_exit};
 use crate::sim::SimGpu;
+use tessera_protocol::node::{ENV_ADMIN_SOCKET, ENV_METRICS_ADDR, ENV_SOCKET};
 
 /// How long an arbiter may take to serve before the test fails (a loaded CI machine is slow).
 pub const READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -58,11 +59,11 @@ impl ArbiterSpec {
             .arg(&self.admin_socket)
             .arg("--state-dir")
             .arg(&self.state_dir)
-            .env_remove("TESSERA_SOCKET")
-            .env_remove("TESSERA_ADMIN_SOCKET")
+            .env_remove(ENV_SOCKET)
+            .env_remove(ENV_ADMIN_SOCKET)
             // Tests run side by side: none binds the default metrics port (a test that wants
             // the endpoint passes `--metrics-addr`, which wins over the variable).
-            .env("TESSERA_METRICS_ADDR", "none")
+            .env(ENV_METRICS_ADDR, "none")
             .env_remove("LD_PRELOAD")
             .stdin(Stdio::null());
         self.sim.apply(&mut cmd);

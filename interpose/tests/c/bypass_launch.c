@@ -12,7 +12,6 @@
 
 #include "spin_client.h"
 
-typedef unsigned long long CUdeviceptr;
 CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
 CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, CUstream,
                         void **, void **);

@@ -15,11 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-
-typedef int CUresult;
-typedef unsigned long long CUdeviceptr;
-typedef int CUdevice;
-typedef void *CUcontext;
+#include "cuda_abi.h"
 
 CUresult cuInit(unsigned int);
 CUresult cuDeviceGet(CUdevice *, int);
@@ -34,12 +30,6 @@ CUresult cuGetProcAddress_v2(const char *, void **, int, unsigned long long, int
 typedef CUresult (*create_v2_t)(CUcontext *, unsigned int, CUdevice);
 typedef CUresult (*create_v4_t)(CUcontext *, void *, unsigned int, CUdevice);
 typedef CUresult (*destroy_t)(CUcontext);
-typedef struct {
-    unsigned long long total, free, used;
-} nvml_memory_t;
-typedef int (*nvml_init_t)(void);
-typedef int (*nvml_handle_t)(unsigned int, void **);
-typedef int (*nvml_meminfo_t)(void *, nvml_memory_t *);
 
 /* Free memory by NVML, or -1. */
 static long long nvml_free(void) {

@@ -3,9 +3,8 @@
  * with RTLD_DEEPBIND its references bind to its own dependencies (the real libcuda.so.1) before
  * the global scope, where the LD_PRELOAD interposer sits. Built by tests::common::build_c_lib. */
 #include <stddef.h>
+#include "cuda_abi.h"
 
-typedef int CUresult;
-typedef unsigned long long CUdeviceptr;
 CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
 
 int deepbind_alloc(size_t mib) {

@@ -10,9 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include "cuda_abi.h"
 
-typedef int CUresult;
-typedef int CUdevice;
 typedef void *CUgreenCtx;
 typedef void *CUdevResourceDesc;
 typedef struct {

@@ -4,12 +4,7 @@
 #include <dlfcn.h>
 #include <stdio.h>
 #include <string.h>
-
-typedef int CUresult;
-typedef unsigned long long CUdeviceptr;
-typedef int CUdevice;
-typedef void *CUcontext;
-typedef void *CUstream;
+#include "cuda_abi.h"
 
 CUresult cuInit(unsigned int);
 CUresult cuDeviceGet(CUdevice *, int);

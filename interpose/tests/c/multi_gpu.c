@@ -13,11 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
-
-typedef int CUresult;
-typedef unsigned long long CUdeviceptr;
-typedef int CUdevice;
-typedef void *CUcontext;
+#include "cuda_abi.h"
 
 CUresult cuInit(unsigned int);
 CUresult cuDeviceGet(CUdevice *, int);
@@ -31,12 +27,6 @@ CUresult cuMemcpyPeer(CUdeviceptr, CUcontext, CUdeviceptr, CUcontext, size_t);
 
 #define MAXD 8
 
-typedef struct {
-    unsigned long long total, free, used;
-} nvml_memory_t;
-typedef int (*nvml_init_t)(void);
-typedef int (*nvml_handle_t)(unsigned int, void **);
-typedef int (*nvml_meminfo_t)(void *, nvml_memory_t *);
 
 /* NVML's total memory of device `index`, or -1. */
 static long long nvml_total(int index) {

@@ -4,9 +4,8 @@
 #ifndef SPIN_CLIENT_H
 #define SPIN_CLIENT_H
 
-typedef int CUresult;
-typedef int CUdevice;
-typedef void *CUcontext, *CUmodule, *CUfunction, *CUstream;
+#include "cuda_abi.h"
+
 CUresult cuInit(unsigned int);
 CUresult cuDeviceGet(CUdevice *, int);
 CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);

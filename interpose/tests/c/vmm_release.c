@@ -8,29 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-
-typedef int CUresult;
-typedef int CUdevice;
-typedef void *CUcontext;
-typedef unsigned long long CUdeviceptr;
-typedef unsigned long long CUmemGenericAllocationHandle;
-typedef struct {
-    int type; /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
-    int id;
-} CUmemLocation;
-typedef struct {
-    int type; /* CU_MEM_ALLOCATION_TYPE_PINNED = 1 */
-    int requestedHandleTypes;
-    CUmemLocation location;
-    void *win32HandleMetaData;
-    unsigned char compressionType, gpuDirectRDMACapable;
-    unsigned short usage;
-    unsigned char reserved[4];
-} CUmemAllocationProp;
-typedef struct {
-    CUmemLocation location;
-    int flags; /* CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3 */
-} CUmemAccessDesc;
+#include "cuda_abi.h"
 
 CUresult cuInit(unsigned int);
 CUresult cuDeviceGet(CUdevice *, int);
