@@ -318,8 +318,10 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
         }
         tokio::spawn(metrics::serve(l, metrics.clone(), stop_all.clone()));
     }
+    let resources = cfg.resources();
+    let names: Vec<String> = resources.iter().map(|r| r.1.clone()).collect();
     let mut served = Vec::new();
-    for (endpoint, resource_name, pool, tier) in cfg.resources() {
+    for (endpoint, resource_name, pool, tier) in resources {
         // Each resource names and cleans up its own allocations (told apart by their labels).
         if let Some(sock) = &cfg.pod_resources_socket {
             tokio::spawn(podresources::run(
@@ -330,6 +332,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
                     grace: cfg.stale_grace,
                     interval: cfg.stale_interval,
                     cleanup: cfg.stale_cleanup,
+                    exclusive_with: names.iter().find(|n| **n != resource_name).cloned(),
                 },
                 metrics.clone(),
                 stop_all.clone(),

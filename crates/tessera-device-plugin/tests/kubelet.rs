@@ -955,6 +955,22 @@ async fn bad_flags_and_missing_interposer_exit_with_documented_codes() {
     );
     let out = run(&["--no-such-flag"]);
     assert_eq!(out.status.code(), Some(2));
+    // A latency split that leaves the best-effort resource nothing, or names it twice.
+    for bad in [
+        &["--latency-shares", "100"][..],
+        &[
+            "--latency-shares",
+            "10",
+            "--latency-resource-name",
+            RESOURCE,
+        ],
+        &["--latency-shares", "10", "--latency-endpoint", ENDPOINT],
+    ] {
+        let out = run(bad);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{bad:?}: {err}");
+        assert!(err.contains("--latency-"), "{bad:?}: {err}");
+    }
     let out = run(&["--log-format", "yaml"]);
     assert_eq!(out.status.code(), Some(2));
     // Logs as JSON lines on request: the interposer error is one object with its level.
@@ -1727,5 +1743,50 @@ async fn a_container_cannot_make_itself_latency_by_its_environment_or_files() {
     assert_eq!(b.tier, tessera_protocol::Tier::BestEffort);
     assert_eq!(l.tier, tessera_protocol::Tier::Latency);
     assert_eq!(status_json_allocation(&node, &be_id)["tier"], "best-effort");
+    kubelet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_container_asking_for_both_resources_gets_neither() {
+    let (node, kubelet, podres, _) = split_node().await;
+    let g0 = node.gpus()[0].uuid.clone();
+    let mut be = node.plugin_client().await;
+    let mut lat = node.plugin_client_at(LATENCY_ENDPOINT).await;
+    // The kubelet calls Allocate once per resource, without the pod: each call alone is fine.
+    let be_units = unit_ids(&g0, 0..20);
+    let lat_units = unit_ids(&g0, 70..80);
+    let be_resp = allocate(&mut be, be_units.clone()).await.unwrap();
+    allocate(&mut lat, lat_units.clone()).await.unwrap();
+    // A neighbour with one resource only is not touched.
+    let ok_units = unit_ids(&g0, 20..30);
+    podres.set_holding_of("ok", &[(RESOURCE, &ok_units)]);
+    let ok_id = allocate(&mut be, ok_units).await.unwrap().envs["TESSERA_ALLOCATION_ID"].clone();
+    // Then PodResources shows one container holding both: neither allocation stays.
+    podres.set_holding_of(
+        "mix",
+        &[(RESOURCE, &be_units), (LATENCY_RESOURCE, &lat_units)],
+    );
+    wait_allocations(
+        &node,
+        15,
+        "the mixed container's allocations deleted",
+        |a| a.len() == 1 && a[0].id == ok_id,
+    )
+    .await;
+    let maddr = node.metrics_addr().await;
+    wait_sample(&maddr, "tessera_plugin_mixed_tier_deletions_total", 2.0).await;
+    // Its process, under either identity, gets no GPU memory at all (fail closed).
+    let (out, err, status, _) = tokio::task::block_in_place(|| {
+        run_tenant(
+            &node,
+            &be_resp,
+            &sim_env(&node),
+            &["--grab-gib", "1", "--seconds", "0.2"],
+        )
+    });
+    let shown = format!("stdout:\n{out}\nstderr:\n{err}\n{status:?}");
+    assert!(!out.contains("holds 1 GiB"), "{shown}");
+    assert!(err.contains("unknown allocation token"), "{shown}");
+    assert!(!status.success(), "{shown}");
     kubelet.stop().await;
 }
