@@ -1673,6 +1673,41 @@ async fn the_latency_resource_makes_latency_allocations_from_its_own_part_of_eac
     )
     .await;
     assert_eq!(node.allocations().len(), 3);
+
+    // A kubelet restart (every socket deleted): both resources are served and registered
+    // again, and the latency socket lists the latency units.
+    let maddr = node.metrics_addr().await;
+    wait_sample(&maddr, "tessera_plugin_registrations_total", 2.0).await;
+    kubelet.stop().await;
+    for e in std::fs::read_dir(node.kubelet_dir()).unwrap().flatten() {
+        std::fs::remove_file(e.path()).unwrap();
+    }
+    let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
+    let mut again = Vec::new();
+    for _ in 0..2 {
+        let r = within(10, "re-registration", kubelet.registrations.recv())
+            .await
+            .unwrap();
+        again.push((r.endpoint, r.resource_name));
+    }
+    again.sort();
+    assert_eq!(
+        again,
+        [
+            (LATENCY_ENDPOINT.to_owned(), LATENCY_RESOURCE.to_owned()),
+            (ENDPOINT.to_owned(), RESOURCE.to_owned())
+        ]
+    );
+    wait_sample(&maddr, "tessera_plugin_registrations_total", 4.0).await;
+    let mut lat = node.plugin_client_at(LATENCY_ENDPOINT).await;
+    let mut s = within(5, "ListAndWatch again", lat.list_and_watch(Empty {}))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        ids_of(next_list(&mut s, "latency list again").await),
+        want_lat
+    );
     kubelet.stop().await;
 }
 
