@@ -56,6 +56,10 @@ RESOURCES = [
     ("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding", True),
     ("scheduling.k8s.io", "v1", "priorityclasses", "PriorityClass", False),
     ("resource.k8s.io", "v1", "deviceclasses", "DeviceClass", False),
+    ("admissionregistration.k8s.io", "v1", "validatingadmissionpolicies",
+     "ValidatingAdmissionPolicy", False),
+    ("admissionregistration.k8s.io", "v1", "validatingadmissionpolicybindings",
+     "ValidatingAdmissionPolicyBinding", False),
     ("monitoring.coreos.com", "v1", "servicemonitors", "ServiceMonitor", True),
 ]
 
@@ -235,11 +239,13 @@ def main() -> int:
 
     failures += lint(args.chart)
 
-    # Defaults, everything on (both plugins), DRA only, and whatever --set asks for.
+    # Defaults, everything on (both plugins), DRA only, the device plugin with a latency
+    # split, and whatever --set asks for.
     everything = {"metrics": {"serviceMonitor": {"enabled": True}},
                   "grafana": {"dashboard": {"enabled": True}},
                   "dra": {"enabled": True}}
     dra_only = {"dra": {"enabled": True}, "devicePlugin": {"enabled": False}}
+    latency = {"devicePlugin": {"latencyShares": 30}}
     extra: dict = {}
     for item in args.set:
         key, _, value = item.partition("=")
@@ -248,7 +254,8 @@ def main() -> int:
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = json.loads(value)
-    renders = [("defaults", {}), ("all features", everything), ("dra", dra_only)] + \
+    renders = [("defaults", {}), ("all features", everything), ("dra", dra_only),
+               ("latency split", latency)] + \
         ([("--set", extra)] if extra else [])
     for name, values in renders:
         try:

@@ -15,14 +15,14 @@ use std::path::{Path, PathBuf};
 
 use tessera_protocol::client::ClientError;
 use tessera_protocol::identity::Identity;
-use tessera_protocol::{AdminErrorKind, AllocationStatus, CreateAllocation, GpuSelector};
+use tessera_protocol::{AdminErrorKind, AllocationStatus, CreateAllocation, GpuSelector, Tier};
 
 use crate::arbiter::Arbiter;
 use crate::health::GpuState;
 use crate::identity::{self, IdentityError};
 use crate::install::Installed;
 use crate::proto::deviceplugin::{ContainerAllocateResponse, Mount};
-use crate::units::{self, Claim, UnitsError};
+use crate::units::{self, Claim, Pool, UnitsError};
 
 /// The environment variables carrying into the container the allocation's secret token, the
 /// tenant socket's path inside it and the public allocation id(s): the node contract's.
@@ -92,6 +92,11 @@ pub struct Settings {
     pub per_gpu: u32,
     /// Extended resource name (also stored in allocation labels).
     pub resource_name: String,
+    /// The unit numbers of each GPU this resource advertises.
+    pub pool: Pool,
+    /// The tier of every allocation made for this resource: the resource decides it, nothing
+    /// in the container does.
+    pub tier: Tier,
     /// Container wiring.
     pub mounts: Mounts,
 }
@@ -125,11 +130,23 @@ pub fn plan(
     snapshot: &[GpuState],
     per_gpu: u32,
 ) -> Result<Plan, AllocateError> {
+    plan_in(requests, snapshot, per_gpu, Pool::all(per_gpu))
+}
+
+/// [`plan`] for a resource advertising `pool` of each GPU's units: a unit outside it is
+/// refused before anything else.
+pub fn plan_in(
+    requests: &[Vec<String>],
+    snapshot: &[GpuState],
+    per_gpu: u32,
+    pool: Pool,
+) -> Result<Plan, AllocateError> {
     let mut out = Plan {
         containers: requests.len(),
         ..Plan::default()
     };
     for (i, ids) in requests.iter().enumerate() {
+        pool.check(ids)?;
         let claim = units::classify(ids, per_gpu)?;
         let uuids = match &claim {
             Claim::Fraction { uuid, .. } => std::slice::from_ref(uuid),
@@ -178,7 +195,7 @@ pub fn allocate<A: Arbiter + ?Sized>(
     snapshot: &[GpuState],
     settings: &Settings,
 ) -> Result<Vec<ContainerAllocateResponse>, AllocateError> {
-    let plan = plan(requests, snapshot, settings.per_gpu)?;
+    let plan = plan_in(requests, snapshot, settings.per_gpu, settings.pool)?;
     execute(arbiter, &plan, settings)
 }
 
@@ -193,6 +210,7 @@ pub fn execute<A: Arbiter + ?Sized>(
         &plan.allocations,
         settings.per_gpu,
         &settings.resource_name,
+        settings.tier,
         &settings.mounts.host_identity_dir,
     )
     .map_err(AllocateError::Arbiter)?;
@@ -206,6 +224,7 @@ fn create_all<A: Arbiter + ?Sized>(
     plans: &[Planned],
     per_gpu: u32,
     resource: &str,
+    tier: Tier,
     identity_dir: &Path,
 ) -> Result<Vec<(String, AllocationStatus)>, ClientError> {
     let gpus = c.gpus()?;
@@ -271,7 +290,12 @@ fn create_all<A: Arbiter + ?Sized>(
             cap: None,
             labels,
         };
-        match c.create(req) {
+        // Best-effort keeps the plain create, which every arbiter version takes.
+        let created = match tier {
+            Tier::BestEffort => c.create(req),
+            Tier::Latency => c.create_tiered(req, tier),
+        };
+        match created {
             Ok(x) => made.push(x),
             Err(e) => {
                 result = Err(e);
@@ -433,6 +457,8 @@ mod tests {
         Settings {
             per_gpu,
             resource_name: R.into(),
+            pool: Pool::all(per_gpu),
+            tier: Tier::BestEffort,
             mounts: mounts(identity_dir),
         }
     }
@@ -737,5 +763,39 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(err, AllocateError::Identity(_)), "{err:?}");
+    }
+
+    #[test]
+    fn the_latency_pool_makes_latency_allocations_and_refuses_the_other_pools_units() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (be_pool, lat_pool) = Pool::split(100, 30);
+        let lat = Settings {
+            resource_name: "tessera.dev/gpu-latency-shares".into(),
+            pool: lat_pool,
+            tier: Tier::Latency,
+            ..settings(100, tmp.path())
+        };
+        let be = Settings {
+            pool: be_pool,
+            ..settings(100, tmp.path())
+        };
+        let mut arb = fake();
+        let out = allocate(&mut arb, &[ids("GPU-a", 70..80)], &two_gpus(), &lat).unwrap();
+        let id = &out[0].envs[ENV_ALLOCATION];
+        assert_eq!(arb.get(id).unwrap().tier, Tier::Latency);
+        assert_eq!(arb.get(id).unwrap().share, 10);
+        let out = allocate(&mut arb, &[ids("GPU-a", 0..20)], &two_gpus(), &be).unwrap();
+        let id = &out[0].envs[ENV_ALLOCATION];
+        assert_eq!(arb.get(id).unwrap().tier, Tier::BestEffort);
+        // A unit of the other pool, on either side, is refused before any call.
+        let calls = arb.calls.len();
+        for (s, units) in [(&lat, ids("GPU-b", 60..75)), (&be, ids("GPU-b", 65..75))] {
+            let err = allocate(&mut arb, &[units], &two_gpus(), s).unwrap_err();
+            assert!(
+                matches!(err, AllocateError::Units(UnitsError::OtherPool { .. })),
+                "{err:?}"
+            );
+        }
+        assert_eq!(arb.calls.len(), calls);
     }
 }

@@ -99,6 +99,20 @@ struct Args {
     /// Extended resource name.
     #[arg(long, value_name = "NAME", default_value = "tessera.dev/gpu-shares")]
     resource_name: String,
+    /// Units of each GPU set apart for the latency resource (latency-tier allocations); the
+    /// best-effort resource keeps the rest. 0: no latency resource.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    latency_shares: u32,
+    /// The latency resource's name.
+    #[arg(
+        long,
+        value_name = "NAME",
+        default_value = "tessera.dev/gpu-latency-shares"
+    )]
+    latency_resource_name: String,
+    /// The latency resource's socket file name in the kubelet folder.
+    #[arg(long, value_name = "NAME", default_value = "tessera-latency.sock")]
+    latency_endpoint: String,
     /// Where the GPU list and health come from (auto: NVML, else the arbiter).
     #[arg(
         long,
@@ -151,6 +165,9 @@ fn config(a: Args) -> Result<(Config, bool, tessera_log::LogFormat), String> {
         host_identity_dir: a.host_identity_dir,
         shares_per_gpu: a.shares_per_gpu,
         resource_name: a.resource_name,
+        latency_shares: a.latency_shares,
+        latency_resource_name: a.latency_resource_name,
+        latency_endpoint: a.latency_endpoint,
         gpu_source: match a.gpu_source {
             Source::Auto => SourceKind::Auto,
             Source::Nvml => SourceKind::Nvml,

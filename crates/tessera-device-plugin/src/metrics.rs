@@ -86,6 +86,7 @@ pub struct PluginMetrics {
     units: Family<Labels, Gauge>,
     stale_cleanups: Counter,
     pod_labels: Counter,
+    mixed_tiers: Counter,
 }
 
 impl std::fmt::Debug for PluginMetrics {
@@ -141,6 +142,12 @@ impl PluginMetrics {
             "Allocations whose namespace/pod/container labels were written",
             pod_labels.clone(),
         );
+        let mixed_tiers = Counter::default();
+        registry.register(
+            "tessera_plugin_mixed_tier_deletions",
+            "Allocations deleted because their container asked for both the best-effort and the latency resource",
+            mixed_tiers.clone(),
+        );
         registry.register(
             "tessera_plugin_build",
             "Build information",
@@ -157,6 +164,7 @@ impl PluginMetrics {
             units,
             stale_cleanups,
             pod_labels,
+            mixed_tiers,
         }
     }
 
@@ -190,6 +198,11 @@ impl PluginMetrics {
     /// `n` stale allocations deleted.
     pub fn cleaned_up(&self, n: usize) {
         self.stale_cleanups.inc_by(n as u64);
+    }
+
+    /// One allocation of a container holding both resources deleted.
+    pub fn mixed_tier_deleted(&self) {
+        self.mixed_tiers.inc();
     }
 
     /// One allocation's pod labels written.

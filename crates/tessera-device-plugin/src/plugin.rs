@@ -1,5 +1,11 @@
 //! The plugin's life: install the interposer, watch the GPUs, then serve and register with the
 //! kubelet, again every time the kubelet restarts, until shut down.
+//!
+//! With `--latency-shares N` the plugin serves two extended resources from one cut of each
+//! GPU: the best-effort resource with the first `per_gpu - N` units and the latency resource
+//! with the last `N`, each on its own socket and registration (the device plugin API has one
+//! resource per registration). The tier is the resource's: `Allocate` gets only unit ids, and
+//! those decide it before the container exists.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -17,7 +23,8 @@ use crate::kubelet::{self, KubeletError, file_id};
 use crate::metrics::{self, MetricsError, PluginMetrics};
 use crate::podresources::{self, StaleConfig};
 use crate::server::{AllocContext, PluginService};
-use crate::units;
+use crate::units::{self, Pool};
+use tessera_protocol::Tier;
 
 /// File name of the kubelet's registration socket in the device-plugins folder.
 pub const KUBELET_SOCKET: &str = "kubelet.sock";
@@ -92,6 +99,12 @@ pub struct Config {
     pub shares_per_gpu: u32,
     /// Extended resource name.
     pub resource_name: String,
+    /// Units of each GPU set apart for the latency resource (0: no latency resource).
+    pub latency_shares: u32,
+    /// The latency resource's name.
+    pub latency_resource_name: String,
+    /// The latency resource's socket file name in the kubelet folder.
+    pub latency_endpoint: String,
     /// GPU source.
     pub gpu_source: SourceKind,
     /// NVML library name or path.
@@ -114,10 +127,7 @@ impl Config {
                 self.shares_per_gpu
             ));
         }
-        if self.endpoint.is_empty()
-            || self.endpoint.contains('/')
-            || self.endpoint == KUBELET_SOCKET
-        {
+        if !valid_endpoint(&self.endpoint) {
             return bad(format!(
                 "--endpoint must be a plain file name other than {KUBELET_SOCKET}"
             ));
@@ -127,6 +137,30 @@ impl Config {
                 "--resource-name {:?} must be <domain>/<name>, e.g. tessera.dev/gpu-shares",
                 self.resource_name
             ));
+        }
+        if self.latency_shares >= self.shares_per_gpu {
+            return bad(format!(
+                "--latency-shares {} must be less than --shares-per-gpu {} (the best-effort \
+                 resource keeps the rest of each GPU)",
+                self.latency_shares, self.shares_per_gpu
+            ));
+        }
+        if self.latency_shares > 0 {
+            if !valid_resource_name(&self.latency_resource_name)
+                || self.latency_resource_name == self.resource_name
+            {
+                return bad(format!(
+                    "--latency-resource-name {:?} must be <domain>/<name> and differ from \
+                     --resource-name",
+                    self.latency_resource_name
+                ));
+            }
+            if !valid_endpoint(&self.latency_endpoint) || self.latency_endpoint == self.endpoint {
+                return bad(format!(
+                    "--latency-endpoint must be a plain file name other than {KUBELET_SOCKET} \
+                     and --endpoint"
+                ));
+            }
         }
         // The tenant socket's folder is mounted into every container: the admin socket must
         // not be reachable through it. Compared as resolved paths: `tenant/../tenant/x` or a
@@ -151,6 +185,34 @@ impl Config {
         }
         Ok(())
     }
+}
+
+impl Config {
+    /// The extended resources to serve: the best-effort one, and the latency one when
+    /// `latency_shares` is set, as (socket file name, resource name, pool, tier).
+    pub fn resources(&self) -> Vec<(String, String, Pool, Tier)> {
+        let (be, lat) = Pool::split(self.shares_per_gpu, self.latency_shares);
+        let mut out = vec![(
+            self.endpoint.clone(),
+            self.resource_name.clone(),
+            be,
+            Tier::BestEffort,
+        )];
+        if !lat.is_empty() {
+            out.push((
+                self.latency_endpoint.clone(),
+                self.latency_resource_name.clone(),
+                lat,
+                Tier::Latency,
+            ));
+        }
+        out
+    }
+}
+
+/// A socket file name in the kubelet folder.
+fn valid_endpoint(name: &str) -> bool {
+    !name.is_empty() && !name.contains('/') && name != KUBELET_SOCKET
 }
 
 /// An extended resource name: `<DNS subdomain>/<name>` with simple characters.
@@ -256,39 +318,65 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
         }
         tokio::spawn(metrics::serve(l, metrics.clone(), stop_all.clone()));
     }
-    if let Some(sock) = &cfg.pod_resources_socket {
-        tokio::spawn(podresources::run(
-            StaleConfig {
-                socket: sock.clone(),
-                admin_socket: cfg.admin_socket.clone(),
-                resource_name: cfg.resource_name.clone(),
-                grace: cfg.stale_grace,
-                interval: cfg.stale_interval,
-                cleanup: cfg.stale_cleanup,
+    let resources = cfg.resources();
+    let names: Vec<String> = resources.iter().map(|r| r.1.clone()).collect();
+    let mut served = Vec::new();
+    for (endpoint, resource_name, pool, tier) in resources {
+        // Each resource names and cleans up its own allocations (told apart by their labels).
+        if let Some(sock) = &cfg.pod_resources_socket {
+            tokio::spawn(podresources::run(
+                StaleConfig {
+                    socket: sock.clone(),
+                    admin_socket: cfg.admin_socket.clone(),
+                    resource_name: resource_name.clone(),
+                    grace: cfg.stale_grace,
+                    interval: cfg.stale_interval,
+                    cleanup: cfg.stale_cleanup,
+                    exclusive_with: names.iter().find(|n| **n != resource_name).cloned(),
+                },
+                metrics.clone(),
+                stop_all.clone(),
+            ));
+        }
+        let ctx = Arc::new(AllocContext {
+            settings: Settings {
+                per_gpu: cfg.shares_per_gpu,
+                resource_name,
+                pool,
+                tier,
+                mounts: Mounts {
+                    tenant_socket: cfg.tenant_socket.clone(),
+                    container_socket_dir: cfg.container_socket_dir.clone(),
+                    installed: installed.clone(),
+                    container_lib_path: cfg.container_lib_path.clone(),
+                    host_identity_dir: cfg.host_identity_dir.clone(),
+                },
             },
-            metrics.clone(),
-            stop_all.clone(),
-        ));
+            admin_socket: cfg.admin_socket.clone(),
+            metrics: metrics.clone(),
+        });
+        served.push(Served { endpoint, ctx });
     }
-    let ctx = Arc::new(AllocContext {
-        settings: Settings {
-            per_gpu: cfg.shares_per_gpu,
-            resource_name: cfg.resource_name.clone(),
-            mounts: Mounts {
-                tenant_socket: cfg.tenant_socket.clone(),
-                container_socket_dir: cfg.container_socket_dir.clone(),
-                installed,
-                container_lib_path: cfg.container_lib_path.clone(),
-                host_identity_dir: cfg.host_identity_dir.clone(),
-            },
-        },
-        admin_socket: cfg.admin_socket.clone(),
-        metrics,
-    });
 
-    let res = generations(&cfg, ctx, gpus, shutdown).await;
+    let res = generations(&cfg, &served, gpus, shutdown).await;
     let _ = stop_all_tx.send(true);
     res
+}
+
+/// One extended resource the plugin serves: its socket file name and its `Allocate` context.
+struct Served {
+    endpoint: String,
+    ctx: Arc<AllocContext>,
+}
+
+/// One resource's server in a generation.
+struct Serving<'a> {
+    served: &'a Served,
+    sock: PathBuf,
+    id: Option<kubelet::FileId>,
+    server: tokio::task::JoinHandle<Result<(), crate::server::ServerError>>,
+    /// The `kubelet.sock` it registered with, once it has.
+    registered: Option<kubelet::FileId>,
 }
 
 /// Why a generation ended.
@@ -297,16 +385,16 @@ enum End {
     Restart(&'static str),
 }
 
-/// One server generation per kubelet incarnation.
+/// One server generation per kubelet incarnation: every resource is served and registered
+/// again together.
 async fn generations(
     cfg: &Config,
-    ctx: Arc<AllocContext>,
+    served: &[Served],
     gpus: watch::Receiver<Snapshot>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), PluginError> {
     tokio::pin!(shutdown);
     let kubelet_sock = cfg.kubelet_dir.join(KUBELET_SOCKET);
-    let own_sock = cfg.kubelet_dir.join(&cfg.endpoint);
     loop {
         // Wait for a kubelet to serve registrations.
         let mut waited = false;
@@ -321,39 +409,48 @@ async fn generations(
             }
         }
         let (stop_tx, stop_rx) = watch::channel(false);
-        let _ = std::fs::remove_file(&own_sock);
-        let listener = UnixListener::bind(&own_sock).map_err(|source| PluginError::Bind {
-            path: own_sock.clone(),
-            source,
-        })?;
-        let own_id = file_id(&own_sock);
-        let service = PluginService::new(ctx.clone(), gpus.clone(), stop_rx.clone());
-        let mut server = tokio::spawn(crate::server::serve(listener, service, stop_rx));
+        let mut serving = Vec::new();
+        for s in served {
+            let sock = cfg.kubelet_dir.join(&s.endpoint);
+            let _ = std::fs::remove_file(&sock);
+            let listener = match UnixListener::bind(&sock) {
+                Ok(l) => l,
+                Err(source) => {
+                    let _ = stop_tx.send(true);
+                    return Err(PluginError::Bind { path: sock, source });
+                }
+            };
+            let id = file_id(&sock);
+            let service = PluginService::new(s.ctx.clone(), gpus.clone(), stop_rx.clone());
+            let server = tokio::spawn(crate::server::serve(listener, service, stop_rx.clone()));
+            serving.push(Serving {
+                served: s,
+                sock,
+                id,
+                server,
+                registered: None,
+            });
+        }
 
-        let end = serve_generation(
-            cfg,
-            &ctx,
-            &kubelet_sock,
-            &own_sock,
-            own_id,
-            &mut server,
-            &mut shutdown,
-        )
-        .await;
+        let end = serve_generation(cfg, &kubelet_sock, &mut serving, &mut shutdown).await;
         let _ = stop_tx.send(true);
-        // Streams end on `stop`; bound the wait anyway so a stuck peer cannot hold us.
-        // (A finished handle was already awaited and must not be polled again.)
-        if !server.is_finished()
-            && tokio::time::timeout(Duration::from_secs(3), &mut server)
-                .await
-                .is_err()
-        {
-            server.abort();
+        for s in &mut serving {
+            // Streams end on `stop`; bound the wait anyway so a stuck peer cannot hold us.
+            // (A finished handle was already awaited and must not be polled again.)
+            if !s.server.is_finished()
+                && tokio::time::timeout(Duration::from_secs(3), &mut s.server)
+                    .await
+                    .is_err()
+            {
+                s.server.abort();
+            }
         }
         match end? {
             End::Shutdown => {
-                if file_id(&own_sock) == own_id {
-                    let _ = std::fs::remove_file(&own_sock);
+                for s in &serving {
+                    if file_id(&s.sock) == s.id {
+                        let _ = std::fs::remove_file(&s.sock);
+                    }
                 }
                 return Ok(());
             }
@@ -364,38 +461,37 @@ async fn generations(
     }
 }
 
-/// Registers, then watches the sockets until the kubelet restarts or we are shut down.
+/// Registers every resource, then watches the sockets until the kubelet restarts or we are
+/// shut down.
 async fn serve_generation(
     cfg: &Config,
-    ctx: &AllocContext,
     kubelet_sock: &Path,
-    own_sock: &Path,
-    own_id: Option<kubelet::FileId>,
-    server: &mut tokio::task::JoinHandle<Result<(), crate::server::ServerError>>,
+    serving: &mut [Serving<'_>],
     shutdown: &mut std::pin::Pin<&mut impl Future<Output = ()>>,
 ) -> Result<End, PluginError> {
-    let mut registered = None;
     let mut last_err = String::new();
     loop {
-        if registered.is_none() {
+        for s in serving.iter_mut().filter(|s| s.registered.is_none()) {
             let kid = file_id(kubelet_sock);
+            let settings = &s.served.ctx.settings;
             match kubelet::register(
                 kubelet_sock,
-                &cfg.endpoint,
-                &cfg.resource_name,
+                &s.served.endpoint,
+                &settings.resource_name,
                 Duration::from_secs(5),
             )
             .await
             {
                 Ok(()) => {
-                    ctx.metrics.registered();
+                    s.served.ctx.metrics.registered();
                     tracing::info!(
-                        "registered {} ({} units per GPU) at {}",
-                        cfg.resource_name,
-                        cfg.shares_per_gpu,
-                        own_sock.display()
+                        "registered {} ({} units per GPU, {} tier) at {}",
+                        settings.resource_name,
+                        settings.pool.len(),
+                        settings.tier,
+                        s.sock.display()
                     );
-                    registered = kid;
+                    s.registered = kid;
                 }
                 Err(e @ KubeletError::Refused(_)) => return Err(PluginError::Registration(e)),
                 Err(e) => {
@@ -411,8 +507,10 @@ async fn serve_generation(
         tokio::select! {
             () = tokio::time::sleep(cfg.poll) => {}
             () = &mut *shutdown => return Ok(End::Shutdown),
-            r = &mut *server => {
-                let why = match r {
+        }
+        for s in serving.iter_mut() {
+            if s.server.is_finished() {
+                let why = match (&mut s.server).await {
                     Ok(Ok(())) => "server stopped".to_string(),
                     Ok(Err(e)) => e.to_string(),
                     Err(e) => format!("server task failed: {e}"),
@@ -420,16 +518,16 @@ async fn serve_generation(
                 tracing::warn!("{why}");
                 return Ok(End::Restart("the gRPC server ended"));
             }
-        }
-        if file_id(own_sock) != own_id {
-            return Ok(End::Restart("our socket was removed (kubelet restart?)"));
-        }
-        if let Some(kid) = registered
-            && file_id(kubelet_sock) != Some(kid)
-        {
-            return Ok(End::Restart(
-                "kubelet.sock was re-created (kubelet restart)",
-            ));
+            if file_id(&s.sock) != s.id {
+                return Ok(End::Restart("our socket was removed (kubelet restart?)"));
+            }
+            if let Some(kid) = s.registered
+                && file_id(kubelet_sock) != Some(kid)
+            {
+                return Ok(End::Restart(
+                    "kubelet.sock was re-created (kubelet restart)",
+                ));
+            }
         }
     }
 }
@@ -506,6 +604,9 @@ mod tests {
             container_lib_path: "/usr/lib/tessera/libtessera_interpose.so".into(),
             shares_per_gpu: 100,
             resource_name: "tessera.dev/gpu-shares".into(),
+            latency_shares: 0,
+            latency_resource_name: "tessera.dev/gpu-latency-shares".into(),
+            latency_endpoint: "tessera-latency.sock".into(),
             gpu_source: SourceKind::Auto,
             nvml_lib: "libnvidia-ml.so.1".into(),
             stale_grace: Duration::from_secs(60),
@@ -550,6 +651,56 @@ mod tests {
             c.resource_name = bad.into();
             assert!(c.validate().is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_latency_split_adds_a_second_resource_and_bad_splits_are_refused() {
+        let c = cfg();
+        assert_eq!(c.resources().len(), 1, "no latency resource by default");
+        assert_eq!(c.resources()[0].2, Pool::all(100));
+        let mut c = cfg();
+        c.latency_shares = 30;
+        c.validate().unwrap();
+        let r = c.resources();
+        assert_eq!(r.len(), 2);
+        assert_eq!(
+            (r[0].1.as_str(), r[0].2, r[0].3),
+            (
+                "tessera.dev/gpu-shares",
+                Pool { first: 0, end: 70 },
+                Tier::BestEffort
+            )
+        );
+        assert_eq!(
+            (r[1].0.as_str(), r[1].1.as_str(), r[1].2, r[1].3),
+            (
+                "tessera-latency.sock",
+                "tessera.dev/gpu-latency-shares",
+                Pool {
+                    first: 70,
+                    end: 100
+                },
+                Tier::Latency
+            )
+        );
+        for bad in [100, 101] {
+            let mut c = cfg();
+            c.latency_shares = bad;
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains("--latency-shares"), "{err}");
+        }
+        let mut c = cfg();
+        c.latency_shares = 30;
+        c.latency_resource_name = c.resource_name.clone();
+        assert!(c.validate().is_err());
+        let mut c = cfg();
+        c.latency_shares = 30;
+        c.latency_endpoint = c.endpoint.clone();
+        assert!(c.validate().is_err());
+        let mut c = cfg();
+        c.latency_shares = 30;
+        c.latency_endpoint = "kubelet.sock".into();
+        assert!(c.validate().is_err());
     }
 
     #[test]

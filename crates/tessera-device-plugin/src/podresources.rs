@@ -9,7 +9,11 @@
 //!   arbiter's metrics and `tessera status` show pods rather than ids;
 //! - deletes allocations none of whose units anyone holds, once they have been orphaned for a
 //!   grace period (when clean-up is on). The grace covers the moment between `Allocate` and
-//!   the container showing up in `List`. If the kubelet cannot be asked, nothing is deleted.
+//!   the container showing up in `List`. If the kubelet cannot be asked, nothing is deleted;
+//! - with a latency split, deletes at once the allocations of a container that holds units of
+//!   both resources (`Allocate` cannot see it: the kubelet calls it once per resource, without
+//!   the pod). Such a container would get whichever resource's identity the kubelet merged
+//!   first; with neither allocation left it gets no GPU at all (fail closed).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
@@ -25,8 +29,8 @@ use tokio::sync::watch;
 use crate::arbiter::{Arbiter, ArbiterError, with_admin};
 use crate::kubelet::{KubeletError, connect_unix, error_chain};
 use crate::metrics::PluginMetrics;
-use crate::proto::podresources::ListPodResourcesRequest;
 use crate::proto::podresources::pod_resources_lister_client::PodResourcesListerClient;
+use crate::proto::podresources::{ListPodResourcesRequest, PodResources};
 use crate::units;
 
 /// Errors of the clean-up.
@@ -58,6 +62,9 @@ pub struct StaleConfig {
     pub interval: Duration,
     /// Delete orphaned allocations (off: only name pods).
     pub cleanup: bool,
+    /// The plugin's other resource, if it serves two (best-effort and latency): a container
+    /// must not hold both.
+    pub exclusive_with: Option<String>,
 }
 
 /// The container holding a unit, per the kubelet.
@@ -71,38 +78,69 @@ pub struct Holder {
     pub container: String,
 }
 
-/// The container holding each unit id of `resource`, per the kubelet.
-pub async fn holders(
+/// The kubelet's `List`: every pod with its containers' devices.
+pub async fn list(
     socket: &std::path::Path,
-    resource: &str,
     timeout: Duration,
-) -> Result<HashMap<String, Holder>, PodResourcesError> {
+) -> Result<Vec<PodResources>, PodResourcesError> {
     let channel = connect_unix(socket, timeout).await?;
     let mut client = PodResourcesListerClient::new(channel);
     let resp = tokio::time::timeout(timeout, client.list(ListPodResourcesRequest {}))
         .await
         .map_err(|_| PodResourcesError::List("timed out".into()))?
         .map_err(|s| PodResourcesError::List(error_chain(&s)))?;
+    Ok(resp.into_inner().pod_resources)
+}
+
+/// The container holding each unit id of `resource`, per the kubelet.
+pub async fn holders(
+    socket: &std::path::Path,
+    resource: &str,
+    timeout: Duration,
+) -> Result<HashMap<String, Holder>, PodResourcesError> {
+    Ok(holders_in(&list(socket, timeout).await?, resource))
+}
+
+/// The containers holding devices of both `resource` and `other`.
+pub fn mixed_in(pods: &[PodResources], resource: &str, other: &str) -> HashSet<Holder> {
+    let mut out = HashSet::new();
+    for pod in pods {
+        for c in &pod.containers {
+            let has = |r: &str| {
+                c.devices
+                    .iter()
+                    .any(|d| d.resource_name == r && !d.device_ids.is_empty())
+            };
+            if has(resource) && has(other) {
+                out.insert(Holder {
+                    namespace: pod.namespace.clone(),
+                    pod: pod.name.clone(),
+                    container: c.name.clone(),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// The container holding each unit id of `resource` in a `List` answer.
+pub fn holders_in(pods: &[PodResources], resource: &str) -> HashMap<String, Holder> {
     let mut held = HashMap::new();
-    for pod in resp.into_inner().pod_resources {
-        for c in pod.containers {
+    for pod in pods {
+        for c in &pod.containers {
             let holder = Holder {
                 namespace: pod.namespace.clone(),
                 pod: pod.name.clone(),
-                container: c.name,
+                container: c.name.clone(),
             };
-            for d in c
-                .devices
-                .into_iter()
-                .filter(|d| d.resource_name == resource)
-            {
-                for id in d.device_ids {
-                    held.insert(id, holder.clone());
+            for d in c.devices.iter().filter(|d| d.resource_name == resource) {
+                for id in &d.device_ids {
+                    held.insert(id.clone(), holder.clone());
                 }
             }
         }
     }
-    Ok(held)
+    held
 }
 
 /// The label changes that name each of our allocations after the container holding its units,
@@ -191,6 +229,30 @@ pub struct Swept {
     pub labelled: Vec<String>,
     /// Allocations deleted as stale.
     pub deleted: Vec<String>,
+    /// Allocations deleted because their container holds both resources.
+    pub mixed: Vec<String>,
+}
+
+/// Our allocations any of whose units a container in `mixed` holds.
+pub fn mixed_allocations(
+    allocations: &[AllocationStatus],
+    held: &HashMap<String, Holder>,
+    mixed: &HashSet<Holder>,
+    resource: &str,
+) -> Vec<String> {
+    if mixed.is_empty() {
+        return Vec::new();
+    }
+    allocations
+        .iter()
+        .filter(|a| {
+            units::units_from_labels(&a.labels, resource).is_some_and(|ids| {
+                ids.iter()
+                    .any(|id| held.get(id).is_some_and(|h| mixed.contains(h)))
+            })
+        })
+        .map(|a| a.id.clone())
+        .collect()
 }
 
 /// The arbiter's side of one look, given who holds which unit (`held`): names the pods and,
@@ -200,6 +262,7 @@ pub struct Swept {
 pub fn reconcile<A: Arbiter + ?Sized>(
     arbiter: &mut A,
     held: &HashMap<String, Holder>,
+    mixed: &HashSet<Holder>,
     tracker: &mut StaleTracker,
     cfg: &StaleConfig,
     now: Instant,
@@ -215,8 +278,25 @@ pub fn reconcile<A: Arbiter + ?Sized>(
             }
         )
     };
-    let allocations = arbiter.list()?;
+    let mut allocations = arbiter.list()?;
     let mut swept = Swept::default();
+    // A container holding both resources has no one tier: none of its allocations stays,
+    // whether clean-up is on or not (this is a refusal, not a clean-up).
+    for id in mixed_allocations(&allocations, held, mixed, resource) {
+        match arbiter.delete(&id) {
+            Ok(()) => {
+                tracing::warn!(
+                    "deleted allocation {id}: its container asks for both Tessera resources, \
+                     and a container gets one tier (request one resource)"
+                );
+                metrics.mixed_tier_deleted();
+                swept.mixed.push(id);
+            }
+            Err(e) if gone(&e) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    allocations.retain(|a| !swept.mixed.contains(&a.id));
     for (id, labels) in pod_label_updates(&allocations, held, resource) {
         match arbiter.update_labels(&id, labels) {
             Ok(_) => {
@@ -251,14 +331,19 @@ pub async fn sweep(
     tracker: &mut StaleTracker,
     metrics: &Arc<PluginMetrics>,
 ) -> Result<Swept, PodResourcesError> {
-    let held = holders(&cfg.socket, &cfg.resource_name, Duration::from_secs(5)).await?;
+    let pods = list(&cfg.socket, Duration::from_secs(5)).await?;
+    let held = holders_in(&pods, &cfg.resource_name);
+    let mixed = match &cfg.exclusive_with {
+        Some(other) => mixed_in(&pods, &cfg.resource_name, other),
+        None => HashSet::new(),
+    };
     // The blocking call owns a copy of the tracker; it comes back whenever the arbiter was
     // reached, so a refused connection leaves the record as it was.
     let mut copy = tracker.clone();
     let (owned, metrics) = (cfg.clone(), metrics.clone());
     let now = Instant::now();
     let (copy, res) = with_admin(&cfg.admin_socket, move |c| {
-        let res = reconcile(c, &held, &mut copy, &owned, now, &metrics);
+        let res = reconcile(c, &held, &mixed, &mut copy, &owned, now, &metrics);
         Ok((copy, res))
     })
     .await?;
@@ -407,6 +492,7 @@ mod tests {
             grace: Duration::from_secs(10),
             interval: Duration::from_secs(1),
             cleanup,
+            exclusive_with: None,
         }
     }
 
@@ -431,7 +517,16 @@ mod tests {
         let cfg = config(false);
         let mut t = StaleTracker::default();
         let now = Instant::now();
-        let swept = reconcile(&mut arb, &held, &mut t, &cfg, now, &metrics).unwrap();
+        let swept = reconcile(
+            &mut arb,
+            &held,
+            &HashSet::new(),
+            &mut t,
+            &cfg,
+            now,
+            &metrics,
+        )
+        .unwrap();
         assert_eq!(swept.labelled, ["a"]);
         assert!(swept.deleted.is_empty());
         assert_eq!(arb.calls, [Call::List, Call::UpdateLabels("a".into())]);
@@ -444,12 +539,30 @@ mod tests {
         );
         // Nothing changed: a look costs only the list.
         arb.calls.clear();
-        let swept = reconcile(&mut arb, &held, &mut t, &cfg, now, &metrics).unwrap();
+        let swept = reconcile(
+            &mut arb,
+            &held,
+            &HashSet::new(),
+            &mut t,
+            &cfg,
+            now,
+            &metrics,
+        )
+        .unwrap();
         assert_eq!(swept, Swept::default());
         assert_eq!(arb.calls, [Call::List]);
         // Clean-up off: the orphan "b" stays however long it waits.
         let later = now + Duration::from_secs(60);
-        reconcile(&mut arb, &held, &mut t, &cfg, later, &metrics).unwrap();
+        reconcile(
+            &mut arb,
+            &held,
+            &HashSet::new(),
+            &mut t,
+            &cfg,
+            later,
+            &metrics,
+        )
+        .unwrap();
         assert_eq!(arb.ids(), ["a", "b"]);
     }
 
@@ -461,10 +574,20 @@ mod tests {
         let cfg = config(true);
         let mut t = StaleTracker::default();
         let t0 = Instant::now();
-        let swept = reconcile(&mut arb, &held, &mut t, &cfg, t0, &metrics).unwrap();
+        let swept =
+            reconcile(&mut arb, &held, &HashSet::new(), &mut t, &cfg, t0, &metrics).unwrap();
         assert!(swept.deleted.is_empty());
         let late = t0 + Duration::from_secs(10);
-        let swept = reconcile(&mut arb, &held, &mut t, &cfg, late, &metrics).unwrap();
+        let swept = reconcile(
+            &mut arb,
+            &held,
+            &HashSet::new(),
+            &mut t,
+            &cfg,
+            late,
+            &metrics,
+        )
+        .unwrap();
         assert_eq!(swept.deleted, ["b"]);
         assert_eq!(arb.ids(), ["a"]);
         assert!(
@@ -509,8 +632,72 @@ mod tests {
         let mut racing = Racing(fake_with(vec![alloc("c", "GPU-a", &[2])]));
         let held_c: HashMap<String, Holder> =
             [("GPU-a-2".to_string(), holder("ns", "p", "c"))].into();
-        let swept = reconcile(&mut racing, &held_c, &mut t, &cfg, late, &metrics).unwrap();
+        let swept = reconcile(
+            &mut racing,
+            &held_c,
+            &HashSet::new(),
+            &mut t,
+            &cfg,
+            late,
+            &metrics,
+        )
+        .unwrap();
         assert_eq!(swept, Swept::default());
         assert_eq!(racing.0.calls, [Call::List, Call::UpdateLabels("c".into())]);
+    }
+
+    #[test]
+    fn a_container_holding_both_resources_loses_its_allocations_at_once() {
+        use crate::proto::podresources::{ContainerDevices, ContainerResources};
+        const L: &str = "tessera.dev/gpu-latency-shares";
+        let container = |name: &str, devs: &[(&str, &[&str])]| ContainerResources {
+            name: name.into(),
+            devices: devs
+                .iter()
+                .map(|(r, ids)| ContainerDevices {
+                    resource_name: (*r).into(),
+                    device_ids: ids.iter().map(|s| (*s).to_owned()).collect(),
+                    topology: None,
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let pods = vec![PodResources {
+            name: "p".into(),
+            namespace: "ns".into(),
+            containers: vec![
+                container("mix", &[(R, &["GPU-a-0"]), (L, &["GPU-a-90"])]),
+                container("plain", &[(R, &["GPU-a-1"])]),
+            ],
+        }];
+        let mixed = mixed_in(&pods, R, L);
+        assert_eq!(mixed.len(), 1);
+        assert_eq!(mixed.iter().next().unwrap().container, "mix");
+        assert_eq!(mixed_in(&pods, L, R), mixed, "either side sees it");
+        let held = holders_in(&pods, R);
+        let mut arb = fake_with(vec![alloc("m", "GPU-a", &[0]), alloc("k", "GPU-a", &[1])]);
+        let metrics = PluginMetrics::new();
+        let mut t = StaleTracker::default();
+        // Even with clean-up off and long before any grace: the mixed one goes, the plain one
+        // stays (and is named).
+        let cfg = config(false);
+        let swept = reconcile(
+            &mut arb,
+            &held,
+            &mixed,
+            &mut t,
+            &cfg,
+            Instant::now(),
+            &metrics,
+        )
+        .unwrap();
+        assert_eq!(swept.mixed, ["m"]);
+        assert_eq!(swept.labelled, ["k"]);
+        assert_eq!(arb.ids(), ["k"]);
+        assert!(
+            metrics
+                .render()
+                .contains("tessera_plugin_mixed_tier_deletions_total 1")
+        );
     }
 }

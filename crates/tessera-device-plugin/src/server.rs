@@ -1,7 +1,8 @@
 //! The `DevicePlugin` gRPC service the kubelet calls.
 //!
-//! - `ListAndWatch`: every healthy GPU as `per_gpu` units; a new full list whenever the GPU
-//!   snapshot changes (an XID marks a GPU's units `Unhealthy`, a vanished GPU's units go).
+//! - `ListAndWatch`: every healthy GPU as the resource's pool of units (all `per_gpu` of them,
+//!   or its part of a latency split); a new full list whenever the GPU snapshot changes (an
+//!   XID marks a GPU's units `Unhealthy`, a vanished GPU's units go).
 //! - `GetPreferredAllocation`: [`crate::units::preferred`] (one GPU, best fit; whole GPUs above).
 //! - `Allocate`: a thin adapter over [`crate::allocate`]: decodes the request, plans, makes
 //!   the allocations on the blocking pool over one admin connection, and maps an
@@ -28,7 +29,7 @@ use crate::proto::deviceplugin::{
     PreStartContainerResponse, PreferredAllocationRequest, PreferredAllocationResponse,
 };
 use crate::proto::{HEALTHY, UNHEALTHY};
-use crate::units::{self, UnitsError};
+use crate::units::{self, Pool, UnitsError};
 
 /// Errors of the server.
 #[derive(Debug, thiserror::Error)]
@@ -71,6 +72,11 @@ impl PluginService {
 /// The device list for a snapshot. GPUs whose ids would be too long are left out (logged
 /// once by the caller that validates the snapshot).
 pub fn device_list(snapshot: &Snapshot, per_gpu: u32) -> Vec<Device> {
+    device_list_in(snapshot, per_gpu, Pool::all(per_gpu))
+}
+
+/// [`device_list`] for the units of `pool`.
+pub fn device_list_in(snapshot: &Snapshot, per_gpu: u32, pool: Pool) -> Vec<Device> {
     let mut out = Vec::new();
     for gpu in snapshot.iter() {
         if units::check_id_len(&gpu.uuid, per_gpu).is_err() {
@@ -81,15 +87,11 @@ pub fn device_list(snapshot: &Snapshot, per_gpu: u32) -> Vec<Device> {
         } else {
             HEALTHY
         };
-        out.extend(
-            units::unit_ids(&gpu.uuid, per_gpu)
-                .into_iter()
-                .map(|id| Device {
-                    id,
-                    health: health.to_owned(),
-                    topology: None,
-                }),
-        );
+        out.extend(pool.ids(&gpu.uuid).into_iter().map(|id| Device {
+            id,
+            health: health.to_owned(),
+            topology: None,
+        }));
     }
     out
 }
@@ -161,11 +163,11 @@ impl DevicePlugin for PluginService {
     ) -> Result<Response<Self::ListAndWatchStream>, Status> {
         let mut gpus = self.gpus.clone();
         let mut stop = self.stop.clone();
-        let per_gpu = self.ctx.settings.per_gpu;
+        let (per_gpu, pool) = (self.ctx.settings.per_gpu, self.ctx.settings.pool);
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(async move {
             loop {
-                let devices = device_list(&gpus.borrow_and_update().clone(), per_gpu);
+                let devices = device_list_in(&gpus.borrow_and_update().clone(), per_gpu, pool);
                 if tx.send(Ok(ListAndWatchResponse { devices })).await.is_err() {
                     break;
                 }
@@ -184,7 +186,10 @@ impl DevicePlugin for PluginService {
         request: Request<PreferredAllocationRequest>,
     ) -> Result<Response<PreferredAllocationResponse>, Status> {
         let mut container_responses = Vec::new();
+        let pool = self.ctx.settings.pool;
         for c in request.into_inner().container_requests {
+            pool.check(&c.available_device_i_ds).map_err(invalid)?;
+            pool.check(&c.must_include_device_i_ds).map_err(invalid)?;
             let ids = units::preferred(
                 &c.available_device_i_ds,
                 &c.must_include_device_i_ds,
@@ -240,7 +245,8 @@ impl PluginService {
             .collect();
         let snapshot = self.gpus.borrow().clone();
         let admin_socket = &self.ctx.admin_socket;
-        let plan = allocate::plan(&requests, &snapshot, self.ctx.settings.per_gpu)
+        let settings = &self.ctx.settings;
+        let plan = allocate::plan_in(&requests, &snapshot, settings.per_gpu, settings.pool)
             .map_err(|e| refusal(e, admin_socket))?;
         let ctx = self.ctx.clone();
         let made = with_admin(admin_socket, move |c| {
@@ -306,6 +312,21 @@ mod tests {
                 .iter()
                 .all(|d| d.health == UNHEALTHY && d.id.starts_with("GPU-b-"))
         );
+        // A latency split: each resource lists its own units of each GPU, never the other's.
+        let (be, lat) = Pool::split(4, 1);
+        let ids = |p| -> Vec<String> {
+            device_list_in(&snap, 4, p)
+                .into_iter()
+                .map(|d| d.id)
+                .collect()
+        };
+        assert_eq!(
+            ids(be),
+            [
+                "GPU-a-0", "GPU-a-1", "GPU-a-2", "GPU-b-0", "GPU-b-1", "GPU-b-2"
+            ]
+        );
+        assert_eq!(ids(lat), ["GPU-a-3", "GPU-b-3"]);
     }
 
     #[test]

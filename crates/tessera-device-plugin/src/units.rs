@@ -3,7 +3,8 @@
 //! Each GPU is cut into `per_gpu` units with ids `<GPU UUID>-<n>`, `n` in `0..per_gpu`. A
 //! request of at most `per_gpu` units must sit on one GPU (a *fraction*); a larger one must be
 //! whole GPUs (a multiple of `per_gpu`). Everything here is pure, so it is unit-tested alone.
-//! The allocation labels that tie an arbiter allocation to its units live here too.
+//! The allocation labels that tie an arbiter allocation to its units live here too, and the
+//! [`Pool`]s that split each GPU's units between the best-effort and the latency resource.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -101,6 +102,90 @@ pub enum UnitsError {
     /// A malformed units label.
     #[error("bad units label {0:?}")]
     BadLabel(String),
+    /// A unit of the other extended resource of the same GPU (the kubelet hands each resource
+    /// only its own, so this is a confused or forged request).
+    #[error(
+        "device id {id:?}: unit {index} is not one of this resource's units ({first}..{end} of \
+         each GPU)"
+    )]
+    OtherPool {
+        /// The id.
+        id: String,
+        /// Its unit number.
+        index: u32,
+        /// This resource's first unit number.
+        first: u32,
+        /// One past its last.
+        end: u32,
+    },
+}
+
+/// The unit numbers `first..end` of each GPU that one extended resource advertises. With a
+/// latency split the best-effort resource has the low numbers and the latency resource the
+/// high ones: one GPU's units are cut once, so the shares and memory of the two resources
+/// can never add up to more than the card.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pool {
+    /// First unit number.
+    pub first: u32,
+    /// One past the last.
+    pub end: u32,
+}
+
+impl Pool {
+    /// Every unit of a GPU cut into `per_gpu` (no split).
+    pub fn all(per_gpu: u32) -> Self {
+        Pool {
+            first: 0,
+            end: per_gpu,
+        }
+    }
+
+    /// The best-effort and the latency pools when `latency` of a GPU's `per_gpu` units are
+    /// set apart for the latency resource (`latency < per_gpu`, checked by the caller).
+    pub fn split(per_gpu: u32, latency: u32) -> (Self, Self) {
+        let cut = per_gpu.saturating_sub(latency);
+        (
+            Pool { first: 0, end: cut },
+            Pool {
+                first: cut,
+                end: per_gpu,
+            },
+        )
+    }
+
+    /// Units per GPU in the pool.
+    pub fn len(&self) -> u32 {
+        self.end.saturating_sub(self.first)
+    }
+
+    /// Whether the pool has no unit.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The ids of the pool's units of one GPU, in order.
+    pub fn ids(&self, uuid: &str) -> Vec<String> {
+        (self.first..self.end)
+            .map(|n| format!("{uuid}-{n}"))
+            .collect()
+    }
+
+    /// Refuses any id that is malformed or not one of the pool's units.
+    pub fn check(&self, ids: &[String]) -> Result<(), UnitsError> {
+        for id in ids {
+            let u = UnitId::parse(id)?;
+            if !(self.first..self.end).contains(&u.index) {
+                return Err(UnitsError::OtherPool {
+                    id: id.clone(),
+                    index: u.index,
+                    first: self.first,
+                    end: self.end,
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 /// One unit: GPU UUID plus unit number.
@@ -565,6 +650,32 @@ mod tests {
         assert_eq!(back[3], format!("{A}-5"));
         assert!(units_from_labels(&labels, "other/resource").is_none());
         assert!(units_from_labels(&BTreeMap::new(), "tessera.dev/gpu-shares").is_none());
+    }
+
+    #[test]
+    fn a_split_cuts_each_gpu_once_and_each_pool_refuses_the_others_units() {
+        let (be, lat) = Pool::split(100, 30);
+        assert_eq!((be.first, be.end, lat.first, lat.end), (0, 70, 70, 100));
+        assert_eq!(be.len() + lat.len(), 100);
+        assert_eq!(be.ids(A), ids(A, 0..70));
+        assert_eq!(lat.ids(A), ids(A, 70..100));
+        be.check(&ids(A, 0..70)).unwrap();
+        lat.check(&ids(B, 70..100)).unwrap();
+        assert!(matches!(
+            be.check(&ids(A, 69..71)),
+            Err(UnitsError::OtherPool { index: 70, .. })
+        ));
+        assert!(matches!(
+            lat.check(&ids(A, 0..1)),
+            Err(UnitsError::OtherPool { index: 0, .. })
+        ));
+        assert!(lat.check(&[format!("{A}-100")]).is_err());
+        assert!(lat.check(&["junk".into()]).is_err());
+        // No split: one pool of every unit.
+        assert_eq!(Pool::split(100, 0).0, Pool::all(100));
+        assert!(Pool::split(100, 0).1.is_empty());
+        // The parts' shares never add up past the card.
+        assert!(share_for(be.len(), 100) + share_for(lat.len(), 100) <= 100);
     }
 
     #[test]

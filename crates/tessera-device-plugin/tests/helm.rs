@@ -115,6 +115,71 @@ fn killing_unknown_processes_is_an_opt_in_value() {
     );
 }
 
+#[test]
+fn the_latency_split_is_a_value_off_by_default() {
+    let docs = rendered(&[]);
+    let args = |title: &str| -> Vec<String> {
+        let ds = doc(&docs, title);
+        let c = ds["spec"]["template"]["spec"]["containers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["name"] == "device-plugin")
+            .unwrap();
+        c["command"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_owned())
+            .collect()
+    };
+    let defaults = args("chart (defaults) DaemonSet/tessera-node");
+    assert!(
+        !defaults.iter().any(|a| a.starts_with("--latency")),
+        "{defaults:?}"
+    );
+    assert!(
+        !docs
+            .iter()
+            .any(|(t, _)| t.starts_with("chart (defaults) ValidatingAdmission")),
+        "no admission policy without the split"
+    );
+    let split = args("chart (latency split) DaemonSet/tessera-node");
+    for want in [
+        "--latency-shares=30",
+        "--latency-resource-name=tessera.dev/gpu-latency-shares",
+    ] {
+        assert!(split.iter().any(|a| a == want), "{want} not in {split:?}");
+    }
+    // With the split, the API server refuses a container asking for both resources, by the
+    // names the plugin was given.
+    let policy = doc(
+        &docs,
+        "chart (latency split) ValidatingAdmissionPolicy/tessera-one-tier-per-container",
+    );
+    let rule = policy["spec"]["validations"][0]["expression"]
+        .as_str()
+        .unwrap();
+    for name in [
+        "'tessera.dev/gpu-shares'",
+        "'tessera.dev/gpu-latency-shares'",
+    ] {
+        assert!(rule.contains(name), "{rule}");
+    }
+    let binding = doc(
+        &docs,
+        "chart (latency split) ValidatingAdmissionPolicyBinding/tessera-one-tier-per-container",
+    );
+    assert_eq!(binding["spec"]["validationActions"][0], "Deny");
+    // A split that leaves best-effort nothing is refused at install.
+    let (out, text) = check(&["--set", "devicePlugin.latencyShares=100"]);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("devicePlugin.latencyShares must be 0 (off) up to sharesPerGpu - 1"),
+        "{text}"
+    );
+}
+
 /// The rendered document titled `title` (`chart (dra) DaemonSet/tessera-node`).
 fn doc<'a>(docs: &'a [(String, serde_json::Value)], title: &str) -> &'a serde_json::Value {
     &docs

@@ -39,6 +39,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- fail (printf "dra.defaultMemoryMiB must be a positive multiple of 256, not %v" .Values.dra.defaultMemoryMiB) -}}
 {{- end -}}
 {{- end -}}
+{{- if or (lt (int .Values.devicePlugin.latencyShares) 0) (ge (int .Values.devicePlugin.latencyShares) (int .Values.devicePlugin.sharesPerGpu)) -}}
+{{- fail (printf "devicePlugin.latencyShares must be 0 (off) up to sharesPerGpu - 1 (%d), not %v" (sub (int .Values.devicePlugin.sharesPerGpu) 1) .Values.devicePlugin.latencyShares) -}}
+{{- end -}}
+{{- if and (gt (int .Values.devicePlugin.latencyShares) 0) (eq .Values.devicePlugin.latencyResourceName .Values.devicePlugin.resourceName) -}}
+{{- fail "devicePlugin.latencyResourceName must differ from devicePlugin.resourceName" -}}
+{{- end -}}
 {{- if not (has .Values.arbiter.enforce (list "kill" "report")) -}}
 {{- fail (printf "arbiter.enforce must be kill or report, not %q" .Values.arbiter.enforce) -}}
 {{- end -}}
