@@ -26,7 +26,11 @@ fn a_child_that_goes_around_the_interposer_is_killed() {
     );
     let child = spawned["child"].as_u64().unwrap() as u32;
     let t = Instant::now();
-    assert!(bed.sim_used() >= 4 * GIB, "the card holds the bypass");
+    // The card holds the bypass (unless the backstop was quicker than this look).
+    assert!(
+        bed.sim_used() >= 4 * GIB || !alive(child),
+        "the card does not hold the bypass"
+    );
     // How soon is a figure (the backstop polls every 250 ms), printed here, not bounded: a
     // loaded machine delays the poll, not the outcome.
     let killed = wait_until(Duration::from_secs(30), || !alive(child));
