@@ -16,7 +16,8 @@
 //! engine's per-process busy counters (ground truth, not what the interposer reports).
 //!
 //! Build and run: `cargo build --release --workspace && target/release/latency_tier`
-//! (`--seconds S` per row, default 15; `--linger-us U`: the arbiter's `--latency-linger-us`).
+//! (`--seconds S` per row, default 15; `--linger-us U`: the arbiter's `--latency-linger-us`;
+//! `--mix N`: only the Nth mix).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -311,9 +312,22 @@ fn print_mix(mix: &Mix, rows: &[Row]) {
 }
 
 fn main() {
-    let seconds = tessera_benches::number_flag(WHO, "--seconds", 15.0);
-    // The arbiter's linger after a latency request (its default, 0, unless given).
-    let linger_us = tessera_benches::number_flag(WHO, "--linger-us", 0.0) as u64;
+    // `--seconds S` per row; `--linger-us U`: the arbiter's linger after a latency request
+    // (its default, 0, unless given).
+    let (mut seconds, mut linger_us, mut only) = (15.0_f64, 0_u64, None);
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let v = args.next().and_then(|v| v.parse::<f64>().ok());
+        match (a.as_str(), v) {
+            ("--seconds", Some(v)) if v > 0.0 => seconds = v,
+            ("--linger-us", Some(v)) if v >= 0.0 => linger_us = v as u64,
+            ("--mix", Some(v)) if (1.0..=3.0).contains(&v) => only = Some(v as usize),
+            _ => {
+                eprintln!("usage: {WHO} [--seconds S] [--linger-us U] [--mix 1|2|3]");
+                std::process::exit(2);
+            }
+        }
+    }
     let need = |n: &str| tessera_benches::need(WHO, n);
     let bench = Bench {
         tessera: need("tessera"),
@@ -351,7 +365,10 @@ fn main() {
     println!(
         "latency_tier: simulated GPU, time-slicing engine (1 ms slices, 50 us switches), {seconds} s per row, latency linger {linger_us} us"
     );
-    for mix in &mixes {
+    for (i, mix) in mixes.iter().enumerate() {
+        if only.is_some_and(|n| n != i + 1) {
+            continue;
+        }
         let rows: Vec<Row> = [Mode::Alone, Mode::Plain, Mode::Shares, Mode::Tier]
             .into_iter()
             .map(|m| bench.run(mix, m))
