@@ -17,6 +17,10 @@
 //! - **Refill**: credits keep the estimated work in flight within the time left less
 //!   [`MARGIN_NS`]; with nothing measured, one probe launch at a time; with nothing in flight,
 //!   at least one launch even when a kernel is longer than the lease (its overrun is charged).
+//! - **Bound** (a best-effort holder beside a latency tenant): the estimated kernel time still to
+//!   run in flight stays within the bound (no margin; the oldest kernel's part surely run is
+//!   taken off, with one stream busy), one launch at least when nothing is in flight, and the
+//!   holder is looked at every [`BOUNDED_TICK`].
 //! - **Deadline**: at the deadline the lease ends, whatever is in flight: credits drop to zero
 //!   (the interposer's side of revocation), the streams are drained and the whole time from
 //!   the grant to the drain is reported (overrun included).
@@ -460,9 +464,9 @@ impl Leases {
                 // streams of one context share its engine time, so a stream's wall time is not
                 // its kernel's progress.
                 if let Some(bound) = l.max_inflight_ns {
-                    let busy: Vec<&Load> = streams.iter().filter(|s| s.in_flight > 0).collect();
+                    let mut busy = streams.iter().filter(|s| s.in_flight > 0);
                     let mut left_to_run = outstanding;
-                    if let [one] = busy[..] {
+                    if let (Some(one), None) = (busy.next(), busy.next()) {
                         let est = if one.est_ns > 0.0 {
                             one.est_ns
                         } else {
