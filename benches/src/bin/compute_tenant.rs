@@ -14,7 +14,8 @@
 //! - requests (`--requests MEAN_MS`): a latency-bound service: requests arrive as a Poisson
 //!   process (exponential gaps of mean MEAN_MS, fixed by a seed), each K kernels then a
 //!   synchronise; a request that arrives while the previous one runs waits for it. Prints
-//!   `latency <ns>` per request, from its arrival to its completion.
+//!   `latency <ns>` per request, from its arrival to its completion, and `issue <ns>`, the time
+//!   its launches took to return (under Tessera: the wait for a lease and launch credits).
 //!
 //! `--kernel-us-max X`: each kernel's length is drawn uniformly between N and X us.
 //!
@@ -165,10 +166,13 @@ fn main() {
             while Instant::now() < end {
                 arrival += gaps.exponential_ns(mean_ms * 1e6);
                 wait_until(arrival);
+                let issue = monotonic_ns();
                 for _ in 0..args.request_kernels {
                     launch_one(&mut events);
                     launches += 1;
                 }
+                // The launches' own time: under Tessera, the wait for the lease and credits.
+                events.push(format!("issue {}", monotonic_ns() - issue));
                 check("cuStreamSynchronize", stream_sync(stream));
                 events.push(format!("latency {}", monotonic_ns() - arrival));
             }

@@ -16,13 +16,15 @@
 //! engine's per-process busy counters (ground truth, not what the interposer reports).
 //!
 //! Build and run: `cargo build --release --workspace && target/release/latency_tier`
-//! (`--seconds S` per row, default 15).
+//! (`--seconds S` per row, default 15; `--linger-us U`: the arbiter's `--latency-linger-us`;
+//! `--mix N`: only the Nth mix).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::Command;
 
 use tessera_benches::{SimNode, Tenant};
+use tessera_protocol::Tier;
 use tessera_sim_state::clock::monotonic_ns;
 
 const WHO: &str = "latency_tier";
@@ -64,6 +66,19 @@ struct Row {
     latency_busy: u64,
     be_busy: u64,
     wall: u64,
+    /// Under Tessera: what the arbiter counted for the latency tenants' allocations (the last
+    /// values listed before they went away).
+    arbiter: Option<LeaseCounts>,
+    /// Per request, the time its launches took to return, ns.
+    issues: Vec<u64>,
+}
+
+/// The latency tenants' lease counters from the arbiter's `List`, summed.
+#[derive(Clone, Copy, Default)]
+struct LeaseCounts {
+    leases: u64,
+    /// GPU time charged (leases: time held, lingers included), ns.
+    charged_ns: u64,
 }
 
 struct Bench {
@@ -94,22 +109,51 @@ impl Bench {
 
     /// Watches every process's busy counter every 10 ms until `stop`: the last value seen
     /// of each (a process that exited is no longer listed) and when it was seen.
+    /// With `admin`, also the latency allocations' lease counters every 100 ms (the last
+    /// listing of each by id: an allocation of `tessera run` goes when its tenant exits).
+    #[allow(clippy::type_complexity)]
     fn watch(
         &self,
         stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    ) -> std::thread::JoinHandle<HashMap<u32, (u64, u64)>> {
+        admin: bool,
+    ) -> std::thread::JoinHandle<(HashMap<u32, (u64, u64)>, Option<LeaseCounts>)> {
         let dir = self.node.sim_dir.clone();
+        let mut admin = admin.then(|| self.node.admin());
         std::thread::spawn(move || {
             let mut seen: HashMap<u32, (u64, u64)> = HashMap::new();
+            let mut counts: HashMap<String, LeaseCounts> = HashMap::new();
+            let mut n = 0u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 let procs = tessera_sim_state::read_processes(&dir).unwrap_or_default();
                 let t = monotonic_ns();
                 for p in procs {
                     seen.insert(p.pid, (p.busy_ns[0], t));
                 }
+                if n.is_multiple_of(10)
+                    && let Some(list) = admin.as_mut().and_then(|a| a.list().ok())
+                {
+                    for a in list.into_iter().filter(|a| a.tier == Tier::Latency) {
+                        counts.insert(
+                            a.id,
+                            LeaseCounts {
+                                leases: a.leases,
+                                charged_ns: a.gpu_time_total_ns,
+                            },
+                        );
+                    }
+                }
+                n += 1;
                 std::thread::sleep(std::time::Duration::from_millis(10));
             }
-            seen
+            let total = admin.map(|_| {
+                counts
+                    .values()
+                    .fold(LeaseCounts::default(), |s, c| LeaseCounts {
+                        leases: s.leases + c.leases,
+                        charged_ns: s.charged_ns + c.charged_ns,
+                    })
+            });
+            (seen, total)
         })
     }
 
@@ -149,22 +193,26 @@ impl Bench {
             })
             .collect();
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let watcher = self.watch(stop.clone());
+        let watcher = self.watch(stop.clone(), mode == Mode::Tier);
         let (t0, before) = (monotonic_ns(), self.busy_now());
         let lat_pids: Vec<u32> = lat.iter().map(|t| t.pid).collect();
         let be_pids: Vec<u32> = be.iter().map(|t| t.pid).collect();
-        let mut latencies = Vec::new();
+        let (mut latencies, mut issues) = (Vec::new(), Vec::new());
         for t in lat {
-            latencies.extend(
-                t.wait()
+            let lines = t.wait();
+            let field = |key: &str| -> Vec<u64> {
+                lines
                     .iter()
-                    .filter_map(|l| l.strip_prefix("latency ")?.parse::<u64>().ok()),
-            );
+                    .filter_map(|l| l.strip_prefix(key)?.parse::<u64>().ok())
+                    .collect()
+            };
+            latencies.extend(field("latency "));
+            issues.extend(field("issue "));
         }
         // The best-effort tenants run on: their counters now, at the latency tenants' end.
         let (t1, after) = (monotonic_ns(), self.busy_now());
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        let seen = watcher.join().expect("watcher");
+        let (seen, arbiter) = watcher.join().expect("watcher");
         let used = |pids: &[u32]| -> u64 {
             pids.iter()
                 .map(|p| {
@@ -185,6 +233,8 @@ impl Bench {
             latency_busy,
             be_busy,
             wall: t1 - t0,
+            arbiter,
+            issues,
         }
     }
 }
@@ -239,16 +289,55 @@ fn print_mix(mix: &Mix, rows: &[Row]) {
             be
         );
     }
+    // Where a request's extra time goes under the tier: its launches' own time (the wait for
+    // a lease, its round trip and revocation included, and for credits) against the extra
+    // mean latency over `alone`; the rest is the GPU shared with best-effort work in flight
+    // (alternate slices and their switches). The arbiter's counters say how many leases a
+    // request took and what they were charged.
+    if let (Some(a), Some(t)) = (alone, rows.iter().find(|r| r.mode == Mode::Tier)) {
+        let mean = |v: &[u64]| v.iter().sum::<u64>() as f64 / v.len().max(1) as f64 / 1e6;
+        let extra = mean(&t.latencies) - mean(&a.latencies);
+        let issue = mean(&t.issues) - mean(&a.issues);
+        let n = t.latencies.len().max(1) as f64;
+        let c = t.arbiter.unwrap_or_default();
+        println!(
+            "  tier, per request: mean latency +{extra:.2} ms over alone: launches +{issue:.3} ms \
+             (lease and credits), the rest +{:.2} ms beside best-effort work in flight; \
+             {:.2} leases; charged {:.2}x the latency tenants' busy time",
+            extra - issue,
+            c.leases as f64 / n,
+            c.charged_ns as f64 / t.latency_busy.max(1) as f64,
+        );
+    }
 }
 
 fn main() {
-    let seconds = tessera_benches::number_flag(WHO, "--seconds", 15.0);
+    // `--seconds S` per row; `--linger-us U`: the arbiter's linger after a latency request
+    // (its default, 0, unless given).
+    let (mut seconds, mut linger_us, mut only) = (15.0_f64, 0_u64, None);
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let v = args.next().and_then(|v| v.parse::<f64>().ok());
+        match (a.as_str(), v) {
+            ("--seconds", Some(v)) if v > 0.0 => seconds = v,
+            ("--linger-us", Some(v)) if v >= 0.0 => linger_us = v as u64,
+            ("--mix", Some(v)) if (1.0..=3.0).contains(&v) => only = Some(v as usize),
+            _ => {
+                eprintln!("usage: {WHO} [--seconds S] [--linger-us U] [--mix 1|2|3]");
+                std::process::exit(2);
+            }
+        }
+    }
     let need = |n: &str| tessera_benches::need(WHO, n);
     let bench = Bench {
         tessera: need("tessera"),
         tenant: need("compute_tenant"),
         interposer: need("libtessera_interpose.so"),
-        node: SimNode::start(WHO, "1x80GiB"),
+        node: SimNode::start_with(
+            WHO,
+            "1x80GiB",
+            &["--latency-linger-us", &format!("{linger_us}")],
+        ),
         seconds,
     };
     let mixes = [
@@ -274,9 +363,12 @@ fn main() {
         },
     ];
     println!(
-        "latency_tier: simulated GPU, time-slicing engine (1 ms slices, 50 us switches), {seconds} s per row"
+        "latency_tier: simulated GPU, time-slicing engine (1 ms slices, 50 us switches), {seconds} s per row, latency linger {linger_us} us"
     );
-    for mix in &mixes {
+    for (i, mix) in mixes.iter().enumerate() {
+        if only.is_some_and(|n| n != i + 1) {
+            continue;
+        }
         let rows: Vec<Row> = [Mode::Alone, Mode::Plain, Mode::Shares, Mode::Tier]
             .into_iter()
             .map(|m| bench.run(mix, m))

@@ -87,6 +87,12 @@ pub struct Config {
     /// allocations together (kernels that run past the end of their lease).
     #[arg(long, default_value_t = 5.0, value_name = "PERCENT")]
     pub compute_slack_percent: f64,
+    /// After a latency-tier lease is handed back (its request done), how long the GPU stays
+    /// held for that allocation, charged to it, before best-effort work is let on,
+    /// microseconds (0: none). Worth it for requests that come in bursts; with spread-out
+    /// arrivals it only idles the GPU (docs/compute.md, "Tiers").
+    #[arg(long, default_value_t = 0, value_name = "US")]
+    pub latency_linger_us: u64,
     /// How long a reservation that does not fit waits for the allocation's other processes to
     /// give back unused credit or free memory before it is refused, milliseconds.
     #[arg(long, default_value_t = 50, value_name = "MS")]
@@ -197,6 +203,14 @@ impl From<UnknownArg> for crate::backstop::Unknown {
 }
 
 impl Config {
+    /// The scheduler's tunables: the defaults with the flags that set some of them.
+    pub fn scheduler_params(&self) -> crate::scheduler::SchedulerParams {
+        crate::scheduler::SchedulerParams {
+            latency_linger_ns: self.latency_linger_us.saturating_mul(1_000),
+            ..crate::scheduler::SchedulerParams::default()
+        }
+    }
+
     /// The backstop's policy from these flags; `None` when `--backstop-interval-ms 0` turns it
     /// off.
     pub fn backstop_policy(&self) -> Option<crate::backstop::Policy> {

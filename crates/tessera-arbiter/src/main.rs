@@ -16,7 +16,6 @@ use std::process::ExitCode;
 use clap::Parser;
 use tessera_arbiter::config::Config;
 use tessera_arbiter::gpus::{GpuDiscovery, GpusError, NvmlDiscovery};
-use tessera_arbiter::scheduler::SchedulerParams;
 use tessera_arbiter::server::{Server, ServerError};
 use tessera_arbiter::state::StateError;
 use tessera_arbiter::store::StoreError;
@@ -106,7 +105,7 @@ fn run(config: Config) -> Result<(), MainError> {
 async fn serve(config: Config, gpus: Vec<GpuInfo>) -> Result<(), MainError> {
     let mut term = signal(SignalKind::terminate()).map_err(MainError::Signals)?;
     let mut int = signal(SignalKind::interrupt()).map_err(MainError::Signals)?;
-    let server = Server::start(&config, gpus, SchedulerParams::default()).await?;
+    let server = Server::start(&config, gpus, config.scheduler_params()).await?;
     tracing::info!(
         "serving tenants on {} and admin on {} (state in {})",
         config.socket.display(),

@@ -39,6 +39,10 @@
 //!   carry a bound on the predicted kernel time their holder keeps in flight
 //!   ([`SchedulerParams::best_effort_inflight_ns`]), so a latency request waits about that long
 //!   for the GPU, not a lease. Best-effort allocations get every other moment (work-conserving).
+//!   A latency allocation that hands back early may keep the GPU for a short linger
+//!   ([`SchedulerParams::latency_linger_ns`], off by default), charged to it and granted only
+//!   while its cap window has room, so a request soon after the last one finds no
+//!   best-effort kernel started in between.
 
 #![forbid(unsafe_code)]
 
@@ -99,6 +103,11 @@ pub struct SchedulerParams {
     /// best-effort holder may keep in flight (what a latency request waits for at most, beside
     /// the revocation's round trip), ns.
     pub best_effort_inflight_ns: u64,
+    /// After a latency lease handed back early (its request done), the GPU stays held for that
+    /// allocation this long, charged to it as GPU time: a next request within it is granted
+    /// with no best-effort kernel started in between (0: no linger), ns. Granted only while
+    /// its cap window has room for it, so lingering never takes it past its share.
+    pub latency_linger_ns: u64,
 }
 
 impl Default for SchedulerParams {
@@ -117,6 +126,7 @@ impl Default for SchedulerParams {
             idle_after_ns: 50 * MS,
             rerequest_window_ns: 2 * MS,
             best_effort_inflight_ns: MS,
+            latency_linger_ns: 0,
         }
     }
 }
@@ -224,6 +234,9 @@ pub struct GpuScheduler {
     /// The GPU is kept for this allocation until the time given (see
     /// [`SchedulerParams::rerequest_window_ns`]).
     held_for: Option<(AccountKey, u64)>,
+    /// The hold in `held_for` is a latency allocation's linger, begun at the time given: its
+    /// elapsed part is charged to it when the hold ends.
+    linger_since: Option<u64>,
     next_lease: u64,
     /// Every ns charged on this GPU (allocations removed since included).
     charged_total_ns: u64,
@@ -240,6 +253,7 @@ impl GpuScheduler {
             waiting: VecDeque::new(),
             current: None,
             held_for: None,
+            linger_since: None,
             next_lease: 1,
             charged_total_ns: 0,
             revoked: Vec::new(),
@@ -307,6 +321,7 @@ impl GpuScheduler {
         }
         if self.held_for.is_some_and(|(k, _)| k == key) {
             self.held_for = None;
+            self.linger_since = None;
         }
         self.dispatch(now)
     }
@@ -369,7 +384,9 @@ impl GpuScheduler {
         match self.current {
             Some(l) if l.id == lease_id && l.conn == conn => {
                 self.end_lease(l, busy_ns, early, now);
-                if !early {
+                if early {
+                    self.linger(l.key, now);
+                } else {
                     self.hold_for_rerequest(l.key, now);
                 }
                 self.dispatch(now)
@@ -563,6 +580,42 @@ impl GpuScheduler {
     /// Number of waiting requests.
     pub fn waiting(&self) -> usize {
         self.waiting.len()
+    }
+
+    /// After `key`'s early hand-back: a latency allocation keeps the GPU for
+    /// [`SchedulerParams::latency_linger_ns`], if its cap window has room for the linger
+    /// beside a minimal lease (the linger is charged as GPU time: see [`Self::end_hold`]).
+    fn linger(&mut self, key: AccountKey, now: u64) {
+        let linger = self.params.latency_linger_ns;
+        let Some(a) = self.allocs.get(&key) else {
+            return;
+        };
+        if linger == 0 || a.tier != Tier::Latency {
+            return;
+        }
+        if self.room(a, now) < (self.need(a) + linger) as f64 {
+            return;
+        }
+        self.held_for = Some((key, now + linger));
+        self.linger_since = Some(now);
+    }
+
+    /// Ends the GPU's hold at `now` (its time, or a grant): a latency linger is charged to its
+    /// allocation for the time it held the GPU (at most its length), so the share stays the
+    /// ceiling whatever it lingers.
+    fn end_hold(&mut self, now: u64) {
+        let Some((key, until)) = self.held_for.take() else {
+            return;
+        };
+        if let Some(since) = self.linger_since.take() {
+            let held = now.min(until).saturating_sub(since);
+            if held > 0 {
+                let end = since + held;
+                if let Some(a) = self.charge(key, held, end) {
+                    a.leased_total_ns += held;
+                }
+            }
+        }
     }
 
     /// Keeps the GPU briefly for `key` when it is still backlogged (its lease ran to the end)
@@ -829,12 +882,12 @@ impl GpuScheduler {
             return Vec::new();
         }
         if self.held_for.is_some_and(|(_, until)| now >= until) {
-            self.held_for = None;
+            self.end_hold(now);
         }
         let Some(i) = self.best_waiter(now) else {
             return Vec::new();
         };
-        self.held_for = None;
+        self.end_hold(now);
         let w = self.waiting.remove(i).expect("index from the scan");
         let a = self.allocs.get_mut(&w.key).expect("checked in the scan");
         a.waited_total_ns = a
@@ -2000,5 +2053,212 @@ mod tests {
             let b = sim.fraction(2, 0, 10 * S);
             assert!(b >= 68.0, "{over} ns late: best-effort got {b:.1}%");
         }
+    }
+
+    fn lingering(linger: u64) -> GpuScheduler {
+        let mut s = GpuScheduler::new(SchedulerParams {
+            latency_linger_ns: linger,
+            ..SchedulerParams::default()
+        });
+        s.add_allocation(1, 60, None, 0);
+        s.add_allocation(2, 40, None, 0);
+        s.set_tier(2, Tier::Latency).unwrap();
+        s
+    }
+
+    #[test]
+    fn a_latency_linger_keeps_the_gpu_for_the_next_request_and_is_charged() {
+        let mut s = lingering(MS);
+        let lat = s.acquire(2, 20, 0).unwrap()[0];
+        assert!(s.acquire(1, 10, 0).unwrap().is_empty(), "best-effort waits");
+        // The request is done at 3 ms: the GPU stays held for the latency tenant 1 ms.
+        assert!(s.release(20, lat.lease_id, 3 * MS, true, 3 * MS).is_empty());
+        assert_eq!(s.next_wakeup(3 * MS), Some(4 * MS));
+        assert!(s.tick(3 * MS + MS / 2).is_empty(), "held within the linger");
+        // Its next request 0.6 ms later is granted at once, no best-effort work in between,
+        // and the 0.6 ms it held the GPU idle is charged to it.
+        let again = s.acquire(2, 20, 3 * MS + 600_000).unwrap();
+        assert_eq!(again[0].conn, 20);
+        assert!(s.take_revocations().is_empty(), "nothing to revoke");
+        assert_eq!(
+            s.alloc_stats(2, 3 * MS + 600_000).unwrap().gpu_ns,
+            3 * MS + 600_000
+        );
+        // The next request does not come: best-effort gets the GPU when the linger ends,
+        // and the whole linger is charged.
+        assert!(
+            s.release(20, again[0].lease_id, MS, true, 5 * MS)
+                .is_empty()
+        );
+        let be = s.tick(6 * MS);
+        assert_eq!(be[0].conn, 10, "granted at the linger's end");
+        assert_eq!(be[0].max_inflight_ns, Some(MS));
+        assert_eq!(s.alloc_stats(2, 6 * MS).unwrap().gpu_ns, 6 * MS);
+        assert_eq!(s.leased_total(2, 6 * MS), Some(6 * MS));
+        // A lease that ran to its end (not an early hand-back) and best-effort hand-backs
+        // never linger; nor does anyone with the linger off.
+        let g = s.release(10, be[0].lease_id, MS, true, 7 * MS);
+        assert!(g.is_empty() && s.next_wakeup(7 * MS).is_none());
+        let mut off = lingering(0);
+        let lat = off.acquire(2, 20, 0).unwrap()[0];
+        off.acquire(1, 10, 0).unwrap();
+        let g = off.release(20, lat.lease_id, MS, true, MS);
+        assert_eq!(g[0].conn, 10, "no linger: best-effort at once");
+    }
+
+    #[test]
+    fn a_latency_tenant_cannot_hold_the_gpu_beyond_its_share_by_lingering() {
+        // The attack: a latency tenant (share 20) that runs 0.2 ms per lease, hands back early
+        // and asks again just before each linger ends, to keep the GPU from a saturating
+        // best-effort tenant. Every sliding 1 s window gives it (leases and lingers together)
+        // at most its share plus the window's slack; best-effort gets the rest.
+        let linger = 2 * MS;
+        let mut s = lingering(linger);
+        s.allocs.get_mut(&2).unwrap().share = 20;
+        s.set_tier(2, Tier::Latency).unwrap();
+        let (mut now, end) = (0u64, 10 * S);
+        let mut lat: Option<Grant> = None;
+        let mut be: Option<Grant> = None;
+        let mut lat_granted = 0u64;
+        let mut be_granted = 0u64;
+        let mut lat_ask: Option<u64> = Some(0);
+        // (from, to) of the time the GPU was the latency tenant's: leases and lingers.
+        let mut held: Vec<(u64, u64)> = Vec::new();
+        let mut be_busy = 0u64;
+        let mut linger_from: Option<u64> = None;
+        let take = |gs: Vec<Grant>,
+                    now: u64,
+                    lat: &mut Option<Grant>,
+                    be: &mut Option<Grant>,
+                    lat_granted: &mut u64,
+                    be_granted: &mut u64| {
+            for g in gs {
+                if g.conn == 20 {
+                    *lat = Some(g);
+                    *lat_granted = now;
+                } else {
+                    *be = Some(g);
+                    *be_granted = now;
+                }
+            }
+        };
+        let g = s.acquire(1, 10, 0).unwrap();
+        take(g, 0, &mut lat, &mut be, &mut lat_granted, &mut be_granted);
+        while now < end {
+            // Revocations end the best-effort lease (its time so far was its busy time).
+            for r in s.take_revocations() {
+                assert_eq!(r.conn, 10);
+                if let Some(b) = be.take() {
+                    be_busy += now - be_granted;
+                    assert_eq!(b.lease_id, r.lease_id);
+                    let g = s.acquire(1, 10, now).unwrap();
+                    take(g, now, &mut lat, &mut be, &mut lat_granted, &mut be_granted);
+                }
+            }
+            if lat.is_some()
+                && let Some(from) = linger_from.take()
+            {
+                held.push((from, now));
+            }
+            let next = [
+                lat.map(|_| lat_granted + 200_000),
+                be.map(|g| be_granted + g.duration_ns),
+                lat_ask,
+                s.next_wakeup(now),
+            ]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(end)
+            .max(now);
+            now = next;
+            if let Some(g) = lat
+                && now >= lat_granted + 200_000
+            {
+                lat = None;
+                held.push((lat_granted, now));
+                linger_from = Some(now);
+                let gs = s.release(20, g.lease_id, 200_000, true, now);
+                // It asks again 1 ns before the linger would end.
+                lat_ask = Some(now + linger - 1);
+                if !gs.is_empty() {
+                    // No room left for a linger: the GPU went on at once.
+                    linger_from = None;
+                }
+                take(
+                    gs,
+                    now,
+                    &mut lat,
+                    &mut be,
+                    &mut lat_granted,
+                    &mut be_granted,
+                );
+            } else if let Some(g) = be
+                && now >= be_granted + g.duration_ns
+            {
+                be = None;
+                be_busy += g.duration_ns;
+                let gs = s.release(10, g.lease_id, g.duration_ns, false, now);
+                take(
+                    gs,
+                    now,
+                    &mut lat,
+                    &mut be,
+                    &mut lat_granted,
+                    &mut be_granted,
+                );
+                let gs = s.acquire(1, 10, now).unwrap();
+                take(
+                    gs,
+                    now,
+                    &mut lat,
+                    &mut be,
+                    &mut lat_granted,
+                    &mut be_granted,
+                );
+            } else if lat_ask.is_some_and(|t| now >= t) {
+                lat_ask = None;
+                let gs = s.acquire(2, 20, now).unwrap();
+                take(
+                    gs,
+                    now,
+                    &mut lat,
+                    &mut be,
+                    &mut lat_granted,
+                    &mut be_granted,
+                );
+            } else {
+                let gs = s.tick(now);
+                if be.is_none()
+                    && gs.iter().any(|g| g.conn == 10)
+                    && let Some(from) = linger_from.take()
+                {
+                    held.push((from, now));
+                }
+                take(
+                    gs,
+                    now,
+                    &mut lat,
+                    &mut be,
+                    &mut lat_granted,
+                    &mut be_granted,
+                );
+            }
+        }
+        let in_window = |from: u64, to: u64| -> u64 {
+            held.iter()
+                .map(|&(a, b)| b.min(to).saturating_sub(a.max(from)))
+                .sum()
+        };
+        let mut from = 0;
+        while from + S <= end {
+            let w = in_window(from, from + S) as f64 / S as f64 * 100.0;
+            assert!(w <= 20.5 + 1e-9, "{w:.2}% in [{from}, +1 s)");
+            from += 50 * MS;
+        }
+        let total = in_window(0, end) as f64 / end as f64 * 100.0;
+        assert!(total >= 15.0, "the attack did hold the GPU: {total:.1}%");
+        let b = be_busy as f64 / end as f64 * 100.0;
+        assert!(b >= 78.0, "best-effort got {b:.1}%");
     }
 }

@@ -17,6 +17,10 @@
 //! - **Refill**: credits keep the estimated work in flight within the time left less
 //!   [`MARGIN_NS`]; with nothing measured, one probe launch at a time; with nothing in flight,
 //!   at least one launch even when a kernel is longer than the lease (its overrun is charged).
+//! - **Bound** (a best-effort holder beside a latency tenant): the estimated kernel time still to
+//!   run in flight stays within the bound (no margin; the oldest kernel's part surely run is
+//!   taken off, with one stream busy), one launch at least when nothing is in flight, and the
+//!   holder is looked at every [`BOUNDED_TICK`].
 //! - **Deadline**: at the deadline the lease ends, whatever is in flight: credits drop to zero
 //!   (the interposer's side of revocation), the streams are drained and the whole time from
 //!   the grant to the drain is reported (overrun included).
@@ -42,6 +46,11 @@ use std::time::Duration;
 pub const LOCAL_LEASE: Duration = Duration::from_millis(100);
 /// Manager tick while a lease is held and launches go on.
 pub const TICK: Duration = Duration::from_micros(500);
+/// Manager tick of a bounded holder (best-effort beside a latency tenant) while it has work:
+/// its bound keeps one or two kernels in flight, so each refill must follow the completion
+/// it waits for closely, or the GPU idles between them (at [`TICK`], 0.1-1 ms kernels kept a
+/// best-effort tenant busy 51-69% of the time the latency tenant left).
+pub const BOUNDED_TICK: Duration = Duration::from_micros(100);
 /// Manager tick while launches have stopped and work is still in flight: the drain is what
 /// starts the idle clock, so it is looked for more often than the refill needs.
 pub const DRAIN_TICK: Duration = Duration::from_micros(250);
@@ -147,6 +156,30 @@ pub fn credits_for(per: f64, left: Duration, outstanding: f64, unknown: u64) -> 
     ((spare / per) as i64).clamp(0, MAX_CREDITS)
 }
 
+/// Credits that keep the estimated kernel time in flight within a holder's bound
+/// `bound_ns` (not a lease's end: no margin is kept). `outstanding`: estimated ns still to run
+/// of the launches in flight. With nothing in flight, one launch at least (a kernel longer
+/// than the bound runs, alone).
+pub fn bounded_credits(per: f64, bound_ns: f64, outstanding: f64, unknown: u64) -> i64 {
+    if per <= 0.0 {
+        return if unknown > 0 { 0 } else { 1 };
+    }
+    if outstanding <= 0.0 && unknown == 0 {
+        return ((bound_ns / per) as i64).clamp(1, MAX_CREDITS);
+    }
+    let spare = bound_ns - outstanding - unknown as f64 * per;
+    ((spare / per).max(0.0) as i64).clamp(0, MAX_CREDITS)
+}
+
+/// The tick of lease `l` where `normal` would be: [`BOUNDED_TICK`] at most for a bounded one.
+fn tick_of(l: &Lease, normal: Duration) -> Duration {
+    if l.max_inflight_ns.is_some() {
+        normal.min(BOUNDED_TICK)
+    } else {
+        normal
+    }
+}
+
 /// A lease as started on the launcher that received it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Started {
@@ -169,6 +202,9 @@ pub struct Load {
     pub in_flight: u64,
     /// Estimated GPU ns per launch (0: unknown).
     pub est_ns: f64,
+    /// How long the oldest launch in flight has at least been running, ns: since the first
+    /// look that saw it launched with everything before it complete (it started by then).
+    pub running_ns: f64,
 }
 
 /// What the manager thread saw.
@@ -311,8 +347,10 @@ impl Leases {
             None => (None, ns(LOCAL_LEASE)),
         };
         // First credits: with no estimate yet, one probe launch.
-        let room = duration_ns.min(max_inflight_ns.unwrap_or(u64::MAX));
-        let first = credits_for(self.default_est, Duration::from_nanos(room), 0.0, 0);
+        let mut first = credits_for(self.default_est, Duration::from_nanos(duration_ns), 0.0, 0);
+        if let Some(bound) = max_inflight_ns {
+            first = first.min(bounded_credits(self.default_est, bound as f64, 0.0, 0));
+        }
         Started {
             id,
             duration_ns,
@@ -338,8 +376,12 @@ impl Leases {
             handed: s.first,
             phase: Phase::Looking,
         });
+        let tick = match s.max_inflight_ns {
+            Some(_) => BOUNDED_TICK,
+            None => TICK,
+        };
         Action::Wait {
-            tick: TICK,
+            tick,
             mode: WaitMode::Sleep,
         }
     }
@@ -413,11 +455,34 @@ impl Leases {
                         unknown += s.in_flight;
                     }
                 }
-                // A bounded holder keeps at most its bound in flight, whatever the lease has left.
-                let left = Duration::from_nanos(
-                    (l.deadline - now).min(l.max_inflight_ns.unwrap_or(u64::MAX)),
-                );
-                let credits = credits_for(self.default_est, left, outstanding, unknown);
+                let left = Duration::from_nanos(l.deadline - now);
+                let mut credits = credits_for(self.default_est, left, outstanding, unknown);
+                // A bounded holder keeps at most its bound in flight, whatever the lease has
+                // left. What counts is the time still to run: the oldest kernel's part already
+                // run is taken off (at most its estimate), so the next one is queued before it
+                // ends and the GPU does not idle between them. Only with one stream busy: the
+                // streams of one context share its engine time, so a stream's wall time is not
+                // its kernel's progress.
+                if let Some(bound) = l.max_inflight_ns {
+                    let mut busy = streams.iter().filter(|s| s.in_flight > 0);
+                    let mut left_to_run = outstanding;
+                    if let (Some(one), None) = (busy.next(), busy.next()) {
+                        let est = if one.est_ns > 0.0 {
+                            one.est_ns
+                        } else {
+                            self.default_est
+                        };
+                        if est > 0.0 {
+                            left_to_run -= one.running_ns.clamp(0.0, est);
+                        }
+                    }
+                    credits = credits.min(bounded_credits(
+                        self.default_est,
+                        bound as f64,
+                        left_to_run,
+                        unknown,
+                    ));
+                }
                 l.phase = Phase::Refilling { credits, wait };
                 Action::Refill { credits }
             }
@@ -530,8 +595,8 @@ impl Leases {
                     (left.clamp(MIN_SLEEP, TICK), WaitMode::Sleep)
                 }
             }
-            None if !launched => (DRAIN_TICK, WaitMode::Watch),
-            _ => (TICK, WaitMode::Sleep),
+            None if !launched => (tick_of(l, DRAIN_TICK), WaitMode::Watch),
+            _ => (tick_of(l, TICK), WaitMode::Sleep),
         };
         Action::Wait { tick, mode }
     }
@@ -958,6 +1023,7 @@ mod tests {
         s.loads = vec![Load {
             in_flight: 1,
             est_ns: 0.0,
+            running_ns: 0.0,
         }];
         s.look(100 * US);
         assert_eq!(s.credits, 0);
@@ -967,10 +1033,12 @@ mod tests {
             Load {
                 in_flight: 5,
                 est_ns: 1e6,
+                running_ns: 0.0,
             },
             Load {
                 in_flight: 2,
                 est_ns: 0.0,
+                running_ns: 0.0,
             },
         ];
         s.total += 6;
@@ -1149,15 +1217,17 @@ mod tests {
         s.loads = vec![Load {
             in_flight: 1,
             est_ns: 200_000.0,
+            running_ns: 0.0,
         }];
         s.look(100 * US);
-        // 1 ms - 0.2 in flight - 0.3 margin: 0.5 ms of room, 2 launches (unbounded: 19.4 ms
-        // of room, 97).
-        assert_eq!(s.credits, 2);
+        // 1 ms - 0.2 in flight: 0.8 ms of room, 4 launches (no end-of-lease margin in a
+        // bound; unbounded: 19.4 ms of room, 97).
+        assert_eq!(s.credits, 4);
         // Nothing in flight: still one launch at least, even one longer than the bound.
         s.loads = vec![Load {
             in_flight: 0,
             est_ns: 5e6,
+            running_ns: 0.0,
         }];
         s.total += 1;
         s.look(200 * US);
@@ -1168,6 +1238,63 @@ mod tests {
     }
 
     #[test]
+    fn a_bounded_holder_queues_the_next_kernel_before_the_running_one_ends() {
+        // 0.55 ms kernels under a 1 ms bound: one in flight leaves 0.45 ms, no room for a
+        // second; once it has run 0.3 ms (0.25 left), the next fits, so the GPU does not idle
+        // between them waiting for the manager to see the completion.
+        let mut s = Sim::new();
+        let g = s.m.grant_bounded(Some((LEASE_ID, 20 * MS)), Some(MS), 0, 0);
+        s.credits = g.first;
+        let first = s.m.take_over(g, 0);
+        assert_eq!(
+            first,
+            Action::Wait {
+                tick: BOUNDED_TICK,
+                mode: WaitMode::Sleep
+            },
+            "a bounded lease is looked at every 0.1 ms"
+        );
+        s.launch(1);
+        let load = |running_ns: f64| Load {
+            in_flight: 1,
+            est_ns: 550_000.0,
+            running_ns,
+        };
+        s.loads = vec![load(0.0)];
+        let wait = s.look(100 * US);
+        assert_eq!(s.credits, 0, "just started: no room");
+        assert!(
+            matches!(wait, Action::Wait { tick, .. } if tick <= BOUNDED_TICK),
+            "{wait:?}"
+        );
+        s.loads = vec![load(300_000.0)];
+        s.look(400 * US);
+        assert_eq!(s.credits, 1, "0.25 ms left to run: the next is queued");
+        // Its part run counts at most its estimate: a stale head (the sample covering it not
+        // yet done) is taken for one with nothing left to run, never for less than nothing.
+        s.loads = vec![Load {
+            in_flight: 2,
+            est_ns: 550_000.0,
+            running_ns: 5e6,
+        }];
+        s.total += 1;
+        s.look(500 * US);
+        assert_eq!(
+            s.credits, 0,
+            "0.55 ms of the second still to run: 0.45 ms of room"
+        );
+        // Two streams busy share the context's engine time: their wall time is not progress.
+        s.loads = vec![load(300_000.0), load(300_000.0)];
+        s.total += 1;
+        s.look(600 * US);
+        assert_eq!(s.credits, 0);
+        assert_eq!(bounded_credits(550_000.0, 1e6, 250_000.0, 0), 1);
+        assert_eq!(bounded_credits(0.0, 1e6, 0.0, 0), 1, "one probe");
+        assert_eq!(bounded_credits(5e6, 1e6, 0.0, 0), 1, "a long kernel alone");
+        assert_eq!(bounded_credits(5e6, 1e6, 4e6, 0), 0);
+    }
+
+    #[test]
     fn a_revoked_lease_stops_at_the_next_look_and_another_ids_revocation_is_stale() {
         let mut s = Sim::new();
         s.lease(20, 0);
@@ -1175,6 +1302,7 @@ mod tests {
         s.loads = vec![Load {
             in_flight: 3,
             est_ns: 1e6,
+            running_ns: 0.0,
         }];
         assert!(matches!(s.look(500 * US), Action::Wait { .. }));
         assert!(!s.m.revoke(LEASE_ID + 1, 600 * US), "not the running lease");

@@ -62,6 +62,9 @@ struct Track {
     first_seen: Option<u64>,
     /// The stream's launch count when the current lease began.
     lease_start: u64,
+    /// (launches known complete, when a look first saw that with more in flight): the
+    /// oldest launch in flight has run since then at least.
+    head: Option<(u64, u64)>,
 }
 
 /// What one look at the lease's streams found.
@@ -448,10 +451,33 @@ impl<E: Events> Manager<E> {
             t.pending.is_empty() && t.completed >= launches(i)
         });
         loads.clear();
-        loads.extend(used.iter().map(|&i| Load {
-            in_flight: launches(i).saturating_sub(self.tracks[i].completed),
-            est_ns: self.tracks[i].est_ns,
-        }));
+        for &i in &used {
+            let t = &mut self.tracks[i];
+            let in_flight = self.gate.slots[i]
+                .launches
+                .load(Ordering::Acquire)
+                .saturating_sub(t.completed);
+            // The oldest launch in flight started by the first look that saw it launched with
+            // all before it complete: from then on it has run at least that long.
+            let running_ns = if in_flight == 0 {
+                t.head = None;
+                0.0
+            } else {
+                let since = match t.head {
+                    Some((head, since)) if head == t.completed => since,
+                    _ => {
+                        t.head = Some((t.completed, now));
+                        now
+                    }
+                };
+                now.saturating_sub(since) as f64
+            };
+            loads.push(Load {
+                in_flight,
+                est_ns: t.est_ns,
+                running_ns,
+            });
+        }
         Seen {
             total,
             credits,
@@ -701,7 +727,8 @@ mod tests {
             loads,
             [Load {
                 in_flight: 4,
-                est_ns: 0.0
+                est_ns: 0.0,
+                running_ns: 0.0
             }]
         );
         // Completed, seen 8 ms after the stream was first seen: the first sample can only
@@ -713,20 +740,25 @@ mod tests {
             loads,
             [Load {
                 in_flight: 0,
-                est_ns: 2e6
+                est_ns: 2e6,
+                running_ns: 0.0
             }]
         );
         // Four more, done 4 ms of GPU time later: 1 ms a launch lowers the bound.
         launch(gate, &m, i, 4);
         let seen = m.look(epoch, 0, 9 * MS, &mut loads);
         assert!(!seen.drained);
+        // Seen at 9 ms with all before it complete, the oldest has run 0.5 ms by 9.5 ms.
+        m.look(epoch, 0, 9 * MS + MS / 2, &mut loads);
+        assert_eq!(loads[0].running_ns, 0.5e6);
         m.events.complete(STREAM, 8, 6.0);
         m.look(epoch, 0, 10 * MS, &mut loads);
         assert_eq!(
             loads,
             [Load {
                 in_flight: 0,
-                est_ns: 1e6
+                est_ns: 1e6,
+                running_ns: 0.0
             }]
         );
         // A third sample reuses the first one's event.
