@@ -541,6 +541,10 @@ fn violation(arb: &Arbiter, b: &TenantBinding, what: String) -> TenantError {
     }
 }
 
+/// Longest a reservation waits for the give-backs its own process says it sent on its pressure
+/// channel (a process that claims more than it sent delays only itself).
+const OWN_GIVE_BACK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Runs `attempt` on the ledger; while it is refused, presses the allocation's other
 /// processes to give back unused credit, waits for their frees, and tries again, for at most
 /// [`Arbiter::memory_wait`]. Refused only when the bytes are really held (or the allocation was
@@ -554,22 +558,31 @@ fn reserve_pressing(
     given_back: u64,
     mut attempt: impl FnMut(&mut crate::ledger::Ledger) -> Result<Credit, crate::ledger::LedgerError>,
 ) -> Result<Credit, crate::ledger::LedgerError> {
-    let deadline = Instant::now() + arb.memory_wait();
+    let own_deadline = Instant::now() + OWN_GIVE_BACK_WAIT;
+    let mut deadline = Instant::now() + arb.memory_wait();
     let hub = arb.pressure();
     loop {
         let seen = hub.freed_count();
         let r = arb.with_ledger(&mut attempt)?;
-        if matches!(r, Credit::Granted { .. }) || Instant::now() >= deadline {
+        if matches!(r, Credit::Granted { .. }) {
             return Ok(r);
         }
         if arb.with_ledger(|l| l.usage(b.key)).is_none_or(|u| u.closed) {
             // Deleted: nothing anyone frees makes room.
             return Ok(r);
         }
-        if hub.channel_frames(conn).is_some_and(|n| n < given_back) {
-            // This process's own give-backs are still on their way.
-            hub.wait_freed(seen, deadline);
+        if hub.channel_frames(conn).is_some_and(|n| n < given_back) && Instant::now() < own_deadline
+        {
+            // This process's own give-backs are still on their way: they were sent and come
+            // however loaded the host is (a CPU hog delayed one past the memory wait, and the
+            // process was refused what it had just given back). The wait for others' frees
+            // starts once they are in.
+            hub.wait_freed(seen, own_deadline);
+            deadline = Instant::now() + arb.memory_wait();
             continue;
+        }
+        if Instant::now() >= deadline {
+            return Ok(r);
         }
         if !press_others(arb, b, conn, deadline) {
             // Nobody else holds anything (now): once more, then the request alone does not fit.

@@ -878,6 +878,54 @@ fn pressure_takes_credit_back_before_a_refusal_and_forged_channel_frames_close_o
     );
 }
 
+#[test]
+fn a_reservation_waits_for_its_own_give_back_however_late_the_arbiter_reads_it() {
+    // Seen beside a CPU hog: a process gave bytes back on its pressure channel and asked for
+    // memory again on its memory connection; the arbiter read the channel's frame after the
+    // memory wait (50 ms by default, kept here) and refused the process what it had just
+    // given back. Here the frame is sent 300 ms after the reservation says it was.
+    let arb = Arbiter::start();
+    let mut admin = arb.admin();
+    let (token, id) = create(&mut admin, 0, 1000 * MIB, 50);
+    let (mut a, mut a_ch) = with_channel(&arb, &token);
+    assert_eq!(
+        a.call(&TenantRequest::ReserveCredit {
+            bytes: 1000 * MIB,
+            extra: 0,
+            given_back: 0
+        })
+        .unwrap(),
+        TenantReply::Granted {
+            bytes: 1000 * MIB,
+            in_use: 1000 * MIB
+        }
+    );
+    let late = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        a_ch.send(&TenantRequest::Relinquish {
+            seq: 0,
+            bytes: 400 * MIB,
+        })
+        .unwrap();
+        a_ch
+    });
+    assert_eq!(
+        a.call(&TenantRequest::ReserveCredit {
+            bytes: 400 * MIB,
+            extra: 0,
+            given_back: 1
+        })
+        .unwrap(),
+        TenantReply::Granted {
+            bytes: 400 * MIB,
+            in_use: 1000 * MIB
+        },
+        "refused what it had given back"
+    );
+    let _a_ch = late.join().unwrap();
+    assert_eq!(used(&mut admin, &id), 1000 * MIB);
+}
+
 /// The arbiter closed `s`: EOF comes (whatever was in flight before it is skipped), no hang.
 fn assert_eof(mut s: UnixStream) {
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
