@@ -125,6 +125,11 @@ pub struct GateStats {
 /// The process's launch gate.
 pub struct Gate {
     pub(super) credits: AtomicI64,
+    /// Launchers holding a credit whose launch is not counted on its stream yet: the manager
+    /// sees no drain (and ends no lease) while one is there, however long the launcher is
+    /// descheduled between the credit and the count (a CPU hog showed kernels enqueued after
+    /// their lease was reported drained, run outside any lease).
+    pub(super) launching: AtomicI64,
     pub(super) epoch: AtomicU64,
     pub(super) slots: Box<[Slot]>,
     table: Mutex<()>,
@@ -183,6 +188,7 @@ impl Gate {
     ) -> Self {
         Self {
             credits: AtomicI64::new(0),
+            launching: AtomicI64::new(0),
             epoch: AtomicU64::new(1),
             slots: (0..MAX_STREAMS).map(|_| Slot::new()).collect(),
             table: Mutex::new(()),
@@ -254,7 +260,7 @@ impl Gate {
             return launch();
         }
         let mut slot = slot;
-        if self.credits.fetch_sub(1, Ordering::AcqRel) <= 0 {
+        if !self.take_credit() {
             if self.closed || !self.wait_for_credit() {
                 // No lease ever comes: credits stay at or below zero, so this is the slow path.
                 self.credits.fetch_add(1, Ordering::AcqRel);
@@ -267,7 +273,22 @@ impl Gate {
         if let Some(s) = slot {
             s.launches.fetch_add(1, Ordering::Release);
         }
+        // After the count: a manager that sees no launcher here sees the launch counted.
+        self.launching.fetch_sub(1, Ordering::Release);
         r
+    }
+
+    /// Takes one credit (true), marking the caller as launching until its launch is counted;
+    /// false, unmarked, when there was none (the credits are then one lower, as every taker
+    /// leaves them).
+    #[inline]
+    fn take_credit(&self) -> bool {
+        self.launching.fetch_add(1, Ordering::AcqRel);
+        if self.credits.fetch_sub(1, Ordering::AcqRel) > 0 {
+            return true;
+        }
+        self.launching.fetch_sub(1, Ordering::AcqRel);
+        false
     }
 
     /// The slot of a stream: the thread's cached one when it is still this lease's, else a
@@ -382,6 +403,7 @@ impl Gate {
                     "the driver lacks the event API: kernel launches are not gated"
                 );
                 self.credits.store(UNGATED, Ordering::Release);
+                self.launching.fetch_add(1, Ordering::AcqRel);
                 return true;
             }
             let spawned = std::thread::Builder::new()
@@ -394,6 +416,7 @@ impl Gate {
                     "cannot start the lease manager; launches are not gated"
                 );
                 self.credits.store(UNGATED, Ordering::Release);
+                self.launching.fetch_add(1, Ordering::AcqRel);
                 return true;
             }
         }
@@ -401,7 +424,7 @@ impl Gate {
             if self.failed.load(Ordering::Acquire) {
                 return false;
             }
-            if self.credits.fetch_sub(1, Ordering::AcqRel) > 0 {
+            if self.take_credit() {
                 return true;
             }
             if !sh.acquiring && !sh.leasing && sh.begun.is_none() {
