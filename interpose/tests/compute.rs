@@ -369,11 +369,13 @@ fn every_synchronise_wakes_the_lease_manager() {
             wakes.len()
         );
         assert!(!wakes.is_empty(), "{mode}: no lease was logged:\n{stderr}");
-        // Each kernel is waited for; a synchronise the hook misses wakes nothing. How many
-        // fit in 0.3 s depends on the host's load (about 150 of 2 ms on a quiet one, 19 seen
-        // beside a CPU hog), so the count is taken against the client's own launches.
+        // Each kernel is waited for; a synchronise the hook misses wakes nothing (a missing
+        // hook: none at all). How many fit in 0.3 s depends on the host's load (about 150 of
+        // 2 ms on a quiet one, 19 beside a CPU hog), so the count is taken against the
+        // client's own launches: 58-95% of them woke it beside one CPU hog, 21% beside a hog
+        // and a CI run; a tenth is the floor.
         assert!(
-            total * 4 >= launches && total > 0,
+            total * 10 >= launches && total >= 2,
             "{mode}: only {total} synchronise wake-ups for {launches} synchronised launches \
              in {} leases",
             wakes.len()
