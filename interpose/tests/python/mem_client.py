@@ -20,6 +20,13 @@ MIB = 1 << 20
 SUCCESS = cu.CUresult.CUDA_SUCCESS
 
 
+def emit(obj):
+    """One JSON line in one write: a forked child shares this stdout, and print() writes the
+    line and its newline apart (unbuffered here), so two processes' lines could interleave."""
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
 def code(err):
     return int(err)
 
@@ -164,7 +171,7 @@ def limits():
     # Frees of pointers the interposer never saw pass through untouched (the driver says 1/400).
     out["free_unknown"] = code(cu.cuMemFree(0x1234)[0])
     out["end"] = info(dev)
-    print(json.dumps(out), flush=True)
+    emit(out)
 
 
 def race(n, size):
@@ -175,7 +182,7 @@ def race(n, size):
         counts[code(err)] = counts.get(code(err), 0) + 1
         if err == SUCCESS:
             ok(cu.cuMemFree(p))
-    print(json.dumps({str(k): v for k, v in counts.items()}), flush=True)
+    emit({str(k): v for k, v in counts.items()})
 
 
 def serve():
@@ -183,7 +190,7 @@ def serve():
     dev = setup()
     held = []
     children = []
-    print(json.dumps({"ready": os.getpid()}), flush=True)
+    emit({"ready": os.getpid()})
     for line in sys.stdin:
         cmd = line.split()
         if not cmd:
@@ -192,13 +199,13 @@ def serve():
             err, p = cu.cuMemAlloc(int(cmd[1]))
             if err == SUCCESS:
                 held.append(p)
-            print(json.dumps({"alloc": code(err)}), flush=True)
+            emit({"alloc": code(err)})
         elif cmd[0] == "free_all":
             codes = [code(cu.cuMemFree(p)[0]) for p in held]
             held.clear()
-            print(json.dumps({"free_all": codes}), flush=True)
+            emit({"free_all": codes})
         elif cmd[0] == "info":
-            print(json.dumps(info(dev)), flush=True)
+            emit(info(dev))
         elif cmd[0] == "fork_child":
             # The child allocates on its own (accounted separately) and reports, then waits for
             # a byte on the pipe before exiting, so the test can look at the ledger meanwhile.
@@ -207,18 +214,18 @@ def serve():
             if pid == 0:
                 os.close(w)
                 err, p = cu.cuMemAlloc(int(cmd[1]))
-                print(json.dumps({"child_alloc": code(err), "child_pid": os.getpid()}), flush=True)
+                emit({"child_alloc": code(err), "child_pid": os.getpid()})
                 os.read(r, 1)
                 os._exit(0)
             os.close(r)
-            print(json.dumps({"forked": pid, "release_fd": w}), flush=True)
+            emit({"forked": pid, "release_fd": w})
         elif cmd[0] == "release_child":
             w = int(cmd[1])
             pid = int(cmd[2])
             os.write(w, b"x")
             os.close(w)
             _, status = os.waitpid(pid, 0)
-            print(json.dumps({"child_status": status}), flush=True)
+            emit({"child_status": status})
         elif cmd[0] == "spawn_bare":
             # A child started without the interposer (and without the token), as a tenant
             # trying to go around it would: it allocates on its own and holds the memory.
@@ -228,11 +235,11 @@ def serve():
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             children.append(child)
             first = json.loads(child.stdout.readline())
-            print(json.dumps({"child": child.pid, "child_alloc": first["held"]}), flush=True)
+            emit({"child": child.pid, "child_alloc": first["held"]})
         elif cmd[0] == "exit":
             return
         else:
-            print(json.dumps({"error": "unknown command " + cmd[0]}), flush=True)
+            emit({"error": "unknown command " + cmd[0]})
 
 
 def main():
@@ -245,11 +252,11 @@ def main():
         serve()
     elif mode == "info":
         dev = setup()
-        print(json.dumps(info(dev)), flush=True)
+        emit(info(dev))
     elif mode == "hold":
         setup()
         err, _ = cu.cuMemAlloc(int(sys.argv[2]))
-        print(json.dumps({"held": code(err)}), flush=True)
+        emit({"held": code(err)})
         sys.stdin.read()
     else:
         raise SystemExit("unknown mode " + mode)
