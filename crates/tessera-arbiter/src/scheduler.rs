@@ -2117,10 +2117,9 @@ mod tests {
         s.allocs.get_mut(&2).unwrap().share = 20;
         s.set_tier(2, Tier::Latency).unwrap();
         let (mut now, end) = (0u64, 10 * S);
-        let mut lat: Option<Grant> = None;
-        let mut be: Option<Grant> = None;
-        let mut lat_granted = 0u64;
-        let mut be_granted = 0u64;
+        // Each holder's grant and when it came.
+        let mut lat: Option<(Grant, u64)> = None;
+        let mut be: Option<(Grant, u64)> = None;
         let mut lat_ask: Option<u64> = Some(0);
         // (from, to) of the time the GPU was the latency tenant's: leases and lingers.
         let mut held: Vec<(u64, u64)> = Vec::new();
@@ -2128,31 +2127,27 @@ mod tests {
         let mut linger_from: Option<u64> = None;
         let take = |gs: Vec<Grant>,
                     now: u64,
-                    lat: &mut Option<Grant>,
-                    be: &mut Option<Grant>,
-                    lat_granted: &mut u64,
-                    be_granted: &mut u64| {
+                    lat: &mut Option<(Grant, u64)>,
+                    be: &mut Option<(Grant, u64)>| {
             for g in gs {
                 if g.conn == 20 {
-                    *lat = Some(g);
-                    *lat_granted = now;
+                    *lat = Some((g, now));
                 } else {
-                    *be = Some(g);
-                    *be_granted = now;
+                    *be = Some((g, now));
                 }
             }
         };
         let g = s.acquire(1, 10, 0).unwrap();
-        take(g, 0, &mut lat, &mut be, &mut lat_granted, &mut be_granted);
+        take(g, 0, &mut lat, &mut be);
         while now < end {
             // Revocations end the best-effort lease (its time so far was its busy time).
             for r in s.take_revocations() {
                 assert_eq!(r.conn, 10);
-                if let Some(b) = be.take() {
-                    be_busy += now - be_granted;
+                if let Some((b, granted)) = be.take() {
+                    be_busy += now - granted;
                     assert_eq!(b.lease_id, r.lease_id);
                     let g = s.acquire(1, 10, now).unwrap();
-                    take(g, now, &mut lat, &mut be, &mut lat_granted, &mut be_granted);
+                    take(g, now, &mut lat, &mut be);
                 }
             }
             if lat.is_some()
@@ -2161,8 +2156,8 @@ mod tests {
                 held.push((from, now));
             }
             let next = [
-                lat.map(|_| lat_granted + 200_000),
-                be.map(|g| be_granted + g.duration_ns),
+                lat.map(|(_, granted)| granted + 200_000),
+                be.map(|(g, granted)| granted + g.duration_ns),
                 lat_ask,
                 s.next_wakeup(now),
             ]
@@ -2172,11 +2167,11 @@ mod tests {
             .unwrap_or(end)
             .max(now);
             now = next;
-            if let Some(g) = lat
-                && now >= lat_granted + 200_000
+            if let Some((g, granted)) = lat
+                && now >= granted + 200_000
             {
                 lat = None;
-                held.push((lat_granted, now));
+                held.push((granted, now));
                 linger_from = Some(now);
                 let gs = s.release(20, g.lease_id, 200_000, true, now);
                 // It asks again 1 ns before the linger would end.
@@ -2185,48 +2180,20 @@ mod tests {
                     // No room left for a linger: the GPU went on at once.
                     linger_from = None;
                 }
-                take(
-                    gs,
-                    now,
-                    &mut lat,
-                    &mut be,
-                    &mut lat_granted,
-                    &mut be_granted,
-                );
-            } else if let Some(g) = be
-                && now >= be_granted + g.duration_ns
+                take(gs, now, &mut lat, &mut be);
+            } else if let Some((g, granted)) = be
+                && now >= granted + g.duration_ns
             {
                 be = None;
                 be_busy += g.duration_ns;
                 let gs = s.release(10, g.lease_id, g.duration_ns, false, now);
-                take(
-                    gs,
-                    now,
-                    &mut lat,
-                    &mut be,
-                    &mut lat_granted,
-                    &mut be_granted,
-                );
+                take(gs, now, &mut lat, &mut be);
                 let gs = s.acquire(1, 10, now).unwrap();
-                take(
-                    gs,
-                    now,
-                    &mut lat,
-                    &mut be,
-                    &mut lat_granted,
-                    &mut be_granted,
-                );
+                take(gs, now, &mut lat, &mut be);
             } else if lat_ask.is_some_and(|t| now >= t) {
                 lat_ask = None;
                 let gs = s.acquire(2, 20, now).unwrap();
-                take(
-                    gs,
-                    now,
-                    &mut lat,
-                    &mut be,
-                    &mut lat_granted,
-                    &mut be_granted,
-                );
+                take(gs, now, &mut lat, &mut be);
             } else {
                 let gs = s.tick(now);
                 if be.is_none()
@@ -2235,14 +2202,7 @@ mod tests {
                 {
                     held.push((from, now));
                 }
-                take(
-                    gs,
-                    now,
-                    &mut lat,
-                    &mut be,
-                    &mut lat_granted,
-                    &mut be_granted,
-                );
+                take(gs, now, &mut lat, &mut be);
             }
         }
         let in_window = |from: u64, to: u64| -> u64 {

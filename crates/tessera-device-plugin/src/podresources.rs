@@ -496,6 +496,18 @@ mod tests {
         }
     }
 
+    /// One look with no container holding both resources.
+    fn look<A: Arbiter + ?Sized>(
+        arb: &mut A,
+        held: &HashMap<String, Holder>,
+        t: &mut StaleTracker,
+        cfg: &StaleConfig,
+        now: Instant,
+        metrics: &PluginMetrics,
+    ) -> Swept {
+        reconcile(arb, held, &HashSet::new(), t, cfg, now, metrics).unwrap()
+    }
+
     fn fake_with(allocs: Vec<AllocationStatus>) -> FakeArbiter {
         let mut arb = FakeArbiter::with_gpus(&[("GPU-a", 1 << 30)]);
         arb.allocations = allocs.into_iter().map(|a| ("t".to_owned(), a)).collect();
@@ -517,16 +529,7 @@ mod tests {
         let cfg = config(false);
         let mut t = StaleTracker::default();
         let now = Instant::now();
-        let swept = reconcile(
-            &mut arb,
-            &held,
-            &HashSet::new(),
-            &mut t,
-            &cfg,
-            now,
-            &metrics,
-        )
-        .unwrap();
+        let swept = look(&mut arb, &held, &mut t, &cfg, now, &metrics);
         assert_eq!(swept.labelled, ["a"]);
         assert!(swept.deleted.is_empty());
         assert_eq!(arb.calls, [Call::List, Call::UpdateLabels("a".into())]);
@@ -539,30 +542,12 @@ mod tests {
         );
         // Nothing changed: a look costs only the list.
         arb.calls.clear();
-        let swept = reconcile(
-            &mut arb,
-            &held,
-            &HashSet::new(),
-            &mut t,
-            &cfg,
-            now,
-            &metrics,
-        )
-        .unwrap();
+        let swept = look(&mut arb, &held, &mut t, &cfg, now, &metrics);
         assert_eq!(swept, Swept::default());
         assert_eq!(arb.calls, [Call::List]);
         // Clean-up off: the orphan "b" stays however long it waits.
         let later = now + Duration::from_secs(60);
-        reconcile(
-            &mut arb,
-            &held,
-            &HashSet::new(),
-            &mut t,
-            &cfg,
-            later,
-            &metrics,
-        )
-        .unwrap();
+        look(&mut arb, &held, &mut t, &cfg, later, &metrics);
         assert_eq!(arb.ids(), ["a", "b"]);
     }
 
@@ -574,20 +559,10 @@ mod tests {
         let cfg = config(true);
         let mut t = StaleTracker::default();
         let t0 = Instant::now();
-        let swept =
-            reconcile(&mut arb, &held, &HashSet::new(), &mut t, &cfg, t0, &metrics).unwrap();
+        let swept = look(&mut arb, &held, &mut t, &cfg, t0, &metrics);
         assert!(swept.deleted.is_empty());
         let late = t0 + Duration::from_secs(10);
-        let swept = reconcile(
-            &mut arb,
-            &held,
-            &HashSet::new(),
-            &mut t,
-            &cfg,
-            late,
-            &metrics,
-        )
-        .unwrap();
+        let swept = look(&mut arb, &held, &mut t, &cfg, late, &metrics);
         assert_eq!(swept.deleted, ["b"]);
         assert_eq!(arb.ids(), ["a"]);
         assert!(
@@ -632,16 +607,7 @@ mod tests {
         let mut racing = Racing(fake_with(vec![alloc("c", "GPU-a", &[2])]));
         let held_c: HashMap<String, Holder> =
             [("GPU-a-2".to_string(), holder("ns", "p", "c"))].into();
-        let swept = reconcile(
-            &mut racing,
-            &held_c,
-            &HashSet::new(),
-            &mut t,
-            &cfg,
-            late,
-            &metrics,
-        )
-        .unwrap();
+        let swept = look(&mut racing, &held_c, &mut t, &cfg, late, &metrics);
         assert_eq!(swept, Swept::default());
         assert_eq!(racing.0.calls, [Call::List, Call::UpdateLabels("c".into())]);
     }
