@@ -672,10 +672,14 @@ const LONG_DECAY: f64 = 0.975;
 /// fit the estimate could take the card past the limit and be killed by the memory rule. With
 /// it, the next reservation that would not fit on the card is refused instead.
 ///
-/// Pure: fed, each poll, (process, NVML's bytes for it, the bytes its connections hold). An
-/// excess is charged only as far as two polls in a row saw it (the smaller of the two): the
-/// two figures are read at different instants, and a process between a free and its ledger
-/// release shows more on the card than it holds for a moment. It is recomputed every poll, so
+/// Pure: fed, each poll, (process, NVML's bytes for it, the most its connections held since
+/// the last poll). The two figures are read at different instants: the card first, the ledger
+/// after it, and a poll descheduled in between (a loaded host) would otherwise see a process
+/// that freed and released meanwhile with more on the card than it holds; the peak held since
+/// the last poll covers every instant the card figure can be from. An excess is charged only
+/// as far as two polls in a row saw it (the smaller of the two): a stream-ordered free is
+/// released when it is enqueued and leaves the card when the stream reaches it, so a card
+/// can hold freed memory for a while. It is recomputed every poll, so
 /// it follows the card down as well as up (the unused part of a reservation is never given
 /// back: the process may still use it without asking).
 #[derive(Debug)]

@@ -745,11 +745,14 @@ impl Arbiter {
     }
 
     /// Every live connected process (named by its pidfd) with its account, its oldest
-    /// connection, the bytes its connections hold in the ledger (their excess left out), and
-    /// the card (NVML index) of that account when it is one slice of a multi-GPU allocation
-    /// (such a process's card memory is compared per card; other accounts' over all cards).
+    /// connection, the most its connections held in the ledger since the last call (their
+    /// excess left out; see [`Ledger::take_peak`]), and the card (NVML index) of that account
+    /// when it is one slice of a multi-GPU allocation (such a process's card memory is compared
+    /// per card; other accounts' over all cards). The backstop's one caller: the peak covers
+    /// the card figures it read before this call, however long it was descheduled between.
     pub fn connected_processes(&self) -> Vec<(AccountKey, ProcId, ConnId, u64, Option<u32>)> {
-        let live = self.live();
+        let mut guard = self.live();
+        let live = &mut *guard;
         let slice_card: HashMap<AccountKey, u32> = live
             .by_id
             .values()
@@ -780,7 +783,7 @@ impl Arbiter {
                 let held: u64 = e
                     .conn_ids
                     .iter()
-                    .filter_map(|c| live.ledger.held(*key, *c))
+                    .filter_map(|c| live.ledger.take_peak(*key, *c))
                     .sum();
                 out.push((*key, *id, first, held, slice_card.get(key).copied()));
             }
@@ -1225,6 +1228,44 @@ mod tests {
         assert_eq!(of(&b), [0, 1]);
         assert_eq!(of(&c), [2]);
         assert!(of(&d).is_empty());
+    }
+
+    #[test]
+    fn a_process_that_freed_after_the_card_was_read_is_seen_holding_what_the_card_showed() {
+        // The backstop reads the card, then the ledger. A process that frees 600 MiB and
+        // releases it in between (the poll descheduled on a loaded host) shows 600 MiB more on
+        // the card than it holds now; twice in a row, that was charged to it as excess and its
+        // next cuMemGetInfo came back 600 MiB short. The ledger side is the most it held since
+        // the last poll, so the card figure is within it.
+        let dir = tempfile::tempdir().unwrap();
+        let arb = two_gpu_arbiter(dir.path());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (token, _) = rt.block_on(arb.create(slice_req(0, GIB, 50))).unwrap();
+        let me = crate::peer::ProcId {
+            pid: std::process::id() as i32,
+            start: 1,
+        };
+        let b = arb
+            .attach_tenant(&token, 7, Some(crate::peer::Peer::without_pidfd(me)))
+            .unwrap();
+        const MIB: u64 = 1 << 20;
+        let held = || -> Vec<(crate::peer::ProcId, u64)> {
+            arb.connected_processes()
+                .into_iter()
+                .map(|(_, id, _, held, _)| (id, held))
+                .collect()
+        };
+        arb.with_ledger(|l| l.reserve(b.key, 7, 300 * MIB)).unwrap();
+        assert_eq!(held(), [(me, 300 * MIB)]);
+        for _ in 0..2 {
+            arb.with_ledger(|l| l.reserve(b.key, 7, 600 * MIB)).unwrap();
+            arb.with_ledger(|l| l.release(b.key, 7, 600 * MIB)).unwrap();
+            assert_eq!(held(), [(me, 900 * MIB)], "the card may have shown 900 MiB");
+        }
+        // Nothing held and released since the last look: what it holds.
+        assert_eq!(held(), [(me, 300 * MIB)]);
     }
 
     fn two_gpu_arbiter(dir: &std::path::Path) -> Arc<Arbiter> {

@@ -136,6 +136,9 @@ struct Account {
     /// Bytes the card holds for a connection's process beyond what its connections reserved
     /// (see [`Ledger::set_excess`]), counted in `in_use`.
     excess: HashMap<ConnId, u64>,
+    /// The most each connection held at once since [`Ledger::take_peak`] last asked (absent:
+    /// what it holds now). Releases never lower it.
+    peak: HashMap<ConnId, u64>,
 }
 
 impl Account {
@@ -151,6 +154,8 @@ impl Account {
         };
         self.in_use = total;
         *held = mine;
+        let peak = self.peak.entry(conn).or_insert(mine);
+        *peak = (*peak).max(mine);
         Ok(())
     }
 }
@@ -181,6 +186,7 @@ impl Ledger {
                 closed: false,
                 conns: HashMap::new(),
                 excess: HashMap::new(),
+                peak: HashMap::new(),
             });
     }
 
@@ -367,6 +373,7 @@ impl Ledger {
             .remove(&conn)
             .ok_or(LedgerError::UnknownConnection { key, conn })?;
         let excess = acct.excess.remove(&conn).unwrap_or(0);
+        acct.peak.remove(&conn);
         // The account's total is the sum of its connections' (and their excess): this cannot
         // fail unless the ledger is broken, and then zero is the least wrong total.
         let in_use = acct.in_use.checked_sub(held.saturating_add(excess));
@@ -420,6 +427,17 @@ impl Ledger {
         self.accounts
             .get(&key)
             .and_then(|a| a.conns.get(&conn).copied())
+    }
+
+    /// The most `conn` held at once since the last call (or since it attached), and from now
+    /// on the peak starts again at what it holds. What the card showed at any instant in that
+    /// time is within this figure for an honest process (it reserves before it allocates and
+    /// releases after it frees), however late the caller reads the ledger after the card.
+    pub fn take_peak(&mut self, key: AccountKey, conn: ConnId) -> Option<u64> {
+        let acct = self.accounts.get_mut(&key)?;
+        let held = acct.conns.get(&conn).copied()?;
+        let peak = acct.peak.insert(conn, held).unwrap_or(held);
+        Some(peak.max(held))
     }
 }
 
@@ -714,6 +732,31 @@ mod tests {
         assert_eq!(l.redeclare(2, 4, 10).unwrap_err(), LedgerError::Overflow(2));
         assert_eq!(l.usage(2).unwrap().in_use, u64::MAX - 5);
         assert_eq!(l.held(2, 4), Some(0));
+    }
+
+    #[test]
+    fn the_peak_is_the_most_held_since_it_was_last_taken() {
+        let mut l = Ledger::new();
+        l.open(1, 1024 * MIB);
+        l.attach(1, 10).unwrap();
+        assert_eq!(l.take_peak(1, 10), Some(0));
+        l.reserve(1, 10, 300 * MIB).unwrap();
+        // 600 MiB held and given back between two looks: the card may have shown it.
+        l.reserve(1, 10, 600 * MIB).unwrap();
+        l.release(1, 10, 600 * MIB).unwrap();
+        assert_eq!(l.held(1, 10), Some(300 * MIB));
+        assert_eq!(l.take_peak(1, 10), Some(900 * MIB));
+        // Taken: the next look starts from what is held now.
+        assert_eq!(l.take_peak(1, 10), Some(300 * MIB));
+        l.release(1, 10, 100 * MIB).unwrap();
+        assert_eq!(l.take_peak(1, 10), Some(300 * MIB));
+        assert_eq!(l.take_peak(1, 10), Some(200 * MIB));
+        // A redeclaration is held memory like any other; a detached connection has no peak.
+        l.redeclare(1, 10, 500 * MIB).unwrap();
+        assert_eq!(l.take_peak(1, 10), Some(500 * MIB));
+        l.detach(1, 10).unwrap();
+        assert_eq!(l.take_peak(1, 10), None);
+        assert_eq!(l.take_peak(2, 10), None);
     }
 
     #[test]
