@@ -408,6 +408,7 @@ pub fn samples() -> Samples {
                 ticket: 0xdead_beef,
             },
             TenantRequest::Relinquish { seq: 4, bytes: 128 },
+            TenantRequest::MemInfoAfter { given_back: 5 },
         ],
         tenant_reply: vec![
             TenantReply::Reserved { in_use: 1 << 40 },

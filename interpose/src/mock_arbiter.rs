@@ -307,7 +307,7 @@ fn serve_one(req: TenantRequest, b: &mut Books, id: u64) -> Option<TenantReply> 
         }
         // The ticket is the connection's own number.
         TenantRequest::Ticket => Some(TenantReply::Ticket { ticket: id }),
-        TenantRequest::MemInfo => Some(TenantReply::MemInfo {
+        TenantRequest::MemInfo | TenantRequest::MemInfoAfter { .. } => Some(TenantReply::MemInfo {
             limit,
             in_use: total,
         }),

@@ -133,7 +133,7 @@ impl RequestKind {
             TenantRequest::Reserve { .. } => Self::Reserve,
             TenantRequest::Release { .. } => Self::Release,
             TenantRequest::Redeclare { .. } => Self::Redeclare,
-            TenantRequest::MemInfo => Self::MemInfo,
+            TenantRequest::MemInfo | TenantRequest::MemInfoAfter { .. } => Self::MemInfo,
             TenantRequest::Ping => Self::Ping,
             TenantRequest::LeaseAcquire => Self::LeaseAcquire,
             TenantRequest::LeaseRelease { .. } => Self::LeaseRelease,

@@ -482,8 +482,14 @@ fn handle(
             };
             reply(out, &msg)?;
         }
-        TenantRequest::MemInfo => {
-            // Exact: the other processes' unused credit is not in use.
+        TenantRequest::MemInfo | TenantRequest::MemInfoAfter { .. } => {
+            let given_back = match req {
+                TenantRequest::MemInfoAfter { given_back } => given_back,
+                _ => 0,
+            };
+            // Exact: what this process gave back on its channel and the other processes'
+            // unused credit are not in use.
+            wait_own_give_backs(arb, conn, given_back);
             press_others(arb, b, conn, Instant::now() + arb.memory_wait());
             let msg = match arb.with_ledger(|l| l.usage(key)) {
                 Some(u) => TenantReply::MemInfo {
@@ -544,6 +550,20 @@ fn violation(arb: &Arbiter, b: &TenantBinding, what: String) -> TenantError {
 /// Longest a reservation waits for the give-backs its own process says it sent on its pressure
 /// channel (a process that claims more than it sent delays only itself).
 const OWN_GIVE_BACK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Waits (up to [`OWN_GIVE_BACK_WAIT`]) until `conn`'s pressure channel has handled the
+/// `given_back` `Relinquish` frames its process says it sent.
+fn wait_own_give_backs(arb: &Arbiter, conn: ConnId, given_back: u64) {
+    let hub = arb.pressure();
+    let deadline = Instant::now() + OWN_GIVE_BACK_WAIT;
+    loop {
+        let seen = hub.freed_count();
+        if hub.channel_frames(conn).is_none_or(|n| n >= given_back) || Instant::now() >= deadline {
+            return;
+        }
+        hub.wait_freed(seen, deadline);
+    }
+}
 
 /// Runs `attempt` on the ledger; while it is refused, presses the allocation's other
 /// processes to give back unused credit, waits for their frees, and tries again, for at most

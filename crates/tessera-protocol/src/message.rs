@@ -182,7 +182,8 @@ pub enum TenantRequest {
         /// Bytes this process holds.
         bytes: u64,
     },
-    /// Ask for the allocation's limit and use; answered by `MemInfo`.
+    /// Ask for the allocation's limit and use; answered by `MemInfo`. What interposers before
+    /// [`TenantRequest::MemInfoAfter`] send; answered as if it had given nothing back.
     MemInfo,
     /// Liveness check; answered by `Pong`.
     Ping,
@@ -230,6 +231,13 @@ pub enum TenantRequest {
         seq: u64,
         /// Bytes released.
         bytes: u64,
+    },
+    /// Ask for the allocation's limit and use once the arbiter has handled the `given_back`
+    /// `Relinquish` frames this process sent on its pressure channel (the bytes it just freed
+    /// are not in use, though they travel on another socket); answered by `MemInfo`.
+    MemInfoAfter {
+        /// `Relinquish` frames this process has sent on its pressure channel so far.
+        given_back: u64,
     },
 }
 

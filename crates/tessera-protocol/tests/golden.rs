@@ -167,6 +167,10 @@ fn every_tenant_request_is_pinned() {
         TenantRequest::Relinquish { seq: 3, bytes: 128 },
         "040000000a038001",
     );
+    pinned(
+        TenantRequest::MemInfoAfter { given_back: 2 },
+        "020000000b02",
+    );
 }
 
 #[test]

@@ -249,7 +249,9 @@ impl Session {
     pub fn mem_info(&'static self) -> Option<(u64, u64)> {
         let asked = self.request(false, |s, conn| {
             let release = s.drop_credit();
-            match conn.call_after_release(release, &TenantRequest::MemInfo) {
+            // The credit given back on the channel just before (the watcher's) counts too.
+            let given_back = s.given_back.load(Ordering::Acquire);
+            match conn.call_after_release(release, &TenantRequest::MemInfoAfter { given_back }) {
                 Ok(TenantReply::MemInfo { limit, in_use }) => {
                     s.limit.store(limit, Ordering::Release);
                     s.limit_known.store(true, Ordering::Release);
