@@ -101,6 +101,9 @@ pub struct Round {
     seq: u64,
     /// Channels the pressure reached.
     pub sent: usize,
+    /// Of those, channels that still owed an answer to an earlier round (silent since: a
+    /// stopped process, or one the host has not run for a while).
+    pub late: usize,
 }
 
 impl PressureHub {
@@ -202,7 +205,7 @@ impl PressureHub {
         // unasked).
         i.next_seq += 1;
         let seq = i.next_seq;
-        let mut sent = 0;
+        let (mut sent, mut late) = (0, 0);
         for t in targets {
             let Some(ch) = i.channels.get_mut(t).filter(|c| c.key == key) else {
                 continue;
@@ -210,15 +213,33 @@ impl PressureHub {
             // A channel that owes an answer already gets no second frame: its next answer
             // gives back everything it has then, which serves this round too. So a process
             // that is slow to run never has more than one `Pressure` queued.
-            if !ch.owed.is_empty() || ch.sink.press(seq) {
+            let owing = !ch.owed.is_empty();
+            if owing || ch.sink.press(seq) {
                 ch.owed.push(seq);
                 sent += 1;
+                late += usize::from(owing);
             }
         }
         if sent > 0 {
             i.outstanding.insert(seq, sent);
         }
-        Round { seq, sent }
+        Round { seq, sent, late }
+    }
+
+    /// Waits until every channel pressed in `round` that owed nothing before it answered (the
+    /// [`Round::late`] ones aside), or `deadline`. True when they all answered.
+    pub fn wait_fresh(&self, round: Round, deadline: Instant) -> bool {
+        let mut i = self.lock();
+        loop {
+            let left = i.outstanding.get(&round.seq).copied().unwrap_or(0);
+            if left <= round.late {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            self.answered.wait_until(&mut i, deadline);
+        }
     }
 
     /// The channel `ctl` of memory connection `mem` answered pressure `seq` (the caller booked
@@ -416,6 +437,37 @@ mod tests {
         let t = Instant::now();
         assert!(!hub.wait(round, Instant::now() + Duration::from_millis(50)));
         assert!(t.elapsed() >= Duration::from_millis(45));
+    }
+
+    #[test]
+    fn a_round_tells_the_channels_silent_since_an_earlier_one_apart() {
+        let hub = Arc::new(PressureHub::new());
+        let (a, b) = (Arc::new(Sink::default()), Arc::new(Sink::default()));
+        hub.issue_ticket(1, 10, 1);
+        hub.issue_ticket(1, 20, 2);
+        hub.subscribe(1, 1, 11, a.clone()).unwrap();
+        hub.subscribe(2, 1, 21, b.clone()).unwrap();
+        // A never answers its first pressure (a stopped process).
+        let first = hub.press(1, &[10]);
+        assert_eq!((first.sent, first.late), (1, 0));
+        assert!(!hub.wait_fresh(first, Instant::now() + Duration::from_millis(10)));
+        // The next round: A is late, B fresh. Waiting for the fresh ones is waiting for B.
+        let second = hub.press(1, &[10, 20]);
+        assert_eq!((second.sent, second.late), (2, 1));
+        let seq = b.got.lock()[0];
+        let h = Arc::clone(&hub);
+        let answer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            h.answered(20, 21, seq).unwrap();
+        });
+        assert!(hub.wait_fresh(second, soon()));
+        answer.join().unwrap();
+        assert!(!hub.wait(second, Instant::now() + Duration::from_millis(10)));
+        // A answers at last: every round it owed settles, and it is fresh again.
+        let seq = a.got.lock()[0];
+        hub.answered(10, 11, seq).unwrap();
+        assert!(hub.wait(second, soon()));
+        assert_eq!(hub.press(1, &[10]).late, 0);
     }
 
     #[test]

@@ -619,16 +619,26 @@ fn reserve_pressing(
     }
 }
 
-/// Presses every other process of the allocation that holds bytes, and waits (until
-/// `deadline`) for their answers. False when no other process holds anything.
+/// Longest a press waits for the answers of processes that owed none before it. A live
+/// interposer answers at once, so a late answer is a busy host, not memory in use (beside a CPU
+/// hog one came after the 50 ms memory wait, and a sibling was refused the credit it was about
+/// to give back). A process still silent from an earlier round (stopped) is waited for only up
+/// to the memory wait, so it costs this once, not at every refusal.
+const PRESS_ANSWER_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Presses every other process of the allocation that holds bytes, and waits for their
+/// answers: until `deadline`, and for those that answered the previous press, up to
+/// [`PRESS_ANSWER_WAIT`] if that is later. False when no other process holds anything.
 fn press_others(arb: &Arbiter, b: &TenantBinding, conn: ConnId, deadline: Instant) -> bool {
     let targets = arb.with_ledger(|l| l.others_holding(b.key, conn));
     if targets.is_empty() {
         return false;
     }
-    let round = arb.pressure().press(b.key, &targets);
+    let hub = arb.pressure();
+    let round = hub.press(b.key, &targets);
     if round.sent > 0 {
-        arb.pressure().wait(round, deadline);
+        hub.wait_fresh(round, deadline.max(Instant::now() + PRESS_ANSWER_WAIT));
+        hub.wait(round, deadline);
     }
     true
 }

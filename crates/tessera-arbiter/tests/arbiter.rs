@@ -927,6 +927,84 @@ fn a_reservation_waits_for_its_own_give_back_however_late_the_arbiter_reads_it()
 }
 
 #[test]
+fn a_sibling_answering_the_pressure_late_still_gives_its_credit_back_and_a_silent_one_costs_one_long_wait()
+ {
+    // Seen beside a CPU hog: a process was refused 300 MiB because its sibling's answer to the
+    // pressure (its 32 MiB of unused credit) came after the 50 ms memory wait. The memory wait
+    // is the default here; the answer comes 300 ms late.
+    let arb = Arbiter::start();
+    let mut admin = arb.admin();
+    let (token, id) = create(&mut admin, 0, 1000 * MIB, 50);
+    let (mut a, mut a_ch) = with_channel(&arb, &token);
+    assert_eq!(
+        a.call(&TenantRequest::ReserveCredit {
+            bytes: 600 * MIB,
+            extra: 100 * MIB,
+            given_back: 0
+        })
+        .unwrap(),
+        TenantReply::Granted {
+            bytes: 700 * MIB,
+            in_use: 700 * MIB
+        }
+    );
+    let answer = std::thread::spawn(move || {
+        let TenantReply::Pressure { seq } = frame::read_frame(&mut a_ch.stream()).unwrap() else {
+            panic!("expected a pressure");
+        };
+        std::thread::sleep(Duration::from_millis(300));
+        a_ch.send(&TenantRequest::Relinquish {
+            seq,
+            bytes: 100 * MIB,
+        })
+        .unwrap();
+        a_ch
+    });
+    let mut b = arb.tenant(&token);
+    assert_eq!(
+        b.call(&TenantRequest::Reserve { bytes: 400 * MIB })
+            .unwrap(),
+        TenantReply::Reserved { in_use: 1000 * MIB },
+        "refused the credit a sibling was giving back"
+    );
+    let _a_ch = answer.join().unwrap();
+    // A takes credit again and its process stops (its channel never answers): B is refused,
+    // the first time after the longer wait for an answer, then after the memory wait alone.
+    b.send(&TenantRequest::Release { bytes: 400 * MIB })
+        .unwrap();
+    assert_eq!(b.call(&TenantRequest::Ping).unwrap(), TenantReply::Pong);
+    assert_eq!(
+        a.call(&TenantRequest::ReserveCredit {
+            bytes: 300 * MIB,
+            extra: 100 * MIB,
+            given_back: 1
+        })
+        .unwrap(),
+        TenantReply::Granted {
+            bytes: 350 * MIB,
+            in_use: 950 * MIB
+        }
+    );
+    for round in ["first", "second"] {
+        let t = std::time::Instant::now();
+        assert_eq!(
+            b.call(&TenantRequest::Reserve { bytes: 100 * MIB })
+                .unwrap(),
+            TenantReply::Denied {
+                limit: 1000 * MIB,
+                in_use: 950 * MIB
+            },
+            "{round} refusal"
+        );
+        eprintln!(
+            "{round} refusal beside a silent sibling after {:?}",
+            t.elapsed()
+        );
+    }
+    assert_eq!(used(&mut admin, &id), 950 * MIB);
+}
+
+#[test]
 fn mem_info_counts_what_the_process_gave_back_however_late_the_arbiter_reads_it() {
     // Seen beside a CPU hog: a process freed 600 MiB, its watcher gave 568 MiB of the credit
     // back on the pressure channel, and its cuMemGetInfo, asked on the memory connection, was
