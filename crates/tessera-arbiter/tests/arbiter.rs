@@ -754,6 +754,38 @@ fn with_channel(arb: &Arbiter, token: &str) -> (TenantClient, TenantClient) {
     (mem, ch)
 }
 
+/// On `ch`'s own thread: reads one `Pressure`, waits `after`, answers it giving back `bytes`;
+/// the join returns the channel.
+fn answer_pressure(
+    mut ch: TenantClient,
+    after: Duration,
+    bytes: u64,
+) -> std::thread::JoinHandle<TenantClient> {
+    std::thread::spawn(move || {
+        let TenantReply::Pressure { seq } = frame::read_frame(&mut ch.stream()).unwrap() else {
+            panic!("expected a pressure");
+        };
+        std::thread::sleep(after);
+        ch.send(&TenantRequest::Relinquish { seq, bytes }).unwrap();
+        ch
+    })
+}
+
+/// On `ch`'s own thread: after `after`, gives `bytes` back unasked (a watcher's give-back
+/// that the arbiter reads late); the join returns the channel.
+fn give_back_later(
+    mut ch: TenantClient,
+    after: Duration,
+    bytes: u64,
+) -> std::thread::JoinHandle<TenantClient> {
+    std::thread::spawn(move || {
+        std::thread::sleep(after);
+        ch.send(&TenantRequest::Relinquish { seq: 0, bytes })
+            .unwrap();
+        ch
+    })
+}
+
 #[test]
 fn pressure_takes_credit_back_before_a_refusal_and_forged_channel_frames_close_only_their_connection()
  {
@@ -764,7 +796,7 @@ fn pressure_takes_credit_back_before_a_refusal_and_forged_channel_frames_close_o
     let mut admin = arb.admin();
     let (token, id) = create(&mut admin, 0, 1000 * MIB, 50);
     let (other_token, other_id) = create(&mut admin, 0, 1000 * MIB, 10);
-    let (mut a, mut a_ch) = with_channel(&arb, &token);
+    let (mut a, a_ch) = with_channel(&arb, &token);
     // 600 MiB plus credit: half of the 400 MiB left at most, so 100 MiB as asked.
     assert_eq!(
         a.call(&TenantRequest::ReserveCredit {
@@ -779,36 +811,19 @@ fn pressure_takes_credit_back_before_a_refusal_and_forged_channel_frames_close_o
         }
     );
     // B needs 400 MiB: only with A's unused 100 MiB back. A's channel answers the pressure.
-    let answer = std::thread::spawn(move || {
-        let TenantReply::Pressure { seq } = frame::read_frame(&mut a_ch.stream()).unwrap() else {
-            panic!("expected a pressure");
-        };
-        a_ch.send(&TenantRequest::Relinquish {
-            seq,
-            bytes: 100 * MIB,
-        })
-        .unwrap();
-        a_ch
-    });
+    let answer = answer_pressure(a_ch, Duration::ZERO, 100 * MIB);
     let mut b = arb.tenant(&token);
     assert_eq!(
         b.call(&TenantRequest::Reserve { bytes: 400 * MIB })
             .unwrap(),
         TenantReply::Reserved { in_use: 1000 * MIB }
     );
-    let mut a_ch = answer.join().unwrap();
+    let a_ch = answer.join().unwrap();
     assert_eq!(used(&mut admin, &id), 1000 * MIB);
 
     // A process that really holds its bytes cannot be pressed out of them: refused after a
     // bounded wait (A's channel answers with nothing to give).
-    let answer = std::thread::spawn(move || {
-        let TenantReply::Pressure { seq } = frame::read_frame(&mut a_ch.stream()).unwrap() else {
-            panic!("expected a pressure");
-        };
-        a_ch.send(&TenantRequest::Relinquish { seq, bytes: 0 })
-            .unwrap();
-        a_ch
-    });
+    let answer = answer_pressure(a_ch, Duration::ZERO, 0);
     let t = std::time::Instant::now();
     assert_eq!(
         b.call(&TenantRequest::Reserve { bytes: MIB }).unwrap(),
@@ -887,7 +902,7 @@ fn a_reservation_waits_for_its_own_give_back_however_late_the_arbiter_reads_it()
     let arb = Arbiter::start();
     let mut admin = arb.admin();
     let (token, id) = create(&mut admin, 0, 1000 * MIB, 50);
-    let (mut a, mut a_ch) = with_channel(&arb, &token);
+    let (mut a, a_ch) = with_channel(&arb, &token);
     assert_eq!(
         a.call(&TenantRequest::ReserveCredit {
             bytes: 1000 * MIB,
@@ -900,15 +915,7 @@ fn a_reservation_waits_for_its_own_give_back_however_late_the_arbiter_reads_it()
             in_use: 1000 * MIB
         }
     );
-    let late = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(300));
-        a_ch.send(&TenantRequest::Relinquish {
-            seq: 0,
-            bytes: 400 * MIB,
-        })
-        .unwrap();
-        a_ch
-    });
+    let late = give_back_later(a_ch, Duration::from_millis(300), 400 * MIB);
     assert_eq!(
         a.call(&TenantRequest::ReserveCredit {
             bytes: 400 * MIB,
@@ -935,7 +942,7 @@ fn a_sibling_answering_the_pressure_late_still_gives_its_credit_back_and_a_silen
     let arb = Arbiter::start();
     let mut admin = arb.admin();
     let (token, id) = create(&mut admin, 0, 1000 * MIB, 50);
-    let (mut a, mut a_ch) = with_channel(&arb, &token);
+    let (mut a, a_ch) = with_channel(&arb, &token);
     assert_eq!(
         a.call(&TenantRequest::ReserveCredit {
             bytes: 600 * MIB,
@@ -948,18 +955,7 @@ fn a_sibling_answering_the_pressure_late_still_gives_its_credit_back_and_a_silen
             in_use: 700 * MIB
         }
     );
-    let answer = std::thread::spawn(move || {
-        let TenantReply::Pressure { seq } = frame::read_frame(&mut a_ch.stream()).unwrap() else {
-            panic!("expected a pressure");
-        };
-        std::thread::sleep(Duration::from_millis(300));
-        a_ch.send(&TenantRequest::Relinquish {
-            seq,
-            bytes: 100 * MIB,
-        })
-        .unwrap();
-        a_ch
-    });
+    let answer = answer_pressure(a_ch, Duration::from_millis(300), 100 * MIB);
     let mut b = arb.tenant(&token);
     assert_eq!(
         b.call(&TenantRequest::Reserve { bytes: 400 * MIB })
@@ -1013,7 +1009,7 @@ fn mem_info_counts_what_the_process_gave_back_however_late_the_arbiter_reads_it(
     let arb = Arbiter::start();
     let mut admin = arb.admin();
     let (token, id) = create(&mut admin, 0, 1000 * MIB, 50);
-    let (mut a, mut a_ch) = with_channel(&arb, &token);
+    let (mut a, a_ch) = with_channel(&arb, &token);
     assert!(matches!(
         a.call(&TenantRequest::ReserveCredit {
             bytes: 700 * MIB,
@@ -1023,15 +1019,7 @@ fn mem_info_counts_what_the_process_gave_back_however_late_the_arbiter_reads_it(
         .unwrap(),
         TenantReply::Granted { .. }
     ));
-    let late = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(300));
-        a_ch.send(&TenantRequest::Relinquish {
-            seq: 0,
-            bytes: 400 * MIB,
-        })
-        .unwrap();
-        a_ch
-    });
+    let late = give_back_later(a_ch, Duration::from_millis(300), 400 * MIB);
     assert_eq!(
         a.call(&TenantRequest::MemInfoAfter { given_back: 1 })
             .unwrap(),
