@@ -28,6 +28,11 @@
 //!   allocations wait it is at most `contended_lease_ns` so the split stays fine-grained;
 //! - a lease not released by its deadline plus `grace_ns` is revoked and charged in full; a
 //!   closed connection releases its lease (charged the wall time held);
+//! - a lease the scheduler ended before its holder did (overdue, or revoked for a latency
+//!   request) still counts as leased, and is charged, from then until the holder releases it,
+//!   asks again or closes, for at most `revoked_drain_ns`: the holder stopped launching but
+//!   drains what it launched in the lease, and that work (slowed by a neighbour's kernels, it
+//!   can run long past the deadline) is the lease's, not GPU time outside leases;
 //! - a holder whose lease ran to its end is still busy and asks again right after releasing:
 //!   if it is next by virtual time, the GPU waits up to `rerequest_window_ns` for that request
 //!   instead of going to a waiter that is further behind (an early hand-back never waits);
@@ -78,6 +83,9 @@ pub struct SchedulerParams {
     pub contended_lease_ns: u64,
     /// Time after the deadline before a lease is revoked, ns.
     pub grace_ns: u64,
+    /// Longest a lease ended by the scheduler still counts as leased while its holder drains
+    /// (the interposer reports after at most 2 s of drain), ns.
+    pub revoked_drain_ns: u64,
     /// Depth of a capped allocation's token bucket, ns.
     pub bucket_depth_ns: u64,
     /// A capped allocation is charged at most its cap of every window this long (the bucket
@@ -119,6 +127,7 @@ impl Default for SchedulerParams {
             initial_lease_ns: 20 * MS,
             contended_lease_ns: 20 * MS,
             grace_ns: 50 * MS,
+            revoked_drain_ns: 2_000 * MS,
             bucket_depth_ns: 40 * MS,
             cap_window_ns: 1_000 * MS,
             cap_window_slack_ns: 5 * MS,
@@ -214,6 +223,25 @@ struct Waiter {
     since: u64,
 }
 
+/// A lease the scheduler ended before its holder released it (see
+/// [`SchedulerParams::revoked_drain_ns`]).
+#[derive(Debug, Clone, Copy)]
+struct Drain {
+    conn: ConnId,
+    key: AccountKey,
+    lease_id: u64,
+    /// When the scheduler ended it.
+    since: u64,
+}
+
+impl Drain {
+    /// Its drain time by `now`, at most `bound`, ns.
+    fn part(&self, now: u64, bound: u64) -> u64 {
+        now.min(self.since.saturating_add(bound))
+            .saturating_sub(self.since)
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Lease {
     id: u64,
@@ -242,6 +270,9 @@ pub struct GpuScheduler {
     charged_total_ns: u64,
     /// Leases revoked for a latency request and not yet told to their holders.
     revoked: Vec<Revocation>,
+    /// Leases ended by the scheduler whose holders have not released them yet (one per
+    /// connection at most).
+    draining: Vec<Drain>,
 }
 
 impl GpuScheduler {
@@ -257,6 +288,7 @@ impl GpuScheduler {
             next_lease: 1,
             charged_total_ns: 0,
             revoked: Vec::new(),
+            draining: Vec::new(),
         }
     }
 
@@ -316,6 +348,7 @@ impl GpuScheduler {
     pub fn remove_allocation(&mut self, key: AccountKey, now: u64) -> Vec<Grant> {
         self.allocs.remove(&key);
         self.waiting.retain(|w| w.key != key);
+        self.draining.retain(|d| d.key != key);
         if self.current.is_some_and(|l| l.key == key) {
             self.current = None;
         }
@@ -340,12 +373,14 @@ impl GpuScheduler {
         if !self.allocs.contains_key(&key) {
             return Err(SchedulerError::UnknownAllocation(key));
         }
-        // Asking again while holding a lease ends the old one (charged as held).
+        // Asking again while holding a lease ends the old one (charged as held); a holder
+        // asking again has drained a lease the scheduler ended (its release may be lost).
         if let Some(l) = self.current
             && l.conn == conn
         {
             self.end_lease(l, 0, false, now);
         }
+        self.settle_drains(|d| d.conn == conn, now);
         // A second request from the same connection replaces the first.
         self.stop_waiting(|w| w.conn == conn, now);
         let recent = self.allocs[&key]
@@ -391,7 +426,11 @@ impl GpuScheduler {
                 }
                 self.dispatch(now)
             }
-            _ => Vec::new(),
+            // The release of a lease the scheduler ended: its drain is over.
+            _ => {
+                self.settle_drains(|d| d.lease_id == lease_id && d.conn == conn, now);
+                Vec::new()
+            }
         }
     }
 
@@ -403,6 +442,7 @@ impl GpuScheduler {
         {
             self.end_lease(l, 0, false, now);
         }
+        self.settle_drains(|d| d.conn == conn, now);
         self.dispatch(now)
     }
 
@@ -412,7 +452,11 @@ impl GpuScheduler {
             && now >= l.granted_at + l.duration_ns + self.params.grace_ns
         {
             self.end_lease(l, 0, false, now);
+            self.start_drain(l, now);
         }
+        // A holder silent past the bound is charged the bound.
+        let bound = self.params.revoked_drain_ns;
+        self.settle_drains(|d| now >= d.since.saturating_add(bound), now);
         self.dispatch(now)
     }
 
@@ -472,7 +516,7 @@ impl GpuScheduler {
             .current
             .filter(|l| l.key == key)
             .map_or(0, |l| now.saturating_sub(l.granted_at));
-        Some(a.leased_total_ns + running)
+        Some(a.leased_total_ns + running + self.drained(|d| d.key == key, now))
     }
 
     /// The counters of `key` at `now` (`None`: unknown allocation). Each only grows: the running
@@ -490,6 +534,7 @@ impl GpuScheduler {
             .filter(|w| w.key == key)
             .map(|w| now.saturating_sub(w.since))
             .sum();
+        let running = running + self.drained(|d| d.key == key, now);
         Some(AllocStats {
             gpu_ns: a.charged_total_ns.saturating_add(running),
             throttled_ns: a.waited_total_ns.saturating_add(waiting),
@@ -499,7 +544,8 @@ impl GpuScheduler {
 
     /// GPU time charged on this GPU so far, ns, the running lease's elapsed part included.
     pub fn busy_total(&self, now: u64) -> u64 {
-        let running = self.current.map_or(0, |l| now.saturating_sub(l.granted_at));
+        let running = self.current.map_or(0, |l| now.saturating_sub(l.granted_at))
+            + self.drained(|_| true, now);
         self.charged_total_ns.saturating_add(running)
     }
 
@@ -795,6 +841,43 @@ impl GpuScheduler {
         a.leased_total_ns += charged;
     }
 
+    /// Lease `l` was ended by the scheduler: it counts on while its holder drains.
+    fn start_drain(&mut self, l: Lease, now: u64) {
+        self.settle_drains(|d| d.conn == l.conn, now);
+        self.draining.push(Drain {
+            conn: l.conn,
+            key: l.key,
+            lease_id: l.id,
+            since: now,
+        });
+    }
+
+    /// The drain time of the leases matching `which` so far (each at most the bound), ns.
+    fn drained(&self, which: impl Fn(&Drain) -> bool, now: u64) -> u64 {
+        let bound = self.params.revoked_drain_ns;
+        self.draining
+            .iter()
+            .filter(|d| which(d))
+            .map(|d| d.part(now, bound))
+            .sum()
+    }
+
+    /// Ends the drains matching `which`: each is charged, as a lease, its drain time.
+    fn settle_drains(&mut self, which: impl Fn(&Drain) -> bool, now: u64) {
+        let bound = self.params.revoked_drain_ns;
+        let (done, kept): (Vec<Drain>, Vec<Drain>) =
+            self.draining.drain(..).partition(|d| which(d));
+        self.draining = kept;
+        for d in done {
+            let part = d.part(now, bound);
+            if part > 0
+                && let Some(a) = self.charge(d.key, part, now)
+            {
+                a.leased_total_ns += part;
+            }
+        }
+    }
+
     /// Whether an allocation other than `key` could take a whole lease now: one waiting with
     /// the room it needs, or the one the GPU is held for.
     fn others_ready(&self, key: AccountKey, now: u64) -> bool {
@@ -873,6 +956,7 @@ impl GpuScheduler {
             && self.latency_waiter(now).is_some()
         {
             self.end_lease(l, 0, false, now);
+            self.start_drain(l, now);
             self.revoked.push(Revocation {
                 conn: l.conn,
                 lease_id: l.id,
@@ -1724,12 +1808,71 @@ mod tests {
             70 * MS,
             "charged the whole time it held the GPU"
         );
-        // Its late release is ignored.
+        // Its late release ends its drain: the millisecond since is charged as well.
         assert!(
             s.release(10, g1.lease_id, 5 * MS, false, 71 * MS)
                 .is_empty()
         );
-        assert_eq!(s.gpu_time(1, 71 * MS), 70 * MS);
+        assert_eq!(s.gpu_time(1, 71 * MS), 71 * MS);
+        assert_eq!(s.gpu_time(1, 90 * MS), 71 * MS, "and nothing after it");
+    }
+
+    #[test]
+    fn a_revoked_lease_counts_as_leased_while_its_holder_drains_it() {
+        // The holder's kernels, stuck behind a neighbour's, still run after the revocation;
+        // they are the lease's work until the holder says its drain is over.
+        let mut s = GpuScheduler::new(SchedulerParams::default());
+        s.add_allocation(1, 90, None, 0);
+        s.add_allocation(2, 10, None, 0);
+        let g1 = s.acquire(1, 10, 0).unwrap()[0];
+        assert!(s.acquire(2, 20, 0).unwrap().is_empty());
+        // Revoked at its deadline (20 ms) plus the grace (50 ms); the waiter gets the GPU.
+        assert_eq!(s.tick(70 * MS)[0].conn, 20);
+        assert_eq!(s.leased_total(1, 570 * MS), Some(570 * MS), "drain counted");
+        assert_eq!(
+            s.alloc_stats(1, 570 * MS).unwrap().gpu_ns,
+            570 * MS,
+            "and charged"
+        );
+        s.release(10, g1.lease_id, 600 * MS, false, 600 * MS);
+        assert_eq!(
+            s.leased_total(1, 2_000 * MS),
+            Some(600 * MS),
+            "ends at the release"
+        );
+        assert_eq!(s.gpu_time(1, 2_000 * MS), 600 * MS);
+        // A release of the same lease again, or of another connection, changes nothing.
+        s.release(10, g1.lease_id, 0, false, 2_000 * MS);
+        s.release(30, g1.lease_id, 0, false, 2_000 * MS);
+        assert_eq!(s.leased_total(1, 2_100 * MS), Some(600 * MS));
+    }
+
+    #[test]
+    fn a_holder_that_never_releases_a_revoked_lease_counts_only_the_drain_bound() {
+        // Around the gate, a tenant could hold a revoked lease open to have its bypass counted
+        // as leased: it gets the bound at most, charged to its share like a lease.
+        let mut s = GpuScheduler::new(SchedulerParams::default());
+        let bound = SchedulerParams::default().revoked_drain_ns;
+        s.add_allocation(1, 50, None, 0);
+        s.add_allocation(2, 50, None, 0);
+        s.acquire(1, 10, 0).unwrap();
+        s.acquire(2, 20, 0).unwrap();
+        s.tick(70 * MS);
+        let later = 70 * MS + bound + 10_000 * MS;
+        assert_eq!(s.leased_total(1, later), Some(70 * MS + bound));
+        s.tick(later);
+        assert_eq!(s.alloc_stats(1, later).unwrap().gpu_ns, 70 * MS + bound);
+        assert_eq!(
+            s.leased_total(1, later + 1_000 * MS),
+            Some(70 * MS + bound),
+            "settled once"
+        );
+        // The same tick ended the other's lease, overdue by then: asking again ends its
+        // drain (its release was lost), charged up to the request.
+        let t = later + 100 * MS;
+        let before = s.gpu_time(2, t);
+        s.acquire(2, 20, t).unwrap();
+        assert_eq!(s.gpu_time(2, t), before + 100 * MS);
     }
 
     #[test]
@@ -1914,11 +2057,12 @@ mod tests {
             }]
         );
         assert!(s.take_revocations().is_empty(), "told once");
-        // The revoked holder's late release is stale and changes nothing; it was charged the
-        // 5 ms it held.
+        // The revoked holder's late release ends its drain and leaves the GPU where it is; it
+        // was charged the 5 ms it held and the 1 ms it drained.
         assert!(s.release(10, be.lease_id, 5 * MS, true, 6 * MS).is_empty());
         assert_eq!(s.current(), Some((20, g[0].lease_id)));
-        assert_eq!(s.alloc_stats(1, 6 * MS).unwrap().gpu_ns, 5 * MS);
+        assert_eq!(s.alloc_stats(1, 6 * MS).unwrap().gpu_ns, 6 * MS);
+        assert_eq!(s.alloc_stats(1, 7 * MS).unwrap().gpu_ns, 6 * MS);
         // The best-effort tenant asks again and gets the GPU when the request is done.
         assert!(s.acquire(1, 10, 6 * MS).unwrap().is_empty());
         let next = s.release(20, g[0].lease_id, 8 * MS, true, 13 * MS);
