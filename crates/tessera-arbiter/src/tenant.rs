@@ -37,7 +37,7 @@ use tessera_protocol::{FrameDecoder, ServerHello, TenantReply, TenantRequest};
 
 use crate::admission::{AdmittedTenant, TenantSlot};
 use crate::ledger::{ConnId, Credit, LedgerError, Reservation};
-use crate::pressure::{PressureError, PressureSink};
+use crate::pressure::{PressureError, PressureHub, PressureSink};
 use crate::scheduler::{Grant, GrantSink};
 use crate::state::{Arbiter, TenantBinding};
 use crate::wire::{self, READ_CHUNK, WireError};
@@ -489,7 +489,7 @@ fn handle(
             };
             // Exact: what this process gave back on its channel and the other processes'
             // unused credit are not in use.
-            wait_own_give_backs(arb, conn, given_back);
+            OwnGiveBacks::new(conn, given_back).wait_all(arb.pressure());
             press_others(arb, b, conn, Instant::now() + arb.memory_wait());
             let msg = match arb.with_ledger(|l| l.usage(key)) {
                 Some(u) => TenantReply::MemInfo {
@@ -551,17 +551,45 @@ fn violation(arb: &Arbiter, b: &TenantBinding, what: String) -> TenantError {
 /// channel (a process that claims more than it sent delays only itself).
 const OWN_GIVE_BACK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Waits (up to [`OWN_GIVE_BACK_WAIT`]) until `conn`'s pressure channel has handled the
-/// `given_back` `Relinquish` frames its process says it sent.
-fn wait_own_give_backs(arb: &Arbiter, conn: ConnId, given_back: u64) {
-    let hub = arb.pressure();
-    let deadline = Instant::now() + OWN_GIVE_BACK_WAIT;
-    loop {
-        let seen = hub.freed_count();
-        if hub.channel_frames(conn).is_none_or(|n| n >= given_back) || Instant::now() >= deadline {
-            return;
+/// The `Relinquish` frames a process says it sent on its pressure channel before a request
+/// (its own frees, which travel on another socket), waited for up to [`OWN_GIVE_BACK_WAIT`]
+/// from the request.
+struct OwnGiveBacks {
+    conn: ConnId,
+    given_back: u64,
+    deadline: Instant,
+}
+
+impl OwnGiveBacks {
+    fn new(conn: ConnId, given_back: u64) -> Self {
+        Self {
+            conn,
+            given_back,
+            deadline: Instant::now() + OWN_GIVE_BACK_WAIT,
         }
-        hub.wait_freed(seen, deadline);
+    }
+
+    /// Whether some have not been handled yet, and the wait for them is not over.
+    fn pending(&self, hub: &PressureHub) -> bool {
+        hub.channel_frames(self.conn)
+            .is_some_and(|n| n < self.given_back)
+            && Instant::now() < self.deadline
+    }
+
+    /// Waits for the next free seen after `seen` was read (or the end of the wait).
+    fn wait_one(&self, hub: &PressureHub, seen: u64) {
+        hub.wait_freed(seen, self.deadline);
+    }
+
+    /// Waits until all are handled (or the end of the wait).
+    fn wait_all(&self, hub: &PressureHub) {
+        loop {
+            let seen = hub.freed_count();
+            if !self.pending(hub) {
+                return;
+            }
+            self.wait_one(hub, seen);
+        }
     }
 }
 
@@ -578,7 +606,7 @@ fn reserve_pressing(
     given_back: u64,
     mut attempt: impl FnMut(&mut crate::ledger::Ledger) -> Result<Credit, crate::ledger::LedgerError>,
 ) -> Result<Credit, crate::ledger::LedgerError> {
-    let own_deadline = Instant::now() + OWN_GIVE_BACK_WAIT;
+    let own = OwnGiveBacks::new(conn, given_back);
     let mut deadline = Instant::now() + arb.memory_wait();
     let hub = arb.pressure();
     loop {
@@ -591,13 +619,12 @@ fn reserve_pressing(
             // Deleted: nothing anyone frees makes room.
             return Ok(r);
         }
-        if hub.channel_frames(conn).is_some_and(|n| n < given_back) && Instant::now() < own_deadline
-        {
+        if own.pending(hub) {
             // This process's own give-backs are still on their way: they were sent and come
             // however loaded the host is (a CPU hog delayed one past the memory wait, and the
             // process was refused what it had just given back). The wait for others' frees
             // starts once they are in.
-            hub.wait_freed(seen, own_deadline);
+            own.wait_one(hub, seen);
             deadline = Instant::now() + arb.memory_wait();
             continue;
         }
