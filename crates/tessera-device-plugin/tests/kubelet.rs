@@ -1336,14 +1336,11 @@ async fn a_container_process_that_never_connects_is_attributed_by_its_identity_a
         .find(|l| l.contains(&format!("of allocation {id} killed")))
         .unwrap();
     assert!(line.contains("never connected"), "{line}");
-    let held: f64 = line
-        .split("it held ")
-        .nth(1)
-        .and_then(|r| r.split(" GiB").next())
-        .and_then(|g| g.parse().ok())
-        .unwrap_or_else(|| panic!("no held figure in {line:?}"));
     // No interposer: the driver gave it more than the 24 GiB limit, and only then was it
     // killed.
+    let held = tessera_testkit::backstop_held_bytes(line, "killed")
+        .unwrap_or_else(|| panic!("no held figure in {line:?}"))
+        / GIB as f64;
     assert!(
         held > 24.0,
         "it was over its limit when killed: {line}\n{shown}"

@@ -811,23 +811,21 @@ async fn the_cdi_spec_alone_gives_a_container_its_limit() {
     // and still allocating: then the kill line says how much the driver had given it.
     if !out.contains("holds 30 GiB") {
         let log = node.dir.path().join("arbiter.log");
-        let kill_line = || {
-            std::fs::read_to_string(&log)
-                .unwrap_or_default()
-                .lines()
-                .find(|l| l.contains("backstop: pid") && l.contains("killed"))
-                .map(str::to_owned)
+        let held = || {
+            tessera_testkit::backstop_held_bytes(
+                &tessera_testkit::arbiter::read_log(&log),
+                "killed",
+            )
         };
         // The kill is logged just after the signal: the line may be a moment behind.
-        tessera_testkit::wait_until(Duration::from_secs(30), || kill_line().is_some());
-        let line = kill_line().unwrap_or_else(|| panic!("neither all 30 GiB nor a kill: {out}"));
-        let held: f64 = line
-            .split("it held ")
-            .nth(1)
-            .and_then(|r| r.split(" GiB").next())
-            .and_then(|g| g.parse().ok())
-            .unwrap_or_else(|| panic!("no held figure in {line:?}"));
-        assert!(held > 20.0, "killed within its limit: {line}\n{out}");
+        tessera_testkit::wait_until(Duration::from_secs(30), || held().is_some());
+        let held = held().unwrap_or_else(|| {
+            panic!(
+                "neither all 30 GiB nor a kill: {out}\n{}",
+                tessera_testkit::arbiter::read_log(&log)
+            )
+        }) / GIB as f64;
+        assert!(held > 20.0, "killed within its limit: {held} GiB\n{out}");
     }
 }
 

@@ -247,3 +247,50 @@ pub fn allocation(gpu: u32, memory_limit: u64, share: u32, cap: Option<u32>) -> 
         labels: Default::default(),
     }
 }
+
+/// What a process held, in bytes (to the log's two decimals), by the backstop's line about it
+/// in `log`: the first line naming `backstop: pid` and `needle` (an allocation id, a pid), with
+/// `it held 25.29 GiB` in it. `None` when there is no such line or no figure in it.
+pub fn backstop_held_bytes(log: &str, needle: &str) -> Option<f64> {
+    let line = log
+        .lines()
+        .find(|l| l.contains("backstop: pid") && l.contains(needle))?;
+    let mut figure = line.split("it held ").nth(1)?.split_whitespace();
+    let value: f64 = figure.next()?.parse().ok()?;
+    let unit = match figure.next()?.trim_end_matches(',') {
+        "B" => 1u64,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "TiB" => 1 << 40,
+        _ => return None,
+    };
+    Some(value * unit as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_held_figure_is_read_from_the_backstops_line_with_its_unit() {
+        let log = "x INFO other line\n\
+            y WARN tessera_arbiter::backstop: backstop: pid 7 of allocation 1ac8 killed: it held \
+            25.29 GiB, its allocation's processes 25.29 GiB, allowed 24.06 GiB\n\
+            z WARN tessera_arbiter::backstop: backstop: pid 9 of allocation 2bd9 killed: it held \
+            512 MiB, its allocation's processes 1 GiB\n";
+        assert_eq!(
+            backstop_held_bytes(log, "1ac8"),
+            Some(25.29 * (1u64 << 30) as f64)
+        );
+        assert_eq!(
+            backstop_held_bytes(log, "pid 9 "),
+            Some(512.0 * (1u64 << 20) as f64)
+        );
+        assert_eq!(backstop_held_bytes(log, "3ce0"), None);
+        assert_eq!(
+            backstop_held_bytes("backstop: pid 1 it held lots", "pid 1"),
+            None
+        );
+    }
+}

@@ -37,7 +37,7 @@ pub mod sim;
 pub mod trap;
 
 pub use apiserver::FakeApiServer;
-pub use arbiter::{ArbiterSpec, RunningArbiter, allocation};
+pub use arbiter::{ArbiterSpec, RunningArbiter, allocation, backstop_held_bytes};
 pub use artifacts::{artifact, artifact_with_hint, target_dir};
 pub use process::{FirstLine, KillOnDrop, code, spawn_first_line, wait_until};
 pub use python::python;
