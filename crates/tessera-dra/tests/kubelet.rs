@@ -811,15 +811,16 @@ async fn the_cdi_spec_alone_gives_a_container_its_limit() {
     // and still allocating: then the kill line says how much the driver had given it.
     if !out.contains("holds 30 GiB") {
         let log = node.dir.path().join("arbiter.log");
-        let held = || {
-            tessera_testkit::backstop_held_bytes(
+        // The kill is logged just after the signal: the line may be a moment behind.
+        let mut held = None;
+        tessera_testkit::wait_until(Duration::from_secs(30), || {
+            held = tessera_testkit::backstop_held_bytes(
                 &tessera_testkit::arbiter::read_log(&log),
                 "killed",
-            )
-        };
-        // The kill is logged just after the signal: the line may be a moment behind.
-        tessera_testkit::wait_until(Duration::from_secs(30), || held().is_some());
-        let held = held().unwrap_or_else(|| {
+            );
+            held.is_some()
+        });
+        let held = held.unwrap_or_else(|| {
             panic!(
                 "neither all 30 GiB nor a kill: {out}\n{}",
                 tessera_testkit::arbiter::read_log(&log)
