@@ -8,7 +8,8 @@
 //!   It makes no call, so a bad request is refused even while the arbiter is down.
 //! - [`execute`]: deletes allocations whose units are being handed out again, creates every
 //!   planned allocation or none (rollback), sweeps identity files of deleted allocations,
-//!   writes each container's identity file and builds the container responses.
+//!   writes each container's identity file and builds the container responses (with the
+//!   GPUs' NVIDIA CDI devices when [`Settings::cdi_kind`] is set: [`crate::cdi`]).
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
@@ -18,6 +19,7 @@ use tessera_protocol::identity::Identity;
 use tessera_protocol::{AdminErrorKind, AllocationStatus, CreateAllocation, GpuSelector, Tier};
 
 use crate::arbiter::Arbiter;
+use crate::cdi::CdiKind;
 use crate::health::GpuState;
 use crate::identity::{self, IdentityError};
 use crate::install::Installed;
@@ -27,7 +29,7 @@ use crate::units::{self, Claim, Pool, UnitsError};
 /// The environment variables carrying into the container the allocation's secret token, the
 /// tenant socket's path inside it and the public allocation id(s): the node contract's.
 pub use tessera_protocol::node::{ENV_ALLOCATION_ID as ENV_ALLOCATION, ENV_SOCKET, ENV_TOKEN};
-/// The NVIDIA container runtime's GPU selection.
+/// The NVIDIA container runtime's GPU selection (legacy mode; kept with CDI devices too).
 pub const ENV_VISIBLE: &str = "NVIDIA_VISIBLE_DEVICES";
 /// Where glibc's loader reads libraries to preload.
 pub const CONTAINER_PRELOAD: &str = "/etc/ld.so.preload";
@@ -99,6 +101,11 @@ pub struct Settings {
     pub tier: Tier,
     /// Container wiring.
     pub mounts: Mounts,
+    /// The CDI kind of the node's NVIDIA spec (`nvidia.com/gpu`, devices named by GPU UUID):
+    /// each container's answer then names `<kind>=<uuid>` for each of its GPUs, so a runtime
+    /// with CDI and without NVIDIA's runtime injects the driver. `None`: no CDI devices (the
+    /// NVIDIA container runtime reads `NVIDIA_VISIBLE_DEVICES`).
+    pub cdi_kind: Option<CdiKind>,
 }
 
 /// One arbiter allocation to make.
@@ -214,7 +221,7 @@ pub fn execute<A: Arbiter + ?Sized>(
         &settings.mounts.host_identity_dir,
     )
     .map_err(AllocateError::Arbiter)?;
-    respond(plan, &made, &settings.mounts)
+    respond(plan, &made, &settings.mounts, settings.cdi_kind.as_ref())
 }
 
 /// Makes every planned allocation, or none: on a failure the ones already made are deleted
@@ -315,11 +322,13 @@ fn create_all<A: Arbiter + ?Sized>(
     Ok(made)
 }
 
-/// One response per container from the allocations made for it (`made`, in plan order).
+/// One response per container from the allocations made for it (`made`, in plan order); with
+/// `cdi`, each names its GPUs' NVIDIA CDI devices.
 fn respond(
     plan: &Plan,
     made: &[(String, AllocationStatus)],
     m: &Mounts,
+    cdi: Option<&CdiKind>,
 ) -> Result<Vec<ContainerAllocateResponse>, AllocateError> {
     let container_socket = m.container_socket();
     let mut container_responses = Vec::new();
@@ -357,6 +366,9 @@ fn respond(
                     .iter()
                     .map(|p| mount(Path::new(CONTAINER_IDENTITY_FILE), p))
                     .collect(),
+                cdi_devices: cdi
+                    .map(|k| k.devices(uuids.iter().map(String::as_str)))
+                    .unwrap_or_default(),
                 ..Default::default()
             });
         } else if let (Some((p, (token, a))), Some(identity)) = (mine.first(), &identity) {
@@ -367,7 +379,11 @@ fn respond(
                 p.units.len(),
                 tessera_protocol::size::human(a.memory_limit)
             );
-            container_responses.push(fraction_response(m, &p.uuid, token, &a.id, identity));
+            let mut r = fraction_response(m, &p.uuid, token, &a.id, identity);
+            if let Some(k) = cdi {
+                r.cdi_devices = k.devices([p.uuid.as_str()]);
+            }
+            container_responses.push(r);
         }
     }
     Ok(container_responses)
@@ -460,7 +476,13 @@ mod tests {
             pool: Pool::all(per_gpu),
             tier: Tier::BestEffort,
             mounts: mounts(identity_dir),
+            cdi_kind: None,
         }
+    }
+
+    /// The names of an answer's CDI devices.
+    fn cdi_names(r: &ContainerAllocateResponse) -> Vec<&str> {
+        r.cdi_devices.iter().map(|d| d.name.as_str()).collect()
     }
 
     fn ids(uuid: &str, units: std::ops::Range<u32>) -> Vec<String> {
@@ -541,6 +563,8 @@ mod tests {
         );
         assert_eq!(identity.allocation.as_deref(), Some("a1"));
         assert_eq!(identity_files(tmp.path()).len(), 1);
+        // Without --nvidia-cdi-kind: no CDI devices, the NVIDIA runtime reads the variable.
+        assert!(r.cdi_devices.is_empty(), "{:?}", r.cdi_devices);
     }
 
     #[test]
@@ -598,6 +622,7 @@ mod tests {
         assert!(!r.envs.contains_key(ENV_TOKEN) && !r.envs.contains_key(ENV_SOCKET));
         assert_eq!(r.mounts.len(), 1);
         assert_eq!(r.mounts[0].container_path, CONTAINER_IDENTITY_FILE);
+        assert!(r.cdi_devices.is_empty(), "{:?}", r.cdi_devices);
         let identity = read_identity(&r.mounts[0].host_path);
         assert_eq!(identity.token, "token-1");
         assert_eq!(identity.socket, None);
@@ -797,5 +822,47 @@ mod tests {
             );
         }
         assert_eq!(arb.calls.len(), calls);
+    }
+
+    #[test]
+    fn the_nvidia_cdi_kind_names_each_gpu_of_the_container() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = Settings {
+            cdi_kind: Some("nvidia.com/gpu".parse().unwrap()),
+            ..settings(4, tmp.path())
+        };
+        let mut arb = fake();
+        // A fraction: its one GPU, next to the variable and the interposer's wiring.
+        let out = allocate(&mut arb, &[ids("GPU-b", 0..1)], &two_gpus(), &s).unwrap();
+        let r = &out[0];
+        assert_eq!(cdi_names(r), ["nvidia.com/gpu=GPU-b"]);
+        assert_eq!(r.envs[ENV_VISIBLE], "GPU-b");
+        assert_eq!(r.mounts.len(), 4);
+        // Whole GPU-b and GPU-a (the kubelet hands GPU-b's unit out again: the fraction is gone).
+        let mut whole = ids("GPU-b", 0..4);
+        whole.extend(ids("GPU-a", 0..4));
+        let out = allocate(&mut arb, &[whole], &two_gpus(), &s).unwrap();
+        let r = &out[0];
+        // Whole GPUs: one device per card, as NVIDIA_VISIBLE_DEVICES lists them (kept).
+        assert_eq!(
+            cdi_names(r),
+            ["nvidia.com/gpu=GPU-a", "nvidia.com/gpu=GPU-b"]
+        );
+        assert_eq!(r.envs[ENV_VISIBLE], "GPU-a,GPU-b");
+        assert_eq!(r.mounts.len(), 1);
+        // Several containers in one request: each names its own GPU.
+        let k = Settings {
+            cdi_kind: Some("example.com/device".parse().unwrap()),
+            ..s
+        };
+        let out = allocate(
+            &mut arb,
+            &[ids("GPU-b", 2..3), ids("GPU-a", 3..4)],
+            &two_gpus(),
+            &k,
+        )
+        .unwrap();
+        assert_eq!(cdi_names(&out[0]), ["example.com/device=GPU-b"]);
+        assert_eq!(cdi_names(&out[1]), ["example.com/device=GPU-a"]);
     }
 }

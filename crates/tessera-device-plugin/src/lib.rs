@@ -19,6 +19,8 @@
 //!   code.
 //! - [`allocate`]: the `Allocate` logic over that trait: plan, replace, create all or none,
 //!   identity files, container responses; one typed error.
+//! - [`cdi`]: the node's NVIDIA CDI devices named in the answer (`--nvidia-cdi-kind`), for
+//!   runtimes that read CDI and not `NVIDIA_VISIBLE_DEVICES`.
 //! - [`server`]: the `DevicePlugin` service, a thin gRPC adapter (ListAndWatch, preferred
 //!   allocation, Allocate over [`allocate`]).
 //! - [`podresources`]: pod names for allocations, stale clean-up and the refusal of a
@@ -31,6 +33,7 @@
 
 pub mod allocate;
 pub mod arbiter;
+pub mod cdi;
 pub mod health;
 pub mod identity;
 pub mod install;

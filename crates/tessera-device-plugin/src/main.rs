@@ -13,6 +13,7 @@ use std::time::Duration;
 use tessera_protocol::node;
 
 use clap::{Parser, ValueEnum};
+use tessera_device_plugin::cdi::CdiKind;
 use tessera_device_plugin::{Config, PluginError, SourceKind};
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -113,6 +114,12 @@ struct Args {
     /// The latency resource's socket file name in the kubelet folder.
     #[arg(long, value_name = "NAME", default_value = "tessera-latency.sock")]
     latency_endpoint: String,
+    /// Also name each GPU of a container as the CDI device KIND=<GPU UUID> (e.g.
+    /// `nvidia.com/gpu`: the node's NVIDIA CDI spec, `nvidia-ctk cdi generate
+    /// --device-name-strategy=uuid`), for runtimes with CDI and without NVIDIA's runtime
+    /// (containerd 2 with runc). Off: only NVIDIA_VISIBLE_DEVICES.
+    #[arg(long, value_name = "KIND")]
+    nvidia_cdi_kind: Option<CdiKind>,
     /// Where the GPU list and health come from (auto: NVML, else the arbiter).
     #[arg(
         long,
@@ -168,6 +175,7 @@ fn config(a: Args) -> Result<(Config, bool, tessera_log::LogFormat), String> {
         latency_shares: a.latency_shares,
         latency_resource_name: a.latency_resource_name,
         latency_endpoint: a.latency_endpoint,
+        nvidia_cdi_kind: a.nvidia_cdi_kind,
         gpu_source: match a.gpu_source {
             Source::Auto => SourceKind::Auto,
             Source::Nvml => SourceKind::Nvml,

@@ -17,6 +17,7 @@ use tokio::net::UnixListener;
 use tokio::sync::watch;
 
 use crate::allocate::{Mounts, Settings};
+use crate::cdi::CdiKind;
 use crate::health::{self, GpuSource, HealthError, Snapshot};
 use crate::install::{self, InstallError};
 use crate::kubelet::{self, KubeletError, file_id};
@@ -105,6 +106,10 @@ pub struct Config {
     pub latency_resource_name: String,
     /// The latency resource's socket file name in the kubelet folder.
     pub latency_endpoint: String,
+    /// The CDI kind of the node's NVIDIA spec (devices named by GPU UUID) whose devices every
+    /// `Allocate` answer names, for runtimes with CDI and without NVIDIA's runtime (`None`:
+    /// only `NVIDIA_VISIBLE_DEVICES`).
+    pub nvidia_cdi_kind: Option<CdiKind>,
     /// GPU source.
     pub gpu_source: SourceKind,
     /// NVML library name or path.
@@ -351,6 +356,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
                     container_lib_path: cfg.container_lib_path.clone(),
                     host_identity_dir: cfg.host_identity_dir.clone(),
                 },
+                cdi_kind: cfg.nvidia_cdi_kind.clone(),
             },
             admin_socket: cfg.admin_socket.clone(),
             metrics: metrics.clone(),
@@ -607,6 +613,7 @@ mod tests {
             latency_shares: 0,
             latency_resource_name: "tessera.dev/gpu-latency-shares".into(),
             latency_endpoint: "tessera-latency.sock".into(),
+            nvidia_cdi_kind: None,
             gpu_source: SourceKind::Auto,
             nvml_lib: "libnvidia-ml.so.1".into(),
             stale_grace: Duration::from_secs(60),

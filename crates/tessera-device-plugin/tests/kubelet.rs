@@ -596,6 +596,8 @@ async fn register_list_prefer_allocate_and_clean_up() {
     assert!(token.len() >= 32, "token {token:?}");
     assert_eq!(resp.envs["TESSERA_SOCKET"], "/run/tessera/tessera.sock");
     assert_eq!(resp.envs["NVIDIA_VISIBLE_DEVICES"], g0);
+    // No CDI devices without --nvidia-cdi-kind (container_node's plugin has it).
+    assert!(resp.cdi_devices.is_empty(), "{:?}", resp.cdi_devices);
     let mounts: HashMap<&str, _> = resp
         .mounts
         .iter()
@@ -973,6 +975,14 @@ async fn bad_flags_and_missing_interposer_exit_with_documented_codes() {
     }
     let out = run(&["--log-format", "yaml"]);
     assert_eq!(out.status.code(), Some(2));
+    // A CDI kind that is not <vendor>/<class>.
+    let out = run(&["--nvidia-cdi-kind", "nvidia.com"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--nvidia-cdi-kind") && err.contains("<vendor>/<class>"),
+        "{err}"
+    );
     // Logs as JSON lines on request: the interposer error is one object with its level.
     let out = run(&[
         "--log-format",
@@ -1108,6 +1118,9 @@ async fn a_container_gets_the_interposer_and_its_limit() {
     let units = unit_ids(&g0, 0..30);
     podres.set_holding("p", &units);
     let resp = allocate(&mut client, units).await.unwrap();
+    // The card's device of the node's NVIDIA CDI spec, for a runtime without NVIDIA's.
+    let cdi: Vec<&str> = resp.cdi_devices.iter().map(|d| d.name.as_str()).collect();
+    assert_eq!(cdi, [format!("nvidia.com/gpu={g0}")]);
 
     let hello = artifact("hello_gpu");
     let target = target_dir();
@@ -1164,7 +1177,8 @@ async fn a_container_gets_the_interposer_and_its_limit() {
 }
 
 /// A node whose plugin puts the interposer under /opt (the emulated containers share the
-/// host's /usr), registered with a fake kubelet that serves PodResources.
+/// host's /usr) and names the GPUs' NVIDIA CDI devices (the emulated runtime ignores them),
+/// registered with a fake kubelet that serves PodResources.
 async fn container_node() -> (Node, FakeKubelet, FakePodResources) {
     let mut node = Node::start().await;
     let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
@@ -1173,6 +1187,8 @@ async fn container_node() -> (Node, FakeKubelet, FakePodResources) {
     node.start_plugin_with(&[
         "--container-lib-path",
         "/opt/tessera/libtessera_interpose.so",
+        "--nvidia-cdi-kind",
+        "nvidia.com/gpu",
     ]);
     within(15, "registration", kubelet.registrations.recv())
         .await
@@ -1384,6 +1400,13 @@ async fn a_container_without_shares_that_reaches_the_gpu_is_killed_and_whole_gpu
     let whole = allocate(&mut client, units).await.unwrap();
     assert_eq!(whole.mounts.len(), 1, "only the identity file: {whole:?}");
     assert_eq!(whole.mounts[0].container_path, "/etc/tessera/tenant");
+    let cdi: Vec<&str> = whole.cdi_devices.iter().map(|d| d.name.as_str()).collect();
+    let each: Vec<String> = whole.envs["NVIDIA_VISIBLE_DEVICES"]
+        .split(',')
+        .map(|u| format!("nvidia.com/gpu={u}"))
+        .collect();
+    assert_eq!(cdi, each);
+    assert_eq!(cdi.len(), 2, "{cdi:?}");
     let env = sim_env(&node);
     let (out, err, status, _) = tokio::task::block_in_place(|| {
         run_tenant(

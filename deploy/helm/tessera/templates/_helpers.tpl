@@ -45,6 +45,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and (gt (int .Values.devicePlugin.latencyShares) 0) (eq .Values.devicePlugin.latencyResourceName .Values.devicePlugin.resourceName) -}}
 {{- fail "devicePlugin.latencyResourceName must differ from devicePlugin.resourceName" -}}
 {{- end -}}
+{{- with .Values.devicePlugin.nvidiaCdiKind -}}
+{{- if not (regexMatch "^[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?/[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?$" .) -}}
+{{- fail (printf "devicePlugin.nvidiaCdiKind must be empty (off) or a CDI kind <vendor>/<class> such as nvidia.com/gpu, not %q" .) -}}
+{{- end -}}
+{{- end -}}
 {{- if not (has .Values.arbiter.enforce (list "kill" "report")) -}}
 {{- fail (printf "arbiter.enforce must be kill or report, not %q" .Values.arbiter.enforce) -}}
 {{- end -}}
