@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The end-to-end tests on a real one-node Kubernetes (e2e/cluster.sh): brings the cluster up,
+# runs every test of e2e/tests/*.sh (or those named: `e2e/run.sh device_plugin dra`), leaves
+# every component's log in target/e2e/logs when one fails, and takes the cluster down.
+# Needs root, Go 1.26 and `cargo build --workspace` done. E2E_KEEP=1 leaves the cluster up.
+#
+# The last line is 'e2e: N passed, N failed'; the exit code is 1 when any test failed.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(dirname "$here")
+export E2E_DIR=${E2E_DIR:-/tmp/tessera-e2e}
+logs=${E2E_LOGS:-$repo/target/e2e/logs}
+
+if [ -d "$E2E_DIR/pids" ]; then
+    echo "== a cluster is already up in $E2E_DIR: taking it down first"
+    bash "$here/cluster.sh" down
+fi
+t0=$SECONDS
+if ! bash "$here/cluster.sh" up; then
+    E2E_LOGS=$logs bash "$here/cluster.sh" logs
+    bash "$here/cluster.sh" down
+    echo "e2e: 0 passed, 1 failed (the cluster did not come up; logs in $logs)"
+    exit 1
+fi
+echo "== cluster up after $((SECONDS - t0)) s"
+
+. "$here/lib.sh"
+for f in "$here"/tests/*.sh; do . "$f"; done
+if [ $# -gt 0 ]; then
+    groups=("$@")
+else
+    groups=()
+    for f in "$here"/tests/*.sh; do
+        n=$(basename "$f" .sh)
+        groups+=("${n#[0-9][0-9]_}")
+    done
+fi
+
+passed=0 failed=0 failures=()
+for g in "${groups[@]}"; do
+    for t in $(declare -F | awk '{print $3}' | grep "^test_${g}__" ); do
+        echo "--- $t"
+        start=$SECONDS
+        ( set -e; "$t" )
+        rc=$?
+        if [ $rc = 0 ]; then
+            passed=$((passed + 1))
+            echo "--- ok $t ($((SECONDS - start)) s)"
+        else
+            failed=$((failed + 1))
+            failures+=("$t")
+            echo "--- FAILED $t ($((SECONDS - start)) s)"
+        fi
+        cleanup_test_objects
+    done
+done
+
+if [ $failed -gt 0 ]; then
+    E2E_LOGS=$logs bash "$here/cluster.sh" logs
+    echo "== failed: ${failures[*]}"
+fi
+[ "${E2E_KEEP:-}" = 1 ] || bash "$here/cluster.sh" down
+echo "== e2e took $((SECONDS - t0)) s"
+echo "e2e: $passed passed, $failed failed"
+[ $failed = 0 ] && [ $passed -gt 0 ]
