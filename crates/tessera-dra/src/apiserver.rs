@@ -6,9 +6,20 @@
 //! ([`Connection`]): in a pod, the service account (`KUBERNETES_SERVICE_HOST`, its token and CA,
 //! TLS); else a kubeconfig file; else a plain URL (the tests' stand-in API server speaks plain
 //! HTTP), optionally with a bearer token file.
+//!
+//! A bearer token file, whichever way it is named (the service account's, a kubeconfig's
+//! `tokenFile`, `--token-file`), is read as client-go reads one ([`FileToken`]): surrounding
+//! whitespace trimmed, re-read every minute, the last good token kept when a re-read fails.
+//! kube-rs sends the file's bytes as they are, so a token file ending in a newline (what
+//! `echo`, `kubectl create token > file` and most editors write) made every call fail with an
+//! invalid `Authorization` header.
 
-use std::path::PathBuf;
-use std::time::Duration;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use http::HeaderValue;
+use http::header::AUTHORIZATION;
 
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
@@ -101,9 +112,84 @@ pub enum Connection {
     Url {
         /// Base URL.
         url: String,
-        /// Token file, re-read on each call.
+        /// Token file, read as a [`FileToken`].
         token_file: Option<PathBuf>,
     },
+}
+
+/// How often a token file is read again: client-go's `NewCachedFileTokenSource` period
+/// (k8s.io/client-go `transport/token_source.go`; half the time between the kubelet's refresh
+/// of a projected service account token and its expiry).
+pub const TOKEN_REREAD: Duration = Duration::from_secs(60);
+
+/// A bearer token kept in a file, read the way client-go reads one (k8s.io/client-go v0.36.3
+/// `transport/token_source.go`, `fileTokenSource.Token`: `strings.TrimSpace`, an empty token is
+/// an error; `cachingTokenSource` and `round_trippers.go` `bearerAuthRoundTripper`: re-read
+/// when the cached one is [`TOKEN_REREAD`] old, and a failed re-read keeps the last token).
+#[derive(Debug)]
+pub struct FileToken {
+    path: PathBuf,
+    every: Duration,
+    /// The `Authorization` value and when the file was last read.
+    cached: Mutex<(HeaderValue, Instant)>,
+}
+
+impl FileToken {
+    /// Reads `path` now (an unreadable or empty file is an error, as in client-go), and again
+    /// when the token is `every` old.
+    pub fn new(path: &Path, every: Duration) -> Result<Self, ApiError> {
+        let header = Self::read(path).map_err(ApiError::Config)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            every,
+            cached: Mutex::new((header, Instant::now())),
+        })
+    }
+
+    fn read(path: &Path) -> Result<HeaderValue, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("token file {}: {e}", path.display()))?;
+        let token = text.trim();
+        if token.is_empty() {
+            return Err(format!("token file {}: empty", path.display()));
+        }
+        let mut v = HeaderValue::try_from(format!("Bearer {token}")).map_err(|_| {
+            format!(
+                "token file {}: not a token (characters a header cannot carry)",
+                path.display()
+            )
+        })?;
+        v.set_sensitive(true);
+        Ok(v)
+    }
+
+    /// The `Authorization` value to send now.
+    pub fn header(&self) -> HeaderValue {
+        let mut cached = self.cached.lock().unwrap_or_else(|e| e.into_inner());
+        if cached.1.elapsed() >= self.every {
+            match Self::read(&self.path) {
+                Ok(v) => cached.0 = v,
+                Err(e) => tracing::warn!("{e}; the last token read is kept"),
+            }
+            cached.1 = Instant::now();
+        }
+        cached.0.clone()
+    }
+}
+
+/// Takes the token file out of `config` into a [`FileToken`], so that kube-rs does not send it
+/// untrimmed. A kubeconfig's inline `token` is left to kube-rs (it wins over `tokenFile` there).
+fn take_token_file(config: &mut kube::Config) -> Result<Option<Arc<FileToken>>, ApiError> {
+    if config.auth_info.token.is_some() {
+        return Ok(None);
+    }
+    match config.auth_info.token_file.take() {
+        Some(path) => Ok(Some(Arc::new(FileToken::new(
+            Path::new(&path),
+            TOKEN_REREAD,
+        )?))),
+        None => Ok(None),
+    }
 }
 
 /// The kube-rs client.
@@ -126,7 +212,7 @@ impl KubeClient {
         let cfg_err = |e: &dyn std::error::Error| {
             ApiError::Config(tessera_device_plugin::kubelet::error_chain(e))
         };
-        let mut config = match conn {
+        let config = match conn {
             Connection::InCluster => kube::Config::incluster().map_err(|e| cfg_err(&e))?,
             Connection::Kubeconfig(path) => {
                 let kc = Kubeconfig::read_from(path).map_err(|e| {
@@ -154,11 +240,34 @@ impl KubeClient {
                 c
             }
         };
+        Self::from_config(config)
+    }
+
+    /// A client for `config` (what [`KubeClient::connect`] made of a [`Connection`]): the call
+    /// timeouts, and a token file read as a [`FileToken`].
+    pub fn from_config(mut config: kube::Config) -> Result<Self, ApiError> {
+        let cfg_err = |e: &dyn std::error::Error| {
+            ApiError::Config(tessera_device_plugin::kubelet::error_chain(e))
+        };
         config.connect_timeout = Some(CALL_TIMEOUT);
         config.read_timeout = Some(CALL_TIMEOUT);
         config.write_timeout = Some(CALL_TIMEOUT);
         let what = config.cluster_url.to_string();
-        let client = kube::Client::try_from(config).map_err(|e| cfg_err(&e))?;
+        let token = take_token_file(&mut config)?;
+        let builder = kube::client::ClientBuilder::try_from(config).map_err(|e| cfg_err(&e))?;
+        let client = match token {
+            None => builder.build(),
+            Some(token) => builder
+                .with_layer(&tower::util::MapRequestLayer::new(
+                    move |mut req: http::Request<kube::client::Body>| {
+                        if !req.headers().contains_key(AUTHORIZATION) {
+                            req.headers_mut().insert(AUTHORIZATION, token.header());
+                        }
+                        req
+                    },
+                ))
+                .build(),
+        };
         Ok(Self { client, what })
     }
 
@@ -289,6 +398,107 @@ mod tests {
             "{:?}",
             server.state().requests
         );
+    }
+
+    /// Connects every way a token file can be named, all to `server` with the token in `file`:
+    /// `--api-server` with `--token-file`, a kubeconfig's `tokenFile`, and the in-cluster
+    /// configuration (kube-rs's `Config::incluster` is the cluster URL and the service
+    /// account's token file in `auth_info.token_file`, nothing else; its paths are fixed, so the
+    /// same shape is built here and goes through the same [`KubeClient::from_config`]).
+    async fn every_way_to_a_token_file(
+        server: &tessera_testkit::FakeApiServer,
+        file: &Path,
+    ) -> Vec<(&'static str, Result<KubeClient, ApiError>)> {
+        let url = Connection::Url {
+            url: server.url(),
+            token_file: Some(file.to_path_buf()),
+        };
+        let kc = file.with_extension("kubeconfig");
+        std::fs::write(
+            &kc,
+            format!(
+                "apiVersion: v1\nkind: Config\ncurrent-context: test\n\
+                 clusters: [{{name: stand-in, cluster: {{server: \"{}\"}}}}]\n\
+                 users: [{{name: plugin, user: {{tokenFile: \"{}\"}}}}]\n\
+                 contexts: [{{name: test, context: {{cluster: stand-in, user: plugin}}}}]\n",
+                server.url(),
+                file.display()
+            ),
+        )
+        .unwrap();
+        let mut incluster = kube::Config::new(server.url().parse().unwrap());
+        incluster.auth_info.token_file = Some(file.display().to_string());
+        vec![
+            ("--token-file", KubeClient::connect(&url).await),
+            (
+                "kubeconfig tokenFile",
+                KubeClient::connect(&Connection::Kubeconfig(kc)).await,
+            ),
+            ("in-cluster", KubeClient::from_config(incluster)),
+        ]
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_token_file_ending_in_a_newline_is_sent_trimmed_as_client_go_does() {
+        let server = tessera_testkit::FakeApiServer::start();
+        server.state().require_token = Some("secret-token".into());
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        // What `kubectl create token sa > token` or `echo` leaves: the token and a newline.
+        std::fs::write(&file, "secret-token\n").unwrap();
+        for (how, api) in every_way_to_a_token_file(&server, &file).await {
+            let api = api.unwrap_or_else(|e| panic!("{how}: {e}"));
+            let got = api.list_slices("gpu.tessera.dev", "node-a").await;
+            assert!(got.is_ok(), "{how}: {got:?}");
+        }
+        let st = server.state();
+        assert_eq!(st.authorizations.len(), 3, "{:?}", st.requests);
+        assert!(
+            st.authorizations.iter().all(|a| a == "Bearer secret-token"),
+            "{:?}",
+            st.authorizations
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_empty_or_missing_token_file_is_a_configuration_error() {
+        let server = tessera_testkit::FakeApiServer::start();
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, " \n").unwrap();
+        for (how, api) in every_way_to_a_token_file(&server, &file).await {
+            assert!(matches!(api, Err(ApiError::Config(_))), "{how}: {api:?}");
+        }
+        let missing = dir.path().join("absent");
+        let url = Connection::Url {
+            url: server.url(),
+            token_file: Some(missing),
+        };
+        let e = KubeClient::connect(&url).await.unwrap_err();
+        assert!(e.to_string().contains("absent"), "{e}");
+    }
+
+    #[test]
+    fn a_token_file_is_read_again_and_a_failed_read_keeps_the_last_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "first\n").unwrap();
+        let t = FileToken::new(&file, Duration::ZERO).unwrap();
+        assert_eq!(t.header(), "Bearer first");
+        // Rotated (the kubelet rewrites a projected token before it expires).
+        std::fs::write(&file, "  second \r\n").unwrap();
+        assert_eq!(t.header(), "Bearer second");
+        // Removed or emptied: the last token read is kept, as client-go keeps it.
+        std::fs::write(&file, "\n").unwrap();
+        assert_eq!(t.header(), "Bearer second");
+        std::fs::remove_file(&file).unwrap();
+        assert_eq!(t.header(), "Bearer second");
+        assert!(t.header().is_sensitive());
+        // Not due yet: the file is not read.
+        std::fs::write(&file, "third").unwrap();
+        let slow = FileToken::new(&file, TOKEN_REREAD).unwrap();
+        std::fs::write(&file, "fourth").unwrap();
+        assert_eq!(slow.header(), "Bearer third");
     }
 
     #[tokio::test]

@@ -7,7 +7,14 @@
 //! - `consumedCapacity.shares` is the compute share (1..=100) and
 //!   `consumedCapacity.memory` the memory limit (bytes, at most the card);
 //! - a result without `consumedCapacity`, or with all 100 shares, is the whole GPU: share 100,
-//!   the card's memory, no interposer (nobody else can be placed on it by shares).
+//!   the card's memory, no interposer (nobody else can be placed on it by shares);
+//! - a capacity the result does not name is the slice's default for it ([`DEFAULT_SHARES`],
+//!   the configured default memory), as the scheduler fills it in: with consumable capacity it
+//!   writes every capacity of the device into `consumedCapacity`, a capacity the request does
+//!   not name at its `requestPolicy.default` (k8s.io/dynamic-resource-allocation v0.36.3
+//!   `structured/internal/incubating/consumable_capacity.go`, `fillEmptyRequest`). So a claim
+//!   that names only memory ("20 GiB of any GPU") is a fraction with the default share, not the
+//!   whole card.
 //!
 //! A claim is either one fraction or whole GPUs: a container has one identity (one
 //! allocation the interposer enforces), so two fractions in one claim are refused.
@@ -26,6 +33,12 @@ pub const CAPACITY_SHARES: &str = "shares";
 pub const CAPACITY_MEMORY: &str = "memory";
 /// Shares a whole GPU has.
 pub const SHARES_PER_GPU: u64 = 100;
+/// Shares of a claim that names none (the slice's `requestPolicy.default` for `shares`): a
+/// claim that asks only for memory is a fraction with this compute weight (as `tessera run
+/// --share` defaults to 10), and a whole GPU is asked for as `shares: 100`. Below 100 on
+/// purpose: with a default of 100 the scheduler reserves every share of the card for a
+/// memory-only claim, and nothing else can be placed on it.
+pub const DEFAULT_SHARES: u64 = 10;
 
 /// A GPU of this node as the claims name it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -308,7 +321,9 @@ fn limits(
             })
             .transpose()
     };
-    let shares = get(CAPACITY_SHARES)?.unwrap_or(SHARES_PER_GPU);
+    // A result that names memory but not shares (the scheduler names both; another writer may
+    // not) has the default share the slice publishes, as the scheduler would have written.
+    let shares = get(CAPACITY_SHARES)?.unwrap_or(DEFAULT_SHARES);
     if !(1..=SHARES_PER_GPU).contains(&shares) {
         return Err(ClaimError::Shares(shares));
     }
@@ -478,6 +493,30 @@ mod tests {
                 .unwrap()
                 .is_empty()
         );
+    }
+
+    #[test]
+    fn a_result_naming_only_memory_is_a_fraction_with_the_default_share() {
+        // What the scheduler writes for `capacity.requests: {memory: 20Gi}` against the slice
+        // (every capacity, the unnamed one at its default): 10 shares, 20 GiB.
+        let c = claim(
+            "u1",
+            vec![result(
+                "gpu-0",
+                "node-a",
+                &[("shares", "10"), ("memory", "20Gi")],
+            )],
+        );
+        let p = &plan(&c, "u1", "node-a", &gpus(), GIB).unwrap()[0];
+        assert_eq!((p.share, p.memory_limit, p.whole), (10, 20 * GIB, false));
+        // A result that names only the memory is the same fraction, not the whole card.
+        let c = claim("u1", vec![result("gpu-0", "node-a", &[("memory", "20Gi")])]);
+        let p = &plan(&c, "u1", "node-a", &gpus(), GIB).unwrap()[0];
+        assert_eq!(
+            (u64::from(p.share), p.memory_limit, p.whole),
+            (DEFAULT_SHARES, 20 * GIB, false)
+        );
+        const { assert!(DEFAULT_SHARES < SHARES_PER_GPU) };
     }
 
     #[test]

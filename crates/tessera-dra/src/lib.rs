@@ -19,7 +19,8 @@
 //!   ResourceSlices) behind a small trait, implemented with kube-rs.
 //! - [`cleanup`]: pure rules: which prepared claims nothing uses any more.
 //! - [`inventory`]: the node's GPUs and their attributes from NVML and sysfs.
-//! - [`publish`]: keeps the node's ResourceSlice current; removes it on shutdown.
+//! - [`publish`]: keeps the node's ResourceSlice current; keeps it on shutdown (removes it
+//!   only with `--remove-slices-on-exit`).
 //! - [`service`]: the `DRAPlugin` (v1, v1beta1) and `Registration` gRPC services.
 //! - [`plugin`]: configuration and life cycle.
 

@@ -1,6 +1,7 @@
 //! `tessera-dra`: the DRA kubelet plugin for driver `gpu.tessera.dev`.
 //!
-//! Exit codes: 0 stopped by SIGTERM/SIGINT; 1 unexpected failure; 2 bad flags; 3 the
+//! Exit codes: 0 stopped by SIGTERM/SIGINT (the node's ResourceSlice is kept unless
+//! `--remove-slices-on-exit`); 1 unexpected failure; 2 bad flags; 3 the
 //! interposer could not be found or installed; 5 the GPUs could not be read through NVML.
 
 #![forbid(unsafe_code)]
@@ -41,7 +42,8 @@ struct Args {
     /// API server URL (`https://...` or `http://...`) instead of the pod's service account.
     #[arg(long, value_name = "URL", conflicts_with = "kubeconfig")]
     api_server: Option<String>,
-    /// Bearer token file sent to `--api-server` (re-read on each call).
+    /// Bearer token file sent to `--api-server` (whitespace around the token trimmed, re-read
+    /// every minute, as client-go does).
     #[arg(long, value_name = "PATH", requires = "api_server")]
     token_file: Option<PathBuf>,
     /// Kubeconfig file (its current context) instead of the pod's service account.
@@ -117,6 +119,11 @@ struct Args {
     /// by no pod is unprepared (also checked at start).
     #[arg(long, value_name = "SECONDS", default_value_t = 60.0)]
     claim_check: f64,
+    /// On SIGTERM/SIGINT also delete this node's ResourceSlice (an uninstall). Without it the
+    /// slice is kept for the next start, and the kubelet deletes it 30 s after the plugin is
+    /// gone for good.
+    #[arg(long)]
+    remove_slices_on_exit: bool,
 }
 
 fn seconds(v: f64, flag: &str) -> Result<Duration, String> {
@@ -161,6 +168,7 @@ fn config(a: Args) -> Result<(Config, tessera_log::LogFormat), String> {
             poll: Duration::from_millis(a.poll_ms.clamp(10, 10_000)),
             resync,
             claim_check,
+            remove_slices_on_exit: a.remove_slices_on_exit,
         },
         a.log_format,
     ))

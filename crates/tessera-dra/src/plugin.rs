@@ -1,6 +1,7 @@
 //! Configuration and life cycle: install the interposer, read the GPUs, serve the plugin and
 //! registration sockets, keep the ResourceSlice current, release claims nothing uses (on start
-//! and every [`Config::claim_check`]), and on shutdown remove the slice and the sockets.
+//! and every [`Config::claim_check`]), and on shutdown remove the sockets (the slice stays for
+//! the next start unless [`Config::remove_slices_on_exit`]; see [`crate::publish`]).
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -66,6 +67,9 @@ pub struct Config {
     /// Interval between checks of the prepared claims against the API server (claims whose
     /// pods are gone are unprepared).
     pub claim_check: Duration,
+    /// Delete this node's ResourceSlice on shutdown (an uninstall). Off: the slice stays, so a
+    /// restart or rolling update does not hide the GPUs from the scheduler.
+    pub remove_slices_on_exit: bool,
 }
 
 /// File name of the plugin socket in [`Config::plugin_dir`].
@@ -185,6 +189,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
         gpus,
         cfg.default_memory,
         cfg.resync,
+        cfg.remove_slices_on_exit,
         stop.clone(),
     ));
     let checker = tokio::spawn(check_claims(dra.clone(), cfg.claim_check, stop.clone()));

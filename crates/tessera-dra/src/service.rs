@@ -352,7 +352,8 @@ impl Registration for RegistrationService {
             r#type: PLUGIN_TYPE.to_owned(),
             name: DRIVER.to_owned(),
             endpoint: self.endpoint.display().to_string(),
-            // The kubelet picks the newest it knows (1.34+: v1).
+            // The kubelet takes the first entry it knows (pkg/kubelet/cm/dra/plugin/
+            // dra_plugin_manager.go, validateSupportedServices): v1 on 1.34+, v1beta1 before.
             supported_versions: vec![DRA_V1_SERVICE.to_owned(), DRA_V1BETA1_SERVICE.to_owned()],
         }))
     }
@@ -369,5 +370,112 @@ impl Registration for RegistrationService {
         }
         let _ = self.status.send(Some(st));
         Ok(Response::new(RegistrationStatusResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kubelet's choice among `supported_versions` (k8s.io/kubernetes v1.36.3
+    /// `pkg/kubelet/cm/dra/plugin/dra_plugin_manager.go`, `validateSupportedServices`): the first
+    /// of the plugin's entries that the kubelet speaks (`servicesSupportedByKubelet` in
+    /// `dra_plugin.go`), none if none is.
+    fn kubelet_choice<'a>(plugin: &'a [String], kubelet: &[&str]) -> Option<&'a str> {
+        plugin
+            .iter()
+            .map(String::as_str)
+            .find(|s| kubelet.contains(s))
+    }
+
+    fn registration() -> (
+        RegistrationService,
+        watch::Receiver<Option<RegistrationStatus>>,
+    ) {
+        let (status, rx) = watch::channel(None);
+        let svc = RegistrationService {
+            endpoint: "/var/lib/kubelet/plugins/gpu.tessera.dev/dra.sock".into(),
+            status,
+        };
+        (svc, rx)
+    }
+
+    #[test]
+    fn advertised_names_are_the_kubelets_and_the_served_paths_are_the_ones_it_calls() {
+        use crate::proto::dra::dra_plugin_server::DraPluginServer;
+        use crate::proto::dra_v1beta1::dra_plugin_server::DraPluginServer as BetaServer;
+        use crate::proto::registration::registration_server::RegistrationServer;
+        use crate::proto::{
+            DRA_V1_GRPC_SERVICE, DRA_V1BETA1_GRPC_SERVICE, REGISTRATION_GRPC_SERVICE,
+        };
+        use tonic::server::NamedService;
+        // The kubelet's constants, copied from k8s.io/kubelet v0.36.3.
+        assert_eq!(DRA_V1_SERVICE, "v1.DRAPlugin");
+        assert_eq!(DRA_V1BETA1_SERVICE, "v1beta1.DRAPlugin");
+        // What tonic serves, from the vendored protos' packages: the kubelet's full method
+        // paths (`/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/NodePrepareResources`, ...).
+        assert_eq!(
+            <DraPluginServer<DraService> as NamedService>::NAME,
+            DRA_V1_GRPC_SERVICE
+        );
+        assert_eq!(
+            <BetaServer<DraV1beta1> as NamedService>::NAME,
+            DRA_V1BETA1_GRPC_SERVICE
+        );
+        assert_eq!(
+            <RegistrationServer<RegistrationService> as NamedService>::NAME,
+            REGISTRATION_GRPC_SERVICE
+        );
+        // Each advertised name is the last package component and the service of one served.
+        for (advertised, served) in [
+            (DRA_V1_SERVICE, DRA_V1_GRPC_SERVICE),
+            (DRA_V1BETA1_SERVICE, DRA_V1BETA1_GRPC_SERVICE),
+        ] {
+            let tail: Vec<&str> = served.rsplitn(3, '.').take(2).collect();
+            assert_eq!(advertised, format!("{}.{}", tail[1], tail[0]));
+        }
+    }
+
+    #[tokio::test]
+    async fn get_info_is_what_the_kubelets_plugin_manager_accepts() {
+        let (svc, _) = registration();
+        let info = svc
+            .get_info(Request::new(InfoRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
+        // pkg/kubelet/pluginmanager/operationexecutor/operation_generator.go: the handler is
+        // picked by type, validated and registered under the name, dialled at the endpoint.
+        assert_eq!(info.r#type, "DRAPlugin");
+        assert_eq!(info.name, "gpu.tessera.dev");
+        assert_eq!(
+            info.endpoint,
+            "/var/lib/kubelet/plugins/gpu.tessera.dev/dra.sock"
+        );
+        // A 1.34+ kubelet picks v1; an older one (v1beta1 only) still finds its service.
+        let now = ["v1.DRAPlugin", "v1beta1.DRAPlugin"];
+        assert_eq!(
+            kubelet_choice(&info.supported_versions, &now),
+            Some("v1.DRAPlugin")
+        );
+        assert_eq!(
+            kubelet_choice(&info.supported_versions, &["v1beta1.DRAPlugin"]),
+            Some("v1beta1.DRAPlugin")
+        );
+    }
+
+    #[tokio::test]
+    async fn the_kubelets_verdict_is_answered_and_kept() {
+        let (svc, rx) = registration();
+        for (ok, error) in [(false, "no handler"), (true, "")] {
+            let st = RegistrationStatus {
+                plugin_registered: ok,
+                error: error.into(),
+            };
+            svc.notify_registration_status(Request::new(st.clone()))
+                .await
+                .unwrap();
+            assert_eq!(rx.borrow().as_ref(), Some(&st));
+        }
     }
 }

@@ -2,8 +2,11 @@
 //!
 //! One slice, one pool (named after the node), one device per GPU (`gpu-<index>`), each with
 //! `allowMultipleAllocations: true` and two consumable capacities (KEP-5075):
-//! - `shares`: 100, requests 1..=100 in steps of 1, default 100 (a claim that names no
-//!   share takes the whole GPU);
+//! - `shares`: 100, requests 1..=100 in steps of 1, default [`DEFAULT_SHARES`] (10). The
+//!   scheduler charges a request that does not name a capacity its `requestPolicy.default`
+//!   (k8s.io/dynamic-resource-allocation v0.36.3
+//!   `structured/internal/incubating/consumable_capacity.go`, `fillEmptyRequest`), so a claim
+//!   that names only memory is a fraction of the card, and a whole GPU is `shares: 100`;
 //! - `memory`: the card's bytes, requests in steps of [`MEMORY_STEP`] from one step up to the
 //!   card (rounded down to a step), default [`DEFAULT_MEMORY`] unless configured.
 //!
@@ -21,7 +24,9 @@ use k8s_openapi::api::resource::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use crate::claim::{CAPACITY_MEMORY, CAPACITY_SHARES, DRIVER, SHARES_PER_GPU, device_name};
+use crate::claim::{
+    CAPACITY_MEMORY, CAPACITY_SHARES, DEFAULT_SHARES, DRIVER, SHARES_PER_GPU, device_name,
+};
 use crate::quantity::format_bytes;
 
 /// Granularity of memory requests.
@@ -164,7 +169,7 @@ pub fn device(g: &GpuAttrs, default_memory: u64) -> Device {
             DeviceCapacity {
                 value: q(SHARES_PER_GPU.to_string()),
                 request_policy: Some(CapacityRequestPolicy {
-                    default: Some(q(SHARES_PER_GPU.to_string())),
+                    default: Some(q(DEFAULT_SHARES.to_string())),
                     valid_range: Some(CapacityRequestPolicyRange {
                         min: q("1"),
                         max: Some(q(SHARES_PER_GPU.to_string())),
@@ -300,7 +305,7 @@ mod tests {
                 .as_ref()
                 .unwrap()
                 .0,
-            "100"
+            "10"
         );
         let a = d.attributes.as_ref().unwrap();
         assert_eq!(a["driverVersion"].version.as_deref(), Some("570.124.6"));
@@ -336,5 +341,126 @@ mod tests {
             ("node-a", 4)
         );
         assert_eq!(s.spec.devices.as_ref().unwrap().len(), 2);
+    }
+
+    /// What the scheduler writes into a result's `consumedCapacity` for a request on `d`
+    /// (k8s.io/dynamic-resource-allocation v0.36.3
+    /// `structured/internal/incubating/consumable_capacity.go`, `GetConsumedCapacityFromRequest`
+    /// and `calculateConsumedCapacity`): every capacity of the device; a named one rounded up
+    /// onto its `validRange` (min, then steps from min); an unnamed one at its
+    /// `requestPolicy.default`, or the whole value without one.
+    fn scheduler_consumes(d: &Device, requests: &[(&str, &str)]) -> BTreeMap<String, Quantity> {
+        let parse = |x: &Quantity| crate::quantity::parse(&x.0).unwrap();
+        d.capacity
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|(name, cap)| {
+                let policy = cap.request_policy.as_ref();
+                let v = match requests.iter().find(|(n, _)| n == name) {
+                    None => policy
+                        .and_then(|p| p.default.as_ref())
+                        .map_or_else(|| parse(&cap.value), parse),
+                    Some((_, asked)) => {
+                        let asked = crate::quantity::parse(asked).unwrap();
+                        match policy.and_then(|p| p.valid_range.as_ref()) {
+                            None => asked,
+                            Some(r) => {
+                                let (min, step) = (parse(&r.min), r.step.as_ref().map(parse));
+                                match step {
+                                    _ if asked < min => min,
+                                    None => asked,
+                                    Some(step) => min + (asked - min).div_ceil(step) * step,
+                                }
+                            }
+                        }
+                    }
+                };
+                (name.clone(), q(format_bytes(v)))
+            })
+            .collect()
+    }
+
+    /// The plan of one result on `d` (GPU `g`) with `consumed`.
+    fn planned(g: &GpuAttrs, consumed: BTreeMap<String, Quantity>) -> crate::claim::Planned {
+        use k8s_openapi::api::resource::v1::{
+            AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaim,
+            ResourceClaimStatus,
+        };
+        let claim = ResourceClaim {
+            metadata: ObjectMeta {
+                uid: Some("u1".into()),
+                ..Default::default()
+            },
+            status: Some(ResourceClaimStatus {
+                allocation: Some(AllocationResult {
+                    devices: Some(DeviceAllocationResult {
+                        results: Some(vec![DeviceRequestAllocationResult {
+                            driver: DRIVER.into(),
+                            pool: "node-a".into(),
+                            device: device_name(g.index),
+                            request: "gpu".into(),
+                            consumed_capacity: Some(consumed),
+                            ..Default::default()
+                        }]),
+                        config: None,
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let node = [crate::claim::NodeGpu {
+            device: device_name(g.index),
+            uuid: g.uuid.clone(),
+            memory_total: g.memory_total,
+            unhealthy: None,
+        }];
+        let mut p = crate::claim::plan(&claim, "u1", "node-a", &node, DEFAULT_MEMORY).unwrap();
+        p.remove(0)
+    }
+
+    #[test]
+    fn a_claim_naming_only_memory_is_charged_and_given_a_fraction_not_the_card() {
+        const GIB: u64 = 1 << 30;
+        let g = h100(0);
+        let d = device(&g, DEFAULT_MEMORY);
+        let parse = |x: &Quantity| crate::quantity::parse(&x.0).unwrap();
+
+        // "20 GiB of any GPU": the scheduler charges the default share, not all 100.
+        let consumed = scheduler_consumes(&d, &[("memory", "20Gi")]);
+        assert_eq!(parse(&consumed["shares"]), DEFAULT_SHARES);
+        assert_eq!(parse(&consumed["memory"]), 20 * GIB);
+        let p = planned(&g, consumed.clone());
+        assert_eq!(
+            (u64::from(p.share), p.memory_limit, p.whole),
+            (DEFAULT_SHARES, 20 * GIB, false)
+        );
+        // The card stays open: two more such claims fit beside it, by shares and by memory
+        // (with a default of 100 shares not even one more would).
+        let (shares, memory) = (
+            3 * parse(&consumed["shares"]),
+            3 * parse(&consumed["memory"]),
+        );
+        assert!(shares <= parse(&d.capacity.as_ref().unwrap()["shares"].value));
+        assert!(memory <= g.memory_total);
+
+        // A memory that is not on a step is rounded up onto one, and enforced as charged.
+        let consumed = scheduler_consumes(&d, &[("memory", "20G")]);
+        let p = planned(&g, consumed);
+        assert!(p.memory_limit >= 20_000_000_000 && p.memory_limit.is_multiple_of(MEMORY_STEP));
+
+        // A claim that names nothing is the small default fraction; a whole GPU is 100 shares.
+        let p = planned(&g, scheduler_consumes(&d, &[]));
+        assert_eq!(
+            (u64::from(p.share), p.memory_limit, p.whole),
+            (DEFAULT_SHARES, DEFAULT_MEMORY, false)
+        );
+        let p = planned(&g, scheduler_consumes(&d, &[("shares", "100")]));
+        assert_eq!(
+            (p.share, p.memory_limit, p.whole),
+            (100, g.memory_total, true)
+        );
     }
 }

@@ -35,7 +35,11 @@ use tonic::transport::Channel;
 
 const NODE: &str = "node-a";
 const DRIVER: &str = "gpu.tessera.dev";
-const DRA_V1: &str = "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin";
+/// The names the kubelet accepts in `supported_versions` (k8s.io/kubelet v0.36.3
+/// `pkg/apis/dra/v1/types.go` and `v1beta1/types.go`, `DRAPluginService`), newest first as in
+/// `servicesSupportedByKubelet` (k8s.io/kubernetes `pkg/kubelet/cm/dra/plugin/dra_plugin.go`).
+const DRA_V1: &str = "v1.DRAPlugin";
+const DRA_V1BETA1: &str = "v1beta1.DRAPlugin";
 
 /// Every await in these tests is bounded, so a failure never hangs CI.
 async fn within<T>(secs: u64, what: &str, fut: impl Future<Output = T>) -> T {
@@ -175,8 +179,17 @@ impl Node {
     /// Registers like the kubelet's plugin watcher and returns a client on the endpoint.
     async fn kubelet_register(&self) -> DraPluginClient<Channel> {
         let reg = self.registration_socket();
-        until(20, "registration socket", || reg.exists().then_some(())).await;
-        let ch = connect_unix(&reg, Duration::from_secs(5)).await.unwrap();
+        // The file appears at bind, a moment before the listen: retry as the kubelet's plugin
+        // watcher does (its reconciler tries again every second).
+        let ch = within(20, "registration socket answering", async {
+            loop {
+                if let Ok(ch) = connect_unix(&reg, Duration::from_secs(5)).await {
+                    return ch;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
         let mut client = RegistrationClient::new(ch);
         let info = within(10, "GetInfo", client.get_info(InfoRequest {}))
             .await
@@ -188,10 +201,13 @@ impl Node {
             Path::new(&info.endpoint),
             self.path("plugins/gpu.tessera.dev/dra.sock")
         );
-        assert!(
-            info.supported_versions.iter().any(|v| v == DRA_V1),
-            "{info:?}"
-        );
+        // As the kubelet's validateSupportedServices: the first of the plugin's entries the
+        // kubelet speaks, else the registration is refused.
+        let chosen = info
+            .supported_versions
+            .iter()
+            .find(|v| [DRA_V1, DRA_V1BETA1].contains(&v.as_str()));
+        assert_eq!(chosen.map(String::as_str), Some(DRA_V1), "{info:?}");
         within(
             10,
             "NotifyRegistrationStatus",
@@ -601,7 +617,7 @@ async fn refusals_are_per_claim_and_create_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn publishes_a_valid_slice_with_one_device_per_gpu_and_removes_it_on_shutdown() {
+async fn publishes_a_valid_slice_with_one_device_per_gpu_and_keeps_it_across_restarts() {
     let mut node = Node::start();
     // A stand-in sysfs for the first simulated card (bus 01) laid out as Linux does: the
     // device under its root bridge with a NUMA node, and the bus folder's link to it. The
@@ -654,7 +670,8 @@ async fn publishes_a_valid_slice_with_one_device_per_gpu_and_removes_it_on_shutd
         );
         assert!(d["attributes"]["cudaComputeCapability"]["version"].is_string());
         assert_eq!(d["capacity"]["shares"]["value"], "100");
-        assert_eq!(d["capacity"]["shares"]["requestPolicy"]["default"], "100");
+        // A claim that names no shares (memory only) is charged 10, not the whole card.
+        assert_eq!(d["capacity"]["shares"]["requestPolicy"]["default"], "10");
         assert_eq!(d["capacity"]["memory"]["value"], "80Gi");
         assert_eq!(
             d["capacity"]["memory"]["requestPolicy"]["validRange"]["step"],
@@ -676,6 +693,37 @@ async fn publishes_a_valid_slice_with_one_device_per_gpu_and_removes_it_on_shutd
 
     assert_eq!(spec["pool"]["generation"], 1);
     assert!(devices.iter().all(|d| d.get("taints").is_none()));
+
+    // A restart (SIGTERM, as a rolling update sends) keeps the slice, and the next start finds
+    // it equal and leaves it as it is: same object, same generation, no write at all.
+    node.stop_plugin().await;
+    assert_eq!(
+        node.api.slices(),
+        std::slice::from_ref(&slice),
+        "slice kept on SIGTERM"
+    );
+    let seen = node.api.state().requests.len();
+    node.start_plugin();
+    until(
+        20,
+        "three ResourceSlice re-checks after the restart",
+        || {
+            let st = node.api.state();
+            let lists = st.requests[seen..]
+                .iter()
+                .filter(|r| r.starts_with("GET /apis/resource.k8s.io/v1/resourceslices"))
+                .count();
+            (lists >= 3).then_some(())
+        },
+    )
+    .await;
+    let writes: Vec<String> = node.api.state().requests[seen..]
+        .iter()
+        .filter(|r| r.contains("resourceslices") && !r.starts_with("GET "))
+        .cloned()
+        .collect();
+    assert!(writes.is_empty(), "{writes:?}");
+    assert_eq!(node.api.slices(), std::slice::from_ref(&slice));
 
     // A fatal XID on the second card: it stays listed, tainted, in the next generation; an
     // application's XID (13) on the first changes nothing.
@@ -705,8 +753,19 @@ async fn publishes_a_valid_slice_with_one_device_per_gpu_and_removes_it_on_shutd
     .await;
 
     node.stop_plugin().await;
-    assert!(node.api.slices().is_empty(), "slice removed on shutdown");
+    assert_eq!(node.api.slices().len(), 1, "slice kept on shutdown");
     assert!(!node.registration_socket().exists());
+    // Removing it is an explicit choice (an uninstall).
+    node.start_plugin_with(&["--remove-slices-on-exit"]);
+    until(20, "the plugin serving again", || {
+        node.registration_socket().exists().then_some(())
+    })
+    .await;
+    node.stop_plugin().await;
+    assert!(
+        node.api.slices().is_empty(),
+        "slice removed with --remove-slices-on-exit"
+    );
 }
 
 /// A CDI spec's edits for its devices, as a runtime merges them (spec-level, then each
@@ -1020,10 +1079,7 @@ async fn a_kubelet_speaking_only_v1beta1_gets_the_same_answers() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(
-        info.supported_versions,
-        [DRA_V1, "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"]
-    );
+    assert_eq!(info.supported_versions, [DRA_V1, DRA_V1BETA1]);
     let ch = connect_unix(Path::new(&info.endpoint), Duration::from_secs(5))
         .await
         .unwrap();

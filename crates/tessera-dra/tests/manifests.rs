@@ -127,11 +127,40 @@ fn dra_manifests_round_trip_and_name_what_exists() {
         let Some(req) = ex.capacity.as_ref().and_then(|c| c.requests.as_ref()) else {
             continue;
         };
-        let shares = quantity::parse(&req["shares"].0).unwrap();
-        assert!((1..=100).contains(&shares), "{shares}");
-        let mem = quantity::parse(&req["memory"].0).unwrap();
-        assert!(mem > 0 && mem.is_multiple_of(MEMORY_STEP), "{mem}");
+        // Either may be left out (the slice's default is charged then).
+        if let Some(q) = req.get("shares") {
+            let shares = quantity::parse(&q.0).unwrap();
+            assert!((1..=100).contains(&shares), "{shares}");
+        }
+        if let Some(q) = req.get("memory") {
+            let mem = quantity::parse(&q.0).unwrap();
+            assert!(mem > 0 && mem.is_multiple_of(MEMORY_STEP), "{mem}");
+        }
+        assert!(
+            req.keys().all(|k| k == "shares" || k == "memory"),
+            "{req:?}"
+        );
     }
+    // The documented requests are there: memory only ("20 GiB of any GPU", a fraction at the
+    // default share) and a whole GPU (all 100 shares).
+    let asks: Vec<BTreeSet<(&str, &str)>> = all
+        .requests
+        .iter()
+        .filter_map(|r| r.exactly.as_ref()?.capacity.as_ref()?.requests.as_ref())
+        .map(|req| {
+            req.iter()
+                .map(|(k, v)| (k.as_str(), v.0.as_str()))
+                .collect()
+        })
+        .collect();
+    assert!(
+        asks.contains(&BTreeSet::from([("memory", "20Gi")])),
+        "{asks:?}"
+    );
+    assert!(
+        asks.contains(&BTreeSet::from([("shares", "100")])),
+        "{asks:?}"
+    );
     // Each example pod's containers use the claims the pod declares.
     for p in &all.pods {
         let spec = p.spec.as_ref().unwrap();

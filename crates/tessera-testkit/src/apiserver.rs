@@ -32,6 +32,11 @@ pub struct ApiState {
     pub rejected: Vec<String>,
     /// Answer every ResourceClaim read with a 500 (an API server in trouble).
     pub fail_claim_reads: bool,
+    /// Every request's `Authorization` header (empty when it had none).
+    pub authorizations: Vec<String>,
+    /// When set, a request without exactly `Authorization: Bearer <this>` gets a 401, as the
+    /// API server answers an unknown token.
+    pub require_token: Option<String>,
     version: u64,
 }
 
@@ -122,15 +127,18 @@ fn serve(conn: TcpStream, state: &Mutex<ApiState>) -> std::io::Result<()> {
         parts.next().unwrap_or("").to_owned(),
     );
     let mut length = 0usize;
+    let mut authorization = String::new();
     loop {
         let mut h = String::new();
         if reader.read_line(&mut h)? == 0 || h == "\r\n" {
             break;
         }
-        if let Some((k, v)) = h.split_once(':')
-            && k.eq_ignore_ascii_case("content-length")
-        {
-            length = v.trim().parse().unwrap_or(0);
+        if let Some((k, v)) = h.split_once(':') {
+            if k.eq_ignore_ascii_case("content-length") {
+                length = v.trim().parse().unwrap_or(0);
+            } else if k.eq_ignore_ascii_case("authorization") {
+                authorization = v.trim().to_owned();
+            }
         }
     }
     let mut body = vec![0; length];
@@ -138,7 +146,13 @@ fn serve(conn: TcpStream, state: &Mutex<ApiState>) -> std::io::Result<()> {
     let (status, out) = {
         let mut st = state.lock().unwrap();
         st.requests.push(format!("{method} {target}"));
-        route(&mut st, &method, &target, &body)
+        st.authorizations.push(authorization.clone());
+        match &st.require_token {
+            Some(t) if authorization != format!("Bearer {t}") => {
+                status(401, "Unauthorized", "Unauthorized")
+            }
+            _ => route(&mut st, &method, &target, &body),
+        }
     };
     let text = out.to_string();
     let mut w = conn;
