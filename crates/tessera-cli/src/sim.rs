@@ -7,6 +7,11 @@
 //! and execs the command: it replaces this process, so its exit status, and any signal sent to
 //! `tessera sim`, are the command's own.
 //!
+//! While the machine runs, a detached process serves `<state>/driver.sock`, from which a
+//! process in a container learns its host pid ([`tessera_sim_state::driver`]), so that NVML
+//! reports host pids as on a real card; `tessera sim --gpus 2x80GiB -- sleep infinity` keeps
+//! it for a node whose GPUs are simulated.
+//!
 //! Every command of one state folder sees the same GPUs ([`tessera_sim_state::machine`]):
 //! without `--gpus` (or `TESSERA_SIM_GPUS`) a command joins the machine running there, and a
 //! spec that differs from the running machine's is refused (exit 2).
@@ -157,6 +162,17 @@ pub fn main(args: SimArgs) -> Result<u8, CliError> {
             }
             (e, _) => e,
         })?;
+    // The machine's kernel side: tells each process in a container its host pid, as a real
+    // driver knows it (NVML reports host pids). A process of its own, detached, serving while
+    // the machine runs (this one execs, and a thread would not survive that); one already
+    // serving the machine is kept. Without it everything still runs, each process known by its
+    // own pid (right outside containers), so a failure is only a warning.
+    if let Err(e) = tessera_sim_state::driver::spawn_detached(&state_dir) {
+        eprintln!(
+            "tessera sim: warning: {e}; processes in containers will be known by the pids of \
+             their own PID namespaces"
+        );
+    }
     let mut ld = OsString::from(lib.as_os_str());
     if let Some(old) = std::env::var_os("LD_LIBRARY_PATH").filter(|v| !v.is_empty()) {
         ld.push(":");

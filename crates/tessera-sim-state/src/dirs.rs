@@ -92,7 +92,7 @@ pub fn prepare_lib_dir(state_dir: &Path, built_lib_dir: &Path) -> Result<PathBuf
         if std::fs::read_link(&dest).ok().as_deref() == Some(target.as_path()) {
             continue;
         }
-        let tmp = lib.join(format!(".{name}.{}", std::process::id()));
+        let tmp = lib.join(format!(".{name}.{}", crate::driver::host_pid(state_dir)));
         let _ = std::fs::remove_file(&tmp);
         let made =
             std::os::unix::fs::symlink(&target, &tmp).and_then(|()| std::fs::rename(&tmp, &dest));

@@ -29,11 +29,13 @@
 //! after the kernel, as a card would be while its host stalls; counting that wall time made a
 //! 1 ms kernel read as 138 ms of its process's GPU time.
 //!
-//! Pid slots are claimed by the holder under the flock: its own slot, else a free one, else one
-//! whose pid is dead (`kill(pid, 0)` fails with `ESRCH`). When all are held by live processes
-//! the kernel's time still counts for the device, but not for its process, which then shows no
-//! per-process utilization (until a slot frees up). Files of an older, shorter layout grow on
-//! open, the new slots zero (free).
+//! Pids are host pids ([`crate::driver::host_pid`]), as NVML reports them, also for a process
+//! in a container. Pid slots are claimed by the holder under the flock: its own slot, else a
+//! free one, else one whose pid is dead ([`crate::driver::process_alive`]: `kill(pid, 0)` fails
+//! with `ESRCH`, or, from a container, the pid has no live record). When all are held by live
+//! processes the kernel's time still counts for the device, but not for its process, which
+//! then shows no per-process utilization (until a slot frees up). Files of an older, shorter
+//! layout grow on open, the new slots zero (free).
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -82,6 +84,8 @@ fn engine_path(dir: &Path, gpu: u32) -> PathBuf {
 
 /// One holder's handle on a device engine (each stream worker opens its own).
 pub struct Engine {
+    /// The state folder (whose driver names this process, see [`crate::driver`]).
+    dir: PathBuf,
     file: File,
     words: *const AtomicU64,
     /// Time-slicing between contexts; `None`: each kernel runs whole, in turn.
@@ -131,6 +135,7 @@ impl Engine {
             return Err(err(std::io::Error::last_os_error()));
         }
         Ok(Engine {
+            dir: dir.to_owned(),
             file,
             words: map as *const AtomicU64,
             slicing: None,
@@ -142,6 +147,11 @@ impl Engine {
     pub fn with_timeslice(mut self, params: Option<crate::timeslice::Params>) -> Self {
         self.slicing = params;
         self
+    }
+
+    /// This process's pid on the host: its context and its slot.
+    fn me(&self) -> u32 {
+        crate::driver::host_pid(&self.dir)
     }
 
     fn word(&self, i: usize) -> &AtomicU64 {
@@ -157,8 +167,10 @@ impl Engine {
     /// pair around it does on a card); the busy time counted is the kernel's length (see the
     /// module notes).
     pub fn run(&self, ns: u64) -> (u64, u64) {
+        // Known before the engine's lock is taken (a fork child may first ask the driver).
+        let me = self.me();
         match self.slicing {
-            Some(p) => self.run_sliced(std::process::id(), ns, &p),
+            Some(p) => self.run_sliced(me, ns, &p),
             None => {
                 self.lock();
                 let r = self.hold(ns.min(MAX_KERNEL_NS));
@@ -204,8 +216,7 @@ impl Engine {
             });
         let start = monotonic_ns();
         self.word(3).fetch_add(1, Ordering::SeqCst);
-        self.word(2)
-            .store(u64::from(std::process::id()), Ordering::SeqCst);
+        self.word(2).store(u64::from(self.me()), Ordering::SeqCst);
         self.word(KERNEL_NS_AT).store(ns, Ordering::SeqCst);
         self.word(1).store(start, Ordering::SeqCst);
         self.word(3).fetch_add(1, Ordering::SeqCst);
@@ -299,7 +310,7 @@ impl Engine {
         let mut out: Vec<u64> = (0..PID_SLOTS)
             .filter(|&i| self.word(WAITING_AT + i).load(Ordering::SeqCst) > 0)
             .map(|i| self.word(PIDS_AT + 2 * i).load(Ordering::SeqCst))
-            .filter(|&pid| pid != 0 && pid != CLAIMING && !pid_dead(pid))
+            .filter(|&pid| pid != 0 && pid != CLAIMING && !pid_dead(&self.dir, pid))
             .collect();
         out.sort_unstable();
         out
@@ -308,7 +319,7 @@ impl Engine {
     /// Adds [start, end) to the cumulative counter, this process's slot and the bucket ring
     /// (caller holds the lock).
     fn account(&self, start: u64, end: u64) {
-        if let Some(slot) = self.pid_slot(std::process::id()) {
+        if let Some(slot) = self.pid_slot(self.me()) {
             self.word(slot + 1).fetch_add(end - start, Ordering::SeqCst);
         }
         self.word(0).fetch_add(end - start, Ordering::SeqCst);
@@ -342,7 +353,7 @@ impl Engine {
         }
         for s in slots() {
             let cur = self.word(s).load(Ordering::SeqCst);
-            if (cur == 0 || (cur != CLAIMING && pid_dead(cur)))
+            if (cur == 0 || (cur != CLAIMING && pid_dead(&self.dir, cur)))
                 && self
                     .word(s)
                     .compare_exchange(cur, CLAIMING, Ordering::SeqCst, Ordering::SeqCst)
@@ -380,14 +391,9 @@ fn sleep_until(deadline: u64) {
     }
 }
 
-/// Whether no process `pid` exists (a pid we may not signal still exists).
-fn pid_dead(pid: u64) -> bool {
-    let Ok(pid) = libc::pid_t::try_from(pid) else {
-        return true;
-    };
-    // SAFETY: signal 0 only checks the pid exists; nothing is sent.
-    let rc = unsafe { libc::kill(pid, 0) };
-    rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+/// Whether no process `pid` (a host pid) exists, as far as this process can tell.
+fn pid_dead(dir: &Path, pid: u64) -> bool {
+    !crate::driver::process_alive(dir, pid)
 }
 
 fn read_words(dir: &Path, gpu: u32) -> Option<Vec<u64>> {
@@ -455,7 +461,7 @@ pub fn process_busy_ns(dir: &Path, gpu: u32) -> (u64, Vec<(u32, u64)>) {
             .filter(|&(pid, _)| pid != 0 && pid != CLAIMING as u32)
             .collect();
         // A holder killed mid-kernel leaves its start behind; its kernel ran no further.
-        if w[1] != 0 && !pid_dead(w[2]) {
+        if w[1] != 0 && !pid_dead(dir, w[2]) {
             let running = running_part(&w, now);
             match out.iter_mut().find(|(pid, _)| u64::from(*pid) == w[2]) {
                 Some(entry) => entry.1 += running,

@@ -9,6 +9,9 @@
 //! process, may open the file. A fork child closes its inherited descriptor (see `atfork_child`)
 //! so a parent's death stays visible, and makes its own record on first use.
 //!
+//! A record is named by its process's pid on the host ([`crate::driver::host_pid`]), which is
+//! what NVML reports, also for a process in a container (whose own `getpid()` may be 1).
+//!
 //! A process with a second copy of the library (`dlmopen(LM_ID_NEWLM, ..)`), which has a ledger
 //! of its own, gets a second record `procs/<pid>.<n>`; readers sum a pid's records, as NVML
 //! reports all of a process's memory whichever copy of the driver took it.
@@ -175,10 +178,6 @@ impl Drop for FlockGuard<'_> {
     }
 }
 
-fn pid() -> u32 {
-    std::process::id()
-}
-
 impl Ledger {
     /// Opens the ledger of `dir` for devices of the given sizes (bytes, by ordinal). Creates the
     /// folder; the process record itself is made on first use.
@@ -196,6 +195,9 @@ impl Ledger {
             .open(&lock_path)
             .map_err(io(&lock_path))?;
         register_atfork();
+        // Learn this process's pid now (at cuInit), not first under the mem.lock flock: in a
+        // container that may take a question to the machine's driver socket.
+        crate::driver::identity(dir);
         Ok(Ledger {
             dir: dir.to_path_buf(),
             totals,
@@ -230,6 +232,11 @@ impl Ledger {
         }
     }
 
+    /// This process's pid on the host: its record's name (asked before any lock is taken).
+    fn me(&self) -> u32 {
+        crate::driver::host_pid(&self.dir)
+    }
+
     /// The state folder.
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -244,9 +251,8 @@ impl Ledger {
 
     /// Creates this process's record (caller holds the mutex and the mem.lock flock, so a reader
     /// deleting dead records never races the rename).
-    fn create_record(&self) -> Result<Mine, LedgerError> {
+    fn create_record(&self, me: u32) -> Result<Mine, LedgerError> {
         let procs = self.dir.join("procs");
-        let me = pid();
         let name = free_record_name(&procs, me);
         let tmp = procs.join(format!(".new-{me}"));
         let file = OpenOptions::new()
@@ -302,10 +308,11 @@ impl Ledger {
 
     /// Runs `f` on this process's record, creating it if needed (again after a fork).
     fn with_mine<T>(&self, f: impl FnOnce(&Mine) -> T) -> Result<T, LedgerError> {
+        let me = self.me();
         let mut guard = self.mine.lock();
-        if guard.as_ref().is_none_or(|m| m.pid != pid()) {
+        if guard.as_ref().is_none_or(|m| m.pid != me) {
             let _flock = FlockGuard::lock(&self.mem_lock);
-            *guard = Some(self.create_record()?);
+            *guard = Some(self.create_record(me)?);
         }
         Ok(f(guard.as_ref().expect("record just made")))
     }
@@ -313,25 +320,27 @@ impl Ledger {
     /// Reserves `bytes` of device memory on `gpu` if the card has room (counting every live
     /// process), else [`LedgerError::OutOfMemory`].
     pub fn try_alloc(&self, gpu: u32, bytes: u64) -> Result<(), LedgerError> {
+        let me = self.me();
         let mut guard = self.mine.lock();
         let _flock = FlockGuard::lock(&self.mem_lock);
-        let mine = self.charge(&mut guard, gpu, bytes)?;
+        let mine = self.charge(&mut guard, me, gpu, bytes)?;
         mine.word(HEADER_WORDS + gpu as usize * GPU_WORDS + W_MEM)
             .fetch_add(bytes, Ordering::SeqCst);
         Ok(())
     }
 
     /// Checks that `bytes` more fit on `gpu` (caller holds the mutex, passed as `guard`, and
-    /// the mem.lock flock, and adds the bytes to a word of the returned record).
+    /// the mem.lock flock, and adds the bytes to a word of the returned record of `me`).
     fn charge<'g>(
         &self,
         guard: &'g mut Option<Mine>,
+        me: u32,
         gpu: u32,
         bytes: u64,
     ) -> Result<&'g Mine, LedgerError> {
         let total = self.total(gpu)?;
-        if guard.as_ref().is_none_or(|m| m.pid != pid()) {
-            *guard = Some(self.create_record()?);
+        if guard.as_ref().is_none_or(|m| m.pid != me) {
+            *guard = Some(self.create_record(me)?);
         }
         let used = card_used(&self.dir, gpu, true)?;
         let free = total.saturating_sub(used);
@@ -350,8 +359,9 @@ impl Ledger {
         if gpu as usize >= MAX_GPUS {
             return;
         }
+        let me = self.me();
         let guard = self.mine.lock();
-        if let Some(m) = guard.as_ref().filter(|m| m.pid == pid()) {
+        if let Some(m) = guard.as_ref().filter(|m| m.pid == me) {
             let w = m.word(HEADER_WORDS + gpu as usize * GPU_WORDS + W_MEM);
             let _ = w.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |v| {
                 Some(v.saturating_sub(bytes))
@@ -391,22 +401,23 @@ impl Ledger {
                 }
             });
         }
+        let me = self.me();
         let mut guard = self.mine.lock();
         let open = guard
             .as_ref()
-            .filter(|m| m.pid == pid())
+            .filter(|m| m.pid == me)
             .map_or(0, |m| m.word(base + W_CTX).load(Ordering::SeqCst));
         let cost = self.contexts_cost(open + 1) - self.contexts_cost(open);
         let mine = if cost > 0 {
             let _flock = FlockGuard::lock(&self.mem_lock);
-            let mine = self.charge(&mut guard, gpu, cost)?;
+            let mine = self.charge(&mut guard, me, gpu, cost)?;
             mine.word(base + W_CTX_MEM)
                 .store(self.contexts_cost(open + 1), Ordering::SeqCst);
             mine
         } else {
-            if guard.as_ref().is_none_or(|m| m.pid != pid()) {
+            if guard.as_ref().is_none_or(|m| m.pid != me) {
                 let _flock = FlockGuard::lock(&self.mem_lock);
-                *guard = Some(self.create_record()?);
+                *guard = Some(self.create_record(me)?);
             }
             guard.as_ref().expect("record just made")
         };
@@ -418,10 +429,11 @@ impl Ledger {
     /// card is charged when no process holds it yet ([`LedgerError::OutOfMemory`] when it has
     /// no room), and keeps it while any hold lives, in any process.
     pub fn hold_shared(&self, gpu: u32, key: u64, bytes: u64) -> Result<SharedHold, LedgerError> {
+        let me = self.me();
         let mut guard = self.mine.lock();
         let _flock = FlockGuard::lock(&self.mem_lock);
         if !crate::shared::is_held(&self.dir, key) {
-            self.charge(&mut guard, gpu, bytes)?;
+            self.charge(&mut guard, me, gpu, bytes)?;
         }
         let dir = self.dir.join("vmm");
         crate::shared::hold(&self.dir, key, gpu, bytes).map_err(io(&dir))
@@ -455,8 +467,9 @@ impl Ledger {
 
     /// Bytes this process's allocations hold on `gpu` (context memory not included).
     pub fn my_mem(&self, gpu: u32) -> u64 {
+        let me = self.me();
         let guard = self.mine.lock();
-        match guard.as_ref().filter(|m| m.pid == pid()) {
+        match guard.as_ref().filter(|m| m.pid == me) {
             Some(m) if (gpu as usize) < MAX_GPUS => m
                 .word(HEADER_WORDS + gpu as usize * GPU_WORDS + W_MEM)
                 .load(Ordering::SeqCst),
@@ -467,8 +480,9 @@ impl Ledger {
 
 impl Drop for Ledger {
     fn drop(&mut self) {
+        let me = self.me();
         let guard = self.mine.lock();
-        if let Some(m) = guard.as_ref().filter(|m| m.pid == pid()) {
+        if let Some(m) = guard.as_ref().filter(|m| m.pid == me) {
             for slot in &RECORD_FDS {
                 let _ = slot.compare_exchange(m.fd, -1, Ordering::SeqCst, Ordering::SeqCst);
             }
@@ -506,6 +520,17 @@ fn free_record_name(procs: &Path, pid: u32) -> String {
         name = format!("{pid}.{n}");
     }
     name
+}
+
+/// Whether process `pid` (a host pid) has a live record in `dir`: how a process that cannot
+/// ask the kernel about host pids (one in a container) tells whether another one lives. Every
+/// process that opened a context or took memory has one.
+pub(crate) fn record_alive(dir: &Path, pid: u32) -> bool {
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(dir.join("procs").join(pid.to_string()))
+        .is_ok_and(|f| is_alive(&f))
 }
 
 /// The pid a record's file name belongs to (`<pid>` or `<pid>.<n>`).

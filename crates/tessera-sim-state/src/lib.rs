@@ -12,6 +12,8 @@
 //! - `lib/`: symlinks `libcuda.so.1` etc. to the built simulated libraries.
 //! - `machine`: the GPU spec of the running machine, read-locked by every process that
 //!   `tessera sim` started there.
+//! - `driver.sock`, `driver.pidns`: the machine's kernel side, which tells a process in a
+//!   container its host pid (served by `tessera sim`).
 //!
 //! Modules:
 //! - [`spec`]: `TESSERA_SIM_GPUS` and `TESSERA_SIM_(FURTHER_)CONTEXT_MEMORY` parsing and per-GPU identity
@@ -23,10 +25,13 @@
 //! - [`timeslice`]: the rules by which an engine time-slices between contexts (pure).
 //! - [`events`]: XID event injection and reading.
 //! - [`machine`]: the running machine's spec, shared by every `tessera sim` of one folder.
+//! - [`driver`]: each process's host pid (what records, engine slots and NVML carry), from
+//!   `getpid()` or, in a container, from the server of `driver.sock`; whether a pid lives.
 //! - [`clock`]: the machine-wide monotonic clock every process stamps with.
 
 pub mod clock;
 pub mod dirs;
+pub mod driver;
 pub mod engine;
 pub mod events;
 pub mod ledger;
@@ -38,6 +43,7 @@ pub mod timeslice;
 pub use dirs::{
     DirsError, default_state_dir, find_built_lib_dir, prepare_lib_dir, state_dir_from_env,
 };
+pub use driver::{Broker, DriverError, Identity, host_pid, identity};
 pub use engine::{Engine, EngineError, device_busy_ns, device_utilization, process_busy_ns};
 pub use events::{EventsError, XidEvent, inject_xid, read_xid_events};
 pub use ledger::{Ledger, LedgerError, ProcessUsage, device_memory_used, read_processes};

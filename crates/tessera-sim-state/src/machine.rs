@@ -70,7 +70,7 @@ fn ofd_lock(kind: libc::c_int) -> libc::flock {
 }
 
 /// Whether another open file description (a process of the machine) holds a lock on `file`.
-fn running(file: &File) -> std::io::Result<bool> {
+pub(crate) fn running(file: &File) -> std::io::Result<bool> {
     let mut lk = ofd_lock(libc::F_WRLCK);
     // SAFETY: F_OFD_GETLK with a valid, zero-pid flock struct on an open descriptor.
     if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_GETLK, &mut lk) } != 0 {
