@@ -23,10 +23,16 @@ repo=$(dirname "$here")
 D=${E2E_DIR:-/tmp/tessera-e2e}
 BIN=${E2E_BIN:-$repo/target/e2e/bin}
 RUST=${E2E_RUST_BIN:-${CARGO_TARGET_DIR:-$repo/target}/debug}
-NODE=${E2E_NODE:-tessera-node}
+# The node's name is also the address the API server reaches the kubelet by (for logs and
+# exec): the kubelet refuses a loopback --node-ip, and reports its name as the node's
+# Hostname address, which the API server prefers. "localhost" keeps that on loopback.
+NODE=${E2E_NODE:-localhost}
 API_PORT=${E2E_API_PORT:-6443}
 ETCD_PORT=${E2E_ETCD_PORT:-12379}
 GPUS=2x80GiB
+# The kubelet's device manager ignores --root-dir: its folder is fixed
+# (k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1 DevicePluginPath).
+DEVICE_PLUGINS=/var/lib/kubelet/device-plugins
 RUNC=${E2E_RUNC:-$(command -v runc || echo /usr/sbin/runc)}
 export PATH="$BIN:$PATH"
 
@@ -140,7 +146,7 @@ build_images() {
         cp "$RUST/$b" "$root/usr/local/bin/$b"
         # Every library the example clients, the interposer and the simulated driver link.
         for l in $(ldd "$RUST/$b" "$RUST/libtessera_interpose.so" "$RUST/libtessera_sim_cuda.so" \
-            "$RUST/libtessera_sim_nvml.so" | grep -o '/[^ ]*' | sort -u); do
+            "$RUST/libtessera_sim_nvml.so" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// && !/:$/ {print $1}' | sort -u); do
             mkdir -p "$root$(dirname "$l")"
             cp -L "$l" "$root$l"
         done
@@ -228,6 +234,10 @@ state = "$D/containerd/state"
   address = "$D/containerd/containerd.sock.ttrpc"
 [plugins.'io.containerd.cri.v1.runtime']
   cdi_spec_dirs = ["$D/cdi"]
+  # This VM's root may not lower a process's oom_score_adj (runc's init failed writing -998
+  # for the sandbox: "failed to update /proc/self/oom_score_adj: Permission denied"); keep
+  # every container's at or above containerd's own.
+  restrict_oom_score_adj = true
   [plugins.'io.containerd.cri.v1.runtime'.containerd]
     default_runtime_name = "runc"
     [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
@@ -320,7 +330,7 @@ up() {
         --kubeconfig "$D/controller-manager.kubeconfig" --bind-address 127.0.0.1 \
         --secure-port 0 --leader-elect=false \
         --service-account-private-key-file "$D/pki/sa.key" --root-ca-file "$D/pki/ca.crt" \
-        --use-service-account-credentials=false --controllers '*,-nodeipam,-service-lb-controller,-cloud-node-lifecycle'
+        --use-service-account-credentials=true --controllers '*,-nodeipam,-service-lb-controller,-cloud-node-lifecycle'
     start kube-scheduler "$BIN/kube-scheduler" --kubeconfig "$D/scheduler.kubeconfig" \
         --bind-address 127.0.0.1 --secure-port 0 --leader-elect=false
 
@@ -343,7 +353,7 @@ up() {
     log "kubelet"
     start kubelet "$BIN/kubelet" --config "$D/kubelet.yaml" \
         --kubeconfig "$D/kubelet.kubeconfig" --root-dir "$D/kubelet" \
-        --hostname-override "$NODE" --node-ip 127.0.0.1 --v 2
+        --cert-dir "$D/kubelet/pki" --hostname-override "$NODE" --v 2
     wait_for 120 "the node to register" kubelet kc get node "$NODE"
 
     log "Tessera's device plugin and DRA plugin"
@@ -364,7 +374,7 @@ node_ready() {
 # The plugins, also restarted on their own by the tests (e2e/lib.sh).
 start_device_plugin() {
     start tessera-device-plugin "$RUST/tessera" sim --lib-dir "$RUST" --state-dir "$D/sim" -- \
-        "$RUST/tessera-device-plugin" --kubelet-dir "$D/kubelet/device-plugins" \
+        "$RUST/tessera-device-plugin" --kubelet-dir "$DEVICE_PLUGINS" \
         --pod-resources-socket "$D/kubelet/pod-resources/kubelet.sock" \
         --admin-socket "$D/tessera/admin.sock" --tenant-socket "$D/tessera/tenant/tessera.sock" \
         --host-lib-dir "$D/tessera/lib" --host-identity-dir "$D/tessera/identity" \
@@ -432,6 +442,8 @@ down() {
         [ -d "$m" ] && find "$m" -depth -type d -exec rmdir {} \; 2>/dev/null || true
     done
     rm -rf "$D"
+    rm -f "$DEVICE_PLUGINS"/kubelet.sock "$DEVICE_PLUGINS"/tessera*.sock \
+        "$DEVICE_PLUGINS"/kubelet_internal_checkpoint
     echo "== cluster down"
 }
 

@@ -5,7 +5,7 @@
 D=$E2E_DIR
 BIN=${E2E_BIN:-$repo/target/e2e/bin}
 RUST=${E2E_RUST_BIN:-${CARGO_TARGET_DIR:-$repo/target}/debug}
-NODE=${E2E_NODE:-tessera-node}
+NODE=${E2E_NODE:-localhost}
 export PATH="$BIN:$PATH"
 export KUBECONFIG=$D/admin.kubeconfig
 IMAGE=localhost/tessera-e2e/client:1

@@ -2,7 +2,8 @@
 # The end-to-end tests on a real one-node Kubernetes (e2e/cluster.sh): brings the cluster up,
 # runs every test of e2e/tests/*.sh (or those named: `e2e/run.sh device_plugin dra`), leaves
 # every component's log in target/e2e/logs when one fails, and takes the cluster down.
-# Needs root, Go 1.26 and `cargo build --workspace` done. E2E_KEEP=1 leaves the cluster up.
+# Needs root, Go 1.26 and `cargo build --workspace` done. E2E_KEEP=1 leaves the cluster up;
+# E2E_REUSE=1 runs on a cluster already up (for working on a test).
 #
 # The last line is 'e2e: N passed, N failed'; the exit code is 1 when any test failed.
 set -uo pipefail
@@ -11,12 +12,14 @@ repo=$(dirname "$here")
 export E2E_DIR=${E2E_DIR:-/tmp/tessera-e2e}
 logs=${E2E_LOGS:-$repo/target/e2e/logs}
 
-if [ -d "$E2E_DIR/pids" ]; then
+t0=$SECONDS
+if [ "${E2E_REUSE:-}" = 1 ] && [ -d "$E2E_DIR/pids" ]; then
+    echo "== using the cluster already up in $E2E_DIR (E2E_REUSE=1)"
+elif [ -d "$E2E_DIR/pids" ]; then
     echo "== a cluster is already up in $E2E_DIR: taking it down first"
     bash "$here/cluster.sh" down
 fi
-t0=$SECONDS
-if ! bash "$here/cluster.sh" up; then
+if [ ! -d "$E2E_DIR/pids" ] && ! bash "$here/cluster.sh" up; then
     E2E_LOGS=$logs bash "$here/cluster.sh" logs
     bash "$here/cluster.sh" down
     echo "e2e: 0 passed, 1 failed (the cluster did not come up; logs in $logs)"

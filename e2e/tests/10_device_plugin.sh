@@ -1,9 +1,11 @@
 # The device plugin (tessera.dev/gpu-shares) on the real kubelet: registration, the node's
 # capacity, limits inside real containers, the compute split, and the scheduler's refusal.
 
+node_shares() { kc get node "$NODE" -o jsonpath='{.status.allocatable.tessera\.dev/gpu-shares}'; }
+node_shares_are() { [ "$(node_shares)" = "$1" ]; }
+
 test_device_plugin__a_the_node_reports_two_hundred_shares() {
-    eventually 60 "200 shares on the node" \
-        test "$(kc get node "$NODE" -o jsonpath='{.status.allocatable.tessera\.dev/gpu-shares}')" = 200
+    eventually 60 "200 shares on the node" node_shares_are 200
     expect_eq "capacity" \
         "$(kc get node "$NODE" -o jsonpath='{.status.capacity.tessera\.dev/gpu-shares}')" 200
 }

@@ -29,8 +29,7 @@ test_restarts__pods_keep_running_and_limited_across_plugin_and_arbiter_restarts(
     bash "$here/cluster.sh" start-device-plugin
     eventually 60 "the kubelet to take the device plugin again" sh -c \
         "test \$(grep -c 'Registered device plugin\|Got registration request from device plugin' '$D/logs/kubelet.log') -ge 2"
-    eventually 60 "200 shares again" \
-        test "$(kc get node "$NODE" -o jsonpath='{.status.allocatable.tessera\.dev/gpu-shares}')" = 200
+    eventually 60 "200 shares again" node_shares_are 200
     expect_eq "rs-dp after the plugin's restart" "$(phase rs-dp)" Running
     limited rs-dp 24
     shares_pod rs-dp-new 10 "tenant --name N --grab-gib 100 --seconds 0.2"

@@ -21,12 +21,15 @@
 //! - [`inventory`]: the node's GPUs and their attributes from NVML and sysfs.
 //! - [`publish`]: keeps the node's ResourceSlice current; keeps it on shutdown (removes it
 //!   only with `--remove-slices-on-exit`).
+//! - [`authority`]: the registration socket's connections relayed with an `:authority` the
+//!   HTTP/2 server takes (the kubelet's plugin watcher sends the socket's path).
 //! - [`service`]: the `DRAPlugin` (v1, v1beta1) and `Registration` gRPC services.
 //! - [`plugin`]: configuration and life cycle.
 
 #![forbid(unsafe_code)]
 
 pub mod apiserver;
+pub mod authority;
 pub mod cdi;
 pub mod claim;
 pub mod cleanup;

@@ -218,7 +218,8 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
     let reg_srv = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(RegistrationServer::new(reg))
-            .serve_with_incoming_shutdown(UnixListenerStream::new(reg_l), async move {
+            // The kubelet's registration client sends an authority h2 refuses: relayed.
+            .serve_with_incoming_shutdown(crate::authority::incoming(reg_l), async move {
                 let _ = s2.wait_for(|s| *s).await;
             }),
     );
