@@ -92,13 +92,13 @@ shares_pod() {
 claim_template() {
     local name=$1 shares=${2:-} memory=${3:-} caps=""
     [ -n "$shares" ] && caps+="
-                shares: \"$shares\""
+              shares: \"$shares\""
     [ -n "$memory" ] && caps+="
-                memory: $memory"
+              memory: $memory"
     local cap=""
     [ -n "$caps" ] && cap="
-            capacity:
-              requests:$caps"
+          capacity:
+            requests:$caps"
     kc apply -f - >/dev/null <<EOF
 apiVersion: resource.k8s.io/v1
 kind: ResourceClaimTemplate

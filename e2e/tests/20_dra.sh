@@ -74,15 +74,25 @@ test_dra__b_the_scheduler_places_fractions_by_capacity_and_the_limits_hold() {
     echo "allocations: $before before the delete, $after after"
     # The freed 30 shares are placeable again.
     claim_template c30b 30 8Gi
-    claim_pod dra-30b c30b "true"
-    wait_phase dra-30b Succeeded 120
-    expect_eq "the freed room is reused" "$(kc get resourceclaims -o json | jq -r '.items[] | select(.metadata.name | startswith("dra-30b")) | .status.allocation.devices.results[0].device')" "$d30"
+    claim_pod dra-30b c30b "sleep 600"
+    wait_phase dra-30b Running 120
+    expect_eq "the freed room is reused" "$(claim_device dra-30b)" "$d30"
 }
 
 test_dra__c_a_memory_only_claim_gets_a_fraction() {
     claim_template cmem "" 8Gi
-    claim_pod dra-mem cmem 'tenant --name M --grab-gib 100 --seconds 1'
-    wait_phase dra-mem Succeeded 120
+    claim_pod dra-mem cmem 'tenant --name M --grab-gib 100 --seconds 1; sleep 600'
+    wait_phase dra-mem Running 120
+    eventually 30 "dra-mem's tenant output" sh -c "kubectl logs dra-mem | grep -q 'GPU time'"
+    # The scheduler charged the class's default share, not the whole card, and the plugin
+    # made an allocation of exactly that.
+    local alloc
+    alloc=$(allocations_json | jq -c '.[] | select(.memory_limit == 8589934592)')
+    echo "the memory-only claim's allocation: $alloc"
+    local share
+    share=$(jq -r .share <<<"$alloc")
+    [ -n "$share" ] && [ "$share" -lt 100 ] || fail "a memory-only claim got share '$share'"
+    expect_eq "consumed shares" "$(kc get resourceclaims -o json | jq -r '.items[] | select(any(.status.reservedFor[]?; .name == "dra-mem")) | .status.allocation.devices.results[0].consumedCapacity.shares')" "$share"
     local l
     l=$(kc logs dra-mem)
     echo "$l"
