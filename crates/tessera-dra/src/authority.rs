@@ -49,12 +49,19 @@ pub enum RelayError {
     Hpack(loona_hpack::decoder::DecoderError),
 }
 
+/// A HEADERS frame waiting for its CONTINUATIONs.
+struct OpenBlock {
+    stream: u32,
+    flags: u8,
+    priority: Option<[u8; 5]>,
+    block: Vec<u8>,
+}
+
 /// One client's frames, rewritten as they pass. Pure: bytes in, bytes out.
 pub(crate) struct Rewriter {
     decoder: Decoder<'static>,
     encoder: Encoder<'static>,
-    /// A HEADERS frame waiting for its CONTINUATIONs: (stream, flags, priority, block).
-    open: Option<(u32, u8, Option<[u8; 5]>, Vec<u8>)>,
+    open: Option<OpenBlock>,
 }
 
 impl Rewriter {
@@ -77,16 +84,16 @@ impl Rewriter {
         let (kind, flags) = (header[3], header[4]);
         let stream = u32::from_be_bytes([header[5], header[6], header[7], header[8]]) & 0x7fff_ffff;
         match (kind, &mut self.open) {
-            (CONTINUATION, Some((open_stream, _, _, block))) if *open_stream == stream => {
-                if block.len() + payload.len() > MAX_BLOCK {
+            (CONTINUATION, Some(open)) if open.stream == stream => {
+                if open.block.len() + payload.len() > MAX_BLOCK {
                     return Err(RelayError::Protocol("header block too large"));
                 }
-                block.extend_from_slice(payload);
+                open.block.extend_from_slice(payload);
                 if flags & END_HEADERS != 0 {
-                    let Some((stream, flags, priority, block)) = self.open.take() else {
+                    let Some(o) = self.open.take() else {
                         return Err(RelayError::Protocol("lost header block"));
                     };
-                    self.emit(stream, flags, priority, &block, out)?;
+                    self.emit(o.stream, o.flags, o.priority, &o.block, out)?;
                 }
                 Ok(())
             }
@@ -121,7 +128,12 @@ impl Rewriter {
                 if flags & END_HEADERS != 0 {
                     self.emit(stream, flags, priority, block, out)
                 } else {
-                    self.open = Some((stream, flags, priority, block.to_vec()));
+                    self.open = Some(OpenBlock {
+                        stream,
+                        flags,
+                        priority,
+                        block: block.to_vec(),
+                    });
                     Ok(())
                 }
             }
@@ -213,7 +225,8 @@ where
                 Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
                 Err(e) => return Err(e.into()),
             }
-            let len = usize::from(header[0]) << 16 | usize::from(header[1]) << 8 | usize::from(header[2]);
+            let len =
+                usize::from(header[0]) << 16 | usize::from(header[1]) << 8 | usize::from(header[2]);
             if len > MAX_BLOCK {
                 return Err(RelayError::Protocol("frame too large"));
             }
@@ -338,22 +351,36 @@ mod tests {
 
     #[test]
     fn the_kubelets_path_authority_is_refused_by_http_and_becomes_localhost() {
-        assert!(!valid_authority(PATH), "h2 would take it: the relay is not needed");
+        assert!(
+            !valid_authority(PATH),
+            "h2 would take it: the relay is not needed"
+        );
         let mut client = Encoder::new();
         let mut rw = Rewriter::new();
         let mut server = Decoder::new();
         // Two calls on one connection: the second block leans on the first's HPACK table.
         for stream in [1u32, 3] {
-            let (h, p) = frame(HEADERS, END_HEADERS, stream, &kubelet_block(&mut client, PATH));
+            let (h, p) = frame(
+                HEADERS,
+                END_HEADERS,
+                stream,
+                &kubelet_block(&mut client, PATH),
+            );
             let mut out = Vec::new();
             rw.frame(&h, &p, &mut out).unwrap();
             let f = frames(&out);
             assert_eq!(f.len(), 1);
-            assert_eq!((f[0].0, f[0].1 & END_HEADERS, f[0].2), (HEADERS, END_HEADERS, stream));
+            assert_eq!(
+                (f[0].0, f[0].1 & END_HEADERS, f[0].2),
+                (HEADERS, END_HEADERS, stream)
+            );
             let fields = server.decode(&f[0].3).unwrap();
             let get = |n: &[u8]| fields.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone());
             assert_eq!(get(b":authority").unwrap(), b"localhost");
-            assert_eq!(get(b":path").unwrap(), b"/pluginregistration.Registration/GetInfo");
+            assert_eq!(
+                get(b":path").unwrap(),
+                b"/pluginregistration.Registration/GetInfo"
+            );
             assert_eq!(get(b"te").unwrap(), b"trailers");
             assert_eq!(fields.len(), 7);
         }

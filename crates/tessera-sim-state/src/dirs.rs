@@ -92,7 +92,12 @@ pub fn prepare_lib_dir(state_dir: &Path, built_lib_dir: &Path) -> Result<PathBuf
         if std::fs::read_link(&dest).ok().as_deref() == Some(target.as_path()) {
             continue;
         }
-        let tmp = lib.join(format!(".{name}.{}", crate::driver::host_pid(state_dir)));
+        // A name no other writer uses at once, also one in another PID namespace with the
+        // same pid: the pid and the time (the folder layer asks no one; `driver` sits above it).
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let tmp = lib.join(format!(".{name}.{}.{nanos}", std::process::id()));
         let _ = std::fs::remove_file(&tmp);
         let made =
             std::os::unix::fs::symlink(&target, &tmp).and_then(|()| std::fs::rename(&tmp, &dest));

@@ -24,7 +24,7 @@
 //! outside containers. Whatever the first answer is, it stays the process's identity for its
 //! life: its records are named by it.
 //!
-//! Liveness ([`process_alive`]): a process in the host namespace asks the kernel (`kill(pid,
+//! Liveness ([`crate::ledger::process_alive`]): a process in the host namespace asks the kernel (`kill(pid,
 //! 0)`); one in a container cannot (host pids mean nothing there) and looks for the live
 //! record `procs/<pid>` instead (its owner holds an OFD lock on it while it lives).
 //!
@@ -208,22 +208,6 @@ fn resolve(dir: &Path, me: u32) -> Identity {
             );
             local
         }
-    }
-}
-
-/// Whether process `pid` (a host pid, as records and engine slots hold) lives, as far as this
-/// process can tell (see the module notes). A pid that is no pid (above `i32::MAX`) is dead.
-pub fn process_alive(dir: &Path, pid: u64) -> bool {
-    let Ok(p) = libc::pid_t::try_from(pid) else {
-        return false;
-    };
-    if identity(dir).local {
-        // SAFETY: signal 0 only checks the pid exists; nothing is sent.
-        let rc = unsafe { libc::kill(p, 0) };
-        // A pid we may not signal still exists.
-        rc == 0 || last_error().raw_os_error() != Some(libc::ESRCH)
-    } else {
-        crate::ledger::record_alive(dir, pid as u32)
     }
 }
 

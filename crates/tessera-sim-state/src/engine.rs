@@ -31,7 +31,7 @@
 //!
 //! Pids are host pids ([`crate::driver::host_pid`]), as NVML reports them, also for a process
 //! in a container. Pid slots are claimed by the holder under the flock: its own slot, else a
-//! free one, else one whose pid is dead ([`crate::driver::process_alive`]: `kill(pid, 0)` fails
+//! free one, else one whose pid is dead ([`crate::ledger::process_alive`]: `kill(pid, 0)` fails
 //! with `ESRCH`, or, from a container, the pid has no live record). When all are held by live
 //! processes the kernel's time still counts for the device, but not for its process, which
 //! then shows no per-process utilization (until a slot frees up). Files of an older, shorter
@@ -393,7 +393,7 @@ fn sleep_until(deadline: u64) {
 
 /// Whether no process `pid` (a host pid) exists, as far as this process can tell.
 fn pid_dead(dir: &Path, pid: u64) -> bool {
-    !crate::driver::process_alive(dir, pid)
+    !crate::ledger::process_alive(dir, pid)
 }
 
 fn read_words(dir: &Path, gpu: u32) -> Option<Vec<u64>> {

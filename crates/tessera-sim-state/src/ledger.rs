@@ -522,6 +522,22 @@ fn free_record_name(procs: &Path, pid: u32) -> String {
     name
 }
 
+/// Whether process `pid` (a host pid, as records and engine slots hold) lives, as far as this
+/// process can tell (see the module notes). A pid that is no pid (above `i32::MAX`) is dead.
+pub fn process_alive(dir: &Path, pid: u64) -> bool {
+    let Ok(p) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    if crate::driver::identity(dir).local {
+        // SAFETY: signal 0 only checks the pid exists; nothing is sent.
+        let rc = unsafe { libc::kill(p, 0) };
+        // A pid we may not signal still exists.
+        rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    } else {
+        record_alive(dir, pid as u32)
+    }
+}
+
 /// Whether process `pid` (a host pid) has a live record in `dir`: how a process that cannot
 /// ask the kernel about host pids (one in a container) tells whether another one lives. Every
 /// process that opened a context or took memory has one.
