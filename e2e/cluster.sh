@@ -357,8 +357,18 @@ up() {
     wait_for 120 "the node to register" kubelet kc get node "$NODE"
 
     log "Tessera's device plugin and DRA plugin"
-    kc apply -f "$repo/deploy/namespace.yaml" -f "$repo/deploy/dra/rbac.yaml" \
-        -f "$repo/deploy/dra/deviceclasses.yaml" >/dev/null
+    kc apply -f "$repo/deploy/namespace.yaml" -f "$repo/deploy/dra/rbac.yaml" >/dev/null
+    # The chart's DeviceClasses, rendered by real Helm (.ci/test's Python has helm-sdkpy);
+    # without it, deploy/dra's, and the log says which.
+    local py=${TESSERA_PYTHON:-$repo/.venv/bin/python}
+    if "$py" -c 'import helm_sdkpy, yaml' >/dev/null 2>&1; then
+        "$py" "$here/chart_classes.py" "$repo" >"$D/deviceclasses.json"
+        kc apply -f "$D/deviceclasses.json" >/dev/null
+        log "DeviceClasses from the Helm chart: $(jq -r '[.items[].metadata.name] | join(", ")' "$D/deviceclasses.json")"
+    else
+        kc apply -f "$repo/deploy/dra/deviceclasses.yaml" >/dev/null
+        log "DeviceClasses from deploy/dra/deviceclasses.yaml (no helm-sdkpy in $py to render the chart's)"
+    fi
     start_device_plugin
     start_dra_plugin
 
