@@ -389,7 +389,10 @@ start_device_plugin() {
         --admin-socket "$D/tessera/admin.sock" --tenant-socket "$D/tessera/tenant/tessera.sock" \
         --host-lib-dir "$D/tessera/lib" --host-identity-dir "$D/tessera/identity" \
         --interposer "$RUST/libtessera_interpose.so" --metrics-addr 127.0.0.1:19465 \
-        --nvidia-cdi-kind nvidia.com/gpu
+        --nvidia-cdi-kind nvidia.com/gpu --stale-grace 3 --stale-interval 1
+    # Both plugins run on this node and share the arbiter (docs/kubernetes.md, "One mode per
+    # node"): a deleted pod's device-plugin allocation is released after 3 s, not the default
+    # 60, so the DRA tests do not wait for the device-plugin tests' GPUs.
 }
 
 start_arbiter() {
