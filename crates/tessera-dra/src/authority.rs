@@ -244,10 +244,15 @@ where
         cw.shutdown().await?;
         Ok::<(), RelayError>(())
     };
-    // Either direction ending ends the connection (the other side is dropped with it).
+    // The client done sending (its end shut) still gets the server's last answers: the server
+    // sees the shutdown and closes. The server closing, or a broken client, ends it all.
+    tokio::pin!(up, down);
     tokio::select! {
-        r = up => r,
-        r = down => r,
+        r = &mut up => {
+            r?;
+            down.await
+        }
+        r = &mut down => r,
     }
 }
 
@@ -434,5 +439,27 @@ mod tests {
         // A block that does not decode.
         let (h, p) = frame(HEADERS, END_HEADERS, 1, &[0xff, 0xff, 0xff, 0xff]);
         assert!(Rewriter::new().frame(&h, &p, &mut out).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_client_that_shuts_its_end_still_gets_the_servers_answer() {
+        let (client, near_client) = tokio::io::duplex(4096);
+        let (near_server, mut server) = tokio::io::duplex(4096);
+        let relayed = tokio::spawn(relay(near_client, near_server));
+        let (mut cr, mut cw) = tokio::io::split(client);
+        let mut sent = PREFACE.to_vec();
+        push_frame(&mut sent, 0x4, 0, 0, b""); // an empty SETTINGS
+        cw.write_all(&sent).await.unwrap();
+        cw.shutdown().await.unwrap();
+        // The server reads all of it (to the client's shutdown), then answers and closes.
+        let mut got = Vec::new();
+        server.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, sent);
+        server.write_all(b"answer").await.unwrap();
+        drop(server);
+        let mut back = Vec::new();
+        cr.read_to_end(&mut back).await.unwrap();
+        assert_eq!(back, b"answer");
+        relayed.await.unwrap().unwrap();
     }
 }
