@@ -290,6 +290,10 @@ EOF
 up() {
     [ "$(id -u)" = 0 ] || die "needs root (it runs a kubelet and a container runtime)"
     [ -e "$D/pids" ] && die "$D exists: run '$0 down' first"
+    # The device-plugin folder is the host's own (see DEVICE_PLUGINS): a kubelet already
+    # running on this machine owns it, and `down` would sweep its sockets and pod cgroups.
+    [ -S "$DEVICE_PLUGINS/kubelet.sock" ] &&
+        die "$DEVICE_PLUGINS/kubelet.sock exists: another kubelet runs here (or a crashed cluster left it: remove it)"
     bash "$here/build.sh"
     for b in tessera tessera-arbiter tessera-device-plugin tessera-dra tenant hello_gpu \
         libtessera_interpose.so libtessera_sim_cuda.so libtessera_sim_nvml.so; do
