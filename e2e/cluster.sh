@@ -141,25 +141,23 @@ build_images() {
         unshare nsenter readlink test date seq rm mkdir touch chmod; do
         ln -sf busybox "$root/bin/$a"
     done
-    local b
-    for b in tenant hello_gpu; do
-        cp "$RUST/$b" "$root/usr/local/bin/$b"
-        # Every library the example clients, the interposer and the simulated driver link.
-        for l in $(ldd "$RUST/$b" "$RUST/libtessera_interpose.so" "$RUST/libtessera_sim_cuda.so" \
-            "$RUST/libtessera_sim_nvml.so" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// && !/:$/ {print $1}' | sort -u); do
-            mkdir -p "$root$(dirname "$l")"
-            cp -L "$l" "$root$l"
-        done
+    cp "$RUST/tenant" "$RUST/hello_gpu" "$root/usr/local/bin/"
+    # Every library the example clients, the interposer and the simulated driver link, the
+    # loader included (ldd lists it as a path of its own).
+    local l
+    for l in $(ldd "$RUST/tenant" "$RUST/hello_gpu" "$RUST/libtessera_interpose.so" \
+        "$RUST/libtessera_sim_cuda.so" "$RUST/libtessera_sim_nvml.so" |
+        awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// && !/:$/ {print $1}' | sort -u); do
+        mkdir -p "$root$(dirname "$l")"
+        cp -L "$l" "$root$l"
     done
-    mkdir -p "$root/lib64"
-    [ -e "$root/lib64/ld-linux-x86-64.so.2" ] || cp -L /lib64/ld-linux-x86-64.so.2 "$root/lib64/"
     echo 'root:x:0:0:root:/root:/bin/sh' >"$root/etc/passwd"
     echo 'root:x:0:' >"$root/etc/group"
     oci_image "$root" localhost/tessera-e2e/client:1 '["/bin/sh"]' "$img/client.tar"
     local t
     for t in pause client; do
-        ctr --address "$D/containerd/containerd.sock" -n k8s.io images import \
-            --no-unpack=false "$img/$t.tar" >/dev/null
+        ctr --address "$D/containerd/containerd.sock" -n k8s.io images import "$img/$t.tar" \
+            >/dev/null
     done
 }
 

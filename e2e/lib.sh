@@ -35,7 +35,23 @@ eventually() {
 }
 
 phase() { kc get pod "$1" -o jsonpath='{.status.phase}' 2>/dev/null; }
-is_phase() { [ "$(phase "$1")" = "$2" ]; }
+# Whether POD has ended (Succeeded or Failed).
+ended() { case $(phase "$1") in Succeeded | Failed) ;; *) return 1 ;; esac; }
+
+# Whether the scheduler refused POD with a message matching REGEX (its FailedScheduling event).
+refused_by_scheduler() {
+    kc get events --field-selector "involvedObject.name=$1,reason=FailedScheduling" \
+        -o jsonpath='{.items[*].message}' | grep -Eq -- "$2"
+}
+
+# Whether POD's output has a line matching REGEX yet.
+printed() { kc logs "$1" | grep -Eq -- "$2"; }
+
+# The node's ResourceSlices of driver gpu.tessera.dev, as a JSON array.
+slice_json() {
+    kc get resourceslices -o json | jq -c --arg n "$NODE" \
+        '[.items[] | select(.spec.driver == "gpu.tessera.dev" and .spec.nodeName == $n)]'
+}
 
 # wait_phase POD PHASE [SECONDS]: fails at once if the pod ends in the other terminal phase.
 wait_phase() {

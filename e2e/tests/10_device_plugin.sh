@@ -45,8 +45,8 @@ test_device_plugin__c_a_share_beyond_the_node_stays_pending() {
     wait_phase dp-full-0 Running 90
     wait_phase dp-full-1 Running 90
     shares_pod dp-one-more 1 "true"
-    eventually 60 "a FailedScheduling event" sh -c \
-        "kubectl get events --field-selector involvedObject.name=dp-one-more,reason=FailedScheduling -o jsonpath='{.items[*].message}' | grep -q 'Insufficient tessera.dev/gpu-shares'"
+    eventually 60 "a FailedScheduling event" \
+        refused_by_scheduler dp-one-more 'Insufficient tessera.dev/gpu-shares'
     sleep 5
     expect_eq "phase" "$(phase dp-one-more)" Pending
 }

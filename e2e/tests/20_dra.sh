@@ -2,10 +2,6 @@
 # registration, the published ResourceSlice, placement by consumable capacity, CDI edits applied
 # by containerd, limits inside, unprepare on delete, and a memory-only claim.
 
-slice_json() {
-    kc get resourceslices -o json | jq -c '[.items[] | select(.spec.driver == "gpu.tessera.dev")]'
-}
-
 # The device a pod's claim was allocated ("gpu-0").
 claim_device() {
     kc get resourceclaims -o json | jq -r --arg p "$1" '.items[]
@@ -14,8 +10,8 @@ claim_device() {
 }
 
 test_dra__a_the_plugin_registers_and_publishes_the_gpus() {
-    eventually 60 "the node's ResourceSlice" sh -c \
-        "kubectl get resourceslices -o json | jq -e '[.items[] | select(.spec.driver == \"gpu.tessera.dev\" and .spec.nodeName == \"$NODE\")] | length == 1'"
+    one_slice() { [ "$(slice_json | jq length)" = 1 ]; }
+    eventually 60 "the node's ResourceSlice" one_slice
     local s
     s=$(slice_json)
     expect_eq "devices" "$(jq '.[0].spec.devices | length' <<<"$s")" 2
@@ -49,11 +45,10 @@ test_dra__b_the_scheduler_places_fractions_by_capacity_and_the_limits_hold() {
     # A claim that fits nowhere (60 shares: 0 left on one GPU, 50 on the other) stays Pending
     # with the scheduler's own reason.
     claim_pod dra-60 c60 "true"
-    eventually 60 "the scheduler's refusal" sh -c \
-        "kubectl get events --field-selector involvedObject.name=dra-60,reason=FailedScheduling -o jsonpath='{.items[*].message}' | grep -q 'cannot allocate all claims'"
+    eventually 60 "the scheduler's refusal" refused_by_scheduler dra-60 'cannot allocate all claims'
     expect_eq "phase of dra-60" "$(phase dra-60)" Pending
     # Inside: the claim's memory is the card the process sees, and the limit holds.
-    eventually 30 "dra-30's tenant output" sh -c "kubectl logs dra-30 | grep -q 'GPU time'"
+    eventually 30 "dra-30's tenant output" printed dra-30 'GPU time'
     local l30 l70
     l30=$(kc logs dra-30)
     l70=$(kc logs dra-70)
@@ -83,7 +78,7 @@ test_dra__c_a_memory_only_claim_gets_a_fraction() {
     claim_template cmem "" 8Gi
     claim_pod dra-mem cmem 'tenant --name M --grab-gib 100 --seconds 1; sleep 600'
     wait_phase dra-mem Running 120
-    eventually 30 "dra-mem's tenant output" sh -c "kubectl logs dra-mem | grep -q 'GPU time'"
+    eventually 30 "dra-mem's tenant output" printed dra-mem 'GPU time'
     # The scheduler charged the class's default share, not the whole card, and the plugin
     # made an allocation of exactly that.
     local alloc

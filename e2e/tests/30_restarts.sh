@@ -10,10 +10,7 @@ limited() {
     expect_match "$1 refused" "$out" "X: holds [0-9]+ GiB; the next 1 GiB was refused: CUDA_ERROR_OUT_OF_MEMORY"
 }
 
-slice_uid() {
-    kc get resourceslices -o json | jq -r --arg n "$NODE" \
-        '.items[] | select(.spec.driver == "gpu.tessera.dev" and .spec.nodeName == $n) | .metadata.uid'
-}
+slice_uid() { slice_json | jq -r '.[].metadata.uid'; }
 
 test_restarts__pods_keep_running_and_limited_across_plugin_and_arbiter_restarts() {
     shares_pod rs-dp 30 "sleep 900"

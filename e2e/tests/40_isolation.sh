@@ -23,8 +23,7 @@ test_isolation__a_tenant_that_unmounts_the_preload_in_a_user_namespace_is_killed
     # /etc/ld.so.preload; the driver is then reached with no interposer. 40 GiB against 24.
     shares_pod iso-bypass 30 'echo allocation=$TESSERA_ALLOCATION_ID; unshare -Urm sh -c "mount --bind /dev/null /etc/ld.so.preload &&
         echo preload=\$(cat /etc/ld.so.preload | wc -c) && exec tenant --name X --grab-gib 40 --seconds 20"'
-    eventually 120 "the bypass to end" sh -c \
-        "kubectl get pod iso-bypass -o jsonpath='{.status.phase}' | grep -Eq 'Failed|Succeeded'"
+    eventually 120 "the bypass to end" ended iso-bypass
     local l
     l=$(kc logs iso-bypass)
     echo "$l"
@@ -57,8 +56,7 @@ test_isolation__a_forged_identity_file_in_a_user_namespace_does_not_escape_the_l
         echo token=forged-0000 > /tmp/id && mount --bind /tmp/id /etc/tessera/tenant &&
         mount --bind /dev/null /etc/ld.so.preload && cat /etc/tessera/tenant &&
         exec tenant --name F --grab-gib 40 --seconds 20"'
-    eventually 120 "the forger to end" sh -c \
-        "kubectl get pod iso-forge -o jsonpath='{.status.phase}' | grep -Eq 'Failed|Succeeded'"
+    eventually 120 "the forger to end" ended iso-forge
     local l
     l=$(kc logs iso-forge)
     echo "$l"
