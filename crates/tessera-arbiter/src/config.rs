@@ -102,6 +102,12 @@ pub struct Config {
     /// Tessera identity file is taken for a host process (reported, never killed).
     #[arg(long, default_value = "/proc/1/ns/mnt", value_name = "PATH")]
     pub host_mount_ns: PathBuf,
+    /// The folder where the kubelet plugins write containers' identity files (their
+    /// `--host-identity-dir`). When set, a container's identity file proves its allocation
+    /// only if it is one of these files (the same inode, as a bind mount shows it), never a
+    /// file a tenant mounted over it; unset, any read-only file naming a live allocation does.
+    #[arg(long, value_name = "DIR")]
+    pub identity_dir: Option<PathBuf>,
     /// Deadline for a new connection's whole handshake (its `Hello` and the answer),
     /// milliseconds; not per read, so a peer that trickles bytes is dropped all the same.
     #[arg(long, default_value_t = 1000, value_name = "MS")]

@@ -337,7 +337,8 @@ fn start_backstop(
         Some(config.nvml_lib.as_os_str()),
         &config.host_mount_ns,
     )
-    .map_err(ServerError::Backstop)?;
+    .map_err(ServerError::Backstop)?
+    .with_identity_dir(config.identity_dir.clone());
     b.counters = counters;
     let (stop, stopped) = std::sync::mpsc::channel();
     let thread = std::thread::Builder::new()
