@@ -35,6 +35,7 @@ use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use parking_lot::Mutex;
 
 use crate::MAX_GPUS;
+use crate::generation::Generation;
 use crate::shared::SharedHold;
 
 const MAGIC: u64 = 0x5445_5353_5245_4331; // "TESSREC1"
@@ -147,6 +148,9 @@ pub struct Ledger {
     further_context_bytes: u64,
     mine: Mutex<Option<Mine>>,
     mem_lock: File,
+    /// Bumped by every allocation before it raises a record, so readers sum the card at one
+    /// instant (see [`crate::generation`]).
+    generation: Generation,
 }
 
 impl std::fmt::Debug for Ledger {
@@ -194,6 +198,7 @@ impl Ledger {
             .custom_flags(libc::O_CLOEXEC)
             .open(&lock_path)
             .map_err(io(&lock_path))?;
+        let generation = Generation::map(&mem_lock).map_err(io(&lock_path))?;
         register_atfork();
         // Learn this process's pid now (at cuInit), not first under the mem.lock flock: in a
         // container that may take a question to the machine's driver socket.
@@ -205,6 +210,7 @@ impl Ledger {
             further_context_bytes: 0,
             mine: Mutex::new(None),
             mem_lock,
+            generation,
         })
     }
 
@@ -351,6 +357,9 @@ impl Ledger {
                 free,
             });
         }
+        // Before the caller raises its record: a reader that then reads the raised record
+        // sees the generation move and reads again (see [`crate::generation`]).
+        self.generation.bump();
         Ok(guard.as_ref().expect("record just made"))
     }
 
@@ -603,6 +612,8 @@ fn scan(dir: &Path, delete_dead: bool) -> Result<Vec<ProcessUsage>, LedgerError>
         if file.read_exact_at(&mut buf, 0).is_err() {
             continue;
         }
+        #[cfg(test)]
+        tests::after_record(&name.to_string_lossy());
         let word = |i: usize| u64::from_ne_bytes(buf[i * 8..i * 8 + 8].try_into().unwrap());
         if word(0) != MAGIC {
             continue;
@@ -641,17 +652,19 @@ fn scan(dir: &Path, delete_dead: bool) -> Result<Vec<ProcessUsage>, LedgerError>
     Ok(out)
 }
 
-/// Every live process using the simulated GPUs of `dir`, with its memory and busy time.
+/// Every live process using the simulated GPUs of `dir`, with its memory and busy time, as
+/// the card held them at one instant (or less, when some freed meanwhile).
 pub fn read_processes(dir: &Path) -> Result<Vec<ProcessUsage>, LedgerError> {
-    scan(dir, false)
+    crate::generation::consistent(dir, || scan(dir, false))
 }
 
-/// Device memory in use on `gpu`, bytes, summed over live processes.
+/// Device memory in use on `gpu`, bytes, summed over live processes: what the card held at one
+/// instant (or less, when some freed meanwhile).
 pub fn device_memory_used(dir: &Path, gpu: u32) -> Result<u64, LedgerError> {
     if gpu as usize >= MAX_GPUS {
         return Err(LedgerError::NoSuchGpu(gpu));
     }
-    card_used(dir, gpu, false)
+    crate::generation::consistent(dir, || card_used(dir, gpu, false))
 }
 
 /// What the card holds on `gpu`: every live process's own memory, plus each held shared VMM
@@ -665,9 +678,35 @@ fn card_used(dir: &Path, gpu: u32, delete_dead: bool) -> Result<u64, LedgerError
     Ok(own + crate::shared::held_bytes(dir, delete_dead)[g])
 }
 
+/// Runs `f` with `hook` called after each record a scan in this thread reads (by file name);
+/// how a test puts another process's allocation inside a reading.
 #[cfg(test)]
-mod tests {
+pub(crate) fn tests_after_record<T>(hook: impl FnMut(&str) + 'static, f: impl FnOnce() -> T) -> T {
+    tests::AFTER_RECORD.with(|h| *h.borrow_mut() = Some(Box::new(hook)));
+    let got = f();
+    tests::AFTER_RECORD.with(|h| *h.borrow_mut() = None);
+    got
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
     use super::*;
+
+    type Hook = Box<dyn FnMut(&str)>;
+
+    thread_local! {
+        pub(crate) static AFTER_RECORD: std::cell::RefCell<Option<Hook>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    /// Calls this thread's hook, if any; taken out meanwhile, so a scan the hook itself causes
+    /// (an allocation checks the card) does not call it again.
+    pub(crate) fn after_record(name: &str) {
+        if let Some(mut hook) = AFTER_RECORD.with(|h| h.borrow_mut().take()) {
+            hook(name);
+            AFTER_RECORD.with(|h| *h.borrow_mut() = Some(hook));
+        }
+    }
 
     #[test]
     fn alloc_free_and_oom() {

@@ -5,7 +5,8 @@
 //! - `procs/<pid>`: one record per process using the simulated GPUs (memory in use and engine
 //!   busy time per device), OFD-locked by its owner so readers can tell dead records
 //!   (`procs/<pid>.<n>` for a second copy of the driver in the same process).
-//! - `mem.lock`: serialises allocation check-and-add across processes.
+//! - `mem.lock`: serialises allocation check-and-add across processes; its first 8 bytes count
+//!   allocations, so a reading of the card is one instant's (see `generation`).
 //! - `engine<N>`: the execution engine of device N (flock held while a kernel runs) and its
 //!   busy-time counters.
 //! - `events`: injected XID events.
@@ -34,6 +35,7 @@ pub mod dirs;
 pub mod driver;
 pub mod engine;
 pub mod events;
+mod generation;
 pub mod ledger;
 pub mod machine;
 pub mod shared;
