@@ -197,9 +197,9 @@ say "GPU 0: $gpu_name, $(gib "$total"); the limited tenant gets --memory $limit 
 say "step 1: memory limit under --memory $limit --share $pct"
 s1="1 limit ${pct}%"
 if [ -z "$torch_skip" ]; then
-    job t1_default $slack "${TR[@]}" --memory "$limit" --share "$pct" -- "$py" "$here/torch_limit.py" "$limit"
+    job t1_default $slack "${TR[@]}" --memory "${limit}B" --share "$pct" -- "$py" "$here/torch_limit.py" "$limit"
     job t1_vmm $slack env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-        "${TR[@]}" --memory "$limit" --share "$pct" -- "$py" "$here/torch_limit.py" "$limit"
+        "${TR[@]}" --memory "${limit}B" --share "$pct" -- "$py" "$here/torch_limit.py" "$limit"
     if has_json "$work/t1_default.json"; then
         row "$s1" "torch.cuda.mem_get_info() total" "$(q '"%.2f GiB" % (j["total"] / GiB)' j="$work/t1_default.json")" \
             "= limit ($(gib "$limit"))" "$(q '"yes" if j["total"] == j["limit"] else "NO"' j="$work/t1_default.json")"
@@ -221,7 +221,7 @@ else
     row "$s1" "PyTorch: mem_get_info, OutOfMemoryError, caching allocator and expandable_segments" "$torch_skip" "= limit; refused at the limit" "-"
 fi
 if [ -n "$bpy" ] && [ -n "$torch_skip" ]; then
-    job b1 $slack "${TR[@]}" --memory "$limit" --share "$pct" -- "$bpy" "$here/bindings_limit.py" "$limit"
+    job b1 $slack "${TR[@]}" --memory "${limit}B" --share "$pct" -- "$bpy" "$here/bindings_limit.py" "$limit"
     if has_json "$work/b1.json"; then
         row "$s1" "cuda-bindings: cuMemGetInfo total" "$(q '"%.2f GiB" % (j["total"] / GiB)' j="$work/b1.json")" \
             "= limit ($(gib "$limit"))" "$(q '"yes" if j["total"] == j["limit"] else "NO"' j="$work/b1.json")"
@@ -239,7 +239,7 @@ elif [ -n "$torch_skip" ]; then
     row "$s1" "cuda-bindings: limit and refusal" "$bindings_note" "= limit; refused at the limit" "-"
 fi
 if command -v nvidia-smi >/dev/null 2>&1 && [ $real = 1 ]; then
-    job smi 60 "${TR[@]}" --memory "$limit" --share "$pct" -- nvidia-smi -i 0 --query-gpu=memory.total --format=csv,noheader,nounits
+    job smi 60 "${TR[@]}" --memory "${limit}B" --share "$pct" -- nvidia-smi -i 0 --query-gpu=memory.total --format=csv,noheader,nounits
     if [ "$(cat "$work/smi.rc")" = 0 ]; then
         smi=$(head -n 1 "$work/smi.json" | tr -dc 0-9)
         row "$s1" "nvidia-smi inside: memory.total" "${smi} MiB" "= limit ($((limit >> 20)) MiB)" \
@@ -271,14 +271,14 @@ if [ ${#worker[@]} = 0 ]; then
 else
     [ -n "$torch_skip" ] && row "$s2" "PyTorch bf16 matmuls" "$torch_skip (cuda-bindings spin kernels instead)" "-" "-"
     say "step 2: one tenant alone, then shares $pct and $((100 - pct)) together, ${share_s}s each ($wname)"
-    job alone $((share_s + slack)) "${TR[@]}" --memory "$limit" --share "$pct" -- "${worker[@]}" $(w_args "$share_s")
+    job alone $((share_s + slack)) "${TR[@]}" --memory "${limit}B" --share "$pct" -- "${worker[@]}" $(w_args "$share_s")
     mkdir -p "$work/barrier"
     GPUCHECK_BARRIER=$work/barrier timeout -k 5 $((share_s + slack)) \
-        "${TR[@]}" --memory "$limit" --share "$pct" -- "${worker[@]}" $(w_args "$share_s") \
+        "${TR[@]}" --memory "${limit}B" --share "$pct" -- "${worker[@]}" $(w_args "$share_s") \
         >"$work/a.json" 2>"$work/a.err" &
     a=$!
     GPUCHECK_BARRIER=$work/barrier timeout -k 5 $((share_s + slack)) \
-        "${TR[@]}" --memory "$rest" --share $((100 - pct)) -- "${worker[@]}" $(w_args "$share_s") \
+        "${TR[@]}" --memory "${rest}B" --share $((100 - pct)) -- "${worker[@]}" $(w_args "$share_s") \
         >"$work/b.json" 2>"$work/b.err" &
     b=$!
     bg_pids=("$a" "$b")
@@ -309,7 +309,7 @@ else
     fi
 
     say "step 3: a capped $pct% tenant alone, ${share_s}s"
-    job capped $((share_s + slack)) "${TR[@]}" --memory "$limit" --share "$pct" --cap -- "${worker[@]}" $(w_args "$share_s")
+    job capped $((share_s + slack)) "${TR[@]}" --memory "${limit}B" --share "$pct" --cap -- "${worker[@]}" $(w_args "$share_s")
     if has_json "$work/capped.json" && has_json "$work/alone.json"; then
         row "$s3" "throughput capped / uncapped ($wname)" "$(q '"%.1f%%" % (100 * c["per_s"] / o["per_s"])' c="$work/capped.json" o="$work/alone.json")" \
             "$pct% ± 3" "$(q '"yes" if abs(100 * c["per_s"] / o["per_s"] - '"$pct"') <= 3 else "NO"' c="$work/capped.json" o="$work/alone.json")"
@@ -340,14 +340,14 @@ overhead_rows() { # overhead_rows KIND LABEL: rows from bare_KIND.json and tess_
 if [ -z "$torch_skip" ]; then
     say "step 4: PyTorch overhead, bare and under Tessera, ${bench_s}s per measurement"
     job bare_torch $((3 * bench_s + slack)) "${GPU[@]+"${GPU[@]}"}" "$py" "$here/torch_overhead.py" "$bench_s"
-    job tess_torch $((3 * bench_s + slack)) "${TR[@]}" --memory "$full" --share 100 -- "$py" "$here/torch_overhead.py" "$bench_s"
+    job tess_torch $((3 * bench_s + slack)) "${TR[@]}" --memory "${full}B" --share 100 -- "$py" "$here/torch_overhead.py" "$bench_s"
     overhead_rows torch "bf16 8192^2 matmuls"
 else
     row "$s4" "PyTorch matmuls, tiny kernels, CUDA graph" "$torch_skip" "≤ 2% / ≤ 5%" "-"
     if [ -n "$bpy" ]; then
         say "step 4: cuda-bindings overhead, bare and under Tessera, ${bench_s}s per measurement"
         job bare_bindings $((3 * bench_s + slack)) "${GPU[@]+"${GPU[@]}"}" "$bpy" "$here/bindings_overhead.py" "$bench_s"
-        job tess_bindings $((3 * bench_s + slack)) "${TR[@]}" --memory "$full" --share 100 -- "$bpy" "$here/bindings_overhead.py" "$bench_s"
+        job tess_bindings $((3 * bench_s + slack)) "${TR[@]}" --memory "${full}B" --share 100 -- "$bpy" "$here/bindings_overhead.py" "$bench_s"
         overhead_rows bindings "cuda-bindings 1 ms kernels"
     fi
 fi
@@ -360,7 +360,7 @@ for lib in cupy jax; do
     fi
     say "step 4: $name start-up, bare and under Tessera"
     job "bare_$lib" $slack "$py" "$here/${lib}_check.py"
-    job "tess_$lib" $slack "${TR[@]}" --memory "$limit" --share "$pct" -- "$py" "$here/${lib}_check.py"
+    job "tess_$lib" $slack "${TR[@]}" --memory "${limit}B" --share "$pct" -- "$py" "$here/${lib}_check.py"
     if has_json "$work/bare_$lib.json" && has_json "$work/tess_$lib.json"; then
         row "$s4" "$name start-up and one kernel" "$(q '"%.2f s bare, %.2f s Tessera, result %s" % (b["startup_s"], t["startup_s"], "right" if t["ok"] else "WRONG")' b="$work/bare_$lib.json" t="$work/tess_$lib.json")" \
             "runs; start-up ≈ bare" "$(q '"yes" if t["ok"] else "NO"' t="$work/tess_$lib.json")"
@@ -378,7 +378,7 @@ else
     rm -rf "$work/barrier5"; mkdir -p "$work/barrier5"
     if [ -z "$torch_skip" ]; then args5=("$ledger_s" 8192 1024); else args5=("$ledger_s" 1000 1024); fi
     GPUCHECK_BARRIER=$work/barrier5 GPUCHECK_LINGER=10 timeout -k 5 $((ledger_s + slack)) \
-        "${TR[@]}" --memory "$limit" --share "$pct" -- "${worker[@]}" "${args5[@]}" \
+        "${TR[@]}" --memory "${limit}B" --share "$pct" -- "${worker[@]}" "${args5[@]}" \
         >"$work/l.json" 2>"$work/l.err" &
     l=$!
     bg_pids=("$l")

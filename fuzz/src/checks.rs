@@ -339,6 +339,7 @@ pub fn samples() -> Samples {
         }),
         orphaned: true,
         tier: Tier::Latency,
+        owner_uid: Some(61001),
     };
     let create = CreateAllocation {
         gpu: GpuSelector::Uuid("GPU-x".into()),

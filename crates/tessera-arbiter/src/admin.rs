@@ -8,13 +8,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tessera_protocol::{
-    AdminReply, AdminRequest, FrameDecoder, PROTOCOL_VERSION, RefusalKind, Role, ServerHello, Tier,
+    AdminReply, AdminRequest, FrameDecoder, PROTOCOL_VERSION, RefusalKind, Role, ServerHello,
+    SocketKind, Tier,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::net::UnixStream;
 
 use crate::admission::{self, Admission, PendingSlot};
-use crate::state::Arbiter;
+use crate::state::{Arbiter, By};
 use crate::wire::{self, WireError};
 
 /// Errors of admin connections (each closes that connection only).
@@ -59,7 +60,11 @@ pub async fn serve(
     }
 }
 
-async fn send<T: serde::Serialize>(stream: &mut UnixStream, msg: &T) -> Result<(), AdminError> {
+/// Writes one frame (the user socket's server too).
+pub(crate) async fn send<T: serde::Serialize>(
+    stream: &mut UnixStream,
+    msg: &T,
+) -> Result<(), WireError> {
     let mut out = Vec::new();
     wire::push_frame(&mut out, msg).map_err(WireError::from)?;
     stream
@@ -82,6 +87,14 @@ async fn serve_inner(
     drop(slot);
     match hello {
         Ok(Role::Admin) => {}
+        Ok(Role::Probe) => {
+            let msg = ServerHello::Probed {
+                version: PROTOCOL_VERSION,
+                socket: SocketKind::Admin,
+            };
+            send(stream, &msg).await?;
+            return Ok(());
+        }
         Ok(Role::Tenant { .. } | Role::Companion { .. }) => {
             let reason = "tenants use the tenant socket";
             let msg = ServerHello::refusal(RefusalKind::WrongSocket, reason, PROTOCOL_VERSION);
@@ -100,10 +113,12 @@ async fn serve_inner(
         allocation: None,
     };
     send(stream, &welcome).await?;
+    // The peer's uid is recorded as the creator of what it creates (`tessera status`'s OWNER).
+    let by = By::operator(stream.peer_cred().ok().map(|c| c.uid()));
     let mut dec = FrameDecoder::new();
     loop {
         let req: AdminRequest = wire::read_msg(stream, &mut dec).await?;
-        let reply = handle(arb, req).await;
+        let reply = handle(arb, req, &by).await;
         send(stream, &reply).await?;
     }
 }
@@ -113,12 +128,16 @@ async fn create(
     c: tessera_protocol::CreateAllocation,
     owner: Option<tessera_protocol::ProcessOwner>,
     tier: tessera_protocol::Tier,
+    by: &By,
 ) -> AdminReply {
     let (gpu, limit, share, cap) = (c.gpu.clone(), c.memory_limit, c.share, c.cap);
-    match arb.create_tiered(c, owner, tier).await {
+    match arb.create_tiered_by(c, owner, tier, by).await {
         Ok((token, allocation)) => {
             let cap = cap.map_or("no cap".to_owned(), |c| format!("cap {c}%"));
-            let owned = owner.map_or(String::new(), |o| format!(", owned by pid {}", o.pid));
+            let mut owned = owner.map_or(String::new(), |o| format!(", owned by pid {}", o.pid));
+            if let Some(uid) = by.uid {
+                owned.push_str(&format!(", uid {uid}"));
+            }
             tracing::info!(
                 "created allocation {} on GPU {} ({}, share {share}, {cap}, {tier}{owned})",
                 allocation.id,
@@ -128,7 +147,12 @@ async fn create(
             AdminReply::Created { token, allocation }
         }
         Err(e) => {
-            tracing::warn!("refused to create an allocation on {gpu}: {e}");
+            // A user over their quota is no fault of the arbiter's: not a warning.
+            if by.quota.is_some() {
+                tracing::info!("refused to create an allocation on {gpu}: {e}");
+            } else {
+                tracing::warn!("refused to create an allocation on {gpu}: {e}");
+            }
             AdminReply::Error {
                 kind: e.kind(),
                 message: e.to_string(),
@@ -141,9 +165,10 @@ async fn create_group(
     arb: &Arbiter,
     slices: Vec<tessera_protocol::CreateAllocation>,
     owner: Option<tessera_protocol::ProcessOwner>,
+    by: &By,
 ) -> AdminReply {
     let n = slices.len();
-    match arb.create_group(slices, owner).await {
+    match arb.create_group_by(slices, owner, by).await {
         Ok((token, allocations)) => {
             let parts: Vec<String> = allocations
                 .iter()
@@ -170,33 +195,49 @@ async fn create_group(
     }
 }
 
-async fn handle(arb: &Arbiter, req: AdminRequest) -> AdminReply {
+fn error(e: crate::state::StateError) -> AdminReply {
+    AdminReply::Error {
+        kind: e.kind(),
+        message: e.to_string(),
+    }
+}
+
+/// Serves one request for `by` (the operator on the admin socket; a user on the user socket,
+/// whose request [`crate::users::socket::authorize`] let through).
+pub(crate) async fn handle(arb: &Arbiter, req: AdminRequest, by: &By) -> AdminReply {
     match req {
         AdminRequest::ListGpus => AdminReply::Gpus(arb.gpus().to_vec()),
-        AdminRequest::Create(c) => create(arb, c, None, Tier::BestEffort).await,
+        AdminRequest::Create(c) => create(arb, c, None, Tier::BestEffort, by).await,
         AdminRequest::CreateOwned { create: c, owner } => {
-            create(arb, c, Some(owner), Tier::BestEffort).await
+            create(arb, c, Some(owner), Tier::BestEffort, by).await
         }
         AdminRequest::CreateTiered {
             create: c,
             owner,
             tier,
-        } => create(arb, c, owner, tier).await,
-        AdminRequest::CreateGroup { slices, owner } => create_group(arb, slices, owner).await,
+        } => create(arb, c, owner, tier, by).await,
+        AdminRequest::CreateGroup { slices, owner } => create_group(arb, slices, owner, by).await,
         AdminRequest::List => AdminReply::Allocations(arb.list().await),
-        AdminRequest::UpdateLabels { id, labels } => match arb.update_labels(&id, labels).await {
-            Ok(a) => {
-                tracing::info!("labels of allocation {id} updated");
-                AdminReply::Updated(a)
-            }
-            Err(e) => AdminReply::Error {
-                kind: e.kind(),
-                message: e.to_string(),
-            },
+        AdminRequest::LastKill { id } => match arb.last_kill(&id, by) {
+            Ok(k) => AdminReply::LastKill(k),
+            Err(e) => error(e),
         },
-        AdminRequest::Delete { id } => match arb.delete(&id).await {
+        AdminRequest::UpdateLabels { id, labels } => {
+            match arb.update_labels_by(&id, labels, by).await {
+                Ok(a) => {
+                    tracing::info!("labels of allocation {id} updated");
+                    AdminReply::Updated(a)
+                }
+                Err(e) => AdminReply::Error {
+                    kind: e.kind(),
+                    message: e.to_string(),
+                },
+            }
+        }
+        AdminRequest::Delete { id } => match arb.delete_by(&id, by).await {
             Ok(()) => {
-                tracing::info!("deleted allocation {id}");
+                let uid = by.uid.map_or(String::new(), |u| format!(" (uid {u})"));
+                tracing::info!("deleted allocation {id}{uid}");
                 AdminReply::Deleted
             }
             Err(e) => AdminReply::Error {

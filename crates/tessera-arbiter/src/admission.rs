@@ -737,6 +737,15 @@ async fn tenant_handshake<E: std::fmt::Display>(
     };
     let tenant_slot = match admitted {
         Ok(s) => s,
+        Role::Probe => {
+            // `tessera doctor`: no failed handshake, so no warning in the log.
+            let probed = ServerHello::Probed {
+                version: PROTOCOL_VERSION,
+                socket: tessera_protocol::SocketKind::Tenant,
+            };
+            send_now(&stream, &probed);
+            return;
+        }
         Err(e) => {
             // Attached a moment ago and holding nothing: this only undoes the attach.
             let _ = arb.detach_tenant(&binding, conn, proc);

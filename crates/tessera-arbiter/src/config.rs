@@ -151,6 +151,10 @@ pub struct Config {
         value_name = "ADDR|none"
     )]
     pub metrics_addr: crate::metrics::MetricsAddr,
+    /// A shared workstation's users: `--users-group`, `--user-socket`, `--user-quota`,
+    /// `--user-quota-for` ([`crate::users`]).
+    #[command(flatten)]
+    pub users: crate::users::UserArgs,
 }
 
 impl Config {

@@ -29,6 +29,8 @@
 //! - [`admin`]: the admin socket server.
 //! - [`server`]: start-up and shutdown wiring.
 //!
+//! - [`users`]: a shared workstation's users: the user socket (group, quotas, the caller the
+//!   kernel names) and what a user may do there.
 //! The daemon (`src/main.rs`) parses a [`config::Config`], discovers GPUs and runs a
 //! [`server::Server`] until SIGTERM or SIGINT. Logs go through `tracing` (levels from
 //! `RUST_LOG`, `--log-format text|json`; set up by `tessera-log`).
@@ -51,3 +53,4 @@ pub mod stats;
 pub mod store;
 pub mod tenant;
 pub mod wire;
+pub mod users;

@@ -70,6 +70,8 @@ pub struct Server {
     arbiter: Arc<Arbiter>,
     socket: PathBuf,
     admin_socket: PathBuf,
+    /// The user socket, when `--users-group` serves one.
+    user_socket: Option<PathBuf>,
     tenant_admission: Arc<Admission>,
     admin_admission: Arc<Admission>,
     metrics_addr: Option<std::net::SocketAddr>,
@@ -112,6 +114,11 @@ fn raise_nofile(limits: &Limits) {
 /// Binds `path` with `mode`: removes a stale socket file first, binds under a temporary name,
 /// sets the mode, then renames into place, so the final path never has the wrong mode.
 fn bind(path: &Path, mode: u32) -> Result<UnixListener, ServerError> {
+    bind_for_group(path, mode, None)
+}
+
+/// [`bind`], the socket's group set to `gid` (before it is in place) when given.
+fn bind_for_group(path: &Path, mode: u32, gid: Option<u32>) -> Result<UnixListener, ServerError> {
     let err = |source| ServerError::Socket {
         path: path.to_owned(),
         source,
@@ -135,7 +142,8 @@ fn bind(path: &Path, mode: u32) -> Result<UnixListener, ServerError> {
     let tmp = PathBuf::from(tmp);
     let _ = fs::remove_file(&tmp);
     let listener = UnixListener::bind(&tmp).map_err(err)?;
-    let placed = fs::set_permissions(&tmp, fs::Permissions::from_mode(mode))
+    let placed = std::os::unix::fs::chown(&tmp, None, gid)
+        .and_then(|()| fs::set_permissions(&tmp, fs::Permissions::from_mode(mode)))
         .and_then(|()| fs::rename(&tmp, path));
     if let Err(e) = placed {
         let _ = fs::remove_file(&tmp);
@@ -187,6 +195,22 @@ impl Server {
             }
         };
         let limits = config.limits();
+        let users = match bind_users(config) {
+            Ok(u) => u,
+            Err(e) => {
+                let _ = fs::remove_file(&config.socket);
+                let _ = fs::remove_file(&config.admin_socket);
+                return Err(e);
+            }
+        };
+        let user_socket = users.as_ref().map(|_| config.users.user_socket.clone());
+        let remove_sockets = || {
+            let _ = fs::remove_file(&config.socket);
+            let _ = fs::remove_file(&config.admin_socket);
+            if let Some(p) = &user_socket {
+                let _ = fs::remove_file(p);
+            }
+        };
         raise_nofile(&limits);
         let tenant_admission = Admission::new(limits);
         let admin_admission = Admission::new(limits);
@@ -195,8 +219,7 @@ impl Server {
             MetricsAddr::At(addr) => match metrics::bind(addr).await {
                 Ok(l) => Some(l),
                 Err(e) => {
-                    let _ = fs::remove_file(&config.socket);
-                    let _ = fs::remove_file(&config.admin_socket);
+                    remove_sockets();
                     return Err(e.into());
                 }
             },
@@ -221,6 +244,19 @@ impl Server {
             tokio::spawn(crate::reaper::reap_loop(Arc::clone(&arbiter))),
             tokio::spawn(Arc::clone(&admin_admission).report("admin", REPORT_EVERY)),
         ];
+        if let Some((listener, users)) = users {
+            let user_admission = Admission::new(limits);
+            let users = Arc::new(users);
+            tasks.push(accept_loop(
+                listener,
+                Arc::clone(&arbiter),
+                Arc::clone(&user_admission),
+                move |arb, adm, stream| {
+                    crate::users::socket::accept(arb, adm, Arc::clone(&users), stream)
+                },
+            ));
+            tasks.push(tokio::spawn(user_admission.report("user", REPORT_EVERY)));
+        }
         let epoch = arbiter.epoch();
         for s in arbiter.schedulers() {
             tasks.push(tokio::spawn(s.run_timer(epoch)));
@@ -245,14 +281,14 @@ impl Server {
             }
             (stop, task)
         });
+        install_drain_card(config);
         let backstop = match start_backstop(config, &arbiter, backstop_counters) {
             Ok(b) => b,
             Err(e) => {
                 for t in &tasks {
                     t.abort();
                 }
-                let _ = fs::remove_file(&config.socket);
-                let _ = fs::remove_file(&config.admin_socket);
+                remove_sockets();
                 return Err(e);
             }
         };
@@ -260,6 +296,7 @@ impl Server {
             arbiter,
             socket: config.socket.clone(),
             admin_socket: config.admin_socket.clone(),
+            user_socket,
             tenant_admission,
             admin_admission,
             metrics_addr,
@@ -310,7 +347,10 @@ impl Server {
                 tracing::warn!("the backstop thread could not be joined");
             }
         }
-        for p in [&self.socket, &self.admin_socket] {
+        for p in [&self.socket, &self.admin_socket]
+            .into_iter()
+            .chain(self.user_socket.as_ref())
+        {
             if let Err(e) = fs::remove_file(p)
                 && e.kind() != io::ErrorKind::NotFound
             {
@@ -319,6 +359,50 @@ impl Server {
         }
         self.arbiter.persist_all().await?;
         Ok(())
+    }
+}
+
+/// Binds the user socket (mode 0660, group `--users-group`) when `--users-group` asks for one.
+/// Refused where a container could reach it (the tenant socket's folder, which the plugins
+/// mount) or on another socket's path.
+fn bind_users(config: &Config) -> Result<Option<(UnixListener, crate::users::Users)>, ServerError> {
+    let Some(users) = config.users.users() else {
+        return Ok(None);
+    };
+    let path = &config.users.user_socket;
+    let refuse = |why: &str| ServerError::Socket {
+        path: path.clone(),
+        source: io::Error::new(io::ErrorKind::InvalidInput, why.to_owned()),
+    };
+    if path == &config.socket || path == &config.admin_socket {
+        return Err(refuse("the user socket needs a path of its own"));
+    }
+    if path.parent() == config.socket.parent() {
+        return Err(refuse(
+            "the user socket must not be in the tenant socket's folder (containers see it)",
+        ));
+    }
+    let listener = bind_for_group(path, 0o660, Some(users.gid))?;
+    tracing::info!(
+        "serving users of group {} on {} (quota per user: {}, shares {}; {} set per user)",
+        users.gid,
+        path.display(),
+        tessera_protocol::size::human(users.default.memory),
+        users.default.shares,
+        users.per_uid.len()
+    );
+    Ok(Some((listener, users)))
+}
+
+/// Loads NVML for the drains of closed connections (see [`crate::drain`]); without it a closed
+/// connection's memory is released when its process exits.
+fn install_drain_card(config: &Config) {
+    match crate::drain::NvmlCard::load(config.nvml_lib.as_os_str()) {
+        Ok(card) => crate::drain::install_card(Arc::new(card)),
+        Err(e) => tracing::info!(
+            "no NVML for drains ({e}): a closed connection's memory is released when its \
+             process exits"
+        ),
     }
 }
 

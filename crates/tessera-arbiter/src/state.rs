@@ -29,6 +29,12 @@ use crate::scheduler::{SchedulerHandle, SchedulerParams};
 use crate::stats::{AllocCounters, AllocSample, EnforceReason, GpuSample, RequestStats, Snapshot};
 use crate::store::{self, AllocationRecord, Store, StoreError};
 
+// Who may do what (the user socket's owners and quotas) and the backstop's kill records: kept
+// out of this file, which is long enough.
+mod access;
+mod kills;
+pub use access::By;
+
 /// How long a reservation that does not fit waits, by default, while other processes of its
 /// allocation hold memory, for them to give back unused credit (they answer a `Pressure` as
 /// soon as their watcher thread runs) or to free what they hold. A process preempted between
@@ -58,6 +64,9 @@ pub enum StateError {
     /// The background task writing the state failed.
     #[error("internal error: {0}")]
     Internal(#[source] tokio::task::JoinError),
+    /// The caller may not (another user's allocation, a quota passed).
+    #[error("{0}")]
+    Forbidden(String),
 }
 
 impl StateError {
@@ -67,6 +76,7 @@ impl StateError {
             StateError::Invalid(_) => AdminErrorKind::InvalidArgument,
             StateError::NotFound(_) => AdminErrorKind::NotFound,
             StateError::Exhausted(_) => AdminErrorKind::Exhausted,
+            StateError::Forbidden(_) => AdminErrorKind::PermissionDenied,
             StateError::Store(_) | StateError::Load(_) | StateError::Internal(_) => {
                 AdminErrorKind::Internal
             }
@@ -182,6 +192,8 @@ pub struct Arbiter {
     requests: RequestStats,
     /// Processes of owned allocations found under their owner (see [`crate::owner`]).
     members: Mutex<crate::owner::Members>,
+    /// The last process the backstop killed per allocation, and why ([`kills`]).
+    kills: Mutex<HashMap<String, tessera_protocol::KillRecord>>,
 }
 
 fn now_unix() -> u64 {
@@ -357,6 +369,7 @@ impl Arbiter {
             pressure: PressureHub::new(),
             requests: RequestStats::default(),
             members: Mutex::default(),
+            kills: Mutex::default(),
         });
         for g in &arb.gpus {
             arb.scheduler_for(&g.uuid);
@@ -944,6 +957,7 @@ impl Arbiter {
             created_unix: now_unix(),
             owner,
             tier,
+            uid: None,
         })
     }
 
@@ -966,9 +980,22 @@ impl Arbiter {
         owner: Option<tessera_protocol::ProcessOwner>,
         tier: tessera_protocol::Tier,
     ) -> Result<(String, AllocationStatus), StateError> {
+        self.create_tiered_by(req, owner, tier, &By::OPERATOR).await
+    }
+
+    /// [`Arbiter::create_tiered`] for `by`: recorded as theirs, within their quota.
+    pub async fn create_tiered_by(
+        &self,
+        req: CreateAllocation,
+        owner: Option<tessera_protocol::ProcessOwner>,
+        tier: tessera_protocol::Tier,
+        by: &By,
+    ) -> Result<(String, AllocationStatus), StateError> {
         let mut records = self.admin.lock().await;
         let gpu = self.check_create(&records, &req)?;
-        let record = Self::new_record(&records, req, &gpu, store::new_token()?, owner, tier)?;
+        by.check_quota(&records, &gpu, &req)?;
+        let mut record = Self::new_record(&records, req, &gpu, store::new_token()?, owner, tier)?;
+        record.uid = by.uid;
         let mut next = records.clone();
         next.push(record.clone());
         self.persist(next.clone()).await?;
@@ -992,6 +1019,17 @@ impl Arbiter {
         slices: Vec<CreateAllocation>,
         owner: Option<tessera_protocol::ProcessOwner>,
     ) -> Result<(String, Vec<AllocationStatus>), StateError> {
+        self.create_group_by(slices, owner, &By::OPERATOR).await
+    }
+
+    /// [`Arbiter::create_group`] for `by`: every slice recorded as theirs, all within their
+    /// quota together.
+    pub async fn create_group_by(
+        &self,
+        slices: Vec<CreateAllocation>,
+        owner: Option<tessera_protocol::ProcessOwner>,
+        by: &By,
+    ) -> Result<(String, Vec<AllocationStatus>), StateError> {
         use tessera_protocol::group::{LABEL_GPU_GROUP, MAX_GROUP_GPUS, slice_token};
         if slices.is_empty() || slices.len() > MAX_GROUP_GPUS {
             return Err(StateError::Invalid(format!(
@@ -1006,6 +1044,7 @@ impl Arbiter {
         let mut made: Vec<AllocationRecord> = Vec::new();
         for mut req in slices {
             let gpu = self.check_create(&next, &req)?;
+            by.check_quota(&next, &gpu, &req)?;
             if made.iter().any(|r| r.gpu_uuid == gpu.uuid) {
                 return Err(StateError::Invalid(format!(
                     "GPU {} is asked twice; one slice per GPU",
@@ -1024,6 +1063,7 @@ impl Arbiter {
                 owner,
                 tessera_protocol::Tier::BestEffort,
             )?;
+            record.uid = by.uid;
             let gid = group_id.get_or_insert_with(|| record.id.clone()).clone();
             req.labels.insert(LABEL_GPU_GROUP.to_owned(), gid);
             check_labels(&req.labels)?;
@@ -1052,7 +1092,15 @@ impl Arbiter {
     /// Reserves are denied from now on, Releases are still served, and the memory is counted
     /// until they exit.
     pub async fn delete(&self, id: &str) -> Result<(), StateError> {
+        self.delete_by(id, &By::OPERATOR).await
+    }
+
+    /// [`Arbiter::delete`] if `by` may touch the allocation.
+    pub async fn delete_by(&self, id: &str, by: &By) -> Result<(), StateError> {
         let mut records = self.admin.lock().await;
+        if let Some(r) = records.iter().find(|r| r.id == id) {
+            by.may_touch(r)?;
+        }
         let next: Vec<_> = records.iter().filter(|r| r.id != id).cloned().collect();
         if next.len() == records.len() {
             return Err(StateError::NotFound(id.to_owned()));
@@ -1081,10 +1129,21 @@ impl Arbiter {
         id: &str,
         labels: BTreeMap<String, String>,
     ) -> Result<AllocationStatus, StateError> {
+        self.update_labels_by(id, labels, &By::OPERATOR).await
+    }
+
+    /// [`Arbiter::update_labels`] if `by` may touch the allocation.
+    pub async fn update_labels_by(
+        &self,
+        id: &str,
+        labels: BTreeMap<String, String>,
+        by: &By,
+    ) -> Result<AllocationStatus, StateError> {
         let mut records = self.admin.lock().await;
         let Some(pos) = records.iter().position(|r| r.id == id) else {
             return Err(StateError::NotFound(id.to_owned()));
         };
+        by.may_touch(&records[pos])?;
         let mut merged = records[pos].labels.clone();
         for (k, v) in labels {
             if v.is_empty() {
@@ -1149,6 +1208,7 @@ impl Arbiter {
                 .owner
                 .is_some_and(|o| !crate::owner::alive(std::path::Path::new("/proc"), o)),
             tier: r.tier,
+            owner_uid: r.uid,
         })
     }
 

@@ -101,6 +101,11 @@ pub struct AllocationRecord {
     /// tiers existed (best-effort).
     #[serde(default)]
     pub tier: tessera_protocol::Tier,
+    /// The uid that created it (the kernel's word for the socket's peer; see
+    /// [`crate::users`]): a user may delete only their own, and their quota counts them. Absent
+    /// in files written before owners were recorded (the operator's, then).
+    #[serde(default)]
+    pub uid: Option<u32>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -281,6 +286,7 @@ mod tests {
             created_unix: 1,
             owner: None,
             tier: tessera_protocol::Tier::Latency,
+            uid: Some(61001),
         }
     }
 

@@ -2,16 +2,13 @@
 //! behind, e.g. created before allocations had owners).
 //!
 //! Exit codes: 0 deleted; 1 no such allocation, or refused while processes of it live; 3 the
-//! arbiter could not be reached. Refuses while processes of the allocation are connected, unless `--force`: those processes'
+//! arbiter could not be reached; 4 the arbiter refused (on the user socket: another user's
+//! allocation). Refuses while processes of the allocation are connected, unless `--force`: those processes'
 //! allocations are refused from then on and their memory stays counted until they exit.
-
-use std::path::PathBuf;
-use tessera_protocol::node;
 
 use tessera_protocol::client::AdminClient;
 
 use crate::CliError;
-use crate::run::DEFAULT_ADMIN_SOCKET;
 
 /// Arguments of `tessera delete`.
 #[derive(Debug, clap::Args)]
@@ -21,14 +18,15 @@ pub struct DeleteArgs {
     /// Delete even while processes of it are connected.
     #[arg(long)]
     pub force: bool,
-    /// Arbiter admin socket.
-    #[arg(long, value_name = "PATH", env = node::ENV_ADMIN_SOCKET, default_value = DEFAULT_ADMIN_SOCKET)]
-    pub admin_socket: PathBuf,
+    /// The arbiter's admin or user socket (a user deletes only their own allocations).
+    #[command(flatten)]
+    pub sockets: crate::endpoint::SocketArgs,
 }
 
 /// Runs `tessera delete`; returns the exit code.
 pub fn main(args: DeleteArgs) -> Result<u8, CliError> {
-    let sock = &args.admin_socket;
+    let endpoint = args.sockets.endpoint();
+    let sock = &endpoint.path;
     let mut admin = AdminClient::connect(sock).map_err(|e| CliError::arbiter(e, sock))?;
     let list = admin.list().map_err(|e| CliError::arbiter(e, sock))?;
     let Some(a) = list.iter().find(|a| a.id == args.id) else {

@@ -57,8 +57,15 @@ impl From<tessera_sim_state::MachineError> for CliError {
 
 fn arbiter_message(socket: &std::path::Path, err: &ClientError) -> String {
     match err {
+        ClientError::Connect { source, .. }
+            if source.kind() == std::io::ErrorKind::PermissionDenied =>
+        {
+            format!(
+                "{err} (the admin socket is root's; a workstation's users use the user socket,                  which needs membership of the arbiter's --users-group: see docs/install.md,                  \"A shared workstation\")"
+            )
+        }
         ClientError::Connect { .. } => format!(
-            "{err} (is tessera-arbiter running? set --admin-socket or TESSERA_ADMIN_SOCKET)"
+            "{err} (is tessera-arbiter running? set --admin-socket or TESSERA_ADMIN_SOCKET, or              --user-socket or TESSERA_USER_SOCKET)"
         ),
         _ => format!("arbiter at {}: {err}", socket.display()),
     }

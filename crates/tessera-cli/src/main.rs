@@ -9,9 +9,12 @@
 //! - [`signals`]: SIGINT/SIGTERM waited for rather than handled (`status --watch`).
 //! - [`doctor`]: a checklist of what Tessera needs here, with the fix for each failure.
 //! - [`error`]: [`CliError`], the one error type of the subcommands, with its exit codes.
+//! - [`endpoint`]: the admin socket (root) or the user socket (a workstation's users).
+//! - [`spawn`]: a command that could not be started (exit 127 or 126, as shells).
 //!
 //! Exit codes (documented in README.md):
 //! - `sim` and `run` pass the command's exit code through (128 + signal when it was killed);
+//!   127 when the command does not exist, 126 when it cannot be run (as shells do);
 //! - 1: any other error; 2: bad usage (from clap, or [`CliError::Usage`]: a value clap cannot
 //!   check, e.g. a `--gpus` spec or an environment variable);
 //! - 3: the arbiter could not be reached; 4: the arbiter refused the request;
@@ -19,11 +22,13 @@
 
 mod delete;
 mod doctor;
+mod endpoint;
 mod error;
 mod ffi;
 mod run;
 mod signals;
 mod sim;
+mod spawn;
 mod status;
 
 use std::ffi::OsString;

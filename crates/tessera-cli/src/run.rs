@@ -3,12 +3,16 @@
 //! Checks that the interposer loads and defines its hooks and marker itself (a file that does
 //! not load would be skipped by the loader with a warning, and the command would run
 //! unlimited), creates an
-//! allocation through the arbiter's admin socket, runs the command with the interposer
+//! allocation through the arbiter's admin socket (root) or user socket (anyone else, within
+//! the quota the operator set; see [`crate::endpoint`]), runs the command with the interposer
 //! preloaded (`LD_PRELOAD`, prepended to any existing value), `TESSERA_SOCKET` /
 //! `TESSERA_TOKEN` set, `CUDA_VISIBLE_DEVICES` set to the allocation's GPU (its UUID, so the
 //! command sees exactly that GPU) and `TESSERA_ADMIN_SOCKET` removed (the command has no business
 //! creating or deleting allocations), passes its exit code through (128 + signal when it was
-//! killed), and deletes the allocation when the command ends.
+//! killed; 127 when it does not exist, 126 when it cannot be run, as shells do), says on
+//! stderr why the backstop killed a process of it (the arbiter's record, not a guess from the
+//! exit status), and deletes the allocation when the command ends. The command runs as the
+//! caller: `tessera run` is the caller's own process and never changes user.
 //!
 //! What this protects against: the command passing its memory limit or compute share through
 //! the interposer, and the command finding the admin socket through an inherited variable. It
@@ -77,9 +81,9 @@ pub struct RunArgs {
     /// then also its ceiling; other tenants keep little work in flight while it runs).
     #[arg(long, default_value = "best-effort", value_name = "TIER")]
     pub tier: tessera_protocol::Tier,
-    /// Arbiter admin socket.
-    #[arg(long, value_name = "PATH", env = node::ENV_ADMIN_SOCKET, default_value = DEFAULT_ADMIN_SOCKET)]
-    pub admin_socket: PathBuf,
+    /// The arbiter's admin or user socket.
+    #[command(flatten)]
+    pub sockets: crate::endpoint::SocketArgs,
     /// Arbiter tenant socket, handed to the command; old name `--socket`.
     #[arg(
         long = "tenant-socket",
@@ -235,8 +239,9 @@ pub fn main(args: RunArgs) -> Result<u8, CliError> {
     }
     let owner = tessera_protocol::process::this_process()
         .context("cannot read this process's start time from /proc/self/stat")?;
-    let mut admin = AdminClient::connect(&args.admin_socket)
-        .map_err(|e| CliError::arbiter(e, &args.admin_socket))?;
+    let endpoint = args.sockets.endpoint();
+    let sock = &endpoint.path;
+    let mut admin = AdminClient::connect(sock).map_err(|e| CliError::arbiter(e, sock))?;
     let mut labels = std::collections::BTreeMap::new();
     labels.insert("created-by".to_owned(), "tessera run".to_owned());
     labels.insert("pid".to_owned(), std::process::id().to_string());
@@ -263,13 +268,17 @@ pub fn main(args: RunArgs) -> Result<u8, CliError> {
             .map(|(t, a)| (t, vec![a])),
         Err(slices) => admin.create_group(slices, Some(owner)),
     }
-    .map_err(|e| CliError::arbiter(e, &args.admin_socket))?;
+    .map_err(|e| CliError::arbiter(e, sock))?;
     drop(admin);
     // The command sees exactly its GPUs, in the order asked (ordinal 0 is the first).
     let visible: Vec<&str> = allocs.iter().map(|a| a.gpu_uuid.as_str()).collect();
     let status = run_command(&args, &interposer, &token, &visible.join(","));
+    // Its own connection: an arbiter that does not know the question hangs up on it.
+    if let Ok(mut admin) = AdminClient::connect(sock) {
+        say_kills(&mut admin, &allocs);
+    }
     for id in allocs.iter().map(|a| &a.id) {
-        let deleted = AdminClient::connect(&args.admin_socket).and_then(|mut a| a.delete(id));
+        let deleted = AdminClient::connect(sock).and_then(|mut a| a.delete(id));
         if let Err(e) = &deleted {
             eprintln!(
                 "tessera run: could not delete allocation {id}: {e}; it stays until deleted \
@@ -277,19 +286,50 @@ pub fn main(args: RunArgs) -> Result<u8, CliError> {
             );
         }
     }
-    let status = status?;
+    let status = match status? {
+        Ok(status) => status,
+        Err(e) => {
+            return Ok(crate::spawn::not_started(
+                "tessera run",
+                &args.command[0],
+                &e,
+            ));
+        }
+    };
     Ok(match status.code() {
         Some(c) => c as u8,
         None => 128u8.wrapping_add(status.signal().unwrap_or(0) as u8),
     })
 }
 
+/// Says on stderr which process of `allocs` the backstop killed and why, as the arbiter
+/// recorded it (an exit status of 137 alone does not say who sent the SIGKILL, or why).
+fn say_kills(admin: &mut AdminClient, allocs: &[tessera_protocol::AllocationStatus]) {
+    for a in allocs {
+        match admin.last_kill(&a.id) {
+            Ok(Some(k)) => eprintln!(
+                "tessera: the backstop killed pid {} of allocation {}: {}",
+                k.pid, a.id, k.reason
+            ),
+            Ok(None) => {}
+            // An older arbiter does not know the question and hangs up: nothing to say.
+            Err(tessera_protocol::client::ClientError::Frame(_)) => return,
+            Err(e) => eprintln!(
+                "tessera run: could not ask the arbiter whether allocation {} was enforced: {e}",
+                a.id
+            ),
+        }
+    }
+}
+
+/// Runs the command; the inner error is a command that could not be started (its exit code
+/// is the shell's, see [`crate::spawn`]).
 fn run_command(
     args: &RunArgs,
     interposer: &Path,
     token: &str,
     visible_devices: &str,
-) -> anyhow::Result<std::process::ExitStatus> {
+) -> anyhow::Result<Result<std::process::ExitStatus, std::io::Error>> {
     install_forwarding()?;
     let mut cmd = Command::new(&args.command[0]);
     cmd.args(&args.command[1..])
@@ -301,9 +341,10 @@ fn run_command(
         .env(node::ENV_TOKEN, token)
         .env("CUDA_VISIBLE_DEVICES", visible_devices)
         .env_remove(node::ENV_ADMIN_SOCKET);
-    let mut child = cmd
-        .spawn()
-        .with_context(|| format!("cannot run {}", args.command[0].to_string_lossy()))?;
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => return Ok(Err(e)),
+    };
     CHILD.store(child.id() as i32, Ordering::SeqCst);
     let early = EARLY_SIGNAL.swap(0, Ordering::SeqCst);
     if early != 0 {
@@ -313,7 +354,7 @@ fn run_command(
     let status = child.wait();
     CHILD.store(0, Ordering::SeqCst);
     reap_leftovers();
-    Ok(status?)
+    Ok(Ok(status?))
 }
 
 /// Waits for every process the command left behind (reparented to this subreaper): the

@@ -191,7 +191,5 @@ pub fn main(args: SimArgs) -> Result<u8, CliError> {
         .env(ENV_DIR, &state_dir)
         .env(ENV_CONTEXT_MEMORY, context_memory)
         .exec();
-    Err(anyhow::Error::from(err)
-        .context(format!("cannot run {}", program.to_string_lossy()))
-        .into())
+    Ok(crate::spawn::not_started("tessera sim", program, &err))
 }

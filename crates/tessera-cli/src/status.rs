@@ -4,12 +4,15 @@
 //! `{"gpus": [{index, uuid, name, memory_total, memory_promised, shares_promised,
 //! allocations: [{id, memory_limit, memory_used, processes, share, cap, gpu_time_10s_ns,
 //! gpu_percent_10s, labels, pod, claim, group, created_unix, enforced, owner_pid, orphaned,
-//! tier}]}],
+//! tier, owner_uid, owner}]}],
 //! "unplaced": [...]}`, where `unplaced`
 //! lists allocations whose GPU is not on the node any more (same fields plus `gpu_uuid`), and
 //! `pod` is `namespace/pod/container` from the labels the device plugin writes (or null), and
 //! `claim` the DRA claim's `namespace/name` from the DRA plugin's label (or null), and `group`
-//! the multi-GPU allocation it is one GPU's slice of (or null).
+//! the multi-GPU allocation it is one GPU's slice of (or null), `owner_uid` the uid that
+//! created it and `owner` that user's name (null when the arbiter did not record it). The
+//! table names the owner on a line under each allocation's row (the 78 columns have no room
+//! for a column).
 //!
 //! `--watch [SECONDS]` redraws the table in place every SECONDS (2 by default) until Ctrl-C or
 //! SIGTERM, with GPU use as a percentage of the GPU over the last 10 s.
@@ -18,10 +21,9 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::path::PathBuf;
 use std::time::Duration;
+use tessera_protocol::Tier;
 pub use tessera_protocol::size::human_fixed as human;
-use tessera_protocol::{Tier, node};
 
 use serde::Serialize;
 use tessera_protocol::client::{AdminClient, ClientError};
@@ -32,7 +34,6 @@ use tessera_protocol::{
 use tessera_protocol::group::LABEL_GPU_GROUP;
 
 use crate::CliError;
-use crate::run::DEFAULT_ADMIN_SOCKET;
 use crate::signals::StopSignals;
 
 /// Arguments of `tessera status`.
@@ -44,9 +45,9 @@ pub struct StatusArgs {
     /// Redraw in place every SECONDS (default 2) until Ctrl-C, like `watch nvidia-smi`.
     #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "2")]
     pub watch: Option<f64>,
-    /// Arbiter admin socket.
-    #[arg(long, value_name = "PATH", env = node::ENV_ADMIN_SOCKET, default_value = DEFAULT_ADMIN_SOCKET)]
-    pub admin_socket: PathBuf,
+    /// The arbiter's admin or user socket (a user sees every allocation and its owner).
+    #[command(flatten)]
+    pub sockets: crate::endpoint::SocketArgs,
 }
 
 /// GPU time window of `gpu_time_10s_ns`.
@@ -93,6 +94,10 @@ pub struct AllocationJson {
     pub orphaned: bool,
     /// Service tier: `latency` or `best-effort`.
     pub tier: String,
+    /// The uid that created it (the kernel's word, recorded by the arbiter), or null.
+    pub owner_uid: Option<u32>,
+    /// That user's name (its uid when the system has no name for it), or null.
+    pub owner: Option<String>,
 }
 
 /// One GPU in the JSON output.
@@ -155,6 +160,10 @@ fn alloc_json(a: &AllocationStatus, with_gpu: bool) -> AllocationJson {
         owner_pid: a.owner.map(|o| o.pid),
         orphaned: a.orphaned,
         tier: a.tier.as_str().to_owned(),
+        owner_uid: a.owner_uid,
+        owner: a
+            .owner_uid
+            .map(|u| crate::endpoint::user_name(u).unwrap_or_else(|| u.to_string())),
     }
 }
 
@@ -365,6 +374,9 @@ fn alloc_rows(out: &mut String, cols: &[usize], a: &AllocationJson, time: TimeCo
             "  tier latency (served first; its share is also its ceiling)",
         );
     }
+    if let (Some(name), Some(uid)) = (&a.owner, a.owner_uid) {
+        line(out, &fit(&format!("  owner {name} (uid {uid})"), WIDTH - 4));
+    }
 }
 
 /// `text` cut to `width` characters, keeping the end (a pod name's tail tells pods apart).
@@ -473,7 +485,8 @@ fn watch(sock: &std::path::Path, every: Duration) -> Result<u8, CliError> {
 
 /// Runs `tessera status`; returns the process exit code.
 pub fn main(args: StatusArgs) -> Result<u8, CliError> {
-    let sock = &args.admin_socket;
+    let endpoint = args.sockets.endpoint();
+    let sock = &endpoint.path;
     if let Some(secs) = args.watch {
         let every = Duration::try_from_secs_f64(secs)
             .ok()

@@ -145,6 +145,23 @@ fn json_has_every_check_and_no_allocation_skips_the_probe() {
     assert_eq!(status("arbiter"), "ok");
     assert_eq!(status("token"), "skip");
     assert_eq!(status("limit"), "skip");
+    // The check is no failed handshake: after one admin hello on the tenant socket (what the
+    // check used to send, a failure), the arbiter's report counts exactly that one.
+    let mut s = std::os::unix::net::UnixStream::connect(&arb.socket).unwrap();
+    tessera_protocol::frame::write_frame(
+        &mut s,
+        &tessera_protocol::Hello::new(tessera_protocol::Role::Admin),
+    )
+    .unwrap();
+    let reported = tessera_testkit::wait_until(std::time::Duration::from_secs(20), || {
+        arb.process_log().contains("admission on the tenant socket")
+    });
+    let log = arb.process_log();
+    assert!(reported.is_some(), "{log}");
+    assert!(
+        log.contains("failed 1;"),
+        "the doctor's probe counted as a failure\n{log}"
+    );
 }
 
 #[test]

@@ -640,3 +640,78 @@ fn a_latency_tier_on_several_gpus_is_refused() {
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--tier latency takes one GPU"), "{err}");
 }
+
+/// A process the backstop kills is explained on `tessera run`'s stderr, in the arbiter's
+/// words: a command that drops the interposer (`env -u LD_PRELOAD`) takes 2 GiB under a 1 GiB
+/// limit straight from the (simulated) driver; the backstop kills it and `tessera run` says
+/// so, not just exit 137.
+#[test]
+fn a_backstop_kill_is_explained_on_stderr() {
+    let arb = Arbiter::start();
+    let lib = interposer_in(arb.dir.path());
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/sim_visible.py");
+    let mut cmd = arb.tessera(&["run", "--memory", "1GiB", "--interposer"]);
+    cmd.arg(&lib)
+        .args(["--", "env", "-u", "LD_PRELOAD"])
+        .arg(tessera_testkit::python())
+        .arg(&script)
+        .args(["2048", "1000000"]);
+    arb.sim.apply(&mut cmd);
+    // Its stdin stays open: the script holds its memory until it closes.
+    let mut child = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let _stdin = child.stdin.take();
+    let status = tessera_testkit::process::wait_exit(&mut child, Duration::from_secs(60))
+        .unwrap_or_else(|| panic!("not killed\n{}", arb.process_log()));
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(128 + libc::SIGKILL), "{err}");
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("tessera: the backstop killed pid "))
+        .unwrap_or_else(|| panic!("no reason on stderr: {err}\n{}", arb.process_log()));
+    assert!(
+        line.contains(" on GPU 0, allowed 1.") && line.contains("held 2."),
+        "{line}"
+    );
+}
+
+/// A command that is not there exits 127, one that cannot be run 126, as in a shell; the
+/// allocation is deleted either way.
+#[test]
+fn a_missing_command_exits_127_and_one_not_executable_126() {
+    let arb = Arbiter::start();
+    let lib = interposer_in(arb.dir.path());
+    let not_exec = arb.dir.path().join("not-executable");
+    std::fs::write(&not_exec, "#!/bin/sh\n").unwrap();
+    for (cmd, code, words) in [
+        ("/nonexistent/no-such-command", 127, "command not found"),
+        (not_exec.to_str().unwrap(), 126, "permission denied"),
+    ] {
+        let out = arb
+            .tessera(&["run", "--memory", "64MiB", "--interposer"])
+            .arg(&lib)
+            .args(["--", cmd])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{err}");
+        assert!(err.contains(words), "{err}");
+        assert!(arb.admin().list().unwrap().is_empty());
+    }
+    let out = std::process::Command::new(tessera())
+        .args(["sim", "--", "/nonexistent/no-such-command"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(127),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

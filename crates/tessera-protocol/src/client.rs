@@ -229,6 +229,14 @@ impl AdminClient {
         }
     }
 
+    /// The last process of allocation `id` the backstop killed, and why (`None`: none).
+    pub fn last_kill(&mut self, id: &str) -> Result<Option<KillRecord>, ClientError> {
+        match self.call(&AdminRequest::LastKill { id: id.to_owned() })? {
+            AdminReply::LastKill(k) => Ok(k),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
     /// Merges `labels` into an allocation's labels (an empty value removes the key); returns
     /// the allocation as it is now.
     pub fn update_labels(

@@ -30,6 +30,32 @@ pub enum Role {
         /// A ticket the memory connection was given.
         ticket: u64,
     },
+    /// `tessera doctor`'s question "is an arbiter of this version serving here, and which
+    /// socket is this?", answered on every socket by [`ServerHello::Probed`] and the connection
+    /// closed. It asks nothing else, so it is no failed handshake (and leaves no warning in the
+    /// arbiter's log). (Appended.)
+    Probe,
+}
+
+/// Which of the arbiter's sockets answered a [`Role::Probe`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SocketKind {
+    /// The tenant socket (the interposer's).
+    Tenant,
+    /// The admin socket (root's).
+    Admin,
+    /// The user socket (a workstation's users; see `docs/install.md`).
+    User,
+}
+
+impl std::fmt::Display for SocketKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Tenant => "tenant",
+            Self::Admin => "admin",
+            Self::User => "user",
+        })
+    }
 }
 
 /// Most [`Role::Companion`] connections one admitted memory connection may have open at once
@@ -83,6 +109,14 @@ pub enum ServerHello {
         /// Why, for the log and the user.
         reason: String,
     },
+    /// The answer to [`Role::Probe`]; the server closes the connection after this frame.
+    /// (Appended.)
+    Probed {
+        /// The server's protocol version.
+        version: u32,
+        /// The socket that answered.
+        socket: SocketKind,
+    },
 }
 
 /// Why a handshake was refused.
@@ -100,6 +134,9 @@ pub enum RefusalKind {
     /// A connection cap is full (the allocation's, the shared pool's, or the process's
     /// companions): the same hello may be admitted later.
     Full,
+    /// The peer may not use this socket (the user socket: not in its group, or the kernel
+    /// could not name it). (Appended.)
+    Forbidden,
 }
 
 impl RefusalKind {
@@ -111,6 +148,7 @@ impl RefusalKind {
             Self::UnknownToken => "unknown_token",
             Self::BadTicket => "bad_ticket",
             Self::Full => "full",
+            Self::Forbidden => "forbidden",
         }
     }
 }
@@ -136,7 +174,7 @@ impl ServerHello {
     /// The kind and text of a refusal; `None` for a welcome.
     pub fn refused(&self) -> Option<(RefusalKind, &str)> {
         match self {
-            Self::Welcome { .. } => None,
+            Self::Welcome { .. } | Self::Probed { .. } => None,
             // Only ever sent across versions (see the variant).
             Self::Refused { reason } => Some((RefusalKind::Version, reason)),
             Self::Rejected { kind, reason } => Some((*kind, reason)),
@@ -402,6 +440,24 @@ pub enum AdminRequest {
         /// The process that owns every slice (`tessera run`), if any.
         owner: Option<ProcessOwner>,
     },
+    /// The last process of an allocation the backstop killed, and why; answered by
+    /// `LastKill` (`None`: it killed none). `tessera run` asks it when its command ends, to
+    /// say why it was stopped. (Appended.)
+    LastKill {
+        /// The allocation's public id.
+        id: String,
+    },
+}
+
+/// A process of an allocation the backstop killed, as the arbiter recorded it when it did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KillRecord {
+    /// The process (host pid).
+    pub pid: i32,
+    /// Why, for people: `held 5.29 GiB on GPU 0, allowed 4.06 GiB ...`.
+    pub reason: String,
+    /// When, seconds since the Unix epoch.
+    pub unix: u64,
 }
 
 /// A process named so that its pid cannot be reused behind its back: the pid and its start
@@ -498,6 +554,9 @@ pub struct AllocationStatus {
     pub orphaned: bool,
     /// Its service tier (set at creation by the operator).
     pub tier: crate::Tier,
+    /// The uid that created it, as the kernel named the admin or user socket's peer (`None`:
+    /// created before owners were recorded). A user may delete only their own allocations.
+    pub owner_uid: Option<u32>,
 }
 
 /// Classes of admin errors, so tools can map them to exit codes.
@@ -511,6 +570,9 @@ pub enum AdminErrorKind {
     Exhausted,
     /// The arbiter failed (e.g. could not persist).
     Internal,
+    /// The caller may not do this: another user's allocation, a quota passed, or a request
+    /// the user socket does not take. (Appended.)
+    PermissionDenied,
 }
 
 /// Replies on the admin socket.
@@ -546,4 +608,6 @@ pub enum AdminReply {
         /// One allocation per GPU.
         allocations: Vec<AllocationStatus>,
     },
+    /// Answer to `LastKill`. (Appended.)
+    LastKill(Option<KillRecord>),
 }

@@ -15,6 +15,8 @@ pub const ENV_TOKEN: &str = "TESSERA_TOKEN";
 pub const ENV_SOCKET: &str = "TESSERA_SOCKET";
 /// The arbiter's admin socket (operators' tools; removed from a `tessera run` command).
 pub const ENV_ADMIN_SOCKET: &str = "TESSERA_ADMIN_SOCKET";
+/// The arbiter's user socket (a workstation's users create their own allocations there).
+pub const ENV_USER_SOCKET: &str = "TESSERA_USER_SOCKET";
 /// The interposer library `tessera run` and `tessera doctor` use.
 pub const ENV_INTERPOSER: &str = "TESSERA_INTERPOSER";
 /// The public id of a container's allocation (for people; the device plugin sets it).
@@ -35,6 +37,9 @@ pub const ENV_METRICS_ADDR: &str = "TESSERA_METRICS_ADDR";
 pub const DEFAULT_TENANT_SOCKET: &str = "/run/tessera/tenant/tessera.sock";
 /// The arbiter's admin socket on a host.
 pub const DEFAULT_ADMIN_SOCKET: &str = "/run/tessera/admin.sock";
+/// The arbiter's user socket on a host (mode 0660, group `--users-group`; outside the tenant
+/// folder, so never in a container).
+pub const DEFAULT_USER_SOCKET: &str = "/run/tessera/user.sock";
 /// The arbiter's state folder.
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/tessera";
 /// Where the tenant socket's folder appears inside a container.

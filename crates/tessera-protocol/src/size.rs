@@ -6,11 +6,15 @@
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SizeError {
     /// Nothing given.
-    #[error("empty size: expected e.g. 512MiB, 4GiB, 1.5G or a number of bytes")]
+    #[error("empty size: expected e.g. 512MiB, 4GiB or 1.5G")]
     Empty,
+    /// A number without a unit: `--memory 4` meant 4 GiB far more often than 4 bytes, so a
+    /// bare number is refused rather than read as bytes (`4B` says bytes).
+    #[error("{0}: a size needs a unit, e.g. {0}GiB ({0}B for bytes)")]
+    NoUnit(String),
     /// The number part is not a number.
     #[error(
-        "{0:?} is not a size: expected a number then an optional unit (B, KiB, MiB, GiB, TiB, K, M, G, T, KB, MB, GB, TB)"
+        "{0:?} is not a size: expected a number then a unit (B, KiB, MiB, GiB, TiB, K, M, G, T, KB, MB, GB, TB)"
     )]
     Number(String),
     /// Unknown unit.
@@ -34,9 +38,11 @@ pub enum SizeError {
     TooLarge(String),
 }
 
-/// Parses a size: a number (fractions allowed with a unit) and an optional unit.
+/// Parses a size: a number (fractions allowed) and a unit.
 /// `K`, `M`, `G`, `T` and `KiB`..`TiB` (also `Ki`..`Ti`) are powers of 1024, as GPU memory
-/// is counted; `KB`, `MB`, `GB`, `TB` are powers of 1000; `B` or nothing is bytes.
+/// is counted; `KB`, `MB`, `GB`, `TB` are powers of 1000; `B` is bytes. A number without a
+/// unit is refused ([`SizeError::NoUnit`]), except `0`, which is zero in every unit (and then
+/// refused as [`SizeError::Zero`] here: callers that take 0 use [`parse_size_or_zero`]).
 /// Units are case-insensitive and may follow a space.
 pub fn parse_size(text: &str) -> Result<u64, SizeError> {
     let t = text.trim();
@@ -48,8 +54,19 @@ pub fn parse_size(text: &str) -> Result<u64, SizeError> {
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let unit = unit.trim();
+    if unit.is_empty() {
+        // `num` is all digits and dots here (the unit starts at the first other character).
+        let number = num.chars().any(|c| c.is_ascii_digit()) && num.matches('.').count() <= 1;
+        return Err(if !number {
+            SizeError::Number(text.into())
+        } else if num.chars().all(|c| c == '0' || c == '.') {
+            SizeError::Zero(text.into())
+        } else {
+            SizeError::NoUnit(t.into())
+        });
+    }
     let mult: u128 = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
+        "b" => 1,
         "k" | "ki" | "kib" => 1 << 10,
         "m" | "mi" | "mib" => 1 << 20,
         "g" | "gi" | "gib" => 1 << 30,
@@ -97,6 +114,15 @@ pub fn parse_size(text: &str) -> Result<u64, SizeError> {
         return Err(SizeError::Zero(text.into()));
     }
     Ok(bytes as u64)
+}
+
+/// [`parse_size`], with `0` (any unit, or none) read as zero bytes: for settings where 0
+/// means "none" (a simulated context's memory, a quota of nothing).
+pub fn parse_size_or_zero(text: &str) -> Result<u64, SizeError> {
+    match parse_size(text) {
+        Err(SizeError::Zero(_)) => Ok(0),
+        other => other,
+    }
 }
 
 /// Bytes for people: exact when whole (`80 GiB`, `512 MiB`, `7 B`), else two decimals
@@ -154,7 +180,7 @@ mod tests {
         assert_eq!(parse_size(" 2 GiB "), Ok(2 << 30));
         assert_eq!(parse_size("4GB"), Ok(4_000_000_000));
         assert_eq!(parse_size("100MB"), Ok(100_000_000));
-        assert_eq!(parse_size("1048576"), Ok(1 << 20));
+        assert_eq!(parse_size("1048576B"), Ok(1 << 20));
         assert_eq!(parse_size("7B"), Ok(7));
         assert_eq!(parse_size(".5KiB"), Ok(512));
         assert_eq!(parse_size("1T"), Ok(1 << 40));
@@ -169,17 +195,35 @@ mod tests {
         assert!(matches!(parse_size("1.2.3GiB"), Err(SizeError::Number(_))));
         assert!(matches!(parse_size("-4GiB"), Err(SizeError::Unit { .. })));
         assert!(matches!(parse_size("0"), Err(SizeError::Zero(_))));
-        assert!(matches!(parse_size("1.5"), Err(SizeError::Fraction(_))));
+        assert!(matches!(parse_size("0GiB"), Err(SizeError::Zero(_))));
+        assert_eq!(parse_size_or_zero("0"), Ok(0));
+        assert_eq!(parse_size_or_zero("0MiB"), Ok(0));
+        assert_eq!(parse_size_or_zero("3MiB"), Ok(3 << 20));
+        assert!(matches!(parse_size("1.5B"), Err(SizeError::Fraction(_))));
         assert!(matches!(
             parse_size("99999999999TiB"),
             Err(SizeError::TooLarge(_))
         ));
         assert!(matches!(
-            parse_size("18446744073709551616"),
+            parse_size("18446744073709551616B"),
             Err(SizeError::TooLarge(_))
         ));
         let msg = parse_size("4XB").unwrap_err().to_string();
         assert!(msg.contains("GiB") && msg.contains("\"XB\""), "{msg}");
+    }
+
+    /// `--memory 4` and `--gpus 2x80` made 4-byte and 80-byte things: a bare number is refused,
+    /// with the spelling that was probably meant.
+    #[test]
+    fn a_number_without_a_unit_is_refused() {
+        assert_eq!(parse_size("4"), Err(SizeError::NoUnit("4".into())));
+        assert_eq!(parse_size(" 80 "), Err(SizeError::NoUnit("80".into())));
+        assert_eq!(parse_size("1.5"), Err(SizeError::NoUnit("1.5".into())));
+        assert_eq!(
+            parse_size("4").unwrap_err().to_string(),
+            "4: a size needs a unit, e.g. 4GiB (4B for bytes)"
+        );
+        assert!(matches!(parse_size("1e9"), Err(SizeError::Unit { .. })));
     }
 
     #[test]

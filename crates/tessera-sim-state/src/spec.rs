@@ -119,9 +119,10 @@ impl SimSpec {
     }
 }
 
-/// Parses `80GiB`, `4Gi`, `512MiB`, `1.5GiB`, `16GB`, `4096` (bytes): the parser of
-/// `tessera run --memory` ([`tessera_protocol::size::parse_size`]), so every command reads a
-/// size the same way; a simulated GPU is also at most 1 PiB.
+/// Parses `80GiB`, `4Gi`, `512MiB`, `1.5GiB`, `16GB`: the parser of `tessera run --memory`
+/// ([`tessera_protocol::size::parse_size`]), so every command reads a size the same way (a
+/// number without a unit is refused: `2x80` is not two 80-byte GPUs); a simulated GPU is also
+/// at most 1 PiB.
 pub fn parse_size(text: &str) -> Result<u64, SpecError> {
     let bad = |why: String| SpecError::BadSize(text.trim().to_string(), why);
     let bytes = tessera_protocol::size::parse_size(text).map_err(|e| bad(e.to_string()))?;
@@ -134,14 +135,13 @@ pub fn parse_size(text: &str) -> Result<u64, SpecError> {
 /// Parses a context memory size: `300MiB`, `0` (none) or empty (none).
 pub fn parse_context_memory(text: &str) -> Result<u64, SpecError> {
     let t = text.trim();
-    if t.is_empty()
-        || t.trim_end_matches(|c: char| c.is_ascii_alphabetic())
-            .parse::<f64>()
-            == Ok(0.0)
-    {
+    if t.is_empty() {
         return Ok(0);
     }
-    parse_size(t).map_err(|_| SpecError::BadContextMemory(text.to_string()))
+    tessera_protocol::size::parse_size_or_zero(t)
+        .ok()
+        .filter(|b| *b <= 1 << 50)
+        .ok_or_else(|| SpecError::BadContextMemory(text.to_string()))
 }
 
 /// The context memory from `TESSERA_SIM_CONTEXT_MEMORY`; 0 when unset.
@@ -250,6 +250,11 @@ mod tests {
             SimSpec::parse("1x2048TiB"),
             Err(SpecError::BadSize(_, why)) if why.contains("at most 1 PiB")
         ));
+        // A bare number is not bytes: `2x80` is refused with the unit it needs.
+        assert!(matches!(
+            SimSpec::parse("2x80"),
+            Err(SpecError::BadSize(_, why)) if why.contains("a size needs a unit, e.g. 80GiB")
+        ));
         assert!(matches!(
             SimSpec::parse("axGiB"),
             Err(SpecError::BadItem(_))
@@ -265,6 +270,10 @@ mod tests {
         assert_eq!(parse_context_memory("300MiB"), Ok(300 << 20));
         assert_eq!(parse_context_memory(" 0 "), Ok(0));
         assert_eq!(parse_context_memory("0MiB"), Ok(0));
+        assert!(matches!(
+            parse_context_memory("300"),
+            Err(SpecError::BadContextMemory(_))
+        ));
         assert_eq!(parse_context_memory(""), Ok(0));
         assert!(matches!(
             parse_context_memory("lots"),

@@ -147,43 +147,47 @@ pub(super) fn hello(socket: &Path, role: Role) -> Result<ServerHello, String> {
 
 pub(super) fn check_arbiter(socket: &Path) -> Check {
     let fix_down = "start tessera-arbiter (systemd: `systemctl start tessera-arbiter`; \
-                    Kubernetes: the tessera DaemonSet), or point --socket / TESSERA_SOCKET at \
-                    its tenant socket";
+                    Kubernetes: the tessera DaemonSet), or point --tenant-socket / \
+                    TESSERA_SOCKET at its tenant socket";
     let fix_version =
         "run a tessera CLI and arbiter of the same release (protocol versions differ)";
-    // An admin hello on the tenant socket is refused by role, after the version is checked:
-    // it proves the arbiter is there and speaks our version without needing a token.
-    let answer = hello(socket, Role::Admin);
-    match answer.as_ref().map(ServerHello::refused) {
+    // A probe asks only "which socket, which version": the arbiter answers it without a token
+    // and counts no failed handshake (so no warning in its log), after checking the version.
+    let answer = hello(socket, Role::Probe);
+    match answer {
         Err(e) => Check::fail("arbiter", e, fix_down),
-        Ok(Some((RefusalKind::Version, reason))) => Check::fail(
+        Ok(ServerHello::Probed {
+            socket: SocketKind::Tenant,
+            version,
+        }) => Check::ok(
             "arbiter",
-            format!("{}: {reason}", socket.display()),
-            fix_version,
+            format!("{} answers, protocol version {version}", socket.display()),
         ),
-        Ok(Some((RefusalKind::WrongSocket, _))) => Check::ok(
+        Ok(ServerHello::Probed { socket: kind, .. }) => Check::fail(
             "arbiter",
-            format!(
-                "{} answers, protocol version {PROTOCOL_VERSION}",
-                socket.display()
+            format!("{} is the arbiter's {kind} socket", socket.display()),
+            "point --tenant-socket / TESSERA_SOCKET at the tenant socket (tessera.sock)",
+        ),
+        Ok(other) => match other.refused() {
+            Some((RefusalKind::Version, reason)) => Check::fail(
+                "arbiter",
+                format!("{}: {reason}", socket.display()),
+                fix_version,
             ),
-        ),
-        Ok(Some((kind, reason))) => Check::fail(
-            "arbiter",
-            format!(
-                "{} refused an admin hello as {kind}, not as a tenant-socket would: {reason}",
-                socket.display()
+            Some((kind, reason)) => Check::fail(
+                "arbiter",
+                format!("{} refused a probe as {kind}: {reason}", socket.display()),
+                "point --tenant-socket / TESSERA_SOCKET at the arbiter's tenant socket",
             ),
-            "point --tenant-socket / TESSERA_SOCKET at the arbiter's tenant socket",
-        ),
-        Ok(None) => Check::fail(
-            "arbiter",
-            format!(
-                "{} welcomed an admin client: it is the admin socket",
-                socket.display()
+            None => Check::fail(
+                "arbiter",
+                format!(
+                    "{} welcomed a probe as a client: it is no tenant socket of protocol {PROTOCOL_VERSION}",
+                    socket.display()
+                ),
+                "point --tenant-socket / TESSERA_SOCKET at the tenant socket (tessera.sock)",
             ),
-            "point --tenant-socket / TESSERA_SOCKET at the tenant socket (tessera.sock), not admin.sock",
-        ),
+        },
     }
 }
 
@@ -252,7 +256,7 @@ pub(super) fn check_token(socket: &Path, token: &str) -> (Check, Option<Allocati
             Check::fail(
                 "token",
                 "welcomed without an allocation",
-                "point --socket at the tenant socket",
+                "point --tenant-socket / TESSERA_SOCKET at the tenant socket",
             ),
             None,
         ),
@@ -379,13 +383,31 @@ mod tests {
         let c = against(old, check_arbiter);
         assert_eq!(c.status, Status::Fail, "{c:?}");
         assert!(c.fix.unwrap().contains("same release"));
-        // Refused by role: the arbiter is there and speaks our version.
-        let c = against(rejected(RefusalKind::WrongSocket), check_arbiter);
+        // The tenant socket answers the probe as itself.
+        let probed = |socket| ServerHello::Probed {
+            version: PROTOCOL_VERSION,
+            socket,
+        };
+        let c = against(probed(SocketKind::Tenant), check_arbiter);
         assert_eq!(c.status, Status::Ok, "{c:?}");
-        // Any other kind is not what a tenant socket answers an admin hello.
+        // Another socket of the arbiter says which it is.
+        let c = against(probed(SocketKind::Admin), check_arbiter);
+        assert_eq!(c.status, Status::Fail, "{c:?}");
+        assert!(c.detail.contains("admin socket"), "{c:?}");
+        // A refusal of another kind is not what a tenant socket answers a probe.
         let c = against(rejected(RefusalKind::UnknownToken), check_arbiter);
         assert_eq!(c.status, Status::Fail, "{c:?}");
         assert!(c.detail.contains("unknown_token"), "{c:?}");
+    }
+
+    /// The fixes name the flags the binaries have (`--socket` is an old alias).
+    #[test]
+    fn fixes_name_current_flags() {
+        let c = check_arbiter(Path::new("/nonexistent/tessera.sock"));
+        assert_eq!(c.status, Status::Fail, "{c:?}");
+        let fix = c.fix.unwrap();
+        assert!(fix.contains("--tenant-socket"), "{fix}");
+        assert!(!fix.contains("--socket "), "{fix}");
     }
 
     #[test]

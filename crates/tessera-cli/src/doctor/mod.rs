@@ -40,7 +40,7 @@ use serde::{Deserialize, Serialize};
 use tessera_protocol::identity::{CONTAINER_IDENTITY_FILE, Identity, IdentityReadError};
 use tessera_protocol::node::{Closed, Target};
 use tessera_protocol::{
-    AllocationView, Hello, PROTOCOL_VERSION, RefusalKind, Role, ServerHello, frame,
+    AllocationView, Hello, PROTOCOL_VERSION, RefusalKind, Role, ServerHello, SocketKind, frame,
 };
 
 use crate::CliError;
