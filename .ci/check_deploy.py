@@ -8,12 +8,19 @@
    *installed* (Helm's in-memory release storage) against a minimal fake Kubernetes API
    server in this process: it answers discovery, says no object exists yet and records each
    object Helm creates. The recorded objects are exactly what `helm install` sends.
-3. Validate each rendered object and each document of deploy/*.yaml with
+3. Run every rendered container's command and arguments (the DaemonSet's, with the downward
+   API's $(POD_IP) and $(NODE_NAME) filled in) through the matching built binary with
+   `--check-config`: the binary parses and validates them as at start-up and exits 0, so every
+   rendered combination is known to start (binaries from --binaries, default target/debug).
+4. Render values the binaries would refuse (5000 shares per GPU, one metrics port for two
+   containers, ...) and check that Helm refuses each at install time (values.schema.json or the
+   templates' `fail`), with the expected reason.
+5. Validate each rendered object and each document of deploy/*.yaml with
    `kubernetes-validate` (strict: unknown fields refused) for Kubernetes 1.34 and the newest
    version the package knows. Objects of CRDs (the Prometheus operator's ServiceMonitor) have
    no schema there: they are listed as not checked, never counted as passed.
 
-Usage: check_deploy.py [--chart DIR] [--deploy DIR] [--set KEY=JSON ...]
+Usage: check_deploy.py [--chart DIR] [--deploy DIR] [--binaries DIR] [--set KEY=JSON ...]
 Exit 0 when everything checked passed; 1 with the reasons otherwise.
 """
 
@@ -23,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import threading
@@ -224,6 +232,54 @@ def validate(obj: dict, where: str, failures: list[str], unchecked: list[str]) -
     return passed
 
 
+# Values each rendered container must start with, and values Helm must refuse at install time:
+# (name, values, text the refusal must contain). The ranges are the binaries' own.
+REFUSED = [
+    ("5000 shares per GPU", {"devicePlugin": {"sharesPerGpu": 5000}},
+     "at '/devicePlugin/sharesPerGpu': maximum: got 5,000, want 1,000"),
+    ("0 shares per GPU", {"devicePlugin": {"sharesPerGpu": 0}}, "sharesPerGpu"),
+    ("one metrics port for two containers", {"arbiter": {"metricsPort": 9465}},
+     "arbiter.metricsPort and devicePlugin.metricsPort are both 9465"),
+    ("a latency split that leaves best-effort nothing", {"devicePlugin": {"latencyShares": 100}},
+     "devicePlugin.latencyShares must be 0 (off) up to sharesPerGpu - 1"),
+    ("DRA memory off the 256 MiB step", {"dra": {"enabled": True, "defaultMemoryMiB": 1000}},
+     "defaultMemoryMiB"),
+    ("a tier the DRA driver does not know",
+     {"dra": {"enabled": True, "deviceClasses": [{"name": "x.tessera.dev", "tier": "urgent"}]}},
+     "tier"),
+    ("a resource name without a domain", {"devicePlugin": {"resourceName": "gpu-shares"}},
+     "resourceName"),
+    ("a port out of range", {"devicePlugin": {"metricsPort": 70000}}, "metricsPort"),
+]
+
+
+def check_configs(objs: list[dict], binaries: Path, where: str) -> tuple[list[str], list[str]]:
+    """Runs each container of each rendered DaemonSet through its binary's `--check-config`.
+    Returns (the containers checked, failures)."""
+    checked, failures = [], []
+    for ds in objs:
+        if ds.get("kind") != "DaemonSet":
+            continue
+        spec = ds["spec"]["template"]["spec"]
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            # The kubelet expands $(POD_IP) and $(NODE_NAME) from the downward API.
+            cmd = [a.replace("$(POD_IP)", "10.0.0.5").replace("$(NODE_NAME)", "node-a")
+                   for a in c["command"] + c.get("args", [])]
+            exe = binaries / cmd[0]
+            name = f"{where} {ds['metadata']['name']}/{c['name']}"
+            if not exe.is_file():
+                failures.append(f"{name}: no {exe} to run --check-config with (cargo build first)")
+                continue
+            out = subprocess.run([str(exe), *cmd[1:], "--check-config"], capture_output=True,
+                                 text=True, timeout=60, env={**os.environ, "NODE_NAME": ""})
+            if out.returncode != 0 or out.stdout.strip() != "config ok":
+                failures.append(f"{name}: {' '.join(cmd)} --check-config exited "
+                                f"{out.returncode}: {(out.stderr or out.stdout).strip()}")
+            else:
+                checked.append(name)
+    return checked, failures
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--chart", type=Path, default=ROOT / "deploy/helm/tessera")
@@ -231,6 +287,9 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                     help="a value for one extra render (dotted key, JSON value)")
     ap.add_argument("--print", action="store_true", help="print the rendered objects")
+    ap.add_argument("--binaries", type=Path,
+                    default=Path(os.environ.get("TESSERA_BINARIES", ROOT / "target/debug")),
+                    help="folder of the built tessera-* binaries (--check-config)")
     args = ap.parse_args()
 
     failures: list[str] = []
@@ -238,6 +297,7 @@ def main() -> int:
     checked = 0
 
     failures += lint(args.chart)
+    containers = 0
 
     # Defaults, everything on (both plugins), DRA only, the device plugin with a latency
     # split, and whatever --set asks for.
@@ -246,6 +306,20 @@ def main() -> int:
                   "dra": {"enabled": True}}
     dra_only = {"dra": {"enabled": True}, "devicePlugin": {"enabled": False}}
     latency = {"devicePlugin": {"latencyShares": 30}}
+    # The binaries' edges: every unit of a GPU split, the last port, a whole GPU's memory step,
+    # a latency class, the CDI kind set.
+    edges = {"devicePlugin": {"sharesPerGpu": 1000, "latencyShares": 999,
+                              "nvidiaCdiKind": "nvidia.com/gpu", "metricsPort": 65535,
+                              "staleGraceSeconds": 0},
+             "arbiter": {"metricsPort": 1, "unknownProcesses": "kill", "enforce": "report",
+                         "backstopIntervalMs": 0, "computeBypassMs": 0},
+             "dra": {"enabled": True, "defaultMemoryMiB": 256, "claimCheckSeconds": 0.5,
+                     "resyncSeconds": 0, "nvidiaCdiKind": "example.com/gpu"}}
+    tiers = {"dra": {"enabled": True, "deviceClasses": [
+        {"name": "gpu.tessera.dev"}, {"name": "gpu-latency.tessera.dev", "tier": "latency"},
+        {"name": "large.gpu.tessera.dev", "tier": "best-effort",
+         "expression": 'device.capacity["gpu.tessera.dev"].memory.compareTo(quantity("40Gi")) >= 0'}]},
+        "devicePlugin": {"enabled": False}}
     extra: dict = {}
     for item in args.set:
         key, _, value = item.partition("=")
@@ -255,7 +329,7 @@ def main() -> int:
             node = node.setdefault(p, {})
         node[leaf] = json.loads(value)
     renders = [("defaults", {}), ("all features", everything), ("dra", dra_only),
-               ("latency split", latency)] + \
+               ("latency split", latency), ("edges", edges), ("tiers", tiers)] + \
         ([("--set", extra)] if extra else [])
     for name, values in renders:
         try:
@@ -265,11 +339,28 @@ def main() -> int:
             continue
         if not objs:
             failures.append(f"render ({name}): Helm created no object")
+        started, refused = check_configs(objs, args.binaries, f"chart ({name})")
+        containers += len(started)
+        failures += refused
         for obj in objs:
             where = f"chart ({name}) {obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
             if args.print:
                 print(f"--- # {where}\n{yaml.safe_dump(obj, sort_keys=False)}")
             checked += validate(obj, where, failures, unchecked) > 0
+
+    # Values the binaries would refuse on the node are refused by Helm, with the reason.
+    refused_at_install = 0
+    for name, values, reason in REFUSED:
+        try:
+            render(args.chart, "tessera-system", values)
+            failures.append(f"refuse ({name}): Helm installed {values}")
+        except RuntimeError as e:
+            failures.append(f"refuse ({name}): {e}")
+        except Exception as e:  # Helm's refusal: the schema's or a template's `fail`
+            if reason not in str(e):
+                failures.append(f"refuse ({name}): refused without {reason!r}: {e}")
+            else:
+                refused_at_install += 1
 
     # Every manifest under deploy/, but not the files of a Helm chart (rendered above).
     charts = [c.parent for c in args.deploy.rglob("Chart.yaml")]
@@ -287,7 +378,9 @@ def main() -> int:
             checked += validate(doc, f"{f.relative_to(args.deploy.parent)}[{i}]", failures,
                                 unchecked) > 0
 
-    print(f"check_deploy: Kubernetes {', '.join(versions())}; {checked} objects valid")
+    print(f"check_deploy: Kubernetes {', '.join(versions())}; {checked} objects valid; "
+          f"{containers} rendered containers passed --check-config; "
+          f"{refused_at_install} of {len(REFUSED)} bad values refused at install")
     for u in sorted(set(unchecked)):
         print(f"  not checked: {u}")
     for f in failures:

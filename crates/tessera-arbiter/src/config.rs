@@ -155,9 +155,54 @@ pub struct Config {
     /// `--user-quota-for` ([`crate::users`]).
     #[command(flatten)]
     pub users: crate::users::UserArgs,
+    /// Parse and validate the flags, print `config ok` and exit 0 (exit 2 with the reason
+    /// otherwise); nothing is opened or started. The Helm chart's check runs every rendered
+    /// container's arguments through it.
+    #[arg(long)]
+    pub check_config: bool,
+}
+
+/// A combination of flags the daemon refuses before it opens anything (exit 2).
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ConfigError {
+    /// Both sockets at one path: the second bind would remove the first one's socket.
+    #[error("--tenant-socket and --admin-socket are the same path {0}")]
+    SameSocket(PathBuf),
+    /// A percentage outside 0-100 (or not a number): clamping it would hide the typo.
+    #[error("--compute-slack-percent must be a number from 0 to 100, not {0}")]
+    SlackPercent(f64),
+    /// No connection could ever be admitted.
+    #[error("--{0} must be at least 1")]
+    Zero(&'static str),
 }
 
 impl Config {
+    /// The checks the daemon makes on its flags before it opens anything (and all that
+    /// `--check-config` runs). Paths are compared as written: the folders may not exist yet.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.socket == self.admin_socket {
+            return Err(ConfigError::SameSocket(self.socket.clone()));
+        }
+        if !(0.0..=100.0).contains(&self.compute_slack_percent) {
+            return Err(ConfigError::SlackPercent(self.compute_slack_percent));
+        }
+        for (flag, v) in [
+            ("max-pending-handshakes", self.max_pending_handshakes),
+            ("max-pending-per-container", self.max_pending_per_container),
+            ("max-pending-per-pid", self.max_pending_per_pid),
+            (
+                "max-connections-per-allocation",
+                self.max_connections_per_allocation,
+            ),
+            ("max-tenant-connections", self.max_tenant_connections),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::Zero(flag));
+            }
+        }
+        Ok(())
+    }
+
     /// The admission caps of these flags.
     pub fn limits(&self) -> crate::admission::Limits {
         crate::admission::Limits {
@@ -236,5 +281,54 @@ impl Config {
             compute_threshold: std::time::Duration::from_millis(self.compute_bypass_ms),
             compute_slack: (self.compute_slack_percent / 100.0).clamp(0.0, 1.0),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn parse(args: &[&str]) -> Config {
+        Config::try_parse_from(std::iter::once("tessera-arbiter").chain(args.iter().copied()))
+            .unwrap()
+    }
+
+    #[test]
+    fn the_defaults_and_the_charts_flags_are_valid() {
+        parse(&[]).validate().unwrap();
+        let chart = parse(&[
+            "--tenant-socket=/run/tessera/tenant/tessera.sock",
+            "--admin-socket=/run/tessera/admin.sock",
+            "--state-dir=/var/lib/tessera/state",
+            "--enforce=kill",
+            "--unknown-processes=report",
+            "--backstop-interval-ms=250",
+            "--metrics-addr=10.0.0.5:9464",
+            "--check-config",
+        ]);
+        assert!(chart.check_config);
+        chart.validate().unwrap();
+    }
+
+    #[test]
+    fn combinations_the_daemon_cannot_serve_are_refused() {
+        let same = parse(&["--tenant-socket=/run/t.sock", "--admin-socket=/run/t.sock"]);
+        assert_eq!(
+            same.validate(),
+            Err(ConfigError::SameSocket("/run/t.sock".into()))
+        );
+        for bad in ["-1", "100.5", "NaN"] {
+            let c = parse(&[&format!("--compute-slack-percent={bad}")]);
+            assert!(
+                matches!(c.validate(), Err(ConfigError::SlackPercent(_))),
+                "{bad}"
+            );
+        }
+        let c = parse(&["--max-tenant-connections=0"]);
+        assert_eq!(
+            c.validate(),
+            Err(ConfigError::Zero("max-tenant-connections"))
+        );
     }
 }

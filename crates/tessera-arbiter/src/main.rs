@@ -2,7 +2,9 @@
 //!
 //! Exit codes:
 //! - 0: stopped by SIGTERM or SIGINT after removing its sockets and persisting its state;
-//! - 1: any other error; 2: bad usage (from clap, or a bad `RUST_LOG`);
+//!   with `--check-config`, the flags are valid (`config ok`; nothing was opened);
+//! - 1: any other error; 2: bad usage (from clap, flags that do not go together, or a bad
+//!   `RUST_LOG`);
 //! - 3: GPUs could not be discovered (NVML missing or failing);
 //! - 4: a socket could not be created (or another arbiter is serving on it), or the metrics
 //!   address could not be bound;
@@ -14,7 +16,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use tessera_arbiter::config::Config;
+use tessera_arbiter::config::{Config, ConfigError};
 use tessera_arbiter::gpus::{GpuDiscovery, GpusError, NvmlDiscovery};
 use tessera_arbiter::server::{Server, ServerError};
 use tessera_arbiter::state::StateError;
@@ -25,6 +27,8 @@ use tokio::signal::unix::{SignalKind, signal};
 /// Everything that ends the daemon with an error, each with its exit code.
 #[derive(Debug, thiserror::Error)]
 enum MainError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
     #[error(transparent)]
     Log(#[from] tessera_log::LogError),
     #[error("cannot discover GPUs: {0}")]
@@ -41,7 +45,7 @@ impl MainError {
     /// The documented exit code (see the module docs).
     fn exit_code(&self) -> u8 {
         match self {
-            MainError::Log(_) => 2,
+            MainError::Config(_) | MainError::Log(_) => 2,
             MainError::Gpus(_) => 3,
             MainError::Server(
                 ServerError::Socket { .. }
@@ -65,8 +69,8 @@ fn main() -> ExitCode {
     match run(config) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            // The subscriber may be missing (a bad RUST_LOG): say it on stderr as well.
-            if matches!(e, MainError::Log(_)) {
+            // The subscriber may be missing (bad flags, a bad RUST_LOG): say it on stderr.
+            if matches!(e, MainError::Config(_) | MainError::Log(_)) {
                 eprintln!("tessera-arbiter: {e}");
             } else {
                 tracing::error!("{e}");
@@ -77,6 +81,12 @@ fn main() -> ExitCode {
 }
 
 fn run(config: Config) -> Result<(), MainError> {
+    config.validate()?;
+    if config.check_config {
+        // Before the subscriber: a check prints one line and touches nothing.
+        println!("config ok");
+        return Ok(());
+    }
     tessera_log::init(config.log_format)?;
     let gpus = NvmlDiscovery {
         lib: Some(config.nvml_lib.clone().into()),

@@ -1,7 +1,7 @@
 //! `tessera-device-plugin`: the kubelet device plugin for Tessera GPU shares.
 //!
-//! Exit codes: 0 stopped by SIGTERM/SIGINT (or `--install-only` done); 1 unexpected failure;
-//! 2 bad flags (or a bad `RUST_LOG`); 3 the interposer could not be found or installed; 4 the
+//! Exit codes: 0 stopped by SIGTERM/SIGINT (or `--install-only` done, or `--check-config`
+//! found the flags valid); 1 unexpected failure; 2 bad flags (or a bad `RUST_LOG`); 3 the interposer could not be found or installed; 4 the
 //! kubelet refused the registration; 5 no way to list the GPUs (`--gpu-source nvml` and NVML
 //! failed).
 
@@ -148,14 +148,33 @@ struct Args {
     /// Install the interposer into --host-lib-dir and exit (for an init container).
     #[arg(long)]
     install_only: bool,
+    /// Parse and validate the flags (as at start-up), print `config ok` and exit 0 (exit 2 with
+    /// the reason otherwise); no socket, no kubelet, nothing installed.
+    #[arg(long)]
+    check_config: bool,
 }
 
 fn secs(name: &str, v: f64) -> Result<Duration, String> {
     Duration::try_from_secs_f64(v).map_err(|_| format!("--{name} must be a non-negative number"))
 }
 
-fn config(a: Args) -> Result<(Config, bool, tessera_log::LogFormat), String> {
+/// What `run` is asked to do besides serving.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Serve,
+    InstallOnly,
+    CheckConfig,
+}
+
+fn config(a: Args) -> Result<(Config, Mode, tessera_log::LogFormat), String> {
     let log_format = a.log_format;
+    let mode = if a.check_config {
+        Mode::CheckConfig
+    } else if a.install_only {
+        Mode::InstallOnly
+    } else {
+        Mode::Serve
+    };
     let cfg = Config {
         kubelet_dir: a.kubelet_dir,
         endpoint: a.endpoint,
@@ -186,7 +205,7 @@ fn config(a: Args) -> Result<(Config, bool, tessera_log::LogFormat), String> {
         stale_interval: secs("stale-interval", a.stale_interval)?.max(Duration::from_millis(50)),
         poll: Duration::from_millis(a.poll_ms.clamp(10, 10_000)),
     };
-    Ok((cfg, a.install_only, log_format))
+    Ok((cfg, mode, log_format))
 }
 
 /// Everything that ends the plugin with an error, each with its exit code.
@@ -235,9 +254,16 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<(), MainError> {
-    let (cfg, install_only, log_format) = config(args).map_err(MainError::Usage)?;
+    let (cfg, mode, log_format) = config(args).map_err(MainError::Usage)?;
+    if mode == Mode::CheckConfig {
+        // The same checks `run` makes before it opens anything; a refusal is exit 2.
+        cfg.validate()
+            .map_err(|e| MainError::Usage(e.to_string()))?;
+        println!("config ok");
+        return Ok(());
+    }
     tessera_log::init(log_format)?;
-    if install_only {
+    if mode == Mode::InstallOnly {
         cfg.validate()?;
         tessera_device_plugin::plugin::install_interposer(&cfg)?;
         return Ok(());
@@ -252,4 +278,35 @@ fn run(args: Args) -> Result<(), MainError> {
             tessera_device_plugin::plugin::shutdown_signal(),
         ))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(args: &[&str]) -> Result<(), MainError> {
+        let all = ["tessera-device-plugin", "--check-config"]
+            .into_iter()
+            .chain(args.iter().copied());
+        run(Args::try_parse_from(all).unwrap())
+    }
+
+    #[test]
+    fn check_config_accepts_valid_flags_and_refuses_what_start_up_refuses() {
+        check(&[]).unwrap();
+        check(&["--shares-per-gpu=1000", "--latency-shares=300"]).unwrap();
+        for (args, why) in [
+            (
+                &["--shares-per-gpu=5000"][..],
+                "--shares-per-gpu must be 1..=1000",
+            ),
+            (&["--latency-shares=100"][..], "--latency-shares 100"),
+            (&["--metrics-addr=nowhere"][..], "nowhere"),
+            (&["--stale-grace=-1"][..], "--stale-grace"),
+        ] {
+            let e = check(args).unwrap_err();
+            assert_eq!(e.exit_code(), 2, "{args:?}: {e}");
+            assert!(e.to_string().contains(why), "{args:?}: {e}");
+        }
+    }
 }

@@ -2,7 +2,9 @@
 //! `deploy/` with the Kubernetes schemas: `.ci/check_deploy.py` lints the chart through Helm
 //! v4's library (`helm-sdkpy`), installs it against a fake API server that records what Helm
 //! sends, and validates each object with `kubernetes-validate` (strict) for Kubernetes 1.34 and
-//! the newest version the package knows. The venv is `.ci/test`'s (`.ci/requirements-deploy.txt`).
+//! the newest version the package knows. Every rendered container's command runs through its
+//! binary's `--check-config` (target/debug), and values the binaries refuse are refused at
+//! install. The venv is `.ci/test`'s (`.ci/requirements-deploy.txt`).
 //! Each check is also shown to fail on a broken chart.
 
 use std::collections::BTreeSet;
@@ -18,8 +20,12 @@ fn chart() -> PathBuf {
 }
 
 fn check(args: &[&str]) -> (Output, String) {
+    // The binaries `--check-config` runs: the ones this test run built.
+    let arbiter = tessera_testkit::artifact("tessera-arbiter");
     let out = Command::new(tessera_testkit::python::python())
         .arg(root().join(".ci/check_deploy.py"))
+        .arg("--binaries")
+        .arg(arbiter.parent().unwrap())
         .args(args)
         .output()
         .expect("run .ci/check_deploy.py");
@@ -68,6 +74,15 @@ fn the_chart_lints_renders_and_every_manifest_validates() {
     assert!(out.status.success(), "{text}");
     assert!(text.contains("objects valid"), "{text}");
     assert!(!text.contains("FAILED"), "{text}");
+    // Every render's containers went through --check-config; every bad value was refused.
+    assert!(
+        text.contains("18 rendered containers passed --check-config"),
+        "{text}"
+    );
+    assert!(
+        text.contains("8 of 8 bad values refused at install"),
+        "{text}"
+    );
     // What the schemas could not check is said, never counted as passed.
     assert!(
         text.contains("not checked: chart (all features) ServiceMonitor/tessera-node"),
@@ -401,11 +416,12 @@ fn rendered(args: &[&str]) -> Vec<(String, serde_json::Value)> {
 
 #[test]
 fn the_binaries_accept_every_flag_the_chart_passes() {
-    // Each container's command runs with `--help` appended: clap parses and checks every flag
-    // and value before it prints the help, so a renamed flag or a bad value exits 2.
+    // Each container's command runs with `--check-config` appended: the binary parses and
+    // validates its flags as at start-up (ranges, names, paths that must differ) and exits 0
+    // with `config ok`, opening nothing; a renamed flag or a refused value exits 2.
     for values in [&[][..], &["--set", "arbiter.unknownProcesses=\"kill\""][..]] {
         let docs = rendered(values);
-        // Defaults (device plugin), every feature (both plugins), DRA only.
+        // Defaults (device plugin), every feature (both plugins), DRA only, the edges.
         let mut seen = BTreeSet::new();
         for (title, ds) in docs
             .iter()
@@ -431,11 +447,11 @@ fn the_binaries_accept_every_flag_the_chart_passes() {
                     .collect();
                 let out = Command::new(tessera_testkit::artifact(&cmd[0]))
                     .args(&cmd[1..])
-                    .arg("--help")
+                    .arg("--check-config")
                     .output()
                     .unwrap();
                 assert!(
-                    out.status.success(),
+                    out.status.success() && out.stdout == b"config ok\n",
                     "{title} {}: {cmd:?}\n{}",
                     c["name"],
                     String::from_utf8_lossy(&out.stderr)
@@ -454,6 +470,64 @@ fn the_binaries_accept_every_flag_the_chart_passes() {
                 ]
                 .map(String::from)
             )
+        );
+    }
+}
+
+#[test]
+fn a_container_its_binary_refuses_fails_the_check() {
+    // The schema and the templates cannot see extraArgs: --check-config does.
+    let (out, text) = check(&[
+        "--set",
+        r#"devicePlugin.extraArgs=["--latency-resource-name=tessera.dev/gpu-shares","--latency-shares=10"]"#,
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("chart (--set) tessera-node/device-plugin")
+            && text.contains("--check-config exited 2")
+            && text.contains("must be <domain>/<name> and differ from --resource-name"),
+        "{text}"
+    );
+}
+
+#[test]
+fn shares_the_plugin_refuses_are_refused_at_install() {
+    let (out, text) = check(&["--set", "devicePlugin.sharesPerGpu=5000"]);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("at '/devicePlugin/sharesPerGpu': maximum: got 5,000, want 1,000"),
+        "{text}"
+    );
+    let (out, text) = check(&["--set", "arbiter.metricsPort=9465"]);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("arbiter.metricsPort and devicePlugin.metricsPort are both 9465"),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_device_class_with_a_tier_carries_the_drivers_opaque_configuration() {
+    let docs = rendered(&[]);
+    // The `tiers` render: gpu-latency.tessera.dev with tier latency, large.gpu.tessera.dev
+    // best-effort.
+    let class = doc(&docs, "chart (tiers) DeviceClass/gpu-latency.tessera.dev");
+    assert_eq!(
+        class["spec"]["config"],
+        serde_json::json!([{"opaque": {"driver": "gpu.tessera.dev",
+                                       "parameters": {"tier": "latency"}}}])
+    );
+    assert_eq!(
+        class["spec"]["selectors"][0]["cel"]["expression"],
+        "device.driver == \"gpu.tessera.dev\""
+    );
+    for best_effort in [
+        "chart (tiers) DeviceClass/large.gpu.tessera.dev",
+        "chart (tiers) DeviceClass/gpu.tessera.dev",
+    ] {
+        assert!(
+            doc(&docs, best_effort)["spec"].get("config").is_none(),
+            "{best_effort}"
         );
     }
 }

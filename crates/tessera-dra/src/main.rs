@@ -1,7 +1,8 @@
 //! `tessera-dra`: the DRA kubelet plugin for driver `gpu.tessera.dev`.
 //!
 //! Exit codes: 0 stopped by SIGTERM/SIGINT (the node's ResourceSlice is kept unless
-//! `--remove-slices-on-exit`); 1 unexpected failure; 2 bad flags; 3 the
+//! `--remove-slices-on-exit`), or `--check-config` found the flags valid; 1 unexpected
+//! failure; 2 bad flags; 3 the
 //! interposer could not be found or installed; 5 the GPUs could not be read through NVML.
 
 #![forbid(unsafe_code)]
@@ -12,6 +13,7 @@ use std::time::Duration;
 use tessera_protocol::node;
 
 use clap::Parser;
+use tessera_device_plugin::cdi::CdiKind;
 use tessera_dra::apiserver::Connection;
 use tessera_dra::{Config, PluginError};
 
@@ -108,7 +110,7 @@ struct Args {
     /// CDI kind of the node's NVIDIA spec (`nvidia-ctk cdi generate
     /// --device-name-strategy=uuid`).
     #[arg(long, value_name = "KIND", default_value = "nvidia.com/gpu")]
-    nvidia_cdi_kind: String,
+    nvidia_cdi_kind: CdiKind,
     /// Milliseconds between GPU health checks.
     #[arg(long, value_name = "MS", default_value_t = 500)]
     poll_ms: u64,
@@ -124,6 +126,10 @@ struct Args {
     /// gone for good.
     #[arg(long)]
     remove_slices_on_exit: bool,
+    /// Parse and validate the flags (as at start-up), print `config ok` and exit 0 (exit 2 with
+    /// the reason otherwise); no API server, no socket, nothing installed.
+    #[arg(long)]
+    check_config: bool,
 }
 
 fn seconds(v: f64, flag: &str) -> Result<Duration, String> {
@@ -132,7 +138,8 @@ fn seconds(v: f64, flag: &str) -> Result<Duration, String> {
         .map_err(|_| format!("{flag} must be a non-negative number"))
 }
 
-fn config(a: Args) -> Result<(Config, tessera_log::LogFormat), String> {
+fn config(a: Args) -> Result<(Config, tessera_log::LogFormat, bool), String> {
+    let check_config = a.check_config;
     let resync = seconds(a.resync, "--resync")?;
     let claim_check = seconds(a.claim_check, "--claim-check")?;
     let api = match (a.api_server, a.kubeconfig) {
@@ -164,14 +171,20 @@ fn config(a: Args) -> Result<(Config, tessera_log::LogFormat), String> {
             nvml_lib: a.nvml_lib,
             sysfs: a.sysfs,
             default_memory,
-            nvidia_kind: a.nvidia_cdi_kind,
+            nvidia_kind: a.nvidia_cdi_kind.as_str().to_owned(),
             poll: Duration::from_millis(a.poll_ms.clamp(10, 10_000)),
             resync,
             claim_check,
             remove_slices_on_exit: a.remove_slices_on_exit,
         },
         a.log_format,
+        check_config,
     ))
+}
+
+/// `--check-config`: the validation `tessera_dra::run` starts with, and nothing else.
+fn check_config(cfg: &Config) -> Result<(), String> {
+    cfg.validate().map_err(|e| e.to_string())
 }
 
 fn exit_code(e: &PluginError) -> u8 {
@@ -185,7 +198,19 @@ fn exit_code(e: &PluginError) -> u8 {
 
 fn main() -> ExitCode {
     let (cfg, format) = match config(Args::parse()) {
-        Ok(x) => x,
+        Ok((cfg, _, true)) => {
+            return match check_config(&cfg) {
+                Ok(()) => {
+                    println!("config ok");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("tessera-dra: {e}");
+                    ExitCode::from(2)
+                }
+            };
+        }
+        Ok((cfg, format, false)) => (cfg, format),
         Err(e) => {
             eprintln!("tessera-dra: {e}");
             return ExitCode::from(2);
@@ -214,6 +239,39 @@ fn main() -> ExitCode {
         Err(e) => {
             tracing::error!("{e}");
             ExitCode::from(exit_code(&e))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(args: &[&str]) -> Result<(), String> {
+        let all = ["tessera-dra", "--node-name=node-a", "--check-config"]
+            .into_iter()
+            .chain(args.iter().copied());
+        let (cfg, _, check) = config(Args::try_parse_from(all).map_err(|e| e.to_string())?)?;
+        assert!(check);
+        check_config(&cfg)
+    }
+
+    #[test]
+    fn check_config_accepts_valid_flags_and_refuses_what_start_up_refuses() {
+        check(&[]).unwrap();
+        check(&[
+            "--default-memory-mib=2048",
+            "--nvidia-cdi-kind=example.com/gpu",
+        ])
+        .unwrap();
+        for (args, why) in [
+            (&["--default-memory-mib=1000"][..], "multiple of 256"),
+            (&["--default-memory-mib=0"][..], "multiple of 256"),
+            (&["--nvidia-cdi-kind=gpu"][..], "not a CDI kind"),
+            (&["--resync=-3"][..], "--resync"),
+        ] {
+            let e = check(args).unwrap_err();
+            assert!(e.contains(why), "{args:?}: {e}");
         }
     }
 }

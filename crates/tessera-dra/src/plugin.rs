@@ -76,6 +76,22 @@ pub struct Config {
 pub const PLUGIN_SOCKET: &str = "dra.sock";
 
 impl Config {
+    /// The checks made before anything is opened (and all that `--check-config` runs).
+    pub fn validate(&self) -> Result<(), PluginError> {
+        if self.default_memory == 0 || !self.default_memory.is_multiple_of(MEMORY_STEP) {
+            return Err(PluginError::Config(format!(
+                "--default-memory-mib must be a positive multiple of {} MiB",
+                MEMORY_STEP >> 20
+            )));
+        }
+        if self.node_name.is_empty() {
+            return Err(PluginError::Config(
+                "--node-name (or NODE_NAME) must not be empty: it names the node's pool".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// The plugin socket.
     pub fn plugin_socket(&self) -> PathBuf {
         self.plugin_dir.join(PLUGIN_SOCKET)
@@ -129,11 +145,7 @@ fn bind(path: &Path) -> Result<UnixListener, PluginError> {
 
 /// Runs until `shutdown`.
 pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), PluginError> {
-    if cfg.default_memory == 0 || !cfg.default_memory.is_multiple_of(MEMORY_STEP) {
-        return Err(PluginError::Config(format!(
-            "--default-memory must be a positive multiple of {MEMORY_STEP} bytes"
-        )));
-    }
+    cfg.validate()?;
     let api: Arc<dyn KubeApi> = Arc::new(KubeClient::connect(&cfg.api).await?);
     let src = install::find_interposer(cfg.interposer.as_deref())?;
     let installed = install::install(

@@ -34,6 +34,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if not .name -}}
 {{- fail "dra.deviceClasses: every class needs a name" -}}
 {{- end -}}
+{{- if and .tier (not (has .tier (list "best-effort" "latency"))) -}}
+{{- fail (printf "dra.deviceClasses %s: tier must be best-effort or latency, not %q" .name .tier) -}}
+{{- end -}}
 {{- end -}}
 {{- if or (le (int .Values.dra.defaultMemoryMiB) 0) (ne (mod (int .Values.dra.defaultMemoryMiB) 256) 0) -}}
 {{- fail (printf "dra.defaultMemoryMiB must be a positive multiple of 256, not %v" .Values.dra.defaultMemoryMiB) -}}
@@ -49,6 +52,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if not (regexMatch "^[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?/[A-Za-z]([A-Za-z0-9_.-]*[A-Za-z0-9])?$" .) -}}
 {{- fail (printf "devicePlugin.nvidiaCdiKind must be empty (off) or a CDI kind <vendor>/<class> such as nvidia.com/gpu, not %q" .) -}}
 {{- end -}}
+{{- end -}}
+{{- /* Both containers listen on the pod's address: one port each (JSON schema cannot compare two values). */ -}}
+{{- if and .Values.devicePlugin.enabled (eq (int .Values.arbiter.metricsPort) (int .Values.devicePlugin.metricsPort)) -}}
+{{- fail (printf "arbiter.metricsPort and devicePlugin.metricsPort are both %v: the two containers share the pod's address, so the second could not listen; choose two ports" .Values.arbiter.metricsPort) -}}
 {{- end -}}
 {{- if not (has .Values.arbiter.enforce (list "kill" "report")) -}}
 {{- fail (printf "arbiter.enforce must be kill or report, not %q" .Values.arbiter.enforce) -}}
