@@ -401,8 +401,9 @@ start_arbiter() {
     start tessera-arbiter "$RUST/tessera" sim --lib-dir "$RUST" --state-dir "$D/sim" -- \
         "$RUST/tessera-arbiter" --state-dir "$D/tessera/state" \
         --admin-socket "$D/tessera/admin.sock" --tenant-socket "$D/tessera/tenant/tessera.sock" \
-        --metrics-addr 127.0.0.1:19464 --enforce kill --unknown-processes kill \
-        --host-mount-ns /proc/self/ns/mnt
+        --metrics-addr 127.0.0.1:19464 --enforce kill \
+        --unknown-processes "${E2E_UNKNOWN_PROCESSES:-kill}" \
+        --host-mount-ns /proc/self/ns/mnt --identity-dir "$D/tessera/identity"
 }
 
 start_dra_plugin() {

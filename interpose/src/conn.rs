@@ -114,6 +114,8 @@ impl Conn {
             ServerHello::Refused { reason } | ServerHello::Rejected { reason, .. } => {
                 Err(ConnError::Refused(reason))
             }
+            // The answer to a probe, which a tenant never sends.
+            ServerHello::Probed { .. } => Err(ConnError::Frame("a probe's answer".into())),
         }
     }
 

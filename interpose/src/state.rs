@@ -330,21 +330,14 @@ fn route_first(main: &'static Process, dev: i32, slot: usize) -> &'static Proces
     let (Some(socket), Some(group_token)) = (cfg.socket(), cfg.token()) else {
         return main;
     };
-    // An allocation of one GPU keeps every device on its one ledger, as it always did (a
-    // container shows it only its GPU; on another card the backstop polices it). Only a
-    // multi-GPU allocation's other devices get states of their own.
-    match is_group(socket, &group_token, own) {
-        Some(true) => {}
-        Some(false) => {
-            let _ = SLICES[slot].compare_exchange(
-                std::ptr::null_mut(),
-                main as *const Process as *mut Process,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            );
-            return main;
-        }
-        None => return main,
+    // Any other device gets a state of its own: a multi-GPU allocation's other cards their
+    // slices; for an allocation of one GPU every other card is someone else's promise (a
+    // tenant that widens its own CUDA_VISIBLE_DEVICES sees it), so its slice token names
+    // nothing and its session is refused: no context there, no memory (the backstop stops
+    // what goes around this). Only a process whose arbiter cannot say yet stays on its
+    // own state.
+    if is_group(socket, &group_token, own).is_none() {
+        return main;
     }
     // An unnamed device, or one past the slots, gets a token nobody has: refused.
     let token = match uuid {

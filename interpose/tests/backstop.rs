@@ -333,3 +333,49 @@ fn a_pid_kept_by_a_connection_whose_process_exited_attributes_nobody() {
     assert!(parent.exit().success());
     trapper.release();
 }
+
+#[test]
+fn an_mps_server_that_belongs_to_no_allocation_is_left_alone_where_unknown_processes_die() {
+    // Issue 35: NVIDIA's MPS server holds GPU memory and belongs to no allocation; killing it
+    // stops every MPS client on its GPU. Two processes outside any allocation, each in a mount
+    // namespace of its own (a container, to the backstop) holding 2 GiB, under
+    // `--unknown-processes kill`: `hold` is killed, the same program as
+    // `nvidia-cuda-mps-server` is left alone and logged as an MPS daemon.
+    let bed = Bed::with_arbiter_args(&[
+        "--unknown-processes",
+        "kill",
+        "--host-mount-ns",
+        "/proc/self/ns/mnt",
+    ]);
+    let hold = build_c(&bed, "hold");
+    let server = bed.dir.path().join("nvidia-cuda-mps-server");
+    std::fs::copy(&hold, &server).unwrap();
+    let start = |exe: &std::path::Path| {
+        let mut cmd = bed.sim_command(std::path::Path::new("unshare"));
+        cmd.arg("-m")
+            .arg(exe)
+            .args(["2048", "60"])
+            .stdout(std::process::Stdio::piped());
+        let mut c = cmd.spawn().expect("unshare (util-linux) runs as root here");
+        let mut out = std::io::BufReader::new(c.stdout.take().unwrap());
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        assert_eq!(line.trim(), "holding 0", "{}", exe.display());
+        tessera_testkit::KillOnDrop::new(c)
+    };
+    let mut mps = start(&server);
+    let mut other = start(&hold);
+    let killed = wait_until(Duration::from_secs(30), || {
+        other.try_wait().unwrap().is_some()
+    });
+    killed.unwrap_or_else(|| panic!("the unknown process lives\n{}", bed.arbiter_log()));
+    // Polls after that one looked at the server too, and left it.
+    bed.wait_backstop_polls(4);
+    assert!(
+        mps.try_wait().unwrap().is_none(),
+        "the MPS server was stopped\n{}",
+        bed.arbiter_log()
+    );
+    let log = bed.arbiter_log();
+    assert!(log.contains("is an MPS daemon"), "{log}");
+}

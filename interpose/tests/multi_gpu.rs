@@ -3,6 +3,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::*;
 use tessera_protocol::CreateAllocation;
 
@@ -219,4 +221,72 @@ fn the_backstop_polices_each_card_on_its_own_slice() {
     assert!(out.contains("holding"), "{out}");
     let log = bed.arbiter_log();
     assert!(!log.contains("backstop: pid"), "{log}");
+}
+
+#[test]
+fn an_allocation_of_one_card_gets_no_context_on_another_card() {
+    // A one-GPU allocation that sees both cards (its CUDA_VISIBLE_DEVICES widened, or a host
+    // process) is refused a context on the card it was not given: nothing there, nothing
+    // charged to the card's owner, its own card as before.
+    let bed = Bed::with_gpus("2x80GiB", &[]);
+    let (token, _id) = bed.create(10 * GIB);
+    let (_, owner) = bed
+        .admin()
+        .create(tessera_testkit::allocation(1, 80 * GIB, 90, None))
+        .unwrap();
+    let prog = build_c(&bed, "multi_gpu");
+    let (st, out, err) = run(bed
+        .tenant_command(&prog, &token)
+        .args(["2", &GIB.to_string()]));
+    assert!(st.success(), "{out}\n{err}");
+    assert_eq!(nums(&out, "dev 1 context "), [OOM], "{out}");
+    assert!(!out.contains("dev 1 got"), "{out}");
+    assert_eq!(bed.used(&owner.id), 0);
+    assert_eq!(
+        nums(&out, "dev 0 got ")[0] as u64,
+        (10 * GIB - CONTEXT) / GIB,
+        "{out}"
+    );
+}
+
+#[test]
+fn a_process_on_a_card_it_was_not_given_is_stopped_and_the_owner_gets_its_whole_limit() {
+    // Issue 35: a 40 GiB allocation on card 0 whose child, without the interposer, takes
+    // 3.8 GiB of card 1, fully promised to an 80 GiB allocation: within the first one's limit
+    // summed, yet not its card. The backstop stops it; the owner then gets all of its 80 GiB.
+    let bed = Bed::with_gpus("2x80GiB", &["--backstop-interval-ms", "100"]);
+    let (token, id) = bed.create(40 * GIB);
+    let (owner_token, _) = bed
+        .admin()
+        .create(tessera_testkit::allocation(1, 80 * GIB, 90, None))
+        .unwrap();
+    let mut parent = Served::start(bed.py_tenant(&token, &["serve"]));
+    assert_eq!(parent.ask(&format!("alloc {}", 100 * MIB))["alloc"], 0);
+    let spawned = parent.ask(&format!("spawn_bare {} 1", 3_800 * MIB));
+    let child = spawned["child"].as_u64().unwrap() as u32;
+    let took = wait_until(Duration::from_secs(30), || !alive(child)).unwrap_or_else(|| {
+        panic!(
+            "the process on card 1 was not stopped: {spawned}\n{}",
+            bed.arbiter_log()
+        )
+    });
+    eprintln!("a process on a card not its own: stopped {took:?} after its allocation returned");
+    let line = format!("pid {child} of allocation {id} killed");
+    wait_until(Duration::from_secs(30), || bed.arbiter_log().contains(&line))
+        .unwrap_or_else(|| panic!("no log line\n{}", bed.arbiter_log()));
+    // The owner of card 1 gets its whole limit (its context inside it).
+    let prog = build_c(&bed, "multi_gpu");
+    let (st, out, err) = run(bed
+        .tenant_command(&prog, &owner_token)
+        .env("CUDA_VISIBLE_DEVICES", "1")
+        .args(["1", &GIB.to_string()]));
+    assert!(st.success(), "{out}\n{err}");
+    assert_eq!(
+        nums(&out, "dev 0 got ")[0] as u64,
+        (80 * GIB - CONTEXT) / GIB,
+        "{out}"
+    );
+    // The honest parent on its own card is untouched.
+    assert_eq!(parent.ask(&format!("alloc {}", 100 * MIB))["alloc"], 0);
+    assert!(parent.exit().success());
 }

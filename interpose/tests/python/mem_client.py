@@ -231,6 +231,9 @@ def serve():
             # trying to go around it would: it allocates on its own and holds the memory.
             env = {k: v for k, v in os.environ.items()
                    if k not in ("LD_PRELOAD", "TESSERA_TOKEN", "TESSERA_SOCKET")}
+            if len(cmd) > 2:
+                # The cards it may see: a tenant widening its own view to a card not its own.
+                env["CUDA_VISIBLE_DEVICES"] = cmd[2]
             child = subprocess.Popen([sys.executable, __file__, "hold", cmd[1]], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             children.append(child)

@@ -39,7 +39,16 @@ pub trait ProcView {
     fn identity_mounted(&self, _pid: i32) -> bool {
         false
     }
+    /// The name of `pid`'s executable (the last part of `/proc/<pid>/exe`).
+    fn exe_name(&self, _pid: i32) -> Option<String> {
+        None
+    }
 }
+
+/// The executables of NVIDIA's MPS: the control daemon and the server it starts per GPU and
+/// user. The server holds GPU memory of its own (and, before Volta, its clients') and belongs
+/// to no allocation; killing it breaks every client on that GPU until MPS restarts.
+pub const MPS_DAEMONS: [&str; 2] = ["nvidia-cuda-mps-server", "nvidia-cuda-mps-control"];
 
 /// The identity files the kubelet plugins wrote, by inode, each with the allocation it was
 /// written for (the file name's prefix): only one of them proves a container's identity. A
@@ -176,6 +185,10 @@ pub enum Owner {
     UnknownHost,
     /// Nobody, and it runs in a container.
     UnknownContainer,
+    /// Nobody: an MPS daemon ([`MPS_DAEMONS`]) that no allocation's rule names (run by the
+    /// node's MPS setup, NVIDIA's DRA driver or a user): left alone, reported once. A tenant's
+    /// process of that name is its allocation's, or a forger, like any other.
+    Mps,
     /// Nobody, and it runs in a container while claiming an identity it does not have: an
     /// identity file no plugin wrote, or one naming no allocation, or a plugin's mount
     /// covered by something else. Not a pod of another plugin: stopped whatever
@@ -268,8 +281,14 @@ pub fn attribute_with(
         };
         let owner = match by_cgroup.or_else(by_parent).or_else(by_connection) {
             Some(i) => Owner::Allocation(i),
-            None if !container => Owner::UnknownHost,
             None if claims => Owner::Forged,
+            None if view
+                .exe_name(pid)
+                .is_some_and(|n| MPS_DAEMONS.contains(&n.as_str())) =>
+            {
+                Owner::Mps
+            }
+            None if !container => Owner::UnknownHost,
             None => Owner::UnknownContainer,
         };
         out.insert(pid, owner);

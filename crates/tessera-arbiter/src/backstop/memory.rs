@@ -234,6 +234,8 @@ pub fn decide_charges(
             Owner::Allocation(i) => {
                 groups[i + if c.outside { watched.len() } else { 0 }].push((pid, used))
             }
+            // Left alone (see [`Owner::Mps`]); the backstop logs it once.
+            Owner::Mps => {}
             Owner::Forged => actions.push(Action {
                 pid,
                 allocation: None,

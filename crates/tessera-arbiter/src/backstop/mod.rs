@@ -319,6 +319,13 @@ impl Backstop {
             if *owner == Owner::UnknownHost {
                 self.unknown_since.entry(pid).or_insert(now);
             }
+            if *owner == Owner::Mps && self.reported.insert(pid) {
+                tracing::info!(
+                    "backstop: pid {pid} is an MPS daemon ({}) on a GPU: left alone (it \
+                     belongs to no allocation; stopping it would stop every client on its GPU)",
+                    human(memory.get(&pid).copied().unwrap_or(0))
+                );
+            }
         }
         self.correct_excess(&memory, &procs);
         let charges = card_charges(&watched, &procs, &owners);

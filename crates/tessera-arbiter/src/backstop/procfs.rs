@@ -121,6 +121,13 @@ impl ProcView for ProcFs {
     fn identity_mounted(&self, pid: i32) -> bool {
         self.shown(pid).is_some_and(|s| s.mounted)
     }
+
+    fn exe_name(&self, pid: i32) -> Option<String> {
+        let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok()?;
+        let name = exe.file_name()?.to_str()?;
+        // A binary replaced on disk since it started reads "<name> (deleted)".
+        Some(name.trim_end_matches(" (deleted)").to_owned())
+    }
 }
 
 /// What `pid`'s identity path shows: the file (see [`open_identity`]) and whether its mount

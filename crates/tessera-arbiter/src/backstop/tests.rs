@@ -44,6 +44,8 @@ struct Fake {
     files: HashMap<i32, FileKey>,
     /// Pids whose mount table shows the plugin's mount at the identity path.
     mounted: HashSet<i32>,
+    /// Executable names (none unless listed).
+    exes: HashMap<i32, String>,
 }
 
 impl ProcView for Fake {
@@ -61,6 +63,9 @@ impl ProcView for Fake {
     }
     fn identity_mounted(&self, pid: i32) -> bool {
         self.mounted.contains(&pid)
+    }
+    fn exe_name(&self, pid: i32) -> Option<String> {
+        self.exes.get(&pid).cloned()
     }
     fn origin(&self, pid: i32) -> Origin {
         match self.containers.get(&pid) {
@@ -1375,4 +1380,36 @@ fn a_kill_through_a_hold_never_reaches_a_process_that_took_the_pid_later() {
     let st = b.wait().unwrap();
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(st.signal(), Some(libc::SIGKILL));
+}
+
+#[test]
+fn an_mps_daemon_nobody_owns_is_left_alone_and_a_tenants_of_that_name_is_not() {
+    // 5: NVIDIA's MPS server in a pod of its own (no Tessera identity) holding 6 GiB; 6: its
+    // control daemon on the host; 7: a tenant of a that named its binary like the server
+    // (its container's identity says a); 8: a forger of that name.
+    let a = [w("a", GIB, &[])];
+    let server = "nvidia-cuda-mps-server".to_owned();
+    let view = Fake {
+        containers: HashMap::from([
+            (5, None),
+            (7, Some("tok-a".into())),
+            (8, Some("made-up".into())),
+        ]),
+        exes: HashMap::from([
+            (5, server.clone()),
+            (6, "nvidia-cuda-mps-control".into()),
+            (7, server.clone()),
+            (8, server),
+        ]),
+        ..Default::default()
+    };
+    let owners = attribute(&a, &[5, 6, 7, 8], &view, &mut Cgroups::default());
+    assert_eq!(owners[&5], Owner::Mps);
+    assert_eq!(owners[&6], Owner::Mps);
+    assert_eq!(owners[&7], Owner::Allocation(0));
+    assert_eq!(owners[&8], Owner::Forged);
+    let procs = [p(5, 6 * GIB), p(6, 10 * MIB), p(7, 2 * GIB), p(8, GIB)];
+    let mut acts: Vec<i32> = run(&a, &procs, &view, 0).iter().map(|x| x.pid).collect();
+    acts.sort();
+    assert_eq!(acts, [7, 8], "the daemons are never acted on");
 }
