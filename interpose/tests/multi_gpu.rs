@@ -272,8 +272,10 @@ fn a_process_on_a_card_it_was_not_given_is_stopped_and_the_owner_gets_its_whole_
     });
     eprintln!("a process on a card not its own: stopped {took:?} after its allocation returned");
     let line = format!("pid {child} of allocation {id} killed");
-    wait_until(Duration::from_secs(30), || bed.arbiter_log().contains(&line))
-        .unwrap_or_else(|| panic!("no log line\n{}", bed.arbiter_log()));
+    wait_until(Duration::from_secs(30), || {
+        bed.arbiter_log().contains(&line)
+    })
+    .unwrap_or_else(|| panic!("no log line\n{}", bed.arbiter_log()));
     // The owner of card 1 gets its whole limit (its context inside it).
     let prog = build_c(&bed, "multi_gpu");
     let (st, out, err) = run(bed
