@@ -5,26 +5,34 @@
 //! device memory and its GPU time, and attributes each to an allocation from identity the
 //! tenant cannot change, in this order (the first that applies decides; see [`attribute`]):
 //! 1. **the process's own container identity**: the identity file read through
-//!    `/proc/<pid>/root`, from a read-only mount only (the device plugin mounts it into every
-//!    container it wires, fraction or whole GPU; see [`tessera_protocol::identity`]). It names
-//!    the allocation, whatever any connection claims; one that names no live allocation makes
-//!    the process unknown. The first time a process is attributed this way its container's
-//!    cgroup (cgroup v2, the `0::` line of `/proc/<pid>/cgroup`) is recorded for that
-//!    allocation ([`Cgroups`]);
+//!    `/proc/<pid>/root` (the plugins mount one into every container they wire, fraction or
+//!    whole GPU; see [`tessera_protocol::identity`]), when it is read-only, names a live
+//!    allocation and, with `--identity-dir`, is the plugin's own file for it (the same inode:
+//!    [`IdentityFiles`]). It names the allocation, whatever any connection claims. The first
+//!    time a process is attributed this way its container's cgroup (cgroup v2, the `0::` line
+//!    of `/proc/<pid>/cgroup`) is recorded for that allocation ([`Cgroups`]);
 //! 2. **the container's cgroup**, recorded as above: a process of that container whose root no
 //!    longer shows the file (a `chroot`) is still its container's. A container cannot move its
 //!    processes out of its cgroup, and a cgroup path is never reused while the allocation lives;
-//! 3. **the processes that connected to the tenant socket, and their descendants**, each named
+//! 3. **its nearest ancestor in the container with a genuine identity** (a process that covered
+//!    its file in a user and mount namespace of its own is still its parent's child);
+//! 4. **the processes that connected to the tenant socket, and their descendants**, each named
 //!    by pid *and start time* ([`ProcId`], taken at `accept` through the connection's
 //!    `SO_PEERPIDFD`, so the process that connected and not a later one with its pid; the
 //!    pidfd is kept with the connection ([`Peer`]) and a process it says exited is not listed)
 //!    and checked against the live process at every use, ancestors included: a connection
 //!    whose process exited attributes nobody, so a connection kept open by another process (a
-//!    socket passed over `SCM_RIGHTS`) cannot reserve a pid for whoever gets it next;
-//! 4. **a process under a live `tessera run`** (the allocation's owner, pid and start time), or
+//!    socket passed over `SCM_RIGHTS`) cannot reserve a pid for whoever gets it next. Not for
+//!    a process that shows an identity that proved nothing (its token may be stolen);
+//! 5. **a process under a live `tessera run`** (the allocation's owner, pid and start time), or
 //!    one found under it before (see [`crate::owner`]), connected or not;
-//! 5. otherwise the process is *unknown*: in a container (its mount namespace is not the
-//!    host's) or on the host.
+//! 6. otherwise: a **forger** ([`Owner::Forged`]) when it claims an identity it does not have
+//!    (a file that reads as one, or the plugin's mount covered in its mount table), stopped
+//!    whatever `--unknown-processes` says; an **MPS daemon** ([`MPS_DAEMONS`]), left alone;
+//!    else *unknown*: in a container (its mount namespace is not the host's) or on the host.
+//!
+//! Every process is held by a pidfd before anything about it is read ([`Held`]); decisions on
+//! one that exited meanwhile are dropped, and kills go through the pidfd.
 //!
 //! Then, under `--enforce kill|report`:
 //! - **memory**: an allocation whose processes together hold more than its limit plus one

@@ -162,7 +162,7 @@ fn identity_mounted(pid: i32) -> bool {
         .any(|l| l.split(' ').nth(4) == Some(CONTAINER_IDENTITY_FILE))
 }
 
-/// Reads a container's identity file through `/proc/<pid>/root` (see [`open_identity`]);
+/// Reads a container's identity file through `/proc/<pid>/root` (no symlink followed);
 /// only a read-only one.
 pub fn read_identity(pid: i32) -> Option<Identity> {
     let (file, read_only) = open_identity(pid)?;
