@@ -106,6 +106,9 @@ fn arbiter_status(e: ArbiterError) -> Status {
         Some(AdminErrorKind::InvalidArgument) => Status::invalid_argument(msg),
         Some(AdminErrorKind::Exhausted) => Status::resource_exhausted(msg),
         Some(AdminErrorKind::NotFound) => Status::not_found(msg),
+        // The plugin speaks on the admin socket as root; a refusal there is a misconfigured
+        // node (the user socket given as --admin-socket), not the pod's fault.
+        Some(AdminErrorKind::PermissionDenied) => Status::permission_denied(msg),
         Some(AdminErrorKind::Internal) => Status::internal(msg),
         None => Status::unavailable(msg),
     }
