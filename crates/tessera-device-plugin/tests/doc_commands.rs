@@ -77,7 +77,7 @@ fn runnable_blocks_run_in_one_session_and_a_failure_fails() {
     assert!(!d.join("not-run.txt").exists(), "a `needs` block ran");
     assert!(text.contains("2 blocks ran"), "{text}");
     assert!(
-        text.contains("not run here: page.md:11: needs a real cluster"),
+        text.contains("not run here: page.md:12: needs a real cluster"),
         "{text}"
     );
 
