@@ -12,6 +12,15 @@
 //!   together).
 //!
 //! - `hold --bytes B --seconds S`: allocate `B` once and hold it for `S` seconds.
+//! - `race --bytes B --chunks N --tickets DIR --seconds S`: for `S` seconds, race the other
+//!   racers for the tickets in `DIR` (files, each a right to one allocation of `B`, taken with
+//!   a non-blocking `flock`): hold up to `N` allocations of `B`, each under a ticket (take a
+//!   ticket and allocate while fewer are held, else free the oldest and hand its ticket back),
+//!   then exit *holding them*: the driver frees them at the process's teardown, as it does for
+//!   a killed process. The tickets are opened before the driver is loaded, so at exit the
+//!   kernel closes them, and hands them to the other racers, before the arbiter's socket and
+//!   the driver's files. A refusal under a ticket (memory the allocation has room for) prints
+//!   `refused` at once, so a process killed later has told of it.
 //! - `vmm --bytes B --seconds S`: the VMM idiom NCCL and inference allocators use, for `S`
 //!   seconds: `cuMemCreate` -> `cuMemAddressReserve` -> `cuMemMap` -> `cuMemSetAccess` ->
 //!   `cuMemRelease` at once (the mapping keeps the memory), then `cuMemUnmap` and
@@ -45,6 +54,11 @@ enum Mode {
     Hold {
         seconds: f64,
     },
+    Race {
+        seconds: f64,
+        chunks: usize,
+        tickets: String,
+    },
     Vmm {
         seconds: f64,
     },
@@ -62,9 +76,10 @@ fn parse_args() -> Result<Args, String> {
     let mut it = std::env::args().skip(1);
     let mode = it
         .next()
-        .ok_or("usage: mem_tenant handoff|churn|hold|vmm|fork [flags]")?;
+        .ok_or("usage: mem_tenant handoff|churn|hold|race|vmm|fork [flags]")?;
     let (mut first, mut rounds, mut input, mut output) = (None, 1000, None, None);
-    let (mut seconds, mut start_ns, mut bytes) = (10.0, 0, None);
+    let mut tickets = None;
+    let (mut seconds, mut start_ns, mut bytes, mut chunks) = (10.0, 0, None, 1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
         match flag.as_str() {
@@ -76,6 +91,8 @@ fn parse_args() -> Result<Args, String> {
             "--seconds" => seconds = value()?.parse().map_err(|e| format!("--seconds: {e}"))?,
             "--start-ns" => start_ns = value()?.parse().map_err(|e| format!("--start-ns: {e}"))?,
             "--bytes" => bytes = Some(value()?.parse().map_err(|e| format!("--bytes: {e}"))?),
+            "--chunks" => chunks = value()?.parse().map_err(|e| format!("--chunks: {e}"))?,
+            "--tickets" => tickets = Some(value()?),
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -89,6 +106,11 @@ fn parse_args() -> Result<Args, String> {
         },
         "churn" => Mode::Churn { seconds, start_ns },
         "hold" => Mode::Hold { seconds },
+        "race" => Mode::Race {
+            seconds,
+            chunks,
+            tickets: tickets.ok_or("race needs --tickets")?,
+        },
         "vmm" => Mode::Vmm { seconds },
         "fork" => Mode::Fork { seconds },
         other => return Err(format!("unknown mode {other}")),
@@ -191,6 +213,21 @@ fn main() {
         eprintln!("mem_tenant: {e}");
         std::process::exit(2);
     });
+    // A racer's tickets: opened first, so their descriptors are the lowest (see the notes).
+    let tickets: Vec<File> = match &args.mode {
+        Mode::Race { tickets, .. } => {
+            let mut paths: Vec<_> = std::fs::read_dir(tickets)
+                .unwrap_or_else(|e| fail(&format!("--tickets: {e}")))
+                .map(|e| e.unwrap_or_else(|e| fail(&e.to_string())).path())
+                .collect();
+            paths.sort();
+            paths
+                .iter()
+                .map(|p| File::open(p).unwrap_or_else(|e| fail(&e.to_string())))
+                .collect()
+        }
+        _ => Vec::new(),
+    };
     let driver = Driver::load().unwrap_or_else(|e| fail(&e));
     driver.init_primary_context(0).unwrap_or_else(|e| fail(&e));
     // SAFETY: each `sym` names the documented C signature of the entry point at that version.
@@ -263,6 +300,61 @@ fn main() {
                 rc => fail(&format!("cuMemAlloc_v2 failed with CUresult {rc}")),
             }
             std::thread::sleep(Duration::from_secs_f64(seconds));
+        }
+        Mode::Race {
+            seconds, chunks, ..
+        } => {
+            use std::os::fd::AsRawFd;
+            let end = Instant::now() + Duration::from_secs_f64(seconds);
+            // (pointer, ticket) per allocation held, oldest first.
+            let mut held: std::collections::VecDeque<(u64, usize)> = Default::default();
+            let mut next = std::process::id() as usize;
+            while Instant::now() < end {
+                if held.len() >= chunks {
+                    let (p, t) = held.pop_front().expect("chunks > 0");
+                    // SAFETY: `p` was allocated below and is freed once.
+                    let rc = unsafe { free(p) };
+                    if rc != 0 {
+                        fail(&format!("cuMemFree_v2 failed with CUresult {rc}"));
+                    }
+                    // SAFETY: unlocks a ticket this process holds, on its own descriptor.
+                    unsafe { libc::flock(tickets[t].as_raw_fd(), libc::LOCK_UN) };
+                    continue;
+                }
+                // The next ticket nobody holds (one this process holds is skipped: its own
+                // flock would be granted again).
+                next += 1;
+                let t = next % tickets.len();
+                if held.iter().any(|(_, h)| *h == t) {
+                    continue;
+                }
+                // SAFETY: a non-blocking flock on a descriptor this process owns.
+                if unsafe { libc::flock(tickets[t].as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) }
+                    != 0
+                {
+                    if t == 0 {
+                        // A round of taken tickets: let the holders run.
+                        std::thread::yield_now();
+                    }
+                    continue;
+                }
+                let mut p = 0u64;
+                // SAFETY: cuMemAlloc_v2 with a current context; freed above or at exit.
+                match unsafe { alloc(&mut p, args.bytes as usize) } {
+                    0 => {
+                        held.push_back((p, t));
+                        c.grants += 1;
+                    }
+                    CUDA_ERROR_OUT_OF_MEMORY => {
+                        c.refusals += 1;
+                        println!("refused");
+                        // SAFETY: as above, a ticket this process holds.
+                        unsafe { libc::flock(tickets[t].as_raw_fd(), libc::LOCK_UN) };
+                    }
+                    rc => fail(&format!("cuMemAlloc_v2 failed with CUresult {rc}")),
+                }
+            }
+            // `held` is left allocated, its tickets taken: the process's teardown frees both.
         }
         Mode::Vmm { seconds } => {
             let end = Instant::now() + Duration::from_secs_f64(seconds);

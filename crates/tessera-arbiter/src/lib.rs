@@ -7,6 +7,8 @@
 //! - [`backstop`]: the memory backstop: NVML's per-process memory, attributed to allocations by
 //!   connected pids and their descendants, over-limit processes killed or reported.
 //! - [`config`]: command-line and environment configuration.
+//! - [`drain`]: a closed connection's memory released on the card's word (its process's exit,
+//!   then NVML), bounded.
 //! - [`gpus`]: GPU discovery (NVML through `nvml-wrapper`, or a fixed list for tests).
 //! - [`ledger`]: the memory ledger (pure): atomic reserve, release, redeclare, connection drop.
 //! - [`metrics`]: Prometheus metrics on `--metrics-addr`: a collector rendering the state's
@@ -39,6 +41,7 @@ pub mod admin;
 pub mod admission;
 pub mod backstop;
 pub mod config;
+pub mod drain;
 pub mod gpus;
 pub mod ledger;
 pub mod metrics;

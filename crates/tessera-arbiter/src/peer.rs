@@ -100,6 +100,59 @@ pub fn peer_process(socket: std::os::fd::BorrowedFd<'_>, pid: i32) -> Option<Pee
     })
 }
 
+/// A connected process's end, to wait for after its connection closed.
+#[derive(Debug)]
+pub enum Exit {
+    /// A pidfd of the very process (checked against its start time after it was opened): it
+    /// becomes readable when the process exited, its files (sockets, driver handles) closed.
+    Pidfd(OwnedFd),
+    /// The process exited already (its pid is gone, or names a later process).
+    Gone,
+    /// This kernel cannot tell (no `pidfd_open`): the caller asks the card alone.
+    Unknown,
+}
+
+impl Exit {
+    /// The end of process `id`. The pidfd is opened on the pid first and the start time read
+    /// after: if it still matches, the pidfd's process is the one that connected (its pid
+    /// could not have been reused while it was alive or a zombie).
+    pub fn of(id: ProcId) -> Self {
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, id.pid, 0) };
+        if fd < 0 {
+            return match std::io::Error::last_os_error().raw_os_error() {
+                Some(libc::ESRCH) => Exit::Gone,
+                _ => Exit::Unknown,
+            };
+        }
+        // SAFETY: pidfd_open returned a new descriptor that we own.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) };
+        if proc_start(id.pid) == Some(id.start) {
+            Exit::Pidfd(fd)
+        } else {
+            Exit::Gone
+        }
+    }
+
+    /// Waits up to `timeout` for the process to exit; true once it has (at once when gone or
+    /// unknown).
+    pub fn wait(&self, timeout: std::time::Duration) -> bool {
+        let Exit::Pidfd(fd) = self else {
+            return true;
+        };
+        let mut p = libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
+        // SAFETY: polls one valid pollfd on a descriptor we own.
+        let rc = unsafe { libc::poll(&mut p, 1, ms) };
+        // An error (EINTR) reads as "not yet": the caller asks again until its deadline.
+        rc > 0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,5 +173,33 @@ mod tests {
         assert!(got.is_alive());
         assert!(peer_process(here.as_fd(), 0).is_none());
         drop(there);
+    }
+
+    #[test]
+    fn the_exit_of_a_child_is_seen_when_it_ends_and_not_before() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        let id = ProcId {
+            pid,
+            start: proc_start(pid).unwrap(),
+        };
+        let exit = Exit::of(id);
+        assert!(matches!(exit, Exit::Pidfd(_)), "{exit:?}");
+        assert!(!exit.wait(std::time::Duration::from_millis(1)));
+        child.kill().unwrap();
+        // A zombie has exited: its files are closed.
+        assert!(exit.wait(std::time::Duration::from_secs(10)));
+        child.wait().unwrap();
+        // Reaped: gone. A start time that is not the process's: a later holder of the pid.
+        assert!(matches!(Exit::of(id), Exit::Gone));
+        let me = std::process::id() as i32;
+        let other = ProcId {
+            pid: me,
+            start: proc_start(me).unwrap() + 1,
+        };
+        assert!(matches!(Exit::of(other), Exit::Gone));
     }
 }

@@ -16,7 +16,10 @@
 //! Requests on a connection are handled in order; replies to every request that arrived in
 //! one read are written with one `write`. Reserve and Release touch only the in-memory ledger
 //! (one short mutex section), never the disk. When the connection closes (the process exited,
-//! was killed, or sent garbage), everything it held is released at once.
+//! was killed, or sent garbage), everything it held is released once the card has released it:
+//! the bytes drain until the process has exited and NVML no longer lists its memory, for at
+//! most [`crate::drain::DRAIN_BOUND`] (see [`crate::drain`]); a sibling's reservation that fits
+//! once they are released waits for them.
 //!
 //! Leases: on `LeaseAcquire` the connection registers itself with its GPU's scheduler as a
 //! [`GrantSink`] and goes back to reading. Whoever causes the grant (a release on another
@@ -279,6 +282,10 @@ fn serve(
         arb.pressure().channel_closed(mem, conn);
     }
     arb.pressure().conn_closed(conn);
+    // What the connection held stays counted until the card let it go (its process's
+    // teardown comes after its socket closed): siblings wait for it rather than pass the
+    // limit on the card.
+    crate::drain::after_close(&arb, &binding, conn, proc);
     let freed = arb.detach_tenant(&binding, conn, proc);
     arb.pressure().note_freed();
     let id = &binding.view.id;
@@ -406,7 +413,7 @@ fn handle(
     let key = b.key;
     match req {
         TenantRequest::Reserve { bytes } => {
-            let msg = match reserve_pressing(arb, b, conn, 0, |l| {
+            let msg = match reserve_pressing(arb, b, conn, bytes, 0, |l| {
                 l.reserve(key, conn, bytes).map(|r| match r {
                     Reservation::Granted { in_use } => Credit::Granted { bytes, in_use },
                     Reservation::Denied { limit, in_use } => Credit::Denied { limit, in_use },
@@ -429,7 +436,7 @@ fn handle(
             given_back,
         } => {
             let attempt = |l: &mut crate::ledger::Ledger| l.reserve_credit(key, conn, bytes, extra);
-            let msg = match reserve_pressing(arb, b, conn, given_back, attempt) {
+            let msg = match reserve_pressing(arb, b, conn, bytes, given_back, attempt) {
                 Ok(Credit::Granted { bytes, in_use }) => TenantReply::Granted { bytes, in_use },
                 Ok(Credit::Denied { limit, in_use }) => {
                     b.counters.refused();
@@ -598,15 +605,19 @@ impl OwnGiveBacks {
 /// [`Arbiter::memory_wait`]. Refused only when the bytes are really held (or the allocation was
 /// deleted). `given_back`: the `Relinquish` frames the process says it sent on its own pressure
 /// channel; a refusal first waits for the channel to have handled them (the process's own
-/// frees, which travel on another socket).
+/// frees, which travel on another socket). `need`: the bytes asked for; a request that would
+/// fit once the allocation's draining connections are released waits for them (see
+/// [`Drains`]).
 fn reserve_pressing(
     arb: &Arbiter,
     b: &TenantBinding,
     conn: ConnId,
+    need: u64,
     given_back: u64,
     mut attempt: impl FnMut(&mut crate::ledger::Ledger) -> Result<Credit, crate::ledger::LedgerError>,
 ) -> Result<Credit, crate::ledger::LedgerError> {
     let own = OwnGiveBacks::new(conn, given_back);
+    let mut drains = Drains::new(need);
     let mut deadline = Instant::now() + arb.memory_wait();
     let hub = arb.pressure();
     loop {
@@ -629,11 +640,22 @@ fn reserve_pressing(
             continue;
         }
         if Instant::now() >= deadline {
+            if drains.wait(arb, b, seen) {
+                deadline = Instant::now() + arb.memory_wait();
+                continue;
+            }
             return Ok(r);
         }
         if !press_others(arb, b, conn, deadline) {
-            // Nobody else holds anything (now): once more, then the request alone does not fit.
-            return arb.with_ledger(&mut attempt);
+            // Nobody else holds anything (now): once more, then the request alone does not fit
+            // (unless closed connections' bytes, still on the card, are what it waits for).
+            let seen = hub.freed_count();
+            let r = arb.with_ledger(&mut attempt)?;
+            if !matches!(r, Credit::Granted { .. }) && drains.wait(arb, b, seen) {
+                deadline = Instant::now() + arb.memory_wait();
+                continue;
+            }
+            return Ok(r);
         }
         // Counted before the retry, so a free between the two is not missed.
         let seen = hub.freed_count();
@@ -643,6 +665,44 @@ fn reserve_pressing(
         }
         // What the others hold is allocated right now: wait for one of them to free.
         hub.wait_freed(seen, deadline);
+    }
+}
+
+/// The wait of a reservation for the bytes of its allocation's draining connections (closed,
+/// their memory still on the card, see [`crate::drain`]): they are released within
+/// [`crate::drain::DRAIN_BOUND`], so a request that fits once they are is not refused meanwhile.
+struct Drains {
+    need: u64,
+    /// The end of the wait, set when it begins: drains that exist then end before it; one that
+    /// begins later does not stretch it.
+    until: Option<Instant>,
+}
+
+impl Drains {
+    fn new(need: u64) -> Self {
+        Self { need, until: None }
+    }
+
+    /// Waits for the next free after `seen` when the request would fit without the draining
+    /// bytes; false when there is nothing to wait for (or the wait is over).
+    fn wait(&mut self, arb: &Arbiter, b: &TenantBinding, seen: u64) -> bool {
+        let (draining, usage) = arb.with_ledger(|l| (l.draining(b.key), l.usage(b.key)));
+        let Some(u) = usage.filter(|u| !u.closed) else {
+            return false;
+        };
+        let room_after = u.limit.saturating_sub(u.in_use.saturating_sub(draining));
+        if draining == 0 || self.need > room_after {
+            return false;
+        }
+        // A little past the bound: the last drain's release and its wake-up come after it.
+        let until = *self.until.get_or_insert_with(|| {
+            Instant::now() + crate::drain::DRAIN_BOUND + std::time::Duration::from_millis(200)
+        });
+        if Instant::now() >= until {
+            return false;
+        }
+        arb.pressure().wait_freed(seen, until);
+        true
     }
 }
 

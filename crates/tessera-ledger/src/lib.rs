@@ -4,10 +4,15 @@
 //! (check-and-add included) is one critical section and therefore atomic across all processes
 //! of an allocation. Connections are tracked individually so that a process that dies (its
 //! socket closes) gives back exactly what it held.
+//!
+//! A closed connection's bytes may stay counted a while, *draining* ([`Ledger::begin_drain`]):
+//! the card frees a process's memory when the driver tears the process down, after its socket
+//! closed, and until then a sibling granted those bytes would take the allocation past its
+//! limit on the card. The arbiter detaches the connection once the card let go.
 
 #![forbid(unsafe_code)]
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use tessera_protocol::size::human;
 
@@ -139,6 +144,9 @@ struct Account {
     /// The most each connection held at once since [`Ledger::take_peak`] last asked (absent:
     /// what it holds now). Releases never lower it.
     peak: HashMap<ConnId, u64>,
+    /// Connections that closed and whose bytes stay counted until the card freed them (see
+    /// [`Ledger::begin_drain`]); still in `conns` until detached.
+    draining: HashSet<ConnId>,
 }
 
 impl Account {
@@ -187,6 +195,7 @@ impl Ledger {
                 conns: HashMap::new(),
                 excess: HashMap::new(),
                 peak: HashMap::new(),
+                draining: HashSet::new(),
             });
     }
 
@@ -301,7 +310,7 @@ impl Ledger {
             .map(|a| {
                 a.conns
                     .iter()
-                    .filter(|(c, held)| **c != conn && **held > 0)
+                    .filter(|(c, held)| **c != conn && **held > 0 && !a.draining.contains(*c))
                     .map(|(c, _)| *c)
                     .collect()
             })
@@ -374,6 +383,7 @@ impl Ledger {
             .ok_or(LedgerError::UnknownConnection { key, conn })?;
         let excess = acct.excess.remove(&conn).unwrap_or(0);
         acct.peak.remove(&conn);
+        acct.draining.remove(&conn);
         // The account's total is the sum of its connections' (and their excess): this cannot
         // fail unless the ledger is broken, and then zero is the least wrong total.
         let in_use = acct.in_use.checked_sub(held.saturating_add(excess));
@@ -382,6 +392,30 @@ impl Ledger {
             self.accounts.remove(&key);
         }
         in_use.map(|_| held).ok_or(LedgerError::Overflow(key))
+    }
+
+    /// Marks `conn` as draining: its socket closed, but its process's memory may still be on
+    /// the card, so what it holds (its excess included) stays counted until [`Ledger::detach`].
+    /// A draining connection is not pressed for credit (nobody is there to answer) and its bytes
+    /// show in [`Ledger::draining`], which a reservation that would fit without them waits for.
+    /// Returns the bytes it holds.
+    pub fn begin_drain(&mut self, key: AccountKey, conn: ConnId) -> Result<u64, LedgerError> {
+        let acct = self.account(key, conn)?;
+        acct.draining.insert(conn);
+        Ok(acct.conns[&conn].saturating_add(acct.excess.get(&conn).copied().unwrap_or(0)))
+    }
+
+    /// Bytes of account `key` held by draining connections (0 for an unknown account).
+    pub fn draining(&self, key: AccountKey) -> u64 {
+        self.accounts.get(&key).map_or(0, |a| {
+            a.draining
+                .iter()
+                .map(|c| {
+                    let held = a.conns.get(c).copied().unwrap_or(0);
+                    held.saturating_add(a.excess.get(c).copied().unwrap_or(0))
+                })
+                .fold(0u64, u64::saturating_add)
+        })
     }
 
     /// Sets what the card holds for `conn`'s process beyond what its connections reserved
@@ -450,6 +484,34 @@ mod tests {
     use super::*;
 
     const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn a_draining_connection_stays_counted_is_not_pressed_and_goes_at_its_detach() {
+        let mut l = Ledger::new();
+        l.open(1, 1024 * MIB);
+        l.attach(1, 10).unwrap();
+        l.attach(1, 11).unwrap();
+        l.reserve(1, 10, 600 * MIB).unwrap();
+        l.set_excess(1, 10, 100 * MIB).unwrap();
+        l.reserve(1, 11, 100 * MIB).unwrap();
+        assert_eq!(l.others_holding(1, 11), vec![10]);
+        assert_eq!(l.begin_drain(1, 10).unwrap(), 700 * MIB);
+        assert_eq!(l.draining(1), 700 * MIB);
+        assert!(l.others_holding(1, 11).is_empty(), "nobody answers for it");
+        // The card still holds its memory: a sibling does not get it yet.
+        assert!(matches!(
+            l.reserve(1, 11, 300 * MIB).unwrap(),
+            Reservation::Denied { in_use, .. } if in_use == 800 * MIB
+        ));
+        // Deleting the allocation keeps the account until the drain ends.
+        assert!(!l.close(1).unwrap());
+        assert_eq!(l.detach(1, 11).unwrap(), 100 * MIB);
+        assert_eq!(l.usage(1).unwrap().in_use, 700 * MIB);
+        assert_eq!(l.detach(1, 10).unwrap(), 600 * MIB);
+        assert!(l.usage(1).is_none());
+        assert_eq!(l.draining(1), 0);
+        assert!(l.begin_drain(1, 10).is_err());
+    }
 
     #[test]
     fn a_process_excess_on_the_card_counts_until_it_is_cleared_or_its_connection_goes() {
