@@ -51,7 +51,9 @@ test_isolation__a_tenant_that_unmounts_the_preload_in_a_user_namespace_is_killed
 # $1: the pod; $2: how the forger starts ("child": under the container's shell, which keeps its
 # identity; "first": as the container's own process, through exec).
 forge() {
-    local pod=$1 how=$2 run='unshare -Urm sh -c "
+    local pod=$1 how=$2 before
+    before=$(grep -c "shows an identity no Tessera plugin gave it" "$D/logs/tessera-arbiter.log" || true)
+    local run='unshare -Urm sh -c "
         echo token=forged-0000 > /tmp/id && mount --bind /tmp/id /etc/tessera/tenant &&
         mount --bind /dev/null /etc/ld.so.preload && cat /etc/tessera/tenant &&
         exec tenant --name F --grab-gib 40 --seconds 20"'
@@ -75,8 +77,10 @@ forge() {
         expect_match "charged to its own allocation ($pod)" "$kill" "held [0-9.]+ GiB.*allowed 24.06 GiB"
     else
         expect_eq "exit code ($pod)" "$(kc get pod "$pod" -o jsonpath='{.status.containerStatuses[0].state.terminated.exitCode}')" 137
-        grep -q "shows an identity no Tessera plugin gave it" "$D/logs/tessera-arbiter.log" ||
-            fail "no forger line in the arbiter's log"
+        local after
+        after=$(grep -c "shows an identity no Tessera plugin gave it" "$D/logs/tessera-arbiter.log" || true)
+        [ "$after" -gt "$before" ] || fail "no new forger line in the arbiter's log ($pod)"
+        grep "shows an identity no Tessera plugin gave it" "$D/logs/tessera-arbiter.log" | tail -n 1
     fi
 }
 

@@ -304,10 +304,16 @@ impl Backstop {
         pids.sort_unstable();
         pids.dedup();
         // Hold every process first: what is read about it below is then about the process
-        // the hold names as long as it has not exited, and a kill reaches it or nobody.
+        // the hold names as long as it has not exited, and a kill reaches it or nobody. A hold
+        // from an earlier poll whose process lives still names the process at that pid (a pid
+        // is reused only after its process is reaped), so only new pids cost a `pidfd_open`.
+        let mut held = std::mem::take(&mut self.held);
         self.held = pids
             .iter()
-            .filter_map(|&p| self.killer.hold(p).map(|h| (p, h)))
+            .filter_map(|&p| match held.remove(&p) {
+                Some(h) if !h.exited() => Some((p, h)),
+                _ => self.killer.hold(p).map(|h| (p, h)),
+            })
             .collect();
         pids.retain(|p| self.held.contains_key(p));
         self.procfs.clear();
