@@ -3,8 +3,13 @@
 //!
 //! The tenant socket is mode 0666 and mounted into every pod, so any local process can
 //! connect. A new connection is first counted as *pending* (its handshake has not finished):
-//! globally, per container (the peer's cgroup from `/proc/<pid>/cgroup`; by uid where that
-//! cannot be read) and per pid (`SO_PEERCRED`). Over the per-pid cap it is closed at once. Over
+//! globally, per pod (the peer's pod-level cgroup from `/proc/<pid>/cgroup`, [`group`]; one
+//! shared unknown group where that cannot be read) and per pid (`SO_PEERCRED`). Over the
+//! per-pid cap it is closed at once. Over its pod's handshake budget ([`budget`]: a token bucket
+//! per pod, so that a pod's flood, whose evicted connections come straight back, costs the
+//! arbiter's time only up to that pod's rate) it is held unread until its deadline and then
+//! closed ([`park`]: a closed flood connection would come straight back, through the listen
+//! queue every pod shares). Over
 //! the per-container or the global cap it is let in and the oldest pending connection of that
 //! container (globally: of the container with the most pending) is dropped instead: an honest
 //! handshake takes microseconds, so the oldest pending connection is a flooder's, and a flood
@@ -31,8 +36,13 @@
 
 #![forbid(unsafe_code)]
 
+// `admission.rs` stays the module's root file (not `admission/mod.rs`): the tenant handshake
+// below is being edited alongside; the new concerns live in files of their own.
+pub mod budget;
+pub mod group;
+pub mod park;
+
 use std::collections::{HashMap, VecDeque};
-use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -48,6 +58,13 @@ use crate::ledger::{AccountKey, ConnId};
 use crate::peer::ProcId;
 use crate::state::{Arbiter, TenantBinding};
 use crate::wire::{self, WireError};
+
+pub use budget::BudgetParams;
+use budget::Budgets;
+pub use group::Group;
+use group::ProcCgroups;
+use park::Parked;
+pub use park::ParkedSlot;
 
 /// Handshake failures logged one by one per second; the rest are only counted.
 pub const FAILURE_LINES_PER_SEC: u32 = 20;
@@ -119,6 +136,9 @@ pub struct Counts {
     pub evicted_group: u64,
     /// Closed at accept: the per-pid cap.
     pub refused_pid: u64,
+    /// Failed or evicted handshakes held until their deadline: their pod had spent its
+    /// budget of closes.
+    pub held_budget: u64,
     /// Refused after a good hello: the per-allocation cap.
     pub refused_allocation: u64,
     /// Refused after a good hello: the shared pool.
@@ -127,31 +147,6 @@ pub struct Counts {
     pub failed: u64,
     /// Connections admitted (companions included).
     pub admitted: u64,
-}
-
-/// Whom the per-container pending cap counts a peer with.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum Group {
-    /// The peer's cgroup (the line of `/proc/<pid>/cgroup` naming its cgroup v2 path, or the
-    /// whole file on cgroup v1): every container has its own.
-    Cgroup(String),
-    /// A peer whose cgroup could not be read, by uid.
-    Uid(u32),
-    /// A peer the kernel gave no credentials for.
-    Unknown,
-}
-
-/// The group of peer `pid`/`uid`, read under `proc` (normally `/proc`).
-pub fn group_of(proc: &Path, uid: Option<u32>, pid: Option<i32>) -> Group {
-    let cgroup = pid.and_then(|p| std::fs::read_to_string(proc.join(format!("{p}/cgroup"))).ok());
-    match (cgroup, uid) {
-        (Some(text), _) if !text.is_empty() => {
-            let v2 = text.lines().find_map(|l| l.strip_prefix("0::"));
-            Group::Cgroup(v2.map_or(text.clone(), str::to_owned))
-        }
-        (_, Some(u)) => Group::Uid(u),
-        _ => Group::Unknown,
-    }
 }
 
 /// How a pending connection learns that a newer one took its place.
@@ -169,7 +164,7 @@ struct Entry {
     evict: Arc<Evict>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Pending {
     total: usize,
     /// Per container, oldest first.
@@ -178,9 +173,25 @@ struct Pending {
     /// Companion places in use per pid.
     companions: HashMap<i32, usize>,
     seq: u64,
+    /// Each pod's handshake budget (under the same lock: one decision per connection).
+    budgets: Budgets,
+    /// Connections over their pod's budget held until their deadline.
+    parked: Parked,
 }
 
 impl Pending {
+    fn new(budget: BudgetParams) -> Self {
+        Self {
+            total: 0,
+            by_group: HashMap::new(),
+            by_pid: HashMap::new(),
+            companions: HashMap::new(),
+            seq: 0,
+            budgets: Budgets::new(budget),
+            parked: Parked::default(),
+        }
+    }
+
     /// Drops the oldest pending connection of `group` from the counts and tells it to close.
     fn evict_oldest(&mut self, group: &Group) -> bool {
         let Some(q) = self.by_group.get_mut(group) else {
@@ -201,11 +212,12 @@ impl Pending {
         true
     }
 
-    /// The container with the most pending connections.
+    /// The container with the most pending connections; of several, the one whose oldest
+    /// pending connection is oldest (a flood's, not a newcomer's: the map's order is arbitrary).
     fn largest(&self) -> Option<Group> {
         self.by_group
             .iter()
-            .max_by_key(|(_, q)| q.len())
+            .max_by_key(|(_, q)| (q.len(), std::cmp::Reverse(q.front().map_or(0, |e| e.seq))))
             .map(|(g, _)| g.clone())
     }
 }
@@ -239,6 +251,7 @@ pub struct Admission {
     evicted_pending: AtomicU64,
     evicted_group: AtomicU64,
     refused_pid: AtomicU64,
+    held_budget: AtomicU64,
     refused_allocation: AtomicU64,
     refused_admitted: AtomicU64,
     failed: AtomicU64,
@@ -338,15 +351,21 @@ impl Drop for TenantSlot {
 }
 
 impl Admission {
-    /// Caps `limits`, nothing counted yet.
+    /// Caps `limits` and the default handshake budget, nothing counted yet.
     pub fn new(limits: Limits) -> Arc<Self> {
+        Self::with_budget(limits, BudgetParams::default())
+    }
+
+    /// Caps `limits`, each pod's handshake budget `budget`, nothing counted yet.
+    pub fn with_budget(limits: Limits, budget: BudgetParams) -> Arc<Self> {
         Arc::new(Self {
             limits,
-            pending: Mutex::default(),
+            pending: Mutex::new(Pending::new(budget)),
             admitted: Mutex::default(),
             evicted_pending: AtomicU64::new(0),
             evicted_group: AtomicU64::new(0),
             refused_pid: AtomicU64::new(0),
+            held_budget: AtomicU64::new(0),
             refused_allocation: AtomicU64::new(0),
             refused_admitted: AtomicU64::new(0),
             failed: AtomicU64::new(0),
@@ -362,6 +381,17 @@ impl Admission {
     /// The caps.
     pub fn limits(&self) -> &Limits {
         &self.limits
+    }
+
+    /// Spends one close from `group`'s budget at time `now` (tests pass a fake clock): true
+    /// while the pod is within it (the failed or evicted connection is closed at once), false
+    /// past it (the connection is held until its deadline, [`park`]; counted).
+    pub fn spend(&self, group: &Group, now: Instant) -> bool {
+        let within = self.pending.lock().budgets.take(group, now);
+        if !within {
+            self.held_budget.fetch_add(1, Ordering::Relaxed);
+        }
+        within
     }
 
     /// Counts a new connection of peer `pid` in `group` as pending, or refuses it (the
@@ -425,6 +455,28 @@ impl Admission {
             kind: PendingKind::Counted { group, seq },
             evict,
         })
+    }
+
+    /// Holds a connection of `group` refused for its pod's budget ([`park`]), or `None` when
+    /// the pod (the pending cap per container) or everyone (the global pending cap) already
+    /// has that many held: it is then closed at once.
+    pub fn park(self: &Arc<Self>, group: &Group) -> Option<ParkedSlot> {
+        let l = &self.limits;
+        let counted = self
+            .pending
+            .lock()
+            .parked
+            .add(group, l.pending_per_group, l.pending);
+        counted.then(|| ParkedSlot::new(Arc::clone(self), group.clone()))
+    }
+
+    /// Connections held for their pod's budget now.
+    pub fn parked(&self) -> usize {
+        self.pending.lock().parked.total()
+    }
+
+    pub(crate) fn unpark(&self, group: &Group) {
+        self.pending.lock().parked.remove(group);
     }
 
     /// Counts an admitted connection of allocation `key` from `pid` while the arbiter holds
@@ -492,6 +544,7 @@ impl Admission {
             evicted_pending: get(&self.evicted_pending),
             evicted_group: get(&self.evicted_group),
             refused_pid: get(&self.refused_pid),
+            held_budget: get(&self.held_budget),
             refused_allocation: get(&self.refused_allocation),
             refused_admitted: get(&self.refused_admitted),
             failed: get(&self.failed),
@@ -530,6 +583,7 @@ impl Admission {
                 c.evicted_pending
                     + c.evicted_group
                     + c.refused_pid
+                    + c.held_budget
                     + c.refused_allocation
                     + c.refused_admitted
             };
@@ -541,13 +595,14 @@ impl Admission {
             tracing::warn!(
                 "admission on the {socket} socket: {} refused or evicted, {} failed handshakes \
                  ({suppressed} not logged) since the last report; totals: evicted pending {} \
-                 group {}, refused pid {} allocation {} admitted {}, failed {}; now {pending} \
-                 pending, {admitted} admitted",
+                 group {}, refused pid {} budget {} allocation {} admitted {}, failed {}; now \
+                 {pending} pending, {admitted} admitted",
                 refused(&now) - refused(&last),
                 now.failed - last.failed,
                 now.evicted_pending,
                 now.evicted_group,
                 now.refused_pid,
+                now.held_budget,
                 now.refused_allocation,
                 now.refused_admitted,
                 now.failed,
@@ -565,10 +620,10 @@ pub fn peer(stream: &UnixStream) -> (Option<u32>, Option<i32>) {
     }
 }
 
-/// The peer's group (its cgroup, read from `/proc`) and pid.
+/// The peer's group (its pod, read from the host's `/proc`, never from what it sends) and pid.
 pub fn peer_group(stream: &UnixStream) -> (Group, Option<i32>) {
-    let (uid, pid) = peer(stream);
-    (group_of(Path::new("/proc"), uid, pid), pid)
+    let (_, pid) = peer(stream);
+    (group::group_of(&ProcCgroups::host(), pid), pid)
 }
 
 /// Reads a `Hello` under the handshake deadline, or gives up once `slot` was evicted (a newer
@@ -651,7 +706,7 @@ pub fn accept_tenant<E: std::fmt::Display + 'static>(
     on_admitted: fn(AdmittedTenant) -> Result<(), E>,
 ) {
     let (group, pid) = peer_group(&stream);
-    match adm.begin(group, pid) {
+    match adm.begin(group.clone(), pid) {
         Ok(slot) => {
             // Named now, by the connection itself: the process that connected, not a later
             // holder of its pid.
@@ -663,7 +718,7 @@ pub fn accept_tenant<E: std::fmt::Display + 'static>(
                 arb,
                 Arc::clone(adm),
                 stream,
-                slot,
+                (slot, group),
                 pid,
                 peer,
                 on_admitted,
@@ -677,7 +732,7 @@ async fn tenant_handshake<E: std::fmt::Display>(
     arb: Arc<Arbiter>,
     adm: Arc<Admission>,
     mut stream: UnixStream,
-    slot: PendingSlot,
+    (slot, group): (PendingSlot, Group),
     pid: Option<i32>,
     peer: Option<crate::peer::Peer>,
     on_admitted: fn(AdmittedTenant) -> Result<(), E>,
@@ -689,8 +744,9 @@ async fn tenant_handshake<E: std::fmt::Display>(
     };
     let hello = read_hello_or_evicted(&mut stream, &slot, adm.limits.handshake_timeout).await;
     let Some(hello) = hello else {
-        // A newer connection of its container took its place: closed without an answer.
-        return;
+        // A newer connection of its container took its place: closed without an answer
+        // (or held, past the pod's budget).
+        return park::close_or_hold(&adm, stream, slot, &group).await;
     };
     let role = match hello {
         Ok(r) => r,
@@ -700,18 +756,27 @@ async fn tenant_handshake<E: std::fmt::Display>(
                 refuse_version_now(&stream, v, &e.to_string());
             }
             adm.failed(&who, &e);
-            return;
+            return park::close_or_hold(&adm, stream, slot, &group).await;
         }
     };
     let (token, ticket) = match role {
         Role::Tenant { token } => (token, None),
         Role::Companion { token, ticket } => (token, Some(ticket)),
+        Role::Probe => {
+            // `tessera doctor`: no failed handshake, so no warning in the log.
+            let probed = ServerHello::Probed {
+                version: PROTOCOL_VERSION,
+                socket: tessera_protocol::SocketKind::Tenant,
+            };
+            send_now(&stream, &probed);
+            return;
+        }
         Role::Admin => {
             let reason = "admin clients use the admin socket";
             drain_a_little(&stream);
             refuse_now(&stream, RefusalKind::WrongSocket, reason);
             adm.failed(&who, &WireError::WrongRole(reason));
-            return;
+            return park::close_or_hold(&adm, stream, slot, &group).await;
         }
     };
     let conn = arb.next_conn();
@@ -720,7 +785,7 @@ async fn tenant_handshake<E: std::fmt::Display>(
         drain_a_little(&stream);
         refuse_now(&stream, RefusalKind::UnknownToken, reason);
         adm.failed(&who, &WireError::WrongRole(reason));
-        return;
+        return park::close_or_hold(&adm, stream, slot, &group).await;
     };
     let admitted = match ticket {
         None => adm.admit(binding.key, pid, arb.allocation_count()),
@@ -731,21 +796,12 @@ async fn tenant_handshake<E: std::fmt::Display>(
                 let reason = "unknown or used companion ticket";
                 refuse_now(&stream, RefusalKind::BadTicket, &e.to_string());
                 adm.failed(&who, &WireError::WrongRole(reason));
-                return;
+                return park::close_or_hold(&adm, stream, slot, &group).await;
             }
         },
     };
     let tenant_slot = match admitted {
         Ok(s) => s,
-        Role::Probe => {
-            // `tessera doctor`: no failed handshake, so no warning in the log.
-            let probed = ServerHello::Probed {
-                version: PROTOCOL_VERSION,
-                socket: tessera_protocol::SocketKind::Tenant,
-            };
-            send_now(&stream, &probed);
-            return;
-        }
         Err(e) => {
             // Attached a moment ago and holding nothing: this only undoes the attach.
             let _ = arb.detach_tenant(&binding, conn, proc);
@@ -770,150 +826,4 @@ async fn tenant_handshake<E: std::fmt::Display>(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn limits() -> Limits {
-        Limits {
-            handshake_timeout: Duration::from_secs(1),
-            pending: 4,
-            pending_per_group: 3,
-            pending_per_pid: 2,
-            per_allocation: 4,
-            admitted: 5,
-            guaranteed: 1,
-        }
-    }
-
-    fn g(n: u32) -> Group {
-        Group::Uid(n)
-    }
-
-    fn evicted(s: &PendingSlot) -> bool {
-        s.evict.evicted.load(Ordering::Acquire)
-    }
-
-    #[test]
-    fn the_pid_cap_refuses_and_a_full_container_drops_its_own_oldest() {
-        let adm = Admission::new(limits());
-        let a1 = adm.begin(g(1000), Some(10)).unwrap();
-        let a2 = adm.begin(g(1000), Some(10)).unwrap();
-        assert_eq!(
-            adm.begin(g(1000), Some(10)).unwrap_err(),
-            AdmissionError::PendingPid(2)
-        );
-        let b1 = adm.begin(g(1000), Some(11)).unwrap();
-        // The container is full: its newest connection takes the place of its oldest.
-        let b2 = adm.begin(g(1000), Some(12)).unwrap();
-        assert!(evicted(&a1) && !evicted(&a2) && !evicted(&b1));
-        assert_eq!(adm.current().0, 3);
-        // The global cap: the fullest container loses its oldest, not the newcomer's.
-        let c1 = adm.begin(g(0), Some(20)).unwrap();
-        assert_eq!(adm.current().0, 4);
-        let c2 = adm.begin(g(0), Some(21)).unwrap();
-        assert!(evicted(&a2) && !evicted(&c1));
-        assert_eq!(adm.current().0, 4);
-        let c = adm.counts();
-        assert_eq!(
-            (c.refused_pid, c.evicted_group, c.evicted_pending),
-            (1, 1, 1)
-        );
-        // An evicted slot's drop does not count twice; the maps forget peers at zero.
-        drop((a1, a2, b1, b2, c1, c2));
-        assert_eq!(adm.current(), (0, 0));
-        let p = adm.pending.lock();
-        assert!(p.by_pid.is_empty() && p.by_group.is_empty());
-    }
-
-    #[test]
-    fn an_evicted_slot_is_told_so() {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_time()
-            .build()
-            .unwrap();
-        let adm = Admission::new(limits());
-        let old = adm.begin(g(1), Some(1)).unwrap();
-        let _b = adm.begin(g(1), Some(2)).unwrap();
-        let _c = adm.begin(g(1), Some(3)).unwrap();
-        let _d = adm.begin(g(1), Some(4)).unwrap();
-        let woke = rt.block_on(async {
-            tokio::time::timeout(Duration::from_secs(5), old.evicted())
-                .await
-                .is_ok()
-        });
-        assert!(woke);
-    }
-
-    #[test]
-    fn every_allocation_keeps_its_guaranteed_room_whatever_the_others_hold() {
-        let adm = Admission::new(limits());
-        // Three allocations: the pool is 5 - 3 x 1 = 2.
-        let a: Vec<_> = (0..3).map(|_| adm.admit(1, Some(10), 3).unwrap()).collect();
-        assert_eq!(
-            adm.admit(1, Some(10), 3).unwrap_err(),
-            AdmissionError::Admitted(3, 1)
-        );
-        // Allocation 1 filled the pool; 2 and 3 still get their guaranteed place.
-        let b = adm.admit(2, Some(20), 3).unwrap();
-        let c = adm.admit(3, Some(30), 3).unwrap();
-        assert!(adm.admit(2, Some(20), 3).is_err());
-        assert_eq!(adm.counts().refused_admitted, 2);
-        drop(a);
-        assert_eq!(adm.current(), (0, 2));
-        assert_eq!(adm.admitted.lock().pooled, 0);
-        // The per-allocation cap holds even with room in the pool.
-        let adm = Admission::new(Limits {
-            per_allocation: 2,
-            ..limits()
-        });
-        let _x = [
-            adm.admit(1, None, 1).unwrap(),
-            adm.admit(1, None, 1).unwrap(),
-        ];
-        assert_eq!(
-            adm.admit(1, None, 1).unwrap_err(),
-            AdmissionError::Allocation(2)
-        );
-        drop((b, c));
-    }
-
-    #[test]
-    fn an_admitted_pid_has_companion_places_past_a_full_container() {
-        let adm = Admission::new(limits());
-        let _mem = adm.admit(1, Some(10), 1).unwrap();
-        let flood: Vec<_> = (0..3)
-            .map(|i| adm.begin(g(0), Some(100 + i)).unwrap())
-            .collect();
-        let companions: Vec<_> = (0..COMPANION_PENDING)
-            .map(|_| adm.begin(g(0), Some(10)).unwrap())
-            .collect();
-        // The companions evicted nobody and are not counted in the caps.
-        assert!(flood.iter().all(|s| !evicted(s)));
-        assert_eq!(adm.current().0, 3);
-        drop(companions);
-        assert!(adm.pending.lock().companions.is_empty());
-        // Companions per memory connection are capped, and free on drop.
-        let c: Vec<_> = (0..COMPANIONS_PER_CONNECTION)
-            .map(|_| adm.admit_companion(7).unwrap())
-            .collect();
-        assert_eq!(
-            adm.admit_companion(7).unwrap_err(),
-            AdmissionError::Companions(COMPANIONS_PER_CONNECTION)
-        );
-        drop(c);
-        assert!(adm.admit_companion(7).is_ok());
-    }
-
-    #[test]
-    fn a_peer_is_grouped_by_its_cgroup_v2_path_else_by_uid() {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir(dir.path().join("42")).unwrap();
-        std::fs::write(dir.path().join("42/cgroup"), "0::/kubepods/pod1/ctr\n").unwrap();
-        assert_eq!(
-            group_of(dir.path(), Some(0), Some(42)),
-            Group::Cgroup("/kubepods/pod1/ctr".into())
-        );
-        assert_eq!(group_of(dir.path(), Some(7), Some(43)), Group::Uid(7));
-        assert_eq!(group_of(dir.path(), None, None), Group::Unknown);
-    }
-}
+mod tests;

@@ -4,6 +4,8 @@
 //! Modules:
 //! - [`artifacts`]: the cargo profile folder next to the running test (`<target>/debug/`) and
 //!   the built binaries and libraries in it, with a clear message when one is missing.
+//! - [`cgroup`]: child cgroups (v2) of a test's own, to put processes in separate containers
+//!   as the arbiter sees them (per-container admission).
 //! - [`container`]: a container emulated with `unshare` and `chroot` from container edits
 //!   (mounts, environment), for `Allocate` answers and CDI specs alike.
 //! - [`python`]: the Python with `cuda-bindings` used by real-client tests.
@@ -27,6 +29,7 @@
 pub mod apiserver;
 pub mod arbiter;
 pub mod artifacts;
+pub mod cgroup;
 pub mod container;
 pub mod flood;
 pub mod http;
