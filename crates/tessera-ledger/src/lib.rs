@@ -476,6 +476,9 @@ impl Ledger {
 }
 
 #[cfg(test)]
+mod properties;
+
+#[cfg(test)]
 mod tests {
     use std::sync::Arc;
 
