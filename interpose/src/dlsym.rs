@@ -17,12 +17,14 @@
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 
+use crate::contexts::hooks as c;
 use crate::driver;
 use crate::ffi::{
     CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS, CUresult, cuGetProcAddress_t, cuGetProcAddress_v2_t,
 };
 use crate::guard;
-use crate::hooks as h;
+use crate::launch_hooks as l;
+use crate::memory::hooks as m;
 use crate::table::{self, HOOKS, Hook, HookId};
 use crate::tlog;
 
@@ -50,57 +52,57 @@ macro_rules! wrappers {
 pub static WRAPPERS: [Wrapper; HOOKS.len()] = wrappers! {
     GetProcAddress => cuGetProcAddress,
     GetProcAddress_v2 => cuGetProcAddress_v2,
-    MemAlloc_v2 => h::cuMemAlloc_v2,
-    MemAllocPitch_v2 => h::cuMemAllocPitch_v2,
-    MemAllocManaged => h::cuMemAllocManaged,
-    MemAllocAsync => h::cuMemAllocAsync,
-    MemAllocAsync_ptsz => h::cuMemAllocAsync_ptsz,
-    MemAllocFromPoolAsync => h::cuMemAllocFromPoolAsync,
-    MemAllocFromPoolAsync_ptsz => h::cuMemAllocFromPoolAsync_ptsz,
-    MemCreate => h::cuMemCreate,
-    MemRelease => h::cuMemRelease,
-    MemMap => h::cuMemMap,
-    MemUnmap => h::cuMemUnmap,
-    MemAddressFree => h::cuMemAddressFree,
-    MemRetainAllocationHandle => h::cuMemRetainAllocationHandle,
-    MemImportFromShareableHandle => h::cuMemImportFromShareableHandle,
-    ArrayCreate_v2 => h::cuArrayCreate_v2,
-    Array3DCreate_v2 => h::cuArray3DCreate_v2,
-    MipmappedArrayCreate => h::cuMipmappedArrayCreate,
-    MemFree_v2 => h::cuMemFree_v2,
-    MemFreeAsync => h::cuMemFreeAsync,
-    MemFreeAsync_ptsz => h::cuMemFreeAsync_ptsz,
-    ArrayDestroy => h::cuArrayDestroy,
-    MipmappedArrayDestroy => h::cuMipmappedArrayDestroy,
-    DevicePrimaryCtxRetain => h::cuDevicePrimaryCtxRetain,
-    DevicePrimaryCtxRelease => h::cuDevicePrimaryCtxRelease,
-    DevicePrimaryCtxRelease_v2 => h::cuDevicePrimaryCtxRelease_v2,
-    DevicePrimaryCtxReset => h::cuDevicePrimaryCtxReset,
-    DevicePrimaryCtxReset_v2 => h::cuDevicePrimaryCtxReset_v2,
-    CtxCreate_v2 => h::cuCtxCreate_v2,
-    CtxCreate_v3 => h::cuCtxCreate_v3,
-    CtxCreate_v4 => h::cuCtxCreate_v4,
-    CtxDestroy_v2 => h::cuCtxDestroy_v2,
-    GreenCtxCreate => h::cuGreenCtxCreate,
-    GreenCtxDestroy => h::cuGreenCtxDestroy,
-    MemGetInfo_v2 => h::cuMemGetInfo_v2,
-    DeviceTotalMem_v2 => h::cuDeviceTotalMem_v2,
-    LaunchKernel => h::cuLaunchKernel,
-    LaunchKernel_ptsz => h::cuLaunchKernel_ptsz,
-    LaunchKernelEx => h::cuLaunchKernelEx,
-    LaunchKernelEx_ptsz => h::cuLaunchKernelEx_ptsz,
-    LaunchCooperativeKernel => h::cuLaunchCooperativeKernel,
-    LaunchCooperativeKernel_ptsz => h::cuLaunchCooperativeKernel_ptsz,
-    GraphLaunch => h::cuGraphLaunch,
-    GraphLaunch_ptsz => h::cuGraphLaunch_ptsz,
-    StreamDestroy_v2 => h::cuStreamDestroy_v2,
-    StreamSynchronize => h::cuStreamSynchronize,
-    StreamSynchronize_ptsz => h::cuStreamSynchronize_ptsz,
-    CtxSynchronize => h::cuCtxSynchronize,
-    CtxSynchronize_v2 => h::cuCtxSynchronize_v2,
-    EventSynchronize => h::cuEventSynchronize,
-    NvmlMemoryInfo => h::nvmlDeviceGetMemoryInfo,
-    NvmlMemoryInfo_v2 => h::nvmlDeviceGetMemoryInfo_v2,
+    MemAlloc_v2 => m::cuMemAlloc_v2,
+    MemAllocPitch_v2 => m::cuMemAllocPitch_v2,
+    MemAllocManaged => m::cuMemAllocManaged,
+    MemAllocAsync => m::cuMemAllocAsync,
+    MemAllocAsync_ptsz => m::cuMemAllocAsync_ptsz,
+    MemAllocFromPoolAsync => m::cuMemAllocFromPoolAsync,
+    MemAllocFromPoolAsync_ptsz => m::cuMemAllocFromPoolAsync_ptsz,
+    MemCreate => m::cuMemCreate,
+    MemRelease => m::cuMemRelease,
+    MemMap => m::cuMemMap,
+    MemUnmap => m::cuMemUnmap,
+    MemAddressFree => m::cuMemAddressFree,
+    MemRetainAllocationHandle => m::cuMemRetainAllocationHandle,
+    MemImportFromShareableHandle => m::cuMemImportFromShareableHandle,
+    ArrayCreate_v2 => m::cuArrayCreate_v2,
+    Array3DCreate_v2 => m::cuArray3DCreate_v2,
+    MipmappedArrayCreate => m::cuMipmappedArrayCreate,
+    MemFree_v2 => m::cuMemFree_v2,
+    MemFreeAsync => m::cuMemFreeAsync,
+    MemFreeAsync_ptsz => m::cuMemFreeAsync_ptsz,
+    ArrayDestroy => m::cuArrayDestroy,
+    MipmappedArrayDestroy => m::cuMipmappedArrayDestroy,
+    DevicePrimaryCtxRetain => c::cuDevicePrimaryCtxRetain,
+    DevicePrimaryCtxRelease => c::cuDevicePrimaryCtxRelease,
+    DevicePrimaryCtxRelease_v2 => c::cuDevicePrimaryCtxRelease_v2,
+    DevicePrimaryCtxReset => c::cuDevicePrimaryCtxReset,
+    DevicePrimaryCtxReset_v2 => c::cuDevicePrimaryCtxReset_v2,
+    CtxCreate_v2 => c::cuCtxCreate_v2,
+    CtxCreate_v3 => c::cuCtxCreate_v3,
+    CtxCreate_v4 => c::cuCtxCreate_v4,
+    CtxDestroy_v2 => c::cuCtxDestroy_v2,
+    GreenCtxCreate => c::cuGreenCtxCreate,
+    GreenCtxDestroy => c::cuGreenCtxDestroy,
+    MemGetInfo_v2 => m::cuMemGetInfo_v2,
+    DeviceTotalMem_v2 => m::cuDeviceTotalMem_v2,
+    LaunchKernel => l::cuLaunchKernel,
+    LaunchKernel_ptsz => l::cuLaunchKernel_ptsz,
+    LaunchKernelEx => l::cuLaunchKernelEx,
+    LaunchKernelEx_ptsz => l::cuLaunchKernelEx_ptsz,
+    LaunchCooperativeKernel => l::cuLaunchCooperativeKernel,
+    LaunchCooperativeKernel_ptsz => l::cuLaunchCooperativeKernel_ptsz,
+    GraphLaunch => l::cuGraphLaunch,
+    GraphLaunch_ptsz => l::cuGraphLaunch_ptsz,
+    StreamDestroy_v2 => l::cuStreamDestroy_v2,
+    StreamSynchronize => l::cuStreamSynchronize,
+    StreamSynchronize_ptsz => l::cuStreamSynchronize_ptsz,
+    CtxSynchronize => l::cuCtxSynchronize,
+    CtxSynchronize_v2 => l::cuCtxSynchronize_v2,
+    EventSynchronize => l::cuEventSynchronize,
+    NvmlMemoryInfo => m::nvmlDeviceGetMemoryInfo,
+    NvmlMemoryInfo_v2 => m::nvmlDeviceGetMemoryInfo_v2,
 };
 
 /// Our wrapper of `hook`.
@@ -381,7 +383,7 @@ mod tests {
         }
         assert_eq!(
             wrapper(HookId::MemAlloc_v2.hook()),
-            h::cuMemAlloc_v2 as *mut c_void
+            m::cuMemAlloc_v2 as *mut c_void
         );
         assert_eq!(
             wrapper(HookId::GetProcAddress_v2.hook()),

@@ -18,19 +18,32 @@
 //! - [`ledger`]: live objects and their charged sizes.
 //! - [`state`]: the per-process state, one per device of a multi-GPU allocation (routed by the
 //!   current context's device, or the call's), and its reset in a forked child.
-//! - [`memory`]: the accounting logic behind each allocation, free and memory query.
+//! - [`shim`]: the frame every hook runs in (real function, re-entry guard, panic barrier) and
+//!   what a hook's logic answers: [`shim::Outcome`], handled or passed through for a
+//!   [`shim::Pass`] reason, logged at `debug`/`trace`.
+//! - [`memory`]: the accounting logic behind each allocation, free and memory query, and beside
+//!   it its `extern "C"` shims ([`memory::hooks`]).
 //! - [`contexts`]: contexts count against the limit: each one's cost reserved before the
-//!   driver makes it, given back when it goes; [`context_book`]: what was reserved for which.
+//!   driver makes it, given back when it goes; its shims in [`contexts::hooks`];
+//!   [`context_book`]: what was reserved for which.
 //! - [`launch`]: kernel launch gating on compute leases: the credit fast path and stream slots
 //!   (`gate`), the lease rules as a pure state machine (`lease`), the driver's event functions
 //!   behind a trait (`events`), the manager thread (`manager`).
-//! - [`hooks`]: the exported `extern "C"` shims.
+//! - [`launch_hooks`]: the launch, stream-destroy and synchronise shims. They sit beside
+//!   `launch/`, not in it: they reach the gate through [`state`], which holds it, so inside
+//!   `launch/` they would close an import circle.
+//!
+//! Each family's shims are thin: decode the C arguments, call [`shim::cuda`] with the real call
+//! and the safe logic. A new hook is one row in [`table`], one shim beside its family's logic,
+//! and one line in [`dlsym::WRAPPERS`].
 //!
 //! The modules form no import circle (checked for every crate by `tessera-testkit`'s `import_cycles` test):
-//! the table sits below the driver loader, the shims above both, the wrappers above the shims.
+//! the table sits below the driver loader, the frame (`shim`) above both and the state, each
+//! family's shims above the frame, the wrappers (`dlsym`) above the shims.
 //!
 //! Without `TESSERA_TOKEN` every hook passes straight through and `dlsym` hands out the real
-//! functions, so an unconfigured process pays one atomic load per intercepted call at most.
+//! functions, so an unconfigured process pays a few atomic loads per intercepted call (the
+//! state pointer, the configuration, the log level of its pass-through) and nothing more.
 
 pub mod config;
 pub mod conn;
@@ -40,14 +53,15 @@ pub mod dlsym;
 pub mod driver;
 pub mod ffi;
 pub mod guard;
-pub mod hooks;
 pub mod launch;
+pub mod launch_hooks;
 pub mod ledger;
 pub mod log;
 pub mod memory;
 #[cfg(test)]
 mod mock_arbiter;
 pub mod session;
+pub mod shim;
 pub mod state;
 pub mod table;
 

@@ -28,11 +28,15 @@
 //! environment; the arbiter charges what NVML shows for the process beyond its reservations
 //! (a context that costs more on the card), docs/interposer.md.
 
-#![forbid(unsafe_code)]
+// The logic has no `unsafe`; only its C boundary, `hooks`, allows it (a `forbid` here would
+// reach into that child too).
+#![deny(unsafe_code)]
+
+pub mod hooks;
 
 use crate::context_book::Book;
 use crate::ffi::{CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CUresult};
-use crate::memory::Outcome;
+use crate::shim::{Outcome, Pass};
 use crate::state::Process;
 use crate::tlog;
 
@@ -145,7 +149,7 @@ pub fn destroy(
         .chain(crate::state::all_states())
         .find_map(|s| s.contexts().destroy_begin(ctx).map(|c| (s, c)));
     let Some((p, charged)) = found else {
-        return Outcome::PassThrough;
+        return Outcome::PassThrough(Pass::NotCounted);
     };
     let r = driver();
     if r == CUDA_SUCCESS {

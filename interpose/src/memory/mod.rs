@@ -1,25 +1,21 @@
-//! Memory accounting logic, free of raw pointers: the `extern "C"` shims in `hooks` decode the
+//! Memory accounting logic, free of raw pointers: the `extern "C"` shims in [`hooks`] decode the
 //! arguments, and these functions decide, reserve, call the driver through a closure, and book.
 //!
 //! Every allocation reserves at the arbiter *before* the driver call (one round trip) and
 //! releases if the driver fails; every free of a known object releases after the driver
 //! succeeds (one-way, no round trip). A refused reservation is `CUDA_ERROR_OUT_OF_MEMORY`.
 
-#![forbid(unsafe_code)]
+// The logic has no `unsafe`; only its C boundary, `hooks`, allows it (a `forbid` here would
+// reach into that child too).
+#![deny(unsafe_code)]
+
+pub mod hooks;
 
 use crate::ffi::{CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CUresult};
 use crate::ledger::{ImportKey, Kind, Release};
+use crate::shim::{Outcome, Pass};
 use crate::state::Process;
 use crate::tlog;
-
-/// What a hook's logic decided.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome<T> {
-    /// The call was handled; return this.
-    Handled(T),
-    /// Not ours to account (null out-pointer, host memory, ...): call the real function as is.
-    PassThrough,
-}
 
 /// Assumed pitch alignment when estimating a pitched allocation before the driver answers.
 /// Real GPUs align rows to 512 bytes or less; a larger real pitch is corrected afterwards.
@@ -45,7 +41,7 @@ fn reserve_then(
     book: impl FnOnce(u64),
 ) -> Outcome<CUresult> {
     if bytes == 0 {
-        return Outcome::PassThrough;
+        return Outcome::PassThrough(Pass::ZeroSize);
     }
     if let Err(e) = p.session.reserve(bytes) {
         tlog!(Debug, "allocation of {bytes} bytes refused: {e}");
@@ -91,7 +87,7 @@ pub fn vmm_release(
         .is_some()
         .then(|| IMPORTED.lock());
     let Some(taken) = p.ledger().release_begin(handle) else {
-        return Outcome::PassThrough;
+        return Outcome::PassThrough(Pass::NotCounted);
     };
     let r = driver();
     if r != CUDA_SUCCESS {
@@ -200,7 +196,7 @@ pub fn vmm_unmap(
     let taken = {
         let mut l = p.ledger();
         if !l.has_mappings_in(va, size) {
-            return Outcome::PassThrough;
+            return Outcome::PassThrough(Pass::NotCounted);
         }
         l.unmap_begin(va, size)
     };
@@ -261,7 +257,7 @@ pub fn allocate_pitch(
 ) -> Outcome<CUresult> {
     let estimate = pitch_estimate(width, height);
     if estimate == 0 {
-        return Outcome::PassThrough;
+        return Outcome::PassThrough(Pass::ZeroSize);
     }
     if let Err(e) = p.session.reserve(estimate) {
         tlog!(
@@ -315,7 +311,7 @@ pub fn free(
         .chain(crate::state::all_states())
         .find_map(|s| s.ledger().remove(kind, key).map(|b| (s, b)));
     let Some((p, bytes)) = found else {
-        return Outcome::PassThrough;
+        return Outcome::PassThrough(Pass::NotCounted);
     };
     let r = driver();
     if r == CUDA_SUCCESS {
