@@ -18,13 +18,14 @@ use tessera_protocol::client::ClientError;
 use tessera_protocol::identity::Identity;
 use tessera_protocol::{AdminErrorKind, AllocationStatus, CreateAllocation, GpuSelector, Tier};
 
-use crate::arbiter::Arbiter;
-use crate::cdi::CdiKind;
-use crate::health::GpuState;
-use crate::identity::{self, IdentityError};
-use crate::install::Installed;
+use crate::cdi;
 use crate::proto::deviceplugin::{ContainerAllocateResponse, Mount};
 use crate::units::{self, Claim, Pool, UnitsError};
+use tessera_node::arbiter::Arbiter;
+use tessera_node::cdi::CdiKind;
+use tessera_node::health::GpuState;
+use tessera_node::identity::{self, IdentityError};
+use tessera_node::install::Installed;
 
 /// The environment variables carrying into the container the allocation's secret token, the
 /// tenant socket's path inside it and the public allocation id(s): the node contract's.
@@ -367,7 +368,7 @@ fn respond(
                     .map(|p| mount(Path::new(CONTAINER_IDENTITY_FILE), p))
                     .collect(),
                 cdi_devices: cdi
-                    .map(|k| k.devices(uuids.iter().map(String::as_str)))
+                    .map(|k| cdi::devices(k, uuids.iter().map(String::as_str)))
                     .unwrap_or_default(),
                 ..Default::default()
             });
@@ -381,7 +382,7 @@ fn respond(
             );
             let mut r = fraction_response(m, &p.uuid, token, &a.id, identity);
             if let Some(k) = cdi {
-                r.cdi_devices = k.devices([p.uuid.as_str()]);
+                r.cdi_devices = cdi::devices(k, [p.uuid.as_str()]);
             }
             container_responses.push(r);
         }
@@ -432,7 +433,7 @@ fn fraction_response(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::arbiter::fake::{Call, FakeArbiter};
+    use tessera_node::arbiter::fake::{Call, FakeArbiter};
 
     const R: &str = "tessera.dev/gpu-shares";
     const GIB: u64 = 1 << 30;

@@ -1,5 +1,5 @@
-//! Talking to the kubelet: gRPC channels over Unix sockets, registration, and the socket
-//! identities that reveal a kubelet restart.
+//! Talking to the kubelet: registration (over [`tessera_node::grpc::connect_unix`]), and the
+//! socket identities that reveal a kubelet restart.
 //!
 //! A restarting kubelet deletes every socket in the device-plugins folder and creates a new
 //! `kubelet.sock`. The plugin remembers the (device, inode) of `kubelet.sock` and of its own
@@ -9,8 +9,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use hyper_util::rt::TokioIo;
-use tonic::transport::{Channel, Endpoint, Uri};
+use tessera_node::grpc::{ConnectError, connect_unix};
 
 use crate::proto::DEVICE_PLUGIN_VERSION;
 use crate::proto::deviceplugin::registration_client::RegistrationClient;
@@ -35,38 +34,15 @@ pub enum KubeletError {
     Timeout(PathBuf),
 }
 
-/// Connects a gRPC channel to a Unix socket, with a deadline on the connection.
-pub async fn connect_unix(path: &Path, timeout: Duration) -> Result<Channel, KubeletError> {
-    let owned = path.to_path_buf();
-    // The URI is required by the API but unused: the connector ignores it.
-    let endpoint = Endpoint::from_static("http://localhost").connect_timeout(timeout);
-    let connect =
-        endpoint.connect_with_connector(tower::service_fn(move |_: Uri| {
-            let p = owned.clone();
-            async move {
-                Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(p).await?))
+impl From<ConnectError> for KubeletError {
+    fn from(e: ConnectError) -> Self {
+        match e {
+            ConnectError::Unreachable { path, message } => {
+                KubeletError::Unreachable { path, message }
             }
-        }));
-    match tokio::time::timeout(timeout, connect).await {
-        Ok(Ok(ch)) => Ok(ch),
-        Ok(Err(e)) => Err(KubeletError::Unreachable {
-            path: path.to_path_buf(),
-            message: error_chain(&e),
-        }),
-        Err(_) => Err(KubeletError::Timeout(path.to_path_buf())),
+            ConnectError::Timeout(path) => KubeletError::Timeout(path),
+        }
     }
-}
-
-/// An error with its sources, on one line (tonic's top-level message is terse).
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 /// Registers the plugin served at `<folder of kubelet_socket>/<endpoint>`.

@@ -5,20 +5,20 @@
 //! GPU's units are a second resource (`tessera.dev/gpu-latency-shares`) whose allocations are
 //! latency-tier.
 //!
+//! What it shares with the DRA driver (`tessera-dra`) is in `tessera-node`: the arbiter client
+//! ([`tessera_node::arbiter::Arbiter`], blocking calls from async code, the unit tests' fake),
+//! identity files, interposer installation, the GPU health watcher, the CDI kind, the owner
+//! label, gRPC over Unix sockets, the shutdown signal and the shared flags
+//! ([`tessera_node::NodeArgs`]).
+//!
 //! Modules:
 //! - [`proto`]: generated gRPC code for the kubelet's device plugin `v1beta1` and PodResources
 //!   `v1` APIs (from `proto/`, by `build.rs`).
 //! - [`units`]: pure rules: unit ids, best-fit placement, whole-GPU requests, allocation
 //!   labels, memory and share for a number of units, the pools of a latency split.
-//! - [`health`]: the node's GPUs from NVML (XID events, vanished devices) or the arbiter.
-//! - [`identity`]: the per-container identity files (token, socket) mounted read-only.
-//! - [`install`]: versioned, never-overwritten installation of the interposer on the host.
-//! - [`kubelet`]: gRPC over Unix sockets, registration, socket identities (restart watch).
-//! - [`arbiter`]: the [`arbiter::Arbiter`] trait (the admin calls the plugin makes, implemented
-//!   by the admin client and, in unit tests, by an in-memory fake); blocking calls from async
-//!   code.
-//! - [`allocate`]: the `Allocate` logic over that trait: plan, replace, create all or none,
-//!   identity files, container responses; one typed error.
+//! - [`kubelet`]: registration, socket identities (restart watch).
+//! - [`allocate`]: the `Allocate` logic over the arbiter trait: plan, replace, create all or
+//!   none, identity files, container responses; one typed error.
 //! - [`cdi`]: the node's NVIDIA CDI devices named in the answer (`--nvidia-cdi-kind`), for
 //!   runtimes that read CDI and not `NVIDIA_VISIBLE_DEVICES`.
 //! - [`server`]: the `DevicePlugin` service, a thin gRPC adapter (ListAndWatch, preferred
@@ -32,11 +32,7 @@
 #![forbid(unsafe_code)]
 
 pub mod allocate;
-pub mod arbiter;
 pub mod cdi;
-pub mod health;
-pub mod identity;
-pub mod install;
 pub mod kubelet;
 pub mod metrics;
 pub mod plugin;

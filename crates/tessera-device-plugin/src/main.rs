@@ -10,11 +10,11 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
-use tessera_protocol::node;
 
 use clap::{Parser, ValueEnum};
-use tessera_device_plugin::cdi::CdiKind;
 use tessera_device_plugin::{Config, PluginError, SourceKind};
+use tessera_node::NodeArgs;
+use tessera_node::cdi::CdiKind;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Source {
@@ -44,56 +44,16 @@ struct Args {
         default_value = "/var/lib/kubelet/pod-resources/kubelet.sock"
     )]
     pod_resources_socket: PathBuf,
-    /// Log format: `text` or `json` (one object per line). Levels come from `RUST_LOG`
-    /// (default `info`).
-    #[arg(
-        long,
-        env = node::ENV_LOG_FORMAT,
-        default_value = "text",
-        value_name = "text|json"
-    )]
-    log_format: tessera_log::LogFormat,
     /// Turn stale allocation clean-up off (pods are still named).
     #[arg(long)]
     no_stale_cleanup: bool,
     /// Serve Prometheus metrics at http://ADDR/metrics (IP:PORT, port 0 picks one; `none`: off).
     #[arg(long, value_name = "ADDR|none", default_value = tessera_device_plugin::metrics::DEFAULT_ADDR)]
     metrics_addr: String,
-    /// The arbiter's admin socket.
-    #[arg(
-        long,
-        value_name = "PATH",
-        env = node::ENV_ADMIN_SOCKET,
-        default_value = node::DEFAULT_ADMIN_SOCKET
-    )]
-    admin_socket: PathBuf,
-    /// The arbiter's tenant socket on the host; its folder is mounted into containers.
-    #[arg(
-        long,
-        value_name = "PATH",
-        default_value = node::DEFAULT_TENANT_SOCKET
-    )]
-    tenant_socket: PathBuf,
-    /// Where the tenant socket's folder appears inside containers.
-    #[arg(long, value_name = "DIR", default_value = node::CONTAINER_SOCKET_DIR)]
-    container_socket_dir: PathBuf,
-    /// Host folder for the versioned interposer copies.
-    #[arg(long, value_name = "DIR", default_value = node::HOST_LIB_DIR)]
-    host_lib_dir: PathBuf,
-    /// Host folder of the per-container identity files (token and socket, mounted read-only
-    /// at /etc/tessera/tenant in each container).
-    #[arg(long, value_name = "DIR", default_value = node::HOST_IDENTITY_DIR)]
-    host_identity_dir: PathBuf,
-    /// The interposer library to install (default: next to this executable).
-    #[arg(long, value_name = "PATH")]
-    interposer: Option<PathBuf>,
-    /// Path of the interposer inside containers.
-    #[arg(
-        long,
-        value_name = "PATH",
-        default_value = node::CONTAINER_LIB_PATH
-    )]
-    container_lib_path: PathBuf,
+    /// The flags the DRA driver takes too (arbiter sockets, host and container paths, NVML,
+    /// log format).
+    #[command(flatten)]
+    node: NodeArgs,
     /// Units each GPU is advertised as.
     #[arg(long, value_name = "N", default_value_t = 100)]
     shares_per_gpu: u32,
@@ -128,14 +88,6 @@ struct Args {
         default_value = "auto"
     )]
     gpu_source: Source,
-    /// NVML library to load.
-    #[arg(
-        long,
-        value_name = "PATH",
-        env = node::ENV_NVML_LIB,
-        default_value = "libnvidia-ml.so.1"
-    )]
-    nvml_lib: PathBuf,
     /// Seconds an allocation no container holds is kept before deletion.
     #[arg(long, value_name = "SECONDS", default_value_t = 60.0)]
     stale_grace: f64,
@@ -167,7 +119,8 @@ enum Mode {
 }
 
 fn config(a: Args) -> Result<(Config, Mode, tessera_log::LogFormat), String> {
-    let log_format = a.log_format;
+    let node = a.node;
+    let log_format = node.log_format;
     let mode = if a.check_config {
         Mode::CheckConfig
     } else if a.install_only {
@@ -182,13 +135,13 @@ fn config(a: Args) -> Result<(Config, Mode, tessera_log::LogFormat), String> {
         stale_cleanup: !a.no_stale_cleanup,
         metrics_addr: tessera_device_plugin::metrics::parse_addr(&a.metrics_addr)
             .map_err(|e| e.to_string())?,
-        admin_socket: a.admin_socket,
-        tenant_socket: a.tenant_socket,
-        container_socket_dir: a.container_socket_dir,
-        host_lib_dir: a.host_lib_dir,
-        interposer: a.interposer,
-        container_lib_path: a.container_lib_path,
-        host_identity_dir: a.host_identity_dir,
+        admin_socket: node.admin_socket,
+        tenant_socket: node.tenant_socket,
+        container_socket_dir: node.container_socket_dir,
+        host_lib_dir: node.host_lib_dir,
+        interposer: node.interposer,
+        container_lib_path: node.container_lib_path,
+        host_identity_dir: node.host_identity_dir,
         shares_per_gpu: a.shares_per_gpu,
         resource_name: a.resource_name,
         latency_shares: a.latency_shares,
@@ -200,7 +153,7 @@ fn config(a: Args) -> Result<(Config, Mode, tessera_log::LogFormat), String> {
             Source::Nvml => SourceKind::Nvml,
             Source::Arbiter => SourceKind::Arbiter,
         },
-        nvml_lib: a.nvml_lib,
+        nvml_lib: node.nvml_lib,
         stale_grace: secs("stale-grace", a.stale_grace)?,
         stale_interval: secs("stale-interval", a.stale_interval)?.max(Duration::from_millis(50)),
         poll: Duration::from_millis(a.poll_ms.clamp(10, 10_000)),
@@ -275,7 +228,7 @@ fn run(args: Args) -> Result<(), MainError> {
         .map_err(MainError::Runtime)?
         .block_on(tessera_device_plugin::run(
             cfg,
-            tessera_device_plugin::plugin::shutdown_signal(),
+            tessera_node::shutdown::shutdown_signal(),
         ))?;
     Ok(())
 }

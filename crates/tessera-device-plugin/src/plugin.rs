@@ -17,14 +17,14 @@ use tokio::net::UnixListener;
 use tokio::sync::watch;
 
 use crate::allocate::{Mounts, Settings};
-use crate::cdi::CdiKind;
-use crate::health::{self, GpuSource, HealthError, Snapshot};
-use crate::install::{self, InstallError};
 use crate::kubelet::{self, KubeletError, file_id};
 use crate::metrics::{self, MetricsError, PluginMetrics};
 use crate::podresources::{self, StaleConfig};
 use crate::server::{AllocContext, PluginService};
 use crate::units::{self, Pool};
+use tessera_node::cdi::CdiKind;
+use tessera_node::health::{self, GpuSource, HealthError, Snapshot};
+use tessera_node::install::{self, InstallError};
 use tessera_protocol::Tier;
 
 /// File name of the kubelet's registration socket in the device-plugins folder.
@@ -570,24 +570,6 @@ fn resolve(path: &Path) -> PathBuf {
         }
     }
     out
-}
-
-/// Completes on SIGTERM or SIGINT (the kubelet's pod shutdown, or Ctrl-C); shared by the
-/// plugins' binaries.
-pub async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-        }
-        Err(_) => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-    tracing::info!("shutting down");
 }
 
 #[cfg(test)]

@@ -26,19 +26,19 @@ use tessera_protocol::{
 };
 use tokio::sync::watch;
 
-use crate::arbiter::{Arbiter, ArbiterError, with_admin};
-use crate::kubelet::{KubeletError, connect_unix, error_chain};
 use crate::metrics::PluginMetrics;
 use crate::proto::podresources::pod_resources_lister_client::PodResourcesListerClient;
 use crate::proto::podresources::{ListPodResourcesRequest, PodResources};
 use crate::units;
+use tessera_node::arbiter::{Arbiter, ArbiterError, with_admin};
+use tessera_node::grpc::{ConnectError, connect_unix, error_chain};
 
 /// Errors of the clean-up.
 #[derive(Debug, thiserror::Error)]
 pub enum PodResourcesError {
     /// The PodResources socket could not be reached.
     #[error(transparent)]
-    Connect(#[from] KubeletError),
+    Connect(#[from] ConnectError),
     /// `List` failed.
     #[error("PodResources List failed: {0}")]
     List(String),
@@ -377,8 +377,8 @@ pub async fn run(cfg: StaleConfig, metrics: Arc<PluginMetrics>, mut stop: watch:
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::arbiter::fake::{Call, FakeArbiter};
     use std::collections::BTreeSet;
+    use tessera_node::arbiter::fake::{Call, FakeArbiter};
 
     const R: &str = "tessera.dev/gpu-shares";
 

@@ -19,8 +19,6 @@ use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
 use tonic::{Request, Response, Status};
 
 use crate::allocate::{self, AllocateError, Settings};
-use crate::arbiter::{ArbiterError, with_admin};
-use crate::health::Snapshot;
 use crate::metrics::{PluginMetrics, Refusal};
 use crate::proto::deviceplugin::device_plugin_server::{DevicePlugin, DevicePluginServer};
 use crate::proto::deviceplugin::{
@@ -30,6 +28,8 @@ use crate::proto::deviceplugin::{
 };
 use crate::proto::{HEALTHY, UNHEALTHY};
 use crate::units::{self, Pool, UnitsError};
+use tessera_node::arbiter::{ArbiterError, with_admin};
+use tessera_node::health::Snapshot;
 
 /// Errors of the server.
 #[derive(Debug, thiserror::Error)]
@@ -282,7 +282,7 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::health::GpuState;
+    use tessera_node::health::GpuState;
 
     #[test]
     fn device_list_marks_unhealthy_and_skips_long_ids() {
@@ -368,7 +368,7 @@ mod tests {
         let (why, st) = refusal(AllocateError::Arbiter(broken), sock);
         assert_eq!(why, Refusal::Arbiter);
         assert_eq!(st.code(), tonic::Code::Unavailable);
-        let io = crate::identity::IdentityError::Random("none".into());
+        let io = tessera_node::identity::IdentityError::Random("none".into());
         let (why, st) = refusal(AllocateError::Identity(io), sock);
         assert_eq!(why, Refusal::Internal);
         assert_eq!(st.code(), tonic::Code::Internal);

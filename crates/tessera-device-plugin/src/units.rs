@@ -9,13 +9,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
+use tessera_node::labels::{LABEL_OWNER, OWNER_DEVICE_PLUGIN};
+
 /// The kubelet's limit on a device id's length.
 pub const MAX_ID_LEN: usize = 63;
 
-/// Label key marking allocations made by this plugin.
-pub const LABEL_OWNER: &str = "tessera.dev/owner";
-/// Value of [`LABEL_OWNER`].
-pub const OWNER_VALUE: &str = "device-plugin";
 /// Label key holding the extended resource name the units belong to.
 pub const LABEL_RESOURCE: &str = "tessera.dev/resource";
 /// Label key holding the GPU UUID of the units.
@@ -451,7 +449,7 @@ pub fn allocation_labels(
     units: &BTreeSet<u32>,
 ) -> BTreeMap<String, String> {
     BTreeMap::from([
-        (LABEL_OWNER.to_owned(), OWNER_VALUE.to_owned()),
+        (LABEL_OWNER.to_owned(), OWNER_DEVICE_PLUGIN.to_owned()),
         (LABEL_RESOURCE.to_owned(), resource.to_owned()),
         (LABEL_GPU.to_owned(), uuid.to_owned()),
         (LABEL_UNITS.to_owned(), encode_units(units)),
@@ -461,7 +459,7 @@ pub fn allocation_labels(
 /// The unit ids of an allocation made by this plugin for `resource`; `None` for allocations
 /// made by anyone else (or for another resource), which the plugin never touches.
 pub fn units_from_labels(labels: &BTreeMap<String, String>, resource: &str) -> Option<Vec<String>> {
-    if labels.get(LABEL_OWNER).map(String::as_str) != Some(OWNER_VALUE)
+    if labels.get(LABEL_OWNER).map(String::as_str) != Some(OWNER_DEVICE_PLUGIN)
         || labels.get(LABEL_RESOURCE).map(String::as_str) != Some(resource)
     {
         return None;

@@ -17,7 +17,6 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tessera_device_plugin::kubelet::connect_unix;
 use tessera_device_plugin::proto::deviceplugin::device_plugin_client::DevicePluginClient;
 use tessera_device_plugin::proto::deviceplugin::registration_server::{
     Registration, RegistrationServer,
@@ -35,6 +34,7 @@ use tessera_device_plugin::proto::podresources::{
     ContainerResources, GetPodResourcesRequest, GetPodResourcesResponse, ListPodResourcesRequest,
     ListPodResourcesResponse, PodResources,
 };
+use tessera_node::grpc::connect_unix;
 use tessera_protocol::client::{AdminClient, TenantClient};
 use tessera_protocol::{AllocationStatus, GpuInfo, LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD};
 use tessera_testkit::container::{self, Bind, Edits};

@@ -72,7 +72,7 @@ impl ApiError {
             },
             other => ApiError::Transport {
                 what,
-                message: tessera_device_plugin::kubelet::error_chain(&other),
+                message: tessera_node::grpc::error_chain(&other),
             },
         }
     }
@@ -209,9 +209,8 @@ impl KubeClient {
     /// A client for `conn`. Must run inside a Tokio runtime (kube-rs starts its connection
     /// pool there).
     pub async fn connect(conn: &Connection) -> Result<Self, ApiError> {
-        let cfg_err = |e: &dyn std::error::Error| {
-            ApiError::Config(tessera_device_plugin::kubelet::error_chain(e))
-        };
+        let cfg_err =
+            |e: &dyn std::error::Error| ApiError::Config(tessera_node::grpc::error_chain(e));
         let config = match conn {
             Connection::InCluster => kube::Config::incluster().map_err(|e| cfg_err(&e))?,
             Connection::Kubeconfig(path) => {
@@ -219,7 +218,7 @@ impl KubeClient {
                     ApiError::Config(format!(
                         "{}: {}",
                         path.display(),
-                        tessera_device_plugin::kubelet::error_chain(&e)
+                        tessera_node::grpc::error_chain(&e)
                     ))
                 })?;
                 kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
@@ -246,9 +245,8 @@ impl KubeClient {
     /// A client for `config` (what [`KubeClient::connect`] made of a [`Connection`]): the call
     /// timeouts, and a token file read as a [`FileToken`].
     pub fn from_config(mut config: kube::Config) -> Result<Self, ApiError> {
-        let cfg_err = |e: &dyn std::error::Error| {
-            ApiError::Config(tessera_device_plugin::kubelet::error_chain(e))
-        };
+        let cfg_err =
+            |e: &dyn std::error::Error| ApiError::Config(tessera_node::grpc::error_chain(e));
         config.connect_timeout = Some(CALL_TIMEOUT);
         config.read_timeout = Some(CALL_TIMEOUT);
         config.write_timeout = Some(CALL_TIMEOUT);

@@ -4,7 +4,7 @@
 //! comes (the plugin was down, the kubelet lost its checkpoint, the node was drained while
 //! the plugin restarted), the claim's allocation would hold its share and memory forever. So
 //! the plugin checks, on start and every `--claim-check` seconds, each claim it has prepared
-//! (the arbiter's allocations with [`crate::prepare::OWNER_DRA`]) against the API server:
+//! (the arbiter's allocations with [`tessera_node::labels::OWNER_DRA`]) against the API server:
 //!
 //! - the claim is gone (404): released;
 //! - a claim of that name exists with another uid (deleted and re-created): released;
@@ -20,9 +20,10 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
+use tessera_node::labels::{LABEL_OWNER, OWNER_DRA};
 use tessera_protocol::AllocationStatus;
 
-use crate::prepare::{LABEL_CLAIM, LABEL_CLAIM_UID, LABEL_OWNER, OWNER_DRA};
+use crate::prepare::{LABEL_CLAIM, LABEL_CLAIM_UID};
 
 /// A claim this plugin prepared, as its allocations record it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -208,7 +209,10 @@ mod tests {
             // The device plugin's: never touched here.
             alloc(
                 "a4",
-                &[(LABEL_OWNER, "device-plugin"), (LABEL_CLAIM_UID, "u3")],
+                &[
+                    (LABEL_OWNER, tessera_node::labels::OWNER_DEVICE_PLUGIN),
+                    (LABEL_CLAIM_UID, "u3"),
+                ],
             ),
             // No readable claim name.
             alloc("a5", &[(LABEL_OWNER, OWNER_DRA), (LABEL_CLAIM_UID, "u4")]),

@@ -2,7 +2,7 @@
 //! the NUMA node (`<sysfs>/bus/pci/devices/<bus id>/numa_node`, `-1` meaning none) and the
 //! PCIe root ([`pcie_root`]).
 //!
-//! Health comes from the device plugin's watcher ([`tessera_device_plugin::health`]): XID
+//! Health comes from the watcher the device plugin uses too ([`tessera_node::health`]): XID
 //! events mark a GPU unhealthy, and [`merge_health`] carries that onto these attributes.
 
 use std::path::{Path, PathBuf};
@@ -11,7 +11,7 @@ use nvml_wrapper::Nvml;
 use nvml_wrapper::error::NvmlError;
 
 use crate::slices::{GpuAttrs, normalize_bus_id};
-use tessera_device_plugin::health::GpuState;
+use tessera_node::health::GpuState;
 
 /// Errors reading the inventory.
 #[derive(Debug, thiserror::Error)]

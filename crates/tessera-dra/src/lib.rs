@@ -3,8 +3,10 @@
 //! claim into an arbiter allocation with exactly that share and memory limit, enforced by the
 //! interposer and the backstop.
 //!
-//! It shares the device plugin's arbiter client, identity files, interposer installation and
-//! GPU health watcher (`tessera_device_plugin::{arbiter, identity, install, health}`).
+//! It shares with the device plugin, through `tessera-node` and not through the device plugin,
+//! the arbiter client, identity files, interposer installation, GPU health watcher, CDI kind,
+//! owner label, gRPC over Unix sockets, shutdown signal and the shared flags
+//! (`tessera_node::{arbiter, identity, install, health, cdi, labels, grpc, shutdown, NodeArgs}`).
 //!
 //! Modules:
 //! - [`proto`]: generated gRPC code for the kubelet's `dra/v1`, `dra/v1beta1` and

@@ -10,12 +10,12 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
-use tessera_protocol::node;
 
 use clap::Parser;
-use tessera_device_plugin::cdi::CdiKind;
 use tessera_dra::apiserver::Connection;
 use tessera_dra::{Config, PluginError};
+use tessera_node::NodeArgs;
+use tessera_node::cdi::CdiKind;
 
 /// DRA kubelet plugin for gpu.tessera.dev: enforced GPU fractions.
 #[derive(Debug, Parser)]
@@ -51,56 +51,10 @@ struct Args {
     /// Kubeconfig file (its current context) instead of the pod's service account.
     #[arg(long, value_name = "PATH")]
     kubeconfig: Option<PathBuf>,
-    /// Log format: `text` or `json`.
-    #[arg(
-        long,
-        value_name = "text|json",
-        env = node::ENV_LOG_FORMAT,
-        default_value = "text"
-    )]
-    log_format: tessera_log::LogFormat,
-    /// The arbiter's admin socket.
-    #[arg(
-        long,
-        value_name = "PATH",
-        env = node::ENV_ADMIN_SOCKET,
-        default_value = node::DEFAULT_ADMIN_SOCKET
-    )]
-    admin_socket: PathBuf,
-    /// The arbiter's tenant socket on the host; its folder is mounted into containers.
-    #[arg(
-        long,
-        value_name = "PATH",
-        default_value = node::DEFAULT_TENANT_SOCKET
-    )]
-    tenant_socket: PathBuf,
-    /// Where the tenant socket's folder appears inside containers.
-    #[arg(long, value_name = "DIR", default_value = node::CONTAINER_SOCKET_DIR)]
-    container_socket_dir: PathBuf,
-    /// Host folder for the versioned interposer copies.
-    #[arg(long, value_name = "DIR", default_value = node::HOST_LIB_DIR)]
-    host_lib_dir: PathBuf,
-    /// Host folder of the identity files.
-    #[arg(long, value_name = "DIR", default_value = node::HOST_IDENTITY_DIR)]
-    host_identity_dir: PathBuf,
-    /// The interposer library to install (default: next to this executable).
-    #[arg(long, value_name = "PATH")]
-    interposer: Option<PathBuf>,
-    /// Path of the interposer inside containers.
-    #[arg(
-        long,
-        value_name = "PATH",
-        default_value = node::CONTAINER_LIB_PATH
-    )]
-    container_lib_path: PathBuf,
-    /// NVML library to load.
-    #[arg(
-        long,
-        value_name = "PATH",
-        env = node::ENV_NVML_LIB,
-        default_value = "libnvidia-ml.so.1"
-    )]
-    nvml_lib: PathBuf,
+    /// The flags the device plugin takes too (arbiter sockets, host and container paths,
+    /// NVML, log format).
+    #[command(flatten)]
+    node: NodeArgs,
     /// sysfs root (NUMA nodes of the GPUs).
     #[arg(long, value_name = "DIR", default_value = "/sys")]
     sysfs: PathBuf,
@@ -140,6 +94,7 @@ fn seconds(v: f64, flag: &str) -> Result<Duration, String> {
 
 fn config(a: Args) -> Result<(Config, tessera_log::LogFormat, bool), String> {
     let check_config = a.check_config;
+    let node = a.node;
     let resync = seconds(a.resync, "--resync")?;
     let claim_check = seconds(a.claim_check, "--claim-check")?;
     let api = match (a.api_server, a.kubeconfig) {
@@ -161,14 +116,14 @@ fn config(a: Args) -> Result<(Config, tessera_log::LogFormat, bool), String> {
             plugin_dir: a.plugin_dir,
             cdi_dir: a.cdi_dir,
             api,
-            admin_socket: a.admin_socket,
-            tenant_socket: a.tenant_socket,
-            container_socket_dir: a.container_socket_dir,
-            host_lib_dir: a.host_lib_dir,
-            interposer: a.interposer,
-            container_lib_path: a.container_lib_path,
-            host_identity_dir: a.host_identity_dir,
-            nvml_lib: a.nvml_lib,
+            admin_socket: node.admin_socket,
+            tenant_socket: node.tenant_socket,
+            container_socket_dir: node.container_socket_dir,
+            host_lib_dir: node.host_lib_dir,
+            interposer: node.interposer,
+            container_lib_path: node.container_lib_path,
+            host_identity_dir: node.host_identity_dir,
+            nvml_lib: node.nvml_lib,
             sysfs: a.sysfs,
             default_memory,
             nvidia_kind: a.nvidia_cdi_kind.as_str().to_owned(),
@@ -177,7 +132,7 @@ fn config(a: Args) -> Result<(Config, tessera_log::LogFormat, bool), String> {
             claim_check,
             remove_slices_on_exit: a.remove_slices_on_exit,
         },
-        a.log_format,
+        node.log_format,
         check_config,
     ))
 }
@@ -233,7 +188,7 @@ fn main() -> ExitCode {
     };
     match rt.block_on(tessera_dra::run(
         cfg,
-        tessera_device_plugin::plugin::shutdown_signal(),
+        tessera_node::shutdown::shutdown_signal(),
     )) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tessera_device_plugin::health::{self, GpuSource};
-use tessera_device_plugin::install::{self, InstallError};
+use tessera_node::health::{self, GpuSource};
+use tessera_node::install::{self, InstallError};
 use tokio::net::UnixListener;
 use tokio::sync::{Mutex, watch};
 use tokio_stream::wrappers::UnixListenerStream;

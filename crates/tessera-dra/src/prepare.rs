@@ -1,4 +1,4 @@
-//! NodePrepareResources / NodeUnprepareResources for one claim, over the device plugin's
+//! NodePrepareResources / NodeUnprepareResources for one claim, over the shared
 //! [`Arbiter`] trait, free of gRPC and of the API server.
 //!
 //! The arbiter's allocations are the checkpoint: each carries the claim's uid
@@ -17,8 +17,9 @@
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 
-use tessera_device_plugin::arbiter::Arbiter;
-use tessera_device_plugin::identity::{self, IdentityError};
+use tessera_node::arbiter::Arbiter;
+use tessera_node::identity::{self, IdentityError};
+use tessera_node::labels::{LABEL_OWNER, OWNER_DRA};
 use tessera_protocol::client::ClientError;
 use tessera_protocol::identity::Identity;
 use tessera_protocol::{
@@ -28,11 +29,6 @@ use tessera_protocol::{
 use crate::cdi::{self, CdiError, Wiring};
 use crate::claim::{Planned, spans_gpus};
 
-/// Who made the allocation (the device plugin's own are `device-plugin`, which it alone
-/// touches; it leaves these alone).
-pub use tessera_device_plugin::units::LABEL_OWNER;
-/// Value of [`LABEL_OWNER`] on this plugin's allocations.
-pub const OWNER_DRA: &str = "dra";
 /// The claim's uid.
 pub const LABEL_CLAIM_UID: &str = "tessera.dev/claim-uid";
 /// `namespace/name` of the claim (what `tessera status` shows).

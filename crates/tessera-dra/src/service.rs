@@ -124,7 +124,7 @@ impl DraService {
         // the kubelet's prepares); a claim found unreserved is read again under it, since a
         // new pod may reserve and prepare it in between. Deleted or re-created claims stay so.
         let all = blocking(self.admin_socket.clone(), |a| {
-            tessera_device_plugin::arbiter::Arbiter::list(a).map_err(PrepareError::from)
+            tessera_node::arbiter::Arbiter::list(a).map_err(PrepareError::from)
         })
         .await?;
         let mut stale = Vec::new();

@@ -1,7 +1,9 @@
-//! What the plugin needs from the arbiter, and calls to its admin socket from async code.
+//! What the kubelet plugins need from the arbiter, and calls to its admin socket from async
+//! code.
 //!
-//! [`Arbiter`] is the handful of admin calls the `Allocate` logic and the PodResources
-//! clean-up make; [`AdminClient`] implements it, and unit tests use an in-memory fake. The
+//! [`Arbiter`] is the handful of admin calls the plugins make (the device plugin's `Allocate`
+//! logic and PodResources clean-up, the DRA driver's prepare and unprepare); [`AdminClient`]
+//! implements it, and unit tests use the in-memory [`fake`] (feature `fake`). The
 //! admin client is blocking, so [`with_admin`] runs each use on tokio's blocking pool over a
 //! fresh connection: an arbiter restart between two uses costs nothing, and a wedged arbiter
 //! is bounded by the client's own timeout.
@@ -12,7 +14,7 @@ use std::path::{Path, PathBuf};
 use tessera_protocol::client::{AdminClient, ClientError};
 use tessera_protocol::{AllocationStatus, CreateAllocation, GpuInfo};
 
-/// The arbiter's admin calls the plugin makes (blocking, like [`AdminClient`]).
+/// The arbiter's admin calls the plugins make (blocking, like [`AdminClient`]).
 pub trait Arbiter {
     /// The arbiter's GPUs.
     fn gpus(&mut self) -> Result<Vec<GpuInfo>, ClientError>;
@@ -144,8 +146,9 @@ where
 }
 
 /// An in-memory arbiter for unit tests: GPUs, allocations, a record of every call, and a
-/// switch that makes the Nth create fail.
-#[cfg(test)]
+/// switch that makes the Nth create fail. Other crates' tests get it with the `fake` feature
+/// (a dev-dependency on `tessera-node` with `features = ["fake"]`).
+#[cfg(any(test, feature = "fake"))]
 pub mod fake {
     use super::*;
     use tessera_protocol::{AdminErrorKind, GpuSelector};

@@ -1,23 +1,14 @@
-//! The node's NVIDIA CDI devices in an `Allocate` answer (`--nvidia-cdi-kind`).
+//! The CDI kind of the node's NVIDIA spec (`--nvidia-cdi-kind` of both kubelet plugins):
+//! `<vendor>/<class>`, `nvidia.com/gpu` for the spec `nvidia-ctk cdi generate
+//! --device-name-strategy=uuid` writes (one device per GPU, named by its UUID).
 //!
-//! On a node whose container runtime reads no `NVIDIA_VISIBLE_DEVICES` (containerd with plain
-//! runc and CDI on, the containerd 2.x default), a container only gets the driver (device
-//! nodes, libraries, hooks) when the answer names the GPU's CDI devices: the kubelet passes
-//! `ContainerAllocateResponse.cdi_devices` to the runtime (KEP-4009, GA in Kubernetes 1.31),
-//! which applies the edits of the node's NVIDIA spec (`nvidia-ctk cdi generate
-//! --device-name-strategy=uuid`: kind `nvidia.com/gpu`, one device per GPU named by its UUID).
-//!
-//! The names follow NVIDIA's own device plugin with `--device-list-strategy=cdi-cri`
-//! (NVIDIA/k8s-device-plugin, `internal/plugin/server.go`, `updateResponseForCDI`): one
-//! `CDIDevice` per GPU of the container, named `<vendor>/<class>=<GPU UUID>` (the CDI parser's
-//! `QualifiedName`, `nvidia.com` + `gpu` by default). The kind's syntax is the CDI parser's
-//! (`tags.cncf.io/container-device-interface/pkg/parser`: `ValidateVendorName`,
-//! `ValidateClassName`).
+//! The kind's syntax is the CDI parser's (`tags.cncf.io/container-device-interface/pkg/parser`:
+//! `ValidateVendorName`, `ValidateClassName`); a device of the kind is named
+//! `<kind>=<device>` (the parser's `QualifiedName`). The device plugin names these devices in
+//! its `Allocate` answers, the DRA driver in its per-claim CDI specs.
 
 use std::fmt;
 use std::str::FromStr;
-
-use crate::proto::deviceplugin::CdiDevice;
 
 /// Why a CDI kind was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -51,16 +42,6 @@ impl CdiKind {
     /// The fully qualified name of the kind's device `name`: `<kind>=<name>`.
     pub fn qualified(&self, name: &str) -> String {
         format!("{}={name}", self.0)
-    }
-
-    /// One CDI device per GPU (by UUID), in the order given.
-    pub fn devices<'a>(&self, uuids: impl IntoIterator<Item = &'a str>) -> Vec<CdiDevice> {
-        uuids
-            .into_iter()
-            .map(|u| CdiDevice {
-                name: self.qualified(u),
-            })
-            .collect()
     }
 }
 
@@ -139,17 +120,5 @@ mod tests {
         }
         let err = "nvidia.com".parse::<CdiKind>().unwrap_err().to_string();
         assert!(err.contains("<vendor>/<class>"), "{err}");
-    }
-
-    #[test]
-    fn devices_are_named_kind_equals_uuid_in_order() {
-        let k: CdiKind = "nvidia.com/gpu".parse().unwrap();
-        let names: Vec<String> = k
-            .devices(["GPU-b", "GPU-a"])
-            .into_iter()
-            .map(|d| d.name)
-            .collect();
-        assert_eq!(names, ["nvidia.com/gpu=GPU-b", "nvidia.com/gpu=GPU-a"]);
-        assert!(k.devices([]).is_empty());
     }
 }

@@ -1,0 +1,44 @@
+//! What Tessera's two kubelet plugins share on a node: the device plugin
+//! (`tessera-device-plugin`, `tessera.dev/gpu-shares`) and the DRA driver (`tessera-dra`,
+//! `gpu.tessera.dev`) both talk to the node's arbiter over its admin socket, write the
+//! per-container identity files, install the interposer on the host, watch the GPUs' health
+//! and take the same node flags. Neither plugin depends on the other; both depend on this.
+//!
+//! Modules (every item listed is public; the rest is private to its module):
+//! - [`args`]: [`NodeArgs`], the flags both binaries declare once (`--admin-socket`,
+//!   `--tenant-socket`, `--container-socket-dir`, `--host-lib-dir`, `--host-identity-dir`,
+//!   `--interposer`, `--container-lib-path`, `--nvml-lib`, `--log-format`), flattened into
+//!   each binary's own.
+//! - [`arbiter`]: the [`arbiter::Arbiter`] trait (the admin calls the plugins make,
+//!   implemented by the admin client), [`arbiter::ArbiterError`], [`arbiter::with_admin`]
+//!   (blocking calls from async code); `arbiter::fake::{FakeArbiter, Call}`, an in-memory
+//!   arbiter for unit tests (feature `fake`).
+//! - [`identity`]: the per-container identity files (token, socket) on the host:
+//!   [`identity::write`], [`identity::sweep`], [`identity::IdentityError`].
+//! - [`install`]: versioned, never-overwritten installation of the interposer on the host:
+//!   [`install::find_interposer`], [`install::install`], [`install::Installed`],
+//!   [`install::InstallError`], [`install::INTERPOSER_FILE`], [`install::hash8`].
+//! - [`health`]: the node's GPUs from NVML (XID events, vanished devices) or the arbiter:
+//!   [`health::start`], [`health::GpuSource`], [`health::GpuState`], [`health::Snapshot`],
+//!   [`health::HealthError`], [`health::FATAL_XIDS`], [`health::is_fatal_xid`].
+//! - [`cdi`]: [`cdi::CdiKind`], the CDI kind of the node's NVIDIA spec (`--nvidia-cdi-kind`),
+//!   checked as the CDI parser checks it ([`cdi::CdiKindError`]).
+//! - [`labels`]: who made an allocation: [`labels::LABEL_OWNER`] and its values
+//!   [`labels::OWNER_DEVICE_PLUGIN`], [`labels::OWNER_DRA`].
+//! - [`grpc`]: [`grpc::connect_unix`] (a gRPC channel over a Unix socket, with a deadline,
+//!   [`grpc::ConnectError`]) and [`grpc::error_chain`] (an error and its sources on one line).
+//! - [`shutdown`]: [`shutdown::shutdown_signal`], SIGTERM or SIGINT.
+
+#![forbid(unsafe_code)]
+
+pub mod arbiter;
+pub mod args;
+pub mod cdi;
+pub mod grpc;
+pub mod health;
+pub mod identity;
+pub mod install;
+pub mod labels;
+pub mod shutdown;
+
+pub use args::NodeArgs;
