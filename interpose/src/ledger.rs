@@ -202,7 +202,11 @@ impl Ledger {
             && self.imports.is_empty()
             && self.imported.is_empty()
     }
+}
 
+// ---- VMM: cuMemCreate handles, imported memory, and the mappings of both -------------------
+
+impl Ledger {
     // ---- cuMemCreate handles -------------------------------------------------------------
 
     /// Records a handle `cuMemCreate` just returned: one reference, no mapping. Returns the

@@ -243,7 +243,11 @@ impl Gate {
     pub(super) fn lock_table(&self) -> MutexGuard<'_, ()> {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
 
+// ---- the fast path: a credit per launch, and each stream's slot ---------------------------
+
+impl Gate {
     /// Gates one launch: takes a credit (waiting for a lease if none), runs `launch`, and
     /// counts it on its stream.
     #[inline]
@@ -386,7 +390,11 @@ impl Gate {
         }
         destroy()
     }
+}
 
+// ---- the slow path to a lease, and what the manager thread and the hooks tell the gate ----
+
+impl Gate {
     /// Without a credit: the first waiting launcher asks the arbiter for the lease itself and
     /// starts it (so the grant wakes the thread that launches, not a manager that would then
     /// have to wake it), then hands it to the manager thread to run; other launchers wait.

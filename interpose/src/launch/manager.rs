@@ -249,7 +249,11 @@ impl<E: Events> Manager<E> {
             }
         }
     }
+}
 
+// ---- the driver's side: the context, events on each stream, their samples -------------
+
+impl<E: Events> Manager<E> {
     fn set_ctx(&mut self, ctx: CUcontext) -> bool {
         if self.current_ctx == ctx {
             return true;
@@ -396,7 +400,11 @@ impl<E: Events> Manager<E> {
         }
         v
     }
+}
 
+// ---- a lease's turn: its start, each look, the waits between, a revocation ---------------
+
+impl<E: Events> Manager<E> {
     /// Starts a lease (on the launcher that received it): `grant` from the arbiter, or `None`
     /// for a local one; a new epoch, and its first credits. No driver call: the context cache
     /// belongs to the manager thread.
@@ -606,7 +614,11 @@ impl<E: Events> Manager<E> {
             }
         }
     }
+}
 
+// ---- a lease's end: the report, the hand-over spin, the drain -----------------------------
+
+impl<E: Events> Manager<E> {
     /// Counts the lease and reports it to the arbiter (a local lease is only counted).
     fn release(&mut self, lease_id: Option<u64>, busy_ns: u64, early: bool) {
         let stats = &self.gate.stats;
