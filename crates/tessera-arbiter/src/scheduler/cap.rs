@@ -1,0 +1,356 @@
+//! Caps: a capped allocation's [`CapMeter`] (token bucket and cap window, a value type), and
+//! the room an allocation needs to be granted a lease.
+
+use std::collections::VecDeque;
+
+use crate::ledger::AccountKey;
+
+use super::alloc::Alloc;
+use super::usage::prune;
+use super::{GpuScheduler, SchedulerParams, Tier};
+
+/// What a cap lets an allocation use: a token bucket filled at `cap`% of wall time (depth
+/// [`SchedulerParams::bucket_depth_ns`]) and a cap window (its GPU time over the last
+/// [`SchedulerParams::cap_window_ns`], plus its largest recent overrun, within `cap`% of the
+/// window plus [`SchedulerParams::cap_window_slack_ns`]). Uncapped, every answer is "no limit"
+/// and noting time is a no-op. Pure: time is a parameter.
+#[derive(Debug)]
+pub(super) struct CapMeter {
+    /// The cap, percent (`None`: uncapped).
+    pub(super) cap: Option<u32>,
+    /// Token bucket in ns of GPU time (capped allocations only); may go negative on overrun.
+    bucket_ns: f64,
+    bucket_at: u64,
+    /// When its running lease was granted (the bucket was settled then): while it holds the
+    /// GPU the bucket fills and drains at once, so the fill is not clipped at the depth (those
+    /// tokens would otherwise be lost at every lease).
+    leasing: Option<u64>,
+    /// Capped allocations only: (time, ns) of its charges and of the GPU time the backstop
+    /// forgave it outside leases, over the last cap window (the cap bounds GPU time, forgiven
+    /// or not).
+    seen: VecDeque<(u64, u64)>,
+    /// Capped allocations only: (time, ns) of GPU time it was charged beyond the lease it was
+    /// granted (a late release, kernels overrunning the deadline) or that the backstop
+    /// reported after the fact, over the last cap window. The largest is kept free in its cap
+    /// window at every grant: a lease is checked against the window when granted, so what it
+    /// runs past its length would otherwise land on top of a full window.
+    overruns: VecDeque<(u64, u64)>,
+}
+
+impl CapMeter {
+    /// A meter with a full bucket at `now`.
+    pub(super) fn new(cap: Option<u32>, params: &SchedulerParams, now: u64) -> Self {
+        Self {
+            cap,
+            bucket_ns: params.bucket_depth_ns as f64,
+            bucket_at: now,
+            leasing: None,
+            seen: VecDeque::new(),
+            overruns: VecDeque::new(),
+        }
+    }
+
+    /// Counts `ns` used up to `now` against the bucket and the cap window (no-op when
+    /// uncapped).
+    pub(super) fn note(&mut self, p: &SchedulerParams, ns: u64, now: u64) {
+        if self.cap.is_none() {
+            return;
+        }
+        let b = self.tokens_before_use(p, now);
+        self.bucket_ns = b - ns as f64;
+        self.bucket_at = now;
+        self.seen.push_back((now, ns));
+        prune(&mut self.seen, now, p.cap_window_ns);
+    }
+
+    /// Notes `ns` used beyond what was granted (see [`Self::margin`]; no-op when uncapped).
+    pub(super) fn note_overrun(&mut self, p: &SchedulerParams, ns: u64, now: u64) {
+        if self.cap.is_none() {
+            return;
+        }
+        self.overruns.push_back((now, ns));
+        prune(&mut self.overruns, now, p.cap_window_ns);
+    }
+
+    /// A lease is granted at `now`: the bucket is settled, and from here it fills and drains
+    /// together until [`Self::end_lease`].
+    pub(super) fn start_lease(&mut self, p: &SchedulerParams, now: u64) {
+        let tokens = self.bucket(p, now);
+        self.bucket_ns = tokens;
+        self.bucket_at = now;
+        self.leasing = Some(now);
+    }
+
+    /// The lease ended (after its charge was noted).
+    pub(super) fn end_lease(&mut self) {
+        self.leasing = None;
+    }
+
+    /// What the cap window keeps free at a grant: the largest of the recent overruns.
+    pub(super) fn margin(&self, p: &SchedulerParams, now: u64) -> u64 {
+        let from = now.saturating_sub(p.cap_window_ns);
+        self.overruns
+            .iter()
+            .filter(|(t, _)| *t > from)
+            .map(|(_, ns)| *ns)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Tokens in the bucket at `now` (infinite when uncapped); during a lease, net of the time
+    /// the lease has used so far.
+    pub(super) fn bucket(&self, p: &SchedulerParams, now: u64) -> f64 {
+        let running = self.leasing.map_or(0.0, |t| now.saturating_sub(t) as f64);
+        self.tokens_before_use(p, now) - running
+    }
+
+    /// Tokens at `now` before what is about to be charged is taken out: filled at `cap`% of
+    /// wall time since `bucket_at`, up to the depth, except while it held the GPU (it drained
+    /// the bucket faster than it filled, so nothing overflowed).
+    pub(super) fn tokens_before_use(&self, p: &SchedulerParams, now: u64) -> f64 {
+        match self.cap {
+            None => f64::INFINITY,
+            Some(cap) => {
+                let filled = (now.saturating_sub(self.bucket_at)) as f64 * f64::from(cap) / 100.0;
+                if self.leasing.is_some() {
+                    self.bucket_ns + filled
+                } else {
+                    (self.bucket_ns + filled).min(p.bucket_depth_ns as f64)
+                }
+            }
+        }
+    }
+
+    /// GPU time that may still be granted at `now`: what the bucket holds and what the cap
+    /// leaves of the cap window ending now (infinite when uncapped). A lease granted within
+    /// both keeps every window of that length within the cap: a window ending during the lease
+    /// holds at most what the one ending at the grant held, plus the lease. For a latency
+    /// allocation (`latency`) the window alone.
+    pub(super) fn room(&self, p: &SchedulerParams, latency: bool, now: u64) -> f64 {
+        let Some(cap) = self.cap else {
+            return f64::INFINITY;
+        };
+        let limit = Self::limit(p, cap) as f64;
+        let used = self.window_used(p, now) + self.margin(p, now);
+        // A latency allocation's budget is the window alone: a request is a burst, and a
+        // bucket a few leases deep would make the second of two close requests wait.
+        let running = self.leasing.map_or(0.0, |t| now.saturating_sub(t) as f64);
+        let left = limit - used as f64 - running;
+        if latency {
+            return left;
+        }
+        self.bucket(p, now).min(limit - used as f64)
+    }
+
+    /// What a cap allows in one cap window: `cap`% of it plus the window's allowance.
+    pub(super) fn limit(p: &SchedulerParams, cap: u32) -> u64 {
+        (p.cap_window_ns as f64 * f64::from(cap) / 100.0) as u64 + p.cap_window_slack_ns
+    }
+
+    /// The GPU time (charges and forgiven time) that falls in the cap window ending at `now`;
+    /// `ns` noted at `t` covers `[t - ns, t]` (a lease is charged when it ends).
+    pub(super) fn window_used(&self, p: &SchedulerParams, now: u64) -> u64 {
+        let from = now.saturating_sub(p.cap_window_ns);
+        self.seen
+            .iter()
+            .rev()
+            .take_while(|(t, _)| *t > from)
+            .map(|&(t, ns)| ns.min(t - from))
+            .sum()
+    }
+
+    /// When enough of the charges have left the cap window for a lease of `need` to fit beside
+    /// the margin (`now` if they already have). Charges are taken as back to back, oldest
+    /// first, as leases are; a later tick re-checks anyway.
+    pub(super) fn window_frees(&self, p: &SchedulerParams, need: u64, now: u64) -> u64 {
+        let Some(cap) = self.cap else {
+            return now;
+        };
+        let w = p.cap_window_ns;
+        let limit = Self::limit(p, cap);
+        let used = self.window_used(p, now) + self.margin(p, now);
+        let Some(mut excess) = (used + need).checked_sub(limit).filter(|e| *e > 0) else {
+            return now;
+        };
+        let from = now.saturating_sub(w);
+        for &(t, ns) in self.seen.iter().filter(|(t, _)| *t > from) {
+            let start = t.saturating_sub(ns).max(from);
+            let part = t - start;
+            if excess <= part {
+                return start + excess + w;
+            }
+            excess -= part;
+        }
+        now + w
+    }
+
+    /// When there is room for `need` again (`None`: uncapped): a latency allocation's window
+    /// has freed it, a best-effort one's bucket has refilled and its window freed it.
+    pub(super) fn ready_at(
+        &self,
+        p: &SchedulerParams,
+        latency: bool,
+        need: u64,
+        now: u64,
+    ) -> Option<u64> {
+        let cap = self.cap?;
+        if latency {
+            return Some(self.window_frees(p, need, now));
+        }
+        let have = self.bucket(p, now);
+        let missing = need as f64 - have;
+        let refilled = if missing <= 0.0 {
+            now
+        } else {
+            now + (missing * 100.0 / f64::from(cap)).ceil() as u64
+        };
+        Some(refilled.max(self.window_frees(p, need, now)))
+    }
+}
+
+/// The cap rules as the scheduler applies them to an allocation.
+impl GpuScheduler {
+    /// Counts `ns` of GPU time against `key`'s cap (bucket and cap window) only: for time the
+    /// backstop saw its processes use outside leases and forgave from the GPU's slack (not
+    /// charged to its share, but a cap is a ceiling on GPU time). No-op when uncapped.
+    pub fn count_for_cap(&mut self, key: AccountKey, ns: u64, now: u64) {
+        let p = self.params;
+        if let Some(a) = self.allocs.get_mut(&key) {
+            a.meter.note(&p, ns, now);
+            // Reported after the GPU time was used: the next report is likely alike.
+            a.meter.note_overrun(&p, ns, now);
+        }
+    }
+
+    /// The shortest lease worth granting, ns.
+    pub(super) fn threshold(&self) -> u64 {
+        self.params.min_lease_ns.min(self.params.bucket_depth_ns)
+    }
+
+    /// The room `a` needs to be granted a lease: a minimal lease, or for a capped allocation
+    /// the lease it would be given uncapped (its adapted length, at most the contended length
+    /// and the bucket's depth). Each lease costs a hand-over the tenant does not compute in (the
+    /// grant reaching it, the drain at its end); granting a capped tenant the first minimal
+    /// lease its bucket allows made its leases shorter than its competitors', so it lost more
+    /// of its charged time to hand-overs (28.5/71.5 of the GPU's busy time, capped 30 against
+    /// uncapped 70, in `compute_share`).
+    pub(super) fn need(&self, a: &Alloc) -> u64 {
+        let floor = self.threshold();
+        if a.meter.cap.is_none() || a.tier == Tier::Latency {
+            return floor;
+        }
+        a.lease_len
+            .ns()
+            .min(self.params.contended_lease_ns)
+            .min(self.params.bucket_depth_ns)
+            .max(floor)
+    }
+
+    /// GPU time `a` may still be granted at `now` (see [`CapMeter::room`]).
+    pub(super) fn room(&self, a: &Alloc, now: u64) -> f64 {
+        a.meter.room(&self.params, a.tier == Tier::Latency, now)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+    const S: u64 = 1_000 * MS;
+    /// Far enough from 0 that a cap window never reaches before the clock's origin.
+    const T0: u64 = 10 * S;
+
+    fn p() -> SchedulerParams {
+        SchedulerParams::default()
+    }
+
+    #[test]
+    fn uncapped_has_no_limit_and_notes_nothing() {
+        let p = p();
+        let mut m = CapMeter::new(None, &p, T0);
+        m.note(&p, 5 * S, T0);
+        m.note_overrun(&p, S, T0);
+        assert_eq!(m.room(&p, false, T0), f64::INFINITY);
+        assert_eq!(m.room(&p, true, T0), f64::INFINITY);
+        assert_eq!(m.tokens_before_use(&p, T0), f64::INFINITY);
+        assert_eq!((m.window_used(&p, T0), m.margin(&p, T0)), (0, 0));
+        assert_eq!(m.ready_at(&p, false, 20 * MS, T0), None);
+        assert_eq!(m.window_frees(&p, 20 * MS, T0), T0);
+    }
+
+    #[test]
+    fn the_bucket_starts_full_and_refills_at_the_cap_up_to_its_depth() {
+        let p = p();
+        let mut m = CapMeter::new(Some(10), &p, T0);
+        assert_eq!(m.tokens_before_use(&p, T0), 40.0 * MS as f64, "full");
+        m.note(&p, 40 * MS, T0);
+        assert_eq!(m.bucket(&p, T0), 0.0);
+        // 10% of 100 ms.
+        assert_eq!(m.bucket(&p, T0 + 100 * MS), 10.0 * MS as f64);
+        assert_eq!(
+            m.bucket(&p, T0 + S),
+            40.0 * MS as f64,
+            "clipped at the depth"
+        );
+        // 20 ms missing at 10%: 200 ms.
+        assert_eq!(m.ready_at(&p, false, 20 * MS, T0), Some(T0 + 200 * MS));
+        assert_eq!(m.ready_at(&p, false, 20 * MS, T0 + S), Some(T0 + S));
+    }
+
+    #[test]
+    fn a_lease_fills_and_drains_the_bucket_together_unclipped() {
+        let p = p();
+        let mut m = CapMeter::new(Some(50), &p, T0);
+        m.start_lease(&p, T0);
+        // 40 ms + 50% of 100 ms, net of the 100 ms used so far.
+        assert_eq!(m.tokens_before_use(&p, T0 + 100 * MS), 90.0 * MS as f64);
+        assert_eq!(m.bucket(&p, T0 + 100 * MS), -10.0 * MS as f64);
+        m.note(&p, 100 * MS, T0 + 100 * MS);
+        m.end_lease();
+        // Clipped at the depth during the lease it would be 40 - 100 = -60 ms.
+        assert_eq!(m.bucket(&p, T0 + 100 * MS), -10.0 * MS as f64);
+        assert_eq!(m.bucket(&p, T0 + 120 * MS), 0.0);
+    }
+
+    #[test]
+    fn the_cap_window_bounds_every_window_whatever_the_bucket() {
+        let p = p();
+        let mut m = CapMeter::new(Some(10), &p, T0);
+        // 10% of 1 s plus 5 ms of slack.
+        assert_eq!(CapMeter::limit(&p, 10), 105 * MS);
+        m.note(&p, 100 * MS, T0);
+        // Noted at T0, it covers [T0 - 100 ms, T0]: all of it in the window ending at T0 + 900
+        // ms, half in the one ending at T0 + 950 ms, none after T0 + 1 s.
+        assert_eq!(m.window_used(&p, T0 + 900 * MS), 100 * MS);
+        assert_eq!(m.window_used(&p, T0 + 950 * MS), 50 * MS);
+        assert_eq!(m.window_used(&p, T0 + S), 0);
+        // The bucket holds 30 ms at T0 + 900 ms, the window only 5.
+        assert_eq!(m.bucket(&p, T0 + 900 * MS), 30.0 * MS as f64);
+        assert_eq!(m.room(&p, false, T0 + 900 * MS), 5.0 * MS as f64);
+        assert_eq!(m.room(&p, false, T0 + S + 50 * MS), 40.0 * MS as f64);
+        // A latency allocation's room is the window alone.
+        assert_eq!(m.room(&p, true, T0 + 900 * MS), 5.0 * MS as f64);
+        // 20 ms fit once 15 ms of the charge have left the window.
+        assert_eq!(m.window_frees(&p, 20 * MS, T0 + 900 * MS), T0 + 915 * MS);
+        assert_eq!(
+            m.ready_at(&p, true, 20 * MS, T0 + 900 * MS),
+            Some(T0 + 915 * MS)
+        );
+        assert_eq!(m.room(&p, true, T0 + 915 * MS), 20.0 * MS as f64);
+    }
+
+    #[test]
+    fn the_largest_recent_overrun_is_kept_free() {
+        let p = p();
+        let mut m = CapMeter::new(Some(10), &p, T0);
+        m.note_overrun(&p, 3 * MS, T0);
+        m.note_overrun(&p, 7 * MS, T0 + MS);
+        m.note_overrun(&p, 2 * MS, T0 + 2 * MS);
+        assert_eq!(m.margin(&p, T0 + 500 * MS), 7 * MS);
+        assert_eq!(m.room(&p, true, T0 + 500 * MS), 98.0 * MS as f64);
+        // The 7 ms left the window; the 2 ms has not.
+        assert_eq!(m.margin(&p, T0 + S + MS), 2 * MS);
+        assert_eq!(m.margin(&p, T0 + S + 2 * MS), 0);
+    }
+}
