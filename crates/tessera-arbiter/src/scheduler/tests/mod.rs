@@ -10,6 +10,7 @@ use super::*;
 mod caps;
 mod latency;
 mod leases;
+mod props;
 mod shares;
 
 const MS: u64 = 1_000_000;
