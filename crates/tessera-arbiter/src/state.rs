@@ -33,7 +33,7 @@ use crate::store::{self, AllocationRecord, Store, StoreError};
 // out of this file, which is long enough.
 mod access;
 mod kills;
-pub use access::By;
+pub use access::{By, Quota};
 
 /// How long a reservation that does not fit waits, by default, while other processes of its
 /// allocation hold memory, for them to give back unused credit (they answer a `Pressure` as

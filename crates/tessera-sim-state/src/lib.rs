@@ -36,6 +36,8 @@ pub mod driver;
 pub mod engine;
 pub mod events;
 mod generation;
+#[cfg(test)]
+mod generation_tests;
 pub mod ledger;
 pub mod machine;
 pub mod shared;

@@ -287,7 +287,15 @@ const ARBITER_LAYERS: [&[&str]; 5] = [
         "wire",
     ],
     &["state"],
-    &["admin", "admission", "backstop", "reaper", "tenant"],
+    &[
+        "admin",
+        "admission",
+        "backstop",
+        "drain",
+        "reaper",
+        "tenant",
+        "users",
+    ],
     &["metrics"],
     &["config", "server"],
 ];

@@ -51,6 +51,52 @@ pub struct Action {
     pub reason: Reason,
 }
 
+/// `reason` for people (`tessera run` prints it), for an allocation on card `gpu` with memory
+/// limit `limit`: a memory reason allowing less than the limit was about a card outside the
+/// allocation (allowed 0), whose number the reason does not carry.
+pub(crate) fn describe(reason: &Reason, gpu: u32, limit: u64) -> String {
+    let outside = matches!(reason, Reason::Memory { allowed, .. } if *allowed < limit);
+    let on = if outside {
+        "on a GPU outside its allocation".to_owned()
+    } else {
+        format!("on GPU {gpu}")
+    };
+    match *reason {
+        Reason::Memory {
+            used,
+            total,
+            allowed,
+        } if used == total => format!(
+            "held {} {on}, allowed {} (the allocation's limit plus the tolerance)",
+            human(used),
+            human(allowed)
+        ),
+        Reason::Memory {
+            used,
+            total,
+            allowed,
+        } => format!(
+            "held {} {on}; the allocation's processes held {}, allowed {} (its limit plus the \
+             tolerance)",
+            human(used),
+            human(total),
+            human(allowed)
+        ),
+        Reason::Compute {
+            gpu_ns,
+            unleased_ns,
+        } => format!(
+            "its allocation used {} ms of GPU time {on} outside its leases, past its slack; this \
+             process {} ms in the last poll",
+            unleased_ns / 1_000_000,
+            gpu_ns / 1_000_000
+        ),
+        Reason::Unknown { used, .. } | Reason::Forged { used } => {
+            format!("held {} {on} outside any allocation", human(used))
+        }
+    }
+}
+
 /// A hold on one process, taken when the backstop first looks at it: in production its pidfd
 /// (`pidfd_open`), so a kill decided on what was read about it reaches that process or nobody,
 /// never another that got its pid meanwhile (a pid is free for reuse once its process is reaped;
@@ -204,7 +250,9 @@ impl Backstop {
         }
         if kill && let Some(id) = &a.allocation {
             // Before the signal: `tessera run` asks as soon as it sees its command gone.
-            self.arb.record_kill(id, a.pid, &a.reason);
+            let reason = &a.reason;
+            self.arb
+                .record_kill(id, a.pid, |gpu, limit| describe(reason, gpu, limit));
         }
         let verdict = if kill {
             let done = self.held.get(&a.pid).is_some_and(|h| self.killer.kill(h));

@@ -1413,3 +1413,26 @@ fn an_mps_daemon_nobody_owns_is_left_alone_and_a_tenants_of_that_name_is_not() {
     acts.sort();
     assert_eq!(acts, [7, 8], "the daemons are never acted on");
 }
+
+#[test]
+fn a_kill_reads_as_the_arbiter_saw_it() {
+    let r = Reason::Memory {
+        used: 5 * GIB + 300 * (1 << 20),
+        total: 5 * GIB + 300 * (1 << 20),
+        allowed: 4 * GIB + 64 * (1 << 20),
+    };
+    assert_eq!(
+        describe(&r, 0, 4 * GIB),
+        "held 5.29 GiB on GPU 0, allowed 4.06 GiB (the allocation's limit plus the tolerance)"
+    );
+    let r = Reason::Memory {
+        used: GIB,
+        total: 3 * GIB,
+        allowed: 0,
+    };
+    let text = describe(&r, 0, GIB);
+    assert!(
+        text.contains("on a GPU outside its allocation") && text.contains("held 3 GiB"),
+        "{text}"
+    );
+}

@@ -10,7 +10,15 @@ use tessera_protocol::{CreateAllocation, GpuInfo};
 
 use super::StateError;
 use crate::store::AllocationRecord;
-use crate::users::Quota;
+
+/// What one user's allocations may hold together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quota {
+    /// Memory of all the user's allocations together, on every GPU, bytes.
+    pub memory: u64,
+    /// Shares of the user's allocations on any one GPU (a share is a part of one GPU).
+    pub shares: u32,
+}
 
 /// Who asks.
 #[derive(Debug, Clone, PartialEq, Eq)]

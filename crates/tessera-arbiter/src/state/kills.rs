@@ -5,69 +5,23 @@
 #![forbid(unsafe_code)]
 
 use tessera_protocol::KillRecord;
-use tessera_protocol::size::human;
 
 use super::{Arbiter, By, StateError};
-use crate::backstop::Reason;
-
-/// `reason` for people, on `gpu` (the allocation's card; `None` when the limit was 0: a card
-/// outside the allocation, whose number the reason does not carry).
-fn describe(reason: &Reason, gpu: Option<u32>) -> String {
-    let on = gpu.map_or("on a GPU outside its allocation".to_owned(), |g| {
-        format!("on GPU {g}")
-    });
-    match *reason {
-        Reason::Memory {
-            used,
-            total,
-            allowed,
-        } if used == total => format!(
-            "held {} {on}, allowed {} (the allocation's limit plus the tolerance)",
-            human(used),
-            human(allowed)
-        ),
-        Reason::Memory {
-            used,
-            total,
-            allowed,
-        } => format!(
-            "held {} {on}; the allocation's processes held {}, allowed {} (its limit plus the \
-             tolerance)",
-            human(used),
-            human(total),
-            human(allowed)
-        ),
-        Reason::Compute {
-            gpu_ns,
-            unleased_ns,
-        } => format!(
-            "its allocation used {} ms of GPU time {on} outside its leases, past its slack; this \
-             process {} ms in the last poll",
-            unleased_ns / 1_000_000,
-            gpu_ns / 1_000_000
-        ),
-        Reason::Unknown { used, .. } => format!("held {} {on} outside any allocation", human(used)),
-        // Reasons that name no allocation's limit (new ones included): what it held.
-        #[allow(unreachable_patterns)]
-        _ => format!("{reason:?} {on}"),
-    }
-}
 
 impl Arbiter {
-    /// Records that the backstop is killing `pid` of allocation `id` for `reason`. Called just
-    /// before the signal: the command's parent (`tessera run`) asks as soon as it sees the
-    /// command gone, so the record must be there first.
-    pub fn record_kill(&self, id: &str, pid: i32, reason: &Reason) {
+    /// Records that the backstop is killing `pid` of allocation `id`, in the words `describe`
+    /// gives from the allocation's card and memory limit (the backstop's reason is its own
+    /// business: this layer keeps text). Called just before the signal: the command's parent
+    /// (`tessera run`) asks as soon as it sees the command gone, so the record must be there
+    /// first.
+    pub fn record_kill(&self, id: &str, pid: i32, describe: impl FnOnce(u32, u64) -> String) {
         let live = self.live();
         let Some(a) = live.by_id.get(id) else {
             return;
         };
-        let limit0 =
-            matches!(reason, Reason::Memory { allowed, .. } if *allowed < a.record.memory_limit);
-        let gpu = (!limit0).then_some(a.record.gpu_index);
         let record = KillRecord {
             pid,
-            reason: describe(reason, gpu),
+            reason: describe(a.record.gpu_index, a.record.memory_limit),
             unix: super::now_unix(),
         };
         let mut kills = self.kills.lock();
@@ -95,29 +49,6 @@ mod tests {
     const GIB: u64 = 1 << 30;
 
     #[test]
-    fn a_kill_reads_as_the_arbiter_saw_it() {
-        let r = Reason::Memory {
-            used: 5 * GIB + 300 * (1 << 20),
-            total: 5 * GIB + 300 * (1 << 20),
-            allowed: 4 * GIB + 64 * (1 << 20),
-        };
-        assert_eq!(
-            describe(&r, Some(0)),
-            "held 5.29 GiB on GPU 0, allowed 4.06 GiB (the allocation's limit plus the tolerance)"
-        );
-        let r = Reason::Memory {
-            used: GIB,
-            total: 3 * GIB,
-            allowed: 0,
-        };
-        let text = describe(&r, None);
-        assert!(
-            text.contains("on a GPU outside its allocation") && text.contains("held 3 GiB"),
-            "{text}"
-        );
-    }
-
-    #[test]
     fn the_last_kill_is_kept_per_allocation_and_shown_only_to_its_owner() {
         let dir = tempfile::tempdir().unwrap();
         let arb = Arbiter::new(
@@ -131,7 +62,7 @@ mod tests {
             .unwrap();
         let alice = By::user(
             61001,
-            crate::users::Quota {
+            super::super::Quota {
                 memory: 8 * GIB,
                 shares: 100,
             },
@@ -147,23 +78,19 @@ mod tests {
             .block_on(arb.create_tiered_by(create, None, Default::default(), &alice))
             .unwrap();
         assert_eq!(arb.last_kill(&a.id, &alice).unwrap(), None);
-        let r = Reason::Memory {
-            used: 2 * GIB,
-            total: 2 * GIB,
-            allowed: GIB + (64 << 20),
-        };
-        arb.record_kill(&a.id, 1234, &r);
+        arb.record_kill(&a.id, 1234, |gpu, limit| {
+            format!("held 2 GiB on GPU {gpu}, allowed {limit} bytes")
+        });
         let k = arb.last_kill(&a.id, &alice).unwrap().unwrap();
         assert_eq!(k.pid, 1234);
         assert!(
-            k.reason
-                .starts_with("held 2 GiB on GPU 0, allowed 1.06 GiB"),
+            k.reason == format!("held 2 GiB on GPU 0, allowed {GIB} bytes"),
             "{}",
             k.reason
         );
         let bob = By::user(
             61002,
-            crate::users::Quota {
+            super::super::Quota {
                 memory: GIB,
                 shares: 10,
             },

@@ -29,14 +29,9 @@ use std::path::PathBuf;
 
 use tessera_protocol::node;
 
-/// What one user's allocations may hold together.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Quota {
-    /// Memory of all the user's allocations together, on every GPU, bytes.
-    pub memory: u64,
-    /// Shares of the user's allocations on any one GPU (a share is a part of one GPU).
-    pub shares: u32,
-}
+/// What one user's allocations may hold together (defined with the state's access rules,
+/// which enforce it).
+pub use crate::state::Quota;
 
 /// One user's quota in place of the default (`--user-quota-for`): the keys it gives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
