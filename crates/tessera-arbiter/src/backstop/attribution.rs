@@ -353,3 +353,47 @@ fn connected_ancestor(
     }
     None
 }
+
+/// The last attribution step, which needs the arbiter: processes under `tessera run`.
+impl Backstop {
+    /// The last attribution step, kept apart from [`attribute`]: a process nothing else names
+    /// that runs under a live `tessera run` (its owner, pid and start time; see
+    /// [`crate::owner`]), or was found under one before, is that allocation's, connected or
+    /// not (a double-forked child without `LD_PRELOAD`, a `dlmopen`-first process).
+    pub(super) fn attribute_owned(&self, watched: &[Watched], owners: &mut HashMap<i32, Owner>) {
+        let owned = self.arb.owned();
+        if owned.is_empty() {
+            return;
+        }
+        let proc = std::path::Path::new("/proc");
+        let index: HashMap<&str, usize> = watched
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (w.id.as_str(), i))
+            .collect();
+        let list: Vec<_> = owned.iter().map(|(_, o, ..)| *o).collect();
+        let parent = |p: i32| self.procfs.parent(p);
+        let start = |p: i32| crate::owner::start_time(proc, p);
+        let mut members = self.arb.members();
+        for (&pid, owner) in owners.iter_mut() {
+            if matches!(owner, Owner::Allocation(_)) {
+                continue;
+            }
+            let Some(start_time) = start(pid) else {
+                continue;
+            };
+            let me = tessera_protocol::ProcessOwner { pid, start_time };
+            let id = match members.of(me) {
+                Some(id) => Some(id.to_owned()),
+                None => crate::owner::owned_ancestor(pid, &list, &parent, &start)
+                    .map(|i| owned[i].0.clone()),
+            };
+            if let Some(id) = id
+                && let Some(&i) = index.get(id.as_str())
+            {
+                *owner = Owner::Allocation(i);
+                members.note(&id, me);
+            }
+        }
+    }
+}

@@ -221,3 +221,98 @@ pub fn compute_culprit(group: &[(i32, u64)], connected: &HashSet<i32>) -> Option
         .min_by_key(|(pid, ns)| (connected.contains(pid), std::cmp::Reverse(*ns), *pid))
         .copied()
 }
+
+/// The compute rule applied each poll: per GPU, against its leases and one slack.
+impl Backstop {
+    /// The compute rule over one interval; charges what was used outside leases.
+    pub(super) fn compute(
+        &mut self,
+        watched: &[Watched],
+        rows: &[TimeRow],
+        elapsed: u64,
+    ) -> Vec<Action> {
+        let mut busy = vec![0u64; watched.len()];
+        let mut groups: Vec<Vec<(i32, u64)>> = vec![Vec::new(); watched.len()];
+        for r in rows {
+            busy[r.allocation] += r.all_ns;
+            if r.policed_ns > 0 {
+                groups[r.allocation].push((r.pid, r.policed_ns));
+            }
+        }
+        let live: HashSet<&str> = watched.iter().map(|w| w.id.as_str()).collect();
+        self.book.retain(&live);
+        // Policed allocations by GPU: each GPU has one slack budget.
+        let mut per_gpu: HashMap<String, Vec<(usize, u64, u64)>> = HashMap::new();
+        for (i, (w, group)) in watched.iter().zip(&groups).enumerate() {
+            if busy[i] > 0 {
+                self.arb.note_gpu_busy(&w.id, busy[i]);
+            }
+            let used: u64 = group.iter().map(|(_, ns)| ns).sum();
+            let (gpu, leased) = if w.share < 100 {
+                let Some(at) = self.arb.leased_total(&w.id) else {
+                    continue;
+                };
+                at
+            } else {
+                // A whole-card allocation is policed only on cards it does not own, where no
+                // lease of its covers anything; that time draws on a budget of its own.
+                (format!("whole-card {}", w.id), 0)
+            };
+            per_gpu.entry(gpu).or_default().push((i, used, leased));
+        }
+        let may_act = self.started.elapsed() >= COMPUTE_WARMUP;
+        let mut actions = Vec::new();
+        // Time on a card outside the allocation: over a limit of zero, no lease, no slack
+        // (its context there holds memory too, so the memory rule usually acts first).
+        for r in rows.iter().filter(|r| r.outside_ns > 0 && may_act) {
+            let w = &watched[r.allocation];
+            actions.push(Action {
+                pid: r.pid,
+                allocation: Some(w.id.clone()),
+                unconnected: !w.pids.iter().any(|p| p.pid == r.pid),
+                reason: Reason::Compute {
+                    gpu_ns: r.outside_ns,
+                    unleased_ns: r.outside_ns,
+                },
+            });
+        }
+        for rows in per_gpu.values() {
+            let uses: Vec<ComputeUse<'_>> = rows
+                .iter()
+                .map(|&(i, used_ns, leased_total)| ComputeUse {
+                    id: &watched[i].id,
+                    used_ns,
+                    leased_total,
+                })
+                .collect();
+            let verdicts = self.book.observe_gpu(&uses, elapsed, &self.policy, may_act);
+            for (&(i, _, _), v) in rows.iter().zip(verdicts) {
+                let w = &watched[i];
+                if v.forgiven_ns > 0 {
+                    self.arb.count_for_cap(&w.id, v.forgiven_ns);
+                }
+                if v.charge_ns > 0 {
+                    self.arb.charge_unleased(&w.id, v.charge_ns);
+                    self.counters
+                        .charged_ns
+                        .fetch_add(v.charge_ns, Ordering::Relaxed);
+                }
+                if v.over {
+                    let connected: HashSet<i32> = w.pids.iter().map(|p| p.pid).collect();
+                    if let Some((pid, ns)) = compute_culprit(&groups[i], &connected) {
+                        actions.push(Action {
+                            pid,
+                            allocation: Some(w.id.clone()),
+                            unconnected: !connected.contains(&pid),
+                            reason: Reason::Compute {
+                                gpu_ns: ns,
+                                unleased_ns: v.unleased_ns,
+                            },
+                        });
+                    }
+                }
+            }
+        }
+        actions
+    }
+}
