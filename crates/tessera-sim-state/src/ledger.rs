@@ -322,7 +322,11 @@ impl Ledger {
         }
         Ok(f(guard.as_ref().expect("record just made")))
     }
+}
 
+/// What the process does on the card: allocations and frees, engine time, contexts, shared
+/// memory held and shown.
+impl Ledger {
     /// Reserves `bytes` of device memory on `gpu` if the card has room (counting every live
     /// process), else [`LedgerError::OutOfMemory`].
     pub fn try_alloc(&self, gpu: u32, bytes: u64) -> Result<(), LedgerError> {
