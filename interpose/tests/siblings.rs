@@ -318,12 +318,13 @@ fn racers_exiting_and_killed_never_take_the_card_past_the_limit() {
         "too little happened"
     );
     assert!(samples > 1000, "the card was hardly sampled: {samples}");
-    // A process's bytes that drain (its memory still on the card) are waited for, never
-    // refused. What is left is the credit hand-over: a ticket freed by one racer is taken by
-    // another while the first keeps the freed bytes as credit, pressed back only at the next
-    // press (1-3 in 8000 on this VM, as before the drain). A tenth of a percent bounds it.
-    assert!(
-        refusals * 1000 <= grants,
+    // No false out-of-memory: a process's bytes that drain (its memory still on the card) are
+    // waited for; credit is pressed back. Before: 1-3 refusals in 8000, each beside credit
+    // nobody pressed (a new racer granted its context and a granule of credit while a sibling
+    // waited; credit whose grant crossed the answer to a press; a killed racer's chunks held
+    // by its thread still waiting; a churner's give-backs not yet booked).
+    assert_eq!(
+        refusals, 0,
         "{refusals} of {grants} allocations under a ticket refused"
     );
     assert!(

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::ledger::{AccountKey, ConnId};
 
@@ -51,6 +51,8 @@ struct Channel {
     sink: Arc<dyn PressureSink>,
     /// Pressures sent and not answered yet.
     owed: Vec<u64>,
+    /// When the oldest of them was sent (None while nothing is owed).
+    owed_since: Option<Instant>,
     /// `Relinquish` frames handled so far.
     frames: u64,
 }
@@ -83,6 +85,8 @@ pub struct PressureHub {
     /// the next one without missing it.
     freed: Mutex<u64>,
     freed_cv: Condvar,
+    /// Reservations waiting for room, any allocation (see [`PressureHub::waiters`]).
+    waiters: std::sync::atomic::AtomicUsize,
 }
 
 impl std::fmt::Debug for PressureHub {
@@ -101,10 +105,17 @@ pub struct Round {
     seq: u64,
     /// Channels the pressure reached.
     pub sent: usize,
-    /// Of those, channels that still owed an answer to an earlier round (silent since: a
-    /// stopped process, or one the host has not run for a while).
+    /// Of those, channels that still owed an answer to a round sent at least [`SILENT_AFTER`]
+    /// before (silent since: a stopped process, or one the host has not run for a while).
     pub late: usize,
 }
+
+/// How long a channel owes an answer before a new round counts it as silent ([`Round::late`]).
+/// A round sent just before by another waiter does not make a live process late: its answer,
+/// on its way, serves both rounds, and is waited for like a fresh one (seen: a round 0.2 ms old
+/// made a sibling late, its channel thread was not run for 70 ms, and a waiter that would have
+/// fitted with its answer was refused at the memory wait).
+pub const SILENT_AFTER: Duration = Duration::from_millis(50);
 
 impl PressureHub {
     /// An empty registry.
@@ -160,6 +171,7 @@ impl PressureHub {
                 ctl,
                 sink,
                 owed: Vec::new(),
+                owed_since: None,
                 frames: 0,
             },
         );
@@ -200,6 +212,11 @@ impl PressureHub {
     /// Presses the channels of `targets` (memory connections of account `key`). Targets with
     /// no channel, or whose channel cannot take the frame, are skipped.
     pub fn press(&self, key: AccountKey, targets: &[ConnId]) -> Round {
+        self.press_at(key, targets, Instant::now())
+    }
+
+    /// [`PressureHub::press`] at `now` (a test's instant).
+    pub fn press_at(&self, key: AccountKey, targets: &[ConnId], now: Instant) -> Round {
         let mut i = self.lock();
         // Seq 0 is never used: a `Relinquish` with seq 0 answers nothing (credit given back
         // unasked).
@@ -217,7 +234,8 @@ impl PressureHub {
             if owing || ch.sink.press(seq) {
                 ch.owed.push(seq);
                 sent += 1;
-                late += usize::from(owing);
+                let since = *ch.owed_since.get_or_insert(now);
+                late += usize::from(owing && now.saturating_duration_since(since) >= SILENT_AFTER);
             }
         }
         if sent > 0 {
@@ -258,6 +276,7 @@ impl PressureHub {
             return Ok(());
         }
         let owed = std::mem::take(&mut ch.owed);
+        ch.owed_since = None;
         for s in owed {
             i.settle(s);
         }
@@ -269,6 +288,24 @@ impl PressureHub {
     /// without a channel).
     pub fn channel_frames(&self, mem: ConnId) -> Option<u64> {
         self.lock().channels.get(&mem).map(|c| c.frames)
+    }
+
+    /// A reservation begins waiting for room ([`PressureHub::wait_ended`] when it ends).
+    pub fn wait_began(&self) {
+        self.waiters
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// A reservation waits for room no more.
+    pub fn wait_ended(&self) {
+        self.waiters
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Reservations waiting for room now, in any allocation: one atomic load, so a request can
+    /// tell whether it must be careful of a waiter before it takes the ledger's lock.
+    pub fn waiters(&self) -> usize {
+        self.waiters.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The count of frees so far (see [`PressureHub::wait_freed`]).
@@ -448,11 +485,16 @@ mod tests {
         hub.subscribe(1, 1, 11, a.clone()).unwrap();
         hub.subscribe(2, 1, 21, b.clone()).unwrap();
         // A never answers its first pressure (a stopped process).
-        let first = hub.press(1, &[10]);
+        let t0 = Instant::now();
+        let first = hub.press_at(1, &[10], t0);
         assert_eq!((first.sent, first.late), (1, 0));
         assert!(!hub.wait_fresh(first, Instant::now() + Duration::from_millis(10)));
-        // The next round: A is late, B fresh. Waiting for the fresh ones is waiting for B.
-        let second = hub.press(1, &[10, 20]);
+        // A round just after (another waiter's): A's answer may be on its way, it is not late.
+        let just_after = hub.press_at(1, &[10], t0 + SILENT_AFTER / 2);
+        assert_eq!((just_after.sent, just_after.late), (1, 0));
+        // The next round, once A was silent a while: A is late, B fresh. Waiting for the fresh
+        // ones is waiting for B.
+        let second = hub.press_at(1, &[10, 20], t0 + SILENT_AFTER);
         assert_eq!((second.sent, second.late), (2, 1));
         let seq = b.got.lock()[0];
         let h = Arc::clone(&hub);

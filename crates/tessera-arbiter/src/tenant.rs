@@ -29,7 +29,7 @@
 //! keeps every reply in request order; one-way frames are handled meanwhile.
 
 use std::io::{Read, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
@@ -378,11 +378,24 @@ fn serve_requests(
                     // Too much closes this channel; the memory connection keeps its holding
                     // (over-counting only its own allocation).
                     book_release(arb, b, mem, bytes)?;
-                    arb.pressure().answered(mem, conn, seq)?;
-                    // Wakes reservations waiting for room, or for this channel to catch up.
+                    let answered = arb.pressure().answered(mem, conn, seq);
+                    // Wakes reservations waiting for room, or for this channel to catch up
+                    // (after `answered` counted the frame, which such a waiter reads), even
+                    // when the channel is no longer its connection's: the bytes were booked.
                     arb.pressure().note_freed();
+                    if answered.is_err() {
+                        // Its memory connection closed first (a process's sockets close one
+                        // by one at its exit) and took the channel with it, or a later
+                        // `Subscribe` replaced it: nothing is left to answer for, and this
+                        // is no error of the process's.
+                        tracing::debug!(
+                            "pressure channel conn {conn}: its memory connection {mem} has no \
+                             channel now; closing it"
+                        );
+                        return Ok(());
+                    }
                 }
-                req => handle(arb, b, conn, req, first, &mut out)?,
+                req => handle(arb, b, conn, stream.as_raw_fd(), req, first, &mut out)?,
             }
             arb.requests().observe(kind, started.elapsed());
         }
@@ -401,11 +414,13 @@ fn reply(out: &mut Vec<u8>, r: &TenantReply) -> Result<(), TenantError> {
     wire::push_frame(out, r).map_err(|e| WireError::from(e).into())
 }
 
-/// Handles one request; `first`: it is the first request of the connection.
+/// Handles one request; `first`: it is the first request of the connection, whose socket is
+/// `peer`.
 fn handle(
     arb: &Arbiter,
     b: &TenantBinding,
     conn: ConnId,
+    peer: RawFd,
     req: TenantRequest,
     first: bool,
     out: &mut Vec<u8>,
@@ -413,7 +428,7 @@ fn handle(
     let key = b.key;
     match req {
         TenantRequest::Reserve { bytes } => {
-            let msg = match reserve_pressing(arb, b, conn, bytes, 0, |l| {
+            let msg = match reserve_pressing(arb, b, (conn, peer), bytes, 0, |l| {
                 l.reserve(key, conn, bytes).map(|r| match r {
                     Reservation::Granted { in_use } => Credit::Granted { bytes, in_use },
                     Reservation::Denied { limit, in_use } => Credit::Denied { limit, in_use },
@@ -436,7 +451,7 @@ fn handle(
             given_back,
         } => {
             let attempt = |l: &mut crate::ledger::Ledger| l.reserve_credit(key, conn, bytes, extra);
-            let msg = match reserve_pressing(arb, b, conn, bytes, given_back, attempt) {
+            let msg = match reserve_pressing(arb, b, (conn, peer), bytes, given_back, attempt) {
                 Ok(Credit::Granted { bytes, in_use }) => TenantReply::Granted { bytes, in_use },
                 Ok(Credit::Denied { limit, in_use }) => {
                     b.counters.refused();
@@ -607,11 +622,13 @@ impl OwnGiveBacks {
 /// channel; a refusal first waits for the channel to have handled them (the process's own
 /// frees, which travel on another socket). `need`: the bytes asked for; a request that would
 /// fit once the allocation's draining connections are released waits for them (see
-/// [`Drains`]).
+/// [`Drains`]). `(conn, peer)`: the connection and its socket; a process that dies while its
+/// request waits stops the wait (its bytes then drain like any closed connection's, and its
+/// siblings wait for those rather than be refused beside them).
 fn reserve_pressing(
     arb: &Arbiter,
     b: &TenantBinding,
-    conn: ConnId,
+    (conn, peer): (ConnId, RawFd),
     need: u64,
     given_back: u64,
     mut attempt: impl FnMut(&mut crate::ledger::Ledger) -> Result<Credit, crate::ledger::LedgerError>,
@@ -620,14 +637,64 @@ fn reserve_pressing(
     let mut drains = Drains::new(need);
     let mut deadline = Instant::now() + arb.memory_wait();
     let hub = arb.pressure();
+    let key = b.key;
+    // A grant while a sibling waits for room wakes it: its next press then reaches this
+    // connection, which held less (maybe nothing) when it last pressed, and whose frees would
+    // otherwise stay credit in this process that nobody asks back.
+    let mut attempt = |arb: &Arbiter| {
+        let (r, others) = arb.with_ledger(|l| {
+            attempt(l).map(|r| {
+                (
+                    r,
+                    matches!(r, Credit::Granted { .. }) && l.others_waiting(key, conn),
+                )
+            })
+        })?;
+        if others {
+            hub.note_freed();
+        }
+        Ok::<_, LedgerError>(r)
+    };
+    // Set once the first attempt was refused: the connection waits for room (no credit is
+    // given to anyone meanwhile, see `Ledger::begin_wait`); ends with this call.
+    let mut waiting: Option<Waiting<'_>> = None;
+    // Whether the others were pressed since the deadline was last set.
+    let mut pressed = false;
+    if hub.waiters() > 0 {
+        // Someone waits for room: this process's own give-backs (sent on its channel before
+        // this request, booked by another thread) are booked first, so that its grant takes
+        // back its own bytes, not the room the waiter needs. (A process that frees and
+        // allocates in a loop ran ahead of its channel by three chunks, and a sibling's context
+        // waited out the memory wait beside bytes already given back.)
+        own.wait_all(hub);
+    }
     loop {
         let seen = hub.freed_count();
-        let r = arb.with_ledger(&mut attempt)?;
+        let r = attempt(arb)?;
         if matches!(r, Credit::Granted { .. }) {
             return Ok(r);
         }
-        if arb.with_ledger(|l| l.usage(b.key)).is_none_or(|u| u.closed) {
+        // Registered before anyone is pressed: a sibling granted after the targets are chosen
+        // gets no credit it would keep beside this waiter.
+        let open = arb.with_ledger(|l| {
+            let open = l.usage(key).is_some_and(|u| !u.closed);
+            if open && waiting.is_none() {
+                l.begin_wait(key, conn)?;
+            }
+            Ok::<_, LedgerError>(open)
+        })?;
+        if !open {
             // Deleted: nothing anyone frees makes room.
+            return Ok(r);
+        }
+        if waiting.is_none() {
+            hub.wait_began();
+            waiting = Some(Waiting { arb, key, conn });
+        }
+        if hung_up(peer) {
+            // Killed while it waited: nobody reads the answer, and until this thread reads
+            // the end of the stream its bytes (its tickets' chunks, in the racers) count as a
+            // live process's, which nobody can press: siblings would be refused beside them.
             return Ok(r);
         }
         if own.pending(hub) {
@@ -637,34 +704,55 @@ fn reserve_pressing(
             // starts once they are in.
             own.wait_one(hub, seen);
             deadline = Instant::now() + arb.memory_wait();
+            pressed = false;
             continue;
         }
-        if Instant::now() >= deadline {
+        // Refused only after a press since the deadline was set: a thread the host did not
+        // run for the whole memory wait (seen: 55 ms on a loaded VM) presses once, late,
+        // rather than refusing on the word of its first attempt.
+        if pressed && Instant::now() >= deadline {
             if drains.wait(arb, b, seen) {
                 deadline = Instant::now() + arb.memory_wait();
+                pressed = false;
                 continue;
             }
             return Ok(r);
         }
+        pressed = true;
         if !press_others(arb, b, conn, deadline) {
             // Nobody else holds anything (now): once more, then the request alone does not fit
             // (unless closed connections' bytes, still on the card, are what it waits for).
             let seen = hub.freed_count();
-            let r = arb.with_ledger(&mut attempt)?;
+            let r = attempt(arb)?;
             if !matches!(r, Credit::Granted { .. }) && drains.wait(arb, b, seen) {
                 deadline = Instant::now() + arb.memory_wait();
+                pressed = false;
                 continue;
             }
             return Ok(r);
         }
         // Counted before the retry, so a free between the two is not missed.
         let seen = hub.freed_count();
-        let r = arb.with_ledger(&mut attempt)?;
+        let r = attempt(arb)?;
         if matches!(r, Credit::Granted { .. }) || Instant::now() >= deadline {
             return Ok(r);
         }
         // What the others hold is allocated right now: wait for one of them to free.
         hub.wait_freed(seen, deadline);
+    }
+}
+
+/// A reservation waiting for room (see `Ledger::begin_wait`), until it is dropped.
+struct Waiting<'a> {
+    arb: &'a Arbiter,
+    key: crate::ledger::AccountKey,
+    conn: ConnId,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.arb.with_ledger(|l| l.end_wait(self.key, self.conn));
+        self.arb.pressure().wait_ended();
     }
 }
 
@@ -704,6 +792,19 @@ impl Drains {
         arb.pressure().wait_freed(seen, until);
         true
     }
+}
+
+/// True when the peer of socket `fd` has hung up (checked without waiting).
+fn hung_up(fd: RawFd) -> bool {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLRDHUP,
+        revents: 0,
+    };
+    // SAFETY: `pfd` is a valid pollfd array of length 1 and `fd` the caller's open socket; a
+    // zero timeout never blocks.
+    let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+    n > 0 && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
 }
 
 /// Longest a press waits for the answers of processes that owed none before it. A live

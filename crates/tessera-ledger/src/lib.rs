@@ -9,6 +9,11 @@
 //! the card frees a process's memory when the driver tears the process down, after its socket
 //! closed, and until then a sibling granted those bytes would take the allocation past its
 //! limit on the card. The arbiter detaches the connection once the card let go.
+//!
+//! A connection whose reservation did not fit and that waits for room (the arbiter presses its
+//! siblings for their unused credit meanwhile) is *waiting* ([`Ledger::begin_wait`]): while any
+//! connection of an account waits, [`Ledger::reserve_credit`] gives no credit, since the room it
+//! would come from is what the waiter needs.
 
 #![forbid(unsafe_code)]
 
@@ -147,6 +152,8 @@ struct Account {
     /// Connections that closed and whose bytes stay counted until the card freed them (see
     /// [`Ledger::begin_drain`]); still in `conns` until detached.
     draining: HashSet<ConnId>,
+    /// Connections with a reservation waiting for room (see [`Ledger::begin_wait`]).
+    waiting: HashSet<ConnId>,
 }
 
 impl Account {
@@ -196,6 +203,7 @@ impl Ledger {
                 excess: HashMap::new(),
                 peak: HashMap::new(),
                 draining: HashSet::new(),
+                waiting: HashSet::new(),
             });
     }
 
@@ -268,7 +276,8 @@ impl Ledger {
     /// Reserves `bytes` for `conn` like [`Ledger::reserve`], plus up to `extra` bytes of
     /// credit (memory the process may allocate later without asking). The credit is taken
     /// only from room nobody else needs: at most half of what stays free after `bytes`, so
-    /// one process's credit never fills the allocation. Returns the bytes reserved in all.
+    /// one process's credit never fills the allocation, and none while a connection of the
+    /// account waits for room (see [`Ledger::begin_wait`]). Returns the bytes reserved in all.
     pub fn reserve_credit(
         &mut self,
         key: AccountKey,
@@ -292,9 +301,14 @@ impl Ledger {
             .limit
             .checked_sub(after)
             .ok_or(LedgerError::Overflow(key))?;
-        let granted = bytes
-            .checked_add(extra.min(room / 2))
-            .ok_or(LedgerError::Overflow(key))?;
+        // A waiter needs the room: credit given now would sit unused in a process its pressing
+        // may already have passed, and the waiter be refused beside it.
+        let extra = if acct.waiting.is_empty() {
+            extra.min(room / 2)
+        } else {
+            0
+        };
+        let granted = bytes.checked_add(extra).ok_or(LedgerError::Overflow(key))?;
         acct.add(key, conn, granted)?;
         Ok(Credit::Granted {
             bytes: granted,
@@ -384,6 +398,7 @@ impl Ledger {
         let excess = acct.excess.remove(&conn).unwrap_or(0);
         acct.peak.remove(&conn);
         acct.draining.remove(&conn);
+        acct.waiting.remove(&conn);
         // The account's total is the sum of its connections' (and their excess): this cannot
         // fail unless the ledger is broken, and then zero is the least wrong total.
         let in_use = acct.in_use.checked_sub(held.saturating_add(excess));
@@ -403,6 +418,29 @@ impl Ledger {
         let acct = self.account(key, conn)?;
         acct.draining.insert(conn);
         Ok(acct.conns[&conn].saturating_add(acct.excess.get(&conn).copied().unwrap_or(0)))
+    }
+
+    /// Marks `conn` as waiting for room: its reservation did not fit, and it presses its
+    /// siblings for their unused credit and waits for their frees. Until [`Ledger::end_wait`]
+    /// (or its detach), no connection of the account is given credit. Idempotent.
+    pub fn begin_wait(&mut self, key: AccountKey, conn: ConnId) -> Result<(), LedgerError> {
+        self.account(key, conn)?.waiting.insert(conn);
+        Ok(())
+    }
+
+    /// `conn` waits no more (granted, or refused). A connection or account that is gone is
+    /// not an error: its wait ended with it.
+    pub fn end_wait(&mut self, key: AccountKey, conn: ConnId) {
+        if let Some(a) = self.accounts.get_mut(&key) {
+            a.waiting.remove(&conn);
+        }
+    }
+
+    /// Whether a connection of account `key` other than `conn` waits for room.
+    pub fn others_waiting(&self, key: AccountKey, conn: ConnId) -> bool {
+        self.accounts
+            .get(&key)
+            .is_some_and(|a| a.waiting.iter().any(|c| *c != conn))
     }
 
     /// Bytes of account `key` held by draining connections (0 for an unknown account).
@@ -706,6 +744,66 @@ mod tests {
                 in_use: 70
             }
         );
+    }
+
+    /// The racers' false out-of-memory: a reservation that did not fit presses the processes
+    /// holding bytes; a process that held nothing then (a new one, its context not reserved
+    /// yet) is granted its request *and credit* from the room the answers made, and the
+    /// waiter's retry no longer fits beside that credit, which nobody presses back.
+    #[test]
+    fn no_credit_is_given_while_a_reservation_waits_for_room() {
+        let (w, sibling, new) = (1, 2, 3);
+        let mut l = Ledger::new();
+        l.open(1, 1000);
+        for c in [w, sibling, new] {
+            l.attach(1, c).unwrap();
+        }
+        l.reserve(1, w, 600).unwrap();
+        // 100 of the sibling's 300 are unused credit.
+        l.reserve(1, sibling, 300).unwrap();
+        assert!(matches!(
+            l.reserve_credit(1, w, 120, 32).unwrap(),
+            Credit::Denied { in_use: 900, .. }
+        ));
+        l.begin_wait(1, w).unwrap();
+        assert!(l.others_waiting(1, sibling) && !l.others_waiting(1, w));
+        // Pressed: the sibling (the only one holding bytes) gives its credit back.
+        assert_eq!(l.others_holding(1, w), vec![sibling]);
+        l.release(1, sibling, 100).unwrap();
+        // The new process asks for its context with a granule of credit on top: it gets the
+        // context only (before: 60 and half the 140 left, 130, and the waiter 20 short).
+        assert_eq!(
+            l.reserve_credit(1, new, 60, 128).unwrap(),
+            Credit::Granted {
+                bytes: 60,
+                in_use: 860
+            }
+        );
+        assert!(matches!(
+            l.reserve_credit(1, w, 120, 32).unwrap(),
+            Credit::Granted { bytes: 120, .. }
+        ));
+        l.end_wait(1, w);
+        assert!(!l.others_waiting(1, sibling));
+        // Nobody waits: credit again, from half the room left (10 of 20).
+        assert_eq!(
+            l.reserve_credit(1, new, 0, 128).unwrap(),
+            Credit::Granted {
+                bytes: 10,
+                in_use: 990
+            }
+        );
+        // A connection that goes ends its wait; ending one twice, or of a gone account, is
+        // harmless; a stranger cannot wait.
+        l.begin_wait(1, sibling).unwrap();
+        l.detach(1, sibling).unwrap();
+        assert!(!l.others_waiting(1, w));
+        l.end_wait(1, sibling);
+        l.end_wait(9, w);
+        assert!(matches!(
+            l.begin_wait(1, 42),
+            Err(LedgerError::UnknownConnection { .. })
+        ));
     }
 
     #[test]

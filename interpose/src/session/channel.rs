@@ -67,8 +67,10 @@ impl Session {
             loop {
                 match ch.recv_reply()? {
                     TenantReply::Subscribed => return Ok((ch, answers)),
-                    // Pressed before the answer: nothing is held as credit yet.
+                    // Pressed before the answer: nothing is held as credit yet, and none is taken
+                    // for a while (a sibling waits for room).
                     TenantReply::Pressure { seq } => {
+                        self.pressed_ms.store(self.now_ms(), Ordering::SeqCst);
                         ch.send_blocking(&TenantRequest::Relinquish { seq, bytes: 0 })?;
                         answers += 1;
                     }
@@ -105,7 +107,9 @@ impl Session {
                     break;
                 }
             };
-            self.pressed_ms.store(self.now_ms(), Ordering::Relaxed);
+            // Marked before the credit is taken, SeqCst (see `pressed_recently`): credit added
+            // after the take goes back at once from the thread that adds it.
+            self.pressed_ms.store(self.now_ms(), Ordering::SeqCst);
             let bytes = self.drop_credit();
             // Blocking (bounded by the connection's timeout): the answer must not be lost.
             let sent = ch.send_blocking(&TenantRequest::Relinquish { seq, bytes });

@@ -30,8 +30,13 @@ impl Session {
 
     /// True within [`PRESSED_FOR`] of a `Pressure` (the watcher clears the mark afterwards,
     /// so the free path reads no clock).
+    ///
+    /// SeqCst, as the watcher's mark (see `answer_pressure`): a thread that adds credit and
+    /// then reads the mark, and a watcher that sets it and then takes the credit, cannot both
+    /// miss the other; so credit added while a `Pressure` is answered goes back either in the
+    /// answer or at once from here. (A plain load on x86, as Relaxed.)
     fn pressed_recently(&self) -> bool {
-        self.pressed_ms.load(Ordering::Relaxed) != 0
+        self.pressed_ms.load(Ordering::SeqCst) != 0
     }
 
     pub(super) fn pressure_expired(&self) -> bool {
@@ -96,6 +101,12 @@ impl Session {
                 // What is allocated, as far as this process knows (its own credit is not).
                 let in_use = in_use.saturating_sub(credit);
                 s.last_in_use.store(in_use, Ordering::Release);
+                if g > need {
+                    // Credit granted before a `Pressure` that the watcher answered while this
+                    // reply was on its way (the answer could not give it back): it goes back
+                    // now, not after the next free or the idle tick, while a sibling waits.
+                    s.credit_added(credit);
+                }
                 return Some(Ok(in_use));
             }
             // Not granted: the credit is still ours.
@@ -150,6 +161,13 @@ impl Session {
             return;
         }
         let credit = self.credit.fetch_add(bytes, Ordering::SeqCst) + bytes;
+        self.credit_added(credit);
+    }
+
+    /// The credit grew to `credit` (a free, or a grant with credit): while pressed lately, it
+    /// all goes back at once; what exceeds [`Session::keep`] is announced by the watcher within
+    /// the release delay. One atomic load when neither applies.
+    fn credit_added(&'static self, credit: u64) {
         if self.pressed_recently() && self.give_back_now() {
             // Another process of the allocation waits for room: it gets these bytes now, not
             // after the release delay (and not this process's next allocation first).
