@@ -39,6 +39,9 @@ pub struct Books {
     pub channels: HashMap<u64, UnixStream>,
     /// Answers to pressure: (seq, bytes).
     pub relinquished: Vec<(u64, u64)>,
+    /// When set, the next `Granted` is written only after the granted connection's channel
+    /// was sent `Pressure { seq }` and answered it: a press that crosses the grant's reply.
+    pub press_before_grant: Option<u64>,
     /// Requests the real arbiter treats as protocol violations (it closes the connection):
     /// a release of more than the connection holds, a `Redeclare` that is not the first
     /// request. The mock closes too, and counts them so tests can assert there were none.
@@ -146,6 +149,11 @@ impl MockArbiter {
             .filter(|(s, _)| *s == seq)
             .map(|(_, bytes)| bytes)
             .sum()
+    }
+
+    /// Makes the next grant cross a press (see [`Books::press_before_grant`]).
+    pub fn press_before_next_grant(&self, seq: u64) {
+        self.books.lock().press_before_grant = Some(seq);
     }
 
     /// Open pressure channels.
@@ -264,6 +272,9 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
                 req => serve_one(req, &mut b, id),
             }
         };
+        if matches!(reply, Some(TenantReply::Granted { .. })) {
+            press_before_reply(&books, id);
+        }
         if let Some(r) = reply
             && write_frame(&mut stream, &r).is_err()
         {
@@ -273,6 +284,25 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
     let mut b = books.lock();
     let _ = b.ledger.detach(KEY, id);
     b.channels.remove(&id);
+}
+
+/// Presses connection `id`'s channel and waits for its answer if a test asked for it (see
+/// [`Books::press_before_grant`]); the grant, already booked, is replied to afterwards.
+fn press_before_reply(books: &Mutex<Books>, id: u64) {
+    let seq = {
+        let mut b = books.lock();
+        let Some(seq) = b.press_before_grant.take() else {
+            return;
+        };
+        let mut ch = b.channels.get(&id).expect("a channel to press");
+        write_frame(&mut ch, &TenantReply::Pressure { seq }).unwrap();
+        seq
+    };
+    let end = Instant::now() + Duration::from_secs(30);
+    while !books.lock().relinquished.iter().any(|(s, _)| *s == seq) {
+        assert!(Instant::now() < end, "pressure {seq} not answered");
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 fn serve_one(req: TenantRequest, b: &mut Books, id: u64) -> Option<TenantReply> {

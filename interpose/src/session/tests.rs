@@ -497,6 +497,37 @@ fn pressure_takes_every_unused_byte_back_at_once() {
     assert!(clock.elapsed() >= PRESSED_FOR, "{:?}", clock.elapsed());
 }
 
+/// A press that crosses a grant with credit: the arbiter booked the grant (the request and a
+/// granule of credit), pressed the process, and the watcher answered before the reply reached
+/// the reserving thread, so its answer could not give that credit back. The credit goes back
+/// at once when the reply lands (no time passes on the session's clock: not after the release
+/// delay or the idle tick), while a sibling may wait for it.
+#[test]
+fn credit_granted_across_a_press_goes_back_at_once() {
+    let (_dir, sock, arb) = mock(GIB);
+    let (s, clock) = still(&sock);
+    s.reserve(100 * MIB).unwrap();
+    arb.wait_for("channel", |a| a.channels() == 1);
+    s.release(100 * MIB);
+    // Credit above the request is asked for (not pressed yet).
+    arb.press_before_next_grant(9);
+    assert_eq!(s.reserve(200 * MIB), Ok(200 * MIB));
+    // The 132 MiB of credit went towards the request; 32 MiB more were granted as credit.
+    assert_eq!(
+        mem_log(&arb).into_iter().rfind(is_reserve).as_ref(),
+        Some(&TenantRequest::ReserveCredit {
+            bytes: 68 * MIB,
+            extra: 32 * MIB,
+            given_back: 0
+        })
+    );
+    // The answer came first, with nothing to give.
+    assert_eq!(arb.press_all(10), 0);
+    arb.wait_for("the granted credit back", |a| a.in_use() == 200 * MIB);
+    assert_eq!((s.held(), s.credit()), (200 * MIB, 0));
+    assert_eq!(clock.elapsed(), Duration::ZERO);
+}
+
 #[test]
 fn no_credit_without_a_pressure_channel() {
     let (_dir, sock, arb) = mock(GIB);
