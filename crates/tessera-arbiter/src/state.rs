@@ -448,7 +448,6 @@ impl Arbiter {
 }
 
 /// `n` simulated 80 GiB GPUs (`GPU-0`, `GPU-1`, ...), for tests.
-
 #[cfg(test)]
 pub(crate) fn test_gpus(n: u32) -> Vec<GpuInfo> {
     (0..n)
