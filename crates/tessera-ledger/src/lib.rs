@@ -383,7 +383,11 @@ impl Ledger {
         acct.add(key, conn, bytes - held)?;
         Ok(acct.in_use)
     }
+}
 
+/// A connection's end (detach, drain), waiting reservations, what the card holds beyond the
+/// reservations, and readings.
+impl Ledger {
     /// Detaches `conn` (its process exited or its socket closed) and frees all it held.
     /// Returns the bytes freed. Drops a closed account once its last connection is gone.
     pub fn detach(&mut self, key: AccountKey, conn: ConnId) -> Result<u64, LedgerError> {
