@@ -11,7 +11,7 @@
 //! and fails without it too.
 
 use std::collections::HashMap;
-use std::future::Future;
+use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -38,7 +38,7 @@ use tessera_node::grpc::connect_unix;
 use tessera_protocol::client::{AdminClient, TenantClient};
 use tessera_protocol::{AllocationStatus, GpuInfo, LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD};
 use tessera_testkit::container::{self, Bind, Edits};
-use tessera_testkit::{ArbiterSpec, KillOnDrop, RunningArbiter, SimGpu, artifact, target_dir};
+use tessera_testkit::{KillOnDrop, NodeOptions, PluginNode, artifact, target_dir, within};
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::UnixListenerStream;
@@ -49,14 +49,6 @@ const RESOURCE: &str = "tessera.dev/gpu-shares";
 const ENDPOINT: &str = "tessera.sock";
 const GIB: u64 = 1 << 30;
 const CONTAINER_LIB: &str = "/usr/lib/tessera/libtessera_interpose.so";
-
-/// Every await in these tests is bounded, so a failure never hangs CI.
-async fn within<T>(secs: u64, what: &str, fut: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(Duration::from_secs(secs), fut).await {
-        Ok(v) => v,
-        Err(_) => panic!("timed out after {secs}s: {what}"),
-    }
-}
 
 // ---- the fake kubelet ----
 
@@ -210,24 +202,20 @@ impl PodResourcesLister for FakePodResources {
 
 // ---- the node: simulated GPUs, arbiter, plugin ----
 
-struct Node {
-    dir: tempfile::TempDir,
-    sim: SimGpu,
-    arbiter: RunningArbiter,
-    plugin: Option<KillOnDrop>,
+/// The shared node (simulated GPUs, arbiter, plugin, logs on failure) with this plugin's
+/// paths in it.
+struct Node(PluginNode);
+
+impl Deref for Node {
+    type Target = PluginNode;
+    fn deref(&self) -> &PluginNode {
+        &self.0
+    }
 }
 
-impl Drop for Node {
-    fn drop(&mut self) {
-        // Both are stopped before their logs are read, so the logs are complete.
-        self.plugin.take();
-        self.arbiter.kill();
-        if std::thread::panicking() || std::env::var_os("TESSERA_TEST_LOGS").is_some() {
-            for name in ["arbiter.log", "plugin.log"] {
-                let log = std::fs::read_to_string(self.dir.path().join(name)).unwrap_or_default();
-                eprintln!("---- {name} ----\n{log}");
-            }
-        }
+impl DerefMut for Node {
+    fn deref_mut(&mut self) -> &mut PluginNode {
+        &mut self.0
     }
 }
 
@@ -250,30 +238,22 @@ impl Node {
 
     /// Starts the simulated machine and the arbiter; waits for its sockets.
     async fn start() -> Node {
-        let dir = tempfile::tempdir().unwrap();
-        let sim = SimGpu::prepare(&dir.path().join("sim"), "2x80GiB");
-        for sub in ["device-plugins", "run/tenant", "pod-resources", "state"] {
-            std::fs::create_dir_all(dir.path().join(sub)).unwrap();
-        }
-        let mut spec = ArbiterSpec::in_dir(artifact("tessera-arbiter"), dir.path(), sim.clone())
-            .log_to(dir.path().join("arbiter.log"));
-        spec.socket = dir.path().join("run/tenant/tessera.sock");
-        spec.admin_socket = dir.path().join("run/admin.sock");
-        spec.ready_timeout = Duration::from_secs(15);
-        // The emulated containers run in private mount namespaces of this one, which stands for
-        // the host's (pid 1's may not be readable here).
-        let mut cmd = spec.command();
-        cmd.args(["--host-mount-ns", "/proc/self/ns/mnt"]);
-        // Its metrics on a free port (the test kit turns them off by default).
-        cmd.args(["--metrics-addr", "127.0.0.1:0"]);
+        let opts = NodeOptions {
+            dirs: &["device-plugins", "pod-resources", "state"],
+            // The emulated containers run in private mount namespaces of this one, which
+            // stands for the host's (pid 1's may not be readable here). Its metrics on a free
+            // port (the test kit turns them off by default).
+            arbiter_args: &[
+                "--host-mount-ns",
+                "/proc/self/ns/mnt",
+                "--metrics-addr",
+                "127.0.0.1:0",
+            ],
+            ready_timeout: Some(Duration::from_secs(15)),
+            ..NodeOptions::default()
+        };
         // The wait blocks (bounded by ready_timeout); nothing else runs on the runtime yet.
-        let arbiter = tokio::task::block_in_place(|| spec.start_command(cmd));
-        Node {
-            dir,
-            sim,
-            arbiter,
-            plugin: None,
-        }
+        Node(tokio::task::block_in_place(|| PluginNode::start(opts)))
     }
 
     fn plugin_command(&self) -> Command {

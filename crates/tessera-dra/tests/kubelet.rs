@@ -9,7 +9,7 @@
 //! device plugin's do; they fail, never skip, without.
 
 use std::collections::BTreeSet;
-use std::future::Future;
+use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -29,7 +29,7 @@ use tessera_protocol::client::AdminClient;
 use tessera_protocol::identity::Identity;
 use tessera_testkit::container::{Bind, Edits, container_command};
 use tessera_testkit::{
-    ArbiterSpec, FakeApiServer, GIB, KillOnDrop, RunningArbiter, SimGpu, artifact, target_dir,
+    FakeApiServer, GIB, KillOnDrop, NodeOptions, PluginNode, artifact, target_dir, until, within,
 };
 use tonic::transport::Channel;
 
@@ -41,54 +41,27 @@ const DRIVER: &str = "gpu.tessera.dev";
 const DRA_V1: &str = "v1.DRAPlugin";
 const DRA_V1BETA1: &str = "v1beta1.DRAPlugin";
 
-/// Every await in these tests is bounded, so a failure never hangs CI.
-async fn within<T>(secs: u64, what: &str, fut: impl Future<Output = T>) -> T {
-    match tokio::time::timeout(Duration::from_secs(secs), fut).await {
-        Ok(v) => v,
-        Err(_) => panic!("timed out after {secs}s: {what}"),
+/// The shared node (simulated GPUs, arbiter, plugin, logs on failure) and the stand-in API
+/// server.
+struct Node {
+    node: PluginNode,
+    api: FakeApiServer,
+}
+
+impl Deref for Node {
+    type Target = PluginNode;
+    fn deref(&self) -> &PluginNode {
+        &self.node
     }
 }
 
-/// Polls `f` every 20 ms until it is `Some`, for at most `secs`.
-async fn until<T>(secs: u64, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    within(secs, what, async {
-        loop {
-            if let Some(v) = f() {
-                return v;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await
-}
-
-struct Node {
-    dir: tempfile::TempDir,
-    sim: SimGpu,
-    spec: ArbiterSpec,
-    arbiter: RunningArbiter,
-    api: FakeApiServer,
-    plugin: Option<KillOnDrop>,
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.plugin.take();
-        self.arbiter.kill();
-        if std::thread::panicking() || std::env::var_os("TESSERA_TEST_LOGS").is_some() {
-            for name in ["arbiter.log", "plugin.log"] {
-                let log = std::fs::read_to_string(self.dir.path().join(name)).unwrap_or_default();
-                eprintln!("---- {name} ----\n{log}");
-            }
-        }
+impl DerefMut for Node {
+    fn deref_mut(&mut self) -> &mut PluginNode {
+        &mut self.node
     }
 }
 
 impl Node {
-    fn path(&self, p: &str) -> PathBuf {
-        self.dir.path().join(p)
-    }
-
     fn start() -> Node {
         Self::start_with(false)
     }
@@ -96,30 +69,17 @@ impl Node {
     /// `container`: the emulated containers' setting (no context memory, so a limit is
     /// exactly the GiB a process gets; the arbiter's host mount namespace is this one's).
     fn start_with(container: bool) -> Node {
-        let dir = tempfile::tempdir().unwrap();
-        let mut sim = SimGpu::prepare(&dir.path().join("sim"), "2x80GiB");
+        let mut opts = NodeOptions {
+            dirs: &["registry"],
+            ..NodeOptions::default()
+        };
         if container {
-            sim.context_memory = "0".into();
+            opts.context_memory = Some("0");
+            opts.arbiter_args = &["--host-mount-ns", "/proc/self/ns/mnt"];
         }
-        for sub in ["run/tenant", "registry"] {
-            std::fs::create_dir_all(dir.path().join(sub)).unwrap();
-        }
-        let mut spec = ArbiterSpec::in_dir(artifact("tessera-arbiter"), dir.path(), sim.clone())
-            .log_to(dir.path().join("arbiter.log"));
-        spec.socket = dir.path().join("run/tenant/tessera.sock");
-        spec.admin_socket = dir.path().join("run/admin.sock");
-        let mut cmd = spec.command();
-        if container {
-            cmd.args(["--host-mount-ns", "/proc/self/ns/mnt"]);
-        }
-        let arbiter = spec.start_command(cmd);
         Node {
-            dir,
-            sim,
-            spec,
-            arbiter,
+            node: PluginNode::start(opts),
             api: FakeApiServer::start(),
-            plugin: None,
         }
     }
 

@@ -78,10 +78,10 @@ pub enum GpuSource {
 /// application's fault (13 graphics engine exception, 31 MMU fault, 43 channel stopped,
 /// 45 preemptive cleanup, 68 video decoder exception), which must not take the card away
 /// from other tenants.
-pub const FATAL_XIDS: &[u64] = &[48, 62, 64, 74, 79, 92, 94, 95, 119, 120];
+pub(crate) const FATAL_XIDS: &[u64] = &[48, 62, 64, 74, 79, 92, 94, 95, 119, 120];
 
 /// True if an XID means the GPU failed.
-pub fn is_fatal_xid(code: u64) -> bool {
+pub(crate) fn is_fatal_xid(code: u64) -> bool {
     FATAL_XIDS.contains(&code)
 }
 

@@ -78,7 +78,7 @@ pub fn find_interposer(explicit: Option<&Path>) -> Result<PathBuf, InstallError>
 }
 
 /// First 8 hex digits of the SHA-256 of `bytes`.
-pub fn hash8(bytes: &[u8]) -> String {
+pub(crate) fn hash8(bytes: &[u8]) -> String {
     let digest = Sha256::digest(bytes);
     digest.iter().take(4).map(|b| format!("{b:02x}")).collect()
 }

@@ -4,7 +4,8 @@
 //! per-container identity files, install the interposer on the host, watch the GPUs' health
 //! and take the same node flags. Neither plugin depends on the other; both depend on this.
 //!
-//! Modules (every item listed is public; the rest is private to its module):
+//! Modules (the items listed are the crate's public surface; the rest is private or
+//! `pub(crate)`):
 //! - [`args`]: [`NodeArgs`], the flags both binaries declare once (`--admin-socket`,
 //!   `--tenant-socket`, `--container-socket-dir`, `--host-lib-dir`, `--host-identity-dir`,
 //!   `--interposer`, `--container-lib-path`, `--nvml-lib`, `--log-format`), flattened into
@@ -17,10 +18,10 @@
 //!   [`identity::write`], [`identity::sweep`], [`identity::IdentityError`].
 //! - [`install`]: versioned, never-overwritten installation of the interposer on the host:
 //!   [`install::find_interposer`], [`install::install`], [`install::Installed`],
-//!   [`install::InstallError`], [`install::INTERPOSER_FILE`], [`install::hash8`].
+//!   [`install::InstallError`], [`install::INTERPOSER_FILE`].
 //! - [`health`]: the node's GPUs from NVML (XID events, vanished devices) or the arbiter:
 //!   [`health::start`], [`health::GpuSource`], [`health::GpuState`], [`health::Snapshot`],
-//!   [`health::HealthError`], [`health::FATAL_XIDS`], [`health::is_fatal_xid`].
+//!   [`health::HealthError`] (which XIDs mean a failed card is the module's own rule).
 //! - [`cdi`]: [`cdi::CdiKind`], the CDI kind of the node's NVIDIA spec (`--nvidia-cdi-kind`),
 //!   checked as the CDI parser checks it ([`cdi::CdiKindError`]).
 //! - [`labels`]: who made an allocation: [`labels::LABEL_OWNER`] and its values

@@ -14,6 +14,9 @@
 //!   ResourceClaims, with the upstream slice validation rules the schema leaves out.
 //! - [`arbiter`]: the real `tessera-arbiter` on a simulated GPU, with temp sockets and state,
 //!   waited for until it serves.
+//! - [`node`]: the kubelet plugins' end-to-end node (temp folder, simulated GPUs, the real
+//!   arbiter, the plugin under test, logs printed on failure) and bounded awaits ([`within`],
+//!   [`until`]).
 //! - [`http`]: a plain HTTP GET (scraping a metrics endpoint) and reading one sample.
 //! - [`process`]: kill-on-drop children, exit codes, polling with a timeout.
 //! - [`flood`]: a flood of unauthenticated connections against an arbiter socket (admission
@@ -33,6 +36,7 @@ pub mod cgroup;
 pub mod container;
 pub mod flood;
 pub mod http;
+pub mod node;
 pub mod process;
 pub mod prometheus;
 pub mod python;
@@ -42,6 +46,7 @@ pub mod trap;
 pub use apiserver::FakeApiServer;
 pub use arbiter::{ArbiterSpec, RunningArbiter, allocation, backstop_held_bytes};
 pub use artifacts::{artifact, artifact_with_hint, target_dir};
+pub use node::{NodeOptions, PluginNode, until, within};
 pub use process::{FirstLine, KillOnDrop, code, spawn_first_line, wait_until};
 pub use python::python;
 pub use sim::SimGpu;
