@@ -397,8 +397,10 @@ fn a_whole_card_allocation_that_uses_another_card_is_killed_there() {
         "1GiB",
         "--interposer",
     ]);
+    // Without the interposer (it refuses a context on a card not its own: see
+    // `a_whole_card_allocation_gets_no_context_on_another_card`): the backstop's case.
     cmd.arg(&lib)
-        .args(["--", "env", "CUDA_VISIBLE_DEVICES=0"])
+        .args(["--", "env", "-u", "LD_PRELOAD", "CUDA_VISIBLE_DEVICES=0"])
         .arg(tessera_testkit::python())
         .arg(&script)
         .args(["512", "1000000"]);
@@ -713,5 +715,48 @@ fn a_missing_command_exits_127_and_one_not_executable_126() {
         Some(127),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_whole_card_allocation_gets_no_context_on_another_card() {
+    // The interposer's half: a share-100 allocation of GPU 1 whose command turns to GPU 0 gets
+    // nothing there: its session on that card is refused (the card's memory total reads 0 and
+    // the context is CUDA_ERROR_OUT_OF_MEMORY), so the card never holds anything of it and
+    // nothing needs killing.
+    let arb = Arbiter::start();
+    let lib = interposer_in(arb.dir.path());
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/sim_visible.py");
+    let mut cmd = arb.tessera(&[
+        "run",
+        "--gpu",
+        "1",
+        "--share",
+        "100",
+        "--memory",
+        "1GiB",
+        "--interposer",
+    ]);
+    cmd.arg(&lib)
+        .args(["--", "env", "CUDA_VISIBLE_DEVICES=0"])
+        .arg(tessera_testkit::python())
+        .arg(&script)
+        .args(["512", "1000000"]);
+    let out = arb.sim.apply(&mut cmd).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("arbiter refused this process") && err.contains("CUDA_ERROR_OUT_OF_MEMORY"),
+        "{err}"
+    );
+    assert_eq!(
+        tessera_sim_state::device_memory_used(&arb.sim.dir, 0).unwrap(),
+        0
+    );
+    assert!(
+        !arb.process_log().contains("backstop: pid"),
+        "{}",
+        arb.process_log()
     );
 }

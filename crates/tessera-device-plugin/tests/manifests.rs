@@ -8,6 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Namespace, Pod, PodSpec, Service, ServiceAccount};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta};
 use serde::de::DeserializeOwned;
@@ -25,6 +26,8 @@ enum Object {
     ServiceAccount(Box<ServiceAccount>),
     DaemonSet(Box<DaemonSet>),
     Pod(Box<Pod>),
+    /// `deploy/doctor-job.yaml`: `tessera doctor` in a pod with 30 shares.
+    Job(Box<Job>),
     Service(Box<Service>),
     ServiceMonitor(Box<ServiceMonitor>),
 }
@@ -175,6 +178,7 @@ fn check_document(value: &Value) -> Result<Object, String> {
         ("v1", "ServiceAccount") => strict(value).map(|o| Object::ServiceAccount(Box::new(o))),
         ("apps/v1", "DaemonSet") => strict(value).map(|o| Object::DaemonSet(Box::new(o))),
         ("v1", "Pod") => strict(value).map(|o| Object::Pod(Box::new(o))),
+        ("batch/v1", "Job") => strict(value).map(|o| Object::Job(Box::new(o))),
         ("v1", "Service") => strict(value).map(|o| Object::Service(Box::new(o))),
         ("monitoring.coreos.com/v1", "ServiceMonitor") => {
             strict(value).map(|o| Object::ServiceMonitor(Box::new(o)))
@@ -532,4 +536,37 @@ spec:
     assert!(check_yaml(&wrong).unwrap_err().contains("schema"));
     // An unknown kind is refused rather than waved through.
     assert!(check_yaml("apiVersion: v1\nkind: Secrett\nmetadata:\n  name: x\n").is_err());
+}
+
+#[test]
+fn the_doctor_job_runs_doctor_in_a_pod_with_30_shares() {
+    // docs/install.md's proof that an install works: a pod like a user's, asking for shares.
+    let all = all_manifests();
+    let job = all
+        .iter()
+        .flat_map(|(_, objs)| objs)
+        .find_map(|o| {
+            if let Object::Job(j) = o {
+                Some(j)
+            } else {
+                None
+            }
+        })
+        .expect("deploy/doctor-job.yaml");
+    let pod = job.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
+    assert_eq!(pod.restart_policy.as_deref(), Some("Never"));
+    let c = &pod.containers[0];
+    assert_eq!(
+        c.command.as_deref(),
+        Some(&["tessera".to_owned(), "doctor".to_owned()][..])
+    );
+    let limits = c
+        .resources
+        .as_ref()
+        .and_then(|r| r.limits.as_ref())
+        .unwrap();
+    assert_eq!(
+        limits.get("tessera.dev/gpu-shares").map(|q| q.0.as_str()),
+        Some("30")
+    );
 }

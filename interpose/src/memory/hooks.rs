@@ -634,9 +634,17 @@ pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: CUdevice) -
                 if r != CUDA_SUCCESS {
                     return Outcome::Handled(r);
                 }
-                match on(dev, p).session.limit() {
+                let session = &on(dev, p).session;
+                match session.limit() {
                     Some(limit) => {
                         *bytes = limit as usize;
+                        Outcome::Handled(CUDA_SUCCESS)
+                    }
+                    // A card this process may hold nothing on (not its allocation's, or a token
+                    // the arbiter refused): 0 bytes, so a program listing every device it sees
+                    // goes on; anything it asks for there is refused.
+                    None if session.refused() => {
+                        *bytes = 0;
                         Outcome::Handled(CUDA_SUCCESS)
                     }
                     None => Outcome::Handled(CUDA_ERROR_OPERATING_SYSTEM),

@@ -280,6 +280,12 @@ impl Session {
             .map(|l| (l, self.last_in_use.load(Ordering::Acquire).max(self.held())))
     }
 
+    /// True when the arbiter refused this session's token (or it has none to prove): it gets
+    /// nothing, as opposed to an arbiter not reachable yet.
+    pub fn refused(&self) -> bool {
+        self.link.lock().refused
+    }
+
     /// The allocation's limit; connects (waiting up to the outage bound) if none is known.
     pub fn limit(&'static self) -> Option<u64> {
         if let Some(l) = self.known_limit() {
