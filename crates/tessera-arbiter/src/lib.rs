@@ -29,10 +29,10 @@
 //! - [`wire`]: async framing helpers shared by the socket servers.
 //! - [`tenant`]: the tenant socket server (one thread per admitted connection).
 //! - [`admin`]: the admin socket server.
-//! - [`server`]: start-up and shutdown wiring.
-//!
 //! - [`users`]: a shared workstation's users: the user socket (group, quotas, the caller the
 //!   kernel names) and what a user may do there.
+//! - [`server`]: start-up and shutdown wiring.
+//!
 //! The daemon (`src/main.rs`) parses a [`config::Config`], discovers GPUs and runs a
 //! [`server::Server`] until SIGTERM or SIGINT. Logs go through `tracing` (levels from
 //! `RUST_LOG`, `--log-format text|json`; set up by `tessera-log`).
@@ -55,5 +55,5 @@ pub mod state;
 pub mod stats;
 pub mod store;
 pub mod tenant;
-pub mod wire;
 pub mod users;
+pub mod wire;

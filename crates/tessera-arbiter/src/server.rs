@@ -282,7 +282,6 @@ impl Server {
             (stop, task)
         });
         install_drain_card(config);
-        install_drain_card(config);
         let backstop = match start_backstop(config, &arbiter, backstop_counters) {
             Ok(b) => b,
             Err(e) => {
@@ -393,18 +392,6 @@ fn bind_users(config: &Config) -> Result<Option<(UnixListener, crate::users::Use
         users.per_uid.len()
     );
     Ok(Some((listener, users)))
-}
-
-/// Loads NVML for the drains of closed connections (see [`crate::drain`]); without it a closed
-/// connection's memory is released when its process exits.
-fn install_drain_card(config: &Config) {
-    match crate::drain::NvmlCard::load(config.nvml_lib.as_os_str()) {
-        Ok(card) => crate::drain::install_card(Arc::new(card)),
-        Err(e) => tracing::info!(
-            "no NVML for drains ({e}): a closed connection's memory is released when its \
-             process exits"
-        ),
-    }
 }
 
 /// Loads NVML for the drains of closed connections (see [`crate::drain`]); without it a closed
