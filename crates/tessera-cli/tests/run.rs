@@ -378,12 +378,10 @@ fn a_cuda_command_sees_and_uses_only_its_allocations_gpu() {
     assert!(arb.admin().list().unwrap().is_empty());
 }
 
-/// Issue 20: a whole-card allocation is policed on the cards it does not own. `tessera run
-/// --gpu 1 --share 100` whose command turns to GPU 0 (`env CUDA_VISIBLE_DEVICES=0`) and
-/// allocates there is killed; NVML (the simulated GPU's record) is the truth.
-#[test]
-fn a_whole_card_allocation_that_uses_another_card_is_killed_there() {
-    let arb = Arbiter::start();
+/// `tessera run --gpu 1 --share 100` of `sim_visible.py 512 1000000` under `env ENV...
+/// CUDA_VISIBLE_DEVICES=0`: a whole-card allocation whose command turns to GPU 0, a card it
+/// does not own, and takes 512 MiB there.
+fn whole_card_turning_to_gpu0(arb: &Arbiter, env: &[&str]) -> std::process::Command {
     let lib = interposer_in(arb.dir.path());
     let script =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/sim_visible.py");
@@ -397,13 +395,25 @@ fn a_whole_card_allocation_that_uses_another_card_is_killed_there() {
         "1GiB",
         "--interposer",
     ]);
-    // Without the interposer (it refuses a context on a card not its own: see
-    // `a_whole_card_allocation_gets_no_context_on_another_card`): the backstop's case.
     cmd.arg(&lib)
-        .args(["--", "env", "-u", "LD_PRELOAD", "CUDA_VISIBLE_DEVICES=0"])
+        .args(["--", "env"])
+        .args(env)
+        .arg("CUDA_VISIBLE_DEVICES=0")
         .arg(tessera_testkit::python())
         .arg(&script)
         .args(["512", "1000000"]);
+    cmd
+}
+
+/// Issue 20: a whole-card allocation is policed on the cards it does not own. `tessera run
+/// --gpu 1 --share 100` whose command turns to GPU 0 (`env CUDA_VISIBLE_DEVICES=0`) and
+/// allocates there is killed; NVML (the simulated GPU's record) is the truth.
+#[test]
+fn a_whole_card_allocation_that_uses_another_card_is_killed_there() {
+    let arb = Arbiter::start();
+    // Without the interposer (it refuses a context on a card not its own: see
+    // `a_whole_card_allocation_gets_no_context_on_another_card`): the backstop's case.
+    let mut cmd = whole_card_turning_to_gpu0(&arb, &["-u", "LD_PRELOAD"]);
     let FirstLine {
         mut child,
         stdin: _stdin,
@@ -725,24 +735,7 @@ fn a_whole_card_allocation_gets_no_context_on_another_card() {
     // the context is CUDA_ERROR_OUT_OF_MEMORY), so the card never holds anything of it and
     // nothing needs killing.
     let arb = Arbiter::start();
-    let lib = interposer_in(arb.dir.path());
-    let script =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/sim_visible.py");
-    let mut cmd = arb.tessera(&[
-        "run",
-        "--gpu",
-        "1",
-        "--share",
-        "100",
-        "--memory",
-        "1GiB",
-        "--interposer",
-    ]);
-    cmd.arg(&lib)
-        .args(["--", "env", "CUDA_VISIBLE_DEVICES=0"])
-        .arg(tessera_testkit::python())
-        .arg(&script)
-        .args(["512", "1000000"]);
+    let mut cmd = whole_card_turning_to_gpu0(&arb, &[]);
     let out = arb.sim.apply(&mut cmd).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
