@@ -305,6 +305,21 @@ fn claims_identity(pid: i32, origin: &Origin, view: &dyn ProcView) -> bool {
         || view.identity_mounted(pid)
 }
 
+/// Most parents a walk up `/proc` parentage visits: a pid cycle (a reused pid read mid-change)
+/// cannot loop forever.
+const WALK_MAX: usize = 64;
+
+/// The parents of `pid`, nearest first, up to [`WALK_MAX`]; ends at init (pid 1), a process
+/// that is its own parent, or one whose parent cannot be read.
+fn parents(pid: i32, view: &dyn ProcView) -> impl Iterator<Item = i32> + '_ {
+    std::iter::successors(Some(pid), move |&p| match view.parent(p) {
+        Some(pp) if pp > 1 && pp != p => Some(pp),
+        _ => None,
+    })
+    .skip(1)
+    .take(WALK_MAX)
+}
+
 /// The nearest ancestor of `pid` (itself excluded) whose identity `genuine` proves, with the
 /// allocation: the walk stops at the first host process (a container's processes descend
 /// from its runtime's, which are the host's).
@@ -313,13 +328,7 @@ fn identity_ancestor(
     view: &dyn ProcView,
     genuine: &dyn Fn(i32, &Origin) -> Option<usize>,
 ) -> Option<(i32, usize)> {
-    let mut p = pid;
-    // Bounded: a pid cycle (a reused pid read mid-change) cannot loop forever.
-    for _ in 0..64 {
-        match view.parent(p) {
-            Some(pp) if pp > 1 && pp != p => p = pp,
-            _ => return None,
-        }
+    for p in parents(pid, view) {
         let origin = view.origin(p);
         if origin == Origin::Host {
             return None;
@@ -339,16 +348,10 @@ fn connected_ancestor(
     by_proc: &HashMap<ProcId, usize>,
     view: &dyn ProcView,
 ) -> Option<usize> {
-    let mut p = pid;
-    // Bounded: a pid cycle (a reused pid read mid-change) cannot loop forever.
-    for _ in 0..64 {
+    for p in std::iter::once(pid).chain(parents(pid, view).take(WALK_MAX - 1)) {
         let start = view.start_time(p)?;
         if let Some(&i) = by_proc.get(&ProcId { pid: p, start }) {
             return Some(i);
-        }
-        match view.parent(p) {
-            Some(pp) if pp > 1 && pp != p => p = pp,
-            _ => return None,
         }
     }
     None
