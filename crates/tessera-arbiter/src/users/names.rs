@@ -21,6 +21,31 @@ pub enum NameError {
 const BUF: usize = 16 * 1024;
 const MAX_BUF: usize = 1 << 20;
 
+/// Looks `name` up with a reentrant `get*nam_r` (`call(entry, buffer, out)`), retrying with a
+/// larger buffer on `ERANGE`; `id` reads the id from the entry found. `None`: no such entry.
+///
+/// # Safety
+/// `T` is a plain C struct (`group`, `passwd`) for which all zero bytes is a valid value, and
+/// `call` passes its three arguments to a `get*nam_r` of that struct with the buffer's length.
+unsafe fn lookup<T>(
+    call: impl Fn(&mut T, &mut [u8], &mut *mut T) -> libc::c_int,
+    id: impl Fn(&T) -> u32,
+) -> Option<u32> {
+    let mut size = BUF;
+    loop {
+        let mut buf = vec![0u8; size];
+        // SAFETY: the caller promises all zero bytes is a valid `T`, to be filled in.
+        let mut entry: T = unsafe { std::mem::zeroed() };
+        let mut out: *mut T = std::ptr::null_mut();
+        let rc = call(&mut entry, &mut buf, &mut out);
+        if rc == libc::ERANGE && size < MAX_BUF {
+            size *= 4;
+            continue;
+        }
+        return (rc == 0 && !out.is_null()).then(|| id(&entry));
+    }
+}
+
 /// `--users-group`: a gid, or a group name looked up now.
 pub fn parse_group(text: &str) -> Result<u32, NameError> {
     let t = text.trim();
@@ -28,33 +53,14 @@ pub fn parse_group(text: &str) -> Result<u32, NameError> {
         return Ok(gid);
     }
     let name = CString::new(t).map_err(|_| NameError::Group(t.into()))?;
-    let mut size = BUF;
-    loop {
-        let mut buf = vec![0u8; size];
-        // SAFETY: a zeroed `group` is a valid value to be filled in.
-        let mut grp: libc::group = unsafe { std::mem::zeroed() };
-        let mut out: *mut libc::group = std::ptr::null_mut();
-        // SAFETY: every pointer is valid for the call: `name` is NUL-terminated, `grp` and `out`
-        // are ours, `buf` is `size` bytes; the strings written stay in `buf`, unused after.
-        let rc = unsafe {
-            libc::getgrnam_r(
-                name.as_ptr(),
-                &mut grp,
-                buf.as_mut_ptr().cast(),
-                size,
-                &mut out,
-            )
-        };
-        if rc == libc::ERANGE && size < MAX_BUF {
-            size *= 4;
-            continue;
-        }
-        return if rc == 0 && !out.is_null() {
-            Ok(grp.gr_gid)
-        } else {
-            Err(NameError::Group(t.into()))
-        };
-    }
+    // SAFETY: every pointer is valid for the call: `name` is NUL-terminated, `grp` and `out`
+    // are ours, `buf` is its length; the strings written stay in `buf`, unused after.
+    let call = |grp: &mut libc::group, buf: &mut [u8], out: &mut *mut libc::group| unsafe {
+        libc::getgrnam_r(name.as_ptr(), grp, buf.as_mut_ptr().cast(), buf.len(), out)
+    };
+    // SAFETY: `group` is a plain C struct; `call` is getgrnam_r with `buf`'s length.
+    let gid = unsafe { lookup(call, |grp| grp.gr_gid) };
+    gid.ok_or_else(|| NameError::Group(t.into()))
 }
 
 /// A uid, or a user name looked up now.
@@ -64,32 +70,13 @@ pub fn uid_of(text: &str) -> Result<u32, NameError> {
         return Ok(uid);
     }
     let name = CString::new(t).map_err(|_| NameError::User(t.into()))?;
-    let mut size = BUF;
-    loop {
-        let mut buf = vec![0u8; size];
-        // SAFETY: a zeroed `passwd` is a valid value to be filled in.
-        let mut pw: libc::passwd = unsafe { std::mem::zeroed() };
-        let mut out: *mut libc::passwd = std::ptr::null_mut();
-        // SAFETY: as in `parse_group`, with a `passwd`.
-        let rc = unsafe {
-            libc::getpwnam_r(
-                name.as_ptr(),
-                &mut pw,
-                buf.as_mut_ptr().cast(),
-                size,
-                &mut out,
-            )
-        };
-        if rc == libc::ERANGE && size < MAX_BUF {
-            size *= 4;
-            continue;
-        }
-        return if rc == 0 && !out.is_null() {
-            Ok(pw.pw_uid)
-        } else {
-            Err(NameError::User(t.into()))
-        };
-    }
+    // SAFETY: as in `parse_group`, with a `passwd`.
+    let call = |pw: &mut libc::passwd, buf: &mut [u8], out: &mut *mut libc::passwd| unsafe {
+        libc::getpwnam_r(name.as_ptr(), pw, buf.as_mut_ptr().cast(), buf.len(), out)
+    };
+    // SAFETY: `passwd` is a plain C struct; `call` is getpwnam_r with `buf`'s length.
+    let uid = unsafe { lookup(call, |pw| pw.pw_uid) };
+    uid.ok_or_else(|| NameError::User(t.into()))
 }
 
 #[cfg(test)]
