@@ -385,13 +385,16 @@ node_ready() {
 
 # The plugins, also restarted on their own by the tests (e2e/lib.sh).
 start_device_plugin() {
+    # Extra flags for a test that restarts the plugin otherwise (50_tier: --latency-shares).
+    local extra
+    read -r -a extra <<<"${E2E_DEVICE_PLUGIN_ARGS:-}"
     start tessera-device-plugin "$RUST/tessera" sim --lib-dir "$RUST" --state-dir "$D/sim" -- \
         "$RUST/tessera-device-plugin" --kubelet-dir "$DEVICE_PLUGINS" \
         --pod-resources-socket "$D/kubelet/pod-resources/kubelet.sock" \
         --admin-socket "$D/tessera/admin.sock" --tenant-socket "$D/tessera/tenant/tessera.sock" \
         --host-lib-dir "$D/tessera/lib" --host-identity-dir "$D/tessera/identity" \
         --interposer "$RUST/libtessera_interpose.so" --metrics-addr 127.0.0.1:19465 \
-        --nvidia-cdi-kind nvidia.com/gpu --stale-grace 3 --stale-interval 1
+        --nvidia-cdi-kind nvidia.com/gpu --stale-grace 3 --stale-interval 1 "${extra[@]}"
     # Both plugins run on this node and share the arbiter (docs/kubernetes.md, "One mode per
     # node"): a deleted pod's device-plugin allocation is released after 3 s, not the default
     # 60, so the DRA tests do not wait for the device-plugin tests' GPUs.
