@@ -137,11 +137,26 @@ tier_node_has() {
     [ "$(kc get node "$NODE" -o jsonpath="{.status.allocatable.$key}")" = "$2" ]
 }
 
+# Latency allocations of the device plugin left in the arbiter.
+tier_latency_allocations() {
+    allocations_json | jq '[.[] | select(.labels["tessera.dev/resource"] == "tessera.dev/gpu-latency-shares")] | length'
+}
+tier_no_latency_allocations() { [ "$(tier_latency_allocations)" = 0 ]; }
+
+# The plain plugin back, once the latency plugin has deleted its pods' allocations: a plugin
+# without the latency resource leaves that resource's allocations alone (docs/kubernetes.md:
+# change --latency-shares only on a node without GPU pods).
+tier_restore_plugin() {
+    kc delete pods -l e2e=1 --grace-period=0 --force --wait=true --timeout=60s >/dev/null 2>&1 || true
+    (eventually 60 "the latency allocations to go" tier_no_latency_allocations) || true
+    bash "$here/cluster.sh" stop tessera-device-plugin
+    bash "$here/cluster.sh" start-device-plugin
+}
+
 test_tier__b_device_plugin_the_latency_resource_makes_latency_allocations() {
     # The cluster's plugin runs without a latency split; this test's runs with 30 of each GPU's
     # 100 units as the latency resource, and the plain plugin comes back after it, pass or fail.
-    trap 'bash "$here/cluster.sh" stop tessera-device-plugin;
-          bash "$here/cluster.sh" start-device-plugin' EXIT
+    trap tier_restore_plugin EXIT
     bash "$here/cluster.sh" stop tessera-device-plugin
     E2E_DEVICE_PLUGIN_ARGS="--latency-shares 30" bash "$here/cluster.sh" start-device-plugin
     eventually 90 "60 latency units on the node" tier_node_has tessera.dev/gpu-latency-shares 60
@@ -172,6 +187,4 @@ test_tier__b_device_plugin_the_latency_resource_makes_latency_allocations() {
         "kubectl logs tier-dp-lat | grep -q 'GPU time' && kubectl logs tier-dp-be | grep -q 'GPU time'"
     expect_match "the latency tenant's card" "$(kc logs tier-dp-lat)" "L: sees .* with 16\.0 GiB"
     expect_match "the best-effort tenant's card" "$(kc logs tier-dp-be)" "B: sees .* with 24\.0 GiB"
-    kc delete pods tier-dp-lat tier-dp-be --grace-period=0 --force --wait=true --timeout=60s \
-        >/dev/null 2>&1 || true
 }
