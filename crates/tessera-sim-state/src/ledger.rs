@@ -40,7 +40,7 @@ use crate::shared::SharedHold;
 
 const MAGIC: u64 = 0x5445_5353_5245_4331; // "TESSREC1"
 const HEADER_WORDS: usize = 2;
-const GPU_WORDS: usize = 5;
+const GPU_WORDS: usize = 6;
 const RECORD_WORDS: usize = HEADER_WORDS + MAX_GPUS * GPU_WORDS;
 const RECORD_BYTES: usize = RECORD_WORDS * 8;
 const W_MEM: usize = 0;
@@ -50,6 +50,9 @@ const W_CTX_MEM: usize = 3;
 /// Shared VMM memory NVML shows for this process (see [`crate::shared`]); the card counts each
 /// shared allocation once, from its file, not from these words.
 const W_SHARED: usize = 4;
+/// The MIG device this process's memory on the GPU is in ([`crate::mig::tag`]; 0: the whole
+/// GPU): a CUDA process sees at most one MIG device of a GPU, so one word says which.
+const W_MIG: usize = 5;
 
 /// Errors of the ledger.
 #[derive(Debug, thiserror::Error)]
@@ -88,6 +91,8 @@ pub struct ProcessUsage {
     pub busy_ns: [u64; MAX_GPUS],
     /// Number of contexts this process holds per device.
     pub contexts: [u64; MAX_GPUS],
+    /// The MIG device it runs on per GPU ([`crate::mig::tag`]; 0: the whole GPU).
+    pub mig_tag: [u64; MAX_GPUS],
 }
 
 impl ProcessUsage {
@@ -144,6 +149,9 @@ impl Mine {
 pub struct Ledger {
     dir: PathBuf,
     totals: Vec<u64>,
+    /// Per GPU, the MIG device this process runs on ([`Ledger::with_mig`]): (tag, bytes of
+    /// its GPU instance); memory there is checked against the instance, not the card.
+    mig: [(u64, u64); MAX_GPUS],
     context_bytes: u64,
     further_context_bytes: u64,
     mine: Mutex<Option<Mine>>,
@@ -206,6 +214,7 @@ impl Ledger {
         Ok(Ledger {
             dir: dir.to_path_buf(),
             totals,
+            mig: [(0, 0); MAX_GPUS],
             context_bytes: 0,
             further_context_bytes: 0,
             mine: Mutex::new(None),
@@ -225,6 +234,16 @@ impl Ledger {
     /// the default, charges nothing).
     pub fn with_further_context_memory(mut self, bytes: u64) -> Ledger {
         self.further_context_bytes = bytes;
+        self
+    }
+
+    /// Runs this process's work on `gpu` in MIG device `dev`: its memory there is counted
+    /// against `dev`'s GPU instance (shared with that instance's other compute instances)
+    /// and its record says which device it is on, for NVML.
+    pub fn with_mig(mut self, dev: &crate::mig::MigDevice) -> Ledger {
+        if let Some(slot) = self.mig.get_mut(dev.gpu as usize) {
+            *slot = (dev.tag(), dev.memory_bytes);
+        }
         self
     }
 
@@ -352,7 +371,11 @@ impl Ledger {
         if guard.as_ref().is_none_or(|m| m.pid != me) {
             *guard = Some(self.create_record(me)?);
         }
-        let used = card_used(&self.dir, gpu, true)?;
+        let (tag, instance_bytes) = self.mig.get(gpu as usize).copied().unwrap_or((0, 0));
+        let (total, used) = match tag {
+            0 => (total, card_used(&self.dir, gpu, true)?),
+            _ => (instance_bytes, instance_used(&self.dir, gpu, tag, true)?),
+        };
         let free = total.saturating_sub(used);
         if bytes > free {
             return Err(LedgerError::OutOfMemory {
@@ -364,7 +387,12 @@ impl Ledger {
         // Before the caller raises its record: a reader that then reads the raised record
         // sees the generation move and reads again (see [`crate::generation`]).
         self.generation.bump();
-        Ok(guard.as_ref().expect("record just made"))
+        let mine = guard.as_ref().expect("record just made");
+        if tag != 0 {
+            mine.word(HEADER_WORDS + gpu as usize * GPU_WORDS + W_MIG)
+                .store(tag, Ordering::SeqCst);
+        }
+        Ok(mine)
     }
 
     /// Returns `bytes` of device memory on `gpu` (no-op in a fork child that never allocated).
@@ -435,6 +463,9 @@ impl Ledger {
             guard.as_ref().expect("record just made")
         };
         mine.word(base + W_CTX).fetch_add(1, Ordering::SeqCst);
+        if let Some(&(tag, _)) = self.mig.get(gpu as usize).filter(|m| m.0 != 0) {
+            mine.word(base + W_MIG).store(tag, Ordering::SeqCst);
+        }
         Ok(())
     }
 
@@ -629,6 +660,7 @@ fn scan(dir: &Path, delete_dead: bool) -> Result<Vec<ProcessUsage>, LedgerError>
             shared_bytes: [0; MAX_GPUS],
             busy_ns: [0; MAX_GPUS],
             contexts: [0; MAX_GPUS],
+            mig_tag: [0; MAX_GPUS],
         };
         for g in 0..MAX_GPUS {
             let base = HEADER_WORDS + g * GPU_WORDS;
@@ -637,6 +669,7 @@ fn scan(dir: &Path, delete_dead: bool) -> Result<Vec<ProcessUsage>, LedgerError>
             u.mem_bytes[g] = word(base + W_MEM) + u.context_bytes[g] + u.shared_bytes[g];
             u.busy_ns[g] = word(base + W_BUSY);
             u.contexts[g] = word(base + W_CTX);
+            u.mig_tag[g] = word(base + W_MIG);
         }
         // A second copy of the library in the same process: one process, one sum.
         match out.iter_mut().find(|o: &&mut ProcessUsage| o.pid == pid) {
@@ -647,6 +680,7 @@ fn scan(dir: &Path, delete_dead: bool) -> Result<Vec<ProcessUsage>, LedgerError>
                     o.shared_bytes[g] += u.shared_bytes[g];
                     o.busy_ns[g] += u.busy_ns[g];
                     o.contexts[g] += u.contexts[g];
+                    o.mig_tag[g] = o.mig_tag[g].max(u.mig_tag[g]);
                 }
             }
             None => out.push(u),
@@ -680,6 +714,27 @@ fn card_used(dir: &Path, gpu: u32, delete_dead: bool) -> Result<u64, LedgerError
         .map(|p| p.mem_bytes[g] - p.shared_bytes[g])
         .sum();
     Ok(own + crate::shared::held_bytes(dir, delete_dead)[g])
+}
+
+/// Device memory in use in the GPU instance of MIG device `tag` ([`crate::mig::tag`]) on
+/// `gpu`, bytes, at one instant: what NVML shows for a MIG device.
+pub fn instance_memory_used(dir: &Path, gpu: u32, tag: u64) -> Result<u64, LedgerError> {
+    if gpu as usize >= MAX_GPUS {
+        return Err(LedgerError::NoSuchGpu(gpu));
+    }
+    crate::generation::consistent(dir, || instance_used(dir, gpu, tag, false))
+}
+
+/// What the GPU instance of MIG device `tag` on `gpu` holds: the own memory of every live
+/// process on any compute instance of that GPU instance (shared VMM memory is the card's).
+fn instance_used(dir: &Path, gpu: u32, tag: u64, delete_dead: bool) -> Result<u64, LedgerError> {
+    let g = gpu as usize;
+    let gi = crate::mig::untag(tag).map(|(gi, _)| gi);
+    Ok(scan(dir, delete_dead)?
+        .iter()
+        .filter(|p| crate::mig::untag(p.mig_tag[g]).map(|(gi, _)| gi) == gi)
+        .map(|p| p.mem_bytes[g] - p.shared_bytes[g])
+        .sum())
 }
 
 /// Runs `f` with `hook` called after each record a scan in this thread reads (by file name);

@@ -26,6 +26,8 @@
 //! - [`timeslice`]: the rules by which an engine time-slices between contexts (pure).
 //! - [`events`]: XID event injection and reading.
 //! - [`machine`]: the running machine's spec, shared by every `tessera sim` of one folder.
+//! - [`mig`]: MIG on the modelled parts (`1xH200`): profile tables, GPU and compute instances,
+//!   kept in `mig` (under `mig.lock`) for every process.
 //! - [`driver`]: each process's host pid (what records, engine slots and NVML carry), from
 //!   `getpid()` or, in a container, from the server of `driver.sock`; whether a pid lives.
 //! - [`clock`]: the machine-wide monotonic clock every process stamps with.
@@ -40,6 +42,7 @@ mod generation;
 mod generation_tests;
 pub mod ledger;
 pub mod machine;
+pub mod mig;
 pub mod shared;
 pub mod spec;
 pub mod timeslice;
@@ -50,7 +53,9 @@ pub use dirs::{
 pub use driver::{Broker, DriverError, Identity, host_pid, identity};
 pub use engine::{Engine, EngineError, device_busy_ns, device_utilization, process_busy_ns};
 pub use events::{EventsError, XidEvent, inject_xid, read_xid_events};
-pub use ledger::{Ledger, LedgerError, ProcessUsage, device_memory_used, read_processes};
+pub use ledger::{
+    Ledger, LedgerError, ProcessUsage, device_memory_used, instance_memory_used, read_processes,
+};
 pub use machine::{MachineError, MachineHold};
 pub use shared::SharedHold;
 pub use spec::{

@@ -39,6 +39,10 @@ pub struct GpuInfo {
     pub name: String,
     /// PCI bus number (the `0N` in `00000000:0N:00.0`).
     pub pci_bus: u32,
+    /// The modelled part (`1xH200`), which has MIG; `None` for a plain size (`1x80GiB`).
+    pub model: Option<crate::mig::GpuModel>,
+    /// Streaming multiprocessors.
+    pub sms: u32,
 }
 
 impl GpuInfo {
@@ -51,6 +55,16 @@ impl GpuInfo {
             uuid_bytes,
             name: format!("Tessera Sim GPU {}", format_size(total_bytes)),
             pci_bus: index + 1,
+            model: None,
+            sms: 132,
+        }
+    }
+
+    fn of_model(index: u32, model: crate::mig::GpuModel) -> GpuInfo {
+        GpuInfo {
+            name: model.name().to_string(),
+            model: Some(model),
+            ..GpuInfo::new(index, model.total_bytes())
         }
     }
 
@@ -72,7 +86,8 @@ pub struct SimSpec {
 }
 
 impl SimSpec {
-    /// Parses `2x80GiB`, `1x16GiB,1x24GiB` or `80GiB` (one GPU).
+    /// Parses `2x80GiB`, `1x16GiB,1x24GiB` or `80GiB` (one GPU); a model name instead of a size
+    /// (`8xH200`, `1xH100`) simulates that part, with its memory, name and MIG.
     pub fn parse(text: &str) -> Result<SimSpec, SpecError> {
         let text = text.trim();
         if text.is_empty() {
@@ -94,12 +109,20 @@ impl SimSpec {
             if count == 0 {
                 return Err(SpecError::BadItem(item.to_string()));
             }
-            let bytes = parse_size(size)?;
+            let model = crate::mig::GpuModel::parse(size);
+            let bytes = match model {
+                Some(m) => m.total_bytes(),
+                None => parse_size(size)?,
+            };
             if gpus.len() + count > MAX_GPUS {
                 return Err(SpecError::TooMany(gpus.len() + count));
             }
             for _ in 0..count {
-                gpus.push(GpuInfo::new(gpus.len() as u32, bytes));
+                let index = gpus.len() as u32;
+                gpus.push(match model {
+                    Some(m) => GpuInfo::of_model(index, m),
+                    None => GpuInfo::new(index, bytes),
+                });
             }
         }
         Ok(SimSpec { gpus })
@@ -173,7 +196,7 @@ fn format_size(bytes: u64) -> String {
     }
 }
 
-fn splitmix(mut x: u64) -> u64 {
+pub(crate) fn splitmix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -192,7 +215,7 @@ fn uuid_for(index: u32, total_bytes: u64) -> [u8; 16] {
     out
 }
 
-fn format_uuid(b: &[u8; 16]) -> String {
+pub(crate) fn format_uuid(b: &[u8; 16]) -> String {
     let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
     format!(
         "GPU-{}-{}-{}-{}-{}",
@@ -307,5 +330,15 @@ mod tests {
             a.gpus[0].uuid
         );
         assert_eq!(a.gpus[1].pci_bus_id_nvml(), "00000000:02:00.0");
+    }
+
+    #[test]
+    fn models_are_named_parts_with_mig() {
+        let s = SimSpec::parse("1xH100,2xh200").unwrap();
+        assert_eq!(s.gpus[0].name, "NVIDIA H100 80GB HBM3");
+        assert_eq!(s.gpus[1].total_bytes, 143_771 << 20);
+        assert_eq!(s.gpus[2].model, Some(crate::mig::GpuModel::H200));
+        assert_eq!(SimSpec::parse("1x80GiB").unwrap().gpus[0].model, None);
+        assert_ne!(s.gpus[1].uuid, s.gpus[2].uuid);
     }
 }
