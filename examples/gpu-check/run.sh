@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Tessera on a GPU, end to end: memory limit, compute shares, cap, overhead, ledger vs NVML.
-# Starts its own arbiter (temp folder: sockets, state), runs five steps, prints as it goes and
+# Tessera on a GPU, end to end: memory limit, compute shares, cap, overhead, ledger vs NVML,
+# the latency tier. Starts its own arbiter (temp folder: sockets, state), runs six steps, prints as it goes and
 # writes a markdown table of results (stdout and --out FILE). See examples/gpu-check/README.md.
 #
 #   cargo build --release --workspace && bash examples/gpu-check/run.sh
@@ -22,6 +22,7 @@ usage: bash examples/gpu-check/run.sh [options]
   --share-seconds S     each run of steps 2 and 3 (default 20)
   --bench-seconds S     each measurement of step 4 (default 5)
   --ledger-seconds S    the tenant of step 5 (default 6)
+  --latency-seconds S   each of the four runs of step 6, the latency tier (default 20; 0 skips it)
   --fraction PCT        memory and share of the limited tenant (default 30)
   --sim                 use the simulated GPU even if a real one is present
   --enforce kill|report the arbiter's memory backstop (default report: a check is never killed)
@@ -29,7 +30,7 @@ usage: bash examples/gpu-check/run.sh [options]
 EOF
 }
 
-out=gpu-check.md bin= py=${TESSERA_PYTHON:-python3} share_s=20 bench_s=5 ledger_s=6 pct=30
+out=gpu-check.md bin= py=${TESSERA_PYTHON:-python3} share_s=20 bench_s=5 ledger_s=6 lat_s=20 pct=30
 force_sim=0 enforce=report keep=0
 while [ $# -gt 0 ]; do
     case $1 in
@@ -39,6 +40,7 @@ while [ $# -gt 0 ]; do
         --share-seconds) share_s=${2?"$1 needs a value"}; shift ;;
         --bench-seconds) bench_s=${2?"$1 needs a value"}; shift ;;
         --ledger-seconds) ledger_s=${2?"$1 needs a value"}; shift ;;
+        --latency-seconds) lat_s=${2?"$1 needs a value"}; shift ;;
         --fraction) pct=${2?"$1 needs a value"}; shift ;;
         --sim) force_sim=1 ;;
         --enforce) enforce=${2?"$1 needs a value"}; shift ;;
@@ -50,6 +52,7 @@ while [ $# -gt 0 ]; do
 done
 
 [ "$ledger_s" -le 8 ] 2>/dev/null || { echo "gpu-check: --ledger-seconds is a whole number up to 8 (the ledger's window is 10 s)" >&2; exit 2; }
+case $lat_s in ''|*[!0-9]*) echo "gpu-check: --latency-seconds is a whole number of seconds (0 skips step 6)" >&2; exit 2 ;; esac
 say() { printf '== %s\n' "$*" >&2; }
 die() { printf 'gpu-check: %s\n' "$*" >&2; exit 1; }
 
@@ -426,6 +429,79 @@ else
     fi
 fi
 
+# ---------------------------------------------------------------- step 6: the latency tier
+# One latency service (small requests at Poisson arrivals) beside two best-effort tenants that
+# saturate the GPU (a training loop), as benches/src/bin/latency_tier.rs runs it on the
+# simulated GPU: the service alone, then beside them under plain time-slicing (no Tessera),
+# under Tessera with shares only, and under Tessera with the service in the latency tier.
+s6="6 latency tier"
+if [ -z "$torch_skip" ]; then
+    lat_w=("$py" "$here/torch_latency.py") lat_name="PyTorch: 4 bf16 4096² products per request, every 10 ms; training: a bf16 MLP of width 8192"
+    serve_args=(--gap-ms 10 --kernels 4 --size 4096) train_args=(--size 8192)
+elif [ -n "$bpy" ]; then
+    # latency_tier's first mix: requests of 4 x 2 ms kernels every 30 ms, 1-10 ms best-effort kernels.
+    lat_w=("$bpy" "$here/bindings_latency.py") lat_name="cuda-bindings: 4 x 2 ms kernels per request, every 30 ms; best-effort kernels of 1-10 ms"
+    serve_args=(--gap-ms 30 --kernels 4 --size 2000) train_args=(--size 10000)
+else
+    lat_w=()
+fi
+if [ "$lat_s" = 0 ]; then
+    row "$s6" "latency p50/p99 alone and beside best-effort" "skipped: --latency-seconds 0" "p50 ≤ 1.5x, p99 ≤ 1.2x alone" "-"
+elif [ ${#lat_w[@]} = 0 ]; then
+    row "$s6" "latency p50/p99 alone and beside best-effort" "${torch_skip:-}; $bindings_note" "p50 ≤ 1.5x, p99 ≤ 1.2x alone" "-"
+else
+    [ -n "$torch_skip" ] && row "$s6" "PyTorch matmul requests beside a training loop" "$torch_skip (cuda-bindings spin kernels instead)" "-" "-"
+    row "$s6" "workload" "$lat_name; shares 40 (service) and 30 + 30" "-" "-"
+    m6=$(pct_of "$total" 20)
+    # lat_mode MODE: alone | plain | shares | tier; writes l6_MODE_{lat,be1,be2}.json
+    lat_mode() {
+        local m=$1 dir=$work/barrier6_$1 pids=() n=1 i pre=()
+        rm -rf "$dir"; mkdir -p "$dir"
+        if [ "$m" != alone ]; then
+            n=3
+            for i in 1 2; do
+                pre=("${GPU[@]+"${GPU[@]}"}")
+                [ "$m" = plain ] || pre=("${TR[@]}" --memory "${m6}B" --share 30 --)
+                GPUCHECK_BARRIER=$dir timeout -k 5 $((lat_s + slack)) "${pre[@]+"${pre[@]}"}" \
+                    "${lat_w[@]}" train $((lat_s + 3)) "${train_args[@]}" --seed "$i" \
+                    >"$work/l6_${m}_be$i.json" 2>"$work/l6_${m}_be$i.err" &
+                pids+=($!)
+            done
+        fi
+        pre=("${GPU[@]+"${GPU[@]}"}")
+        case $m in
+            shares) pre=("${TR[@]}" --memory "${m6}B" --share 40 --) ;;
+            tier) pre=("${TR[@]}" --memory "${m6}B" --share 40 --tier latency --) ;;
+        esac
+        GPUCHECK_BARRIER=$dir timeout -k 5 $((lat_s + slack)) "${pre[@]+"${pre[@]}"}" \
+            "${lat_w[@]}" serve "$lat_s" "${serve_args[@]}" --delay 1 \
+            >"$work/l6_${m}_lat.json" 2>"$work/l6_${m}_lat.err" &
+        pids+=($!)
+        bg_pids=("${pids[@]}")
+        # The start line once every tenant has set up (or one has died).
+        local _ p alive
+        for _ in $(seq $((slack * 10))); do
+            [ "$(find "$dir" -name 'ready.*' | wc -l)" -ge $n ] && break
+            alive=1
+            for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null || alive=0; done
+            [ $alive = 1 ] || break
+            sleep 0.1
+        done
+        touch "$dir/go"
+        for p in "${pids[@]}"; do wait "$p"; done
+        bg_pids=()
+    }
+    for m in alone plain shares tier; do
+        say "step 6: the latency service $([ $m = alone ] && echo alone || echo "beside two best-effort tenants: $m"), ${lat_s}s"
+        lat_mode $m
+    done
+    be_of() { echo "$work/l6_$1_lat.json,$work/l6_$1_be1.json,$work/l6_$1_be2.json"; }
+    while IFS=$'\t' read -r r_m r_res r_tgt r_met; do
+        row "$s6" "$r_m" "$r_res" "$r_tgt" "$r_met"
+    done < <(python3 "$here/_latency.py" rows alone="$work/l6_alone_lat.json" plain="$(be_of plain)" \
+        shares="$(be_of shares)" tier="$(be_of tier)")
+fi
+
 # ---------------------------------------------------------------- table
 # Tenant processes the arbiter's backstop found over their memory (limit + tolerance) or running
 # kernels outside their leases (killed with --enforce kill, only logged with report).
@@ -433,7 +509,7 @@ enforced=$(grep -c 'backstop: pid .* of allocation' "$work/arbiter.log")
 {
     echo "## Tessera gpu-check: $where"
     echo
-    echo "GPU 0: $gpu_name, $(gib "$total"); limited tenant: \`--memory $limit --share $pct\` ($(gib "$limit")); $(date -u '+%Y-%m-%d %H:%M UTC'); \`$(basename "$0") --share-seconds $share_s --bench-seconds $bench_s --ledger-seconds $ledger_s\`; backstop \`--enforce $enforce\` (tenant processes it flagged: $enforced)."
+    echo "GPU 0: $gpu_name, $(gib "$total"); limited tenant: \`--memory $limit --share $pct\` ($(gib "$limit")); $(date -u '+%Y-%m-%d %H:%M UTC'); \`$(basename "$0") --share-seconds $share_s --bench-seconds $bench_s --ledger-seconds $ledger_s --latency-seconds $lat_s\`; backstop \`--enforce $enforce\` (tenant processes it flagged: $enforced)."
     echo
     echo "| step | measure | result | target | met |"
     echo "|---|---|---|---|---|"

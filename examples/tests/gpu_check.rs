@@ -26,6 +26,8 @@ fn gpu_check_script_writes_every_row_on_the_simulated_gpu() {
             "1",
             "--ledger-seconds",
             "3",
+            "--latency-seconds",
+            "2",
         ])
         .arg("--bin")
         .arg(target_dir())
@@ -86,6 +88,7 @@ fn gpu_check_script_writes_every_row_on_the_simulated_gpu() {
         ("4 overhead", "PyTorch"),
         ("4 overhead", "CuPy"),
         ("4 overhead", "JAX"),
+        ("6 latency tier", "PyTorch"),
     ] {
         assert!(
             find(step, measure)[2].starts_with("skipped: "),
@@ -131,5 +134,40 @@ fn gpu_check_script_writes_every_row_on_the_simulated_gpu() {
             assert!(["yes", "NO"].contains(&r[4]), "{step} {measure}: {r:?}");
         }
     }
+    // Step 6: p50 and p99 of each mode against the service alone, and a verdict where the
+    // tier has a target (the figures themselves are latency_tier's to judge, on a quiet host).
+    for (measure, verdict) in [
+        ("latency tenant alone (no Tessera)", false),
+        ("beside 2 best-effort: time-slicing (no Tessera)", false),
+        ("beside 2 best-effort: Tessera, shares only", false),
+        ("beside 2 best-effort: Tessera, latency tier", true),
+        ("best-effort work under the tier / under time-slicing", true),
+    ] {
+        let r = find("6 latency tier", measure);
+        assert!(
+            r[2].chars().any(|c| c.is_ascii_digit()) && !r[2].contains("NaN"),
+            "{measure}: {r:?}"
+        );
+        if measure.starts_with("beside") {
+            assert!(r[2].contains("x alone)"), "{measure}: {r:?}");
+        }
+        assert_eq!(["yes", "NO"].contains(&r[4]), verdict, "{measure}: {r:?}");
+    }
     eprintln!("run.sh took {took:?}\n{table}");
+}
+
+/// The latency scenario's pure parts (arrivals, quantiles, ratios, arguments): Python's
+/// unittest on examples/gpu-check/test_latency.py, no GPU and no PyTorch needed.
+#[test]
+fn the_latency_scenarios_pure_parts_pass_their_python_tests() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("gpu-check");
+    let run = Command::new("python3")
+        .arg("-B")
+        .arg("test_latency.py")
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "test_latency.py failed:\n{err}");
+    assert!(err.contains("\nOK"), "{err}");
 }
