@@ -83,6 +83,82 @@ pub fn self_base() -> *mut c_void {
     object_base(self_base as *const c_void)
 }
 
+/// Most loaded segments (`PT_LOAD`) an object has (a linker gives a library four or five).
+const MAX_SEGMENTS: usize = 8;
+
+/// The address ranges of this library's loaded segments, `[start, end)`.
+#[derive(Debug, Default)]
+struct OwnSegments {
+    n: usize,
+    ranges: [(usize, usize); MAX_SEGMENTS],
+}
+
+/// Found once, at the first load of a real library (`None`: the loader did not list us).
+static OWN_SEGMENTS: std::sync::OnceLock<Option<OwnSegments>> = std::sync::OnceLock::new();
+
+/// `dl_iterate_phdr` callback: fills `data` (an `OwnSegments`) from the object that holds this
+/// very function, and stops there.
+unsafe extern "C" fn collect_own(
+    info: *mut libc::dl_phdr_info,
+    _size: libc::size_t,
+    data: *mut c_void,
+) -> libc::c_int {
+    // SAFETY: the loader passes a live `dl_phdr_info` for this call; `data` is the
+    // `OwnSegments` that `own_segments` handed to `dl_iterate_phdr`.
+    let (info, out) = unsafe { (&*info, &mut *data.cast::<OwnSegments>()) };
+    if info.dlpi_phdr.is_null() {
+        return 0;
+    }
+    // SAFETY: `dlpi_phdr` points at `dlpi_phnum` program headers of a loaded object.
+    let phdrs = unsafe { std::slice::from_raw_parts(info.dlpi_phdr, info.dlpi_phnum as usize) };
+    let base = info.dlpi_addr as usize;
+    let loads = phdrs.iter().filter(|p| p.p_type == libc::PT_LOAD).map(|p| {
+        let start = base.wrapping_add(p.p_vaddr as usize);
+        (start, start.wrapping_add(p.p_memsz as usize))
+    });
+    let me = collect_own as *const () as usize;
+    if !loads.clone().any(|(a, b)| (a..b).contains(&me)) {
+        return 0;
+    }
+    for (i, r) in loads.take(MAX_SEGMENTS).enumerate() {
+        out.ranges[i] = r;
+        out.n = i + 1;
+    }
+    1
+}
+
+fn own_segments() -> Option<&'static OwnSegments> {
+    OWN_SEGMENTS
+        .get_or_init(|| {
+            let mut out = OwnSegments::default();
+            // SAFETY: the callback only reads the loader's records and writes `out`, which lives
+            // across the call.
+            unsafe { libc::dl_iterate_phdr(Some(collect_own), (&raw mut out).cast()) };
+            (out.n > 0).then_some(out)
+        })
+        .as_ref()
+}
+
+/// Whether `addr` lies in this very library (a hook that must never be adopted as a real
+/// function: it would call itself).
+///
+/// Why not `dladdr` per pointer: glibc's `dladdr` searches the object's whole symbol table for
+/// the nearest symbol on every call, and the real library's every hook is checked: measured
+/// with callgrind, a quarter of a CUDA process's instructions at start-up (issue 36). The
+/// segments are read once from the loader (`dl_iterate_phdr`); where that fails, `dladdr` still
+/// decides (slow, never wrong).
+fn is_own(addr: *const c_void) -> bool {
+    match own_segments() {
+        Some(own) => {
+            let a = addr as usize;
+            own.ranges[..own.n]
+                .iter()
+                .any(|&(s, e)| (s..e).contains(&a))
+        }
+        None => object_base(addr) == self_base(),
+    }
+}
+
 const UNLOADED: u8 = 0;
 const LOADING: u8 = 1;
 const LOADED: u8 = 2;
@@ -163,7 +239,7 @@ fn load(lib: Lib) -> *mut c_void {
             .find(|p| !p.is_null())
             .unwrap_or(std::ptr::null_mut());
     }
-    if !probe_fn.is_null() && object_base(probe_fn) == self_base() {
+    if !probe_fn.is_null() && is_own(probe_fn) {
         tlog!(
             Error,
             "{} resolves to the interposer itself; refusing it",
@@ -171,11 +247,10 @@ fn load(lib: Lib) -> *mut c_void {
         );
         return std::ptr::null_mut();
     }
-    let me = self_base();
     for hook in HOOKS.iter().filter(|k| k.lib == lib) {
         // Never one of our own exports (a hook must not call itself).
         let p = find(hook.name);
-        if !p.is_null() && object_base(p) != me {
+        if !p.is_null() && !is_own(p) {
             hook.adopt(p);
         }
     }
@@ -263,6 +338,18 @@ mod tests {
     fn self_base_is_this_object() {
         assert!(!self_base().is_null());
         assert_eq!(object_base(init_real_dlsym as *const c_void), self_base());
+    }
+
+    #[test]
+    fn own_segments_hold_our_functions_and_nothing_of_libc() {
+        assert!(own_segments().is_some(), "the loader lists this object");
+        assert!(is_own(init_real_dlsym as *const c_void));
+        assert!(is_own(lookup as *const c_void));
+        // SAFETY: RTLD_DEFAULT (null) with a NUL-terminated name.
+        let getpid = unsafe { lookup(std::ptr::null_mut(), c"getpid") };
+        assert!(!getpid.is_null());
+        assert!(!is_own(getpid), "libc's getpid is not ours");
+        assert!(!is_own(std::ptr::null()));
     }
 
     #[test]
