@@ -55,6 +55,7 @@ pub fn read(lib: &Path, sysfs: &Path) -> Result<Vec<GpuAttrs>, InventoryError> {
             pcie_root: pcie_root(sysfs, &bus),
             pci_bus_id: bus,
             unhealthy: None,
+            mig: crate::mig::MigMode::Off,
         });
     }
     Ok(out)
@@ -187,6 +188,7 @@ mod tests {
             numa_node: None,
             pcie_root: None,
             unhealthy: None,
+            mig: crate::mig::MigMode::Off,
         };
         let s = |i: u32, bad: Option<&str>| GpuState {
             index: i,

@@ -13,7 +13,9 @@
 //!   `pluginregistration/v1`.
 //! - [`quantity`]: exact parsing of Kubernetes quantities.
 //! - [`claim`]: pure rules: a ResourceClaim's allocation results to planned allocations.
-//! - [`slices`]: pure rules: this node's ResourceSlice (devices, capacities, attributes).
+//! - [`slices`]: pure rules: this node's ResourceSlices (devices, capacities, attributes).
+//! - [`mig`]: pure rules: MIG partitions as partitionable devices (counter sets, one device
+//!   per profile and placement) or, in static mode, the existing instances.
 //! - [`cdi`]: the per-claim CDI spec (interposer, preload, identity, visible devices).
 //! - [`prepare`]: prepare / unprepare over the arbiter, idempotent, the arbiter's labels as
 //!   checkpoint.
@@ -36,6 +38,7 @@ pub mod cdi;
 pub mod claim;
 pub mod cleanup;
 pub mod inventory;
+pub mod mig;
 pub mod plugin;
 pub mod prepare;
 pub mod proto;

@@ -322,6 +322,7 @@ mod tests {
             numa_node: Some(0),
             pcie_root: None,
             unhealthy: None,
+            mig: crate::mig::MigMode::Off,
         }
     }
 

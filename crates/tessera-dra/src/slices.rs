@@ -18,8 +18,8 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::{
-    CapacityRequestPolicy, CapacityRequestPolicyRange, Device, DeviceAttribute, DeviceCapacity,
-    DeviceTaint, ResourcePool, ResourceSlice, ResourceSliceSpec,
+    CapacityRequestPolicy, CapacityRequestPolicyRange, CounterSet, Device, DeviceAttribute,
+    DeviceCapacity, DeviceTaint, ResourcePool, ResourceSlice, ResourceSliceSpec,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -27,6 +27,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use crate::claim::{
     CAPACITY_MEMORY, CAPACITY_SHARES, DEFAULT_SHARES, DRIVER, SHARES_PER_GPU, device_name,
 };
+use crate::mig::{self, MigMode};
 use crate::quantity::format_bytes;
 
 /// Granularity of memory requests.
@@ -64,6 +65,8 @@ pub struct GpuAttrs {
     pub pcie_root: Option<String>,
     /// Why it is unhealthy, if it is.
     pub unhealthy: Option<String>,
+    /// How its MIG partitions are published ([`crate::mig`]).
+    pub mig: MigMode,
 }
 
 /// The architecture name of a compute capability (NVIDIA's CUDA GPU list).
@@ -131,6 +134,44 @@ fn attr_version(v: String) -> DeviceAttribute {
     }
 }
 
+/// The `shares` and `memory` capacities of a device of `memory_total` bytes (a whole GPU or
+/// a MIG instance): 100 shares, memory in steps of [`MEMORY_STEP`] up to the device.
+pub fn capacities(memory_total: u64, default_memory: u64) -> BTreeMap<String, DeviceCapacity> {
+    let max_memory = (memory_total / MEMORY_STEP).max(1) * MEMORY_STEP;
+    BTreeMap::from([
+        (
+            CAPACITY_SHARES.to_owned(),
+            DeviceCapacity {
+                value: q(SHARES_PER_GPU.to_string()),
+                request_policy: Some(CapacityRequestPolicy {
+                    default: Some(q(DEFAULT_SHARES.to_string())),
+                    valid_range: Some(CapacityRequestPolicyRange {
+                        min: q("1"),
+                        max: Some(q(SHARES_PER_GPU.to_string())),
+                        step: Some(q("1")),
+                    }),
+                    valid_values: None,
+                }),
+            },
+        ),
+        (
+            CAPACITY_MEMORY.to_owned(),
+            DeviceCapacity {
+                value: q(format_bytes(memory_total)),
+                request_policy: Some(CapacityRequestPolicy {
+                    default: Some(q(format_bytes(default_memory.min(max_memory)))),
+                    valid_range: Some(CapacityRequestPolicyRange {
+                        min: q(format_bytes(MEMORY_STEP)),
+                        max: Some(q(format_bytes(max_memory))),
+                        step: Some(q(format_bytes(MEMORY_STEP))),
+                    }),
+                    valid_values: None,
+                }),
+            },
+        ),
+    ])
+}
+
 /// The slice's device for `g`.
 pub fn device(g: &GpuAttrs, default_memory: u64) -> Device {
     let mut attributes = BTreeMap::from([
@@ -162,39 +203,8 @@ pub fn device(g: &GpuAttrs, default_memory: u64) -> Device {
     if let Some(r) = &g.pcie_root {
         attributes.insert(PCIE_ROOT.to_owned(), attr_string(r));
     }
-    let max_memory = (g.memory_total / MEMORY_STEP).max(1) * MEMORY_STEP;
-    let capacity = BTreeMap::from([
-        (
-            CAPACITY_SHARES.to_owned(),
-            DeviceCapacity {
-                value: q(SHARES_PER_GPU.to_string()),
-                request_policy: Some(CapacityRequestPolicy {
-                    default: Some(q(DEFAULT_SHARES.to_string())),
-                    valid_range: Some(CapacityRequestPolicyRange {
-                        min: q("1"),
-                        max: Some(q(SHARES_PER_GPU.to_string())),
-                        step: Some(q("1")),
-                    }),
-                    valid_values: None,
-                }),
-            },
-        ),
-        (
-            CAPACITY_MEMORY.to_owned(),
-            DeviceCapacity {
-                value: q(format_bytes(g.memory_total)),
-                request_policy: Some(CapacityRequestPolicy {
-                    default: Some(q(format_bytes(default_memory.min(max_memory)))),
-                    valid_range: Some(CapacityRequestPolicyRange {
-                        min: q(format_bytes(MEMORY_STEP)),
-                        max: Some(q(format_bytes(max_memory))),
-                        step: Some(q(format_bytes(MEMORY_STEP))),
-                    }),
-                    valid_values: None,
-                }),
-            },
-        ),
-    ]);
+    attributes.insert("type".to_owned(), attr_string(mig::TYPE_GPU));
+    let capacity = capacities(g.memory_total, default_memory);
     Device {
         name: device_name(g.index),
         allow_multiple_allocations: Some(true),
@@ -217,11 +227,70 @@ pub fn slice_name(node: &str) -> String {
     format!("{node}-gpu.tessera.dev")
 }
 
-/// `node`'s slice at pool `generation`: its first [`MAX_DEVICES_PER_SLICE`] GPUs.
-pub fn slice(node: &str, gpus: &[GpuAttrs], default_memory: u64, generation: i64) -> ResourceSlice {
+/// The devices of GPU `g` ([`crate::mig`]): the whole GPU (unless static MIG publishes only its
+/// instances), then its MIG devices; with dynamic MIG every one of them consumes counters.
+pub fn gpu_devices(g: &GpuAttrs, default_memory: u64) -> Vec<Device> {
+    let whole = device(g, default_memory);
+    let cap = |memory: u64| capacities(memory, default_memory);
+    match &g.mig {
+        MigMode::Off => vec![whole],
+        MigMode::Dynamic(geo) => {
+            let mut out = Vec::with_capacity(1 + mig::partitions(geo).count());
+            for (p, pl) in mig::partitions(geo) {
+                let mut d = mig::mig_device(
+                    &whole,
+                    mig::mig_device_name(g.index, &p.name, pl.start),
+                    &p.name,
+                    pl,
+                    &g.uuid,
+                    cap,
+                    p.memory,
+                );
+                d.consumes_counters = Some(vec![mig::consumption(g.index, p.compute_slices, pl)]);
+                out.push(d);
+            }
+            let mut whole = whole;
+            whole.consumes_counters = Some(vec![mig::whole_consumption(g.index, geo)]);
+            out.insert(0, whole);
+            out
+        }
+        MigMode::Static(instances) => instances
+            .iter()
+            .map(|i| {
+                let mut d = mig::mig_device(
+                    &whole,
+                    mig::mig_device_name(g.index, &i.profile, i.placement.start),
+                    &i.profile,
+                    i.placement,
+                    &g.uuid,
+                    cap,
+                    i.memory,
+                );
+                let attrs = d.attributes.get_or_insert_with(BTreeMap::new);
+                attrs.insert("uuid".to_owned(), attr_string(&i.uuid));
+                d
+            })
+            .collect(),
+    }
+}
+
+/// The name of `node`'s `k`th device slice (the first is [`slice_name`]).
+pub fn device_slice_name(node: &str, k: usize) -> String {
+    match k {
+        0 => slice_name(node),
+        _ => format!("{}-{k}", slice_name(node)),
+    }
+}
+
+/// The name of `node`'s `k`th counter slice.
+pub fn counter_slice_name(node: &str, k: usize) -> String {
+    format!("{}-counters-{k}", slice_name(node))
+}
+
+fn pool_slice(node: &str, name: String, generation: i64) -> ResourceSlice {
     ResourceSlice {
         metadata: ObjectMeta {
-            name: Some(slice_name(node)),
+            name: Some(name),
             ..Default::default()
         },
         spec: ResourceSliceSpec {
@@ -232,15 +301,112 @@ pub fn slice(node: &str, gpus: &[GpuAttrs], default_memory: u64, generation: i64
                 generation,
                 resource_slice_count: 1,
             },
-            devices: Some(
-                gpus.iter()
-                    .take(MAX_DEVICES_PER_SLICE)
-                    .map(|g| device(g, default_memory))
-                    .collect(),
-            ),
             ..Default::default()
         },
     }
+}
+
+/// What `node`'s pool publishes: every GPU's devices ([`gpu_devices`], in GPU order) and the
+/// dynamic MIG GPUs' counter sets.
+pub fn pool_parts(gpus: &[GpuAttrs], default_memory: u64) -> (Vec<Device>, Vec<CounterSet>) {
+    let devices = gpus
+        .iter()
+        .flat_map(|g| gpu_devices(g, default_memory))
+        .collect();
+    let sets = gpus
+        .iter()
+        .filter_map(|g| match &g.mig {
+            MigMode::Dynamic(geo) => Some(mig::counter_set(g.index, geo)),
+            _ => None,
+        })
+        .collect();
+    (devices, sets)
+}
+
+/// The most devices a slice holding `ds` may have (upstream: 128, or 64 when any consumes
+/// counters or has a taint).
+fn device_limit<'a>(mut ds: impl Iterator<Item = &'a Device>) -> usize {
+    if ds.any(|d| d.consumes_counters.is_some() || d.taints.is_some()) {
+        mig::MAX_COUNTER_DEVICES_PER_SLICE
+    } else {
+        MAX_DEVICES_PER_SLICE
+    }
+}
+
+/// Appends one GPU's `group` of devices to the last of `slices`, or to a new one when it does
+/// not fit whole (a group larger than a slice is split).
+fn place(slices: &mut Vec<Vec<Device>>, group: Vec<Device>) {
+    let cur = slices.last().expect("never empty");
+    if !cur.is_empty() && cur.len() + group.len() > device_limit(cur.iter().chain(&group)) {
+        slices.push(Vec::new());
+    }
+    for d in group {
+        let cur = slices.last().expect("never empty");
+        if cur.len() >= device_limit(cur.iter().chain([&d])) {
+            slices.push(Vec::new());
+        }
+        slices.last_mut().expect("never empty").push(d);
+    }
+}
+
+/// `devices` and `sets` as `node`'s pool at `generation`: device slices (each GPU's devices
+/// together; at most [`MAX_DEVICES_PER_SLICE`] devices, [`mig::MAX_COUNTER_DEVICES_PER_SLICE`]
+/// where any consumes counters or has a taint), then counter slices (at most
+/// [`mig::MAX_COUNTER_SETS_PER_SLICE`] sets a slice: upstream allows devices or counters in one
+/// slice, not both). Without counter sets and with few GPUs this is one slice, as before MIG.
+pub fn layout(
+    node: &str,
+    devices: Vec<Device>,
+    sets: Vec<CounterSet>,
+    generation: i64,
+) -> Vec<ResourceSlice> {
+    let mut device_slices: Vec<Vec<Device>> = vec![Vec::new()];
+    let mut group: Vec<Device> = Vec::new();
+    for d in devices {
+        if group
+            .last()
+            .is_some_and(|g| mig::gpu_of_device(&g.name) != mig::gpu_of_device(&d.name))
+        {
+            place(&mut device_slices, std::mem::take(&mut group));
+        }
+        group.push(d);
+    }
+    place(&mut device_slices, group);
+    let mut out: Vec<ResourceSlice> = device_slices
+        .into_iter()
+        .enumerate()
+        .map(|(k, devices)| {
+            let mut s = pool_slice(node, device_slice_name(node, k), generation);
+            s.spec.devices = Some(devices);
+            s
+        })
+        .collect();
+    for (k, chunk) in sets.chunks(mig::MAX_COUNTER_SETS_PER_SLICE).enumerate() {
+        let mut s = pool_slice(node, counter_slice_name(node, k), generation);
+        s.spec.shared_counters = Some(chunk.to_vec());
+        out.push(s);
+    }
+    let count = i64::try_from(out.len()).unwrap_or(i64::MAX);
+    for s in &mut out {
+        s.spec.pool.resource_slice_count = count;
+    }
+    out
+}
+
+/// `node`'s pool at `generation` ([`pool_parts`] laid out by [`layout`]).
+pub fn pool(
+    node: &str,
+    gpus: &[GpuAttrs],
+    default_memory: u64,
+    generation: i64,
+) -> Vec<ResourceSlice> {
+    let (devices, sets) = pool_parts(gpus, default_memory);
+    layout(node, devices, sets, generation)
+}
+
+/// `node`'s first device slice at pool `generation` (all of the pool when no GPU has MIG).
+pub fn slice(node: &str, gpus: &[GpuAttrs], default_memory: u64, generation: i64) -> ResourceSlice {
+    pool(node, gpus, default_memory, generation).remove(0)
 }
 
 #[cfg(test)]
@@ -259,6 +425,7 @@ mod tests {
             numa_node: Some(0),
             pcie_root: Some("pci0000:3a".into()),
             unhealthy: None,
+            mig: MigMode::Off,
         }
     }
 

@@ -233,6 +233,7 @@ fn manifests_and_the_published_slice_pass_the_upstream_schemas_of_1_34_and_1_37(
         numa_node: Some(0),
         pcie_root: Some("pci0000:00".into()),
         unhealthy: unhealthy.map(str::to_owned),
+        mig: tessera_dra::mig::MigMode::Off,
     };
     let slice = slices::slice(
         "node-a",
@@ -243,6 +244,41 @@ fn manifests_and_the_published_slice_pass_the_upstream_schemas_of_1_34_and_1_37(
     let tmp = tempfile::tempdir().unwrap();
     let slice_file = tmp.path().join("slice.json");
     std::fs::write(&slice_file, serde_json::to_vec(&slice).unwrap()).unwrap();
+    // A MIG pool: a dynamic GPU (its counter slice apart) and a static one.
+    use tessera_dra::mig::{Geometry, Instance, MigMode, Placement, Profile};
+    let profile = |id, name: &str, c, mib: u64, size, starts: &[u32]| Profile {
+        id,
+        name: name.into(),
+        compute_slices: c,
+        memory: mib << 20,
+        multiprocessors: 16 * c,
+        placements: starts
+            .iter()
+            .map(|&start| Placement { start, size })
+            .collect(),
+    };
+    let geo = Geometry::of(vec![
+        profile(19, "1g.18gb", 1, 16384, 1, &[0, 1, 2, 3, 4, 5, 6]),
+        profile(0, "7g.141gb", 7, 143360, 8, &[0]),
+    ])
+    .unwrap();
+    let mut dynamic = gpu(2, None);
+    dynamic.mig = MigMode::Dynamic(geo);
+    let mut fixed = gpu(3, None);
+    fixed.mig = MigMode::Static(vec![Instance {
+        profile: "1g.18gb".into(),
+        placement: Placement { start: 6, size: 1 },
+        uuid: "MIG-00000000-0000-0000-0000-000000000000".into(),
+        memory: 16384 << 20,
+    }]);
+    let pool = slices::pool("node-b", &[dynamic, fixed], 1 << 30, 1);
+    assert_eq!(pool.len(), 2);
+    let mut pool_files = Vec::new();
+    for (k, s) in pool.iter().enumerate() {
+        let f = tmp.path().join(format!("pool-{k}.json"));
+        std::fs::write(&f, serde_json::to_vec(s).unwrap()).unwrap();
+        pool_files.push(f);
+    }
     let mut files: Vec<PathBuf> = std::fs::read_dir(dra_dir())
         .unwrap()
         .flatten()
@@ -251,6 +287,7 @@ fn manifests_and_the_published_slice_pass_the_upstream_schemas_of_1_34_and_1_37(
         .collect();
     files.sort();
     files.push(slice_file);
+    files.extend(pool_files);
     for version in ["1.34.0", "1.37.0"] {
         let out = std::process::Command::new(&python)
             .args(["-m", "kubernetes_validate", "--strict", "-k", version])
@@ -266,10 +303,13 @@ fn manifests_and_the_published_slice_pass_the_upstream_schemas_of_1_34_and_1_37(
             out.status.success(),
             "kubernetes-validate {version}:\n{text}"
         );
-        assert!(
-            text.contains("resourceslice/node-a-gpu.tessera.dev"),
-            "{text}"
-        );
+        for name in [
+            "node-a-gpu.tessera.dev",
+            "node-b-gpu.tessera.dev",
+            "node-b-gpu.tessera.dev-counters-0",
+        ] {
+            assert!(text.contains(&format!("resourceslice/{name}")), "{text}");
+        }
         assert!(
             !text.contains("ERROR") && !text.contains("WARN"),
             "{version}:\n{text}"
