@@ -484,14 +484,31 @@ fn promtool_finds_no_problem_in_a_scrape() {
     );
     let mut create = allocation(0, GIB, 40, Some(60));
     create.labels = labels;
-    let (token, _) = admin.create(create).unwrap();
-    admin.create(allocation(0, GIB, 20, None)).unwrap();
+    let (token, best_effort) = admin.create(create).unwrap();
+    // The other one latency-tier, as the DRA driver's latency class and the device plugin's
+    // latency resource create them: its tier is a series of its own.
+    let (_, latency) = admin
+        .create_tiered(
+            allocation(0, GIB, 20, None),
+            None,
+            tessera_protocol::Tier::Latency,
+        )
+        .unwrap();
     let mut t = node.arbiter.tenant(&token);
     t.call(&TenantRequest::Reserve { bytes: MIB }).unwrap();
     t.call(&TenantRequest::Ping).unwrap();
     let (status, body) = http_get(node.metrics, "/metrics");
     assert_eq!(status, 200, "{body}");
     assert!(body.contains("pod=\"trainer \\\"0\\\"\""), "{body}");
+    for (a, tier) in [(&best_effort, 0.0), (&latency, 1.0)] {
+        let prefix = format!("tessera_allocation_latency_tier{{allocation=\"{}\",", a.id);
+        let line = body
+            .lines()
+            .find(|l| l.starts_with(&prefix))
+            .unwrap_or_else(|| panic!("no tier series of {}:\n{body}", a.id));
+        let value: f64 = line.rsplit_once(' ').unwrap().1.parse().unwrap();
+        assert_eq!(value, tier, "{line}");
+    }
     tessera_testkit::prometheus::check_metrics(&body);
     // Every arbiter metric docs/metrics.md documents is served (the dashboard test checks the
     // dashboard's queries against the same document).
