@@ -17,6 +17,8 @@
 //! - [`mig`]: pure rules: MIG partitions as partitionable devices (counter sets, one device
 //!   per profile and placement) or, in static mode, the existing instances.
 //! - [`cdi`]: the per-claim CDI spec (interposer, preload, identity, visible devices).
+//! - [`instances`]: MIG instances behind claims: created, shared by reference count, destroyed
+//!   at the last unprepare, a checkpoint (`PrepareStarted`/`PrepareCompleted`) reconciled at start.
 //! - [`prepare`]: prepare / unprepare over the arbiter, idempotent, the arbiter's labels as
 //!   checkpoint.
 //! - [`apiserver`]: the API server calls (get ResourceClaims; list, create, replace, delete
@@ -37,6 +39,7 @@ pub mod authority;
 pub mod cdi;
 pub mod claim;
 pub mod cleanup;
+pub mod instances;
 pub mod inventory;
 pub mod mig;
 pub mod plugin;
