@@ -4,6 +4,7 @@
 //! Modules:
 //! - [`cuda`]: driver types, `CUresult` codes, flags, struct layouts, function-pointer types.
 //! - [`nvml`]: NVML types, `nvmlReturn_t` codes, struct layouts, function-pointer types.
+//! - [`nvml_mig`]: NVML's MIG API: instance handles, profile constants, struct layouts.
 //!
 //! Layouts follow the CUDA 13 headers on 64-bit Linux, and each struct's size, alignment and
 //! field offsets are checked at compile time against them. Status enums (`CUresult`,
@@ -31,6 +32,8 @@ macro_rules! layout {
 
 pub mod cuda;
 pub mod nvml;
+pub mod nvml_mig;
 
 pub use cuda::*;
 pub use nvml::*;
+pub use nvml_mig::*;

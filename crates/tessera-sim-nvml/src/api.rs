@@ -21,9 +21,9 @@ use tessera_sim_state::{GpuInfo, MAX_GPUS, SimSpec, XidEvent};
 
 use crate::ffi::*;
 
-type Res = Result<(), nvmlReturn_t>;
+pub(crate) type Res = Result<(), nvmlReturn_t>;
 
-fn guard(f: impl FnOnce() -> Res) -> nvmlReturn_t {
+pub(crate) fn guard(f: impl FnOnce() -> Res) -> nvmlReturn_t {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(Ok(())) => NVML_SUCCESS,
         Ok(Err(e)) => e,
@@ -35,7 +35,7 @@ fn guard(f: impl FnOnce() -> Res) -> nvmlReturn_t {
 ///
 /// # Safety
 /// `p` must be null or valid for writing a `T`.
-unsafe fn put<T>(p: *mut T, v: T) -> Res {
+pub(crate) unsafe fn put<T>(p: *mut T, v: T) -> Res {
     if p.is_null() {
         return Err(NVML_ERROR_INVALID_ARGUMENT);
     }
@@ -44,9 +44,9 @@ unsafe fn put<T>(p: *mut T, v: T) -> Res {
     Ok(())
 }
 
-struct State {
-    spec: SimSpec,
-    dir: PathBuf,
+pub(crate) struct State {
+    pub(crate) spec: SimSpec,
+    pub(crate) dir: PathBuf,
     /// Per device, the last [`ANSWERS_KEPT`] per-process utilization answers, oldest first.
     answers: Vec<Mutex<VecDeque<Answer>>>,
 }
@@ -68,19 +68,28 @@ static STATE: OnceLock<State> = OnceLock::new();
 static INIT_COUNT: AtomicU32 = AtomicU32::new(0);
 static HANDLES: [u8; MAX_GPUS] = [0; MAX_GPUS];
 
-fn state() -> Result<&'static State, nvmlReturn_t> {
+pub(crate) fn state() -> Result<&'static State, nvmlReturn_t> {
     if INIT_COUNT.load(Ordering::SeqCst) == 0 {
         return Err(NVML_ERROR_UNINITIALIZED);
     }
     STATE.get().ok_or(NVML_ERROR_UNINITIALIZED)
 }
 
-fn handle_of(index: u32) -> nvmlDevice_t {
+pub(crate) fn handle_of(index: u32) -> nvmlDevice_t {
     &HANDLES[index as usize] as *const u8 as nvmlDevice_t
 }
 
-fn device(h: nvmlDevice_t) -> Result<&'static GpuInfo, nvmlReturn_t> {
+/// The GPU of handle `h`; for a MIG device's handle, its parent (PCI, compute capability and
+/// events are the parent's).
+pub(crate) fn device(h: nvmlDevice_t) -> Result<&'static GpuInfo, nvmlReturn_t> {
     let st = state()?;
+    if let Some(gpu) = crate::mig::mig_handle_parent(h) {
+        return st
+            .spec
+            .gpus
+            .get(gpu as usize)
+            .ok_or(NVML_ERROR_INVALID_ARGUMENT);
+    }
     let base = HANDLES.as_ptr() as usize;
     let off = (h as usize).wrapping_sub(base);
     st.spec
@@ -94,7 +103,7 @@ fn device(h: nvmlDevice_t) -> Result<&'static GpuInfo, nvmlReturn_t> {
 ///
 /// # Safety
 /// `buf` must be null or valid for `len` bytes.
-unsafe fn copy_str(s: &str, buf: *mut c_char, len: u32) -> Res {
+pub(crate) unsafe fn copy_str(s: &str, buf: *mut c_char, len: u32) -> Res {
     if buf.is_null() {
         return Err(NVML_ERROR_INVALID_ARGUMENT);
     }
@@ -165,9 +174,12 @@ pub extern "C" fn nvmlErrorString(r: nvmlReturn_t) -> *const c_char {
         1 => c"Uninitialized",
         2 => c"Invalid Argument",
         3 => c"Not Supported",
+        4 => c"Insufficient Permissions",
         6 => c"Not Found",
         7 => c"Insufficient Size",
         10 => c"Timeout",
+        19 => c"In use by another client",
+        23 => c"Insufficient resources",
         25 => c"Argument version mismatch",
         _ => c"Unknown Error",
     };
@@ -279,6 +291,17 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
     uuid: *const c_char,
     h: *mut nvmlDevice_t,
 ) -> nvmlReturn_t {
+    if !uuid.is_null() {
+        // SAFETY: non-null C string from the caller.
+        let s = unsafe { CStr::from_ptr(uuid) }.to_string_lossy();
+        if s.len() > 4 && s[..4].eq_ignore_ascii_case("MIG-") {
+            return guard(|| {
+                let found = crate::mig::handle_by_mig_uuid(&s)?;
+                // SAFETY: caller's out-pointer, null-checked by put.
+                unsafe { put(h, found) }
+            });
+        }
+    }
     by_string(uuid, h, |g, s| g.uuid.eq_ignore_ascii_case(s))
 }
 
@@ -301,6 +324,10 @@ pub unsafe extern "C" fn nvmlDeviceGetName(
     len: u32,
 ) -> nvmlReturn_t {
     guard(|| {
+        // SAFETY: caller's buffer of `len` bytes.
+        if unsafe { crate::mig::mig_string(h, buf, len, false) }? {
+            return Ok(());
+        }
         let g = device(h)?;
         // SAFETY: caller's buffer of `len` bytes.
         unsafe { copy_str(&g.name, buf, len) }
@@ -315,6 +342,10 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
     len: u32,
 ) -> nvmlReturn_t {
     guard(|| {
+        // SAFETY: caller's buffer of `len` bytes.
+        if unsafe { crate::mig::mig_string(h, buf, len, true) }? {
+            return Ok(());
+        }
         let g = device(h)?;
         // SAFETY: caller's buffer of `len` bytes.
         unsafe { copy_str(&g.uuid, buf, len) }
@@ -361,6 +392,19 @@ fn used(g: &GpuInfo) -> Result<u64, nvmlReturn_t> {
         .map_err(|_| NVML_ERROR_UNKNOWN)
 }
 
+/// (total, used) of the device behind `h`: a MIG device's GPU instance, or the whole GPU
+/// (with MIG on, only for a privileged caller: see [`crate::mig`]).
+fn memory(h: nvmlDevice_t) -> Result<(u64, u64), nvmlReturn_t> {
+    if let Some(d) = crate::mig::mig_of(h)? {
+        let u = tessera_sim_state::instance_memory_used(&state()?.dir, d.gpu, d.tag())
+            .map_err(|_| NVML_ERROR_UNKNOWN)?;
+        return Ok((d.memory_bytes, u.min(d.memory_bytes)));
+    }
+    let g = device(h)?;
+    crate::mig::check_aggregate(g)?;
+    Ok((g.total_bytes, used(g)?))
+}
+
 /// `nvmlDeviceGetMemoryInfo`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
@@ -368,15 +412,14 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo(
     m: *mut nvmlMemory_t,
 ) -> nvmlReturn_t {
     guard(|| {
-        let g = device(h)?;
-        let u = used(g)?;
+        let (total, u) = memory(h)?;
         // SAFETY: caller's out-pointer, null-checked by put.
         unsafe {
             put(
                 m,
                 nvmlMemory_t {
-                    total: g.total_bytes,
-                    free: g.total_bytes - u,
+                    total,
+                    free: total - u,
                     used: u,
                 },
             )
@@ -391,7 +434,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
     m: *mut nvmlMemory_v2_t,
 ) -> nvmlReturn_t {
     guard(|| {
-        let g = device(h)?;
+        device(h)?;
         if m.is_null() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
@@ -400,16 +443,16 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
         if version != NVML_MEMORY_V2 {
             return Err(NVML_ERROR_ARGUMENT_VERSION_MISMATCH);
         }
-        let u = used(g)?;
+        let (total, u) = memory(h)?;
         // SAFETY: non-null struct from the caller.
         unsafe {
             put(
                 m,
                 nvmlMemory_v2_t {
                     version,
-                    total: g.total_bytes,
+                    total,
                     reserved: 0,
-                    free: g.total_bytes - u,
+                    free: total - u,
                     used: u,
                 },
             )
@@ -426,6 +469,11 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
 ) -> nvmlReturn_t {
     guard(|| {
         let g = device(h)?;
+        // "On MIG-enabled GPUs, querying device utilization rates is not currently supported"
+        // (NVML reference, nvmlDeviceGetUtilizationRates).
+        if crate::mig::mig_of(h)?.is_some() || crate::mig::mig_on(g)? {
+            return Err(NVML_ERROR_NOT_SUPPORTED);
+        }
         let busy =
             tessera_sim_state::device_utilization(&state()?.dir, g.index, Duration::from_secs(1));
         let mem = used(g)? as f64 / g.total_bytes as f64;
@@ -453,6 +501,12 @@ fn processes(
         if count.is_null() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
+        // A MIG device lists its own processes; the parent, with MIG on, all of them with
+        // their instances, and only to a privileged caller (see [`crate::mig`]).
+        let only = crate::mig::mig_of(h)?.map(|d| d.tag());
+        if only.is_none() {
+            crate::mig::check_aggregate(g)?;
+        }
         let list: Vec<nvmlProcessInfo_t> = if graphics {
             Vec::new()
         } else {
@@ -460,11 +514,17 @@ fn processes(
                 .map_err(|_| NVML_ERROR_UNKNOWN)?
                 .into_iter()
                 .filter(|p| p.uses(g.index))
-                .map(|p| nvmlProcessInfo_t {
-                    pid: p.pid,
-                    used_gpu_memory: p.mem_bytes[g.index as usize],
-                    gpu_instance_id: u32::MAX,
-                    compute_instance_id: u32::MAX,
+                .filter(|p| only.is_none_or(|t| p.mig_tag[g.index as usize] == t))
+                .map(|p| {
+                    let tag = p.mig_tag[g.index as usize];
+                    let (gi, ci) =
+                        tessera_sim_state::mig::untag(tag).unwrap_or((u32::MAX, u32::MAX));
+                    nvmlProcessInfo_t {
+                        pid: p.pid,
+                        used_gpu_memory: p.mem_bytes[g.index as usize],
+                        gpu_instance_id: gi,
+                        compute_instance_id: ci,
+                    }
                 })
                 .collect()
         };
@@ -620,6 +680,9 @@ pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
         let st = state()?;
         if count.is_null() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        if crate::mig::mig_of(h)?.is_some() || crate::mig::mig_on(g)? {
+            return Err(NVML_ERROR_NOT_SUPPORTED);
         }
         if utilization.is_null() {
             let (_, busy) = tessera_sim_state::process_busy_ns(&st.dir, g.index);

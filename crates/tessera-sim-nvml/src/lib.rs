@@ -7,6 +7,8 @@
 //! Modules:
 //! - [`ffi`]: NVML return codes and struct layouts (`nvml.h`).
 //! - [`api`]: the exported `nvml*` entry points.
+//! - [`mig`]: the MIG API (modes, GPU and compute instances, MIG device handles) and the
+//!   privilege rule for aggregate queries on a parent with MIG on.
 
 // The exported entry points' safety contract is the vendor's C API documentation (valid
 // pointers of the documented types); restating it on each of them adds nothing.
@@ -14,3 +16,4 @@
 
 pub mod api;
 pub mod ffi;
+pub mod mig;
