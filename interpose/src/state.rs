@@ -116,11 +116,6 @@ pub const MAX_DEVICES: usize = 16;
 /// States of devices other than the allocation's own GPU, by CUDA ordinal.
 static SLICES: [AtomicPtr<Process>; MAX_DEVICES] =
     [const { AtomicPtr::new(std::ptr::null_mut()) }; MAX_DEVICES];
-/// The allocation's own GPU UUID (lower case), learnt from the arbiter's welcome for the
-/// process token; leaked, never freed.
-static MAIN_UUID: AtomicPtr<String> = AtomicPtr::new(std::ptr::null_mut());
-/// When [`main_uuid`] last asked the arbiter in vain, ms since the epoch (0: never).
-static LAST_UUID_TRY_MS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 /// Devices the driver shows (-1: not asked yet; 0: unknown, treated as one).
 static DEVICE_COUNT: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
 
@@ -193,45 +188,11 @@ fn device_uuid(dev: i32) -> Option<String> {
     ))
 }
 
-/// The allocation's own GPU, from the arbiter's welcome for the process token (one extra
-/// connection, once, the first time a second device is used). `None` while the arbiter
-/// cannot be asked.
-fn main_uuid() -> Option<&'static str> {
-    let p = MAIN_UUID.load(Ordering::Acquire);
-    if !p.is_null() {
-        // SAFETY: leaked, never freed.
-        return Some(unsafe { (*p).as_str() });
-    }
-    let cfg = config::get();
-    let (socket, token) = (cfg.socket()?, cfg.token()?);
-    // While the arbiter is away, ask at most once a second (hooks would each try otherwise).
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
-    let last = LAST_UUID_TRY_MS.load(Ordering::Relaxed);
-    if last != 0 && now_ms.saturating_sub(last) < 1000 {
-        return None;
-    }
-    LAST_UUID_TRY_MS.store(now_ms, Ordering::Relaxed);
-    let timeout = Some(std::time::Duration::from_secs(2));
-    let (_conn, view) = crate::conn::Conn::connect(socket, &token, timeout).ok()?;
-    let fresh = Box::into_raw(Box::new(view.gpu_uuid.to_ascii_lowercase()));
-    match MAIN_UUID.compare_exchange(
-        std::ptr::null_mut(),
-        fresh,
-        Ordering::AcqRel,
-        Ordering::Acquire,
-    ) {
-        // SAFETY: just published, never freed.
-        Ok(_) => Some(unsafe { (*fresh).as_str() }),
-        Err(winner) => {
-            // SAFETY: `fresh` was never shared; `winner` is leaked and live.
-            unsafe {
-                drop(Box::from_raw(fresh));
-                Some((*winner).as_str())
-            }
-        }
-    }
+/// The allocation's own GPU, from the arbiter's welcome to the process session (which this
+/// connects when it has not yet: the process reserves through it anyway). `None` while the
+/// arbiter cannot be asked.
+fn main_uuid(main: &'static Process) -> Option<&'static str> {
+    main.session.allocation_gpu()
 }
 
 /// Whether the allocation spans several GPUs: 0 not known yet, 1 no, 2 yes.
@@ -314,7 +275,7 @@ fn route_first(main: &'static Process, dev: i32, slot: usize) -> &'static Proces
     if in_slots && uuid.is_none() {
         return main;
     }
-    let Some(own) = main_uuid() else {
+    let Some(own) = main_uuid(main) else {
         return main;
     };
     if uuid.as_deref().is_some_and(|u| u.eq_ignore_ascii_case(own)) {

@@ -51,16 +51,53 @@ impl Session {
         *self.channel.lock() = None;
     }
 
-    /// Opens the pressure channel for memory connection `mem`: a ticket on `mem`, a second
-    /// connection that subscribes with it. Done before any credit is taken, so every byte of
-    /// credit can be pressed back. Without it the process simply keeps no credit.
-    pub(super) fn open_channel(&self, path: &std::path::Path, mem: &mut Conn) {
+    /// Asks the watcher for a pressure channel for the new memory connection (made under the
+    /// link lock): until it is open the process keeps no credit (see [`Session::keep`]).
+    ///
+    /// Why the watcher opens it, not the thread that connected: it costs a `Ticket` round trip,
+    /// a second connection and its handshake, and a `Subscribe` round trip, all on the first
+    /// CUDA call's critical path otherwise (issue 36: about a third of what the interposer
+    /// added to a process's start). Meanwhile reservations ask for exactly what they need.
+    pub(super) fn want_channel(&self) {
         self.close_channel();
-        let opened = (|| {
-            let ticket = match mem.call(&TenantRequest::Ticket)? {
-                TenantReply::Ticket { ticket } => ticket,
-                other => return Err(ConnError::Frame(format!("Ticket answered {other:?}"))),
+        self.channel_wanted.store(true, Ordering::Release);
+        let fd = self.wake_fd.load(Ordering::Acquire);
+        if fd >= 0 {
+            let one: u64 = 1;
+            // SAFETY: writing 8 bytes from a live u64 to the watcher's eventfd.
+            let _ = unsafe { libc::write(fd, (&raw const one).cast(), 8) };
+        }
+    }
+
+    /// Opens the pressure channel the last connection asked for ([`Session::want_channel`];
+    /// the watcher thread): a ticket on the memory connection, a second connection that
+    /// subscribes with it. Installed only if the memory connection is still the one the ticket
+    /// came from (else it is closed: its ticket names a closed connection).
+    pub(super) fn open_wanted_channel(&self) {
+        if !self.channel_wanted.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let Some(path) = self.socket.as_deref() else {
+            return;
+        };
+        let (generation, ticket) = {
+            let mut link = self.lock();
+            let generation = link.generation;
+            let Some(mem) = link.conn.as_mut() else {
+                return;
             };
+            match mem.call(&TenantRequest::Ticket) {
+                Ok(TenantReply::Ticket { ticket }) => (generation, ticket),
+                other => {
+                    tlog!(
+                        Info,
+                        "no pressure channel (Ticket answered {other:?}); this process keeps no memory credit"
+                    );
+                    return;
+                }
+            }
+        };
+        let opened = (|| {
             let (mut ch, _) = Conn::connect(path, &self.token, Some(self.policy.rpc_timeout))?;
             ch.send_blocking(&TenantRequest::Subscribe { ticket })?;
             let mut answers = 0;
@@ -80,6 +117,12 @@ impl Session {
         })();
         match opened {
             Ok((ch, answers)) => {
+                // Under the link lock: a memory connection dropped meanwhile closed the channel
+                // it had (none) and wants a new one; this one belongs to no live connection.
+                let link = self.lock();
+                if link.generation != generation || link.conn.is_none() {
+                    return;
+                }
                 self.given_back.store(answers, Ordering::Release);
                 self.channel_fd.store(ch.fd(), Ordering::Release);
                 *self.channel.lock() = Some(ch);

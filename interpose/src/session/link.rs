@@ -154,11 +154,12 @@ impl Session {
             },
         );
         match attempt {
-            Ok((mut conn, view)) => {
+            Ok((conn, view)) => {
                 self.limit.store(view.memory_limit, Ordering::Release);
                 self.limit_known.store(true, Ordering::Release);
+                let _ = self.gpu_uuid.set(view.gpu_uuid.to_ascii_lowercase());
                 if self.policy.watch {
-                    self.open_channel(path, &mut conn);
+                    self.want_channel();
                 }
                 self.conn_fd.store(conn.fd(), Ordering::Release);
                 if link.ever_connected {

@@ -99,8 +99,8 @@ impl Default for Policy {
 }
 
 /// How long after a `Pressure` the process asks for no credit and keeps none: its siblings
-/// need the room.
-pub const PRESSED_FOR: Duration = Duration::from_millis(50);
+/// need the room. Part of the protocol: the arbiter presses it again only after this.
+pub const PRESSED_FOR: Duration = tessera_protocol::PRESSED_FOR;
 
 /// The `seq` of a `Relinquish` that answers no `Pressure` (credit given back on the process's
 /// own initiative).
@@ -146,6 +146,8 @@ pub struct Session {
     channel: Mutex<Option<Conn>>,
     /// Its socket, -1 without one: credit is kept only while a channel can give it back.
     channel_fd: AtomicI32,
+    /// Set by a new memory connection: the watcher opens its channel next.
+    channel_wanted: AtomicBool,
     /// When the last `Pressure` came, ms since `origin` (0: never).
     pressed_ms: AtomicU64,
     /// Set when an answer on the channel may or may not have reached the arbiter: the watcher
@@ -153,6 +155,9 @@ pub struct Session {
     reset_memory_conn: AtomicBool,
     /// `Relinquish` frames sent on the current pressure channel.
     given_back: AtomicU64,
+    /// The allocation's GPU (UUID, lower case), from the first `Welcome`: an allocation's GPU
+    /// never changes.
+    gpu_uuid: std::sync::OnceLock<String>,
     /// Where the session reads the time and waits (the machine's, but for tests).
     clock: &'static dyn Clock,
     origin: Instant,
@@ -205,9 +210,11 @@ impl Session {
             generation: AtomicU64::new(0),
             channel: Mutex::new(None),
             channel_fd: AtomicI32::new(-1),
+            channel_wanted: AtomicBool::new(false),
             pressed_ms: AtomicU64::new(0),
             reset_memory_conn: AtomicBool::new(false),
             given_back: AtomicU64::new(0),
+            gpu_uuid: std::sync::OnceLock::new(),
             clock,
             origin: now,
         }
@@ -223,6 +230,18 @@ impl Session {
     /// Unused credit: bytes the arbiter counts for this process that it has not allocated.
     pub fn credit(&self) -> u64 {
         self.credit.load(Ordering::Acquire)
+    }
+
+    /// The allocation's GPU (UUID, lower case), from this session's own `Welcome`; connects
+    /// now if it never did (one attempt, no waiting: `None` while the arbiter is unreachable or
+    /// refuses the token). Why not a connection of its own: each costs the process a connect
+    /// and a handshake round trip, and the arbiter a thread, at start-up (issue 36).
+    pub fn allocation_gpu(&'static self) -> Option<&'static str> {
+        if let Some(u) = self.gpu_uuid.get() {
+            return Some(u);
+        }
+        let _ = self.request(false, |_, _| Some(()));
+        self.gpu_uuid.get().map(String::as_str)
     }
 
     /// The allocation's limit, if a `Welcome` was ever received.

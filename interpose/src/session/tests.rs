@@ -270,6 +270,40 @@ fn mem_log(arb: &MockArbiter) -> Vec<TenantRequest> {
         .collect()
 }
 
+/// Connects `s` and waits until its watcher opened the pressure channel: round trips ask for
+/// credit from then on (before it, a reservation asks for exactly what it needs).
+fn with_channel(s: &'static Session, arb: &MockArbiter) {
+    assert!(s.allocation_gpu().is_some(), "connected");
+    arb.wait_for("channel", |a| a.channels() == 1);
+    arb.wait_for("the session has its channel", |_| s.has_channel());
+}
+
+/// The first reservation connects and asks for exactly what it needs: the watcher opens the
+/// pressure channel after it (off the first CUDA call's path), and credit comes with the round
+/// trips after that.
+#[test]
+fn the_pressure_channel_opens_after_the_first_reservation_and_credit_comes_after_it() {
+    let (_dir, sock, arb) = mock(GIB);
+    let (s, _) = still(&sock);
+    assert_eq!(s.reserve(100 * MIB), Ok(100 * MIB));
+    assert_eq!(s.credit(), 0);
+    arb.wait_for("channel", |a| a.channels() == 1);
+    arb.wait_for("the session has its channel", |_| s.has_channel());
+    assert_eq!(s.reserve(100 * MIB), Ok(200 * MIB));
+    assert_eq!(
+        mem_log(&arb),
+        vec![
+            TenantRequest::Reserve { bytes: 100 * MIB },
+            TenantRequest::ReserveCredit {
+                bytes: 100 * MIB,
+                extra: 32 * MIB,
+                given_back: 0
+            }
+        ]
+    );
+    assert_eq!((s.held(), s.credit()), (200 * MIB, 32 * MIB));
+}
+
 /// A session with a watcher on a fake clock that the test does not move: the watcher answers
 /// pressure (no time needed) but never announces a free or returns idle credit on its own, so
 /// what the test sees is what its own calls did, however slow the machine.
@@ -285,6 +319,7 @@ fn still(path: &std::path::Path) -> (&'static Session, &'static FakeClock) {
 fn a_round_trip_asks_only_for_what_the_credit_lacks_plus_a_granule() {
     let (_dir, sock, arb) = mock(GIB);
     let (s, _) = still(&sock);
+    with_channel(s, &arb);
     assert_eq!(granule(GIB), 32 * MIB);
     assert_eq!(s.reserve(600 * MIB), Ok(600 * MIB));
     arb.wait_for("channel", |a| a.channels() == 1);
@@ -322,6 +357,7 @@ fn a_free_above_the_kept_credit_is_announced_within_the_delay_and_an_idle_proces
 {
     let (_dir, sock, arb) = mock(GIB);
     let (s, clock) = still(&sock);
+    with_channel(s, &arb);
     let p = policy(3000, true);
     s.reserve(600 * MIB).unwrap();
     arb.wait_for("channel", |a| a.channels() == 1);
@@ -405,6 +441,7 @@ fn is_reserve(r: &TenantRequest) -> bool {
 fn free_then_alloc_of_no_more_is_taken_from_the_credit_without_a_round_trip() {
     let (_dir, sock, arb) = mock(GIB);
     let (s, _) = still(&sock);
+    with_channel(s, &arb);
     s.reserve(600 * MIB).unwrap();
     assert_eq!(mem_log(&arb).len(), 1);
     // Free then allocate the same size: no request at all, the arbiter still counts it.
@@ -506,6 +543,7 @@ fn pressure_takes_every_unused_byte_back_at_once() {
 fn credit_granted_across_a_press_goes_back_at_once() {
     let (_dir, sock, arb) = mock(GIB);
     let (s, clock) = still(&sock);
+    with_channel(s, &arb);
     s.reserve(100 * MIB).unwrap();
     arb.wait_for("channel", |a| a.channels() == 1);
     s.release(100 * MIB);

@@ -30,6 +30,9 @@ impl Session {
         {
             panic!("injected: a panic in the watcher");
         }
+        // A new memory connection's pressure channel first (its set-up is kept off the
+        // critical path of the thread that connected).
+        self.open_wanted_channel();
         let generation = self.generation.load(Ordering::Acquire);
         let before = self.credit.load(Ordering::SeqCst);
         // Arm before looking at the credit: a free after this point wakes us again.
