@@ -23,6 +23,7 @@ usage: bash examples/gpu-check/run.sh [options]
   --bench-seconds S     each measurement of step 4 (default 5)
   --ledger-seconds S    the tenant of step 5 (default 6)
   --latency-seconds S   each of the four runs of step 6, the latency tier (default 20; 0 skips it)
+  --latency-best-effort N  best-effort tenants beside the latency service in step 6 (1-4, default 2)
   --fraction PCT        memory and share of the limited tenant (default 30)
   --sim                 use the simulated GPU even if a real one is present
   --enforce kill|report the arbiter's memory backstop (default report: a check is never killed)
@@ -30,7 +31,7 @@ usage: bash examples/gpu-check/run.sh [options]
 EOF
 }
 
-out=gpu-check.md bin= py=${TESSERA_PYTHON:-python3} share_s=20 bench_s=5 ledger_s=6 lat_s=20 pct=30
+out=gpu-check.md bin= py=${TESSERA_PYTHON:-python3} share_s=20 bench_s=5 ledger_s=6 lat_s=20 lat_be=2 pct=30
 force_sim=0 enforce=report keep=0
 while [ $# -gt 0 ]; do
     case $1 in
@@ -41,6 +42,7 @@ while [ $# -gt 0 ]; do
         --bench-seconds) bench_s=${2?"$1 needs a value"}; shift ;;
         --ledger-seconds) ledger_s=${2?"$1 needs a value"}; shift ;;
         --latency-seconds) lat_s=${2?"$1 needs a value"}; shift ;;
+        --latency-best-effort) lat_be=${2?"$1 needs a value"}; shift ;;
         --fraction) pct=${2?"$1 needs a value"}; shift ;;
         --sim) force_sim=1 ;;
         --enforce) enforce=${2?"$1 needs a value"}; shift ;;
@@ -53,6 +55,7 @@ done
 
 [ "$ledger_s" -le 8 ] 2>/dev/null || { echo "gpu-check: --ledger-seconds is a whole number up to 8 (the ledger's window is 10 s)" >&2; exit 2; }
 case $lat_s in ''|*[!0-9]*) echo "gpu-check: --latency-seconds is a whole number of seconds (0 skips step 6)" >&2; exit 2 ;; esac
+case $lat_be in [1-4]) ;; *) echo "gpu-check: --latency-best-effort is 1 to 4" >&2; exit 2 ;; esac
 say() { printf '== %s\n' "$*" >&2; }
 die() { printf 'gpu-check: %s\n' "$*" >&2; exit 1; }
 
@@ -451,17 +454,19 @@ elif [ ${#lat_w[@]} = 0 ]; then
     row "$s6" "latency p50/p99 alone and beside best-effort" "${torch_skip:-}; $bindings_note" "p50 ≤ 1.5x, p99 ≤ 1.2x alone" "-"
 else
     [ -n "$torch_skip" ] && row "$s6" "PyTorch matmul requests beside a training loop" "$torch_skip (cuda-bindings spin kernels instead)" "-" "-"
-    row "$s6" "workload" "$lat_name; shares 40 (service) and 30 + 30" "-" "-"
-    m6=$(pct_of "$total" 20)
-    # lat_mode MODE: alone | plain | shares | tier; writes l6_MODE_{lat,be1,be2}.json
+    # The service 40 shares and 20% of the memory; the best-effort tenants share the other 60
+    # shares, 15% of the memory each.
+    m6=$(pct_of "$total" 20) m6be=$(pct_of "$total" 15) be_share=$((60 / lat_be))
+    row "$s6" "workload" "$lat_name; shares 40 (service) and $be_share for each of $lat_be best-effort" "-" "-"
+    # lat_mode MODE: alone | plain | shares | tier; writes l6_MODE_lat.json and l6_MODE_beI.json
     lat_mode() {
         local m=$1 dir=$work/barrier6_$1 pids=() n=1 i pre=()
         rm -rf "$dir"; mkdir -p "$dir"
         if [ "$m" != alone ]; then
-            n=3
-            for i in 1 2; do
+            n=$((lat_be + 1))
+            for i in $(seq "$lat_be"); do
                 pre=("${GPU[@]+"${GPU[@]}"}")
-                [ "$m" = plain ] || pre=("${TR[@]}" --memory "${m6}B" --share 30 --)
+                [ "$m" = plain ] || pre=("${TR[@]}" --memory "${m6be}B" --share "$be_share" --)
                 GPUCHECK_BARRIER=$dir timeout -k 5 $((lat_s + slack)) "${pre[@]+"${pre[@]}"}" \
                     "${lat_w[@]}" train $((lat_s + 3)) "${train_args[@]}" --seed "$i" \
                     >"$work/l6_${m}_be$i.json" 2>"$work/l6_${m}_be$i.err" &
@@ -492,10 +497,10 @@ else
         bg_pids=()
     }
     for m in alone plain shares tier; do
-        say "step 6: the latency service $([ $m = alone ] && echo alone || echo "beside two best-effort tenants: $m"), ${lat_s}s"
+        say "step 6: the latency service $([ $m = alone ] && echo alone || echo "beside $lat_be best-effort tenant(s): $m"), ${lat_s}s"
         lat_mode $m
     done
-    be_of() { echo "$work/l6_$1_lat.json,$work/l6_$1_be1.json,$work/l6_$1_be2.json"; }
+    be_of() { local i f=$work/l6_$1_lat.json; for i in $(seq "$lat_be"); do f+=",$work/l6_$1_be$i.json"; done; echo "$f"; }
     while IFS=$'\t' read -r r_m r_res r_tgt r_met; do
         row "$s6" "$r_m" "$r_res" "$r_tgt" "$r_met"
     done < <(python3 "$here/_latency.py" rows alone="$work/l6_alone_lat.json" plain="$(be_of plain)" \
