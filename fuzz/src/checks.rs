@@ -2,7 +2,7 @@
 //!
 //! Shared by the coverage-guided targets in `fuzz/` (one binary per target, each a thin
 //! wrapper around one `check_*` function) and by the bounded, seeded pass that runs with the
-//! workspace tests (`crates/tessera-protocol/tests/fuzz_props.rs`, which includes this file
+//! workspace tests (`crates/tessera-protocol/tests/it/fuzz_props.rs`, which includes this file
 //! by path). Each `check_*` function panics when an invariant is broken, and only then.
 //!
 //! The invariants compare *messages*, not bytes: postcard accepts non-canonical input

@@ -19,6 +19,8 @@
 //!   [`until`]).
 //! - [`http`]: a plain HTTP GET (scraping a metrics endpoint) and reading one sample.
 //! - [`process`]: kill-on-drop children, exit codes, polling with a timeout.
+//! - [`alone`]: a test run again in a process of its own (one integration-test binary per
+//!   crate; a test that sets what a process holds once must not share it).
 //! - [`flood`]: a flood of unauthenticated connections against an arbiter socket (admission
 //!   test, `arbiter_load`), and the `tessera-flood` binary that runs one as a process of its own.
 //! - [`prometheus`]: the Prometheus server and `promtool` the metrics tests need (required:
@@ -29,6 +31,7 @@
 //! Helpers panic with a message naming what is missing: they run inside tests, where a panic
 //! is the failure report.
 
+pub mod alone;
 pub mod apiserver;
 pub mod arbiter;
 pub mod artifacts;
@@ -43,6 +46,7 @@ pub mod python;
 pub mod sim;
 pub mod trap;
 
+pub use alone::alone;
 pub use apiserver::FakeApiServer;
 pub use arbiter::{ArbiterSpec, RunningArbiter, allocation, backstop_held_bytes};
 pub use artifacts::{artifact, artifact_with_hint, target_dir};

@@ -1,14 +1,12 @@
 //! `tessera doctor` on the simulated GPU against the real arbiter: a healthy setup, then one
 //! test per failure it reports, each checking the verdict line, the fix and exit code 1.
 
-mod run_support;
-
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use run_support::*;
+use crate::run_support::*;
 use tessera_testkit::{KillOnDrop, allocation, artifact, wait_until};
 
 /// `tessera doctor ARGS` on the arbiter's simulated GPUs, with nothing inherited that would

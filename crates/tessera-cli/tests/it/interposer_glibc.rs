@@ -6,13 +6,11 @@
 //!
 //! Also: the examples report a CUDA error by its name and exit 1, without a panic.
 
-mod run_support;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-use run_support::{Arbiter, interposer_in};
+use crate::run_support::{Arbiter, interposer_in};
 use tessera_testkit::artifact;
 
 /// The interposer as shipped: built once per test run by `deploy/build-interposer.sh`.

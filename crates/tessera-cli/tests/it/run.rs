@@ -1,11 +1,9 @@
 //! `tessera run` against the real arbiter.
 
-mod run_support;
-
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use run_support::*;
+use crate::run_support::*;
 use tessera_testkit::{FirstLine, spawn_first_line};
 
 fn stdout(o: &std::process::Output) -> String {

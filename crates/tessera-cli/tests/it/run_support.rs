@@ -1,8 +1,6 @@
 //! Shared by the `tessera run` and `tessera status` tests: starts the real `tessera-arbiter`
 //! (built next to the test executable) on the simulated NVML, in a temp folder.
 
-#![allow(dead_code, unused_imports)]
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 

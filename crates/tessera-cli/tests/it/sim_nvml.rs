@@ -1,5 +1,6 @@
-//! The `nvml-wrapper` crate reads the simulated GPUs through the simulated NVML. One test per
-//! binary: it points the library at its own state folder through the environment.
+//! The `nvml-wrapper` crate reads the simulated GPUs through the simulated NVML. The test runs
+//! alone in a process of its own (`crate::nvml_alone`): the library reads its state folder
+//! from the environment.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -12,12 +13,13 @@ use tessera_testkit::{artifact, python};
 
 #[test]
 fn nvml_wrapper_sees_devices_memory_utilization_processes_and_xids() {
-    let state = tempfile::tempdir().unwrap();
-    // SAFETY: the only test in this binary; set before any thread reads the environment.
-    unsafe {
-        std::env::set_var("TESSERA_SIM_DIR", state.path());
-        std::env::set_var("TESSERA_SIM_GPUS", "1x16GiB,1x24GiB");
-    }
+    let Some(state) = crate::nvml_alone(
+        module_path!(),
+        "nvml_wrapper_sees_devices_memory_utilization_processes_and_xids",
+        "1x16GiB,1x24GiB",
+    ) else {
+        return;
+    };
     let nvml = Nvml::builder()
         .lib_path(artifact("libtessera_sim_nvml.so").as_os_str())
         .init()
@@ -40,7 +42,7 @@ fn nvml_wrapper_sees_devices_memory_utilization_processes_and_xids() {
     // A real client holds 2 GiB on GPU 0 and keeps its engine busy for 3 s.
     let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
         .args(["sim", "--gpus", "1x16GiB,1x24GiB", "--state-dir"])
-        .arg(state.path())
+        .arg(state.as_path())
         .arg("--")
         .arg(python())
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/sim_worker.py"))
@@ -77,7 +79,7 @@ fn nvml_wrapper_sees_devices_memory_utilization_processes_and_xids() {
     assert!(set.wait(50).is_err(), "no event yet");
     let st = Command::new(env!("CARGO_BIN_EXE_tessera"))
         .args(["sim", "--gpus", "1x16GiB,1x24GiB", "--state-dir"])
-        .arg(state.path())
+        .arg(state.as_path())
         .args(["--inject-xid", "1:79"])
         .status()
         .unwrap();
@@ -88,6 +90,6 @@ fn nvml_wrapper_sees_devices_memory_utilization_processes_and_xids() {
         Some(nvml_wrapper::enums::event::XidError::Value(79))
     ));
     assert_eq!(ev.device.index().unwrap(), 1);
-    tessera_sim_state::inject_xid(state.path(), 0, 48).unwrap();
+    tessera_sim_state::inject_xid(state.as_path(), 0, 48).unwrap();
     assert!(set.wait(200).is_err(), "GPU 0 is not registered");
 }

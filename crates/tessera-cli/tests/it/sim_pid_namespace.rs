@@ -6,9 +6,9 @@
 //! The namespaced processes are this test binary run again (`unshare --pid --fork
 //! --mount-proc`, each pid 1 inside) with [`CHILD`] set: they load the simulated
 //! `libcuda.so.1`, allocate, run a kernel, say `ready <their own pid>` and wait for their
-//! input to close. One test per binary: it points NVML at its state folder through the
-//! environment. Needs root and util-linux's `unshare`, as a container runtime does; fails,
-//! never skips, without.
+//! input to close. The test runs alone in a process of its own (`crate::nvml_alone`): NVML
+//! reads its state folder from the environment. Needs root and util-linux's `unshare`, as a
+//! container runtime does; fails, never skips, without.
 
 use std::ffi::c_void;
 use std::io::{BufRead, BufReader, Read};
@@ -37,18 +37,15 @@ fn processes_in_their_own_pid_namespaces_are_known_by_their_host_pids() {
     if let Ok(spec) = std::env::var(CHILD) {
         return child(&spec);
     }
-    let state = tempfile::tempdir().unwrap();
-    // SAFETY: the only test in this binary; set before any thread reads the environment.
-    unsafe {
-        std::env::set_var("TESSERA_SIM_DIR", state.path());
-        std::env::set_var("TESSERA_SIM_GPUS", "1x16GiB");
-    }
-    let socket = state.path().join("driver.sock");
+    let Some(state) = crate::nvml_alone(module_path!(), TEST, "1x16GiB") else {
+        return;
+    };
+    let socket = state.join("driver.sock");
     // What a killed server leaves: a socket file nobody listens on. It is replaced.
     drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
 
     // The machine, held as a node would (`tessera sim --gpus ... -- sleep infinity`).
-    let mut holder = sim(state.path())
+    let mut holder = sim(state.as_path())
         .args(["--", "sh", "-c", "echo up; read _ || true"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -62,15 +59,15 @@ fn processes_in_their_own_pid_namespaces_are_known_by_their_host_pids() {
     let mut holder = KillOnDrop::new(holder);
     assert_eq!(up.trim(), "up");
     assert_eq!(
-        tessera_sim_state::driver::ask(state.path(), Duration::from_secs(1)).unwrap(),
+        tessera_sim_state::driver::ask(state.as_path(), Duration::from_secs(1)).unwrap(),
         std::process::id(),
         "the driver answers"
     );
     let served = std::fs::metadata(&socket).unwrap().ino();
 
     // Two "containers": one process each (pid 1 inside); the second forks a second process.
-    let (a, a_lines) = namespaced(state.path(), "1024");
-    let (b, b_lines) = namespaced(state.path(), "2048,fork=512");
+    let (a, a_lines) = namespaced(state.as_path(), "1024");
+    let (b, b_lines) = namespaced(state.as_path(), "2048,fork=512");
     let ready = |lines: &mpsc::Receiver<String>| {
         lines
             .recv_timeout(Duration::from_secs(60))
@@ -94,7 +91,7 @@ fn processes_in_their_own_pid_namespaces_are_known_by_their_host_pids() {
     assert_eq!(ns_pids(b_fork), [b_fork, b_said[1]]);
 
     // The machine's records: host pids, each with its own memory and kernel time.
-    let procs = tessera_sim_state::read_processes(state.path()).unwrap();
+    let procs = tessera_sim_state::read_processes(state.as_path()).unwrap();
     let found: Vec<(u32, u64)> = procs.iter().map(|p| (p.pid, p.mem_bytes[0])).collect();
     let mut expected = vec![
         (a_pid, 1024 * MIB + CONTEXT),
@@ -103,7 +100,7 @@ fn processes_in_their_own_pid_namespaces_are_known_by_their_host_pids() {
     ];
     expected.sort();
     assert_eq!(found, expected, "records by host pid");
-    let (_, busy) = tessera_sim_state::process_busy_ns(state.path(), 0);
+    let (_, busy) = tessera_sim_state::process_busy_ns(state.as_path(), 0);
     for pid in [a_pid, b_pid] {
         let ns = busy.iter().find(|&&(p, _)| p == pid).map(|&(_, ns)| ns);
         assert!(
@@ -140,7 +137,7 @@ fn processes_in_their_own_pid_namespaces_are_known_by_their_host_pids() {
         drop(lines);
     }
     assert!(
-        tessera_sim_state::read_processes(state.path())
+        tessera_sim_state::read_processes(state.as_path())
             .unwrap()
             .is_empty()
     );
@@ -192,7 +189,8 @@ fn namespaced(state: &Path, spec: &str) -> (Namespaced, mpsc::Receiver<String>) 
             "--mount-proc",
         ])
         .arg(std::env::current_exe().unwrap())
-        .args([TEST, "--exact", "--nocapture", "--test-threads=1", "-q"])
+        .arg(tessera_testkit::alone::test_name(module_path!(), TEST))
+        .args(["--exact", "--nocapture", "--test-threads=1", "-q"])
         .env(CHILD, spec)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

@@ -1,7 +1,8 @@
 //! `nvml-wrapper`'s `process_utilization_stats` against the simulated NVML: two real clients
 //! run known amounts of kernel time, and a poller that passes the timestamp of each previous
-//! answer (as the arbiter does) sums smUtil × window back to each one's busy time. One test per
-//! binary: it points the library at its own state folder through the environment.
+//! answer (as the arbiter does) sums smUtil × window back to each one's busy time. The test
+//! runs alone in a process of its own (`crate::nvml_alone`): the library reads its state
+//! folder from the environment.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -22,12 +23,13 @@ fn now_us() -> u64 {
 
 #[test]
 fn per_process_sm_util_times_window_adds_up_to_each_process_kernel_time() {
-    let state = tempfile::tempdir().unwrap();
-    // SAFETY: the only test in this binary; set before any thread reads the environment.
-    unsafe {
-        std::env::set_var("TESSERA_SIM_DIR", state.path());
-        std::env::set_var("TESSERA_SIM_GPUS", "1x16GiB");
-    }
+    let Some(state) = crate::nvml_alone(
+        module_path!(),
+        "per_process_sm_util_times_window_adds_up_to_each_process_kernel_time",
+        "1x16GiB",
+    ) else {
+        return;
+    };
     let nvml = Nvml::builder()
         .lib_path(artifact("libtessera_sim_nvml.so").as_os_str())
         .init()
@@ -46,7 +48,7 @@ fn per_process_sm_util_times_window_adds_up_to_each_process_kernel_time() {
     let start = |ns: &str, kernels: &str| {
         let mut child = Command::new(env!("CARGO_BIN_EXE_tessera"))
             .args(["sim", "--gpus", "1x16GiB", "--state-dir"])
-            .arg(state.path())
+            .arg(state.as_path())
             .arg("--")
             .arg(python())
             .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/sim_worker.py"))
@@ -77,8 +79,9 @@ fn per_process_sm_util_times_window_adds_up_to_each_process_kernel_time() {
     let (a, a_done, a_pid) = start("125000000", "8");
     let (b, b_done, b_pid) = start("25000000", "20");
 
-    // Poll every 250 ms, each time from the previous answer, until both are done and then once
-    // more (the last kernel's tail).
+    // Poll every 100 ms, each time from the previous answer, until both are done and then once
+    // more (the last kernel's tail). At 250 ms a loaded machine's stretched sleeps left as few
+    // as 3 answers with samples in the 1.5 s of work.
     let mut busy_us: HashMap<u32, f64> = HashMap::new();
     let mut windows = 0;
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -86,7 +89,7 @@ fn per_process_sm_util_times_window_adds_up_to_each_process_kernel_time() {
     let mut tail = 2;
     while tail > 0 {
         assert!(Instant::now() < deadline, "workers never finished");
-        std::thread::sleep(Duration::from_millis(250));
+        std::thread::sleep(Duration::from_millis(100));
         match dev.process_utilization_stats(last_seen) {
             Ok(samples) => {
                 let ts = samples[0].timestamp;

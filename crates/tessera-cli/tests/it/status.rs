@@ -1,8 +1,6 @@
 //! `tessera status` against the real arbiter.
 
-mod run_support;
-
-use run_support::*;
+use crate::run_support::*;
 use tessera_protocol::{CreateAllocation, GpuSelector, TenantRequest};
 
 #[test]

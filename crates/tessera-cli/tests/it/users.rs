@@ -4,14 +4,12 @@
 //! within their quota; neither can delete, relabel or read the kill records or the token of
 //! the other's allocation.
 
-mod run_support;
-
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use run_support::{GIB, interposer_in, tessera};
+use crate::run_support::{GIB, interposer_in, tessera};
 use tessera_testkit::{ArbiterSpec, FirstLine, RunningArbiter, SimGpu, artifact, spawn_first_line};
 
 /// The users group, and two users in it (numbers no system account uses).

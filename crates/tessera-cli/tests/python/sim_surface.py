@@ -3,7 +3,7 @@
 usage: sim_surface.py SECTION   (run under `tessera sim`)
 
 Each section checks one area of the driver API and prints one JSON line of measurements; the
-Rust test (tests/sim_surface.rs) checks those too. Any failed check exits non-zero with the
+Rust test (tests/it/sim_surface.rs) checks those too. Any failed check exits non-zero with the
 reason. Raw entry points (to pass NULL, or to call `_ptsz` variants) are taken from
 cuGetProcAddress and called through ctypes, as a C client would.
 """

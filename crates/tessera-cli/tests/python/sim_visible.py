@@ -1,5 +1,5 @@
 """What a CUDA process sees under CUDA_VISIBLE_DEVICES on the simulated GPUs (cuda-bindings,
-unmodified), for tests/sim_visible.rs.
+unmodified), for tests/it/sim_visible.rs.
 
   sim_visible.py [MIB NS]
 

@@ -5,13 +5,8 @@
 //! function names removed), tested on its own below.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
 
 /// Removes everything between `open` and its matching `close` (nesting counted), keeping the
 /// delimiters, so `f{a="b"}` becomes `f{}`.
@@ -222,11 +217,11 @@ fn the_scanner_finds_metric_names_only() {
 
 #[test]
 fn dashboard_parses_and_names_only_documented_metrics() {
-    let text = std::fs::read_to_string(repo().join("deploy/grafana/tessera.json")).unwrap();
+    let text = std::fs::read_to_string(crate::repo().join("deploy/grafana/tessera.json")).unwrap();
     let dash: Value = serde_json::from_str(&text).expect("the dashboard is JSON");
     assert!(dash["title"].as_str().is_some_and(|t| !t.is_empty()));
     assert!(dash["uid"].as_str().is_some_and(|u| !u.is_empty()));
-    let doc = std::fs::read_to_string(repo().join("docs/metrics.md")).unwrap();
+    let doc = std::fs::read_to_string(crate::repo().join("docs/metrics.md")).unwrap();
 
     let exprs = expressions(&dash);
     assert!(exprs.len() >= 10, "{exprs:?}");

@@ -6,16 +6,12 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 /// Runs the checker on `page` (written as `<dir>/page.md`, run from `dir`).
 fn check(dir: &Path, page: &str, extra: &[&str]) -> (Output, String) {
     let file = dir.join("page.md");
     std::fs::write(&file, page).unwrap();
     let out = Command::new(tessera_testkit::python::python())
-        .arg(root().join(".ci/doc_commands.py"))
+        .arg(crate::repo().join(".ci/doc_commands.py"))
         .arg("--root")
         .arg(dir)
         .args(extra)
@@ -33,7 +29,7 @@ fn check(dir: &Path, page: &str, extra: &[&str]) -> (Output, String) {
 #[test]
 fn every_block_of_the_real_pages_is_marked() {
     let out = Command::new(tessera_testkit::python::python())
-        .arg(root().join(".ci/doc_commands.py"))
+        .arg(crate::repo().join(".ci/doc_commands.py"))
         .arg("--list")
         .output()
         .unwrap();

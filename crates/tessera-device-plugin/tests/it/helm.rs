@@ -11,19 +11,15 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 fn chart() -> PathBuf {
-    root().join("deploy/helm/tessera")
+    crate::repo().join("deploy/helm/tessera")
 }
 
 fn check(args: &[&str]) -> (Output, String) {
     // The binaries `--check-config` runs: the ones this test run built.
     let arbiter = tessera_testkit::artifact("tessera-arbiter");
     let out = Command::new(tessera_testkit::python::python())
-        .arg(root().join(".ci/check_deploy.py"))
+        .arg(crate::repo().join(".ci/check_deploy.py"))
         .arg("--binaries")
         .arg(arbiter.parent().unwrap())
         .args(args)
@@ -119,7 +115,7 @@ fn the_chart_lints_renders_and_every_manifest_validates() {
 #[test]
 fn the_charts_dashboard_is_the_shipped_one() {
     // A chart cannot read files outside itself, so it carries a copy.
-    let shipped = std::fs::read(root().join("deploy/grafana/tessera.json")).unwrap();
+    let shipped = std::fs::read(crate::repo().join("deploy/grafana/tessera.json")).unwrap();
     let copy = std::fs::read(chart().join("dashboards/tessera.json")).unwrap();
     assert!(
         shipped == copy,

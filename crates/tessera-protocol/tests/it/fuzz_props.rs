@@ -8,7 +8,7 @@
 //! random bytes. Same seed, same inputs: a failure names the target and iteration, and
 //! `FUZZ_PROPS_ITERS` / `FUZZ_PROPS_SEED` widen or move the search locally.
 
-#[path = "../../../fuzz/src/checks.rs"]
+#[path = "../../../../fuzz/src/checks.rs"]
 #[allow(dead_code)]
 mod checks;
 
