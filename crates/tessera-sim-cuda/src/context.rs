@@ -336,9 +336,6 @@ pub unsafe extern "C" fn cuCtxCreate_v4(
 pub const CU_DEV_RESOURCE_TYPE_SM: i32 = 1;
 /// `CU_GREEN_CTX_DEFAULT_STREAM`.
 pub const CU_GREEN_CTX_DEFAULT_STREAM: u32 = 1;
-/// Streaming multiprocessors of a simulated device.
-const SIM_SM_COUNT: u32 = 132;
-
 /// `CUdevResource` (144 bytes: the type, 92 bytes of padding, then a 48-byte union whose SM
 /// member is `{ unsigned int smCount; }`).
 #[repr(C)]
@@ -357,7 +354,7 @@ pub unsafe extern "C" fn cuDeviceGetDevResource(
     kind: i32,
 ) -> CUresult {
     guard(|| {
-        gpu(dev)?;
+        let sms = gpu(dev)?.sms;
         if resource.is_null() || kind != CU_DEV_RESOURCE_TYPE_SM {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
@@ -366,7 +363,7 @@ pub unsafe extern "C" fn cuDeviceGetDevResource(
             resource.write(CUdevResource {
                 kind,
                 internal_padding: [0; 92],
-                sm_count: SIM_SM_COUNT,
+                sm_count: sms,
                 oversize: [0; 44],
             });
         }

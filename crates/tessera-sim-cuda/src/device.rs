@@ -103,7 +103,7 @@ fn attribute(attr: i32, dev: CUdevice) -> Result<i32, CUresult> {
         13 => 1_980_000,
         14 => 512,
         15 => 1,
-        16 => 132,
+        16 => g.sms as i32,
         17 | 18 => 0,
         19 => 1,
         20 => 0,

@@ -292,7 +292,8 @@ pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) ->
         let c = current()?;
         let rt = rt()?;
         let t = physical_gpu(c.device)?.total_bytes;
-        let used = tessera_sim_state::device_memory_used(&rt.dir, c.device)
+        let used = rt
+            .memory_used(c.device)
             .map_err(|_| CUDA_ERROR_OPERATING_SYSTEM)?;
         // SAFETY: non-null out-pointers from the caller.
         unsafe {

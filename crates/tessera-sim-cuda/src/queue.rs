@@ -243,7 +243,8 @@ impl Stream {
         }
         let Ok(rt) = rt() else { return };
         if engine.is_none() {
-            *engine = Engine::open(&rt.dir, self.device)
+            *engine = rt
+                .open_engine(self.device)
                 .ok()
                 .map(|e| e.with_timeslice(timeslice()));
         }

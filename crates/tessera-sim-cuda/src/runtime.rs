@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use tessera_sim_state::mig::{MigDevice, MigState};
 use tessera_sim_state::{GpuInfo, Ledger, SimSpec};
 
 use crate::ffi::*;
@@ -43,6 +44,32 @@ pub struct Runtime {
     /// The physical GPUs this process sees (`CUDA_VISIBLE_DEVICES`), in ordinal order: device
     /// ordinal `n` is `spec.gpus[visible[n]]`.
     pub visible: Vec<u32>,
+    /// The MIG device this process runs on, if `CUDA_VISIBLE_DEVICES` named one: its parent's
+    /// entry in `spec` then shows the instance (memory, SMs, name, UUID), its memory is held
+    /// to the instance and its kernels run on the instance's engine.
+    pub mig: Option<MigDevice>,
+}
+
+impl Runtime {
+    /// Device memory in use where physical GPU `gpu` is this process's device: its MIG
+    /// device's GPU instance, or the whole card.
+    pub fn memory_used(&self, gpu: u32) -> Result<u64, tessera_sim_state::LedgerError> {
+        match self.mig.as_ref().filter(|d| d.gpu == gpu) {
+            Some(d) => tessera_sim_state::instance_memory_used(&self.dir, gpu, d.tag()),
+            None => tessera_sim_state::device_memory_used(&self.dir, gpu),
+        }
+    }
+
+    /// The engine kernels on physical GPU `gpu` run on (its MIG device's own, if any).
+    pub fn open_engine(
+        &self,
+        gpu: u32,
+    ) -> Result<tessera_sim_state::Engine, tessera_sim_state::EngineError> {
+        match self.mig.as_ref().filter(|d| d.gpu == gpu) {
+            Some(d) => tessera_sim_state::Engine::open_mig(&self.dir, gpu, d.tag()),
+            None => tessera_sim_state::Engine::open(&self.dir, gpu),
+        }
+    }
 }
 
 /// The physical GPUs a `CUDA_VISIBLE_DEVICES` value selects, in ordinal order, as the driver
@@ -51,12 +78,46 @@ pub struct Runtime {
 /// invalid (unknown, out of range, ambiguous, repeated, or empty) ends the list, so an empty
 /// value selects no GPU at all.
 pub fn visible_devices(spec: &SimSpec, value: Option<&str>) -> Vec<u32> {
+    visible_with_mig(spec, &MigState::default(), value).0
+}
+
+/// [`visible_devices`] on a machine with MIG: a GPU with MIG on is no device of its own (unset,
+/// it is left out; named by index or UUID, it ends the list), and `MIG-<uuid>` (or a unique
+/// prefix) names a MIG device, shown on its parent's ordinal. As CUDA enumerates a single MIG
+/// device per process, a second one ends the list. Returns the GPUs and the MIG device.
+pub fn visible_with_mig(
+    spec: &SimSpec,
+    mig: &MigState,
+    value: Option<&str>,
+) -> (Vec<u32>, Option<MigDevice>) {
+    let whole = |i: u32| !mig.enabled(i);
     let Some(value) = value else {
-        return spec.gpus.iter().map(|g| g.index).collect();
+        return (
+            spec.gpus
+                .iter()
+                .map(|g| g.index)
+                .filter(|&i| whole(i))
+                .collect(),
+            None,
+        );
     };
     let mut out: Vec<u32> = Vec::new();
+    let mut chosen: Option<MigDevice> = None;
     for entry in value.split(',').map(str::trim) {
-        let found = if !entry.is_empty() && entry.bytes().all(|b| b.is_ascii_digit()) {
+        let found = if entry.len() > 4 && entry[..4].eq_ignore_ascii_case("MIG-") {
+            let want = entry.to_ascii_lowercase();
+            let devices = mig.devices(spec);
+            let mut matches = devices
+                .iter()
+                .filter(|d| d.uuid.to_ascii_lowercase().starts_with(&want));
+            match (matches.next(), matches.next(), &chosen) {
+                (Some(d), None, None) => {
+                    chosen = Some(d.clone());
+                    Some(d.gpu)
+                }
+                _ => None,
+            }
+        } else if !entry.is_empty() && entry.bytes().all(|b| b.is_ascii_digit()) {
             entry
                 .parse::<usize>()
                 .ok()
@@ -76,11 +137,19 @@ pub fn visible_devices(spec: &SimSpec, value: Option<&str>) -> Vec<u32> {
             None
         };
         match found {
-            Some(i) if !out.contains(&i) => out.push(i),
+            Some(i)
+                if !out.contains(&i)
+                    && (whole(i) || chosen.as_ref().is_some_and(|d| d.gpu == i)) =>
+            {
+                out.push(i)
+            }
             _ => break,
         }
     }
-    out
+    if chosen.as_ref().is_some_and(|d| !out.contains(&d.gpu)) {
+        chosen = None;
+    }
+    (out, chosen)
 }
 
 static RT: OnceLock<Runtime> = OnceLock::new();
@@ -100,12 +169,27 @@ pub fn init() -> Res {
     if RT.get().is_some() {
         return Ok(());
     }
-    let spec = SimSpec::from_env().map_err(|e| {
+    let mut spec = SimSpec::from_env().map_err(|e| {
         eprintln!("tessera-sim: {e}");
         CUDA_ERROR_NO_DEVICE
     })?;
+    let dir = tessera_sim_state::state_dir_from_env();
     let visible_var = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-    let visible = visible_devices(&spec, visible_var.as_deref());
+    // A layout that cannot be read fails closed: no device rather than a guessed one.
+    let mig_state = tessera_sim_state::mig::store::load(&dir).map_err(|e| {
+        eprintln!("tessera-sim: {e}");
+        CUDA_ERROR_NO_DEVICE
+    })?;
+    let (visible, mig) = visible_with_mig(&spec, &mig_state, visible_var.as_deref());
+    if let Some(d) = &mig {
+        // The MIG device stands in its parent's place: its memory, SMs, name and UUID.
+        let g = &mut spec.gpus[d.gpu as usize];
+        g.total_bytes = d.memory_bytes;
+        g.sms = d.sms;
+        g.name = d.name.clone();
+        g.uuid = d.uuid.clone();
+        g.uuid_bytes = d.uuid_bytes;
+    }
     if visible.is_empty() {
         // As the driver: no visible device fails cuInit, and everything after it.
         return Err(CUDA_ERROR_NO_DEVICE);
@@ -123,20 +207,23 @@ pub fn init() -> Res {
             CUDA_ERROR_NO_DEVICE
         })?
         .unwrap_or(context_memory);
-    let dir = tessera_sim_state::state_dir_from_env();
     let totals = spec.gpus.iter().map(|g| g.total_bytes).collect();
-    let ledger = Ledger::open(&dir, totals)
+    let mut ledger = Ledger::open(&dir, totals)
         .map_err(|e| {
             eprintln!("tessera-sim: {e}");
             CUDA_ERROR_OPERATING_SYSTEM
         })?
         .with_context_memory(context_memory)
         .with_further_context_memory(further_context_memory);
+    if let Some(d) = &mig {
+        ledger = ledger.with_mig(d);
+    }
     let _ = RT.set(Runtime {
         spec,
         dir,
         ledger,
         visible,
+        mig,
     });
     Ok(())
 }
@@ -307,5 +394,44 @@ mod tests {
     fn empty_means_no_gpu() {
         assert_eq!(v(Some("")), Vec::<u32>::new());
         assert_eq!(v(Some("-1")), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn a_mig_device_stands_alone_and_its_parent_is_no_device() {
+        use tessera_sim_state::mig::{GpuModel, MigState};
+        let spec = SimSpec::parse("3xH200").unwrap();
+        let m = GpuModel::H200;
+        let mut st = MigState::default();
+        st.gpu_mut(1).set_mode(true, false).unwrap();
+        for _ in 0..2 {
+            let gi = st
+                .gpu_mut(1)
+                .create_gi(m, m.profile_by_name("1g.18gb").unwrap(), None)
+                .unwrap();
+            let u = st.fresh_uuid(&spec.gpus[1].uuid_bytes);
+            st.gpu_mut(1).create_ci(m, gi, 0, u).unwrap();
+        }
+        let devs = st.devices(&spec);
+        let (a, b) = (&devs[0].uuid, &devs[1].uuid);
+        // Unset: the GPUs without MIG only.
+        assert_eq!(visible_with_mig(&spec, &st, None), (vec![0, 2], None));
+        // A MIG device on its parent's ordinal; a prefix that names one works.
+        let (gpus, dev) = visible_with_mig(&spec, &st, Some(&a[..12]));
+        assert_eq!((gpus, dev.as_ref()), (vec![1], Some(&devs[0])));
+        // A second MIG device, or the parent with MIG on, ends the list.
+        let (gpus, dev) = visible_with_mig(&spec, &st, Some(&format!("0,{b},{a},2")));
+        assert_eq!((gpus, dev.as_ref()), (vec![0, 1], Some(&devs[1])));
+        assert_eq!(
+            visible_with_mig(&spec, &st, Some(&format!("1,{a}"))),
+            (vec![], None)
+        );
+        assert_eq!(
+            visible_with_mig(&spec, &st, Some(&spec.gpus[1].uuid)),
+            (vec![], None)
+        );
+        assert_eq!(
+            visible_with_mig(&spec, &st, Some("MIG-ffff")),
+            (vec![], None)
+        );
     }
 }

@@ -104,7 +104,18 @@ unsafe impl Send for Engine {}
 impl Engine {
     /// Opens (creating if needed) the engine of `gpu` in state folder `dir`.
     pub fn open(dir: &Path, gpu: u32) -> Result<Engine, EngineError> {
-        let path = engine_path(dir, gpu);
+        Engine::open_at(dir, engine_path(dir, gpu))
+    }
+
+    /// Opens the engine of MIG device `tag` ([`crate::mig::tag`]) on `gpu`: each compute
+    /// instance has its own (`engine<N>.mig<GI>.<CI>`), so one instance's kernels never wait
+    /// for another's, as MIG isolates them on a card.
+    pub fn open_mig(dir: &Path, gpu: u32, tag: u64) -> Result<Engine, EngineError> {
+        let (gi, ci) = crate::mig::untag(tag).unwrap_or((0, 0));
+        Engine::open_at(dir, dir.join(format!("engine{gpu}.mig{gi}.{ci}")))
+    }
+
+    fn open_at(dir: &Path, path: PathBuf) -> Result<Engine, EngineError> {
         let err = |source| EngineError::Io {
             path: path.clone(),
             source,

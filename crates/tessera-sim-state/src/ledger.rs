@@ -671,8 +671,13 @@ fn scan(dir: &Path, delete_dead: bool) -> Result<Vec<ProcessUsage>, LedgerError>
             u.contexts[g] = word(base + W_CTX);
             u.mig_tag[g] = word(base + W_MIG);
         }
-        // A second copy of the library in the same process: one process, one sum.
-        match out.iter_mut().find(|o: &&mut ProcessUsage| o.pid == pid) {
+        // A second copy of the library in the same process: one process, one sum (per MIG
+        // device: copies on two instances are listed on each, as NVML lists a process per
+        // device it runs on).
+        match out
+            .iter_mut()
+            .find(|o: &&mut ProcessUsage| o.pid == pid && o.mig_tag == u.mig_tag)
+        {
             Some(o) => {
                 for g in 0..MAX_GPUS {
                     o.mem_bytes[g] += u.mem_bytes[g];
@@ -680,7 +685,6 @@ fn scan(dir: &Path, delete_dead: bool) -> Result<Vec<ProcessUsage>, LedgerError>
                     o.shared_bytes[g] += u.shared_bytes[g];
                     o.busy_ns[g] += u.busy_ns[g];
                     o.contexts[g] += u.contexts[g];
-                    o.mig_tag[g] = o.mig_tag[g].max(u.mig_tag[g]);
                 }
             }
             None => out.push(u),

@@ -187,4 +187,35 @@ mod tests {
             0
         );
     }
+
+    #[test]
+    fn compute_instances_run_kernels_on_engines_of_their_own() {
+        let dir = tempfile::tempdir().unwrap();
+        // Two threads each run a 300 ms kernel at once: on two instances' engines the kernels
+        // overlap; on one instance's engine they take turns.
+        let run_pair = |tags: [u64; 2]| {
+            let barrier = std::sync::Arc::new(std::sync::Barrier::new(2));
+            let handles: Vec<_> = tags
+                .into_iter()
+                .map(|t| {
+                    let (dir, barrier) = (dir.path().to_owned(), barrier.clone());
+                    std::thread::spawn(move || {
+                        let e = crate::Engine::open_mig(&dir, 0, t).unwrap();
+                        barrier.wait();
+                        e.run(300_000_000)
+                    })
+                })
+                .collect();
+            let spans: Vec<(u64, u64)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+            spans[0].0 < spans[1].1 && spans[1].0 < spans[0].1
+        };
+        assert!(
+            run_pair([tag(1, 0), tag(2, 0)]),
+            "two instances run at once"
+        );
+        assert!(
+            !run_pair([tag(1, 0), tag(1, 0)]),
+            "one instance runs one kernel at a time"
+        );
+    }
 }
