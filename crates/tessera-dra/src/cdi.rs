@@ -265,6 +265,7 @@ mod tests {
             memory_limit: 1,
             whole,
             tier: tessera_protocol::Tier::BestEffort,
+            kind: crate::claim::Kind::Plain,
         }
     }
 

@@ -51,6 +51,23 @@ pub struct NodeGpu {
     pub memory_total: u64,
     /// Why it is unhealthy (a fatal XID), if it is: nothing new is prepared on it.
     pub unhealthy: Option<String>,
+    /// What preparing it involves besides the arbiter ([`crate::mig`]).
+    pub kind: Kind,
+}
+
+/// What preparing a device involves besides the arbiter allocation.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Kind {
+    /// A whole GPU without MIG, or an existing (static) MIG instance named by its UUID.
+    #[default]
+    Plain,
+    /// The whole device of a dynamic MIG GPU: MIG must be off on it
+    /// ([`crate::instances::ensure_whole`]).
+    DynamicWhole,
+    /// A dynamic MIG partition: its instance is made or shared at prepare
+    /// ([`crate::instances::acquire`]), and the allocation's GPU is that instance's MIG UUID
+    /// (`uuid` is the parent's until then).
+    Partition(crate::instances::Want),
 }
 
 /// The device name of GPU `index` (a DNS label, as the API requires).
@@ -79,6 +96,8 @@ pub struct Planned {
     pub whole: bool,
     /// Its tier: latency only when the claim's DeviceClass says so (see [`tier_of`]).
     pub tier: tessera_protocol::Tier,
+    /// What preparing it involves besides the arbiter (the device's [`NodeGpu::kind`]).
+    pub kind: Kind,
 }
 
 /// Why a claim cannot be prepared on this node.
@@ -253,6 +272,7 @@ pub fn plan(
             share,
             memory_limit,
             whole,
+            kind: gpu.kind.clone(),
         });
     }
     // Fractions of several GPUs are one multi-GPU allocation; anything else with a fraction
@@ -401,6 +421,7 @@ mod tests {
                 uuid: format!("GPU-{i}"),
                 memory_total: 80 * GIB,
                 unhealthy: None,
+                kind: Kind::Plain,
             })
             .collect()
     }

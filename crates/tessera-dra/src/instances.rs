@@ -102,6 +102,120 @@ pub trait MigControl {
     fn destroy(&mut self, parent: &str, gpu_instance: u32) -> Result<(), MigError>;
 }
 
+/// The node's [`MigControl`], shared by the prepares (which run one at a time).
+#[derive(Clone)]
+pub struct MigHandle(pub std::sync::Arc<std::sync::Mutex<Box<dyn MigControl + Send>>>);
+
+impl std::fmt::Debug for MigHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MigHandle")
+    }
+}
+
+impl MigHandle {
+    /// Wraps `ctl`.
+    pub fn new(ctl: impl MigControl + Send + 'static) -> Self {
+        Self(std::sync::Arc::new(std::sync::Mutex::new(Box::new(ctl))))
+    }
+
+    /// Runs `f` with the control (a poisoned lock is taken over: the checkpoint, not memory,
+    /// is the state).
+    pub fn with<T>(&self, f: impl FnOnce(&mut dyn MigControl) -> T) -> T {
+        let mut g = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        f(g.as_mut())
+    }
+}
+
+/// A node without MIG control: every call is refused (nothing asks for one when no GPU is
+/// published with dynamic MIG).
+#[derive(Debug, Clone, Copy)]
+pub struct NoMig;
+
+impl MigControl for NoMig {
+    fn mig_enabled(&mut self, _: &str) -> Result<bool, MigError> {
+        Ok(false)
+    }
+    fn set_mig(&mut self, gpu: &str, _: bool) -> Result<(), MigError> {
+        Err(no_mig("set MIG mode", gpu))
+    }
+    fn instances(&mut self, _: &str) -> Result<Vec<LiveInstance>, MigError> {
+        Ok(Vec::new())
+    }
+    fn create(&mut self, gpu: &str, _: u32, _: Placement) -> Result<LiveInstance, MigError> {
+        Err(no_mig("create a MIG instance", gpu))
+    }
+    fn destroy(&mut self, gpu: &str, _: u32) -> Result<(), MigError> {
+        Err(no_mig("destroy a MIG instance", gpu))
+    }
+}
+
+fn no_mig(call: &'static str, gpu: &str) -> MigError {
+    MigError::Nvml {
+        call,
+        gpu: gpu.to_owned(),
+        message: "no MIG control on this node (no GPU published with dynamic MIG)".into(),
+    }
+}
+
+/// NVML's MIG control ([`tessera_node::nvml_mig`]).
+impl MigControl for tessera_node::nvml_mig::MigNvml {
+    fn mig_enabled(&mut self, parent: &str) -> Result<bool, MigError> {
+        tessera_node::nvml_mig::MigNvml::mig_enabled(self, parent).map_err(|e| nvml_err(parent, e))
+    }
+    fn set_mig(&mut self, parent: &str, on: bool) -> Result<(), MigError> {
+        tessera_node::nvml_mig::MigNvml::set_mig(self, parent, on).map_err(|e| nvml_err(parent, e))
+    }
+    fn instances(&mut self, parent: &str) -> Result<Vec<LiveInstance>, MigError> {
+        let all = tessera_node::nvml_mig::MigNvml::instances(self, parent)
+            .map_err(|e| nvml_err(parent, e))?;
+        Ok(all.into_iter().map(live).collect())
+    }
+    fn create(
+        &mut self,
+        parent: &str,
+        profile_id: u32,
+        placement: Placement,
+    ) -> Result<LiveInstance, MigError> {
+        tessera_node::nvml_mig::MigNvml::create(
+            self,
+            parent,
+            profile_id,
+            placement.start,
+            placement.size,
+        )
+        .map(live)
+        .map_err(|e| nvml_err(parent, e))
+    }
+    fn destroy(&mut self, parent: &str, gpu_instance: u32) -> Result<(), MigError> {
+        tessera_node::nvml_mig::MigNvml::destroy(self, parent, gpu_instance)
+            .map_err(|e| nvml_err(parent, e))
+    }
+}
+
+fn live(i: tessera_node::nvml_mig::InstanceInfo) -> LiveInstance {
+    LiveInstance {
+        gpu_instance: i.id,
+        profile_id: i.profile_id,
+        placement: Placement {
+            start: i.placement.0,
+            size: i.placement.1,
+        },
+        // A GPU instance without a compute instance has no MIG device: no UUID to match.
+        uuid: i.uuid.unwrap_or_default(),
+    }
+}
+
+fn nvml_err(gpu: &str, e: tessera_node::nvml_mig::MigNvmlError) -> MigError {
+    MigError::Nvml {
+        call: "MIG",
+        gpu: gpu.to_owned(),
+        message: e.to_string(),
+    }
+}
+
 /// A record's crash-recovery state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum State {

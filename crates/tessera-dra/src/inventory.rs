@@ -10,8 +10,10 @@ use std::path::{Path, PathBuf};
 use nvml_wrapper::Nvml;
 use nvml_wrapper::error::NvmlError;
 
+use crate::mig::{Geometry, Instance, MigConfig, MigMode, Placement, Profile, Wanted};
 use crate::slices::{GpuAttrs, normalize_bus_id};
 use tessera_node::health::GpuState;
+use tessera_node::nvml_mig::MigNvml;
 
 /// Errors reading the inventory.
 #[derive(Debug, thiserror::Error)]
@@ -27,6 +29,9 @@ pub enum InventoryError {
     /// A query failed.
     #[error("NVML: {0}")]
     Query(#[from] NvmlError),
+    /// NVML could not be opened for MIG.
+    #[error("NVML (MIG): {0}")]
+    Mig(String),
 }
 
 /// Reads every GPU's attributes through NVML loaded from `lib`; `sysfs` is `/sys` on a node.
@@ -59,6 +64,73 @@ pub fn read(lib: &Path, sysfs: &Path) -> Result<Vec<GpuAttrs>, InventoryError> {
         });
     }
     Ok(out)
+}
+
+/// Gives each GPU of `gpus` its MIG mode under `cfg`, from NVML at `lib`: a dynamic GPU gets
+/// its profiles and placements (a GPU without MIG profiles stays whole, with a warning); a
+/// static GPU gets its existing instances (profile names from its profiles). A GPU NVML
+/// cannot answer for keeps no MIG devices, and the error is logged: the rest still publish.
+pub fn read_mig(lib: &Path, gpus: &mut [GpuAttrs], cfg: &MigConfig) -> Result<(), InventoryError> {
+    if gpus.iter().all(|g| cfg.wanted(g.index) == Wanted::Off) {
+        return Ok(());
+    }
+    let nvml = MigNvml::open(lib).map_err(|e| InventoryError::Mig(e.to_string()))?;
+    for g in gpus.iter_mut() {
+        let wanted = cfg.wanted(g.index);
+        if wanted == Wanted::Off {
+            continue;
+        }
+        match mig_mode(&nvml, &g.uuid, wanted) {
+            Ok(m) => g.mig = m,
+            Err(e) => tracing::warn!("GPU {} ({}): no MIG devices: {e}", g.index, g.uuid),
+        }
+    }
+    Ok(())
+}
+
+fn mig_mode(nvml: &MigNvml, uuid: &str, wanted: Wanted) -> Result<MigMode, String> {
+    let profiles: Vec<Profile> = nvml
+        .profiles(uuid)
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .map(|p| Profile {
+            id: p.id,
+            name: p.name,
+            compute_slices: p.slice_count,
+            memory: p.memory_mib << 20,
+            multiprocessors: p.multiprocessors,
+            placements: p
+                .placements
+                .into_iter()
+                .map(|(start, size)| Placement { start, size })
+                .collect(),
+        })
+        .collect();
+    match wanted {
+        Wanted::Off => Ok(MigMode::Off),
+        Wanted::Dynamic => Geometry::of(profiles)
+            .map(MigMode::Dynamic)
+            .ok_or_else(|| "NVML lists no MIG profile".to_owned()),
+        Wanted::Static => {
+            let live = nvml.instances(uuid).map_err(|e| e.to_string())?;
+            let instances = live
+                .into_iter()
+                .filter_map(|i| {
+                    let p = profiles.iter().find(|p| p.id == i.profile_id)?;
+                    Some(Instance {
+                        profile: p.name.clone(),
+                        placement: Placement {
+                            start: i.placement.0,
+                            size: i.placement.1,
+                        },
+                        uuid: i.uuid?,
+                        memory: p.memory,
+                    })
+                })
+                .collect();
+            Ok(MigMode::Static(instances))
+        }
+    }
 }
 
 /// The NUMA node of PCI device `bus`, `None` if the platform has none or sysfs says nothing.

@@ -80,6 +80,19 @@ struct Args {
     /// gone for good.
     #[arg(long)]
     remove_slices_on_exit: bool,
+    /// GPUs (NVML indices, comma-separated, or `all`) published as partitionable MIG devices:
+    /// one device per MIG profile and placement, instances made at prepare. Needs Kubernetes
+    /// with `DRAPartitionableDevices` (on by default from 1.36; 1.36.3 or later for the fix of
+    /// kubernetes #139034).
+    #[arg(long, value_name = "GPUS", value_delimiter = ',')]
+    mig_dynamic: Vec<String>,
+    /// GPUs (NVML indices, comma-separated, or `all`) whose existing MIG instances are
+    /// published, each shareable, for clusters without partitionable devices.
+    #[arg(long, value_name = "GPUS", value_delimiter = ',')]
+    mig_static: Vec<String>,
+    /// The plugin's state folder (the MIG instances' checkpoint); keep it across restarts.
+    #[arg(long, value_name = "DIR", default_value = "/var/lib/tessera/dra")]
+    state_dir: PathBuf,
     /// Parse and validate the flags (as at start-up), print `config ok` and exit 0 (exit 2 with
     /// the reason otherwise); no API server, no socket, nothing installed.
     #[arg(long)]
@@ -131,6 +144,13 @@ fn config(a: Args) -> Result<(Config, tessera_log::LogFormat, bool), String> {
             resync,
             claim_check,
             remove_slices_on_exit: a.remove_slices_on_exit,
+            mig: tessera_dra::mig::MigConfig {
+                dynamic: tessera_dra::mig::GpuSet::parse(&a.mig_dynamic)
+                    .map_err(|e| format!("--mig-dynamic: {e}"))?,
+                fixed: tessera_dra::mig::GpuSet::parse(&a.mig_static)
+                    .map_err(|e| format!("--mig-static: {e}"))?,
+            },
+            state_dir: a.state_dir,
         },
         node.log_format,
         check_config,

@@ -132,6 +132,96 @@ pub enum MigMode {
     Static(Vec<Instance>),
 }
 
+/// A set of the node's GPUs named on the command line.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum GpuSet {
+    /// None.
+    #[default]
+    None,
+    /// Every GPU.
+    All,
+    /// These NVML indices.
+    Indices(BTreeSet<u32>),
+}
+
+impl GpuSet {
+    /// `all`, or NVML indices (`0,3`); empty is none.
+    pub fn parse(items: &[String]) -> Result<Self, String> {
+        let items: Vec<&str> = items
+            .iter()
+            .map(|s| s.trim())
+            .filter(|s| !s.is_empty())
+            .collect();
+        match items.as_slice() {
+            [] => Ok(Self::None),
+            ["all"] => Ok(Self::All),
+            _ => items
+                .iter()
+                .map(|i| {
+                    i.parse::<u32>()
+                        .map_err(|_| format!("{i:?} is not a GPU index (or `all` alone)"))
+                })
+                .collect::<Result<BTreeSet<_>, _>>()
+                .map(Self::Indices),
+        }
+    }
+
+    /// Whether GPU `index` is in the set.
+    pub fn contains(&self, index: u32) -> bool {
+        match self {
+            Self::None => false,
+            Self::All => true,
+            Self::Indices(s) => s.contains(&index),
+        }
+    }
+}
+
+/// Which GPUs are published with MIG, and how (`--mig-dynamic`, `--mig-static`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MigConfig {
+    /// Partitionable: instances made at prepare.
+    pub dynamic: GpuSet,
+    /// The existing instances, for clusters without partitionable devices.
+    pub fixed: GpuSet,
+}
+
+/// How a GPU is to be published, before NVML is asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wanted {
+    /// No MIG.
+    Off,
+    /// [`MigMode::Dynamic`].
+    Dynamic,
+    /// [`MigMode::Static`].
+    Static,
+}
+
+impl MigConfig {
+    /// Checks that no GPU is asked for in both modes.
+    pub fn validate(&self) -> Result<(), String> {
+        let both = match (&self.dynamic, &self.fixed) {
+            (GpuSet::None, _) | (_, GpuSet::None) => false,
+            (GpuSet::Indices(a), GpuSet::Indices(b)) => a.intersection(b).next().is_some(),
+            _ => true,
+        };
+        if both {
+            return Err("a GPU cannot be in both --mig-dynamic and --mig-static".into());
+        }
+        Ok(())
+    }
+
+    /// GPU `index`'s mode.
+    pub fn wanted(&self, index: u32) -> Wanted {
+        if self.dynamic.contains(index) {
+            Wanted::Dynamic
+        } else if self.fixed.contains(index) {
+            Wanted::Static
+        } else {
+            Wanted::Off
+        }
+    }
+}
+
 /// The counter set of GPU `index`.
 pub fn counter_set_name(index: u32) -> String {
     format!("gpu-{index}-counters")
@@ -362,6 +452,35 @@ pub(crate) fn h200() -> Geometry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gpu_sets_parse_and_modes_exclude_each_other() {
+        let p = |v: &[&str]| GpuSet::parse(&v.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        assert_eq!(p(&[]), Ok(GpuSet::None));
+        assert_eq!(p(&["all"]), Ok(GpuSet::All));
+        assert_eq!(p(&["0", " 3"]), Ok(GpuSet::Indices(BTreeSet::from([0, 3]))));
+        assert!(p(&["all", "1"]).is_err());
+        assert!(p(&["-1"]).is_err());
+        let c = MigConfig {
+            dynamic: p(&["0"]).unwrap(),
+            fixed: p(&["1"]).unwrap(),
+        };
+        assert!(c.validate().is_ok());
+        assert_eq!(
+            (c.wanted(0), c.wanted(1), c.wanted(2)),
+            (Wanted::Dynamic, Wanted::Static, Wanted::Off)
+        );
+        let both = MigConfig {
+            dynamic: GpuSet::All,
+            fixed: p(&["1"]).unwrap(),
+        };
+        assert!(both.validate().is_err());
+        let both = MigConfig {
+            dynamic: p(&["1", "2"]).unwrap(),
+            fixed: p(&["2"]).unwrap(),
+        };
+        assert!(both.validate().is_err());
+    }
 
     #[test]
     fn names_are_dns_labels_and_parse_back() {

@@ -17,6 +17,7 @@ use tokio_stream::wrappers::UnixListenerStream;
 use crate::apiserver::{ApiError, Connection, KubeApi, KubeClient};
 use crate::cdi::Wiring;
 use crate::claim::DRIVER;
+use crate::instances::{self, MigHandle, NoMig};
 use crate::inventory::{self, InventoryError};
 use crate::prepare::Settings;
 use crate::proto::dra::dra_plugin_server::DraPluginServer;
@@ -24,6 +25,7 @@ use crate::proto::dra_v1beta1::dra_plugin_server::DraPluginServer as BetaServer;
 use crate::proto::registration::registration_server::RegistrationServer;
 use crate::service::{DraService, DraV1beta1, RegistrationService};
 use crate::slices::{GpuAttrs, MEMORY_STEP};
+use tessera_node::nvml_mig::MigNvml;
 
 /// Everything the plugin needs; every path is a parameter (tests use temp folders).
 #[derive(Debug, Clone)]
@@ -70,6 +72,10 @@ pub struct Config {
     /// Delete this node's ResourceSlice on shutdown (an uninstall). Off: the slice stays, so a
     /// restart or rolling update does not hide the GPUs from the scheduler.
     pub remove_slices_on_exit: bool,
+    /// Which GPUs are published with MIG ([`crate::mig`]).
+    pub mig: crate::mig::MigConfig,
+    /// The plugin's own state (the MIG instances' checkpoint).
+    pub state_dir: PathBuf,
 }
 
 /// File name of the plugin socket in [`Config::plugin_dir`].
@@ -84,6 +90,7 @@ impl Config {
                 MEMORY_STEP >> 20
             )));
         }
+        self.mig.validate().map_err(PluginError::Config)?;
         if self.node_name.is_empty() {
             return Err(PluginError::Config(
                 "--node-name (or NODE_NAME) must not be empty: it names the node's pool".into(),
@@ -155,9 +162,28 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
         &cfg.container_lib_path,
     )?;
     let (lib, sysfs) = (cfg.nvml_lib.clone(), cfg.sysfs.clone());
-    let attrs = tokio::task::spawn_blocking(move || inventory::read(&lib, &sysfs))
-        .await
-        .map_err(|e| PluginError::Config(format!("inventory task: {e}")))??;
+    let mig_cfg = cfg.mig.clone();
+    let attrs = tokio::task::spawn_blocking(move || {
+        let mut attrs = inventory::read(&lib, &sysfs)?;
+        inventory::read_mig(&lib, &mut attrs, &mig_cfg)?;
+        Ok::<_, InventoryError>(attrs)
+    })
+    .await
+    .map_err(|e| PluginError::Config(format!("inventory task: {e}")))??;
+    let dynamic: Vec<String> = attrs
+        .iter()
+        .filter(|g| matches!(g.mig, crate::mig::MigMode::Dynamic(_)))
+        .map(|g| g.uuid.clone())
+        .collect();
+    let mig = if dynamic.is_empty() {
+        MigHandle::new(NoMig)
+    } else {
+        let nvml = MigNvml::open(&cfg.nvml_lib)
+            .map_err(|e| PluginError::Inventory(InventoryError::Mig(e.to_string())))?;
+        MigHandle::new(nvml)
+    };
+    let mig_checkpoint = cfg.state_dir.join(instances::CHECKPOINT);
+    reconcile_mig(&cfg.admin_socket, &mig, &mig_checkpoint, dynamic).await;
     tracing::info!("{} GPUs on node {}", attrs.len(), cfg.node_name);
     let gpus = watch_gpus(&cfg, attrs);
 
@@ -184,6 +210,8 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
             container_identity: tessera_protocol::identity::CONTAINER_IDENTITY_FILE.into(),
         },
         nvidia_kind: cfg.nvidia_kind.clone(),
+        mig,
+        mig_checkpoint,
     };
     let dra = Arc::new(DraService {
         api: api.clone(),
@@ -200,6 +228,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
         cfg.node_name.clone(),
         gpus,
         cfg.default_memory,
+        held_devices(cfg.admin_socket.clone()),
         cfg.resync,
         cfg.remove_slices_on_exit,
         stop.clone(),
@@ -253,6 +282,59 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
     }
     let _ = std::fs::remove_file(&plugin_sock);
     Ok(())
+}
+
+/// The devices the arbiter's allocations of prepared claims name ([`crate::prepare::LABEL_DEVICE`]):
+/// what the publisher must not change the counters of; `None` when the arbiter does not answer.
+fn held_devices(admin: PathBuf) -> crate::publish::Allocated {
+    Arc::new(move || {
+        let mut a = tessera_protocol::client::AdminClient::connect(&admin).ok()?;
+        tessera_node::arbiter::Arbiter::list(&mut a)
+            .ok()
+            .map(|all| {
+                all.iter()
+                    .filter(|x| {
+                        x.labels
+                            .get(tessera_node::labels::LABEL_OWNER)
+                            .map(String::as_str)
+                            == Some(tessera_node::labels::OWNER_DRA)
+                    })
+                    .filter_map(|x| x.labels.get(crate::prepare::LABEL_DEVICE).cloned())
+                    .collect()
+            })
+    })
+}
+
+/// At start: the MIG instances of the dynamic GPUs `parents` against the checkpoint and the
+/// claims the arbiter still holds allocations for ([`instances::reconcile`]). A failure is
+/// logged, not fatal: the plugin still serves whole GPUs and fractions.
+async fn reconcile_mig(admin: &Path, mig: &MigHandle, checkpoint: &Path, parents: Vec<String>) {
+    if parents.is_empty() && !checkpoint.exists() {
+        return;
+    }
+    let (admin, mig, checkpoint) = (admin.to_path_buf(), mig.clone(), checkpoint.to_path_buf());
+    let done = tokio::task::spawn_blocking(move || {
+        let mut a = tessera_protocol::client::AdminClient::connect(&admin)
+            .map_err(|e| format!("arbiter: {e}"))?;
+        let all = tessera_node::arbiter::Arbiter::list(&mut a).map_err(|e| e.to_string())?;
+        let prepared = crate::cleanup::prepared_claims(&all)
+            .into_iter()
+            .map(|c| c.uid)
+            .collect();
+        mig.with(|m| instances::reconcile(m, &checkpoint, &parents, &prepared))
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    match done {
+        Ok(Ok(r)) => tracing::info!(
+            "MIG at start: {} adopted, {} destroyed, {} records dropped",
+            r.adopted.len(),
+            r.destroyed.len(),
+            r.dropped
+        ),
+        Ok(Err(e)) => tracing::warn!("MIG reconciliation at start: {e}"),
+        Err(e) => tracing::warn!("MIG reconciliation task: {e}"),
+    }
 }
 
 /// Releases claims nothing uses, now (a plugin that was down may have missed unprepares) and

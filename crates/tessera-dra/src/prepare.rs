@@ -27,7 +27,8 @@ use tessera_protocol::{
 };
 
 use crate::cdi::{self, CdiError, Wiring};
-use crate::claim::{Planned, spans_gpus};
+use crate::claim::{Kind, Planned, spans_gpus};
+use crate::instances::{self, MigError, MigHandle};
 
 /// The claim's uid.
 pub const LABEL_CLAIM_UID: &str = "tessera.dev/claim-uid";
@@ -35,6 +36,9 @@ pub const LABEL_CLAIM_UID: &str = "tessera.dev/claim-uid";
 pub use tessera_protocol::LABEL_CLAIM;
 /// The result's index in the claim's results for this driver.
 pub const LABEL_RESULT: &str = "tessera.dev/claim-result";
+/// The result's device in the ResourceSlice (what [`crate::publish`] must not change the
+/// counters of while the allocation lives).
+pub const LABEL_DEVICE: &str = "tessera.dev/claim-device";
 
 /// Why a claim could not be prepared or unprepared.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +52,9 @@ pub enum PrepareError {
     /// The CDI spec could not be written or removed.
     #[error(transparent)]
     Cdi(#[from] CdiError),
+    /// A MIG instance could not be made, shared or removed.
+    #[error(transparent)]
+    Mig(#[from] MigError),
 }
 
 /// Fixed settings.
@@ -61,6 +68,10 @@ pub struct Settings {
     pub wiring: Wiring,
     /// The CDI kind of the node's NVIDIA spec (`nvidia.com/gpu`, devices named by UUID).
     pub nvidia_kind: String,
+    /// MIG control (makes and removes the instances of dynamic MIG devices).
+    pub mig: MigHandle,
+    /// The MIG instances' checkpoint ([`crate::instances`]).
+    pub mig_checkpoint: PathBuf,
 }
 
 /// One prepared device, as the response lists it.
@@ -133,8 +144,64 @@ fn delete_tolerant<A: Arbiter + ?Sized>(a: &mut A, id: &str) -> Result<(), Clien
     }
 }
 
-/// Prepares claim `c` whose results for this node are `plans` (from [`crate::claim::plan`]).
+/// Prepares claim `c` whose results for this node are `plans` (from [`crate::claim::plan`]):
+/// first the MIG side ([`mig_side`]), then [`prepare_resolved`]; a failure after a MIG
+/// instance was taken gives the claim's instances back.
 pub fn prepare<A: Arbiter + ?Sized>(
+    arbiter: &mut A,
+    c: ClaimRef<'_>,
+    plans: &[Planned],
+    s: &Settings,
+) -> Result<Vec<PreparedDevice>, PrepareError> {
+    let took = plans.iter().any(|p| matches!(p.kind, Kind::Partition(_)));
+    let resolved = match mig_side(c.uid, plans, s) {
+        Ok(r) => r,
+        Err(e) => {
+            if took {
+                let _ = s
+                    .mig
+                    .with(|m| instances::release(m, &s.mig_checkpoint, c.uid));
+            }
+            return Err(e);
+        }
+    };
+    let out = prepare_resolved(arbiter, c, &resolved, s);
+    if out.is_err()
+        && took
+        && let Err(e) = s
+            .mig
+            .with(|m| instances::release(m, &s.mig_checkpoint, c.uid))
+    {
+        tracing::warn!("claim {}: giving its MIG instances back: {e}", c.uid);
+    }
+    out
+}
+
+/// The MIG side of a prepare: a dynamic partition's instance made or shared (the plan's GPU
+/// becomes its MIG UUID, the arbiter's scheduling domain for it); the whole device of a
+/// dynamic GPU gets MIG off. Idempotent: a repeated prepare gets the same instance.
+fn mig_side(uid: &str, plans: &[Planned], s: &Settings) -> Result<Vec<Planned>, PrepareError> {
+    let mut out = plans.to_vec();
+    for p in &mut out {
+        match &p.kind {
+            Kind::Plain => {}
+            Kind::DynamicWhole => {
+                let parent = p.uuid.clone();
+                s.mig
+                    .with(|m| instances::ensure_whole(m, &s.mig_checkpoint, &parent))?;
+            }
+            Kind::Partition(want) => {
+                p.uuid = s
+                    .mig
+                    .with(|m| instances::acquire(m, &s.mig_checkpoint, uid, want))?;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Prepares claim `c` whose plans name their final GPUs (MIG instances made).
+fn prepare_resolved<A: Arbiter + ?Sized>(
     arbiter: &mut A,
     c: ClaimRef<'_>,
     plans: &[Planned],
@@ -181,6 +248,7 @@ pub fn prepare<A: Arbiter + ?Sized>(
                     format!("{}/{}", c.namespace, c.name),
                 ),
                 (LABEL_RESULT.to_owned(), i.to_string()),
+                (LABEL_DEVICE.to_owned(), p.device.clone()),
                 (LABEL_NAMESPACE.to_owned(), c.namespace.to_owned()),
             ]);
             CreateAllocation {
@@ -284,5 +352,12 @@ pub fn unprepare<A: Arbiter + ?Sized>(
         deleted += 1;
     }
     identity::sweep(&s.identity_dir, &live);
+    // The claim's MIG instances last: its containers are gone with its allocations.
+    let destroyed = s
+        .mig
+        .with(|m| instances::release(m, &s.mig_checkpoint, uid))?;
+    for u in destroyed {
+        tracing::info!("claim {uid}: MIG instance {u} removed (its last claim)");
+    }
     Ok(deleted)
 }

@@ -21,6 +21,7 @@
 //! what we asked for (`sliceStored`: an API server with `DRAConsumableCapacity` or
 //! `DRADeviceTaints` off drops those fields), so neither is rewritten at every re-check.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,14 +31,14 @@ use tokio::sync::watch;
 
 use crate::apiserver::{ApiError, KubeApi};
 use crate::claim::DRIVER;
+use crate::mig;
 use crate::quantity;
 use crate::slices::{self, GpuAttrs};
 
-/// What this process last wrote and what the API server stored of it.
+/// What this process last wrote and what the API server stored of it, per slice.
 #[derive(Debug, Default, Clone)]
 pub struct Written {
-    asked: Option<ResourceSliceSpec>,
-    stored: Option<ResourceSliceSpec>,
+    slices: BTreeMap<String, (ResourceSliceSpec, ResourceSliceSpec)>,
 }
 
 impl Written {
@@ -45,17 +46,16 @@ impl Written {
         if !same(&asked, &stored) {
             tracing::warn!(
                 "the API server stored ResourceSlice {name} without some of its fields (feature \
-                 gates DRAConsumableCapacity or DRADeviceTaints off?); kept as stored"
+                 gates DRAConsumableCapacity, DRAPartitionableDevices or DRADeviceTaints off?); \
+                 kept as stored"
             );
         }
-        self.asked = Some(asked);
-        self.stored = Some(stored);
+        self.slices.insert(name.to_owned(), (asked, stored));
     }
 
-    /// Whether `cur` is what the API server made of our last write of `want`.
-    fn covers(&self, want: &ResourceSliceSpec, cur: &ResourceSliceSpec) -> bool {
-        matches!((&self.asked, &self.stored),
-            (Some(a), Some(s)) if same(a, want) && same(s, cur))
+    /// Whether `cur` is what the API server made of our last write of `want` as `name`.
+    fn covers(&self, name: &str, want: &ResourceSliceSpec, cur: &ResourceSliceSpec) -> bool {
+        matches!(self.slices.get(name), Some((a, s)) if same(a, want) && same(s, cur))
     }
 }
 
@@ -141,51 +141,105 @@ pub async fn sync(
     default_memory: u64,
     written: &mut Written,
 ) -> Result<Outcome, ApiError> {
-    let name = slices::slice_name(node);
-    let existing = api.list_slices(DRIVER, node).await?;
-    let mut ours = None;
-    // The pool's highest generation, so a slice made anew never goes back behind a stray.
-    let mut newest = 0;
-    for s in existing {
-        newest = newest.max(s.spec.pool.generation);
-        if s.metadata.name.as_deref() == Some(name.as_str()) {
-            ours = Some(s);
-        } else if let Some(stray) = &s.metadata.name {
-            tracing::info!("deleting stray ResourceSlice {stray}");
-            api.delete_slice(stray).await?;
-        }
-    }
-    let Some(cur) = ours else {
-        let generation = newest + 1;
-        let want = slices::slice(node, gpus, default_memory, generation);
-        let stored = api.create_slice(&want).await?;
-        written.remember(&name, want.spec, stored.spec);
-        tracing::info!("published ResourceSlice {name} ({} GPUs)", gpus.len());
-        return Ok(Outcome::Created(generation));
-    };
-    let generation = cur.spec.pool.generation;
-    let mut want = slices::slice(node, gpus, default_memory, generation);
-    keep_taint_times(&mut want.spec, &cur.spec);
-    if same(&want.spec, &cur.spec) || written.covers(&want.spec, &cur.spec) {
-        return Ok(Outcome::Kept(generation));
-    }
-    let generation = generation.max(newest) + 1;
-    let mut next = want;
-    next.spec.pool.generation = generation;
-    next.metadata.resource_version = cur.metadata.resource_version.clone();
-    let stored = api.replace_slice(&next).await?;
-    written.remember(&name, next.spec, stored.spec);
-    tracing::info!("updated ResourceSlice {name} to generation {generation}");
-    Ok(Outcome::Replaced(generation))
+    sync_pool(api, node, gpus, default_memory, &BTreeSet::new(), written).await
 }
 
+/// [`sync`], keeping the published definition of every GPU with a device in `allocated` whose
+/// counters would change ([`mig::hold_allocated`]). The pool is all of this node's slices of
+/// the driver ([`slices::pool`]): all written at one generation when any changes, strays
+/// (names the pool no longer has) deleted.
+pub async fn sync_pool(
+    api: &dyn KubeApi,
+    node: &str,
+    gpus: &[GpuAttrs],
+    default_memory: u64,
+    allocated: &BTreeSet<String>,
+    written: &mut Written,
+) -> Result<Outcome, ApiError> {
+    let existing = api.list_slices(DRIVER, node).await?;
+    // The pool's highest generation, so slices made anew never go back behind a stray.
+    let newest = existing
+        .iter()
+        .map(|s| s.spec.pool.generation)
+        .max()
+        .unwrap_or(0);
+    let (mut devices, mut sets) = slices::pool_parts(gpus, default_memory);
+    let held = mig::hold_allocated(&mut devices, &mut sets, &existing, allocated);
+    if !held.is_empty() {
+        tracing::info!(
+            "GPUs {held:?} keep their published devices: a claim holds one whose counters \
+             would change (kubernetes #140802)"
+        );
+    }
+    let names: BTreeSet<String> = slices::layout(node, devices.clone(), sets.clone(), 0)
+        .iter()
+        .filter_map(|s| s.metadata.name.clone())
+        .collect();
+    let mut ours = BTreeMap::new();
+    for s in existing {
+        match &s.metadata.name {
+            Some(n) if names.contains(n) => {
+                ours.insert(n.clone(), s);
+            }
+            Some(stray) => {
+                tracing::info!("deleting stray ResourceSlice {stray}");
+                api.delete_slice(stray).await?;
+            }
+            None => {}
+        }
+    }
+    let current = ours.values().map(|s| s.spec.pool.generation).max();
+    if let Some(generation) = current {
+        let mut want = slices::layout(node, devices.clone(), sets.clone(), generation);
+        let unchanged = want.len() == ours.len()
+            && want.iter_mut().all(|w| {
+                let name = w.metadata.name.clone().unwrap_or_default();
+                let Some(cur) = ours.get(&name) else {
+                    return false;
+                };
+                keep_taint_times(&mut w.spec, &cur.spec);
+                same(&w.spec, &cur.spec) || written.covers(&name, &w.spec, &cur.spec)
+            });
+        if unchanged {
+            return Ok(Outcome::Kept(generation));
+        }
+    }
+    let generation = newest.max(current.unwrap_or(0)) + 1;
+    for mut next in slices::layout(node, devices, sets, generation) {
+        let name = next.metadata.name.clone().unwrap_or_default();
+        let stored = match ours.get(&name) {
+            Some(cur) => {
+                keep_taint_times(&mut next.spec, &cur.spec);
+                next.metadata.resource_version = cur.metadata.resource_version.clone();
+                api.replace_slice(&next).await?
+            }
+            None => api.create_slice(&next).await?,
+        };
+        written.remember(&name, next.spec, stored.spec);
+    }
+    if current.is_none() {
+        tracing::info!("published ResourceSlices of {} GPUs", gpus.len());
+        Ok(Outcome::Created(generation))
+    } else {
+        tracing::info!("updated the ResourceSlices of node {node} to generation {generation}");
+        Ok(Outcome::Replaced(generation))
+    }
+}
+
+/// The devices prepared claims hold (read before each reconciliation, off the async threads);
+/// `None` when that cannot be known, and then nothing is written that round (a slice change
+/// could otherwise alter the counters of a device a claim holds).
+pub type Allocated = Arc<dyn Fn() -> Option<BTreeSet<String>> + Send + Sync>;
+
 /// Reconciles on every change of `gpus` and every `resync` (a slice deleted by someone else
-/// comes back), until `stop`; then deletes the slice only if `remove_on_exit`.
+/// comes back), until `stop`; then deletes the node's slices only if `remove_on_exit`.
+#[allow(clippy::too_many_arguments)]
 pub async fn run(
     api: Arc<dyn KubeApi>,
     node: String,
     mut gpus: watch::Receiver<Arc<Vec<GpuAttrs>>>,
     default_memory: u64,
+    allocated: Allocated,
     resync: Duration,
     remove_on_exit: bool,
     mut stop: watch::Receiver<bool>,
@@ -193,8 +247,28 @@ pub async fn run(
     let mut written = Written::default();
     loop {
         let current = gpus.borrow_and_update().clone();
-        if let Err(e) = sync(api.as_ref(), &node, &current, default_memory, &mut written).await {
-            tracing::warn!("ResourceSlice sync: {e}");
+        let f = allocated.clone();
+        match tokio::task::spawn_blocking(move || f())
+            .await
+            .ok()
+            .flatten()
+        {
+            Some(held) => {
+                let r = sync_pool(
+                    api.as_ref(),
+                    &node,
+                    &current,
+                    default_memory,
+                    &held,
+                    &mut written,
+                );
+                if let Err(e) = r.await {
+                    tracing::warn!("ResourceSlice sync: {e}");
+                }
+            }
+            None => tracing::warn!(
+                "ResourceSlice sync skipped: the devices prepared claims hold are unknown (arbiter)"
+            ),
         }
         tokio::select! {
             r = gpus.changed() => if r.is_err() { break },
@@ -202,14 +276,22 @@ pub async fn run(
             _ = stop.wait_for(|s| *s) => break,
         }
     }
-    let name = slices::slice_name(&node);
     if !remove_on_exit {
-        tracing::info!("ResourceSlice {name} kept for the next start");
+        tracing::info!("ResourceSlices of node {node} kept for the next start");
         return;
     }
-    match api.delete_slice(&name).await {
-        Ok(()) => tracing::info!("deleted ResourceSlice {name} (--remove-slices-on-exit)"),
-        Err(e) => tracing::warn!("deleting ResourceSlice: {e}"),
+    let names = match api.list_slices(DRIVER, &node).await {
+        Ok(l) => l.into_iter().filter_map(|s| s.metadata.name).collect(),
+        Err(e) => {
+            tracing::warn!("listing ResourceSlices to delete: {e}");
+            vec![slices::slice_name(&node)]
+        }
+    };
+    for name in names {
+        match api.delete_slice(&name).await {
+            Ok(()) => tracing::info!("deleted ResourceSlice {name} (--remove-slices-on-exit)"),
+            Err(e) => tracing::warn!("deleting ResourceSlice {name}: {e}"),
+        }
     }
 }
 
@@ -425,6 +507,35 @@ mod tests {
         assert!(!same(&a, &e));
     }
 
+    #[tokio::test]
+    async fn a_mig_pool_is_written_whole_and_keeps_what_claims_hold() {
+        use crate::mig::{MigMode, h200, mig_device_name};
+        let api = Api::new(Server::AsSent);
+        let mut w = Written::default();
+        let mut g = gpu(0);
+        g.mig = MigMode::Dynamic(h200());
+        let got = sync(&api, "node-a", std::slice::from_ref(&g), DEFAULT_MEMORY, &mut w).await;
+        assert_eq!(got.unwrap(), Outcome::Created(1));
+        let counters = "node-a-gpu.tessera.dev-counters-0";
+        assert_eq!(api.generation(NAME), Some(1));
+        assert_eq!(api.generation(counters), Some(1));
+        let got = sync(&api, "node-a", std::slice::from_ref(&g), DEFAULT_MEMORY, &mut w).await;
+        assert_eq!(got.unwrap(), Outcome::Kept(1));
+        // MIG turned off by configuration while a claim holds a 1g: nothing changes.
+        let held = BTreeSet::from([mig_device_name(0, "1g.18gb", 0)]);
+        let off = [gpu(0)];
+        let got = sync_pool(&api, "node-a", &off, DEFAULT_MEMORY, &held, &mut w).await;
+        assert_eq!(got.unwrap(), Outcome::Kept(1));
+        assert_eq!(api.writes(), ["create", "create"]);
+        // Released: the next generation, one slice, the counter slice gone.
+        let got = sync_pool(&api, "node-a", &off, DEFAULT_MEMORY, &BTreeSet::new(), &mut w).await;
+        assert_eq!(got.unwrap(), Outcome::Replaced(2));
+        assert_eq!(api.generation(counters), None);
+        let s = api.slices.lock().unwrap()[NAME].clone();
+        assert_eq!(s.spec.pool.resource_slice_count, 1);
+        assert_eq!(s.spec.devices.unwrap().len(), 1);
+    }
+
     async fn run_until_published(api: Arc<Api>, remove_on_exit: bool) {
         let (_tx, gpus) = watch::channel(Arc::new(vec![gpu(0)]));
         let (stop_tx, stop) = watch::channel(false);
@@ -433,6 +544,7 @@ mod tests {
             "node-a".into(),
             gpus,
             DEFAULT_MEMORY,
+            Arc::new(|| Some(BTreeSet::new())),
             Duration::from_secs(3600),
             remove_on_exit,
             stop,

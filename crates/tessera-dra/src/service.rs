@@ -53,16 +53,7 @@ pub struct DraService {
 
 impl DraService {
     fn node_gpus(&self) -> Vec<NodeGpu> {
-        self.gpus
-            .borrow()
-            .iter()
-            .map(|g| NodeGpu {
-                device: claim::device_name(g.index),
-                uuid: g.uuid.clone(),
-                memory_total: g.memory_total,
-                unhealthy: g.unhealthy.clone(),
-            })
-            .collect()
+        crate::slices::node_devices(&self.gpus.borrow())
     }
 
     /// Prepares one claim; the error is the per-claim message the kubelet shows.

@@ -274,6 +274,54 @@ pub fn gpu_devices(g: &GpuAttrs, default_memory: u64) -> Vec<Device> {
     }
 }
 
+/// Every device of `gpus` as claims name it, with what preparing it involves: a whole GPU,
+/// a dynamic MIG partition (its instance made at prepare) or a static instance (by its UUID).
+pub fn node_devices(gpus: &[GpuAttrs]) -> Vec<crate::claim::NodeGpu> {
+    use crate::claim::{Kind, NodeGpu};
+    let mut out = Vec::new();
+    for g in gpus {
+        let whole = |kind| NodeGpu {
+            device: device_name(g.index),
+            uuid: g.uuid.clone(),
+            memory_total: g.memory_total,
+            unhealthy: g.unhealthy.clone(),
+            kind,
+        };
+        match &g.mig {
+            MigMode::Off => out.push(whole(Kind::Plain)),
+            MigMode::Dynamic(geo) => {
+                out.push(whole(Kind::DynamicWhole));
+                for (p, pl) in mig::partitions(geo) {
+                    out.push(NodeGpu {
+                        device: mig::mig_device_name(g.index, &p.name, pl.start),
+                        uuid: g.uuid.clone(),
+                        memory_total: p.memory,
+                        unhealthy: g.unhealthy.clone(),
+                        kind: Kind::Partition(crate::instances::Want {
+                            parent: g.uuid.clone(),
+                            profile: p.name.clone(),
+                            profile_id: p.id,
+                            placement: pl,
+                        }),
+                    });
+                }
+            }
+            MigMode::Static(instances) => {
+                for i in instances {
+                    out.push(NodeGpu {
+                        device: mig::mig_device_name(g.index, &i.profile, i.placement.start),
+                        uuid: i.uuid.clone(),
+                        memory_total: i.memory,
+                        unhealthy: g.unhealthy.clone(),
+                        kind: Kind::Plain,
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
 /// The name of `node`'s `k`th device slice (the first is [`slice_name`]).
 pub fn device_slice_name(node: &str, k: usize) -> String {
     match k {
@@ -583,6 +631,7 @@ mod tests {
             uuid: g.uuid.clone(),
             memory_total: g.memory_total,
             unhealthy: None,
+            kind: crate::claim::Kind::Plain,
         }];
         let mut p = crate::claim::plan(&claim, "u1", "node-a", &node, DEFAULT_MEMORY).unwrap();
         p.remove(0)
