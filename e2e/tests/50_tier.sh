@@ -143,9 +143,7 @@ tier_latency_allocations() {
 }
 tier_no_latency_allocations() { [ "$(tier_latency_allocations)" = 0 ]; }
 
-# The plain plugin back, once the latency plugin has deleted its pods' allocations: a plugin
-# without the latency resource leaves that resource's allocations alone (docs/kubernetes.md:
-# change --latency-shares only on a node without GPU pods).
+# The plain plugin back after a failure, once this test's pods' allocations are gone.
 tier_restore_plugin() {
     kc delete pods -l e2e=1 --grace-period=0 --force --wait=true --timeout=60s >/dev/null 2>&1 || true
     (eventually 60 "the latency allocations to go" tier_no_latency_allocations) || true
@@ -156,7 +154,8 @@ tier_restore_plugin() {
 test_tier__b_device_plugin_the_latency_resource_makes_latency_allocations() {
     # The cluster's plugin runs without a latency split; this test's runs with 30 of each GPU's
     # 100 units as the latency resource, and the plain plugin comes back after it, pass or fail.
-    trap tier_restore_plugin EXIT
+    TIER_RESTORED=0
+    trap '[ "$TIER_RESTORED" = 1 ] || tier_restore_plugin' EXIT
     bash "$here/cluster.sh" stop tessera-device-plugin
     E2E_DEVICE_PLUGIN_ARGS="--latency-shares 30" bash "$here/cluster.sh" start-device-plugin
     eventually 90 "60 latency units on the node" tier_node_has tessera.dev/gpu-latency-shares 60
@@ -187,4 +186,15 @@ test_tier__b_device_plugin_the_latency_resource_makes_latency_allocations() {
         "kubectl logs tier-dp-lat | grep -q 'GPU time' && kubectl logs tier-dp-be | grep -q 'GPU time'"
     expect_match "the latency tenant's card" "$(kc logs tier-dp-lat)" "L: sees .* with 16\.0 GiB"
     expect_match "the best-effort tenant's card" "$(kc logs tier-dp-be)" "B: sees .* with 24\.0 GiB"
+
+    echo "-- the split turned off under a running latency pod, then the pod deleted"
+    bash "$here/cluster.sh" stop tessera-device-plugin
+    bash "$here/cluster.sh" start-device-plugin
+    TIER_RESTORED=1
+    eventually 60 "200 best-effort units again" tier_node_has tessera.dev/gpu-shares 200
+    # The plain plugin keeps looking after the latency resource's allocations: the running
+    # pod's stays, and once no pod holds its units it goes rather than holding 20 shares.
+    expect_eq "the running latency pod's allocation" "$(tier_latency_allocations)" 1
+    kc delete pods tier-dp-lat tier-dp-be --grace-period=0 --force --wait=true --timeout=60s >/dev/null 2>&1
+    eventually 60 "the plain plugin to delete the latency allocation" tier_no_latency_allocations
 }

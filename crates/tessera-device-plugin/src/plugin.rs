@@ -213,6 +213,39 @@ impl Config {
         }
         out
     }
+
+    /// The PodResources looks to run (none without `pod_resources_socket`): one per served
+    /// resource, each naming and cleaning up its own allocations (told apart by their labels)
+    /// and refusing a container that holds both. With the latency split off, one more for the
+    /// latency resource's name: allocations made while the split was on keep their units while
+    /// their pods run (the kubelet still lists them) and then go like any stale allocation,
+    /// rather than holding their shares on the arbiter forever.
+    pub fn stale_configs(&self) -> Vec<StaleConfig> {
+        let Some(socket) = &self.pod_resources_socket else {
+            return Vec::new();
+        };
+        let look = |resource_name: &str, exclusive_with: Option<String>| StaleConfig {
+            socket: socket.clone(),
+            admin_socket: self.admin_socket.clone(),
+            resource_name: resource_name.to_owned(),
+            grace: self.stale_grace,
+            interval: self.stale_interval,
+            cleanup: self.stale_cleanup,
+            exclusive_with,
+        };
+        let names: Vec<String> = self.resources().into_iter().map(|r| r.1).collect();
+        let mut looks: Vec<StaleConfig> = names
+            .iter()
+            .map(|n| look(n, names.iter().find(|o| *o != n).cloned()))
+            .collect();
+        if names.len() == 1
+            && self.latency_resource_name != self.resource_name
+            && valid_resource_name(&self.latency_resource_name)
+        {
+            looks.push(look(&self.latency_resource_name, None));
+        }
+        looks
+    }
 }
 
 /// A socket file name in the kubelet folder.
@@ -323,26 +356,11 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
         }
         tokio::spawn(metrics::serve(l, metrics.clone(), stop_all.clone()));
     }
-    let resources = cfg.resources();
-    let names: Vec<String> = resources.iter().map(|r| r.1.clone()).collect();
+    for look in cfg.stale_configs() {
+        tokio::spawn(podresources::run(look, metrics.clone(), stop_all.clone()));
+    }
     let mut served = Vec::new();
-    for (endpoint, resource_name, pool, tier) in resources {
-        // Each resource names and cleans up its own allocations (told apart by their labels).
-        if let Some(sock) = &cfg.pod_resources_socket {
-            tokio::spawn(podresources::run(
-                StaleConfig {
-                    socket: sock.clone(),
-                    admin_socket: cfg.admin_socket.clone(),
-                    resource_name: resource_name.clone(),
-                    grace: cfg.stale_grace,
-                    interval: cfg.stale_interval,
-                    cleanup: cfg.stale_cleanup,
-                    exclusive_with: names.iter().find(|n| **n != resource_name).cloned(),
-                },
-                metrics.clone(),
-                stop_all.clone(),
-            ));
-        }
+    for (endpoint, resource_name, pool, tier) in cfg.resources() {
         let ctx = Arc::new(AllocContext {
             settings: Settings {
                 per_gpu: cfg.shares_per_gpu,
@@ -640,6 +658,38 @@ mod tests {
             c.resource_name = bad.into();
             assert!(c.validate().is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_latency_resources_allocations_are_looked_after_also_with_the_split_off() {
+        let looks = |c: &Config| -> Vec<(String, Option<String>)> {
+            c.stale_configs()
+                .into_iter()
+                .map(|l| (l.resource_name, l.exclusive_with))
+                .collect()
+        };
+        let (be, lat) = (
+            "tessera.dev/gpu-shares".to_owned(),
+            "tessera.dev/gpu-latency-shares".to_owned(),
+        );
+        let mut c = cfg();
+        assert!(looks(&c).is_empty(), "no PodResources socket, no looks");
+        c.pod_resources_socket = Some("/var/lib/kubelet/pod-resources/kubelet.sock".into());
+        // Split off: the served resource, and the latency resource's leftovers from a run with
+        // the split on (a plugin restarted without it used to leave them holding shares).
+        assert_eq!(looks(&c), vec![(be.clone(), None), (lat.clone(), None)]);
+        // Split on: each resource its own, a container holding both refused.
+        c.latency_shares = 30;
+        assert_eq!(
+            looks(&c),
+            vec![(be.clone(), Some(lat.clone())), (lat, Some(be.clone()))]
+        );
+        // A latency name that is the served one's (only possible with the split off): one look.
+        c.latency_shares = 0;
+        c.latency_resource_name = be.clone();
+        assert_eq!(looks(&c), vec![(be, None)]);
+        c.stale_cleanup = false;
+        assert!(c.stale_configs().iter().all(|l| !l.cleanup));
     }
 
     #[test]
