@@ -188,6 +188,18 @@ fn device_uuid(dev: i32) -> Option<String> {
     ))
 }
 
+/// Whether two device UUIDs name one device. `cuDeviceGetUuid` gives 16 bytes, which
+/// [`device_uuid`] spells `GPU-...`; on a MIG device they are its MIG UUID, which NVML and the
+/// arbiter spell `MIG-...` (NVML: `nvmlDeviceGetUUID` on a MIG handle): the bytes decide.
+fn same_uuid(a: &str, b: &str) -> bool {
+    let bytes = |u: &str| {
+        u.split_once('-')
+            .map_or(u, |(_, rest)| rest)
+            .to_ascii_lowercase()
+    };
+    bytes(a) == bytes(b)
+}
+
 /// The allocation's own GPU, from the arbiter's welcome to the process session (which this
 /// connects when it has not yet: the process reserves through it anyway). `None` while the
 /// arbiter cannot be asked.
@@ -278,7 +290,7 @@ fn route_first(main: &'static Process, dev: i32, slot: usize) -> &'static Proces
     let Some(own) = main_uuid(main) else {
         return main;
     };
-    if uuid.as_deref().is_some_and(|u| u.eq_ignore_ascii_case(own)) {
+    if uuid.as_deref().is_some_and(|u| same_uuid(u, own)) {
         let main_ptr = main as *const Process as *mut Process;
         let _ = SLICES[slot].compare_exchange(
             std::ptr::null_mut(),
@@ -355,7 +367,7 @@ pub unsafe fn process_for_nvml(
         return p;
     };
     (0..n.min(MAX_DEVICES as i32))
-        .find(|&d| device_uuid(d).is_some_and(|u| u.eq_ignore_ascii_case(&uuid)))
+        .find(|&d| device_uuid(d).is_some_and(|u| same_uuid(&u, &uuid)))
         .map_or(p, |d| route(main, Some(d)))
 }
 

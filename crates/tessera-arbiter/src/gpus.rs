@@ -2,6 +2,16 @@
 //!
 //! The daemon uses [`NvmlDiscovery`] (NVML through `nvml-wrapper`, loaded at run time, so the
 //! simulated `libnvidia-ml.so.1` works when it is on `LD_LIBRARY_PATH`).
+//!
+//! **MIG**: a GPU with MIG on is no device of its own (CUDA runs nothing on it whole); each of
+//! its MIG devices (compute instances) is one instead, with its `MIG-<uuid>`, its name
+//! (`NVIDIA H200 MIG 1g.18gb`) and its GPU instance's memory, and an index of its own,
+//! [`MIG_INDEX_BASE`] + 8 x parent + its position among the parent's MIG devices
+//! (`nvmlDeviceGetMigDeviceHandleByIndex`). So every MIG device is a scheduling domain of its
+//! own (100 shares = that instance's time), memory limits are relative to the instance, and
+//! the backstop reads each instance's processes through its MIG handle (a MIG handle needs no
+//! privilege for memory and processes; utilization is not supported on MIG devices, and
+//! nothing here needs it). The layout is read when the arbiter starts.
 
 #![forbid(unsafe_code)]
 
@@ -28,6 +38,57 @@ pub enum GpusError {
         /// Cause.
         source: nvml_wrapper::error::NvmlError,
     },
+}
+
+/// Where MIG device indexes start (above any NVML index of a whole GPU).
+pub const MIG_INDEX_BASE: u32 = 1000;
+
+/// The index of the `k`-th MIG device of GPU `parent`.
+pub fn mig_index(parent: u32, k: u32) -> u32 {
+    MIG_INDEX_BASE + parent * 8 + k
+}
+
+/// `(parent, k)` of a MIG device index; `None` for a whole GPU's.
+pub fn mig_position(index: u32) -> Option<(u32, u32)> {
+    let i = index.checked_sub(MIG_INDEX_BASE)?;
+    Some((i / 8, i % 8))
+}
+
+/// The node's devices as the arbiter schedules them: each GPU without MIG (by its NVML
+/// index), and each MIG device of a GPU with MIG on (by [`mig_index`]).
+pub(crate) fn devices(
+    nvml: &nvml_wrapper::Nvml,
+) -> Result<Vec<(u32, nvml_wrapper::Device<'_>)>, nvml_wrapper::error::NvmlError> {
+    let mut out = Vec::new();
+    for index in 0..nvml.device_count()? {
+        let dev = nvml.device_by_index(index)?;
+        // A GPU or driver without MIG answers NotSupported (or lacks the symbol): whole.
+        let mig_on = dev.mig_mode().is_ok_and(|m| m.current == 1);
+        if !mig_on {
+            out.push((index, dev));
+            continue;
+        }
+        let max = dev.mig_device_count().unwrap_or(0).min(8);
+        for k in 0..max {
+            match dev.mig_device_by_index(k) {
+                Ok(m) => out.push((mig_index(index, k), m)),
+                Err(nvml_wrapper::error::NvmlError::NotFound) => break,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The device of arbiter index `index` (see [`devices`]).
+pub(crate) fn device_of(
+    nvml: &nvml_wrapper::Nvml,
+    index: u32,
+) -> Result<nvml_wrapper::Device<'_>, nvml_wrapper::error::NvmlError> {
+    match mig_position(index) {
+        Some((parent, k)) => nvml.device_by_index(parent)?.mig_device_by_index(k),
+        None => nvml.device_by_index(index),
+    }
 }
 
 /// Something that lists the node's GPUs.
@@ -73,12 +134,8 @@ impl GpuDiscovery for NvmlDiscovery {
             call: call.into(),
             source,
         };
-        let count = nvml.device_count().map_err(|e| q("device_count", e))?;
-        let mut gpus = Vec::with_capacity(count as usize);
-        for index in 0..count {
-            let dev = nvml
-                .device_by_index(index)
-                .map_err(|e| q("device_by_index", e))?;
+        let mut gpus = Vec::new();
+        for (index, dev) in devices(&nvml).map_err(|e| q("device list", e))? {
             let uuid = dev.uuid().map_err(|e| q("uuid", e))?;
             let name = dev.name().map_err(|e| q("name", e))?;
             let memory_total = dev.memory_info().map_err(|e| q("memory_info", e))?.total;
@@ -106,6 +163,14 @@ mod tests {
             memory_total: 1,
         };
         assert_eq!(FixedGpus(vec![g.clone()]).discover().unwrap(), vec![g]);
+    }
+
+    #[test]
+    fn mig_indexes_sit_above_whole_gpus_and_name_their_parent() {
+        assert_eq!(mig_index(2, 3), 1019);
+        assert_eq!(mig_position(1019), Some((2, 3)));
+        assert_eq!(mig_position(7), None);
+        assert_eq!(mig_position(MIG_INDEX_BASE), Some((0, 0)));
     }
 
     #[test]

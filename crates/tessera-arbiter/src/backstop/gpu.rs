@@ -40,6 +40,11 @@ pub struct UtilSample {
 pub trait GpuSource: Send {
     /// How many GPUs there are.
     fn device_count(&self) -> Result<u32, GpuSourceError>;
+    /// The devices to read, by arbiter index (whole GPUs by NVML index, MIG devices by
+    /// [`crate::gpus::mig_index`]); by default `0..device_count`.
+    fn device_indices(&self) -> Result<Vec<u32>, GpuSourceError> {
+        Ok((0..self.device_count()?).collect())
+    }
     /// The processes on GPU `gpu` with their device memory (compute and graphics).
     fn processes(&self, gpu: u32) -> Result<Vec<GpuProcess>, GpuSourceError>;
     /// GPU `gpu`'s per-process utilisation samples newer than `since_us` (none: empty). `None`
@@ -74,8 +79,16 @@ impl GpuSource for NvmlSource {
         Ok(self.0.device_count()?)
     }
 
+    fn device_indices(&self) -> Result<Vec<u32>, GpuSourceError> {
+        Ok(crate::gpus::devices(&self.0)?
+            .into_iter()
+            .map(|(i, _)| i)
+            .collect())
+    }
+
     fn processes(&self, gpu: u32) -> Result<Vec<GpuProcess>, GpuSourceError> {
-        let dev = self.0.device_by_index(gpu)?;
+        // A MIG device's own handle: its processes, with no privilege needed.
+        let dev = crate::gpus::device_of(&self.0, gpu)?;
         let mut list = dev.running_compute_processes()?;
         // A compute-only GPU (or the simulator) has no graphics list.
         list.extend(dev.running_graphics_processes().unwrap_or_default());
@@ -93,6 +106,11 @@ impl GpuSource for NvmlSource {
     }
 
     fn utilization(&self, gpu: u32, since_us: u64) -> Option<Vec<UtilSample>> {
+        if crate::gpus::mig_position(gpu).is_some() {
+            // NVML has no utilization on MIG devices: GPU time there is not read (the memory
+            // and identity rules still hold; the other devices keep theirs).
+            return Some(Vec::new());
+        }
         let dev = self.0.device_by_index(gpu).ok()?;
         match dev.process_utilization_stats(since_us) {
             Ok(s) => Some(

@@ -238,7 +238,7 @@ impl Backstop {
     /// Every process on every GPU with its device memory.
     fn gpu_processes(&self) -> Result<Vec<GpuProcess>, GpuSourceError> {
         let mut out = Vec::new();
-        for i in 0..self.gpus.device_count()? {
+        for i in self.gpus.device_indices()? {
             out.extend(self.gpus.processes(i)?);
         }
         Ok(out)
@@ -251,10 +251,10 @@ impl Backstop {
         if self.compute_off {
             return out;
         }
-        let Ok(n) = self.gpus.device_count() else {
+        let Ok(indices) = self.gpus.device_indices() else {
             return out;
         };
-        for i in 0..n {
+        for i in indices {
             let since = self.last_seen.get(&i).copied().unwrap_or(0);
             let Some(samples) = self.gpus.utilization(i, since) else {
                 self.compute_off = true;
