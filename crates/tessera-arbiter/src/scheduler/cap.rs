@@ -25,6 +25,12 @@ pub(super) struct CapMeter {
     /// GPU the bucket fills and drains at once, so the fill is not clipped at the depth (those
     /// tokens would otherwise be lost at every lease).
     leasing: Option<u64>,
+    /// It has a request waiting for the GPU: the bucket keeps filling unclipped too. The
+    /// depth is there so that an idle tenant banks nothing; a waiting one is not idle, and
+    /// clipped while it waited through another tenant's lease a high cap lost its fill (a
+    /// cap of 79 beside a share-11 tenant got 74.6% in the pure model). The cap window
+    /// still bounds every second.
+    backlogged: bool,
     /// Capped allocations only: (time, ns) of its charges and of the GPU time the backstop
     /// forgave it outside leases, over the last cap window (the cap bounds GPU time, forgiven
     /// or not).
@@ -45,6 +51,7 @@ impl CapMeter {
             bucket_ns: params.bucket_depth_ns as f64,
             bucket_at: now,
             leasing: None,
+            backlogged: false,
             seen: VecDeque::new(),
             overruns: VecDeque::new(),
         }
@@ -81,6 +88,17 @@ impl CapMeter {
         self.leasing = Some(now);
     }
 
+    /// Whether it has a request waiting from `now` on: the bucket is settled at the change.
+    pub(super) fn set_backlogged(&mut self, p: &SchedulerParams, backlogged: bool, now: u64) {
+        if self.cap.is_none() || self.backlogged == backlogged {
+            return;
+        }
+        let tokens = self.tokens_before_use(p, now);
+        self.bucket_ns = tokens;
+        self.bucket_at = now;
+        self.backlogged = backlogged;
+    }
+
     /// The lease ended (after its charge was noted).
     pub(super) fn end_lease(&mut self) {
         self.leasing = None;
@@ -106,13 +124,13 @@ impl CapMeter {
 
     /// Tokens at `now` before what is about to be charged is taken out: filled at `cap`% of
     /// wall time since `bucket_at`, up to the depth, except while it held the GPU (it drained
-    /// the bucket faster than it filled, so nothing overflowed).
+    /// the bucket faster than it filled, so nothing overflowed) or waited for it.
     pub(super) fn tokens_before_use(&self, p: &SchedulerParams, now: u64) -> f64 {
         match self.cap {
             None => f64::INFINITY,
             Some(cap) => {
                 let filled = (now.saturating_sub(self.bucket_at)) as f64 * f64::from(cap) / 100.0;
-                if self.leasing.is_some() {
+                if self.leasing.is_some() || self.backlogged {
                     self.bucket_ns + filled
                 } else {
                     (self.bucket_ns + filled).min(p.bucket_depth_ns as f64)
@@ -130,16 +148,64 @@ impl CapMeter {
         let Some(cap) = self.cap else {
             return f64::INFINITY;
         };
-        let limit = Self::limit(p, cap) as f64;
-        let used = self.window_used(p, now) + self.margin(p, now);
+        let left = match self.leasing {
+            // During its own lease (not charged yet): what is left beside the time held.
+            Some(t) => {
+                let used = self.window_used(p, now) + self.margin(p, now);
+                Self::limit(p, cap) as f64 - used as f64 - now.saturating_sub(t) as f64
+            }
+            None => self.window_room(p, cap, now),
+        };
         // A latency allocation's budget is the window alone: a request is a burst, and a
         // bucket a few leases deep would make the second of two close requests wait.
-        let running = self.leasing.map_or(0.0, |t| now.saturating_sub(t) as f64);
-        let left = limit - used as f64 - running;
         if latency {
             return left;
         }
-        self.bucket(p, now).min(limit - used as f64)
+        Self::bucket_affords(cap, self.bucket(p, now)).min(left)
+    }
+
+    /// The longest lease from `now` that keeps every cap window within the limit (beside the
+    /// margin): the window ending at the lease's end holds the lease and what was charged
+    /// since that window began. (Each window ending earlier holds no more, as the lease grows
+    /// by what older charges lose.) Counting the whole last window beside the lease, as
+    /// before, made the window `cap_window_ns` plus the lease long: a 30% cap alone with
+    /// 57 ms turns got 27.9% in the pure model. Negative when even the window ending now is
+    /// over.
+    fn window_room(&self, p: &SchedulerParams, cap: u32, now: u64) -> f64 {
+        let limit = Self::limit(p, cap);
+        let margin = self.margin(p, now);
+        let fits = |l: u64| self.window_used(p, now + l) + margin + l <= limit;
+        if !fits(0) {
+            return limit as f64 - (self.window_used(p, now) + margin) as f64;
+        }
+        // `fits` holds up to some length and not beyond (the window ending at the lease's
+        // end gains the lease's time and loses at most as much of the older charges).
+        let (mut lo, mut hi) = (0, limit + 1);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if fits(mid) { lo = mid } else { hi = mid }
+        }
+        lo as f64
+    }
+
+    /// The longest lease a full bucket pays for (infinite when uncapped).
+    pub(super) fn full_bucket_affords(&self, p: &SchedulerParams) -> f64 {
+        self.cap.map_or(f64::INFINITY, |cap| {
+            Self::bucket_affords(cap, p.bucket_depth_ns as f64)
+        })
+    }
+
+    /// The longest lease a bucket holding `tokens` pays for: the bucket fills at `cap`% while
+    /// the lease runs (unclipped, see [`Self::start_lease`]), so a lease of `L` takes only
+    /// `L x (1 - cap)` out of it. Sized by the tokens alone, a capped tenant's turns were
+    /// shorter than its fill allowed, and beside a tenant with a small share (whose leases it
+    /// waited through) a cap of 79 got 70.9% in the pure model (`props`); alone, a 30% cap
+    /// had a lease (and a hand-over) every 66 ms instead of every 190.
+    fn bucket_affords(cap: u32, tokens: f64) -> f64 {
+        if cap >= 100 {
+            return f64::INFINITY;
+        }
+        tokens / (1.0 - f64::from(cap) / 100.0)
     }
 
     /// What a cap allows in one cap window: `cap`% of it plus the window's allowance.
@@ -159,10 +225,19 @@ impl CapMeter {
             .sum()
     }
 
-    /// When enough of the charges have left the cap window for a lease of `need` to fit beside
-    /// the margin (`now` if they already have). Charges are taken as back to back, oldest
-    /// first, as leases are; a later tick re-checks anyway.
+    /// When a lease of `need` can be granted within the cap window beside the margin (`now`
+    /// if it can already; see [`Self::window_room`]): the window ending at the lease's end
+    /// must have room for it.
     pub(super) fn window_frees(&self, p: &SchedulerParams, need: u64, now: u64) -> u64 {
+        self.window_frees_at_end(p, need, now)
+            .saturating_sub(need)
+            .max(now)
+    }
+
+    /// When enough of the charges have left the cap window for `need` to fit beside the
+    /// margin in the window ending then (`now` if they already have). Charges are taken as
+    /// back to back, oldest first, as leases are; a later tick re-checks anyway.
+    fn window_frees_at_end(&self, p: &SchedulerParams, need: u64, now: u64) -> u64 {
         let Some(cap) = self.cap else {
             return now;
         };
@@ -197,8 +272,9 @@ impl CapMeter {
         if latency {
             return Some(self.window_frees(p, need, now));
         }
+        // The tokens a lease of `need` takes out of the bucket (see `bucket_affords`).
         let have = self.bucket(p, now);
-        let missing = need as f64 - have;
+        let missing = need as f64 * (1.0 - f64::from(cap.min(100)) / 100.0) - have;
         let refilled = if missing <= 0.0 {
             now
         } else {
@@ -234,15 +310,22 @@ impl GpuScheduler {
     /// lease its bucket allows made its leases shorter than its competitors', so it lost more
     /// of its charged time to hand-overs (28.5/71.5 of the GPU's busy time, capped 30 against
     /// uncapped 70, in `compute_share`).
-    pub(super) fn need(&self, a: &Alloc) -> u64 {
+    pub(super) fn need(&self, key: AccountKey, a: &Alloc, now: u64) -> u64 {
         let floor = self.threshold();
         if a.meter.cap.is_none() || a.tier == Tier::Latency {
             return floor;
         }
-        a.lease_len
-            .ns()
-            .min(self.params.contended_lease_ns)
-            .min(self.params.bucket_depth_ns)
+        let len = a.lease_len.ns();
+        // Alone, its turns are as long as a full bucket pays for (a 30% cap: 57 ms every
+        // 190 ms): each turn costs a hand-over, and at 20 ms turns a capped tenant alone ran
+        // 24.9% of the wall time at a cap of 30 (`compute_share`). Beside others, as long as
+        // theirs.
+        let len = if self.contended(key, now) {
+            len.min(self.params.contended_lease_ns)
+        } else {
+            len
+        };
+        len.min(a.meter.full_bucket_affords(&self.params) as u64)
             .max(floor)
     }
 
@@ -293,8 +376,11 @@ mod tests {
             40.0 * MS as f64,
             "clipped at the depth"
         );
-        // 20 ms missing at 10%: 200 ms.
-        assert_eq!(m.ready_at(&p, false, 20 * MS, T0), Some(T0 + 200 * MS));
+        // A 20 ms lease takes 18 ms out of the bucket (it refills 2 ms during the lease):
+        // 18 ms missing at 10%, 180 ms.
+        let ready = m.ready_at(&p, false, 20 * MS, T0).unwrap();
+        assert!(ready.abs_diff(T0 + 180 * MS) <= 1, "{ready}");
+        assert!((m.room(&p, false, ready) - 20.0 * MS as f64).abs() < 1.0);
         assert_eq!(m.ready_at(&p, false, 20 * MS, T0 + S), Some(T0 + S));
     }
 
@@ -319,25 +405,49 @@ mod tests {
         let mut m = CapMeter::new(Some(10), &p, T0);
         // 10% of 1 s plus 5 ms of slack.
         assert_eq!(CapMeter::limit(&p, 10), 105 * MS);
+        // 10 ms every 100 ms for a second: at the cap, so the bucket stays nearly full.
+        for k in 1..=10 {
+            m.note(&p, 10 * MS, T0 + k * 100 * MS);
+        }
+        let now = T0 + S;
+        assert_eq!(m.window_used(&p, now), 100 * MS);
+        // The bucket holds 30 ms (a 33.3 ms lease), the window only 5: every window ending
+        // during a longer lease would hold more than 105 ms.
+        assert_eq!(m.bucket(&p, now), 30.0 * MS as f64);
+        assert_eq!(m.room(&p, false, now), 5.0 * MS as f64);
+        // A latency allocation's room is the window alone.
+        assert_eq!(m.room(&p, true, now), 5.0 * MS as f64);
+        // A 20 ms lease fits when the window ending at its end has lost 15 ms of the charges:
+        // the first (ran [T0 + 90, T0 + 100] ms) and half the second ([T0 + 190, T0 + 200]),
+        // so a lease granted at T0 + 1.175 s and ending at T0 + 1.195 s.
+        let at = T0 + S + 175 * MS;
+        assert_eq!(m.window_frees(&p, 20 * MS, now), at);
+        assert_eq!(m.ready_at(&p, true, 20 * MS, now), Some(at));
+        // Even 25 ms: the second charge leaves the windows as fast as the lease grows.
+        assert_eq!(m.room(&p, true, at), 25.0 * MS as f64);
+        // A full bucket (40 ms) pays for a 44.4 ms lease at 10%: it refills 4.4 ms meanwhile.
+        let later = T0 + 3 * S;
+        let room = m.room(&p, false, later);
+        assert!((room - 40.0 * MS as f64 / 0.9).abs() < 1.0, "{room}");
+    }
+
+    #[test]
+    fn a_lease_may_be_as_long_as_the_window_ending_at_its_end_allows() {
+        let p = p();
+        let mut m = CapMeter::new(Some(10), &p, T0);
         m.note(&p, 100 * MS, T0);
         // Noted at T0, it covers [T0 - 100 ms, T0]: all of it in the window ending at T0 + 900
         // ms, half in the one ending at T0 + 950 ms, none after T0 + 1 s.
         assert_eq!(m.window_used(&p, T0 + 900 * MS), 100 * MS);
         assert_eq!(m.window_used(&p, T0 + 950 * MS), 50 * MS);
         assert_eq!(m.window_used(&p, T0 + S), 0);
-        // The bucket holds 30 ms at T0 + 900 ms, the window only 5.
-        assert_eq!(m.bucket(&p, T0 + 900 * MS), 30.0 * MS as f64);
-        assert_eq!(m.room(&p, false, T0 + 900 * MS), 5.0 * MS as f64);
-        assert_eq!(m.room(&p, false, T0 + S + 50 * MS), 40.0 * MS as f64);
-        // A latency allocation's room is the window alone.
-        assert_eq!(m.room(&p, true, T0 + 900 * MS), 5.0 * MS as f64);
-        // 20 ms fit once 15 ms of the charge have left the window.
-        assert_eq!(m.window_frees(&p, 20 * MS, T0 + 900 * MS), T0 + 915 * MS);
-        assert_eq!(
-            m.ready_at(&p, true, 20 * MS, T0 + 900 * MS),
-            Some(T0 + 915 * MS)
-        );
-        assert_eq!(m.room(&p, true, T0 + 915 * MS), 20.0 * MS as f64);
+        // From T0 + 900 ms, a lease of up to 105 ms keeps every window within 105 ms: as it
+        // runs, the old charge leaves the window as fast. (Counting the whole charge beside
+        // the lease allowed 5 ms.)
+        assert_eq!(m.room(&p, true, T0 + 900 * MS), 105.0 * MS as f64);
+        assert_eq!(m.window_frees(&p, 20 * MS, T0 + 900 * MS), T0 + 900 * MS);
+        // Not from T0 + 850 ms: the window ending at T0 + 1 s would hold 100 + 150 ms.
+        assert!(m.room(&p, true, T0 + 850 * MS) < 105.0 * MS as f64);
     }
 
     #[test]

@@ -123,6 +123,7 @@ impl GpuScheduler {
             key,
             since: now,
         });
+        self.sync_backlog(now);
         Ok(self.dispatch(now))
     }
 
@@ -197,7 +198,7 @@ impl GpuScheduler {
                 let need = if self.waiting.iter().any(|o| o.key != w.key) {
                     self.threshold()
                 } else {
-                    self.need(a)
+                    self.need(w.key, a, now)
                 };
                 a.meter
                     .ready_at(&self.params, a.tier == Tier::Latency, need, now)

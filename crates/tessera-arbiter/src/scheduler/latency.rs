@@ -57,7 +57,7 @@ impl GpuScheduler {
             let Some(a) = self.allocs.get(&w.key) else {
                 continue;
             };
-            if a.tier != Tier::Latency || self.room(a, now) < self.need(a) as f64 {
+            if a.tier != Tier::Latency || self.room(a, now) < self.need(w.key, a, now) as f64 {
                 continue;
             }
             if best.is_none_or(|(_, v)| a.vtime < v) {
@@ -98,7 +98,7 @@ impl GpuScheduler {
         if linger == 0 || a.tier != Tier::Latency {
             return;
         }
-        if self.room(a, now) < (self.need(a) + linger) as f64 {
+        if self.room(a, now) < (self.need(key, a, now) + linger) as f64 {
             return;
         }
         self.held_for = Some((key, now + linger));

@@ -61,6 +61,17 @@ impl GpuScheduler {
             }
             false
         });
+        self.sync_backlog(now);
+    }
+
+    /// Tells each capped allocation's meter whether it has a request waiting (its bucket
+    /// fills unclipped meanwhile: see `CapMeter::set_backlogged`).
+    pub(super) fn sync_backlog(&mut self, now: u64) {
+        let p = self.params;
+        for (k, a) in &mut self.allocs {
+            let waits = self.waiting.iter().any(|w| w.key == *k);
+            a.meter.set_backlogged(&p, waits, now);
+        }
     }
 
     /// Keeps the GPU briefly for `key` when it is still backlogged (its lease ran to the end)
@@ -69,7 +80,9 @@ impl GpuScheduler {
         let Some(a) = self.allocs.get(&key) else {
             return;
         };
-        if self.room(a, now) < self.need(a) as f64 || self.waiting.iter().any(|w| w.key == key) {
+        if self.room(a, now) < self.need(key, a, now) as f64
+            || self.waiting.iter().any(|w| w.key == key)
+        {
             return;
         }
         if self.latency_waiter(now).is_some() {
@@ -85,9 +98,9 @@ impl GpuScheduler {
         let best_waiter = self
             .waiting
             .iter()
-            .filter_map(|w| self.allocs.get(&w.key))
-            .filter(|o| self.room(o, now) >= self.need(o) as f64)
-            .map(|o| o.vtime)
+            .filter_map(|w| Some((w.key, self.allocs.get(&w.key)?)))
+            .filter(|(k, o)| self.room(o, now) >= self.need(*k, o, now) as f64)
+            .map(|(_, o)| o.vtime)
             .fold(f64::INFINITY, f64::min);
         if !self.waiting.is_empty() && a.vtime < best_waiter {
             self.held_for = Some((key, now + self.params.rerequest_window_ns));
@@ -103,7 +116,7 @@ impl GpuScheduler {
                     && self
                         .allocs
                         .get(&w.key)
-                        .is_some_and(|o| self.room(o, now) >= self.need(o) as f64)
+                        .is_some_and(|o| self.room(o, now) >= self.need(w.key, o, now) as f64)
             })
     }
 
@@ -112,7 +125,7 @@ impl GpuScheduler {
     /// idle GPU: two capped tenants whose caps add up to the whole GPU both wait otherwise).
     pub(super) fn eligible(&self, key: AccountKey, a: &Alloc, now: u64) -> bool {
         let room = self.room(a, now);
-        room >= self.need(a) as f64
+        room >= self.need(key, a, now) as f64
             || (room >= self.threshold() as f64
                 && self.waiting.iter().any(|w| w.key != key)
                 && !self.others_ready(key, now))

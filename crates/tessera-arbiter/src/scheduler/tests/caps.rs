@@ -198,10 +198,12 @@ fn gpu_time_forgiven_outside_leases_counts_against_the_cap() {
     }
     let mut from = S;
     while from + S <= 10 * S {
+        // What ran inside the window: `ns` ending at `t` ran in [t - ns, t]. (Counting a
+        // lease whole when it ended inside read up to a lease's length too high once leases
+        // grew past 20 ms.)
         let in_window: u64 = used
             .iter()
-            .filter(|(t, _)| *t > from && *t <= from + S)
-            .map(|(_, ns)| ns)
+            .map(|&(t, ns)| t.min(from + S).saturating_sub((t - ns).max(from)))
             .sum();
         let pct = in_window as f64 / S as f64 * 100.0;
         assert!(pct <= 31.0, "window at {from}: {pct:.1}%");
@@ -220,23 +222,39 @@ fn capped_waiter_is_woken_when_its_bucket_refills() {
     assert_eq!(g.duration_ns, 20 * MS, "the initial lease length");
     s.release(10, g.lease_id, 20 * MS, false, 20 * MS);
     // Bucket: 40 + 2 filled during the lease (not clipped at the depth: the lease drained
-    // it meanwhile) - 20 = 22 ms, room for the 20 ms it needs; the lease would be 25 ms
-    // (used to its end), the bucket bounds it.
-    let g = s.acquire(1, 10, 20 * MS).unwrap()[0];
-    assert_eq!(g.duration_ns, 22 * MS, "lease bounded by the bucket");
-    s.release(10, g.lease_id, 22 * MS, false, 42 * MS);
-    // Bucket: 22 + 2.2 - 22 = 2.2 ms; it needs 20 ms: 178 ms more at 10%.
+    // it meanwhile) - 20 = 22 ms. Alone, it waits for its whole next lease (25 ms: used to
+    // its end), which takes 22.5 ms of tokens at 10% (it refills 2.5 ms while it runs).
     assert!(
-        s.acquire(1, 10, 42 * MS).unwrap().is_empty(),
-        "bucket empty"
+        s.acquire(1, 10, 20 * MS).unwrap().is_empty(),
+        "22 ms of tokens do not pay for 25 ms"
     );
-    let wake = s.next_wakeup(42 * MS).unwrap();
-    assert!((219 * MS..=221 * MS).contains(&wake), "wake at {wake}");
-    assert!(s.tick(wake - 2 * MS).is_empty());
+    let wake = s.next_wakeup(20 * MS).unwrap();
+    assert!(
+        (25 * MS..=25 * MS + 1_000).contains(&wake),
+        "wake at {wake}"
+    );
+    assert!(s.tick(wake - MS).is_empty());
     let g = s.tick(wake);
     assert_eq!(g.len(), 1);
     assert!(
-        (20 * MS..=21 * MS).contains(&g[0].duration_ns),
+        (25 * MS - 1_000..=25 * MS).contains(&g[0].duration_ns),
+        "the whole lease: {}",
+        g[0].duration_ns
+    );
+    let end = wake + g[0].duration_ns;
+    s.release(10, g[0].lease_id, g[0].duration_ns, false, end);
+    // The bucket is empty; the next lease (31.25 ms) takes 28.1 ms of tokens: 281 ms at 10%.
+    assert!(s.acquire(1, 10, end).unwrap().is_empty(), "bucket empty");
+    let wake = s.next_wakeup(end).unwrap();
+    assert!(
+        (end + 280 * MS..=end + 283 * MS).contains(&wake),
+        "wake {} ms after the release",
+        (wake - end) as f64 / MS as f64
+    );
+    let g = s.tick(wake);
+    assert_eq!(g.len(), 1);
+    assert!(
+        (31 * MS..=31_250_000).contains(&g[0].duration_ns),
         "lease bounded by the bucket: {}",
         g[0].duration_ns
     );
