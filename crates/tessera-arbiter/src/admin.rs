@@ -29,14 +29,9 @@ pub enum AdminError {
 /// A new admin connection: counted as pending (or closed at once over the caps) until its
 /// handshake ends, then served to its end on the runtime.
 pub fn accept(arb: Arc<Arbiter>, adm: &Arc<Admission>, stream: UnixStream) {
-    let (group, pid) = admission::peer_group(&stream);
-    match adm.begin(group, pid) {
-        Ok(slot) => {
-            let timeout = adm.limits().handshake_timeout;
-            tokio::spawn(serve(arb, stream, slot, timeout));
-        }
-        Err(_) => admission::close_refused(stream),
-    }
+    admission::accept_pending(adm, stream, |stream, slot, timeout| {
+        serve(arb, stream, slot, timeout)
+    });
 }
 
 /// Serves one admin connection to its end; `slot` is released when the handshake ends.
@@ -74,45 +69,65 @@ pub(crate) async fn send<T: serde::Serialize>(
     Ok(())
 }
 
+/// The admin protocol's handshake, the admin and the user socket's alike: the `Hello` under
+/// the admission deadline (`slot` released once it is read), a probe answered with the
+/// socket's kind, a tenant or another protocol version refused. `Ok(true)`: an admin client,
+/// to be welcomed (the user socket checks the caller first); `Ok(false)`: nothing more to do
+/// (a probe answered, or a newer connection took the slot).
+pub(crate) async fn handshake(
+    stream: &mut UnixStream,
+    slot: PendingSlot,
+    timeout: Duration,
+    socket: SocketKind,
+) -> Result<bool, WireError> {
+    let Some(hello) = admission::read_hello_or_evicted(stream, &slot, timeout).await else {
+        // A newer connection took its place.
+        return Ok(false);
+    };
+    drop(slot);
+    match hello {
+        Ok(Role::Admin) => Ok(true),
+        Ok(Role::Probe) => {
+            let msg = ServerHello::Probed {
+                version: PROTOCOL_VERSION,
+                socket,
+            };
+            send(stream, &msg).await?;
+            Ok(false)
+        }
+        Ok(Role::Tenant { .. } | Role::Companion { .. }) => {
+            let reason = "tenants use the tenant socket";
+            let msg = ServerHello::refusal(RefusalKind::WrongSocket, reason, PROTOCOL_VERSION);
+            send(stream, &msg).await?;
+            Err(WireError::WrongRole(reason))
+        }
+        Err(e @ WireError::BadVersion(v)) => {
+            let msg = ServerHello::refusal(RefusalKind::Version, e.to_string(), v);
+            send(stream, &msg).await?;
+            Err(e)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// The answer to an admin client's `Hello` once it may go on.
+pub(crate) fn welcome() -> ServerHello {
+    ServerHello::Welcome {
+        version: PROTOCOL_VERSION,
+        allocation: None,
+    }
+}
+
 async fn serve_inner(
     arb: &Arbiter,
     stream: &mut UnixStream,
     slot: PendingSlot,
     timeout: Duration,
 ) -> Result<(), AdminError> {
-    let Some(hello) = admission::read_hello_or_evicted(stream, &slot, timeout).await else {
-        // A newer connection took its place.
+    if !handshake(stream, slot, timeout, SocketKind::Admin).await? {
         return Ok(());
-    };
-    drop(slot);
-    match hello {
-        Ok(Role::Admin) => {}
-        Ok(Role::Probe) => {
-            let msg = ServerHello::Probed {
-                version: PROTOCOL_VERSION,
-                socket: SocketKind::Admin,
-            };
-            send(stream, &msg).await?;
-            return Ok(());
-        }
-        Ok(Role::Tenant { .. } | Role::Companion { .. }) => {
-            let reason = "tenants use the tenant socket";
-            let msg = ServerHello::refusal(RefusalKind::WrongSocket, reason, PROTOCOL_VERSION);
-            send(stream, &msg).await?;
-            return Err(WireError::WrongRole(reason).into());
-        }
-        Err(e @ WireError::BadVersion(v)) => {
-            let msg = ServerHello::refusal(RefusalKind::Version, e.to_string(), v);
-            send(stream, &msg).await?;
-            return Err(e.into());
-        }
-        Err(e) => return Err(e.into()),
     }
-    let welcome = ServerHello::Welcome {
-        version: tessera_protocol::PROTOCOL_VERSION,
-        allocation: None,
-    };
-    send(stream, &welcome).await?;
+    send(stream, &welcome()).await?;
     // The peer's uid is recorded as the creator of what it creates (`tessera status`'s OWNER).
     let by = By::operator(stream.peer_cred().ok().map(|c| c.uid()));
     let mut dec = FrameDecoder::new();

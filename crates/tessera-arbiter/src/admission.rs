@@ -679,6 +679,23 @@ pub fn close_refused(stream: UnixStream) {
     drop(stream);
 }
 
+/// A new connection on an admin-protocol socket (admin, user): counted as pending (or closed
+/// at once over the caps), then `serve(stream, slot, handshake deadline)` runs on the runtime;
+/// the slot is released when the handshake ends.
+pub(crate) fn accept_pending<F, Fut>(adm: &Arc<Admission>, stream: UnixStream, serve: F)
+where
+    F: FnOnce(UnixStream, PendingSlot, Duration) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (group, pid) = peer_group(&stream);
+    match adm.begin(group, pid) {
+        Ok(slot) => {
+            tokio::spawn(serve(stream, slot, adm.limits.handshake_timeout));
+        }
+        Err(_) => close_refused(stream),
+    }
+}
+
 /// An admitted tenant connection, handed to the tenant service ([`accept_tenant`]'s
 /// `on_admitted`, which the server passes: admission knows nothing of what serves it).
 #[derive(Debug)]

@@ -54,23 +54,115 @@ fn the_pid_cap_refuses_and_a_full_container_drops_its_own_oldest() {
     assert!(p.by_pid.is_empty() && p.by_group.is_empty());
 }
 
-#[test]
-fn an_evicted_slot_is_told_so() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .build()
-        .unwrap();
+#[tokio::test(start_paused = true)]
+async fn an_evicted_slot_is_told_so() {
     let adm = Admission::new(limits());
     let old = adm.begin(g(1), Some(1)).unwrap();
     let _b = adm.begin(g(1), Some(2)).unwrap();
     let _c = adm.begin(g(1), Some(3)).unwrap();
     let _d = adm.begin(g(1), Some(4)).unwrap();
-    let woke = rt.block_on(async {
-        tokio::time::timeout(Duration::from_secs(5), old.evicted())
-            .await
-            .is_ok()
+    // On tokio's paused clock: told at once, no time passing.
+    let t0 = tokio::time::Instant::now();
+    let woke = tokio::time::timeout(Duration::from_secs(5), old.evicted()).await;
+    assert!(woke.is_ok());
+    assert_eq!(t0.elapsed(), Duration::ZERO);
+}
+
+/// A `Hello` frame of this protocol version.
+fn hello_frame(role: Role) -> Vec<u8> {
+    let mut out = Vec::new();
+    let hello = tessera_protocol::Hello {
+        magic: tessera_protocol::MAGIC,
+        version: PROTOCOL_VERSION,
+        role,
+    };
+    wire::push_frame(&mut out, &hello).unwrap();
+    out
+}
+
+// The handshake deadline, on tokio's paused clock (`start_paused`: time moves only when every
+// task waits, straight to the next timer), so each case takes no real time and its instants
+// are exact.
+
+#[tokio::test(start_paused = true)]
+async fn a_silent_client_is_timed_out_exactly_at_the_handshake_deadline() {
+    let adm = Admission::new(limits());
+    let slot = adm.begin(g(1), Some(1)).unwrap();
+    let (_client, mut server) = tokio::io::duplex(64);
+    let t0 = tokio::time::Instant::now();
+    let r = read_hello_or_evicted(&mut server, &slot, limits().handshake_timeout).await;
+    assert!(
+        matches!(r, Some(Err(WireError::Timeout(d))) if d == Duration::from_secs(1)),
+        "{r:?}"
+    );
+    assert_eq!(t0.elapsed(), Duration::from_secs(1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hello_a_moment_before_the_deadline_is_read() {
+    use tokio::io::AsyncWriteExt;
+    let adm = Admission::new(limits());
+    let slot = adm.begin(g(1), Some(1)).unwrap();
+    let (mut client, mut server) = tokio::io::duplex(64);
+    let late = async {
+        tokio::time::sleep(Duration::from_millis(999)).await;
+        client.write_all(&hello_frame(Role::Admin)).await.unwrap();
+    };
+    let (r, ()) = tokio::join!(
+        read_hello_or_evicted(&mut server, &slot, limits().handshake_timeout),
+        late
+    );
+    assert!(matches!(r, Some(Ok(Role::Admin))), "{r:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_eviction_ends_the_wait_for_a_hello_before_the_deadline() {
+    let adm = Admission::new(limits());
+    let old = adm.begin(g(1), Some(1)).unwrap();
+    let (_client, mut server) = tokio::io::duplex(64);
+    let t0 = tokio::time::Instant::now();
+    // 300 ms in, its container's fourth connection takes the oldest one's place.
+    let newer = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        (2..=4)
+            .map(|pid| adm.begin(g(1), Some(pid)).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let (r, _newer) = tokio::join!(
+        read_hello_or_evicted(&mut server, &old, limits().handshake_timeout),
+        newer
+    );
+    assert!(r.is_none(), "{r:?}");
+    assert_eq!(t0.elapsed(), Duration::from_millis(300));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_held_connection_is_closed_unanswered_at_the_deadline_and_its_place_given_back() {
+    use tokio::io::AsyncReadExt;
+    let adm = Admission::with_budget(
+        limits(),
+        BudgetParams {
+            burst: 1,
+            per_sec: 1,
+            max_buckets: 8,
+        },
+    );
+    // The pod has spent its budget of closes (a real second refills it; none passes here).
+    assert!(adm.spend(&g(1), Instant::now()));
+    let (server, mut client) = UnixStream::pair().unwrap();
+    let pending = adm.begin(g(1), Some(1)).unwrap();
+    let t0 = tokio::time::Instant::now();
+    let held = tokio::spawn({
+        let adm = Arc::clone(&adm);
+        async move { park::close_or_hold(&adm, server, pending, &g(1)).await }
     });
-    assert!(woke);
+    tokio::task::yield_now().await;
+    assert_eq!((adm.parked(), adm.current().0), (1, 0), "held, not pending");
+    let mut buf = [0u8; 8];
+    assert_eq!(client.read(&mut buf).await.unwrap(), 0, "closed, no answer");
+    assert_eq!(t0.elapsed(), limits().handshake_timeout);
+    held.await.unwrap();
+    assert_eq!(adm.parked(), 0);
 }
 
 #[test]

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tessera_protocol::{
     AdminErrorKind, AdminReply, AdminRequest, CreateAllocation, FrameDecoder, PROTOCOL_VERSION,
-    ProcessOwner, RefusalKind, Role, ServerHello, SocketKind, Tier,
+    ProcessOwner, RefusalKind, ServerHello, SocketKind, Tier,
 };
 use tokio::net::UnixStream;
 
@@ -37,14 +37,9 @@ pub enum UserSocketError {
 /// A new user-socket connection: counted as pending (or closed at once over the caps) until
 /// its handshake ends, then served to its end on the runtime.
 pub fn accept(arb: Arc<Arbiter>, adm: &Arc<Admission>, users: Arc<Users>, stream: UnixStream) {
-    let (group, pid) = admission::peer_group(&stream);
-    match adm.begin(group, pid) {
-        Ok(slot) => {
-            let timeout = adm.limits().handshake_timeout;
-            tokio::spawn(serve(arb, stream, slot, timeout, users));
-        }
-        Err(_) => admission::close_refused(stream),
-    }
+    admission::accept_pending(adm, stream, |stream, slot, timeout| {
+        serve(arb, stream, slot, timeout, users)
+    });
 }
 
 async fn serve(
@@ -84,28 +79,12 @@ async fn serve_inner(
     timeout: Duration,
     users: &Users,
 ) -> Result<(), UserSocketError> {
-    let Some(hello) = admission::read_hello_or_evicted(stream, &slot, timeout).await else {
-        return Ok(());
-    };
-    drop(slot);
-    match hello {
-        Ok(Role::Admin) => {}
-        Ok(Role::Probe) => {
-            let msg = ServerHello::Probed {
-                version: PROTOCOL_VERSION,
-                socket: SocketKind::User,
-            };
-            crate::admin::send(stream, &msg).await?;
-            return Ok(());
-        }
-        Ok(Role::Tenant { .. } | Role::Companion { .. }) => {
-            let reason = "tenants use the tenant socket".to_owned();
-            return refuse(stream, RefusalKind::WrongSocket, reason).await;
-        }
-        Err(e @ WireError::BadVersion(v)) => {
-            let msg = ServerHello::refusal(RefusalKind::Version, e.to_string(), v);
-            crate::admin::send(stream, &msg).await?;
-            return Err(e.into());
+    // The admin socket's handshake; a tenant's refusal is logged as this socket's refusals are.
+    match crate::admin::handshake(stream, slot, timeout, SocketKind::User).await {
+        Ok(true) => {}
+        Ok(false) => return Ok(()),
+        Err(WireError::WrongRole(reason)) => {
+            return Err(UserSocketError::Refused(reason.to_owned()));
         }
         Err(e) => return Err(e.into()),
     }
@@ -120,11 +99,7 @@ async fn serve_inner(
         );
         return refuse(stream, RefusalKind::Forbidden, reason).await;
     }
-    let welcome = ServerHello::Welcome {
-        version: PROTOCOL_VERSION,
-        allocation: None,
-    };
-    crate::admin::send(stream, &welcome).await?;
+    crate::admin::send(stream, &crate::admin::welcome()).await?;
     let by = By::user(caller.uid, users.quota(caller.uid));
     let mut dec = FrameDecoder::new();
     loop {
