@@ -92,9 +92,22 @@ impl SimNode {
 
     /// As [`SimNode::start`], with extra arguments for the arbiter.
     pub fn start_with(who: &str, gpus: &str, args: &[&str]) -> Self {
+        Self::start_prepared(who, gpus, args, |_| {})
+    }
+
+    /// As [`SimNode::start_with`], with `prepare` run on the simulated GPUs' state folder
+    /// before the arbiter starts (e.g. a MIG layout, which the arbiter reads at start).
+    pub fn start_prepared(
+        who: &str,
+        gpus: &str,
+        args: &[&str],
+        prepare: impl FnOnce(&Path),
+    ) -> Self {
         let arbiter_bin = need(who, "tessera-arbiter");
         let dir = tempfile::tempdir().expect("tempdir");
         let sim_dir = dir.path().join("sim");
+        std::fs::create_dir_all(&sim_dir).expect("sim dir");
+        prepare(&sim_dir);
         let built = tessera_sim_state::find_built_lib_dir(Some(&bin_dir())).unwrap_or_else(|e| {
             eprintln!("{who}: {e}");
             std::process::exit(2);
