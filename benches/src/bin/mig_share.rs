@@ -114,9 +114,11 @@ fn main() {
         store::update(sim, |st| {
             st.gpu_mut(0).set_mode(true, false)?;
             for _ in 0..2 {
-                let gi = st
-                    .gpu_mut(0)
-                    .create_gi(m, m.profile_by_name("1g.18gb").expect("profile"), None)?;
+                let gi = st.gpu_mut(0).create_gi(
+                    m,
+                    m.profile_by_name("1g.18gb").expect("profile"),
+                    None,
+                )?;
                 let u = st.fresh_uuid(&spec.gpus[0].uuid_bytes);
                 st.gpu_mut(0).create_ci(m, gi, 0, u)?;
             }
@@ -124,7 +126,9 @@ fn main() {
         })
         .expect("MIG layout");
     });
-    let devs = store::load(&node.sim_dir).expect("MIG state").devices(&spec);
+    let devs = store::load(&node.sim_dir)
+        .expect("MIG state")
+        .devices(&spec);
     let (a, b) = (&devs[0], &devs[1]);
     let bench = Bench {
         tessera: need(WHO, "tessera"),
