@@ -52,3 +52,12 @@ pub(crate) fn nvml_alone(module_path: &str, function: &str, gpus: &str) -> Optio
     assert!(!ran_here);
     None
 }
+
+/// The simulated NVML through `nvml-wrapper`, in a test run by [`nvml_alone`].
+pub(crate) fn sim_nvml() -> nvml_wrapper::Nvml {
+    let lib = tessera_testkit::artifact("libtessera_sim_nvml.so");
+    nvml_wrapper::Nvml::builder()
+        .lib_path(lib.as_os_str())
+        .init()
+        .unwrap()
+}

@@ -6,10 +6,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nvml_wrapper::Nvml;
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enums::device::UsedGpuMemory;
-use tessera_testkit::{artifact, python};
+use tessera_testkit::python;
 
 #[test]
 fn nvml_wrapper_sees_devices_memory_utilization_processes_and_xids() {
@@ -20,10 +19,7 @@ fn nvml_wrapper_sees_devices_memory_utilization_processes_and_xids() {
     ) else {
         return;
     };
-    let nvml = Nvml::builder()
-        .lib_path(artifact("libtessera_sim_nvml.so").as_os_str())
-        .init()
-        .unwrap();
+    let nvml = crate::sim_nvml();
     assert_eq!(nvml.device_count().unwrap(), 2);
     assert!(nvml.sys_driver_version().unwrap().contains("tessera"));
     let d1 = nvml.device_by_index(1).unwrap();

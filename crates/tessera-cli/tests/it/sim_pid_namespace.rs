@@ -18,10 +18,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use nvml_wrapper::Nvml;
 use nvml_wrapper::enums::device::UsedGpuMemory;
 use tessera_cuda_abi::*;
-use tessera_testkit::{KillOnDrop, artifact, wait_until};
+use tessera_testkit::{KillOnDrop, wait_until};
 
 /// Set in a namespaced child: `<MiB to allocate>[,fork=<MiB the fork child allocates>]`.
 const CHILD: &str = "TESSERA_TEST_PIDNS_CHILD";
@@ -110,10 +109,7 @@ fn processes_in_their_own_pid_namespaces_are_known_by_their_host_pids() {
     }
 
     // NVML on the host says the same.
-    let nvml = Nvml::builder()
-        .lib_path(artifact("libtessera_sim_nvml.so").as_os_str())
-        .init()
-        .unwrap();
+    let nvml = crate::sim_nvml();
     let mut seen: Vec<(u32, u64)> = nvml
         .device_by_index(0)
         .unwrap()

@@ -10,9 +10,8 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use nvml_wrapper::Nvml;
 use nvml_wrapper::error::NvmlError;
-use tessera_testkit::{KillOnDrop, artifact, python};
+use tessera_testkit::{KillOnDrop, python};
 
 fn now_us() -> u64 {
     SystemTime::now()
@@ -30,10 +29,7 @@ fn per_process_sm_util_times_window_adds_up_to_each_process_kernel_time() {
     ) else {
         return;
     };
-    let nvml = Nvml::builder()
-        .lib_path(artifact("libtessera_sim_nvml.so").as_os_str())
-        .init()
-        .unwrap();
+    let nvml = crate::sim_nvml();
     let dev = nvml.device_by_index(0).unwrap();
     let mut last_seen = now_us();
     assert!(
