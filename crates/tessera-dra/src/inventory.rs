@@ -88,10 +88,30 @@ pub fn read_mig(lib: &Path, gpus: &mut [GpuAttrs], cfg: &MigConfig) -> Result<()
     Ok(())
 }
 
+/// The GPU's MIG profiles. NVML answers them only with MIG mode on (`NOT_SUPPORTED` off, as
+/// `nvidia-smi mig -lgip` shows no profile then): a GPU with MIG off is switched on for the
+/// question and back off after (Hopper and later switch at once, without a reset; upstream's
+/// driver reads every profile the same way before publishing, kubernetes-sigs/
+/// dra-driver-nvidia-gpu `partitions.go`, `maxCapacities` "from looking at all MIG profiles
+/// beforehand").
+fn read_profiles(
+    nvml: &MigNvml,
+    uuid: &str,
+) -> Result<Vec<tessera_node::nvml_mig::ProfileInfo>, String> {
+    if nvml.mig_enabled(uuid).map_err(|e| e.to_string())? {
+        return nvml.profiles(uuid).map_err(|e| e.to_string());
+    }
+    nvml.set_mig(uuid, true)
+        .map_err(|e| format!("turning MIG on to read its profiles: {e}"))?;
+    let profiles = nvml.profiles(uuid).map_err(|e| e.to_string());
+    if let Err(e) = nvml.set_mig(uuid, false) {
+        tracing::warn!("GPU {uuid}: MIG left on after reading its profiles: {e}");
+    }
+    profiles
+}
+
 fn mig_mode(nvml: &MigNvml, uuid: &str, wanted: Wanted) -> Result<MigMode, String> {
-    let profiles: Vec<Profile> = nvml
-        .profiles(uuid)
-        .map_err(|e| e.to_string())?
+    let profiles: Vec<Profile> = read_profiles(nvml, uuid)?
         .into_iter()
         .map(|p| Profile {
             id: p.id,

@@ -194,8 +194,12 @@ impl MigNvml {
         Ok(out)
     }
 
-    /// The GPU instances on the GPU.
+    /// The GPU instances on the GPU (none while MIG mode is off: NVML then answers the
+    /// instance calls with errors, not an empty list).
     pub fn instances(&self, uuid: &str) -> Result<Vec<InstanceInfo>, MigNvmlError> {
+        if !self.mig_enabled(uuid)? {
+            return Ok(Vec::new());
+        }
         let dev = self.handle(uuid)?;
         let lib = self.nvml.lib();
         let list_fn = *lib
