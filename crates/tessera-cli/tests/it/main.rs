@@ -12,6 +12,7 @@
 mod cli_table;
 mod doctor;
 mod interposer_glibc;
+mod mig;
 mod run;
 mod run_support;
 mod sim;
