@@ -1,9 +1,9 @@
 //! The `Allocate` logic, free of gRPC and of sockets: plain functions over the unit ids the
 //! kubelet chose, the GPU snapshot and an [`Arbiter`]. `crate::server` decodes the request,
-//! runs [`plan`] and then [`execute`] on the blocking pool, and maps an [`AllocateError`] to a
-//! gRPC status.
+//! runs [`plan_in`] and then [`execute`] on the blocking pool, and maps an [`AllocateError`]
+//! to a gRPC status.
 //!
-//! - [`plan`]: classifies each container's units (one GPU, or whole GPUs), refuses GPUs that
+//! - [`plan_in`]: classifies each container's units (one GPU, or whole GPUs), refuses GPUs that
 //!   are gone or unhealthy, and lists one arbiter allocation per fraction or per whole GPU.
 //!   It makes no call, so a bad request is refused even while the arbiter is down.
 //! - [`execute`]: deletes allocations whose units are being handed out again, creates every
@@ -132,17 +132,8 @@ pub struct Plan {
 }
 
 /// Plans the allocations for each container's unit ids (`requests`, in request order) against
-/// the node's GPUs. Makes no call.
-pub fn plan(
-    requests: &[Vec<String>],
-    snapshot: &[GpuState],
-    per_gpu: u32,
-) -> Result<Plan, AllocateError> {
-    plan_in(requests, snapshot, per_gpu, Pool::all(per_gpu))
-}
-
-/// [`plan`] for a resource advertising `pool` of each GPU's units: a unit outside it is
-/// refused before anything else.
+/// the node's GPUs, for a resource advertising `pool` of each GPU's units: a unit outside it
+/// is refused before anything else. Makes no call.
 pub fn plan_in(
     requests: &[Vec<String>],
     snapshot: &[GpuState],
@@ -194,17 +185,6 @@ pub fn plan_in(
         }
     }
     Ok(out)
-}
-
-/// [`plan`] then [`execute`].
-pub fn allocate<A: Arbiter + ?Sized>(
-    arbiter: &mut A,
-    requests: &[Vec<String>],
-    snapshot: &[GpuState],
-    settings: &Settings,
-) -> Result<Vec<ContainerAllocateResponse>, AllocateError> {
-    let plan = plan_in(requests, snapshot, settings.per_gpu, settings.pool)?;
-    execute(arbiter, &plan, settings)
 }
 
 /// Makes the planned allocations (all or none) and answers one response per container.
@@ -433,6 +413,26 @@ fn fraction_response(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every unit of a GPU in the pool.
+    fn plan(
+        requests: &[Vec<String>],
+        snapshot: &[GpuState],
+        per_gpu: u32,
+    ) -> Result<Plan, AllocateError> {
+        plan_in(requests, snapshot, per_gpu, Pool::all(per_gpu))
+    }
+
+    /// [`plan_in`] then [`execute`], as the server does.
+    fn allocate<A: Arbiter + ?Sized>(
+        arbiter: &mut A,
+        requests: &[Vec<String>],
+        snapshot: &[GpuState],
+        settings: &Settings,
+    ) -> Result<Vec<ContainerAllocateResponse>, AllocateError> {
+        let plan = plan_in(requests, snapshot, settings.per_gpu, settings.pool)?;
+        execute(arbiter, &plan, settings)
+    }
     use tessera_node::arbiter::fake::{Call, FakeArbiter};
 
     const R: &str = "tessera.dev/gpu-shares";

@@ -28,17 +28,23 @@
 //! - [`metrics`]: the plugin's Prometheus metrics and their `/metrics` endpoint.
 //! - [`plugin`]: configuration and the serve / register / re-register life cycle (one socket
 //!   and registration per resource).
+//!
+//! Public surface (the binary's `main.rs` and the integration tests; the modules are
+//! `pub(crate)`): [`Config`], [`SourceKind`], [`PluginError`], [`run`], [`install_interposer`],
+//! [`DEFAULT_METRICS_ADDR`], [`parse_metrics_addr`], and [`proto`] (the fake kubelet of the
+//! tests speaks it).
 
 #![forbid(unsafe_code)]
 
-pub mod allocate;
-pub mod cdi;
-pub mod kubelet;
-pub mod metrics;
-pub mod plugin;
-pub mod podresources;
+pub(crate) mod allocate;
+pub(crate) mod cdi;
+pub(crate) mod kubelet;
+pub(crate) mod metrics;
+pub(crate) mod plugin;
+pub(crate) mod podresources;
 pub mod proto;
-pub mod server;
-pub mod units;
+pub(crate) mod server;
+pub(crate) mod units;
 
-pub use plugin::{Config, PluginError, SourceKind, run};
+pub use metrics::{DEFAULT_ADDR as DEFAULT_METRICS_ADDR, parse_addr as parse_metrics_addr};
+pub use plugin::{Config, PluginError, SourceKind, install_interposer, run};

@@ -48,7 +48,7 @@ struct Args {
     #[arg(long)]
     no_stale_cleanup: bool,
     /// Serve Prometheus metrics at http://ADDR/metrics (IP:PORT, port 0 picks one; `none`: off).
-    #[arg(long, value_name = "ADDR|none", default_value = tessera_device_plugin::metrics::DEFAULT_ADDR)]
+    #[arg(long, value_name = "ADDR|none", default_value = tessera_device_plugin::DEFAULT_METRICS_ADDR)]
     metrics_addr: String,
     /// The flags the DRA driver takes too (arbiter sockets, host and container paths, NVML,
     /// log format).
@@ -133,7 +133,7 @@ fn config(a: Args) -> Result<(Config, Mode, tessera_log::LogFormat), String> {
         endpoint: a.endpoint,
         pod_resources_socket: Some(a.pod_resources_socket),
         stale_cleanup: !a.no_stale_cleanup,
-        metrics_addr: tessera_device_plugin::metrics::parse_addr(&a.metrics_addr)
+        metrics_addr: tessera_device_plugin::parse_metrics_addr(&a.metrics_addr)
             .map_err(|e| e.to_string())?,
         admin_socket: node.admin_socket,
         tenant_socket: node.tenant_socket,
@@ -218,7 +218,7 @@ fn run(args: Args) -> Result<(), MainError> {
     tessera_log::init(log_format)?;
     if mode == Mode::InstallOnly {
         cfg.validate()?;
-        tessera_device_plugin::plugin::install_interposer(&cfg)?;
+        tessera_device_plugin::install_interposer(&cfg)?;
         return Ok(());
     }
     tokio::runtime::Builder::new_multi_thread()

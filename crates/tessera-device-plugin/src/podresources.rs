@@ -92,15 +92,6 @@ pub async fn list(
     Ok(resp.into_inner().pod_resources)
 }
 
-/// The container holding each unit id of `resource`, per the kubelet.
-pub async fn holders(
-    socket: &std::path::Path,
-    resource: &str,
-    timeout: Duration,
-) -> Result<HashMap<String, Holder>, PodResourcesError> {
-    Ok(holders_in(&list(socket, timeout).await?, resource))
-}
-
 /// The containers holding devices of both `resource` and `other`.
 pub fn mixed_in(pods: &[PodResources], resource: &str, other: &str) -> HashSet<Holder> {
     let mut out = HashSet::new();
