@@ -52,7 +52,7 @@ impl MigState {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
         let seed = u64::from_be_bytes(parent[..8].try_into().expect("8 bytes"));
-        let a = crate::spec::splitmix(seed ^ self.serial.rotate_left(32));
+        let a = crate::spec::splitmix(seed ^ self.serial.rotate_left(32) ^ nanos);
         let b = crate::spec::splitmix(a ^ nanos);
         let mut out = [0u8; 16];
         out[..8].copy_from_slice(&a.to_be_bytes());
