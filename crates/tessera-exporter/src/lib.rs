@@ -2,7 +2,8 @@
 //! `tessera-device-plugin` on 9465): the `--metrics-addr` syntax and a small, bounded hyper
 //! server. What is exposed is each daemon's own; this crate only carries the text.
 //!
-//! Modules: none; [`parse_addr`], [`serve`] and their constants are the whole API.
+//! Modules: none; the whole API is [`parse_addr`] (and its [`BadAddr`]), [`serve`] (and its
+//! [`Render`]) and [`MAX_SCRAPERS`]; the per-connection deadline is the crate's own.
 
 #![forbid(unsafe_code)]
 
@@ -22,7 +23,7 @@ use tokio::sync::Semaphore;
 pub const MAX_SCRAPERS: usize = 8;
 /// Longest life of one scrape connection, request and response together: a client that
 /// trickles its request or never reads the answer loses it.
-pub const CONNECTION_DEADLINE: Duration = Duration::from_secs(10);
+pub(crate) const CONNECTION_DEADLINE: Duration = Duration::from_secs(10);
 
 /// `--metrics-addr` is neither `none` nor an address.
 #[derive(Debug, thiserror::Error)]
