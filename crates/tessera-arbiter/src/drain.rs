@@ -321,6 +321,54 @@ pub fn after_close(arb: &Arbiter, b: &TenantBinding, conn: ConnId, proc: Option<
     }
 }
 
+/// Longest the thread of a closed pressure channel waits for its process's exit (see
+/// [`after_channel_close`]): a process that closes its sockets at its exit has exited within
+/// microseconds of it; one that lives on is left to its memory connection's drain.
+const CHANNEL_EXIT_GRACE: Duration = Duration::from_millis(5);
+
+/// After the pressure channel of memory connection `mem` closed (on the channel's thread):
+/// when the memory connection's process has exited and the card holds nothing of it, its
+/// bytes are released now, on the card's word as in [`after_close`].
+///
+/// Why from here: a process's sockets close together at its exit, and the channel's thread
+/// runs under normal scheduling, where the memory connection's is batch-scheduled (see
+/// `tenant`): under load that one waits for a CPU until the running task's slice ends, and a
+/// SIGKILLed tenant's memory stayed counted that much longer (issue 36). The memory
+/// connection's thread still detaches it (then freeing nothing), and its own drain handles a
+/// process that lives on or a card that has not let go yet. The process is the memory
+/// connection's (the kernel's name for it, not the channel's), so a channel that another
+/// process subscribed with a ticket it was handed frees nothing by closing.
+pub fn after_channel_close(arb: &Arbiter, b: &TenantBinding, mem: ConnId) {
+    let Some(id) = arb.conn_process(b.key, mem) else {
+        return;
+    };
+    if !Exit::of(id).wait(CHANNEL_EXIT_GRACE) {
+        return;
+    }
+    let Ok(bytes) = arb.with_ledger(|l| l.begin_drain(b.key, mem)) else {
+        return;
+    };
+    if bytes == 0 {
+        return;
+    }
+    // The same rule as a drain's: without a card the exit is the best word.
+    let free = CARD.get().is_none_or(|c| c.holds(id.pid) == Ok(false));
+    if !free {
+        return;
+    }
+    if let Ok(freed) = arb.with_ledger(|l| l.release_drained(b.key, mem))
+        && freed > 0
+    {
+        arb.pressure().note_freed();
+        tracing::debug!(
+            "tenant conn {mem} of {} (pid {}): {} released at its exit, its channel's close",
+            b.view.id,
+            id.pid,
+            tessera_protocol::size::human(freed)
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};

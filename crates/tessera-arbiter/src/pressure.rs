@@ -55,6 +55,8 @@ struct Channel {
     owed_since: Option<Instant>,
     /// `Relinquish` frames handled so far.
     frames: u64,
+    /// When a `Pressure` was last written to it (see [`STILL_PRESSED`]).
+    pressed_at: Option<Instant>,
 }
 
 #[derive(Default)]
@@ -117,6 +119,16 @@ pub struct Round {
 /// fitted with its answer was refused at the memory wait).
 pub const SILENT_AFTER: Duration = Duration::from_millis(50);
 
+/// How long after a `Pressure` was written to a channel that has answered it the channel is
+/// not pressed again: the process read the frame after it was written, and from its reading
+/// keeps no credit for [`tessera_protocol::PRESSED_FOR`] (its frees go back at once), so
+/// another frame would only cost it and the waiter a round trip each for nothing. 10 ms short
+/// of that: the process's clock counts whole milliseconds. Without it a waiter at a full
+/// allocation pressed every process again at every free it was woken by: eight processes
+/// hammering one limit spent half their time in those rounds (issue 36).
+pub const STILL_PRESSED: Duration =
+    Duration::from_millis(tessera_protocol::PRESSED_FOR.as_millis() as u64 - 10);
+
 impl PressureHub {
     /// An empty registry.
     pub fn new() -> Self {
@@ -173,6 +185,7 @@ impl PressureHub {
                 owed: Vec::new(),
                 owed_since: None,
                 frames: 0,
+                pressed_at: None,
             },
         );
         if let Some(old) = old {
@@ -210,7 +223,8 @@ impl PressureHub {
     }
 
     /// Presses the channels of `targets` (memory connections of account `key`). Targets with
-    /// no channel, or whose channel cannot take the frame, are skipped.
+    /// no channel, whose channel cannot take the frame, or that answered a press written less
+    /// than [`STILL_PRESSED`] ago, are skipped.
     pub fn press(&self, key: AccountKey, targets: &[ConnId]) -> Round {
         self.press_at(key, targets, Instant::now())
     }
@@ -231,7 +245,16 @@ impl PressureHub {
             // gives back everything it has then, which serves this round too. So a process
             // that is slow to run never has more than one `Pressure` queued.
             let owing = !ch.owed.is_empty();
+            let still_pressed = ch
+                .pressed_at
+                .is_some_and(|at| now.saturating_duration_since(at) < STILL_PRESSED);
+            if !owing && still_pressed {
+                continue;
+            }
             if owing || ch.sink.press(seq) {
+                if !owing {
+                    ch.pressed_at = Some(now);
+                }
                 ch.owed.push(seq);
                 sent += 1;
                 let since = *ch.owed_since.get_or_insert(now);
@@ -460,8 +483,9 @@ mod tests {
         let second = hub.press(1, &[10]);
         hub.answered(10, 11, seq).unwrap();
         assert!(hub.wait(second, soon()));
-        // Owing nothing again: the next round sends a frame.
-        hub.press(1, &[10]);
+        // Owing nothing again: the next round once it may keep credit again sends a frame
+        // (one before that has nothing to ask it, see `STILL_PRESSED`).
+        hub.press_at(1, &[10], Instant::now() + STILL_PRESSED);
         assert_eq!(sink.got.lock().len(), 2);
     }
 
@@ -509,7 +533,34 @@ mod tests {
         let seq = a.got.lock()[0];
         hub.answered(10, 11, seq).unwrap();
         assert!(hub.wait(second, soon()));
-        assert_eq!(hub.press(1, &[10]).late, 0);
+        let again = hub.press_at(1, &[10], t0 + SILENT_AFTER + STILL_PRESSED);
+        assert_eq!((again.sent, again.late), (1, 0));
+    }
+
+    #[test]
+    fn a_channel_that_answered_a_press_is_not_pressed_again_while_it_keeps_no_credit() {
+        const MS: Duration = Duration::from_millis(1);
+        let hub = PressureHub::new();
+        let a = Arc::new(Sink::default());
+        hub.issue_ticket(1, 10, 1);
+        hub.subscribe(1, 1, 11, a.clone()).unwrap();
+        let t0 = Instant::now();
+        assert_eq!(hub.press_at(1, &[10], t0).sent, 1);
+        // Owing: it joins the next round without a second frame.
+        assert_eq!(hub.press_at(1, &[10], t0 + MS).sent, 1);
+        assert_eq!(a.got.lock().len(), 1);
+        let seq = a.got.lock()[0];
+        hub.answered(10, 11, seq).unwrap();
+        // Answered: from its reading of the frame (after t0) it keeps no credit for
+        // PRESSED_FOR, so a round before STILL_PRESSED passes has nothing to ask it.
+        let skipped = hub.press_at(1, &[10], t0 + STILL_PRESSED - MS);
+        assert_eq!(skipped.sent, 0);
+        assert!(hub.wait(skipped, soon()), "nothing to wait for");
+        assert_eq!(a.got.lock().len(), 1);
+        // Then it may keep credit again: pressed.
+        assert_eq!(hub.press_at(1, &[10], t0 + STILL_PRESSED).sent, 1);
+        assert_eq!(a.got.lock().len(), 2);
+        assert!(STILL_PRESSED < tessera_protocol::PRESSED_FOR);
     }
 
     #[test]

@@ -280,6 +280,8 @@ fn serve(
     };
     if let Some(mem) = channel_of {
         arb.pressure().channel_closed(mem, conn);
+        // At a process's exit this thread is woken before the memory connection's.
+        crate::drain::after_channel_close(&arb, &binding, mem);
     }
     arb.pressure().conn_closed(conn);
     // What the connection held stays counted until the card let it go (its process's
@@ -689,7 +691,7 @@ fn reserve_pressing(
         }
         if waiting.is_none() {
             hub.wait_began();
-            waiting = Some(Waiting { arb, key, conn });
+            waiting = Some(Waiting::begin(arb, key, conn));
         }
         if hung_up(peer) {
             // Killed while it waited: nobody reads the answer, and until this thread reads
@@ -743,16 +745,43 @@ fn reserve_pressing(
 }
 
 /// A reservation waiting for room (see `Ledger::begin_wait`), until it is dropped.
+///
+/// Its thread runs under normal scheduling meanwhile (see [`batch_scheduling`] for why it is
+/// batch otherwise): the free that makes room comes from another process, whose sender does
+/// not wait for this thread, so a batch thread woken by it would wait for the end of
+/// whatever task has the CPU before it grants (issue 36: at a full allocation every grant is
+/// such a wake-up).
 struct Waiting<'a> {
     arb: &'a Arbiter,
     key: crate::ledger::AccountKey,
     conn: ConnId,
+    /// The thread was batch-scheduled before the wait (and goes back to it after).
+    was_batch: bool,
+}
+
+impl<'a> Waiting<'a> {
+    fn begin(arb: &'a Arbiter, key: crate::ledger::AccountKey, conn: ConnId) -> Self {
+        // SAFETY: no preconditions; pid 0 is the calling thread.
+        let was_batch = unsafe { libc::sched_getscheduler(0) } == libc::SCHED_BATCH;
+        if was_batch {
+            normal_scheduling();
+        }
+        Self {
+            arb,
+            key,
+            conn,
+            was_batch,
+        }
+    }
 }
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.arb.with_ledger(|l| l.end_wait(self.key, self.conn));
         self.arb.pressure().wait_ended();
+        if self.was_batch {
+            batch_scheduling();
+        }
     }
 }
 

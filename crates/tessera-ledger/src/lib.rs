@@ -424,6 +424,24 @@ impl Ledger {
         Ok(acct.conns[&conn].saturating_add(acct.excess.get(&conn).copied().unwrap_or(0)))
     }
 
+    /// Frees what draining connection `conn` holds (its excess included) and keeps it
+    /// attached, draining, holding nothing: the card let its process's memory go before the
+    /// connection's own thread came to [`Ledger::detach`] it (which then frees nothing).
+    /// Returns the bytes freed; 0 for a connection that is not draining.
+    pub fn release_drained(&mut self, key: AccountKey, conn: ConnId) -> Result<u64, LedgerError> {
+        let acct = self.account(key, conn)?;
+        if !acct.draining.contains(&conn) {
+            return Ok(0);
+        }
+        let held = acct.conns.insert(conn, 0).unwrap_or(0);
+        let excess = acct.excess.remove(&conn).unwrap_or(0);
+        let bytes = held.saturating_add(excess);
+        // As in `detach`: the total is the sum of the connections' (and their excess).
+        let in_use = acct.in_use.checked_sub(bytes);
+        acct.in_use = in_use.unwrap_or(0);
+        in_use.map(|_| bytes).ok_or(LedgerError::Overflow(key))
+    }
+
     /// Marks `conn` as waiting for room: its reservation did not fit, and it presses its
     /// siblings for their unused credit and waits for their frees. Until [`Ledger::end_wait`]
     /// (or its detach), no connection of the account is given credit. Idempotent.
@@ -556,6 +574,33 @@ mod tests {
         assert!(l.usage(1).is_none());
         assert_eq!(l.draining(1), 0);
         assert!(l.begin_drain(1, 10).is_err());
+    }
+
+    #[test]
+    fn a_draining_connection_released_early_frees_once_and_its_detach_frees_nothing() {
+        let mut l = Ledger::new();
+        l.open(1, 1024 * MIB);
+        l.attach(1, 10).unwrap();
+        l.attach(1, 11).unwrap();
+        l.reserve(1, 10, 600 * MIB).unwrap();
+        l.set_excess(1, 10, 100 * MIB).unwrap();
+        // Not draining: a live connection's bytes are never taken this way.
+        assert_eq!(l.release_drained(1, 10).unwrap(), 0);
+        assert_eq!(l.usage(1).unwrap().in_use, 700 * MIB);
+        l.begin_drain(1, 10).unwrap();
+        assert_eq!(l.release_drained(1, 10).unwrap(), 700 * MIB);
+        assert_eq!((l.usage(1).unwrap().in_use, l.draining(1)), (0, 0));
+        // A second release (the connection's own thread) frees nothing more.
+        assert_eq!(l.release_drained(1, 10).unwrap(), 0);
+        assert_eq!(l.begin_drain(1, 10).unwrap(), 0);
+        // The room is the sibling's now.
+        assert!(matches!(
+            l.reserve(1, 11, 1024 * MIB).unwrap(),
+            Reservation::Granted { .. }
+        ));
+        assert_eq!(l.detach(1, 10).unwrap(), 0);
+        assert_eq!(l.usage(1).unwrap().in_use, 1024 * MIB);
+        assert!(l.release_drained(1, 10).is_err(), "gone with its detach");
     }
 
     #[test]

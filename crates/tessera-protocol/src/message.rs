@@ -62,6 +62,12 @@ impl std::fmt::Display for SocketKind {
 /// (its lease connection, and one more while a broken one is being replaced).
 pub const COMPANIONS_PER_CONNECTION: usize = 2;
 
+/// How long a process that read a `Pressure` keeps no memory credit: it asks for none, and
+/// gives every free back at once on its pressure channel. The arbiter relies on it: a channel
+/// that answered a `Pressure` sent less than this long ago (less a margin) holds no credit
+/// worth pressing for again.
+pub const PRESSED_FOR: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// First frame of every connection, client to server.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {

@@ -10,6 +10,7 @@
 //! Build and run: `cargo build --release --workspace && target/release/speed`
 //! (`--rows startup,memory,cap` picks groups; `--repeats N` sets the repeats, default 5).
 
+mod memory;
 mod startup;
 
 /// One printed row: a figure, its no-control baseline where it has one, Tessera's, the target.
@@ -77,6 +78,7 @@ fn main() {
         match g.as_str() {
             // Each group's module adds its arm here.
             "startup" => rows.extend(startup::rows(&args)),
+            "memory" => rows.extend(memory::rows(&args)),
             other => {
                 eprintln!("speed: unknown group {other:?} (startup, memory, cap)");
                 std::process::exit(2);

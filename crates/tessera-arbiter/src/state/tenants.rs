@@ -83,6 +83,16 @@ impl Arbiter {
         f(&mut self.live().ledger)
     }
 
+    /// The process that made tenant connection `conn` of account `key` (as the kernel named
+    /// it at the connection), if known.
+    pub fn conn_process(&self, key: AccountKey, conn: ConnId) -> Option<ProcId> {
+        let live = self.live();
+        live.procs.get(&key)?.iter().find_map(|(pk, e)| match pk {
+            ProcKey::Proc(id) if e.conn_ids.contains(&conn) => Some(*id),
+            _ => None,
+        })
+    }
+
     /// A tenant connection closed: frees what it held. Returns the bytes freed.
     pub fn detach_tenant(
         &self,
