@@ -10,6 +10,7 @@
 //! Build and run: `cargo build --release --workspace && target/release/speed`
 //! (`--rows startup,memory,cap` picks groups; `--repeats N` sets the repeats, default 5).
 
+mod cap;
 mod memory;
 mod startup;
 
@@ -79,6 +80,7 @@ fn main() {
             // Each group's module adds its arm here.
             "startup" => rows.extend(startup::rows(&args)),
             "memory" => rows.extend(memory::rows(&args)),
+            "cap" => rows.extend(cap::rows(&args)),
             other => {
                 eprintln!("speed: unknown group {other:?} (startup, memory, cap)");
                 std::process::exit(2);
