@@ -100,9 +100,12 @@ impl GpuScheduler {
         let room = self.room(a, now);
         let mut duration = a.lease_len.ns();
         let contended = self.contended(w.key, now);
-        // Capped or not: a capped tenant's longer turns (sized by its room) took from the
-        // others beyond their shares (a share-11 tenant capped at 33 beside a cap of 79 had
-        // 56-85 ms turns and 22-24%, against 19.25, in the pure model).
+        // Capped or not (a capped one at most twice the others'): sized by its room alone, a
+        // capped tenant's turns took from the others beyond their shares (a share-11 tenant
+        // capped at 33 beside a cap of 79 had 56-85 ms turns and 22-24%, against 19.25, in
+        // the pure model); cut to the others' length, it lost the odd part of a turn its cap
+        // window had room for at every second (29.2% of the busy time at 30/70 with 1 ms of
+        // hand-over per lease).
         if contended {
             let most = if a.meter.cap.is_some() { 2 } else { 1 };
             duration = duration.min(most * self.params.contended_lease_ns);
