@@ -38,7 +38,7 @@ use tessera_node::grpc::connect_unix;
 use tessera_protocol::client::{AdminClient, TenantClient};
 use tessera_protocol::{AllocationStatus, GpuInfo, LABEL_CONTAINER, LABEL_NAMESPACE, LABEL_POD};
 use tessera_testkit::container::{self, Bind, Edits};
-use tessera_testkit::{KillOnDrop, NodeOptions, PluginNode, artifact, target_dir, within};
+use tessera_testkit::{KillOnDrop, NodeOptions, PluginNode, artifact, target_dir, until, within};
 use tokio::net::UnixListener;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::UnixListenerStream;
@@ -769,9 +769,14 @@ async fn register_list_prefer_allocate_and_clean_up() {
 async fn xid_health_and_kubelet_restart() {
     let mut node = Node::start().await;
     FakePodResources::default().serve(&node.podres());
-    // The plugin starts before the kubelet is up: it waits for kubelet.sock.
+    // The plugin starts before the kubelet is up: it waits for kubelet.sock (and says so).
     node.start_plugin();
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    let log = node.dir.path().join("plugin.log");
+    until(15, "the plugin waiting for kubelet.sock", || {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.contains("waiting for").then_some(())
+    })
+    .await;
     let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
     within(15, "registration", kubelet.registrations.recv())
         .await
