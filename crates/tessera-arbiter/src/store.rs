@@ -120,6 +120,16 @@ pub struct Store {
     dir: PathBuf,
     /// The locked lock file (the lock lives as long as this descriptor).
     _lock: std::sync::Arc<File>,
+    /// Orders writes that may finish out of order (see [`Store::save_version`]).
+    versions: std::sync::Arc<Versions>,
+}
+
+/// The versions of the allocations handed out for writing, and the newest one written.
+#[derive(Debug, Default)]
+struct Versions {
+    next: std::sync::atomic::AtomicU64,
+    /// Held across a write, so two writes never interleave.
+    written: parking_lot::Mutex<u64>,
 }
 
 impl Store {
@@ -167,6 +177,7 @@ impl Store {
         Ok(Self {
             dir: dir.to_owned(),
             _lock: std::sync::Arc::new(lock),
+            versions: std::sync::Arc::default(),
         })
     }
 
@@ -197,6 +208,32 @@ impl Store {
             });
         }
         Ok(file.allocations)
+    }
+
+    /// A version for the next [`Store::save_version`]: taken where the allocations change
+    /// (under the state's admin lock), so versions follow the order of the changes.
+    pub fn next_version(&self) -> u64 {
+        self.versions
+            .next
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1
+    }
+
+    /// [`Store::save`] of the allocations as of `version`, unless a newer version was written
+    /// already: a write that finishes late (written behind, see `state/admin.rs`) never puts
+    /// back an older list.
+    pub fn save_version(
+        &self,
+        version: u64,
+        allocations: &[AllocationRecord],
+    ) -> Result<(), StoreError> {
+        let mut written = self.versions.written.lock();
+        if version <= *written {
+            return Ok(());
+        }
+        self.save(allocations)?;
+        *written = version;
+        Ok(())
     }
 
     /// Replaces the persisted allocations atomically.
@@ -316,6 +353,20 @@ mod tests {
         // procfs refuses new files even to root.
         let err = Store::open(Path::new("/proc/self")).unwrap_err();
         assert!(matches!(err, StoreError::Dir { .. }), "{err:?}");
+    }
+
+    #[test]
+    fn a_late_write_of_an_older_version_never_replaces_a_newer_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("state")).unwrap();
+        let (old, new) = (store.next_version(), store.next_version());
+        let newer = vec![record("aaaa0001"), record("aaaa0002")];
+        store.save_version(new, &newer).unwrap();
+        store.save_version(old, &newer[..1]).unwrap();
+        assert_eq!(store.load().unwrap(), newer);
+        let newest = store.next_version();
+        store.save_version(newest, &newer[..1]).unwrap();
+        assert_eq!(store.load().unwrap(), newer[..1]);
     }
 
     #[test]

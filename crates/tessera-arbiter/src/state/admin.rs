@@ -1,5 +1,6 @@
 //! The admin operations: create (one GPU, tiered, owned, a group of slices), delete, relabel,
-//! list, each persisted before it answers; the checks a create passes first.
+//! list, each persisted before it answers (an allocation owned by a process: written behind,
+//! see [`Arbiter::persist_owned`]); the checks a create passes first.
 
 #[allow(unused_imports)]
 use super::*;
@@ -152,7 +153,7 @@ impl Arbiter {
         record.uid = by.uid;
         let mut next = records.clone();
         next.push(record.clone());
-        self.persist(next.clone()).await?;
+        self.persist_owned(owner.is_some(), next.clone()).await?;
         *records = next;
         let token = record.token.clone();
         let id = record.id.clone();
@@ -225,7 +226,7 @@ impl Arbiter {
             next.push(record.clone());
             made.push(record);
         }
-        self.persist(next.clone()).await?;
+        self.persist_owned(owner.is_some(), next.clone()).await?;
         *records = next;
         drop(records);
         let ids: Vec<String> = made.iter().map(|r| r.id.clone()).collect();
@@ -255,14 +256,16 @@ impl Arbiter {
     /// [`Arbiter::delete`] if `by` may touch the allocation.
     pub async fn delete_by(&self, id: &str, by: &By) -> Result<(), StateError> {
         let mut records = self.admin.lock().await;
+        let mut owned = false;
         if let Some(r) = records.iter().find(|r| r.id == id) {
             by.may_touch(r)?;
+            owned = r.owner.is_some();
         }
         let next: Vec<_> = records.iter().filter(|r| r.id != id).cloned().collect();
         if next.len() == records.len() {
             return Err(StateError::NotFound(id.to_owned()));
         }
-        self.persist(next.clone()).await?;
+        self.persist_owned(owned, next.clone()).await?;
         *records = next;
         let mut live = self.live();
         if let Some(a) = live.by_id.remove(id) {
@@ -323,9 +326,37 @@ impl Arbiter {
 
     pub(super) async fn persist(&self, records: Vec<AllocationRecord>) -> Result<(), StateError> {
         let store = self.store.clone();
-        tokio::task::spawn_blocking(move || store.save(&records))
+        let version = store.next_version();
+        tokio::task::spawn_blocking(move || store.save_version(version, &records))
             .await
             .map_err(StateError::Internal)??;
+        Ok(())
+    }
+
+    /// [`Arbiter::persist`], or, when the change is to an allocation owned by a process (`tessera
+    /// run`'s), a write behind: the answer does not wait for the disk. Why: the write syncs the
+    /// file and its directory, 5-6 ms each on the project's VM, twice per `tessera run`
+    /// (issue 36), and such an allocation lives only as long as its owner anyway. What a crash
+    /// before the write costs fails closed: a created allocation is unknown after the restart
+    /// (its processes are refused: no memory, no launches); a deleted one comes back with its
+    /// owner gone, and the owner rule deletes it (see [`crate::owner`]). Writes are versioned,
+    /// so a late one never puts back an older list ([`store::Store::save_version`]); a failed
+    /// one is logged, and the next write carries the change.
+    pub(super) async fn persist_owned(
+        &self,
+        owned: bool,
+        records: Vec<AllocationRecord>,
+    ) -> Result<(), StateError> {
+        if !owned {
+            return self.persist(records).await;
+        }
+        let store = self.store.clone();
+        let version = store.next_version();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = store.save_version(version, &records) {
+                tracing::error!("allocations not written (the next change writes them): {e}");
+            }
+        });
         Ok(())
     }
 
