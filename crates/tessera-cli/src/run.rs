@@ -273,12 +273,23 @@ pub fn main(args: RunArgs) -> Result<u8, CliError> {
     // The command sees exactly its GPUs, in the order asked (ordinal 0 is the first).
     let visible: Vec<&str> = allocs.iter().map(|a| a.gpu_uuid.as_str()).collect();
     let status = run_command(&args, &interposer, &token, &visible.join(","));
-    // Its own connection: an arbiter that does not know the question hangs up on it.
-    if let Ok(mut admin) = AdminClient::connect(sock) {
-        say_kills(&mut admin, &allocs);
+    // Its own connection: an arbiter that does not know the question hangs up on it. One that
+    // answered every question serves the deletes too (a connection and its handshake less).
+    let mut after = AdminClient::connect(sock).ok();
+    if let Some(admin) = after.as_mut()
+        && !say_kills(admin, &allocs)
+    {
+        after = None;
     }
     for id in allocs.iter().map(|a| &a.id) {
-        let deleted = AdminClient::connect(sock).and_then(|mut a| a.delete(id));
+        let deleted = match after.as_mut() {
+            Some(admin) => admin.delete(id),
+            None => AdminClient::connect(sock).and_then(|mut a| a.delete(id)),
+        };
+        if deleted.is_err() {
+            // Whatever broke, the next delete starts from a fresh connection.
+            after = None;
+        }
         if let Err(e) = &deleted {
             eprintln!(
                 "tessera run: could not delete allocation {id}: {e}; it stays until deleted \
@@ -304,7 +315,8 @@ pub fn main(args: RunArgs) -> Result<u8, CliError> {
 
 /// Says on stderr which process of `allocs` the backstop killed and why, as the arbiter
 /// recorded it (an exit status of 137 alone does not say who sent the SIGKILL, or why).
-fn say_kills(admin: &mut AdminClient, allocs: &[tessera_protocol::AllocationStatus]) {
+/// True when the arbiter answered every question (the connection can serve more).
+fn say_kills(admin: &mut AdminClient, allocs: &[tessera_protocol::AllocationStatus]) -> bool {
     for a in allocs {
         match admin.last_kill(&a.id) {
             Ok(Some(k)) => eprintln!(
@@ -313,13 +325,17 @@ fn say_kills(admin: &mut AdminClient, allocs: &[tessera_protocol::AllocationStat
             ),
             Ok(None) => {}
             // An older arbiter does not know the question and hangs up: nothing to say.
-            Err(tessera_protocol::client::ClientError::Frame(_)) => return,
-            Err(e) => eprintln!(
-                "tessera run: could not ask the arbiter whether allocation {} was enforced: {e}",
-                a.id
-            ),
+            Err(tessera_protocol::client::ClientError::Frame(_)) => return false,
+            Err(e) => {
+                eprintln!(
+                    "tessera run: could not ask the arbiter whether allocation {} was enforced: {e}",
+                    a.id
+                );
+                return false;
+            }
         }
     }
+    true
 }
 
 /// Runs the command; the inner error is a command that could not be started (its exit code
