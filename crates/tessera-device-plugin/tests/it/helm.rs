@@ -312,7 +312,14 @@ fn the_dra_switch_renders_the_plugin_its_rbac_and_device_classes() {
     let class = doc(&docs, "chart (dra) DeviceClass/gpu.tessera.dev");
     assert_eq!(
         class["spec"]["selectors"][0]["cel"]["expression"],
-        "device.driver == \"gpu.tessera.dev\""
+        "device.driver == \"gpu.tessera.dev\" && \
+         (device.attributes[\"gpu.tessera.dev\"].type == \"gpu\")"
+    );
+    let mig = doc(&docs, "chart (dra) DeviceClass/mig.tessera.dev");
+    assert_eq!(
+        mig["spec"]["selectors"][0]["cel"]["expression"],
+        "device.driver == \"gpu.tessera.dev\" && \
+         (device.attributes[\"gpu.tessera.dev\"].type == \"mig\")"
     );
     // Both plugins when both are asked for; neither DRA object by default.
     assert_eq!(
