@@ -109,9 +109,24 @@ fn devices(uid: &str, plans: &[Planned], nvidia_kind: &str) -> Vec<PreparedDevic
             pool: p.pool.clone(),
             device: p.device.clone(),
             share_id: p.share_id.clone(),
-            cdi_ids: vec![cdi::device_id(uid, i), format!("{nvidia_kind}={}", p.uuid)],
+            cdi_ids: vec![
+                cdi::device_id(uid, i),
+                format!("{nvidia_kind}={}", nvidia_device(p)),
+            ],
         })
         .collect()
+}
+
+/// The device of the node's NVIDIA CDI spec a result needs: its GPU, or for a dynamic MIG
+/// partition the parent's (a static spec has no entry for an instance made at prepare; the
+/// parent's device nodes are what it runs on, and our spec's `CUDA_VISIBLE_DEVICES` narrows
+/// it to the instance). A static instance is named by its MIG UUID, as `nvidia-ctk cdi
+/// generate --device-name-strategy=uuid` names existing instances.
+fn nvidia_device(p: &Planned) -> &str {
+    match &p.kind {
+        Kind::Partition(w) => &w.parent,
+        _ => &p.uuid,
+    }
 }
 
 fn is_ours(a: &AllocationStatus, uid: &str) -> bool {
