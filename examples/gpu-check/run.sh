@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tessera on a GPU, end to end: memory limit, compute shares, cap, overhead, ledger vs NVML,
-# the latency tier. Starts its own arbiter (temp folder: sockets, state), runs six steps, prints as it goes and
+# the latency tier, MIG (read only). Starts its own arbiter (temp folder: sockets, state), runs seven steps, prints as it goes and
 # writes a markdown table of results (stdout and --out FILE). See examples/gpu-check/README.md.
 #
 #   cargo build --release --workspace && bash examples/gpu-check/run.sh
@@ -505,6 +505,30 @@ else
         row "$s6" "$r_m" "$r_res" "$r_tgt" "$r_met"
     done < <(python3 "$here/_latency.py" rows alone="$work/l6_alone_lat.json" plain="$(be_of plain)" \
         shares="$(be_of shares)" tier="$(be_of tier)")
+fi
+
+# ---------------------------------------------------------------- step 7: MIG, read only
+# What the DRA plugin's --mig-dynamic/--mig-static would find on GPU 0 (docs/kubernetes.md,
+# "MIG"): the MIG mode, and with MIG on the GPU-instance profiles, their placements and the
+# instances that exist. Nothing is switched or created (NVML lists profiles only with MIG on,
+# so with MIG off only the mode is reported). The full listings go to the work folder.
+if [ $real = 1 ] && command -v nvidia-smi >/dev/null 2>&1; then
+    say "step 7: MIG on GPU 0, read only"
+    mode=$(nvidia-smi -i 0 --query-gpu=mig.mode.current,mig.mode.pending --format=csv,noheader 2>/dev/null | tr -d ' ')
+    case $mode in
+    Enabled,*)
+        nvidia-smi mig -i 0 -lgip >"$work/mig_profiles.txt" 2>&1
+        nvidia-smi mig -i 0 -lgipp >"$work/mig_placements.txt" 2>&1
+        nvidia-smi mig -i 0 -lgi >"$work/mig_instances.txt" 2>&1
+        profiles=$(grep -cE 'MIG [0-9]+g\.' "$work/mig_profiles.txt")
+        instances=$(grep -cE 'MIG [0-9]+g\.' "$work/mig_instances.txt")
+        row 7 "MIG on GPU 0 (current,pending)" "$mode; $profiles profiles, $instances GPU instances (listings in $work)" "read only" "info"
+        ;;
+    '' | *N/A*) row 7 "MIG on GPU 0" "not supported (${mode:-no answer})" "read only" "info" ;;
+    *) row 7 "MIG on GPU 0 (current,pending)" "$mode: profiles are listed only with MIG on (not switched: read only)" "read only" "info" ;;
+    esac
+else
+    row 7 "MIG on GPU 0" "not run (the simulated GPU's MIG is tested by the DRA plugin's tests)" "read only" "-"
 fi
 
 # ---------------------------------------------------------------- table
