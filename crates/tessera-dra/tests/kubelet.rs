@@ -33,6 +33,9 @@ use tessera_testkit::{
 };
 use tonic::transport::Channel;
 
+#[path = "kubelet/mig.rs"]
+mod mig;
+
 const NODE: &str = "node-a";
 const DRIVER: &str = "gpu.tessera.dev";
 /// The names the kubelet accepts in `supported_versions` (k8s.io/kubelet v0.36.3
