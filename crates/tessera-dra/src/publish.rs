@@ -514,12 +514,26 @@ mod tests {
         let mut w = Written::default();
         let mut g = gpu(0);
         g.mig = MigMode::Dynamic(h200());
-        let got = sync(&api, "node-a", std::slice::from_ref(&g), DEFAULT_MEMORY, &mut w).await;
+        let got = sync(
+            &api,
+            "node-a",
+            std::slice::from_ref(&g),
+            DEFAULT_MEMORY,
+            &mut w,
+        )
+        .await;
         assert_eq!(got.unwrap(), Outcome::Created(1));
         let counters = "node-a-gpu.tessera.dev-counters-0";
         assert_eq!(api.generation(NAME), Some(1));
         assert_eq!(api.generation(counters), Some(1));
-        let got = sync(&api, "node-a", std::slice::from_ref(&g), DEFAULT_MEMORY, &mut w).await;
+        let got = sync(
+            &api,
+            "node-a",
+            std::slice::from_ref(&g),
+            DEFAULT_MEMORY,
+            &mut w,
+        )
+        .await;
         assert_eq!(got.unwrap(), Outcome::Kept(1));
         // MIG turned off by configuration while a claim holds a 1g: nothing changes.
         let held = BTreeSet::from([mig_device_name(0, "1g.18gb", 0)]);
@@ -528,7 +542,15 @@ mod tests {
         assert_eq!(got.unwrap(), Outcome::Kept(1));
         assert_eq!(api.writes(), ["create", "create"]);
         // Released: the next generation, one slice, the counter slice gone.
-        let got = sync_pool(&api, "node-a", &off, DEFAULT_MEMORY, &BTreeSet::new(), &mut w).await;
+        let got = sync_pool(
+            &api,
+            "node-a",
+            &off,
+            DEFAULT_MEMORY,
+            &BTreeSet::new(),
+            &mut w,
+        )
+        .await;
         assert_eq!(got.unwrap(), Outcome::Replaced(2));
         assert_eq!(api.generation(counters), None);
         let s = api.slices.lock().unwrap()[NAME].clone();
