@@ -767,4 +767,72 @@ mod tests {
         let held = hold_allocated(&mut devices, &mut sets, &was, &BTreeSet::from([held_name]));
         assert!(held.is_empty());
     }
+
+    #[test]
+    fn a_claim_on_a_partition_is_planned_against_the_instance_not_the_card() {
+        use k8s_openapi::api::resource::v1::{
+            AllocationResult, DeviceAllocationResult, DeviceRequestAllocationResult, ResourceClaim,
+            ResourceClaimStatus,
+        };
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+        let gpus = [h200_gpu(0, MigMode::Dynamic(h200()))];
+        let node = crate::slices::node_devices(&gpus);
+        let claim = |device: &str, memory: &str| ResourceClaim {
+            metadata: ObjectMeta {
+                uid: Some("u1".into()),
+                ..Default::default()
+            },
+            status: Some(ResourceClaimStatus {
+                allocation: Some(AllocationResult {
+                    devices: Some(DeviceAllocationResult {
+                        results: Some(vec![DeviceRequestAllocationResult {
+                            driver: crate::claim::DRIVER.into(),
+                            pool: "node-a".into(),
+                            device: device.into(),
+                            request: "gpu".into(),
+                            consumed_capacity: Some(BTreeMap::from([
+                                ("shares".into(), Quantity("50".into())),
+                                ("memory".into(), Quantity(memory.into())),
+                            ])),
+                            ..Default::default()
+                        }]),
+                        config: None,
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let plan = |device: &str, memory: &str| {
+            crate::claim::plan(
+                &claim(device, memory),
+                "u1",
+                "node-a",
+                &node,
+                crate::slices::DEFAULT_MEMORY,
+            )
+        };
+        let name = mig_device_name(0, "1g.18gb", 3);
+        let p = plan(&name, "8Gi").unwrap().remove(0);
+        assert_eq!((p.share, p.memory_limit, p.whole), (50, 8 << 30, false));
+        match &p.kind {
+            crate::claim::Kind::Partition(w) => {
+                assert_eq!(w.parent, "GPU-0");
+                assert_eq!((w.profile.as_str(), w.profile_id), ("1g.18gb", 19));
+                assert_eq!(w.placement, Placement { start: 3, size: 1 });
+            }
+            k => panic!("{k:?}"),
+        }
+        // More memory than the instance has (16 GiB) is refused, though the card has 140.
+        assert!(matches!(
+            plan(&name, "20Gi"),
+            Err(crate::claim::ClaimError::Memory { total, .. }) if total == 16 << 30
+        ));
+        // The whole device of a dynamic GPU turns MIG off at prepare.
+        let p = plan("gpu-0", "8Gi").unwrap().remove(0);
+        assert_eq!(p.kind, crate::claim::Kind::DynamicWhole);
+        // A partition this GPU's geometry does not have is no device of the node.
+        assert!(plan("gpu-0-mig-3g-71gb-2", "8Gi").is_err());
+    }
 }
