@@ -218,8 +218,13 @@ pub unsafe extern "C" fn nvmlDeviceGetMigMode(
     })
 }
 
+/// `NVML_GPU_INSTANCE_PROFILE_COUNT` of current `nvml.h` (the graphics and media-engine
+/// profiles 10-16 included): an index below it that the part lacks is `NOT_SUPPORTED`, as
+/// callers that walk every index (mig-parted, the DRA driver) expect; above, a bad argument.
+const GI_PROFILE_COUNT: u32 = 17;
+
 fn profile_of(model: GpuModel, index: u32) -> Result<&'static GiProfile, nvmlReturn_t> {
-    if index > NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2 {
+    if index >= GI_PROFILE_COUNT {
         return Err(NVML_ERROR_INVALID_ARGUMENT);
     }
     model

@@ -136,6 +136,13 @@ fn mig_lifecycle_handles_privilege_and_per_instance_views() {
             profile_v(gpu, NVML_GPU_INSTANCE_PROFILE_7_SLICE, &mut info),
             NVML_ERROR_ARGUMENT_VERSION_MISMATCH
         );
+        // A profile the part lacks (8 slices) is not supported; past the enum, a bad argument.
+        info.version = NVML_GPU_INSTANCE_PROFILE_INFO_V2;
+        assert_eq!(
+            profile_v(gpu, NVML_GPU_INSTANCE_PROFILE_8_SLICE, &mut info),
+            NVML_ERROR_NOT_SUPPORTED
+        );
+        assert_eq!(profile_v(gpu, 17, &mut info), NVML_ERROR_INVALID_ARGUMENT);
 
         // Mode: root only; refused while a process holds a context on the GPU.
         let mut act = 99;
