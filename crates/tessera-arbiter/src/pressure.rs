@@ -59,10 +59,19 @@ struct Channel {
     pressed_at: Option<Instant>,
 }
 
+/// Outstanding tickets a memory connection may hold: a process asks for two at once, its
+/// pressure channel's (opened by the interposer's watcher thread after the first reservation)
+/// and its lease connection's (at its first launch), and neither may cancel the other, which
+/// left the lease connection refused ("unknown or used pressure ticket") and its launches
+/// waiting to retry. Bounded, so a tenant asking in a loop holds no more than this.
+pub(crate) const TICKETS_PER_CONN: usize = 2;
+
 #[derive(Default)]
 struct Inner {
-    /// Ticket -> (account, memory connection).
-    tickets: HashMap<u64, (AccountKey, ConnId)>,
+    /// Ticket -> (account, memory connection, when issued: [`Inner::issued`] at the time).
+    tickets: HashMap<u64, (AccountKey, ConnId, u64)>,
+    /// Tickets issued so far (orders a connection's tickets, see [`TICKETS_PER_CONN`]).
+    issued: u64,
     /// Memory connection -> its pressure channel.
     channels: HashMap<ConnId, Channel>,
     /// Pressure seq -> channels that have not answered it.
@@ -141,11 +150,24 @@ impl PressureHub {
     }
 
     /// A one-use ticket for memory connection `conn` of account `key`. `ticket` is the
-    /// caller's random number (so tests can choose it); a previous ticket of `conn` is dropped.
+    /// caller's random number (so tests can choose it). At most [`TICKETS_PER_CONN`] of a
+    /// connection's tickets are outstanding: past that its oldest is dropped.
     pub fn issue_ticket(&self, key: AccountKey, conn: ConnId, ticket: u64) {
         let mut i = self.lock();
-        i.tickets.retain(|_, (_, c)| *c != conn);
-        i.tickets.insert(ticket, (key, conn));
+        let mine: Vec<(u64, u64)> = i
+            .tickets
+            .iter()
+            .filter(|(_, (_, c, _))| *c == conn)
+            .map(|(t, (_, _, at))| (*at, *t))
+            .collect();
+        if mine.len() >= TICKETS_PER_CONN
+            && let Some(&(_, oldest)) = mine.iter().min()
+        {
+            i.tickets.remove(&oldest);
+        }
+        i.issued += 1;
+        let at = i.issued;
+        i.tickets.insert(ticket, (key, conn, at));
     }
 
     /// Uses up `ticket` for a companion connection (a lease connection, see
@@ -153,7 +175,7 @@ impl PressureHub {
     /// was issued on, which the companion is tied to.
     pub fn redeem(&self, ticket: u64, key: AccountKey) -> Result<ConnId, PressureError> {
         let mut i = self.lock();
-        let (tkey, mem) = *i.tickets.get(&ticket).ok_or(PressureError::UnknownTicket)?;
+        let (tkey, mem, _) = *i.tickets.get(&ticket).ok_or(PressureError::UnknownTicket)?;
         if tkey != key {
             return Err(PressureError::WrongAllocation);
         }
@@ -171,7 +193,7 @@ impl PressureHub {
         sink: Arc<dyn PressureSink>,
     ) -> Result<ConnId, PressureError> {
         let mut i = self.lock();
-        let (tkey, mem) = *i.tickets.get(&ticket).ok_or(PressureError::UnknownTicket)?;
+        let (tkey, mem, _) = *i.tickets.get(&ticket).ok_or(PressureError::UnknownTicket)?;
         if tkey != key {
             return Err(PressureError::WrongAllocation);
         }
@@ -213,7 +235,7 @@ impl PressureHub {
     /// included, was freed by the caller).
     pub fn conn_closed(&self, mem: ConnId) {
         let mut i = self.lock();
-        i.tickets.retain(|_, (_, c)| *c != mem);
+        i.tickets.retain(|_, (_, c, _)| *c != mem);
         if let Some(ch) = i.channels.remove(&mem) {
             for seq in ch.owed {
                 i.settle(seq);
@@ -407,6 +429,38 @@ mod tests {
         assert_eq!(hub.redeem(5, 1), Ok(10));
         assert_eq!(hub.redeem(5, 1), Err(PressureError::UnknownTicket));
         assert_eq!(hub.redeem(6, 1), Err(PressureError::UnknownTicket));
+    }
+
+    #[test]
+    fn a_connections_channel_and_lease_tickets_do_not_cancel_each_other_and_stay_bounded() {
+        let hub = PressureHub::new();
+        // The watcher's ticket for the pressure channel, then the lease connection's, asked
+        // before the first was used: both good, each once.
+        hub.issue_ticket(1, 10, 100);
+        hub.issue_ticket(1, 10, 200);
+        assert_eq!(hub.redeem(200, 1), Ok(10));
+        let sink = Arc::new(Sink::default());
+        assert_eq!(hub.subscribe(100, 1, 11, sink), Ok(10));
+        // A tenant asking in a loop keeps only the last TICKETS_PER_CONN.
+        for t in 1..=10 {
+            hub.issue_ticket(1, 10, t);
+        }
+        for t in 1..=(10 - TICKETS_PER_CONN as u64) {
+            assert_eq!(
+                hub.redeem(t, 1),
+                Err(PressureError::UnknownTicket),
+                "ticket {t}"
+            );
+        }
+        for t in (10 - TICKETS_PER_CONN as u64 + 1)..=10 {
+            assert_eq!(hub.redeem(t, 1), Ok(10), "ticket {t}");
+        }
+        // Another connection's tickets are not touched by this one's.
+        hub.issue_ticket(1, 20, 500);
+        for t in 600..610 {
+            hub.issue_ticket(1, 10, t);
+        }
+        assert_eq!(hub.redeem(500, 1), Ok(20));
     }
 
     #[test]
