@@ -543,4 +543,78 @@ mod tests {
         );
         assert_eq!(d.card(false, 13 * MS), Some(Why::Card));
     }
+
+    #[test]
+    fn a_closed_pressure_channel_releases_its_memory_connection_only_once_its_process_exited() {
+        // The channel's thread releases the memory connection's bytes when that process has
+        // exited (here: no card installed, so the exit is the word); a live process keeps them,
+        // whoever closed the channel (a tenant handing its ticket to another process included).
+        const MIB: u64 = 1 << 20;
+        let dir = tempfile::tempdir().unwrap();
+        let arb = crate::state::Arbiter::new(
+            crate::state::test_gpus(2),
+            crate::store::Store::open(dir.path()).unwrap(),
+            crate::scheduler::SchedulerParams::default(),
+        )
+        .unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (token, _) = rt
+            .block_on(arb.create(tessera_protocol::CreateAllocation {
+                gpu: tessera_protocol::GpuSelector::Index(0),
+                memory_limit: 1 << 30,
+                share: 50,
+                cap: None,
+                labels: Default::default(),
+            }))
+            .unwrap();
+        let me = crate::peer::ProcId {
+            pid: std::process::id() as i32,
+            start: crate::peer::proc_start(std::process::id() as i32).unwrap(),
+        };
+        let live = arb
+            .attach_tenant(&token, 7, Some(crate::peer::Peer::without_pidfd(me)))
+            .unwrap();
+        arb.with_ledger(|l| l.reserve(live.key, 7, 600 * MIB))
+            .unwrap();
+        after_channel_close(&arb, &live, 7);
+        assert_eq!(
+            arb.with_ledger(|l| l.usage(live.key)).unwrap().in_use,
+            600 * MIB
+        );
+        assert_eq!(
+            arb.with_ledger(|l| l.draining(live.key)),
+            0,
+            "not even draining"
+        );
+
+        let mut child = std::process::Command::new("sleep")
+            .arg("10")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        let gone = crate::peer::ProcId {
+            pid,
+            start: crate::peer::proc_start(pid).unwrap(),
+        };
+        let dead = arb
+            .attach_tenant(&token, 8, Some(crate::peer::Peer::without_pidfd(gone)))
+            .unwrap();
+        arb.with_ledger(|l| l.reserve(dead.key, 8, 300 * MIB))
+            .unwrap();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        after_channel_close(&arb, &dead, 8);
+        assert_eq!(
+            arb.with_ledger(|l| l.usage(dead.key)).unwrap().in_use,
+            600 * MIB
+        );
+        // Its own thread's detach then frees nothing more.
+        assert_eq!(arb.detach_tenant(&dead, 8, Some(gone)).unwrap(), 0);
+        assert_eq!(
+            arb.with_ledger(|l| l.usage(live.key)).unwrap().in_use,
+            600 * MIB
+        );
+    }
 }

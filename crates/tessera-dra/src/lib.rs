@@ -42,6 +42,8 @@ pub mod cleanup;
 pub mod instances;
 pub mod inventory;
 pub mod mig;
+#[cfg(test)]
+mod mig_tests;
 pub mod plugin;
 pub mod prepare;
 pub mod proto;

@@ -7,7 +7,7 @@
 //! Modules:
 //! - [`ffi`]: NVML return codes and struct layouts (`nvml.h`).
 //! - [`api`]: the exported `nvml*` entry points.
-//! - [`mig`]: the MIG API (modes, GPU and compute instances, MIG device handles) and the
+//! - [`api::mig`] (a part of `api`, sharing its state and helpers): the MIG API (modes, GPU and compute instances, MIG device handles) and the
 //!   privilege rule for aggregate queries on a parent with MIG on.
 
 // The exported entry points' safety contract is the vendor's C API documentation (valid
@@ -16,4 +16,3 @@
 
 pub mod api;
 pub mod ffi;
-pub mod mig;

@@ -28,6 +28,8 @@
 //! - [`machine`]: the running machine's spec, shared by every `tessera sim` of one folder.
 //! - [`mig`]: MIG on the modelled parts (`1xH200`): profile tables, GPU and compute instances,
 //!   kept in `mig` (under `mig.lock`) for every process.
+//! - [`profiles`]: the modelled parts (H100 80GB, H200) and their MIG profile tables: pure data,
+//!   named by [`spec`] and used by [`mig`].
 //! - [`driver`]: each process's host pid (what records, engine slots and NVML carry), from
 //!   `getpid()` or, in a container, from the server of `driver.sock`; whether a pid lives.
 //! - [`clock`]: the machine-wide monotonic clock every process stamps with.
@@ -43,6 +45,7 @@ mod generation_tests;
 pub mod ledger;
 pub mod machine;
 pub mod mig;
+pub mod profiles;
 pub mod shared;
 pub mod spec;
 pub mod timeslice;

@@ -40,7 +40,7 @@ pub struct GpuInfo {
     /// PCI bus number (the `0N` in `00000000:0N:00.0`).
     pub pci_bus: u32,
     /// The modelled part (`1xH200`), which has MIG; `None` for a plain size (`1x80GiB`).
-    pub model: Option<crate::mig::GpuModel>,
+    pub model: Option<crate::profiles::GpuModel>,
     /// Streaming multiprocessors.
     pub sms: u32,
 }
@@ -60,7 +60,7 @@ impl GpuInfo {
         }
     }
 
-    fn of_model(index: u32, model: crate::mig::GpuModel) -> GpuInfo {
+    fn of_model(index: u32, model: crate::profiles::GpuModel) -> GpuInfo {
         GpuInfo {
             name: model.name().to_string(),
             model: Some(model),
@@ -109,7 +109,7 @@ impl SimSpec {
             if count == 0 {
                 return Err(SpecError::BadItem(item.to_string()));
             }
-            let model = crate::mig::GpuModel::parse(size);
+            let model = crate::profiles::GpuModel::parse(size);
             let bytes = match model {
                 Some(m) => m.total_bytes(),
                 None => parse_size(size)?,
@@ -337,7 +337,7 @@ mod tests {
         let s = SimSpec::parse("1xH100,2xh200").unwrap();
         assert_eq!(s.gpus[0].name, "NVIDIA H100 80GB HBM3");
         assert_eq!(s.gpus[1].total_bytes, 143_771 << 20);
-        assert_eq!(s.gpus[2].model, Some(crate::mig::GpuModel::H200));
+        assert_eq!(s.gpus[2].model, Some(crate::profiles::GpuModel::H200));
         assert_eq!(SimSpec::parse("1x80GiB").unwrap().gpus[0].model, None);
         assert_ne!(s.gpus[1].uuid, s.gpus[2].uuid);
     }

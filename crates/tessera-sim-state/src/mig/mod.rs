@@ -11,7 +11,9 @@
 //! slows another while contexts on one instance time-slice among themselves.
 
 pub mod layout;
-pub mod profiles;
+/// The profile tables live beside this module (`crate::profiles`: `spec` names models by them
+/// and this module builds on `spec`).
+pub use crate::profiles;
 pub mod store;
 
 pub use layout::{ComputeInstance, GpuInstance, GpuMig, MigError};

@@ -21,6 +21,10 @@ use tessera_sim_state::{GpuInfo, MAX_GPUS, SimSpec, XidEvent};
 
 use crate::ffi::*;
 
+/// The MIG API: a part of this module's entry points (it shares their state, handles and
+/// helpers, and they answer MIG device handles through it).
+pub mod mig;
+
 pub(crate) type Res = Result<(), nvmlReturn_t>;
 
 pub(crate) fn guard(f: impl FnOnce() -> Res) -> nvmlReturn_t {
@@ -83,7 +87,7 @@ pub(crate) fn handle_of(index: u32) -> nvmlDevice_t {
 /// events are the parent's).
 pub(crate) fn device(h: nvmlDevice_t) -> Result<&'static GpuInfo, nvmlReturn_t> {
     let st = state()?;
-    if let Some(gpu) = crate::mig::mig_handle_parent(h) {
+    if let Some(gpu) = mig::mig_handle_parent(h) {
         return st
             .spec
             .gpus
@@ -296,7 +300,7 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByUUID(
         let s = unsafe { CStr::from_ptr(uuid) }.to_string_lossy();
         if s.len() > 4 && s[..4].eq_ignore_ascii_case("MIG-") {
             return guard(|| {
-                let found = crate::mig::handle_by_mig_uuid(&s)?;
+                let found = mig::handle_by_mig_uuid(&s)?;
                 // SAFETY: caller's out-pointer, null-checked by put.
                 unsafe { put(h, found) }
             });
@@ -325,7 +329,7 @@ pub unsafe extern "C" fn nvmlDeviceGetName(
 ) -> nvmlReturn_t {
     guard(|| {
         // SAFETY: caller's buffer of `len` bytes.
-        if unsafe { crate::mig::mig_string(h, buf, len, false) }? {
+        if unsafe { mig::mig_string(h, buf, len, false) }? {
             return Ok(());
         }
         let g = device(h)?;
@@ -343,7 +347,7 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
 ) -> nvmlReturn_t {
     guard(|| {
         // SAFETY: caller's buffer of `len` bytes.
-        if unsafe { crate::mig::mig_string(h, buf, len, true) }? {
+        if unsafe { mig::mig_string(h, buf, len, true) }? {
             return Ok(());
         }
         let g = device(h)?;
@@ -393,15 +397,15 @@ fn used(g: &GpuInfo) -> Result<u64, nvmlReturn_t> {
 }
 
 /// (total, used) of the device behind `h`: a MIG device's GPU instance, or the whole GPU
-/// (with MIG on, only for a privileged caller: see [`crate::mig`]).
+/// (with MIG on, only for a privileged caller: see [`mig`]).
 fn memory(h: nvmlDevice_t) -> Result<(u64, u64), nvmlReturn_t> {
-    if let Some(d) = crate::mig::mig_of(h)? {
+    if let Some(d) = mig::mig_of(h)? {
         let u = tessera_sim_state::instance_memory_used(&state()?.dir, d.gpu, d.tag())
             .map_err(|_| NVML_ERROR_UNKNOWN)?;
         return Ok((d.memory_bytes, u.min(d.memory_bytes)));
     }
     let g = device(h)?;
-    crate::mig::check_aggregate(g)?;
+    mig::check_aggregate(g)?;
     Ok((g.total_bytes, used(g)?))
 }
 
@@ -471,7 +475,7 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
         let g = device(h)?;
         // "On MIG-enabled GPUs, querying device utilization rates is not currently supported"
         // (NVML reference, nvmlDeviceGetUtilizationRates).
-        if crate::mig::mig_of(h)?.is_some() || crate::mig::mig_on(g)? {
+        if mig::mig_of(h)?.is_some() || mig::mig_on(g)? {
             return Err(NVML_ERROR_NOT_SUPPORTED);
         }
         let busy =
@@ -502,10 +506,10 @@ fn processes(
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
         // A MIG device lists its own processes; the parent, with MIG on, all of them with
-        // their instances, and only to a privileged caller (see [`crate::mig`]).
-        let only = crate::mig::mig_of(h)?.map(|d| d.tag());
+        // their instances, and only to a privileged caller (see [`mig`]).
+        let only = mig::mig_of(h)?.map(|d| d.tag());
         if only.is_none() {
-            crate::mig::check_aggregate(g)?;
+            mig::check_aggregate(g)?;
         }
         let list: Vec<nvmlProcessInfo_t> = if graphics {
             Vec::new()
@@ -681,7 +685,7 @@ pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
         if count.is_null() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
-        if crate::mig::mig_of(h)?.is_some() || crate::mig::mig_on(g)? {
+        if mig::mig_of(h)?.is_some() || mig::mig_on(g)? {
             return Err(NVML_ERROR_NOT_SUPPORTED);
         }
         if utilization.is_null() {

@@ -21,7 +21,7 @@ use std::ffi::c_char;
 use tessera_sim_state::mig::{self, GiProfile, GpuModel, MigDevice, MigError, MigState};
 use tessera_sim_state::{GpuInfo, MAX_GPUS};
 
-use crate::api::{Res, copy_str, guard, handle_of, put, state};
+use super::{Res, copy_str, guard, handle_of, put, state};
 use crate::ffi::*;
 
 /// Instance ids per level the handle tables cover (an H100/H200 has at most 7 of each).
@@ -141,7 +141,7 @@ fn parent(h: nvmlDevice_t) -> Result<(&'static GpuInfo, GpuModel), nvmlReturn_t>
     if mig_handle_parent(h).is_some() {
         return Err(NVML_ERROR_INVALID_ARGUMENT);
     }
-    let g = crate::api::device(h)?;
+    let g = super::device(h)?;
     Ok((g, g.model.ok_or(NVML_ERROR_NOT_SUPPORTED)?))
 }
 
@@ -453,7 +453,7 @@ pub unsafe extern "C" fn nvmlDeviceCreateGpuInstance(
         if gi.is_null() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
-        let g = crate::api::device(h)?.index;
+        let g = super::device(h)?.index;
         let id = create_gi(h, profile_id, None)?;
         // SAFETY: non-null out-pointer from the caller.
         unsafe { put(gi, gi_handle(g, id)?) }
@@ -832,7 +832,7 @@ pub unsafe extern "C" fn nvmlDeviceIsMigDeviceHandle(
     guard(|| {
         let mig = mig_of(h)?.is_some();
         if !mig {
-            crate::api::device(h)?;
+            super::device(h)?;
         }
         // SAFETY: caller's out-pointer, null-checked by put.
         unsafe { put(is_mig, u32::from(mig)) }
@@ -843,7 +843,7 @@ fn mig_device(h: nvmlDevice_t) -> Result<MigDevice, nvmlReturn_t> {
     match mig_of(h)? {
         Some(d) => Ok(d),
         None => {
-            crate::api::device(h)?;
+            super::device(h)?;
             Err(NVML_ERROR_NOT_SUPPORTED)
         }
     }
@@ -882,7 +882,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMaxMigDeviceCount(
         if mig_handle_parent(h).is_some() {
             return Err(NVML_ERROR_INVALID_ARGUMENT);
         }
-        let g = crate::api::device(h)?;
+        let g = super::device(h)?;
         let n = if g.model.is_some() {
             mig::profiles::COMPUTE_SLICES
         } else {
@@ -958,7 +958,7 @@ pub unsafe extern "C" fn nvmlDeviceGetAttributes_v2(
                 }
             }
             None => {
-                let g = crate::api::device(h)?;
+                let g = super::device(h)?;
                 nvmlDeviceAttributes_t {
                     multiprocessor_count: g.sms,
                     memory_size_mb: g.total_bytes >> 20,
