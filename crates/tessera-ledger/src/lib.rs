@@ -157,6 +157,15 @@ struct Account {
 }
 
 impl Account {
+    /// Takes `bytes` a connection held (its excess included) off the total. The total is the
+    /// sum of the connections' (and their excess), so this cannot fail unless the ledger is
+    /// broken; then zero is the least wrong total, and the caller reports the overflow.
+    fn take_off(&mut self, bytes: u64) -> Option<u64> {
+        let in_use = self.in_use.checked_sub(bytes);
+        self.in_use = in_use.unwrap_or(0);
+        in_use
+    }
+
     /// Adds `bytes` to `conn` (attached) and to the total, both or neither.
     fn add(&mut self, key: AccountKey, conn: ConnId, bytes: u64) -> Result<(), LedgerError> {
         let held = self
@@ -403,10 +412,7 @@ impl Ledger {
         acct.peak.remove(&conn);
         acct.draining.remove(&conn);
         acct.waiting.remove(&conn);
-        // The account's total is the sum of its connections' (and their excess): this cannot
-        // fail unless the ledger is broken, and then zero is the least wrong total.
-        let in_use = acct.in_use.checked_sub(held.saturating_add(excess));
-        acct.in_use = in_use.unwrap_or(0);
+        let in_use = acct.take_off(held.saturating_add(excess));
         if acct.closed && acct.conns.is_empty() {
             self.accounts.remove(&key);
         }
@@ -436,10 +442,9 @@ impl Ledger {
         let held = acct.conns.insert(conn, 0).unwrap_or(0);
         let excess = acct.excess.remove(&conn).unwrap_or(0);
         let bytes = held.saturating_add(excess);
-        // As in `detach`: the total is the sum of the connections' (and their excess).
-        let in_use = acct.in_use.checked_sub(bytes);
-        acct.in_use = in_use.unwrap_or(0);
-        in_use.map(|_| bytes).ok_or(LedgerError::Overflow(key))
+        acct.take_off(bytes)
+            .map(|_| bytes)
+            .ok_or(LedgerError::Overflow(key))
     }
 
     /// Marks `conn` as waiting for room: its reservation did not fit, and it presses its
