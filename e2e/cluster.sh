@@ -275,7 +275,12 @@ failSwapOn: false
 podLogsDir: $D/pod-logs
 volumePluginDir: $D/volume-plugins
 staticPodPath: $D/static-pods
-evictionHard: {memory.available: "100Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}
+# Eviction off: CI's disk is shared with a 50 GB cargo target and has been seen nearly full, and
+# a pressure taint (node.kubernetes.io/disk-pressure:NoSchedule) leaves every later pod Pending.
+# The kubelet ignores a threshold of "0%" (pkg/kubelet/eviction/helpers.go parseThresholdStatement:
+# "0%" and "100%" mean none), and an explicit map keeps the defaults from being filled in.
+evictionHard: {memory.available: "0%", nodefs.available: "0%", nodefs.inodesFree: "0%", imagefs.available: "0%", imagefs.inodesFree: "0%"}
+evictionPressureTransitionPeriod: 5s
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 syncFrequency: 5s
@@ -475,7 +480,14 @@ logs() {
         kc get events -A --sort-by=.lastTimestamp >"$out/events.txt" 2>&1 || true
         kc describe node "$NODE" >"$out/node.txt" 2>&1 || true
         kc describe pods -A >"$out/pods.txt" 2>&1 || true
+        # CI shows only the end of the output: the node's taints and conditions, and the disk.
+        echo "== node $NODE: taints and conditions"
+        kc get node "$NODE" -o json 2>/dev/null |
+            jq -r '(.spec.taints // [] | map("taint \(.key)=\(.value // ""):\(.effect)") | .[]),
+                   (.status.conditions[] | "condition \(.type)=\(.status) \(.reason): \(.message)")' || true
     fi
+    df -h "$D" "$repo/target" 2>/dev/null | sed 's/^/== df: /'
+    grep -hE 'eviction|[Tt]aint|NotReady|PLEG|pressure' "$D"/logs/kubelet.log 2>/dev/null | tail -n 15 | sed 's/^/== kubelet: /'
     [ -d "$D/pod-logs" ] && cp -r "$D/pod-logs" "$out/" 2>/dev/null || true
     echo "== logs in $out"
 }

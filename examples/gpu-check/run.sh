@@ -27,12 +27,14 @@ usage: bash examples/gpu-check/run.sh [options]
   --fraction PCT        memory and share of the limited tenant (default 30)
   --sim                 use the simulated GPU even if a real one is present
   --enforce kill|report the arbiter's memory backstop (default report: a check is never killed)
+  --slack S             seconds each command may take beyond its own (imports, CUDA start-up;
+                        default 120): a hung command costs this much
   --keep                keep the temp folder (logs, JSON) afterwards
 EOF
 }
 
 out=gpu-check.md bin= py=${TESSERA_PYTHON:-python3} share_s=20 bench_s=5 ledger_s=6 lat_s=20 lat_be=2 pct=30
-force_sim=0 enforce=report keep=0
+force_sim=0 enforce=report keep=0 slack=120
 while [ $# -gt 0 ]; do
     case $1 in
         --out) out=${2?"$1 needs a value"}; shift ;;
@@ -46,6 +48,7 @@ while [ $# -gt 0 ]; do
         --fraction) pct=${2?"$1 needs a value"}; shift ;;
         --sim) force_sim=1 ;;
         --enforce) enforce=${2?"$1 needs a value"}; shift ;;
+        --slack) slack=${2?"$1 needs a value"}; shift ;;
         --keep) keep=1 ;;
         -h|--help) usage; exit 0 ;;
         *) echo "gpu-check: unknown argument $1" >&2; usage >&2; exit 2 ;;
@@ -56,6 +59,7 @@ done
 [ "$ledger_s" -le 8 ] 2>/dev/null || { echo "gpu-check: --ledger-seconds is a whole number up to 8 (the ledger's window is 10 s)" >&2; exit 2; }
 case $lat_s in ''|*[!0-9]*) echo "gpu-check: --latency-seconds is a whole number of seconds (0 skips step 6)" >&2; exit 2 ;; esac
 case $lat_be in [1-4]) ;; *) echo "gpu-check: --latency-best-effort is 1 to 4" >&2; exit 2 ;; esac
+case $slack in ''|*[!0-9]*|0) echo "gpu-check: --slack is a whole number of seconds, at least 1" >&2; exit 2 ;; esac
 say() { printf '== %s\n' "$*" >&2; }
 die() { printf 'gpu-check: %s\n' "$*" >&2; exit 1; }
 
@@ -182,8 +186,8 @@ say "python: $py (PyTorch: ${torch_skip:-yes}); cuda-bindings: ${bpy:-none}"
 
 pct_of() { python3 -c "print(int($1 * $2 / 100) // (1 << 20) << 20)"; }
 gib() { python3 -c "print('%.2f GiB' % ($1 / (1 << 30)))"; }
-# Each Python run: start-up (imports, context, cuBLAS) plus its seconds.
-slack=120
+# Each Python run: start-up (imports, context, cuBLAS) plus its seconds; $slack (--slack) is
+# that start-up's allowance.
 
 # ---------------------------------------------------------------- arbiter
 say "starting the arbiter (--enforce $enforce)"

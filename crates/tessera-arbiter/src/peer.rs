@@ -49,6 +49,20 @@ impl Peer {
     pub fn is_alive(&self) -> bool {
         self.pidfd.as_ref().is_none_or(|fd| pidfd_alive(fd))
     }
+
+    /// True once the process has exited, a zombie not yet reaped included (its files, sockets
+    /// and driver handles are closed): its pidfd is readable, or without one its pid is gone or
+    /// names a later process. False while it runs, and when this kernel cannot tell.
+    pub fn has_exited(&self) -> bool {
+        match &self.pidfd {
+            Some(fd) => Exit::readable(fd, 0),
+            None => match Exit::of(self.id) {
+                Exit::Gone => true,
+                Exit::Pidfd(fd) => Exit::readable(&fd, 0),
+                Exit::Unknown => false,
+            },
+        }
+    }
 }
 
 /// True while the pidfd's process exists (a zombie, not yet reaped, still holds its pid).
@@ -140,13 +154,18 @@ impl Exit {
         let Exit::Pidfd(fd) = self else {
             return true;
         };
+        let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
+        Self::readable(fd, ms)
+    }
+
+    /// Whether pidfd `fd` becomes readable (its process exited) within `ms` milliseconds.
+    fn readable(fd: &OwnedFd, ms: libc::c_int) -> bool {
         let mut p = libc::pollfd {
             fd: fd.as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         };
-        let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
-        // SAFETY: polls one valid pollfd on a descriptor we own.
+        // SAFETY: polls one valid pollfd on a descriptor the caller owns.
         let rc = unsafe { libc::poll(&mut p, 1, ms) };
         // An error (EINTR) reads as "not yet": the caller asks again until its deadline.
         rc > 0

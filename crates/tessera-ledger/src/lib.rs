@@ -483,6 +483,19 @@ impl Ledger {
         })
     }
 
+    /// Bytes `conn` holds in account `key` (its excess included) unless it drains already:
+    /// 0 for a draining or unknown connection. (The bytes of a connection whose process the
+    /// caller knows has exited, before its thread marks it draining.)
+    pub fn held_undrained(&self, key: AccountKey, conn: ConnId) -> u64 {
+        self.accounts.get(&key).map_or(0, |a| {
+            if a.draining.contains(&conn) {
+                return 0;
+            }
+            let held = a.conns.get(&conn).copied().unwrap_or(0);
+            held.saturating_add(a.excess.get(&conn).copied().unwrap_or(0))
+        })
+    }
+
     /// Sets what the card holds for `conn`'s process beyond what its connections reserved
     /// (NVML's figure for the process less their bytes: a context bigger than the interposer's
     /// estimate, the driver's rounding), so that the account's use is what the card holds for

@@ -93,6 +93,24 @@ impl Arbiter {
         })
     }
 
+    /// Bytes of account `key` held by connections whose process has exited but which do not
+    /// drain yet: their threads have not read the end of their streams (a batch-scheduled
+    /// thread on a loaded host can take longer than the memory wait), so they will drain and
+    /// be released within [`crate::drain::DRAIN_BOUND`]. Each process is asked (a poll of its
+    /// pidfd) under the live lock: called only by a reservation about to be refused.
+    pub fn exited_held(&self, key: AccountKey) -> u64 {
+        let live = self.live();
+        let Some(procs) = live.procs.get(&key) else {
+            return 0;
+        };
+        procs
+            .values()
+            .filter(|e| e.peer.as_ref().is_some_and(crate::peer::Peer::has_exited))
+            .flat_map(|e| e.conn_ids.iter())
+            .map(|c| live.ledger.held_undrained(key, *c))
+            .fold(0u64, u64::saturating_add)
+    }
+
     /// A tenant connection closed: frees what it held. Returns the bytes freed.
     pub fn detach_tenant(
         &self,
