@@ -87,6 +87,12 @@ pub struct Config {
     /// allocations together (kernels that run past the end of their lease).
     #[arg(long, default_value_t = 5.0, value_name = "PERCENT")]
     pub compute_slack_percent: f64,
+    /// Unleased GPU time an allocation may show by NVML before any of it is charged to its
+    /// share, milliseconds: NVML attributes GPU time per process in whole sample periods
+    /// (200 ms on an H200), so an honest tenant's figure runs ahead of its leases by up to a
+    /// period or two. The kill rule (`--compute-bypass-ms`) is not affected.
+    #[arg(long, default_value_t = crate::backstop::DEFAULT_COMPUTE_TOLERANCE.as_millis() as u64, value_name = "MS")]
+    pub compute_tolerance_ms: u64,
     /// After a latency-tier lease is handed back (its request done), how long the GPU stays
     /// held for that allocation, charged to it, before best-effort work is let on,
     /// microseconds (0: none). Worth it for requests that come in bursts; with spread-out
@@ -280,6 +286,7 @@ impl Config {
             unknown: self.unknown_processes.into(),
             compute_threshold: std::time::Duration::from_millis(self.compute_bypass_ms),
             compute_slack: (self.compute_slack_percent / 100.0).clamp(0.0, 1.0),
+            compute_tolerance: std::time::Duration::from_millis(self.compute_tolerance_ms),
         })
     }
 }

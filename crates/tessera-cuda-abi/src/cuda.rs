@@ -378,6 +378,12 @@ pub type cuStreamCreate_t = unsafe extern "C" fn(*mut CUstream, c_uint) -> CUres
 pub type cuStreamDestroy_v2_t = unsafe extern "C" fn(CUstream) -> CUresult;
 pub type cuStreamSynchronize_t = unsafe extern "C" fn(CUstream) -> CUresult;
 pub type cuStreamIsCapturing_t = unsafe extern "C" fn(CUstream, *mut c_int) -> CUresult;
+/// `cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)`: sets the calling thread's
+/// capture interaction mode, returning the previous one in `*mode`.
+pub type cuThreadExchangeStreamCaptureMode_t = unsafe extern "C" fn(*mut c_int) -> CUresult;
+/// `CU_STREAM_CAPTURE_MODE_RELAXED` (`CUstreamCaptureMode`, cuda.h: GLOBAL 0, THREAD_LOCAL
+/// 1, RELAXED 2): the thread may make potentially unsafe calls while other threads capture.
+pub const CU_STREAM_CAPTURE_MODE_RELAXED: c_int = 2;
 
 pub type cuEventCreate_t = unsafe extern "C" fn(*mut CUevent, c_uint) -> CUresult;
 pub type cuEventRecord_t = unsafe extern "C" fn(CUevent, CUstream) -> CUresult;

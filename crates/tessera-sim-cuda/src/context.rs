@@ -518,6 +518,7 @@ pub unsafe extern "C" fn cuCtxGetDevice_v2(dev: *mut CUdevice, ctx: Handle) -> C
 #[unsafe(no_mangle)]
 pub extern "C" fn cuCtxSynchronize() -> CUresult {
     guard(|| {
+        crate::capture_mode::unsafe_call()?;
         current()?.synchronize();
         Ok(())
     })
@@ -527,6 +528,7 @@ pub extern "C" fn cuCtxSynchronize() -> CUresult {
 #[unsafe(no_mangle)]
 pub extern "C" fn cuCtxSynchronize_v2(ctx: Handle) -> CUresult {
     guard(|| {
+        crate::capture_mode::unsafe_call()?;
         ctx_or_current(ctx)?.synchronize();
         Ok(())
     })

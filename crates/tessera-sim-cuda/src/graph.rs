@@ -7,6 +7,7 @@
 use parking_lot::Mutex;
 use std::sync::Arc;
 
+use crate::capture_mode;
 use crate::ffi::*;
 use crate::module::check_launch;
 use crate::queue::{Capture, Node, Nodes, Op, StreamKind, host_op};
@@ -164,7 +165,7 @@ pub extern "C" fn cuGraphLaunch_ptsz(e: Handle, h: Handle) -> CUresult {
     graph_launch(e, h, true)
 }
 
-fn begin_capture(h: Handle, ptds: bool) -> CUresult {
+fn begin_capture(h: Handle, mode: u32, ptds: bool) -> CUresult {
     guard(|| {
         let s = resolve(h, ptds)?;
         if s.kind == StreamKind::Legacy {
@@ -173,22 +174,27 @@ fn begin_capture(h: Handle, ptds: bool) -> CUresult {
         if s.capture().is_some() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        if mode > 2 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
         let g = new_graph();
-        s.set_capture(Some(Arc::new(Capture::new(g.id, g.nodes.clone()))));
+        let c = Arc::new(Capture::new(g.id, g.nodes.clone()));
+        capture_mode::begun(&c, mode);
+        s.set_capture(Some(c));
         Ok(())
     })
 }
 
 /// `cuStreamBeginCapture_v2`.
 #[unsafe(no_mangle)]
-pub extern "C" fn cuStreamBeginCapture_v2(h: Handle, _mode: u32) -> CUresult {
-    begin_capture(h, false)
+pub extern "C" fn cuStreamBeginCapture_v2(h: Handle, mode: u32) -> CUresult {
+    begin_capture(h, mode, false)
 }
 
 /// `cuStreamBeginCapture_v2_ptsz`.
 #[unsafe(no_mangle)]
-pub extern "C" fn cuStreamBeginCapture_v2_ptsz(h: Handle, _mode: u32) -> CUresult {
-    begin_capture(h, true)
+pub extern "C" fn cuStreamBeginCapture_v2_ptsz(h: Handle, mode: u32) -> CUresult {
+    begin_capture(h, mode, true)
 }
 
 fn end_capture(h: Handle, pg: *mut Handle, ptds: bool) -> CUresult {
@@ -199,6 +205,13 @@ fn end_capture(h: Handle, pg: *mut Handle, ptds: bool) -> CUresult {
         let s = resolve(h, ptds)?;
         let c = s.capture().ok_or(CUDA_ERROR_STREAM_CAPTURE_UNMATCHED)?;
         s.set_capture(None);
+        capture_mode::ended(&c);
+        // An invalidated capture ends all the same, with no graph.
+        if let Err(e) = c.check() {
+            // SAFETY: non-null out-pointer from the caller.
+            unsafe { put(pg, 0 as Handle) }?;
+            return Err(e);
+        }
         // SAFETY: non-null out-pointer from the caller.
         unsafe { put(pg, c.graph as Handle) }
     })

@@ -19,6 +19,8 @@
 //! - [`array`]: CUDA arrays and mipmapped arrays (charged, not backed).
 //! - [`module`]: PTX modules, functions and kernel launches.
 //! - [`graph`]: CUDA graphs with kernel and host nodes, and stream capture.
+//! - [`capture_mode`]: capture interaction modes: a potentially unsafe call during a global
+//!   capture fails and invalidates it, as on a card.
 //! - [`proc_address`]: the name table behind `cuGetProcAddress(_v2)`.
 //!
 //! The modules form no import circle (checked for every crate by `tessera-testkit`'s `import_cycles` test).
@@ -28,6 +30,7 @@
 #![allow(clippy::missing_safety_doc)]
 
 pub mod array;
+pub mod capture_mode;
 pub mod context;
 pub mod copy;
 pub mod device;

@@ -322,7 +322,10 @@ fn launch(
         let ns = unsafe { check_launch(f, grid, block, params, extra) }?;
         let s = resolve(h, ptds)?;
         match s.capture() {
-            Some(c) => c.add_kernel(ns),
+            Some(c) => {
+                c.check()?;
+                c.add_kernel(ns);
+            }
             None => s.enqueue(Op::Kernel(ns)),
         }
         Ok(())

@@ -10,6 +10,7 @@ use std::ffi::{CStr, c_char, c_void};
 use std::sync::OnceLock;
 
 use crate::array::*;
+use crate::capture_mode::*;
 use crate::context::*;
 use crate::copy::*;
 use crate::device::*;
@@ -326,6 +327,11 @@ fn table() -> &'static [Entry] {
             e!("cuStreamEndCapture", 10000, pt cuStreamEndCapture_ptsz),
             e!("cuStreamIsCapturing", 10000, cuStreamIsCapturing),
             e!("cuStreamIsCapturing", 10000, pt cuStreamIsCapturing_ptsz),
+            e!(
+                "cuThreadExchangeStreamCaptureMode",
+                10010,
+                cuThreadExchangeStreamCaptureMode
+            ),
         ]
     })
 }

@@ -47,12 +47,33 @@ pub struct Capture {
     /// The handle of the graph being recorded.
     pub graph: usize,
     nodes: Nodes,
+    /// A potentially unsafe call broke it (see `capture_mode`): its launches and its end fail.
+    invalidated: std::sync::atomic::AtomicBool,
 }
 
 impl Capture {
     /// A capture into graph `graph`, whose nodes are `nodes`.
     pub fn new(graph: usize, nodes: Nodes) -> Self {
-        Self { graph, nodes }
+        Self {
+            graph,
+            nodes,
+            invalidated: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Marks the capture as broken.
+    pub fn invalidate(&self) {
+        self.invalidated
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` once a potentially unsafe call broke it.
+    pub fn check(&self) -> Result<(), CUresult> {
+        if self.invalidated.load(std::sync::atomic::Ordering::Acquire) {
+            Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED)
+        } else {
+            Ok(())
+        }
     }
 
     /// Records a kernel launch into the captured graph.

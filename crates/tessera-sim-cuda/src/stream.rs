@@ -6,6 +6,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use crate::capture_mode;
 use crate::context::current;
 use crate::ffi::*;
 use crate::queue::{
@@ -99,6 +100,7 @@ pub extern "C" fn cuStreamDestroy_v2(h: Handle) -> CUresult {
 
 fn stream_sync(h: Handle, ptds: bool) -> CUresult {
     guard(|| {
+        capture_mode::unsafe_call()?;
         resolve(h, ptds)?.synchronize();
         Ok(())
     })
@@ -106,6 +108,7 @@ fn stream_sync(h: Handle, ptds: bool) -> CUresult {
 
 fn stream_query(h: Handle, ptds: bool) -> CUresult {
     guard(|| {
+        capture_mode::unsafe_call()?;
         if resolve(h, ptds)?.idle() {
             Ok(())
         } else {
@@ -204,7 +207,10 @@ fn launch_host_func(
         let f = f.ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let s = resolve(h, ptds)?;
         match s.capture() {
-            Some(c) => c.add_host(f, data as usize),
+            Some(c) => {
+                c.check()?;
+                c.add_host(f, data as usize);
+            }
             None => s.enqueue(host_op(f, data as usize)),
         }
         Ok(())
@@ -343,9 +349,12 @@ pub extern "C" fn cuEventRecordWithFlags_ptsz(ev: Handle, h: Handle, _flags: u32
 /// `cuEventQuery`.
 #[unsafe(no_mangle)]
 pub extern "C" fn cuEventQuery(ev: Handle) -> CUresult {
-    guard(|| match event(ev)?.pending() {
-        Some(_) => Err(CUDA_ERROR_NOT_READY),
-        None => Ok(()),
+    guard(|| {
+        capture_mode::unsafe_call()?;
+        match event(ev)?.pending() {
+            Some(_) => Err(CUDA_ERROR_NOT_READY),
+            None => Ok(()),
+        }
     })
 }
 
@@ -353,6 +362,7 @@ pub extern "C" fn cuEventQuery(ev: Handle) -> CUresult {
 #[unsafe(no_mangle)]
 pub extern "C" fn cuEventSynchronize(ev: Handle) -> CUresult {
     guard(|| {
+        capture_mode::unsafe_call()?;
         let e = event(ev)?;
         if let Some(gen_) = e.pending() {
             e.wait_for(gen_);

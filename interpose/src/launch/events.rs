@@ -80,6 +80,7 @@ pub struct DriverEvents {
     ev_elapsed: cuEventElapsedTime_t,
     ev_destroy: cuEventDestroy_v2_t,
     is_capturing: Option<cuStreamIsCapturing_t>,
+    capture_mode: Option<cuThreadExchangeStreamCaptureMode_t>,
 }
 
 impl std::fmt::Debug for DriverEvents {
@@ -110,7 +111,27 @@ impl DriverEvents {
             ev_elapsed: sym!(c"cuEventElapsedTime", cuEventElapsedTime_t)?,
             ev_destroy: sym!(c"cuEventDestroy_v2", cuEventDestroy_v2_t)?,
             is_capturing: sym!(c"cuStreamIsCapturing", cuStreamIsCapturing_t),
+            capture_mode: sym!(
+                c"cuThreadExchangeStreamCaptureMode",
+                cuThreadExchangeStreamCaptureMode_t
+            ),
         })
+    }
+
+    /// Puts the calling thread (the lease manager) in the relaxed capture mode, so that its
+    /// event calls while an application thread captures a CUDA graph in the default global
+    /// mode neither fail nor invalidate that capture: in the global mode a potentially unsafe
+    /// call from any other thread ends the capture with `cudaErrorStreamCaptureInvalidated`
+    /// (seen on an H200: PyTorch's `torch.cuda.graph` failed under Tessera in one run of two,
+    /// "operation failed due to a previous error during capture"). PyTorch's own caching
+    /// allocator does the same around `cudaMalloc`. Returns whether the driver took it.
+    pub fn relax_capture_mode(&self) -> bool {
+        let Some(f) = self.capture_mode else {
+            return false;
+        };
+        let mut mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: in-out pointer to a local `CUstreamCaptureMode`; affects the calling thread.
+        unsafe { f(&mut mode) == CUDA_SUCCESS }
     }
 }
 
@@ -137,6 +158,7 @@ impl DriverEvents {
             ev_elapsed: ok3::<*mut f32, CUevent, CUevent>,
             ev_destroy: ok1::<CUevent>,
             is_capturing: None,
+            capture_mode: None,
         })
     }
 }

@@ -542,6 +542,15 @@ impl Gate {
         // 50 us timer slack would stretch each by up to that much. Only this thread changes.
         // SAFETY: PR_SET_TIMERSLACK takes an integer argument and affects the calling thread.
         unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0) };
+        // Its event calls must not break an application's graph capture (see there).
+        if let Some(ev) = (self.events)()
+            && !ev.relax_capture_mode()
+        {
+            tlog!(
+                Debug,
+                "cuThreadExchangeStreamCaptureMode unavailable: the lease manager keeps the global capture mode"
+            );
+        }
         loop {
             // Wait until a launcher has begun a lease.
             let begun = {

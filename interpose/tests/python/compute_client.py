@@ -95,6 +95,9 @@ def main():
     elif mode == "coop":
         def launch():
             ok(cu.cuLaunchCooperativeKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, args))
+    elif mode == "capture_busy":
+        def launch():
+            ok(cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, args, 0))
     elif mode == "graph":
         capture = ok(cu.cuStreamCreate(0))
         ok(cu.cuStreamBeginCapture(capture, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
@@ -114,6 +117,31 @@ def main():
         while not os.path.exists(go):
             time.sleep(0.01)
 
+    captured = {"captures": 0, "capture_failures": 0, "capture_error": None}
+    if mode == "capture_busy":
+        import threading
+
+        def capture_loop():
+            ok(cu.cuCtxSetCurrent(ctx))
+            side = ok(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+            while time.monotonic() - start < seconds:
+                err = cu.cuStreamBeginCapture(side, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)[0]
+                for _ in range(10):
+                    if err == cu.CUresult.CUDA_SUCCESS:
+                        err = cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, side, args, 0)[0]
+                    time.sleep(0.001)
+                end_err, graph = cu.cuStreamEndCapture(side)
+                err = err if err != cu.CUresult.CUDA_SUCCESS else end_err
+                captured["captures"] += 1
+                if err != cu.CUresult.CUDA_SUCCESS:
+                    captured["capture_failures"] += 1
+                    captured["capture_error"] = captured["capture_error"] or repr(err)
+                elif graph:
+                    ok(cu.cuGraphDestroy(graph))
+
+        start = time.monotonic()
+        capturer = threading.Thread(target=capture_loop)
+        capturer.start()
     launches = 0
     first_done_after = None
     start = time.monotonic()
@@ -123,6 +151,8 @@ def main():
         if first_done_after is None and mode == "sync":
             first_done_after = time.monotonic() - start
     launched_for = time.monotonic() - start
+    if mode == "capture_busy":
+        capturer.join()
     ok(cu.cuCtxSynchronize())
     print(json.dumps({
         "pid": os.getpid(),
@@ -130,6 +160,7 @@ def main():
         "launched_for": launched_for,
         "finished_after": time.monotonic() - start,
         "first_done_after": first_done_after,
+        **(captured if mode == "capture_busy" else {}),
     }), flush=True)
     time.sleep(linger)
 

@@ -582,6 +582,7 @@ fn policy() -> Policy {
         unknown: Unknown::Kill,
         compute_threshold: Duration::from_millis(500),
         compute_slack: 0.05,
+        compute_tolerance: Duration::ZERO,
     }
 }
 
@@ -1113,6 +1114,7 @@ fn bed(dir: &std::path::Path, enforce: Enforce) -> Bed {
         unknown: Unknown::Report,
         compute_threshold: Duration::from_millis(500),
         compute_slack: 0.05,
+        compute_tolerance: Duration::ZERO,
     };
     let b = Backstop::with_io(
         Arc::clone(&arb),
