@@ -2,13 +2,12 @@
 //! no thread and little memory, are dropped after one handshake deadline, and are capped, so a
 //! flood from other processes neither kills the arbiter nor keeps honest tenants out.
 
-mod common;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use tessera_protocol::client::{ClientError, TenantClient};
 use tessera_protocol::{RefusalKind, ServerHello, TenantReply, TenantRequest, frame};
 

@@ -1,6 +1,5 @@
 //! The real `tessera-arbiter` binary, driven over its sockets.
 
-mod common;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -10,7 +9,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use tessera_protocol::client::{AdminClient, ClientError, TenantClient};
 use tessera_protocol::frame;
 use tessera_protocol::{

@@ -1,12 +1,11 @@
 //! Compute leases through the real arbiter's tenant socket.
 
-mod common;
 
 use std::collections::BTreeMap;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 use tessera_protocol::client::TenantClient;
 use tessera_protocol::{CreateAllocation, GpuSelector, TenantReply, TenantRequest, Tier};
 
