@@ -2,7 +2,6 @@
 //! no thread and little memory, are dropped after one handshake deadline, and are capped, so a
 //! flood from other processes neither kills the arbiter nor keeps honest tenants out.
 
-
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};

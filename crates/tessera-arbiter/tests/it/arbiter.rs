@@ -1,6 +1,5 @@
 //! The real `tessera-arbiter` binary, driven over its sockets.
 
-
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{Read, Write};

@@ -1,6 +1,5 @@
 //! Compute leases through the real arbiter's tenant socket.
 
-
 use std::collections::BTreeMap;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
