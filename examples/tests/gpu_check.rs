@@ -114,7 +114,7 @@ fn gpu_check_script_writes_every_row_on_the_simulated_gpu() {
         ("2 shares 30/70", "work done"),
         ("2 shares 30/70", "split of work"),
         ("2 shares 30/70", "total throughput vs one tenant alone"),
-        ("3 cap 30%", "throughput capped / uncapped"),
+        ("3 cap 30%", "GPU time capped / wall"),
         ("4 overhead", "large kernels"),
         ("4 overhead", "loop of tiny kernels"),
         ("4 overhead", "CUDA-graph replay"),
