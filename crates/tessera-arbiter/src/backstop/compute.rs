@@ -170,10 +170,10 @@ impl ComputeBook {
             }
         }
         // NVML's attribution comes in lumps of its sample periods (see
-        // `DEFAULT_COMPUTE_TOLERANCE`): an allocation banks up to the tolerance of leased
-        // time NVML has not attributed yet, and only debt beyond the tolerance is charged.
+        // `DEFAULT_COMPUTE_TOLERANCE`): only debt beyond the tolerance is charged. The floor
+        // stays one interval, so leases held idle still buy nothing later.
         let tolerance = policy.compute_tolerance.as_nanos() as i128;
-        let floor = -(elapsed_ns as i128).max(tolerance);
+        let floor = -(elapsed_ns as i128);
         let mut candidates = Vec::new();
         for (&(i, before, pre, leased, no_tolerance), slack) in rows.iter().zip(given) {
             let t = if no_tolerance { 0 } else { tolerance };

@@ -38,9 +38,9 @@ pub struct Policy {
     pub compute_threshold: Duration,
     /// Unleased GPU time forgiven per unit of wall time (kernels that overrun their lease).
     pub compute_slack: f64,
-    /// Unleased GPU time an allocation may show before any of it is charged, and leased time
-    /// it may bank against NVML's late attribution: NVML gives GPU time per process in
-    /// samples of whole periods (see [`DEFAULT_COMPUTE_TOLERANCE`]), not per lease.
+    /// Unleased GPU time an allocation that takes part in leasing may show before any of it is
+    /// charged: NVML gives GPU time per process in samples of whole periods (see
+    /// [`DEFAULT_COMPUTE_TOLERANCE`]), not per lease.
     pub compute_tolerance: Duration,
 }
 
