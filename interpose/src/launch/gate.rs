@@ -542,7 +542,8 @@ impl Gate {
         // 50 us timer slack would stretch each by up to that much. Only this thread changes.
         // SAFETY: PR_SET_TIMERSLACK takes an integer argument and affects the calling thread.
         unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0) };
-        // Its event calls must not break an application's graph capture (see there).
+        // Its event calls must not break an application's graph capture (see
+        // `DriverEvents::relax_capture_mode`).
         if let Some(ev) = (self.events)()
             && !ev.relax_capture_mode()
         {
