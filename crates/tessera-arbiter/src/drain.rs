@@ -551,24 +551,7 @@ mod tests {
         // whoever closed the channel (a tenant handing its ticket to another process included).
         const MIB: u64 = 1 << 20;
         let dir = tempfile::tempdir().unwrap();
-        let arb = crate::state::Arbiter::new(
-            crate::state::test_gpus(2),
-            crate::store::Store::open(dir.path()).unwrap(),
-            crate::scheduler::SchedulerParams::default(),
-        )
-        .unwrap();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        let (token, _) = rt
-            .block_on(arb.create(tessera_protocol::CreateAllocation {
-                gpu: tessera_protocol::GpuSelector::Index(0),
-                memory_limit: 1 << 30,
-                share: 50,
-                cap: None,
-                labels: Default::default(),
-            }))
-            .unwrap();
+        let (arb, token) = crate::state::test_arbiter_with_allocation(dir.path(), 2, 1 << 30);
         let me = crate::peer::ProcId {
             pid: std::process::id() as i32,
             start: crate::peer::proc_start(std::process::id() as i32).unwrap(),

@@ -460,5 +460,34 @@ pub(crate) fn test_gpus(n: u32) -> Vec<GpuInfo> {
         .collect()
 }
 
+/// An arbiter on `gpus` simulated GPUs with its state in `dir`, and the token of one
+/// allocation of `limit` bytes and share 50 on GPU 0, for tests of what tenants do to it.
+#[cfg(test)]
+pub(crate) fn test_arbiter_with_allocation(
+    dir: &std::path::Path,
+    gpus: u32,
+    limit: u64,
+) -> (Arc<Arbiter>, String) {
+    let arb = Arbiter::new(
+        test_gpus(gpus),
+        Store::open(dir).unwrap(),
+        SchedulerParams::default(),
+    )
+    .unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let (token, _) = rt
+        .block_on(arb.create(tessera_protocol::CreateAllocation {
+            gpu: tessera_protocol::GpuSelector::Index(0),
+            memory_limit: limit,
+            share: 50,
+            cap: None,
+            labels: Default::default(),
+        }))
+        .unwrap();
+    (arb, token)
+}
+
 #[cfg(test)]
 mod tests;

@@ -12,25 +12,8 @@ fn a_reservation_waits_for_an_exited_siblings_bytes_not_yet_draining() {
     use std::time::Duration;
     const MIB: u64 = 1 << 20;
     let dir = tempfile::tempdir().unwrap();
-    let arb = Arbiter::new(
-        crate::state::test_gpus(1),
-        crate::store::Store::open(dir.path()).unwrap(),
-        crate::scheduler::SchedulerParams::default(),
-    )
-    .unwrap();
+    let (arb, token) = crate::state::test_arbiter_with_allocation(dir.path(), 1, 1 << 30);
     arb.set_memory_wait(Duration::from_millis(20));
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .unwrap();
-    let (token, _) = rt
-        .block_on(arb.create(tessera_protocol::CreateAllocation {
-            gpu: tessera_protocol::GpuSelector::Index(0),
-            memory_limit: 1 << 30,
-            share: 50,
-            cap: None,
-            labels: Default::default(),
-        }))
-        .unwrap();
     let proc_of = |pid: u32| ProcId {
         pid: pid as i32,
         start: proc_start(pid as i32).unwrap(),

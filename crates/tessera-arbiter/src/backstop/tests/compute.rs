@@ -422,3 +422,121 @@ fn the_culprit_is_unconnected_first_then_the_busiest() {
     );
     assert_eq!(compute_culprit(&[(1, 0)], &connected), None);
 }
+
+/// [`policy`] with NVML's tolerance at `tolerance`.
+fn policy_tolerating(tolerance: Duration) -> Policy {
+    Policy {
+        compute_tolerance: tolerance,
+        ..policy()
+    }
+}
+
+/// NVML's per-process SM utilisation (percent) of tenants A (share 30) and B (share 70),
+/// per 250 ms poll, as an H200 (driver 580) gave it while the two time-sliced bf16 matrix
+/// products in 20 ms leases, 30/70 of the work (examples/gpu-check, 2026-12-04): whole
+/// 200 ms sample periods go to one of them, or half to each.
+const H200_POLLS: [(u64, u64); 33] = [
+    (0, 95),
+    (0, 95),
+    (0, 97),
+    (0, 95),
+    (96, 0),
+    (0, 95),
+    (0, 97),
+    (97, 0),
+    (0, 97),
+    (0, 96),
+    (49, 49),
+    (97, 0),
+    (0, 97),
+    (49, 48),
+    (0, 95),
+    (0, 97),
+    (0, 97),
+    (0, 97),
+    (0, 96),
+    (0, 97),
+    (97, 0),
+    (48, 48),
+    (0, 97),
+    (0, 96),
+    (96, 0),
+    (0, 97),
+    (0, 97),
+    (97, 0),
+    (0, 96),
+    (49, 49),
+    (0, 96),
+    (88, 0),
+    (0, 0),
+];
+
+/// Replays [`H200_POLLS`] with leases of exactly 30 and 70 per cent of each poll; returns
+/// the GPU time charged to A and B.
+fn replay(pol: &Policy) -> (u64, u64) {
+    let (mut book, poll) = (ComputeBook::default(), 250 * MS);
+    let (mut leased_a, mut leased_b, mut charged) = (0, 0, (0, 0));
+    for (i, &(a, b)) in std::iter::once(&(0, 0)).chain(&H200_POLLS).enumerate() {
+        if i > 0 {
+            leased_a += 75 * MS;
+            leased_b += 175 * MS;
+        }
+        let uses = [
+            ComputeUse {
+                id: "a",
+                used_ns: poll * a / 100,
+                leased_total: leased_a,
+            },
+            ComputeUse {
+                id: "b",
+                used_ns: poll * b / 100,
+                leased_total: leased_b,
+            },
+        ];
+        let v = book.observe_gpu(&uses, poll, pol, true);
+        assert!(
+            !v[0].over && !v[1].over,
+            "poll {i}: an honest tenant acted on"
+        );
+        charged.0 += v[0].charge_ns;
+        charged.1 += v[1].charge_ns;
+    }
+    charged
+}
+
+#[test]
+fn nvmls_lumps_are_not_charged_to_honest_tenants_within_the_tolerance() {
+    assert_eq!(
+        replay(&policy_tolerating(DEFAULT_COMPUTE_TOLERANCE)),
+        (0, 0)
+    );
+    // Without it, B's lumps were charged: the split of work moved away from 30/70.
+    let (_, b) = replay(&policy_tolerating(Duration::ZERO));
+    assert!(b > 100 * MS, "charged to B without a tolerance: {b}");
+}
+
+#[test]
+fn a_bypass_gets_no_tolerance_and_is_acted_on_as_before() {
+    // An allocation that never leases and keeps the GPU 96% busy, alone on it.
+    let pol = policy_tolerating(DEFAULT_COMPUTE_TOLERANCE);
+    let (mut book, poll) = (ComputeBook::default(), 250 * MS);
+    let (mut charged, mut over_at) = (0, None);
+    for i in 0..12u64 {
+        let u = ComputeUse {
+            id: "x",
+            used_ns: poll * 96 / 100,
+            leased_total: 0,
+        };
+        let v = book.observe_gpu(&[u], poll, &pol, true);
+        charged += v[0].charge_ns;
+        if v[0].over && over_at.is_none() {
+            over_at = Some(i);
+        }
+    }
+    // Debt past the 500 ms threshold at the third observed poll (the first sets the
+    // starting point), as with no tolerance: the kill rule reads the whole debt.
+    assert_eq!(over_at, Some(3));
+    // It never leased, so it gets no tolerance: everything beyond the slack is charged,
+    // 11 polls of 240 ms less the slack's 12.5 ms each (as with no tolerance at all).
+    assert_eq!(charged, 11 * 2275 * MS / 10);
+}
