@@ -743,18 +743,11 @@ fn reserve_pressing(
         if matches!(r, Credit::Granted { .. }) {
             return Ok(r);
         }
-        if Instant::now() >= deadline {
-            // As above: bytes on their way out (draining, or of exited processes) are waited
-            // for rather than refused beside (seen: 96 MiB refused with 616 MiB draining).
-            if drains.wait(arb, b, seen) {
-                deadline = Instant::now() + arb.memory_wait();
-                pressed = false;
-                continue;
-            }
-            log_refusal(arb, b, conn, need, "after a press");
-            return Ok(r);
-        }
-        // What the others hold is allocated right now: wait for one of them to free.
+        // What the others hold is allocated right now: wait for one of them to free. Past the
+        // deadline this returns at once, and the next turn tries once more and then refuses,
+        // or waits for bytes on their way out (draining, or of exited processes), above: one
+        // place decides a refusal after a press (a return here had refused 96 MiB beside
+        // 616 MiB draining).
         hub.wait_freed(seen, deadline);
     }
 }
