@@ -208,6 +208,13 @@ fn a_watcher_that_panics_leaves_no_credit_and_frees_still_reach_the_arbiter() {
     let s = session(&sock, TOKEN, policy(3000, true));
     s.reserve(300).unwrap();
     arb.wait_for("channel", |a| a.channels() == 1);
+    // The arbiter sees the channel subscribed before the watcher has stored it: wait for the
+    // session's side too, or the loop below ends before the watcher ever looked.
+    let end = Instant::now() + Duration::from_secs(30);
+    while !s.has_channel() {
+        assert!(Instant::now() < end, "the session never kept its channel");
+        std::thread::sleep(Duration::from_millis(2));
+    }
     PANIC_IN_WATCHER.store(s as *const Session as usize, Ordering::Release);
     // A free wakes the watcher, which panics at its next look.
     s.release(100);
