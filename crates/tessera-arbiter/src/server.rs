@@ -258,7 +258,11 @@ impl Server {
             tasks.push(tokio::spawn(user_admission.report("user", REPORT_EVERY)));
         }
         let epoch = arbiter.epoch();
-        for s in arbiter.schedulers() {
+        // A MIG instance made later is read on demand (a Create naming it, a backstop poll).
+        arbiter.set_discovery(Box::new(crate::gpus::NvmlDiscovery {
+            lib: Some(config.nvml_lib.clone().into()),
+        }));
+        for s in arbiter.start_timers(tokio::runtime::Handle::current()) {
             tasks.push(tokio::spawn(s.run_timer(epoch)));
         }
         // Shared by the backstop (which counts) and the metrics endpoint (which shows them).

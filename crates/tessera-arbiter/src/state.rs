@@ -1,5 +1,8 @@
 //! The arbiter's shared state: GPUs, allocations, the memory ledger and the schedulers.
 //!
+//! The device list (`gpus`, read again when the MIG layout changes: [`devices`]) is behind a
+//! lock of its own, held only to copy or swap an `Arc`.
+//!
 //! Two locks, never held together across an await:
 //! - `admin` (async): the persisted allocation list; it serialises Create and Delete so that
 //!   validation, the disk write and the in-memory change happen in order, and the disk write
@@ -33,6 +36,7 @@ use crate::store::{self, AllocationRecord, Store, StoreError};
 // out of this file, which is long enough.
 mod access;
 mod admin;
+mod devices;
 mod kills;
 mod observe;
 mod tenants;
@@ -177,7 +181,13 @@ fn proc_key(peer: Option<ProcId>, conn: ConnId) -> ProcKey {
 /// Shared state of one arbiter.
 #[derive(Debug)]
 pub struct Arbiter {
-    gpus: Vec<GpuInfo>,
+    /// The devices, by UUID with stable indexes ([`crate::gpus::keep_indexes`]).
+    gpus: parking_lot::RwLock<Arc<Vec<GpuInfo>>>,
+    /// What reads them again when a Create names a device this list lacks (none: fixed).
+    discovery: std::sync::OnceLock<Box<dyn crate::gpus::GpuDiscovery + Send + Sync>>,
+    /// Where a scheduler made after start-up runs its timer (set once the server has started
+    /// those of the schedulers made at start-up).
+    timers: Mutex<Option<tokio::runtime::Handle>>,
     store: Store,
     admin: tokio::sync::Mutex<Vec<AllocationRecord>>,
     live: Mutex<Live>,
@@ -360,7 +370,9 @@ impl Arbiter {
             }
         }
         let arb = Arc::new(Self {
-            gpus,
+            gpus: parking_lot::RwLock::new(Arc::new(gpus)),
+            discovery: std::sync::OnceLock::new(),
+            timers: Mutex::new(None),
             store,
             admin: tokio::sync::Mutex::new(records.clone()),
             live: Mutex::new(Live::default()),
@@ -374,7 +386,7 @@ impl Arbiter {
             members: Mutex::default(),
             kills: Mutex::default(),
         });
-        for g in &arb.gpus {
+        for g in arb.gpus().iter() {
             arb.scheduler_for(&g.uuid);
         }
         for r in records {
@@ -393,22 +405,27 @@ impl Arbiter {
         self.epoch.elapsed().as_nanos() as u64
     }
 
-    /// The node's GPUs.
-    pub fn gpus(&self) -> &[GpuInfo] {
-        &self.gpus
+    /// The node's devices as last read.
+    pub fn gpus(&self) -> Arc<Vec<GpuInfo>> {
+        Arc::clone(&self.gpus.read())
     }
 
-    /// Every scheduler (the server starts a timer task for each).
+    /// Every scheduler.
     pub fn schedulers(&self) -> Vec<SchedulerHandle> {
         self.schedulers.lock().values().cloned().collect()
     }
 
     fn scheduler_for(&self, uuid: &str) -> SchedulerHandle {
-        self.schedulers
-            .lock()
-            .entry(uuid.to_owned())
-            .or_insert_with(|| SchedulerHandle::new(uuid.to_owned(), self.sched_params))
-            .clone()
+        let mut all = self.schedulers.lock();
+        if let Some(s) = all.get(uuid) {
+            return s.clone();
+        }
+        let s = SchedulerHandle::new(uuid.to_owned(), self.sched_params);
+        all.insert(uuid.to_owned(), s.clone());
+        if let Some(rt) = &*self.timers.lock() {
+            rt.spawn(s.clone().run_timer(self.epoch));
+        }
+        s
     }
 
     fn live(&self) -> MutexGuard<'_, Live> {

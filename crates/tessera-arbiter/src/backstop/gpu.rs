@@ -2,6 +2,8 @@
 
 #[allow(unused_imports)]
 use super::*;
+use nvml_wrapper::error::NvmlError;
+use tessera_protocol::GpuInfo;
 
 /// One process on a GPU, as NVML reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,6 +21,9 @@ pub enum GpuSourceError {
     /// NVML failed.
     #[error(transparent)]
     Nvml(#[from] nvml_wrapper::error::NvmlError),
+    /// The devices could not be listed.
+    #[error(transparent)]
+    Discovery(#[from] crate::gpus::GpusError),
     /// A fake source was told to fail (tests).
     #[error("{0}")]
     Other(String),
@@ -36,20 +41,21 @@ pub struct UtilSample {
 }
 
 /// What the backstop reads from the GPUs: NVML in production ([`NvmlSource`]), a fake in
-/// tests.
+/// tests. Devices are the arbiter's ([`crate::gpus`]): read by UUID, so a MIG device is read
+/// whatever its position among its parent's.
 pub trait GpuSource: Send {
-    /// How many GPUs there are.
-    fn device_count(&self) -> Result<u32, GpuSourceError>;
-    /// The devices to read, by arbiter index (whole GPUs by NVML index, MIG devices by
-    /// [`crate::gpus::mig_index`]); by default `0..device_count`.
-    fn device_indices(&self) -> Result<Vec<u32>, GpuSourceError> {
-        Ok((0..self.device_count()?).collect())
+    /// The node's devices now, numbered as discovery numbers them
+    /// ([`crate::gpus::keep_indexes`] gives them the arbiter's indexes); `None` when this
+    /// source's devices do not change (fakes): the arbiter's list is read as it is.
+    fn discover(&self) -> Option<Result<Vec<GpuInfo>, GpuSourceError>> {
+        None
     }
-    /// The processes on GPU `gpu` with their device memory (compute and graphics).
-    fn processes(&self, gpu: u32) -> Result<Vec<GpuProcess>, GpuSourceError>;
-    /// GPU `gpu`'s per-process utilisation samples newer than `since_us` (none: empty). `None`
+    /// The processes on `gpu` with their device memory (compute and graphics), each tagged
+    /// with `gpu.index`; none when the device is gone.
+    fn processes(&self, gpu: &GpuInfo) -> Result<Vec<GpuProcess>, GpuSourceError>;
+    /// `gpu`'s per-process utilisation samples newer than `since_us` (none: empty). `None`
     /// when this system cannot give them at all.
-    fn utilization(&self, gpu: u32, since_us: u64) -> Option<Vec<UtilSample>>;
+    fn utilization(&self, gpu: &GpuInfo, since_us: u64) -> Option<Vec<UtilSample>>;
 }
 
 /// [`GpuSource`] over NVML.
@@ -74,21 +80,28 @@ impl NvmlSource {
     }
 }
 
+impl NvmlSource {
+    /// `gpu`'s device, by UUID (`GPU-` or `MIG-`); `None` when no device has it any more (an
+    /// instance destroyed since the arbiter's last reading).
+    fn device(&self, gpu: &GpuInfo) -> Result<Option<nvml_wrapper::Device<'_>>, NvmlError> {
+        match self.0.device_by_uuid(gpu.uuid.as_str()) {
+            Ok(d) => Ok(Some(d)),
+            Err(NvmlError::NotFound) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
 impl GpuSource for NvmlSource {
-    fn device_count(&self) -> Result<u32, GpuSourceError> {
-        Ok(self.0.device_count()?)
+    fn discover(&self) -> Option<Result<Vec<GpuInfo>, GpuSourceError>> {
+        Some(crate::gpus::discover_with(&self.0).map_err(GpuSourceError::from))
     }
 
-    fn device_indices(&self) -> Result<Vec<u32>, GpuSourceError> {
-        Ok(crate::gpus::devices(&self.0)?
-            .into_iter()
-            .map(|(i, _)| i)
-            .collect())
-    }
-
-    fn processes(&self, gpu: u32) -> Result<Vec<GpuProcess>, GpuSourceError> {
+    fn processes(&self, gpu: &GpuInfo) -> Result<Vec<GpuProcess>, GpuSourceError> {
         // A MIG device's own handle: its processes, with no privilege needed.
-        let dev = crate::gpus::device_of(&self.0, gpu)?;
+        let Some(dev) = self.device(gpu)? else {
+            return Ok(Vec::new());
+        };
         let mut list = dev.running_compute_processes()?;
         // A compute-only GPU (or the simulator) has no graphics list.
         list.extend(dev.running_graphics_processes().unwrap_or_default());
@@ -96,7 +109,7 @@ impl GpuSource for NvmlSource {
             .into_iter()
             .map(|p| GpuProcess {
                 pid: p.pid as i32,
-                gpu,
+                gpu: gpu.index,
                 used: match p.used_gpu_memory {
                     nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => b,
                     nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => 0,
@@ -105,13 +118,17 @@ impl GpuSource for NvmlSource {
             .collect())
     }
 
-    fn utilization(&self, gpu: u32, since_us: u64) -> Option<Vec<UtilSample>> {
-        if crate::gpus::mig_position(gpu).is_some() {
+    fn utilization(&self, gpu: &GpuInfo, since_us: u64) -> Option<Vec<UtilSample>> {
+        if crate::gpus::mig_position(gpu.index).is_some() {
             // NVML has no utilization on MIG devices: GPU time there is not read (the memory
             // and identity rules still hold; the other devices keep theirs).
             return Some(Vec::new());
         }
-        let dev = self.0.device_by_index(gpu).ok()?;
+        let dev = match self.device(gpu) {
+            Ok(Some(d)) => d,
+            Ok(None) => return Some(Vec::new()),
+            Err(_) => return None,
+        };
         match dev.process_utilization_stats(since_us) {
             Ok(s) => Some(
                 s.into_iter()
@@ -122,7 +139,7 @@ impl GpuSource for NvmlSource {
                     })
                     .collect(),
             ),
-            Err(nvml_wrapper::error::NvmlError::NotFound) => Some(Vec::new()),
+            Err(NvmlError::NotFound) => Some(Vec::new()),
             Err(e) => {
                 tracing::warn!(
                     "backstop: per-process GPU time unavailable ({e}); compute bypass is not policed"

@@ -62,6 +62,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use tessera_protocol::GpuInfo;
 use tessera_protocol::identity::{CONTAINER_IDENTITY_FILE, Identity};
 use tessera_protocol::size::human;
 
@@ -235,28 +236,35 @@ impl Backstop {
         self
     }
 
-    /// Every process on every GPU with its device memory.
-    fn gpu_processes(&self) -> Result<Vec<GpuProcess>, GpuSourceError> {
+    /// The node's devices, read again where the source can (a MIG instance made or destroyed
+    /// since the last poll), with the arbiter's indexes.
+    fn devices(&self) -> Result<Arc<Vec<GpuInfo>>, GpuSourceError> {
+        if let Some(found) = self.gpus.discover() {
+            self.arb.refresh_gpus(found?);
+        }
+        Ok(self.arb.gpus())
+    }
+
+    /// Every process on every device of `devices` with its device memory.
+    fn gpu_processes(&self, devices: &[GpuInfo]) -> Result<Vec<GpuProcess>, GpuSourceError> {
         let mut out = Vec::new();
-        for i in self.gpus.device_indices()? {
-            out.extend(self.gpus.processes(i)?);
+        for g in devices {
+            out.extend(self.gpus.processes(g)?);
         }
         Ok(out)
     }
 
     /// GPU time per (pid, GPU index) over the last `elapsed_ns`, from NVML's per-process
     /// utilisation samples: the mean SM utilisation of a pid's samples times the interval.
-    fn gpu_time(&mut self, elapsed_ns: u64) -> HashMap<(i32, u32), u64> {
+    fn gpu_time(&mut self, devices: &[GpuInfo], elapsed_ns: u64) -> HashMap<(i32, u32), u64> {
         let mut out = HashMap::new();
         if self.compute_off {
             return out;
         }
-        let Ok(indices) = self.gpus.device_indices() else {
-            return out;
-        };
-        for i in indices {
+        for g in devices {
+            let i = g.index;
             let since = self.last_seen.get(&i).copied().unwrap_or(0);
-            let Some(samples) = self.gpus.utilization(i, since) else {
+            let Some(samples) = self.gpus.utilization(g, since) else {
                 self.compute_off = true;
                 return HashMap::new();
             };
@@ -284,8 +292,11 @@ impl Backstop {
             .last_poll
             .map(|t| now.duration_since(t).as_nanos() as u64);
         self.last_poll = Some(now);
-        let procs = match self.gpu_processes() {
-            Ok(p) => p,
+        let (devices, procs) = match self
+            .devices()
+            .and_then(|d| Ok((self.gpu_processes(&d)?, d)))
+        {
+            Ok((p, d)) => (d, p),
             Err(e) => {
                 if self.counters.failed_polls.fetch_add(1, Ordering::Relaxed) == 0 {
                     tracing::warn!("backstop: cannot read GPU processes from NVML: {e}");
@@ -293,7 +304,7 @@ impl Backstop {
                 return Vec::new();
             }
         };
-        let gpu_per = self.gpu_time(elapsed.unwrap_or(0));
+        let gpu_per = self.gpu_time(&devices, elapsed.unwrap_or(0));
         let mut watched = self.arb.watched();
         let memory = memory_per_pid(&procs);
         let mut pids: Vec<i32> = memory

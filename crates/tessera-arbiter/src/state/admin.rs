@@ -7,20 +7,32 @@ use super::*;
 
 /// Creating allocations: the checks, the records, one GPU or a group of slices.
 impl Arbiter {
-    pub(super) fn resolve_gpu(&self, sel: &GpuSelector) -> Result<&GpuInfo, StateError> {
-        match sel {
-            GpuSelector::Index(i) => self.gpus.iter().find(|g| g.index == *i).ok_or_else(|| {
-                StateError::Invalid(format!(
-                    "no GPU with index {i} (this node has {} GPU(s))",
-                    self.gpus.len()
-                ))
-            }),
-            GpuSelector::Uuid(u) => self
-                .gpus
-                .iter()
-                .find(|g| g.uuid.eq_ignore_ascii_case(u))
-                .ok_or_else(|| StateError::Invalid(format!("no GPU with UUID {u}"))),
+    /// The device `sel` names; one this list lacks is looked for again in a fresh reading
+    /// (a MIG instance made since: [`Arbiter::set_discovery`]).
+    pub(super) fn resolve_gpu(&self, sel: &GpuSelector) -> Result<GpuInfo, StateError> {
+        let find = |gpus: &[GpuInfo]| {
+            gpus.iter()
+                .find(|g| match sel {
+                    GpuSelector::Index(i) => g.index == *i,
+                    GpuSelector::Uuid(u) => g.uuid.eq_ignore_ascii_case(u),
+                })
+                .cloned()
+        };
+        if let Some(g) = find(&self.gpus()) {
+            return Ok(g);
         }
+        if self.rediscover()
+            && let Some(g) = find(&self.gpus())
+        {
+            return Ok(g);
+        }
+        Err(StateError::Invalid(match sel {
+            GpuSelector::Index(i) => format!(
+                "no GPU with index {i} (this node has {} GPU(s))",
+                self.gpus().len()
+            ),
+            GpuSelector::Uuid(u) => format!("no GPU with UUID {u}"),
+        }))
     }
 
     /// Creates and persists an allocation.
@@ -38,7 +50,7 @@ impl Arbiter {
         records: &[AllocationRecord],
         req: &CreateAllocation,
     ) -> Result<GpuInfo, StateError> {
-        let gpu = self.resolve_gpu(&req.gpu)?.clone();
+        let gpu = self.resolve_gpu(&req.gpu)?;
         if !(1..=100).contains(&req.share) {
             return Err(StateError::Invalid(format!(
                 "share {} is not in 1..=100",

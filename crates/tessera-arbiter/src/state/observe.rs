@@ -63,7 +63,7 @@ impl Arbiter {
         };
         rows.sort_by(|a, b| (a.0.gpu_index, &a.0.id).cmp(&(b.0.gpu_index, &b.0.id)));
         let mut gpus: Vec<GpuSample> = self
-            .gpus
+            .gpus()
             .iter()
             .map(|g| GpuSample {
                 index: g.index,
@@ -115,9 +115,10 @@ impl Arbiter {
 
     /// Every live allocation with the processes connected for it (for the backstop).
     pub fn watched(&self) -> Vec<Watched> {
+        let devices = self.gpus();
         let live = self.live();
         let index_of = |uuid: &str| {
-            self.gpus
+            devices
                 .iter()
                 .find(|g| g.uuid.eq_ignore_ascii_case(uuid))
                 .map(|g| g.index)
@@ -254,6 +255,7 @@ impl Arbiter {
     /// per card; other accounts' over all cards). The backstop's one caller: the peak covers
     /// the card figures it read before this call, however long it was descheduled between.
     pub fn connected_processes(&self) -> Vec<(AccountKey, ProcId, ConnId, u64, Option<u32>)> {
+        let devices = self.gpus();
         let mut guard = self.live();
         let live = &mut *guard;
         let slice_card: HashMap<AccountKey, u32> = live
@@ -265,7 +267,7 @@ impl Arbiter {
                     .contains_key(tessera_protocol::group::LABEL_GPU_GROUP)
             })
             .filter_map(|a| {
-                self.gpus
+                devices
                     .iter()
                     .find(|g| g.uuid.eq_ignore_ascii_case(&a.record.gpu_uuid))
                     .map(|g| (a.key, g.index))

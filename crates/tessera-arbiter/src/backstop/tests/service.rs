@@ -38,19 +38,18 @@ struct FakeGpus {
 }
 
 impl GpuSource for Arc<FakeGpus> {
-    fn device_count(&self) -> Result<u32, GpuSourceError> {
+    fn processes(
+        &self,
+        gpu: &tessera_protocol::GpuInfo,
+    ) -> Result<Vec<GpuProcess>, GpuSourceError> {
         if self.fail.load(Ordering::Relaxed) {
             return Err(GpuSourceError::Other("NVML is gone".into()));
         }
-        Ok(1)
-    }
-
-    fn processes(&self, gpu: u32) -> Result<Vec<GpuProcess>, GpuSourceError> {
         let all = self.procs.lock().unwrap();
-        Ok(all.iter().copied().filter(|p| p.gpu == gpu).collect())
+        Ok(all.iter().copied().filter(|p| p.gpu == gpu.index).collect())
     }
 
-    fn utilization(&self, _: u32, _: u64) -> Option<Vec<UtilSample>> {
+    fn utilization(&self, _: &tessera_protocol::GpuInfo, _: u64) -> Option<Vec<UtilSample>> {
         Some(Vec::new())
     }
 }
