@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# A one-node Kubernetes cluster from upstream parts, with Tessera on two simulated GPUs.
+# A one-node Kubernetes cluster from upstream parts, with Tessera on simulated GPUs: two 80 GiB
+# cards that both plugins offer, and an H200 (MIG) that only the MIG tests offer (60_mig.sh).
 #
 #   e2e/cluster.sh up      build what is missing, start everything, wait until the node is Ready
 #   e2e/cluster.sh down    stop everything, unmount, remove the cluster's folder
@@ -11,9 +12,12 @@
 # v1 allowed), containerd 2 (CDI on, overlayfs) with Debian's runc, and the reference CNI
 # loopback plugin (pods use the host's network, so no other CNI is needed).
 # Tessera's parts, from `cargo build` (target/debug): the simulated GPUs (`tessera sim`, two
-# 80 GiB cards; a CDI spec of kind nvidia.com/gpu stands for the one NVIDIA's container toolkit
-# writes on a GPU node), the arbiter, the device plugin and the DRA plugin, run as host
-# processes registering through the kubelet's real plugin folders.
+# 80 GiB cards and an H200; a CDI spec of kind nvidia.com/gpu stands for the one NVIDIA's
+# container toolkit writes on a GPU node), the arbiter, the device plugin and the DRA plugin,
+# run as host processes registering through the kubelet's real plugin folders. The arbiter sees
+# all three GPUs; both plugins offer only GPUs 0 and 1 (`--gpus 0,1`), so the tests of one
+# plugin see the two 80 GiB cards, and 60_mig.sh restarts the DRA plugin with the H200 (GPU 2)
+# published as MIG partitions (`--gpus 0,1,2 --mig-dynamic 2`) and back.
 #
 # Needs root (as a kubelet does). Everything lives in E2E_DIR (default /tmp/tessera-e2e);
 # nothing is installed on the host.
@@ -29,7 +33,10 @@ RUST=${E2E_RUST_BIN:-${CARGO_TARGET_DIR:-$repo/target}/debug}
 NODE=${E2E_NODE:-localhost}
 API_PORT=${E2E_API_PORT:-6443}
 ETCD_PORT=${E2E_ETCD_PORT:-12379}
-GPUS=2x80GiB
+# GPU 2, the H200, has MIG (docs/simulator.md, "MIG"); the MIG tests name it by its index.
+GPUS=2x80GiB,1xH200
+# The GPUs both plugins offer (their `--gpus`; empty: the flag is left out, and they offer all).
+PLUGIN_GPUS=${E2E_PLUGIN_GPUS-0,1}
 # The kubelet's device manager ignores --root-dir: its folder is fixed
 # (k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1 DevicePluginPath).
 DEVICE_PLUGINS=/var/lib/kubelet/device-plugins
@@ -302,9 +309,17 @@ up() {
         libtessera_interpose.so libtessera_sim_cuda.so libtessera_sim_nvml.so; do
         [ -e "$RUST/$b" ] || die "$RUST/$b is missing: run 'cargo build --workspace' first"
     done
+    if [ -n "$PLUGIN_GPUS" ]; then
+        local help
+        for b in tessera-device-plugin tessera-dra; do
+            help=$("$RUST/$b" --help 2>&1 || true)
+            grep -q -- '--gpus' <<<"$help" ||
+                die "$RUST/$b has no --gpus flag (the plugins offer GPUs $PLUGIN_GPUS of $GPUS): rebuild it ('cargo build --workspace')"
+        done
+    fi
     command -v "$RUNC" >/dev/null || die "runc is needed (Debian: apt-get install runc)"
     [ -x /bin/busybox ] || die "busybox is needed (Debian: apt-get install busybox-static)"
-    mkdir -p "$D"/{logs,pids,cdi,static-pods,pod-logs,volume-plugins,kubelet,tessera/tenant}
+    mkdir -p "$D"/{logs,pids,cdi,static-pods,pod-logs,volume-plugins,kubelet,tessera/tenant,tessera/dra}
     chmod 755 "$D"
     pki
     containerd_config
@@ -388,18 +403,22 @@ node_ready() {
     [ "$(kc get node "$NODE" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}')" = True ]
 }
 
+# `--gpus LIST` when LIST is not empty.
+gpus_flag() { [ -z "$1" ] || printf '%s\n' --gpus "$1"; }
+
 # The plugins, also restarted on their own by the tests (e2e/lib.sh).
 start_device_plugin() {
     # Extra flags for a test that restarts the plugin otherwise (50_tier: --latency-shares).
-    local extra
+    local extra gpus
     read -r -a extra <<<"${E2E_DEVICE_PLUGIN_ARGS:-}"
+    mapfile -t gpus < <(gpus_flag "$PLUGIN_GPUS")
     start tessera-device-plugin "$RUST/tessera" sim --lib-dir "$RUST" --state-dir "$D/sim" -- \
         "$RUST/tessera-device-plugin" --kubelet-dir "$DEVICE_PLUGINS" \
         --pod-resources-socket "$D/kubelet/pod-resources/kubelet.sock" \
         --admin-socket "$D/tessera/admin.sock" --tenant-socket "$D/tessera/tenant/tessera.sock" \
         --host-lib-dir "$D/tessera/lib" --host-identity-dir "$D/tessera/identity" \
         --interposer "$RUST/libtessera_interpose.so" --metrics-addr 127.0.0.1:19465 \
-        --nvidia-cdi-kind nvidia.com/gpu --stale-grace 3 --stale-interval 1 "${extra[@]}"
+        --nvidia-cdi-kind nvidia.com/gpu --stale-grace 3 --stale-interval 1 "${gpus[@]}" "${extra[@]}"
     # Both plugins run on this node and share the arbiter (docs/kubernetes.md, "One mode per
     # node"): a deleted pod's device-plugin allocation is released after 3 s, not the default
     # 60, so the DRA tests do not wait for the device-plugin tests' GPUs.
@@ -414,7 +433,13 @@ start_arbiter() {
         --host-mount-ns /proc/self/ns/mnt --identity-dir "$D/tessera/identity"
 }
 
+# E2E_DRA_GPUS (default: the plugins' GPUs) and E2E_DRA_PLUGIN_ARGS (extra flags) for a test
+# that restarts it otherwise (60_mig: E2E_DRA_GPUS=0,1,2 E2E_DRA_PLUGIN_ARGS="--mig-dynamic 2").
+# Its state folder (the MIG checkpoint mig.json) is the cluster's, kept across its restarts.
 start_dra_plugin() {
+    local extra gpus
+    read -r -a extra <<<"${E2E_DRA_PLUGIN_ARGS:-}"
+    mapfile -t gpus < <(gpus_flag "${E2E_DRA_GPUS:-$PLUGIN_GPUS}")
     start tessera-dra "$RUST/tessera" sim --lib-dir "$RUST" --state-dir "$D/sim" -- \
         "$RUST/tessera-dra" --node-name "$NODE" \
         --registry-dir "$D/kubelet/plugins_registry" \
@@ -422,7 +447,8 @@ start_dra_plugin() {
         --kubeconfig "$D/dra.kubeconfig" \
         --admin-socket "$D/tessera/admin.sock" --tenant-socket "$D/tessera/tenant/tessera.sock" \
         --host-lib-dir "$D/tessera/lib" --host-identity-dir "$D/tessera/identity" \
-        --interposer "$RUST/libtessera_interpose.so" --resync 5 --claim-check 5
+        --interposer "$RUST/libtessera_interpose.so" --resync 5 --claim-check 5 \
+        --state-dir "$D/tessera/dra" "${gpus[@]}" "${extra[@]}"
 }
 
 stop_one() {
@@ -501,5 +527,5 @@ start-device-plugin) start_device_plugin ;;
 start-dra-plugin) start_dra_plugin ;;
 start-arbiter) start_arbiter ;;
 stop) stop_one "${2:?which component}" ;;
-*) echo "usage: $0 up|down|env|logs" >&2; exit 2 ;;
+*) echo "usage: $0 up|down|env|logs|start-device-plugin|start-dra-plugin|start-arbiter|stop NAME" >&2; exit 2 ;;
 esac

@@ -1,7 +1,10 @@
 # Helpers of the end-to-end tests (sourced by e2e/run.sh). Each test is a function
 # `test_<group>__<name>` in e2e/tests/NN_<group>.sh, run in a subshell with `set -e`; it fails
 # by any failing command or by `fail`. Objects a test makes carry the label e2e=1 and are
-# deleted after it.
+# deleted after it. A group that changes the cluster for its tests (60_mig: the DRA plugin's
+# flags) does it in `setup_<group>` and undoes it in `teardown_<group>`, which e2e/run.sh runs
+# after the group's last test whatever happened; a change for one test only is undone in that
+# test's own `trap ... EXIT` (50_tier).
 D=$E2E_DIR
 BIN=${E2E_BIN:-$repo/target/e2e/bin}
 RUST=${E2E_RUST_BIN:-${CARGO_TARGET_DIR:-$repo/target}/debug}

@@ -5,6 +5,10 @@
 # Needs root, Go 1.26 and `cargo build --workspace` done. E2E_KEEP=1 leaves the cluster up;
 # E2E_REUSE=1 runs on a cluster already up (for working on a test).
 #
+# A group may have a `setup_<group>` and a `teardown_<group>` function (e2e/lib.sh): the setup
+# runs before its first test (when it fails, each of its tests fails unrun), the teardown after
+# its last, also when a test or the setup failed (when it fails, it counts as a failed test).
+#
 # The last line is 'e2e: N passed, N failed'; the exit code is 1 when any test failed.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -41,7 +45,27 @@ fi
 
 passed=0 failed=0 failures=()
 for g in "${groups[@]}"; do
+    set_up=1
+    if declare -F "setup_${g}" >/dev/null; then
+        echo "--- setup_${g}"
+        start=$SECONDS
+        # Not in an `if`: errexit would be off inside it (as for the tests below).
+        ( set -e; "setup_${g}" )
+        rc=$?
+        if [ $rc = 0 ]; then
+            echo "--- ok setup_${g} ($((SECONDS - start)) s)"
+        else
+            set_up=0
+            echo "--- FAILED setup_${g} ($((SECONDS - start)) s): the group's tests are not run"
+        fi
+    fi
     for t in $(declare -F | awk '{print $3}' | grep "^test_${g}__" ); do
+        if [ $set_up = 0 ]; then
+            failed=$((failed + 1))
+            failures+=("$t")
+            echo "--- FAILED $t (not run: setup_${g} failed)"
+            continue
+        fi
         echo "--- $t"
         start=$SECONDS
         ( set -e; "$t" )
@@ -56,6 +80,19 @@ for g in "${groups[@]}"; do
         fi
         cleanup_test_objects
     done
+    if declare -F "teardown_${g}" >/dev/null; then
+        echo "--- teardown_${g}"
+        start=$SECONDS
+        ( set -e; "teardown_${g}" )
+        rc=$?
+        if [ $rc = 0 ]; then
+            echo "--- ok teardown_${g} ($((SECONDS - start)) s)"
+        else
+            failed=$((failed + 1))
+            failures+=("teardown_${g}")
+            echo "--- FAILED teardown_${g} ($((SECONDS - start)) s)"
+        fi
+    fi
 done
 
 if [ $failed -gt 0 ]; then
