@@ -250,6 +250,7 @@ REFUSED = [
     ("a resource name without a domain", {"devicePlugin": {"resourceName": "gpu-shares"}},
      "resourceName"),
     ("a port out of range", {"devicePlugin": {"metricsPort": 70000}}, "metricsPort"),
+    ("a GPU list with an empty item", {"devicePlugin": {"gpus": "0,,1"}}, "gpus"),
 ]
 
 
@@ -307,14 +308,15 @@ def main() -> int:
     dra_only = {"dra": {"enabled": True}, "devicePlugin": {"enabled": False}}
     latency = {"devicePlugin": {"latencyShares": 30}}
     # The binaries' edges: every unit of a GPU split, the last port, a whole GPU's memory step,
-    # a latency class, the CDI kind set.
+    # a latency class, the CDI kind set, the GPUs split between the two plugins.
     edges = {"devicePlugin": {"sharesPerGpu": 1000, "latencyShares": 999,
                               "nvidiaCdiKind": "nvidia.com/gpu", "metricsPort": 65535,
-                              "staleGraceSeconds": 0},
+                              "staleGraceSeconds": 0,
+                              "gpus": "0,GPU-5a4d7f6e-1b2c-4d3e-8f90-a1b2c3d4e5f6"},
              "arbiter": {"metricsPort": 1, "unknownProcesses": "kill", "enforce": "report",
                          "backstopIntervalMs": 0, "computeBypassMs": 0},
              "dra": {"enabled": True, "defaultMemoryMiB": 256, "claimCheckSeconds": 0.5,
-                     "resyncSeconds": 0, "nvidiaCdiKind": "example.com/gpu"}}
+                     "resyncSeconds": 0, "nvidiaCdiKind": "example.com/gpu", "gpus": "2"}}
     tiers = {"dra": {"enabled": True, "deviceClasses": [
         {"name": "gpu.tessera.dev"}, {"name": "gpu-latency.tessera.dev", "tier": "latency"},
         {"name": "large.gpu.tessera.dev", "tier": "best-effort",

@@ -154,6 +154,7 @@ fn config(a: Args) -> Result<(Config, Mode, tessera_log::LogFormat), String> {
             Source::Arbiter => SourceKind::Arbiter,
         },
         nvml_lib: node.nvml_lib,
+        gpus: node.gpus,
         stale_grace: secs("stale-grace", a.stale_grace)?,
         stale_interval: secs("stale-interval", a.stale_interval)?.max(Duration::from_millis(50)),
         poll: Duration::from_millis(a.poll_ms.clamp(10, 10_000)),

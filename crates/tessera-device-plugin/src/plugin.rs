@@ -22,6 +22,7 @@ use crate::metrics::{self, MetricsError, PluginMetrics};
 use crate::podresources::{self, StaleConfig};
 use crate::server::{AllocContext, PluginService};
 use crate::units::{self, Pool};
+use tessera_node::GpuFilter;
 use tessera_node::cdi::CdiKind;
 use tessera_node::health::{self, GpuSource, HealthError, Snapshot};
 use tessera_node::install::{self, InstallError};
@@ -112,6 +113,9 @@ pub struct Config {
     pub nvidia_cdi_kind: Option<CdiKind>,
     /// GPU source.
     pub gpu_source: SourceKind,
+    /// The GPUs advertised (`--gpus`); the others are left to another plugin: no units, no
+    /// health, no allocations.
+    pub gpus: GpuFilter,
     /// NVML library name or path.
     pub nvml_lib: PathBuf,
     /// How long an orphaned allocation lives before deletion.
@@ -267,6 +271,8 @@ fn valid_resource_name(name: &str) -> bool {
     domain.contains('.') && ok(domain) && ok(n) && !n.contains('/')
 }
 
+/// The GPUs `--gpus` admits, from the configured source: the one list every unit, health
+/// update and allocation of the plugin comes from.
 fn start_gpus(cfg: &Config) -> Result<watch::Receiver<Snapshot>, PluginError> {
     let nvml = GpuSource::Nvml {
         lib: cfg.nvml_lib.clone(),
@@ -274,14 +280,15 @@ fn start_gpus(cfg: &Config) -> Result<watch::Receiver<Snapshot>, PluginError> {
     let arbiter = GpuSource::Arbiter {
         admin_socket: cfg.admin_socket.clone(),
     };
+    let start = |source| health::start(source, cfg.gpus.clone(), cfg.poll);
     Ok(match cfg.gpu_source {
-        SourceKind::Nvml => health::start(nvml, cfg.poll)?,
-        SourceKind::Arbiter => health::start(arbiter, cfg.poll)?,
-        SourceKind::Auto => match health::start(nvml, cfg.poll) {
+        SourceKind::Nvml => start(nvml)?,
+        SourceKind::Arbiter => start(arbiter)?,
+        SourceKind::Auto => match start(nvml) {
             Ok(rx) => rx,
             Err(e) => {
                 tracing::warn!("{e}; taking the GPU list from the arbiter (no XID health)");
-                health::start(arbiter, cfg.poll)?
+                start(arbiter)?
             }
         },
     })
@@ -615,6 +622,7 @@ mod tests {
             latency_endpoint: "tessera-latency.sock".into(),
             nvidia_cdi_kind: None,
             gpu_source: SourceKind::Auto,
+            gpus: GpuFilter::all(),
             nvml_lib: "libnvidia-ml.so.1".into(),
             stale_grace: Duration::from_secs(60),
             stale_interval: Duration::from_secs(10),

@@ -2,6 +2,10 @@
 //! the NUMA node (`<sysfs>/bus/pci/devices/<bus id>/numa_node`, `-1` meaning none) and the
 //! PCIe root ([`pcie_root`]).
 //!
+//! Only the GPUs `--gpus` admits are published ([`offered`], applied once, right after the
+//! read and before MIG is looked at: a GPU left to another plugin is neither published nor
+//! switched into MIG mode to read its profiles).
+//!
 //! Health comes from the watcher the device plugin uses too ([`tessera_node::health`]): XID
 //! events mark a GPU unhealthy, and [`merge_health`] carries that onto these attributes.
 
@@ -12,6 +16,7 @@ use nvml_wrapper::error::NvmlError;
 
 use crate::mig::{Geometry, Instance, MigConfig, MigMode, Placement, Profile, Wanted};
 use crate::slices::{GpuAttrs, normalize_bus_id};
+use tessera_node::GpuFilter;
 use tessera_node::health::GpuState;
 use tessera_node::nvml_mig::MigNvml;
 
@@ -64,6 +69,30 @@ pub fn read(lib: &Path, sysfs: &Path) -> Result<Vec<GpuAttrs>, InventoryError> {
         });
     }
     Ok(out)
+}
+
+/// The GPUs of `all` that `gpus` (`--gpus`) admits. A GPU of the node that `--mig-dynamic` or
+/// `--mig-static` names by index and `gpus` leaves out is refused (the reason, naming both
+/// flags): MIG cannot be published for a GPU the plugin does not offer.
+pub fn offered(
+    all: Vec<GpuAttrs>,
+    gpus: &GpuFilter,
+    mig: &MigConfig,
+) -> Result<Vec<GpuAttrs>, String> {
+    for (flag, index) in mig.named() {
+        if let Some(g) = all.iter().find(|g| g.index == index)
+            && !gpus.admits(g.index, &g.uuid)
+        {
+            return Err(format!(
+                "{flag} names GPU {index} ({}), which --gpus {gpus} does not offer",
+                g.uuid
+            ));
+        }
+    }
+    Ok(all
+        .into_iter()
+        .filter(|g| gpus.admits(g.index, &g.uuid))
+        .collect())
 }
 
 /// Gives each GPU of `gpus` its MIG mode under `cfg`, from NVML at `lib`: a dynamic GPU gets
@@ -267,9 +296,8 @@ mod tests {
         assert_eq!(pcie_root(Path::new("/nonexistent"), "0000:3d:00.0"), None);
     }
 
-    #[test]
-    fn health_marks_and_withdraws() {
-        let g = |i: u32| GpuAttrs {
+    fn attrs(i: u32) -> GpuAttrs {
+        GpuAttrs {
             index: i,
             uuid: format!("GPU-{i}"),
             product_name: "x".into(),
@@ -281,7 +309,52 @@ mod tests {
             pcie_root: None,
             unhealthy: None,
             mig: crate::mig::MigMode::Off,
-        };
+        }
+    }
+
+    #[test]
+    fn only_offered_gpus_are_kept_and_mig_on_one_left_out_is_refused() {
+        use crate::mig::GpuSet;
+        let node = || vec![attrs(0), attrs(1), attrs(2)];
+        let f = |s: &str| s.parse::<GpuFilter>().unwrap();
+        let idx = |v: &[u32]| GpuSet::Indices(v.iter().copied().collect());
+        let no_mig = MigConfig::default();
+        let kept = |v: Vec<GpuAttrs>| v.into_iter().map(|g| g.index).collect::<Vec<_>>();
+        assert_eq!(
+            kept(offered(node(), &f("all"), &no_mig).unwrap()),
+            [0, 1, 2]
+        );
+        assert_eq!(
+            kept(offered(node(), &f("2,gpu-0"), &no_mig).unwrap()),
+            [0, 2]
+        );
+        assert!(offered(node(), &f("7"), &no_mig).unwrap().is_empty());
+        // MIG on an offered GPU, on `all` of them, or on a GPU the node lacks: fine.
+        let on = |dynamic: GpuSet, fixed: GpuSet| MigConfig { dynamic, fixed };
+        let ok = [
+            on(idx(&[2]), GpuSet::None),
+            on(GpuSet::All, GpuSet::None),
+            on(GpuSet::None, idx(&[0, 9])),
+        ];
+        for mig in ok {
+            assert_eq!(kept(offered(node(), &f("0,GPU-2"), &mig).unwrap()), [0, 2]);
+        }
+        // On a GPU of the node the filter leaves out: the reason names both flags and the GPU.
+        let err = offered(node(), &f("0,GPU-2"), &on(GpuSet::None, idx(&[1]))).unwrap_err();
+        assert_eq!(
+            err,
+            "--mig-static names GPU 1 (GPU-1), which --gpus 0,GPU-2 does not offer"
+        );
+        let err = offered(node(), &f("GPU-1"), &on(idx(&[0]), GpuSet::None)).unwrap_err();
+        assert!(
+            err.starts_with("--mig-dynamic names GPU 0 (GPU-0)"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn health_marks_and_withdraws() {
+        let g = attrs;
         let s = |i: u32, bad: Option<&str>| GpuState {
             index: i,
             uuid: format!("GPU-{i}"),

@@ -144,6 +144,7 @@ fn config(a: Args) -> Result<(Config, tessera_log::LogFormat, bool), String> {
             resync,
             claim_check,
             remove_slices_on_exit: a.remove_slices_on_exit,
+            gpus: node.gpus,
             mig: tessera_dra::mig::MigConfig {
                 dynamic: tessera_dra::mig::GpuSet::parse(&a.mig_dynamic)
                     .map_err(|e| format!("--mig-dynamic: {e}"))?,
@@ -239,11 +240,23 @@ mod tests {
             "--nvidia-cdi-kind=example.com/gpu",
         ])
         .unwrap();
+        // MIG on offered GPUs; a UUID in the list may be any GPU's (checked at start).
+        check(&["--gpus=0,1", "--mig-dynamic=1", "--mig-static=0"]).unwrap();
+        check(&["--gpus=GPU-1234", "--mig-dynamic=0"]).unwrap();
         for (args, why) in [
             (&["--default-memory-mib=1000"][..], "multiple of 256"),
             (&["--default-memory-mib=0"][..], "multiple of 256"),
             (&["--nvidia-cdi-kind=gpu"][..], "not a CDI kind"),
             (&["--resync=-3"][..], "--resync"),
+            // MIG on a GPU `--gpus` leaves out (an index list tells before the GPUs are read).
+            (
+                &["--gpus=1,2", "--mig-dynamic=0"][..],
+                "--mig-dynamic names GPU 0, which --gpus 1,2 does not offer",
+            ),
+            (
+                &["--gpus=1", "--mig-static=1,3"][..],
+                "--mig-static names GPU 3",
+            ),
         ] {
             let e = check(args).unwrap_err();
             assert!(e.contains(why), "{args:?}: {e}");

@@ -210,6 +210,20 @@ impl MigConfig {
         Ok(())
     }
 
+    /// The GPUs the two flags name by index, each with its flag (`all` names none).
+    pub fn named(&self) -> Vec<(&'static str, u32)> {
+        let mut out = Vec::new();
+        for (flag, set) in [
+            ("--mig-dynamic", &self.dynamic),
+            ("--mig-static", &self.fixed),
+        ] {
+            if let GpuSet::Indices(s) = set {
+                out.extend(s.iter().map(|i| (flag, *i)));
+            }
+        }
+        out
+    }
+
     /// GPU `index`'s mode.
     pub fn wanted(&self, index: u32) -> Wanted {
         if self.dynamic.contains(index) {

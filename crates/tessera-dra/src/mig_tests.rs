@@ -25,11 +25,17 @@ fn gpu_sets_parse_and_modes_exclude_each_other() {
         (c.wanted(0), c.wanted(1), c.wanted(2)),
         (Wanted::Dynamic, Wanted::Static, Wanted::Off)
     );
+    assert_eq!(c.named(), [("--mig-dynamic", 0), ("--mig-static", 1)]);
     let both = MigConfig {
         dynamic: GpuSet::All,
         fixed: p(&["1"]).unwrap(),
     };
     assert!(both.validate().is_err());
+    assert_eq!(
+        both.named(),
+        [("--mig-static", 1)],
+        "`all` names no GPU by index"
+    );
     let both = MigConfig {
         dynamic: p(&["1", "2"]).unwrap(),
         fixed: p(&["2"]).unwrap(),

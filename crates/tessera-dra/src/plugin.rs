@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use tessera_node::GpuFilter;
 use tessera_node::health::{self, GpuSource};
 use tessera_node::install::{self, InstallError};
 use tokio::net::UnixListener;
@@ -72,6 +73,9 @@ pub struct Config {
     /// Delete this node's ResourceSlice on shutdown (an uninstall). Off: the slice stays, so a
     /// restart or rolling update does not hide the GPUs from the scheduler.
     pub remove_slices_on_exit: bool,
+    /// The GPUs published (`--gpus`); the others are left to another plugin
+    /// ([`inventory::offered`]).
+    pub gpus: GpuFilter,
     /// Which GPUs are published with MIG ([`crate::mig`]).
     pub mig: crate::mig::MigConfig,
     /// The plugin's own state (the MIG instances' checkpoint).
@@ -91,6 +95,19 @@ impl Config {
             )));
         }
         self.mig.validate().map_err(PluginError::Config)?;
+        // What can be told before the GPUs are read (an index list); a UUID is checked once
+        // the inventory is ([`inventory::offered`]).
+        if let Some((flag, index)) = self
+            .mig
+            .named()
+            .into_iter()
+            .find(|(_, i)| self.gpus.excludes_index(*i))
+        {
+            return Err(PluginError::Config(format!(
+                "{flag} names GPU {index}, which --gpus {} does not offer",
+                self.gpus
+            )));
+        }
         if self.node_name.is_empty() {
             return Err(PluginError::Config(
                 "--node-name (or NODE_NAME) must not be empty: it names the node's pool".into(),
@@ -162,11 +179,14 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
         &cfg.container_lib_path,
     )?;
     let (lib, sysfs) = (cfg.nvml_lib.clone(), cfg.sysfs.clone());
-    let mig_cfg = cfg.mig.clone();
-    let attrs = tokio::task::spawn_blocking(move || {
-        let mut attrs = inventory::read(&lib, &sysfs)?;
+    let (mig_cfg, offered) = (cfg.mig.clone(), cfg.gpus.clone());
+    let (attrs, node) = tokio::task::spawn_blocking(move || {
+        let all = inventory::read(&lib, &sysfs)?;
+        let node: Vec<(u32, String)> = all.iter().map(|g| (g.index, g.uuid.clone())).collect();
+        // The one place GPUs `--gpus` leaves out are dropped: before MIG is looked at.
+        let mut attrs = inventory::offered(all, &offered, &mig_cfg).map_err(PluginError::Config)?;
         inventory::read_mig(&lib, &mut attrs, &mig_cfg)?;
-        Ok::<_, InventoryError>(attrs)
+        Ok::<_, PluginError>((attrs, node))
     })
     .await
     .map_err(|e| PluginError::Config(format!("inventory task: {e}")))??;
@@ -184,8 +204,18 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> Result<(), 
     };
     let mig_checkpoint = cfg.state_dir.join(instances::CHECKPOINT);
     reconcile_mig(&cfg.admin_socket, &mig, &mig_checkpoint, dynamic).await;
-    tracing::info!("{} GPUs on node {}", attrs.len(), cfg.node_name);
-    let gpus = watch_gpus(&cfg, attrs);
+    if cfg.gpus.is_all() {
+        tracing::info!("{} GPUs on node {}", attrs.len(), cfg.node_name);
+    } else {
+        tracing::info!(
+            "{} of the {} GPUs of node {} offered (--gpus {})",
+            attrs.len(),
+            node.len(),
+            cfg.node_name,
+            cfg.gpus
+        );
+    }
+    let gpus = watch_gpus(&cfg, attrs, &node);
 
     let container_socket = cfg.container_socket_dir.join(
         cfg.tenant_socket
@@ -356,13 +386,20 @@ async fn check_claims(dra: Arc<DraService>, every: Duration, mut stop: watch::Re
 }
 
 /// The published GPU list: the inventory with the device plugin's health watcher (XID events)
-/// merged in; without NVML events, the inventory as read.
-fn watch_gpus(cfg: &Config, attrs: Vec<GpuAttrs>) -> watch::Receiver<Arc<Vec<GpuAttrs>>> {
+/// merged in; without NVML events, the inventory as read. The watcher looks only at the GPUs
+/// `--gpus` admits and checks the filter against the node's (`node`, index and UUID) at start;
+/// without it, that check is made here.
+fn watch_gpus(
+    cfg: &Config,
+    attrs: Vec<GpuAttrs>,
+    node: &[(u32, String)],
+) -> watch::Receiver<Arc<Vec<GpuAttrs>>> {
     let (tx, rx) = watch::channel(Arc::new(attrs.clone()));
     match health::start(
         GpuSource::Nvml {
             lib: cfg.nvml_lib.clone(),
         },
+        cfg.gpus.clone(),
         cfg.poll,
     ) {
         Ok(mut snap) => {
@@ -382,7 +419,11 @@ fn watch_gpus(cfg: &Config, attrs: Vec<GpuAttrs>) -> watch::Receiver<Arc<Vec<Gpu
                 }
             });
         }
-        Err(e) => tracing::warn!("no GPU health events ({e}); publishing the inventory as read"),
+        Err(e) => {
+            tracing::warn!("no GPU health events ({e}); publishing the inventory as read");
+            let node: Vec<(u32, &str)> = node.iter().map(|(i, u)| (*i, u.as_str())).collect();
+            cfg.gpus.warn_at_start(&node);
+        }
     }
     rx
 }

@@ -1,8 +1,8 @@
 //! [`NodeArgs`]: the flags both kubelet plugins take with the same name, meaning and default
 //! (the arbiter's sockets, the interposer and identity folders on the host, the paths inside
-//! containers, NVML, the log format), declared once and flattened into each binary's own
-//! (`#[command(flatten)]`), as NVIDIA's DRA driver shares `pkg/flags` between its kubelet
-//! binaries.
+//! containers, NVML, the log format, the GPUs offered), declared once and flattened into each
+//! binary's own (`#[command(flatten)]`), as NVIDIA's DRA driver shares `pkg/flags` between its
+//! kubelet binaries.
 //!
 //! Flags that differ between the two stay in each binary: `--nvidia-cdi-kind` (off by default
 //! in the device plugin, `nvidia.com/gpu` in the DRA driver), `--poll-ms` (the device plugin
@@ -12,6 +12,8 @@ use std::path::PathBuf;
 
 use clap::Args;
 use tessera_protocol::node;
+
+use crate::GpuFilter;
 
 /// The flags both kubelet plugins share.
 #[derive(Debug, Clone, Args)]
@@ -68,6 +70,16 @@ pub struct NodeArgs {
         default_value = "libnvidia-ml.so.1"
     )]
     pub nvml_lib: PathBuf,
+    /// The GPUs this plugin offers: NVML indexes or UUIDs (`GPU-...`, any case),
+    /// comma-separated, or `all`. The others are left to another plugin; one named that the
+    /// node does not have is a warning at start, not an error.
+    #[arg(
+        long,
+        value_name = "INDEX|UUID[,...]",
+        env = node::ENV_GPUS,
+        default_value = "all"
+    )]
+    pub gpus: GpuFilter,
 }
 
 #[cfg(test)]
@@ -96,10 +108,25 @@ mod tests {
             PathBuf::from(node::CONTAINER_LIB_PATH)
         );
         assert_eq!(a.interposer, None);
+        assert!(a.gpus.is_all());
         let a = Bin::try_parse_from(["bin", "--host-lib-dir=/x", "--interposer", "/i.so"])
             .unwrap()
             .node;
         assert_eq!(a.host_lib_dir, PathBuf::from("/x"));
         assert_eq!(a.interposer, Some(PathBuf::from("/i.so")));
+    }
+
+    #[test]
+    fn gpus_parse_as_a_filter_and_a_bad_list_is_a_usage_error() {
+        let a = Bin::try_parse_from(["bin", "--gpus", "2,GPU-ABC"])
+            .unwrap()
+            .node;
+        assert!(a.gpus.admits(2, "GPU-x") && a.gpus.admits(0, "GPU-abc"));
+        assert!(!a.gpus.admits(0, "GPU-x"));
+        for bad in ["0,,1", "", "all,1", "MIG-abc"] {
+            let e = Bin::try_parse_from(["bin", "--gpus", bad]).unwrap_err();
+            assert_eq!(e.kind(), clap::error::ErrorKind::ValueValidation, "{bad:?}");
+            assert!(e.to_string().contains("--gpus"), "{e}");
+        }
     }
 }

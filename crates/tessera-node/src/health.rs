@@ -10,6 +10,10 @@
 //!
 //! A GPU marked unhealthy stays so until the plugin restarts: a card that lost its bus or
 //! its memory needs an operator, not a retry.
+//!
+//! Only the GPUs the plugin's [`GpuFilter`] (`--gpus`) admits are listed, and only theirs are
+//! watched for XID events: the others belong to another plugin. The first list is checked
+//! against the filter ([`GpuFilter::warn_at_start`]).
 
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
@@ -23,6 +27,8 @@ use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::event::EventSet;
 use tokio::sync::watch;
+
+use crate::GpuFilter;
 
 /// One GPU as the plugin sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,21 +91,44 @@ pub(crate) fn is_fatal_xid(code: u64) -> bool {
     FATAL_XIDS.contains(&code)
 }
 
-/// Starts watching `source`; the receiver always holds the latest snapshot.
+/// Starts watching the GPUs of `source` that `offered` admits; the receiver always holds the
+/// latest snapshot.
 ///
 /// NVML failures at start are returned (so the caller can fall back); later ones are logged.
-pub fn start(source: GpuSource, poll: Duration) -> Result<watch::Receiver<Snapshot>, HealthError> {
+pub fn start(
+    source: GpuSource,
+    offered: GpuFilter,
+    poll: Duration,
+) -> Result<watch::Receiver<Snapshot>, HealthError> {
     match source {
-        GpuSource::Nvml { lib } => start_nvml(lib, poll),
-        GpuSource::Arbiter { admin_socket } => Ok(start_arbiter(admin_socket, poll)),
+        GpuSource::Nvml { lib } => start_nvml(lib, offered, poll),
+        GpuSource::Arbiter { admin_socket } => Ok(start_arbiter(admin_socket, offered, poll)),
     }
 }
 
-fn start_nvml(lib: PathBuf, poll: Duration) -> Result<watch::Receiver<Snapshot>, HealthError> {
+/// One listed device: NVML index, UUID, total memory.
+type Dev = (u32, String, u64);
+
+/// The devices of `all` that `offered` admits; at start (`first`), `all` checked against it.
+fn admitted(offered: &GpuFilter, all: Vec<Dev>, first: bool) -> Vec<Dev> {
+    if first {
+        let node: Vec<(u32, &str)> = all.iter().map(|d| (d.0, d.1.as_str())).collect();
+        offered.warn_at_start(&node);
+    }
+    all.into_iter()
+        .filter(|(index, uuid, _)| offered.admits(*index, uuid))
+        .collect()
+}
+
+fn start_nvml(
+    lib: PathBuf,
+    offered: GpuFilter,
+    poll: Duration,
+) -> Result<watch::Receiver<Snapshot>, HealthError> {
     let (init_tx, init_rx) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("nvml-health".into())
-        .spawn(move || nvml_thread(&lib, poll, init_tx))
+        .spawn(move || nvml_thread(&lib, &offered, poll, init_tx))
         .map_err(HealthError::Thread)?;
     // The thread owns NVML (its handles borrow it); it reports the first snapshot or why not.
     match init_rx.recv() {
@@ -111,7 +140,7 @@ fn start_nvml(lib: PathBuf, poll: Duration) -> Result<watch::Receiver<Snapshot>,
 }
 
 /// Lists the devices that answer; one that fails any query is left out (withdrawn).
-fn enumerate(nvml: &Nvml) -> Result<Vec<(u32, String, u64)>, NvmlError> {
+fn enumerate(nvml: &Nvml) -> Result<Vec<Dev>, NvmlError> {
     let count = nvml.device_count()?;
     let mut out = Vec::new();
     for index in 0..count {
@@ -126,7 +155,7 @@ fn enumerate(nvml: &Nvml) -> Result<Vec<(u32, String, u64)>, NvmlError> {
     Ok(out)
 }
 
-fn snapshot(devs: &[(u32, String, u64)], bad: &BTreeMap<String, String>) -> Snapshot {
+fn snapshot(devs: &[Dev], bad: &BTreeMap<String, String>) -> Snapshot {
     Arc::new(
         devs.iter()
             .map(|(index, uuid, mem)| GpuState {
@@ -143,7 +172,7 @@ fn snapshot(devs: &[(u32, String, u64)], bad: &BTreeMap<String, String>) -> Snap
 fn register_events<'n>(
     nvml: &'n Nvml,
     mut set: Option<EventSet<'n>>,
-    devs: &[(u32, String, u64)],
+    devs: &[Dev],
     registered: &mut Vec<String>,
 ) -> Option<EventSet<'n>> {
     for (index, uuid, _) in devs {
@@ -179,6 +208,7 @@ fn register_events<'n>(
 
 fn nvml_thread(
     lib: &Path,
+    offered: &GpuFilter,
     poll: Duration,
     init_tx: std::sync::mpsc::Sender<Result<watch::Receiver<Snapshot>, HealthError>>,
 ) {
@@ -194,7 +224,7 @@ fn nvml_thread(
         }
     };
     let mut devs = match enumerate(&nvml) {
-        Ok(d) => d,
+        Ok(d) => admitted(offered, d, true),
         Err(e) => {
             let _ = init_tx.send(Err(HealthError::NvmlEnumerate(e)));
             return;
@@ -243,7 +273,7 @@ fn nvml_thread(
         }
         if last_enum.elapsed() >= poll {
             last_enum = Instant::now();
-            if let Ok(now) = enumerate(&nvml)
+            if let Ok(now) = enumerate(&nvml).map(|d| admitted(offered, d, false))
                 && now != devs
             {
                 for gone in devs.iter().filter(|d| !now.iter().any(|n| n.1 == d.1)) {
@@ -260,18 +290,23 @@ fn nvml_thread(
     }
 }
 
-fn start_arbiter(admin_socket: PathBuf, poll: Duration) -> watch::Receiver<Snapshot> {
+fn start_arbiter(
+    admin_socket: PathBuf,
+    offered: GpuFilter,
+    poll: Duration,
+) -> watch::Receiver<Snapshot> {
     let (tx, rx) = watch::channel(Arc::new(Vec::new()));
     tokio::spawn(async move {
-        let mut warned = false;
+        let (mut warned, mut first) = (false, true);
         while !tx.is_closed() {
             match crate::arbiter::with_admin(&admin_socket, |c| c.gpus()).await {
                 Ok(gpus) => {
                     warned = false;
-                    let devs: Vec<(u32, String, u64)> = gpus
+                    let all: Vec<Dev> = gpus
                         .into_iter()
                         .map(|g| (g.index, g.uuid, g.memory_total))
                         .collect();
+                    let devs = admitted(&offered, all, std::mem::take(&mut first));
                     let snap = snapshot(&devs, &BTreeMap::new());
                     tx.send_if_modified(|cur| {
                         if **cur == *snap {
@@ -319,11 +354,29 @@ mod tests {
     }
 
     #[test]
+    fn only_admitted_gpus_are_listed() {
+        let devs = || {
+            vec![
+                (0, "GPU-aa".to_string(), 10),
+                (1, "GPU-bb".to_string(), 20),
+                (2, "GPU-cc".to_string(), 30),
+            ]
+        };
+        let uuids = |d: Vec<Dev>| d.into_iter().map(|d| d.1).collect::<Vec<_>>();
+        let f: GpuFilter = "2,gpu-AA,9".parse().unwrap();
+        assert_eq!(uuids(admitted(&f, devs(), true)), ["GPU-aa", "GPU-cc"]);
+        assert_eq!(uuids(admitted(&GpuFilter::all(), devs(), false)).len(), 3);
+        let none: GpuFilter = "7".parse().unwrap();
+        assert!(admitted(&none, devs(), true).is_empty());
+    }
+
+    #[test]
     fn missing_nvml_is_reported_not_fatal() {
         let err = start(
             GpuSource::Nvml {
                 lib: PathBuf::from("/nonexistent/libnvidia-ml.so.1"),
             },
+            GpuFilter::all(),
             Duration::from_millis(100),
         )
         .unwrap_err();

@@ -8,8 +8,10 @@
 //! `pub(crate)`):
 //! - [`args`]: [`NodeArgs`], the flags both binaries declare once (`--admin-socket`,
 //!   `--tenant-socket`, `--container-socket-dir`, `--host-lib-dir`, `--host-identity-dir`,
-//!   `--interposer`, `--container-lib-path`, `--nvml-lib`, `--log-format`), flattened into
-//!   each binary's own.
+//!   `--interposer`, `--container-lib-path`, `--nvml-lib`, `--log-format`, `--gpus`),
+//!   flattened into each binary's own.
+//! - [`gpu_filter`]: [`GpuFilter`], the GPUs a plugin offers (`--gpus`: NVML indexes or UUIDs,
+//!   or `all`), [`gpu_filter::GpuFilterError`]; the health watcher applies it to its list.
 //! - [`arbiter`]: the [`arbiter::Arbiter`] trait (the admin calls the plugins make,
 //!   implemented by the admin client), [`arbiter::ArbiterError`], [`arbiter::with_admin`]
 //!   (blocking calls from async code); `arbiter::fake::{FakeArbiter, Call}`, an in-memory
@@ -19,9 +21,10 @@
 //! - [`install`]: versioned, never-overwritten installation of the interposer on the host:
 //!   [`install::find_interposer`], [`install::install`], [`install::Installed`],
 //!   [`install::InstallError`], [`install::INTERPOSER_FILE`].
-//! - [`health`]: the node's GPUs from NVML (XID events, vanished devices) or the arbiter:
-//!   [`health::start`], [`health::GpuSource`], [`health::GpuState`], [`health::Snapshot`],
-//!   [`health::HealthError`] (which XIDs mean a failed card is the module's own rule).
+//! - [`health`]: the node's GPUs from NVML (XID events, vanished devices) or the arbiter,
+//!   those a [`GpuFilter`] admits: [`health::start`], [`health::GpuSource`],
+//!   [`health::GpuState`], [`health::Snapshot`], [`health::HealthError`] (which XIDs mean a
+//!   failed card is the module's own rule).
 //! - [`cdi`]: [`cdi::CdiKind`], the CDI kind of the node's NVIDIA spec (`--nvidia-cdi-kind`),
 //!   checked as the CDI parser checks it ([`cdi::CdiKindError`]).
 //! - [`labels`]: who made an allocation: [`labels::LABEL_OWNER`] and its values
@@ -40,6 +43,7 @@
 pub mod arbiter;
 pub mod args;
 pub mod cdi;
+pub mod gpu_filter;
 pub mod grpc;
 pub mod health;
 pub mod identity;
@@ -50,3 +54,4 @@ pub mod nvml_mig;
 pub mod shutdown;
 
 pub use args::NodeArgs;
+pub use gpu_filter::GpuFilter;

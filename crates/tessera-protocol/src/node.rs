@@ -29,6 +29,8 @@ pub const ENV_LOG: &str = "TESSERA_LOG";
 pub const ENV_LOG_FORMAT: &str = "TESSERA_LOG_FORMAT";
 /// The NVML library the daemons load.
 pub const ENV_NVML_LIB: &str = "TESSERA_NVML_LIB";
+/// The GPUs a kubelet plugin offers (its `--gpus`).
+pub const ENV_GPUS: &str = "TESSERA_GPUS";
 /// Where the arbiter serves its metrics (its `--metrics-addr`).
 pub const ENV_METRICS_ADDR: &str = "TESSERA_METRICS_ADDR";
 

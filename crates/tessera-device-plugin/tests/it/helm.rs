@@ -76,7 +76,7 @@ fn the_chart_lints_renders_and_every_manifest_validates() {
         "{text}"
     );
     assert!(
-        text.contains("8 of 8 bad values refused at install"),
+        text.contains("9 of 9 bad values refused at install"),
         "{text}"
     );
     // What the schemas could not check is said, never counted as passed.

@@ -1,4 +1,4 @@
-//! Registration, list, preferred allocation, allocate and clean-up; health and kubelet restarts; flags and exit codes.
+//! Registration, list, preferred allocation, allocate and clean-up; health and kubelet restarts; flags and exit codes; GPUs left to another plugin (`--gpus`).
 
 use super::*;
 
@@ -455,6 +455,94 @@ async fn xid_health_and_kubelet_restart() {
     .await;
     assert_eq!(status.code(), Some(0));
     assert!(!node.kubelet_dir().join(ENDPOINT).exists());
+    kubelet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpus_left_to_another_plugin_are_neither_advertised_nor_allocated() {
+    let mut node = Node::start().await;
+    let mut kubelet = FakeKubelet::start(&node.kubelet_dir());
+    FakePodResources::default().serve(&node.podres());
+    let gpus = node.gpus();
+    let (g0, g1) = (gpus[0].uuid.clone(), gpus[1].uuid.clone());
+    // GPU 1 by its UUID (upper case: NVML writes lower), and a GPU the node does not have.
+    node.start_plugin_with(&["--gpus", &format!("{},7", g1.to_uppercase())]);
+    within(15, "registration", kubelet.registrations.recv())
+        .await
+        .unwrap();
+    let mut client = node.plugin_client().await;
+    let mut stream = within(5, "ListAndWatch", client.list_and_watch(Empty {}))
+        .await
+        .unwrap()
+        .into_inner();
+    let list = next_list(&mut stream, "first device list").await;
+    assert_eq!(list.devices.len(), 100, "GPU 1's units alone");
+    assert!(list.devices.iter().all(|d| d.id.starts_with(&g1)));
+    let m = wait_sample(
+        &node.metrics_addr().await,
+        "tessera_plugin_units{state=\"healthy\"}",
+        100.0,
+    )
+    .await;
+    assert_eq!(
+        sample(&m, "tessera_plugin_units{state=\"unhealthy\"}"),
+        Some(0.0)
+    );
+    // Units of GPU 0 (the kubelet never had them) are refused, and nothing is made on it.
+    let err = allocate(&mut client, unit_ids(&g0, 0..10))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert!(
+        err.message().contains("not on this node"),
+        "{}",
+        err.message()
+    );
+    let resp = allocate(&mut client, unit_ids(&g1, 0..10)).await.unwrap();
+    assert_eq!(resp.envs["NVIDIA_VISIBLE_DEVICES"], g1);
+    let on: Vec<String> = node.allocations().into_iter().map(|a| a.gpu_uuid).collect();
+    assert_eq!(on, [g1]);
+    // An XID on GPU 0 is another plugin's business: the list stays as it is.
+    tessera_sim_state::inject_xid(&node.sim.dir, 0, 79).unwrap();
+    let quiet = tokio::time::timeout(Duration::from_secs(2), stream.message()).await;
+    assert!(quiet.is_err(), "a list update after GPU 0's XID: {quiet:?}");
+    let log = node.dir.path().join("plugin.log");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("--gpus names GPU 7, which this node does not have"),
+        "{text}"
+    );
+    assert!(!text.contains(&g0), "GPU 0 is not the plugin's: {text}");
+
+    // Nothing admitted (here from the environment): it still serves, with no unit, and says so.
+    node.plugin.take();
+    let log_file = std::fs::File::create(&log).unwrap();
+    node.plugin = Some(KillOnDrop::new(
+        node.plugin_command()
+            .env(tessera_protocol::node::ENV_GPUS, "5")
+            .stderr(log_file)
+            .spawn()
+            .unwrap(),
+    ));
+    within(15, "registration", kubelet.registrations.recv())
+        .await
+        .unwrap();
+    let mut client = node.plugin_client().await;
+    let mut stream = within(5, "ListAndWatch", client.list_and_watch(Empty {}))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        next_list(&mut stream, "empty list")
+            .await
+            .devices
+            .is_empty()
+    );
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("ERROR") && text.contains("admits none of this node's 2 GPUs"),
+        "{text}"
+    );
     kubelet.stop().await;
 }
 

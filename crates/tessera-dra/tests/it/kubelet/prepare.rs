@@ -1,4 +1,4 @@
-//! Prepare and unprepare: fractions and whole GPUs, idempotent and restart-safe; refusals per claim; the published slice.
+//! Prepare and unprepare: fractions and whole GPUs, idempotent and restart-safe; refusals per claim; the published slice; GPUs left to another plugin (`--gpus`).
 
 use super::*;
 
@@ -432,5 +432,88 @@ async fn publishes_a_valid_slice_with_one_device_per_gpu_and_keeps_it_across_res
     assert!(
         node.api.slices().is_empty(),
         "slice removed with --remove-slices-on-exit"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpus_left_to_another_plugin_are_neither_published_nor_prepared() {
+    let mut node = Node::start();
+    let (gpu0, gpu1) = (node.gpu_uuid(0), node.gpu_uuid(1));
+    // MIG on a GPU the list leaves out, named by UUID (so known only once the GPUs are read):
+    // a start-up error, exit 2, before anything is published.
+    let only1 = format!("{},9", gpu1.to_uppercase());
+    node.start_plugin_with(&["--gpus", &only1, "--mig-dynamic", "0"]);
+    let status = {
+        let p = node.plugin.as_mut().unwrap();
+        until(20, "the plugin refusing MIG on GPU 0", || {
+            p.try_wait().unwrap()
+        })
+        .await
+    };
+    node.plugin.take();
+    let log = std::fs::read_to_string(node.path("plugin.log")).unwrap();
+    assert_eq!(status.code(), Some(2), "{log}");
+    assert!(
+        log.contains(&format!(
+            "--mig-dynamic names GPU 0 ({gpu0}), which --gpus {gpu1},9 does not offer"
+        )),
+        "{log}"
+    );
+    assert!(node.api.slices().is_empty());
+
+    // GPU 1 alone (by its UUID, any case): one device in the slice, no GPU 0 to prepare.
+    node.api
+        .put_claim(claim("on-0", "uid-zero0000", "gpu-0", Some(("10", "1Gi"))));
+    node.api
+        .put_claim(claim("on-1", "uid-one00000", "gpu-1", Some(("10", "1Gi"))));
+    node.start_plugin_with(&["--gpus", &only1]);
+    let mut k = node.kubelet_register().await;
+    let slice = {
+        let api = &node.api;
+        until(20, "the node's ResourceSlice", || {
+            api.slices().into_iter().next()
+        })
+        .await
+    };
+    tessera_testkit::apiserver::validate_slice(&slice).unwrap();
+    let devices = slice["spec"]["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 1, "{devices:?}");
+    assert_eq!(devices[0]["name"], "gpu-1");
+    assert_eq!(devices[0]["attributes"]["uuid"]["string"], gpu1.as_str());
+    assert!(slice["spec"].get("sharedCounters").is_none());
+    let r = prepare(
+        &mut k,
+        &[
+            kclaim("on-0", "uid-zero0000"),
+            kclaim("on-1", "uid-one00000"),
+        ],
+    )
+    .await;
+    let err = &r["uid-zero0000"].error;
+    assert!(
+        err.contains("gpu-0") && err.contains("not a GPU of this node"),
+        "{err}"
+    );
+    assert_eq!(r["uid-one00000"].error, "");
+    let on: Vec<String> = node
+        .admin()
+        .list()
+        .unwrap()
+        .into_iter()
+        .map(|a| a.gpu_uuid)
+        .collect();
+    assert_eq!(on, [gpu1]);
+    let log = std::fs::read_to_string(node.path("plugin.log")).unwrap();
+    assert!(
+        log.contains("--gpus names GPU 9, which this node does not have"),
+        "{log}"
+    );
+    assert!(
+        log.contains("1 of the 2 GPUs of node node-a offered"),
+        "{log}"
+    );
+    assert_eq!(
+        unprepare(&mut k, &[kclaim("on-1", "uid-one00000")]).await,
+        [""]
     );
 }
