@@ -202,9 +202,11 @@ mig_uuid() {
     printf 'MIG-%s' "${x#mig-}"
 }
 
-# The arbiter's allocations on device UUID, as a JSON array.
+# The arbiter's allocations on device UUID, as a JSON array (`tessera status --json` lists
+# them under their device).
 mig_allocations_on() {
-    allocations_json | jq -c --arg u "${1,,}" '[.[] | select((.gpu_uuid | ascii_downcase) == $u)]'
+    "$RUST/tessera" status --json --admin-socket "$D/tessera/admin.sock" |
+        jq -c --arg u "${1,,}" '[.gpus[] | select((.uuid | ascii_downcase) == $u) | .allocations[]]'
 }
 mig_allocation_count_is() { [ "$(mig_allocations_on "$1" | jq length)" = "$2" ]; }
 
