@@ -15,13 +15,14 @@
 //! the interposer reports.
 //!
 //! Build and run: `cargo build --release --workspace && target/release/mig_share`
-//! (`--seconds S`, default 10: each timed phase).
+//! (`--seconds S`, default 10: each timed phase; `--made-after`: the instances are made after
+//! the arbiter started, as the DRA plugin makes them at prepare).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use tessera_benches::{SimNode, Tenant, need, number_flag, tenant_field};
+use tessera_benches::{SimNode, Tenant, need, tenant_field};
 use tessera_sim_state::mig::{GpuModel, MigDevice, store};
 use tessera_sim_state::{SimSpec, clock::monotonic_ns};
 
@@ -106,13 +107,38 @@ fn pct(x: u64, total: u64) -> f64 {
     }
 }
 
+/// `--seconds S` (default 10) and `--made-after`; anything else: usage, exit 2.
+fn flags() -> (f64, bool) {
+    let (mut seconds, mut made_after) = (10.0, false);
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--made-after" => made_after = true,
+            "--seconds" => match it.next().and_then(|v| v.parse::<f64>().ok()) {
+                Some(v) if v > 0.0 => seconds = v,
+                _ => usage(),
+            },
+            _ => usage(),
+        }
+    }
+    (seconds, made_after)
+}
+
+fn usage() -> ! {
+    eprintln!("usage: {WHO} [--seconds S] [--made-after]");
+    std::process::exit(2);
+}
+
 fn main() {
-    let seconds = number_flag(WHO, "--seconds", 10.0);
+    let (seconds, made_after) = flags();
     let spec = SimSpec::parse("1xH200").expect("spec");
     let m = GpuModel::H200;
-    let node = SimNode::start_prepared(WHO, "1xH200", &[], |sim| {
+    // The two instances, made on the state folder `sim` (MIG on first if needed).
+    let make = |sim: &std::path::Path| {
         store::update(sim, |st| {
-            st.gpu_mut(0).set_mode(true, false)?;
+            if !st.enabled(0) {
+                st.gpu_mut(0).set_mode(true, false)?;
+            }
             for _ in 0..2 {
                 let gi = st.gpu_mut(0).create_gi(
                     m,
@@ -125,7 +151,16 @@ fn main() {
             Ok(())
         })
         .expect("MIG layout");
-    });
+    };
+    // `--made-after`: the instances are made once the arbiter runs (as the DRA plugin makes
+    // them at a claim's prepare); the first `tessera run` naming one makes it read them.
+    let node = if made_after {
+        let node = SimNode::start(WHO, "1xH200");
+        make(&node.sim_dir);
+        node
+    } else {
+        SimNode::start_prepared(WHO, "1xH200", &[], make)
+    };
     let devs = store::load(&node.sim_dir)
         .expect("MIG state")
         .devices(&spec);
@@ -138,8 +173,12 @@ fn main() {
         node,
     };
     println!(
-        "Fractions inside MIG instances on a simulated H200 (GPU 0: A = {} {}, B = {} {})",
-        a.name, a.uuid, b.name, b.uuid
+        "Fractions inside MIG instances on a simulated H200 (GPU 0: A = {} {}, B = {} {}; made {} the arbiter started)",
+        a.name,
+        a.uuid,
+        b.name,
+        b.uuid,
+        if made_after { "after" } else { "before" }
     );
 
     const GIB: u64 = 1 << 30;
