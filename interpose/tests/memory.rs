@@ -183,13 +183,20 @@ fn eight_processes_race_to_the_limit() {
     let limit = GIB + 8 * CONTEXT;
     let (token, id) = bed.create(limit);
     let size = 300 * MIB;
+    // They race once all eight hold their contexts: a context asked for while siblings'
+    // allocations fill the limit is refused, rightly, but that is not this test's race.
+    let barrier = tempfile::tempdir().unwrap();
+    let barrier_dir = barrier.path().to_str().unwrap().to_owned();
     let racers: Vec<_> = (0..8)
         .map(|_| {
-            bed.py_tenant(&token, &["race", "1000", &size.to_string()])
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
+            bed.py_tenant(
+                &token,
+                &["race", "1000", &size.to_string(), &barrier_dir, "8"],
+            )
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
         })
         .collect();
     // Watch the ledger (and the simulated card) while they race.

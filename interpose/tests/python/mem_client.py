@@ -13,6 +13,7 @@ import json
 import subprocess
 import os
 import sys
+import time
 
 from cuda.bindings import driver as cu
 
@@ -174,8 +175,20 @@ def limits():
     emit(out)
 
 
-def race(n, size):
+def race(n, size, barrier=None, racers=0):
+    """`n` allocations of `size`, freed at once; with `barrier` (a folder) and `racers`, first
+    waits until that many racers hold their contexts (each leaves a file there), so that none
+    races for the allocations before another has its context: a context asked for beside
+    racing siblings is refused when their allocations fill the limit, which is right, but not
+    what is being tested."""
     setup()
+    if barrier:
+        open(os.path.join(barrier, str(os.getpid())), "w").close()
+        deadline = time.monotonic() + 120
+        while len(os.listdir(barrier)) < racers:
+            if time.monotonic() > deadline:
+                raise SystemExit("racers did not all start")
+            time.sleep(0.005)
     counts = {}
     for _ in range(n):
         err, p = cu.cuMemAlloc(size)
@@ -250,7 +263,7 @@ def main():
     if mode == "limits":
         limits()
     elif mode == "race":
-        race(int(sys.argv[2]), int(sys.argv[3]))
+        race(int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5], *map(int, sys.argv[5:6]))
     elif mode == "serve":
         serve()
     elif mode == "info":
