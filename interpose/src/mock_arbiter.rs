@@ -42,6 +42,9 @@ pub struct Books {
     /// When set, the next `Granted` is written only after the granted connection's channel
     /// was sent `Pressure { seq }` and answered it: a press that crosses the grant's reply.
     pub press_before_grant: Option<u64>,
+    /// When set, the next `Subscribed` is followed by `Pressure { seq }` in the same write, so
+    /// that the channel's first read takes both (a press sent as the channel opens).
+    pub press_on_subscribe: Option<u64>,
     /// Requests the real arbiter treats as protocol violations (it closes the connection):
     /// a release of more than the connection holds, a `Redeclare` that is not the first
     /// request. The mock closes too, and counts them so tests can assert there were none.
@@ -151,6 +154,17 @@ impl MockArbiter {
             .sum()
     }
 
+    /// Answers to pressure so far: (seq, bytes).
+    pub fn relinquished(&self) -> Vec<(u64, u64)> {
+        self.books.lock().relinquished.clone()
+    }
+
+    /// Makes the next channel's `Subscribed` come with a press (see
+    /// [`Books::press_on_subscribe`]).
+    pub fn press_on_subscribe(&self, seq: u64) {
+        self.books.lock().press_on_subscribe = Some(seq);
+    }
+
     /// Makes the next grant cross a press (see [`Books::press_before_grant`]).
     pub fn press_before_next_grant(&self, seq: u64) {
         self.books.lock().press_before_grant = Some(seq);
@@ -240,6 +254,7 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
     let mut handled = 0u64;
     while let Ok(req) = read_frame::<_, TenantRequest>(&mut stream) {
         handled += 1;
+        let mut press_too = None;
         let reply = {
             let mut b = books.lock();
             b.log.push(req.clone());
@@ -261,6 +276,7 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
                     // A channel is not a process: it holds nothing and is not counted.
                     let _ = b.ledger.detach(KEY, id);
                     channel_of = Some(ticket);
+                    press_too = b.press_on_subscribe.take();
                     Some(TenantReply::Subscribed)
                 }
                 TenantRequest::Relinquish { seq, bytes } => {
@@ -274,6 +290,16 @@ fn serve(mut stream: UnixStream, id: u64, limit: u64, books: Arc<Mutex<Books>>) 
         };
         if matches!(reply, Some(TenantReply::Granted { .. })) {
             press_before_reply(&books, id);
+        }
+        if let Some(seq) = press_too {
+            // One write: the session's first read of the channel takes both frames.
+            let mut both = Vec::new();
+            write_frame(&mut both, &TenantReply::Subscribed).unwrap();
+            write_frame(&mut both, &TenantReply::Pressure { seq }).unwrap();
+            if std::io::Write::write_all(&mut stream, &both).is_err() {
+                break;
+            }
+            continue;
         }
         if let Some(r) = reply
             && write_frame(&mut stream, &r).is_err()

@@ -73,18 +73,22 @@ impl Session {
     /// the watcher thread): a ticket on the memory connection, a second connection that
     /// subscribes with it. Installed only if the memory connection is still the one the ticket
     /// came from (else it is closed: its ticket names a closed connection).
-    pub(super) fn open_wanted_channel(&self) {
+    ///
+    /// Returns true when frames came in behind the channel's `Subscribed` (a `Pressure` sent
+    /// at once): they were read with it into the connection's buffer, where no `poll` of the
+    /// socket sees them, so the caller answers them now ([`Session::answer_pressure`]).
+    pub(super) fn open_wanted_channel(&self) -> bool {
         if !self.channel_wanted.swap(false, Ordering::AcqRel) {
-            return;
+            return false;
         }
         let Some(path) = self.socket.as_deref() else {
-            return;
+            return false;
         };
         let (generation, ticket) = {
             let mut link = self.lock();
             let generation = link.generation;
             let Some(mem) = link.conn.as_mut() else {
-                return;
+                return false;
             };
             match mem.call(&TenantRequest::Ticket) {
                 Ok(TenantReply::Ticket { ticket }) => (generation, ticket),
@@ -93,7 +97,7 @@ impl Session {
                         Info,
                         "no pressure channel (Ticket answered {other:?}); this process keeps no memory credit"
                     );
-                    return;
+                    return false;
                 }
             }
         };
@@ -121,16 +125,21 @@ impl Session {
                 // it had (none) and wants a new one; this one belongs to no live connection.
                 let link = self.lock();
                 if link.generation != generation || link.conn.is_none() {
-                    return;
+                    return false;
                 }
+                let buffered = ch.has_buffered_frame();
                 self.given_back.store(answers, Ordering::Release);
                 self.channel_fd.store(ch.fd(), Ordering::Release);
                 *self.channel.lock() = Some(ch);
+                buffered
             }
-            Err(e) => tlog!(
-                Info,
-                "no pressure channel ({e}); this process keeps no memory credit"
-            ),
+            Err(e) => {
+                tlog!(
+                    Info,
+                    "no pressure channel ({e}); this process keeps no memory credit"
+                );
+                false
+            }
         }
     }
 

@@ -31,8 +31,11 @@ impl Session {
             panic!("injected: a panic in the watcher");
         }
         // A new memory connection's pressure channel first (its set-up is kept off the
-        // critical path of the thread that connected).
-        self.open_wanted_channel();
+        // critical path of the thread that connected); a `Pressure` that came in with its
+        // `Subscribed` is answered at once (the socket's poll will not show it again).
+        if self.open_wanted_channel() {
+            self.answer_pressure();
+        }
         let generation = self.generation.load(Ordering::Acquire);
         let before = self.credit.load(Ordering::SeqCst);
         // Arm before looking at the credit: a free after this point wakes us again.
