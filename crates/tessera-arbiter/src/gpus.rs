@@ -14,7 +14,7 @@
 //!
 //! **The layout changes while the arbiter runs** (the DRA plugin makes an instance at a claim's
 //! prepare and destroys it at the last unprepare): the arbiter reads it again when a Create
-//! names a GPU it does not know and at every backstop poll ([`keep_indexes`]). Devices are
+//! names a `MIG-` UUID it does not know and at every backstop poll ([`keep_indexes`]). Devices are
 //! known by UUID (a re-made instance has a fresh one); a MIG device keeps the slot it was first
 //! given for as long as it exists (discovery numbers them by their position among the parent's
 //! MIG devices, `nvmlDeviceGetMigDeviceHandleByIndex`, which shifts when a neighbour goes), so

@@ -7,8 +7,8 @@ use super::*;
 
 /// Creating allocations: the checks, the records, one GPU or a group of slices.
 impl Arbiter {
-    /// The device `sel` names; one this list lacks is looked for again in a fresh reading
-    /// (a MIG instance made since: [`Arbiter::set_discovery`]).
+    /// The device `sel` names; a `MIG-` UUID this list lacks is looked for again in a fresh
+    /// reading (an instance made since: [`Arbiter::set_discovery`]).
     pub(super) fn resolve_gpu(&self, sel: &GpuSelector) -> Result<GpuInfo, StateError> {
         let find = |gpus: &[GpuInfo]| {
             gpus.iter()
@@ -21,7 +21,12 @@ impl Arbiter {
         if let Some(g) = find(&self.gpus()) {
             return Ok(g);
         }
-        if self.rediscover()
+        // Only MIG instances come and go while the arbiter runs: a GPU index or `GPU-` UUID
+        // it lacks is not worth an NVML walk (a caller cannot make it walk for a typo).
+        let instance = matches!(sel, GpuSelector::Uuid(u)
+            if u.get(..4).is_some_and(|p| p.eq_ignore_ascii_case("MIG-")));
+        if instance
+            && self.rediscover()
             && let Some(g) = find(&self.gpus())
         {
             return Ok(g);

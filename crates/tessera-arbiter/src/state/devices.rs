@@ -1,6 +1,6 @@
 //! The device list while the arbiter runs: MIG instances come and go (the DRA plugin makes
 //! one at a claim's prepare, destroys it at the last unprepare), so the list is read again
-//! when a Create names a device it lacks and at every backstop poll. A device is known by its
+//! when a Create names a `MIG-` UUID it lacks and at every backstop poll. A device is known by its
 //! UUID and keeps its index ([`crate::gpus::keep_indexes`]); a new one gets a scheduler (with
 //! its timer); a gone one keeps its scheduler while allocations name it, and its allocations
 //! stay (as for a GPU missing at start-up: the backstop polices their processes on no card).
@@ -9,7 +9,7 @@
 use super::*;
 
 impl Arbiter {
-    /// Reads the devices again through `discovery` whenever a Create names one this list
+    /// Reads the devices again through `discovery` whenever a Create names a `MIG-` UUID this list
     /// lacks. Once; later calls are ignored.
     pub fn set_discovery(&self, discovery: Box<dyn crate::gpus::GpuDiscovery + Send + Sync>) {
         let _ = self.discovery.set(discovery);
@@ -130,6 +130,34 @@ mod tests {
         let e = arb.create(create("MIG-other")).await.unwrap_err();
         assert!(e.to_string().contains("no GPU with UUID MIG-other"), "{e}");
         arb.delete(&status.id).await.unwrap();
+    }
+
+    /// A discovery that counts its walks.
+    #[derive(Debug, Default)]
+    struct Counting(std::sync::atomic::AtomicU32);
+
+    impl crate::gpus::GpuDiscovery for Counting {
+        fn discover(&self) -> Result<Vec<GpuInfo>, crate::gpus::GpusError> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            Ok(vec![gpu(0, "GPU-a")])
+        }
+    }
+
+    #[tokio::test]
+    async fn only_an_unknown_mig_uuid_makes_the_arbiter_walk_the_devices() {
+        let (_dir, arb) = arbiter(vec![gpu(0, "GPU-a")]);
+        arb.set_discovery(Box::new(Counting::default()));
+        let walks = || {
+            let d = arb.discovery.get().unwrap();
+            format!("{d:?}")
+        };
+        let mut by_index = create("x");
+        by_index.gpu = GpuSelector::Index(7);
+        assert!(arb.create(by_index).await.is_err());
+        assert!(arb.create(create("GPU-typo")).await.is_err());
+        assert_eq!(walks(), "Counting(0)");
+        assert!(arb.create(create("mig-unknown")).await.is_err());
+        assert_eq!(walks(), "Counting(1)");
     }
 
     #[tokio::test]
