@@ -66,6 +66,7 @@ use tessera_protocol::GpuInfo;
 use tessera_protocol::identity::{CONTAINER_IDENTITY_FILE, Identity};
 use tessera_protocol::size::human;
 
+#[cfg(test)]
 use crate::peer::proc_start;
 
 mod attribution;

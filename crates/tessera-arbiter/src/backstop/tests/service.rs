@@ -15,6 +15,11 @@ fn proc_parent_reads_this_process() {
     assert_eq!(proc_start(me), Some(mine));
     assert_eq!(proc_start(-5), None);
     assert!(proc_cgroup("self").is_some_and(|c| c.starts_with('/')));
+    // The view reads both from one read of the file, the same as the two readers above.
+    let (view, _) = ProcFs::new(std::path::Path::new("/proc/self/ns/mnt"));
+    assert_eq!(view.parent(me), Some(parent));
+    assert_eq!(view.start_time(me), Some(mine));
+    assert_eq!((view.parent(-5), view.start_time(-5)), (None, None));
 }
 
 #[test]
