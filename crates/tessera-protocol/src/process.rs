@@ -9,10 +9,14 @@ use crate::ProcessOwner;
 /// The start time of `pid` read under `proc` (normally `/proc`), if it runs.
 pub fn start_time(proc: &Path, pid: i32) -> Option<u64> {
     let text = std::fs::read_to_string(proc.join(format!("{pid}/stat"))).ok()?;
-    // The command (field 2) may hold spaces and parentheses: fields resume after the last ')'.
-    let rest = &text[text.rfind(')')? + 1..];
-    // `rest` starts at field 3 (state); field 22 is the 20th from there.
-    rest.split_whitespace().nth(19)?.parse().ok()
+    // Field 22 is the 20th from field 3.
+    stat_fields(&text)?.nth(19)?.parse().ok()
+}
+
+/// The fields of a `/proc/<pid>/stat` text from field 3 (the state) on. The command (field 2)
+/// may hold spaces and parentheses: the fields resume after the last `)`.
+pub fn stat_fields(stat: &str) -> Option<std::str::SplitWhitespace<'_>> {
+    Some(stat[stat.rfind(')')? + 1..].split_whitespace())
 }
 
 /// The calling process.

@@ -9,8 +9,10 @@ use std::os::unix::fs::MetadataExt;
 /// which may itself contain spaces and parentheses (so the last `)` ends it).
 fn stat_field<T: std::str::FromStr>(pid: i32, n: usize) -> Option<T> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(n - 3)?.parse().ok()
+    tessera_protocol::process::stat_fields(&stat)?
+        .nth(n - 3)?
+        .parse()
+        .ok()
 }
 
 /// The parent of `pid` from `/proc/<pid>/stat` (field 4).
@@ -54,8 +56,8 @@ pub struct ProcFs {
 /// Parent (field 4) and start time (field 22) of `pid` from one read of `/proc/<pid>/stat`.
 fn parent_and_start(pid: i32) -> Option<(i32, u64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let mut rest = stat[stat.rfind(')')? + 1..].split_whitespace();
-    // `rest` starts at field 3 (state).
+    // From field 3 (state) on.
+    let mut rest = tessera_protocol::process::stat_fields(&stat)?;
     let parent = rest.nth(1)?.parse().ok()?;
     let start = rest.nth(17)?.parse().ok()?;
     Some((parent, start))

@@ -27,13 +27,21 @@ impl Arbiter {
     /// Takes `found` (a fresh discovery) as the device list, keeping the indexes of devices
     /// already known; returns whether anything changed.
     pub fn refresh_gpus(&self, found: Vec<GpuInfo>) -> bool {
-        // Indexes of allocations, so that a gone instance's is not handed on while one names it.
-        let held: Vec<(String, u32)> = self
-            .live()
-            .by_id
-            .values()
-            .map(|a| (a.record.gpu_uuid.clone(), a.record.gpu_index))
-            .collect();
+        // Indexes of allocations, so that a gone instance's is not handed on while one names
+        // it: needed only to place a new device (most polls find none, and take no `live`).
+        let known = self.gpus();
+        let placing = found
+            .iter()
+            .any(|f| !known.iter().any(|g| g.uuid.eq_ignore_ascii_case(&f.uuid)));
+        let held: Vec<(String, u32)> = if placing {
+            self.live()
+                .by_id
+                .values()
+                .map(|a| (a.record.gpu_uuid.clone(), a.record.gpu_index))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let added: Vec<GpuInfo> = {
             let mut gpus = self.gpus.write();
             let next = crate::gpus::keep_indexes(&gpus, found, &held);
@@ -134,7 +142,7 @@ mod tests {
 
     /// A discovery that counts its walks.
     #[derive(Debug, Default)]
-    struct Counting(std::sync::atomic::AtomicU32);
+    struct Counting(Arc<std::sync::atomic::AtomicU32>);
 
     impl crate::gpus::GpuDiscovery for Counting {
         fn discover(&self) -> Result<Vec<GpuInfo>, crate::gpus::GpusError> {
@@ -146,18 +154,16 @@ mod tests {
     #[tokio::test]
     async fn only_an_unknown_mig_uuid_makes_the_arbiter_walk_the_devices() {
         let (_dir, arb) = arbiter(vec![gpu(0, "GPU-a")]);
-        arb.set_discovery(Box::new(Counting::default()));
-        let walks = || {
-            let d = arb.discovery.get().unwrap();
-            format!("{d:?}")
-        };
+        let counting = Counting::default();
+        let walks = Arc::clone(&counting.0);
+        arb.set_discovery(Box::new(counting));
         let mut by_index = create("x");
         by_index.gpu = GpuSelector::Index(7);
         assert!(arb.create(by_index).await.is_err());
         assert!(arb.create(create("GPU-typo")).await.is_err());
-        assert_eq!(walks(), "Counting(0)");
+        assert_eq!(walks.load(Ordering::Relaxed), 0);
         assert!(arb.create(create("mig-unknown")).await.is_err());
-        assert_eq!(walks(), "Counting(1)");
+        assert_eq!(walks.load(Ordering::Relaxed), 1);
     }
 
     #[tokio::test]
