@@ -26,11 +26,11 @@ use tessera_protocol::{
 };
 
 /// What every message type on the wire is.
-pub trait Msg: Serialize + DeserializeOwned + PartialEq + Debug + Clone {}
+pub(super) trait Msg: Serialize + DeserializeOwned + PartialEq + Debug + Clone {}
 impl<T: Serialize + DeserializeOwned + PartialEq + Debug + Clone> Msg for T {}
 
 /// The targets, by name (the folder names under `fuzz/corpus/`).
-pub const TARGETS: &[&str] = &[
+pub(super) const TARGETS: &[&str] = &[
     "frame_stream",
     "hello",
     "server_hello",
@@ -42,7 +42,7 @@ pub const TARGETS: &[&str] = &[
 ];
 
 /// Runs target `name` on `data` (panics on a broken invariant or an unknown name).
-pub fn run_target(name: &str, data: &[u8]) {
+pub(super) fn run_target(name: &str, data: &[u8]) {
     match name {
         "frame_stream" => check_frame_stream(data),
         "hello" => check_payload::<Hello>(data),
@@ -61,7 +61,7 @@ pub fn run_target(name: &str, data: &[u8]) {
 /// Invariants: no panic; `frame::decode` accepts only what `postcard::take_from_bytes`
 /// accepts, with the same message, and accepts every input that postcard consumes whole;
 /// what decodes passes [`check_round_trip`] with the consumed prefix's length.
-pub fn check_payload<T: Msg>(payload: &[u8]) {
+pub(super) fn check_payload<T: Msg>(payload: &[u8]) {
     let decoded = frame::decode::<T>(payload);
     let prefix = postcard::take_from_bytes::<T>(payload);
     match (decoded, prefix) {
@@ -85,7 +85,7 @@ pub fn check_payload<T: Msg>(payload: &[u8]) {
 /// A message that came off the wire (`consumed` bytes of payload) re-encodes to at most
 /// `consumed` bytes that decode to the same message, the re-encoding is a fixed point, and it
 /// goes through a frame (blocking reader and incremental decoder) unchanged.
-pub fn check_round_trip<T: Msg>(msg: &T, consumed: usize) {
+pub(super) fn check_round_trip<T: Msg>(msg: &T, consumed: usize) {
     let bytes = postcard::to_allocvec(msg).expect("a decoded message encodes");
     assert!(
         bytes.len() <= consumed,
@@ -138,7 +138,7 @@ fn end_of(e: FrameError) -> End {
 ///
 /// Input: byte 0 picks the message type (one of the six, as the arbiter, interposer and CLI
 /// decode them), byte 1 seeds the chunk sizes, the rest is the stream.
-pub fn check_frame_stream(data: &[u8]) {
+pub(super) fn check_frame_stream(data: &[u8]) {
     let (Some(&kind), Some(&seed)) = (data.first(), data.get(1)) else {
         return;
     };
@@ -158,7 +158,7 @@ pub fn check_frame_stream(data: &[u8]) {
 /// it yields the same messages and the same end (clean, truncated, too large, malformed) as
 /// the blocking `read_frame` on the whole stream; every message it yields passes
 /// [`check_payload`] on its frame's payload.
-pub fn stream_as<T: Msg>(stream: &[u8], seed: u8) {
+pub(super) fn stream_as<T: Msg>(stream: &[u8], seed: u8) {
     // Reference: the blocking reader on the whole stream.
     let mut cur = Cursor::new(stream);
     let mut want = Vec::new();
@@ -235,7 +235,7 @@ pub fn stream_as<T: Msg>(stream: &[u8], seed: u8) {
 /// values; it renders to at most one byte more than its text (the final newline), and the
 /// rendering parses back to the same identity whenever it fits [`MAX_IDENTITY_LEN`];
 /// refusals name a line that exists, and `TooLong` only for text over the limit.
-pub fn check_identity(data: &[u8]) {
+pub(super) fn check_identity(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
@@ -283,7 +283,7 @@ pub fn check_identity(data: &[u8]) {
 
 /// One message of every variant of every type, with edge values: the seed corpus and the
 /// structured part of the bounded pass.
-pub struct Samples {
+pub(super) struct Samples {
     /// Client hellos.
     pub hello: Vec<Hello>,
     /// Server hellos.
@@ -301,7 +301,7 @@ pub struct Samples {
 }
 
 /// The samples.
-pub fn samples() -> Samples {
+pub(super) fn samples() -> Samples {
     let view = AllocationView {
         id: "a-1".into(),
         gpu_index: 0,
@@ -544,7 +544,7 @@ pub fn samples() -> Samples {
 }
 
 /// The seed corpus of target `name`: the samples, encoded as that target reads its input.
-pub fn seeds(name: &str) -> Vec<Vec<u8>> {
+pub(super) fn seeds(name: &str) -> Vec<Vec<u8>> {
     fn payloads<T: Msg>(msgs: &[T]) -> Vec<Vec<u8>> {
         msgs.iter()
             .map(|m| postcard::to_allocvec(m).unwrap())

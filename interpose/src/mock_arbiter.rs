@@ -29,7 +29,7 @@ const KEY: tessera_ledger::AccountKey = 1;
 
 /// Shared ledger of the mock.
 #[derive(Debug, Default)]
-pub struct Books {
+pub(crate) struct Books {
     /// The arbiter's ledger, with one account ([`KEY`]); a connection is attached from its
     /// welcome until it closes.
     pub ledger: tessera_ledger::Ledger,
@@ -53,7 +53,7 @@ pub struct Books {
 
 /// A running mock arbiter.
 #[derive(Debug)]
-pub struct MockArbiter {
+pub(crate) struct MockArbiter {
     path: PathBuf,
     stop: Arc<AtomicBool>,
     books: Arc<Mutex<Books>>,
@@ -62,11 +62,11 @@ pub struct MockArbiter {
 }
 
 /// The token the mock accepts.
-pub const TOKEN: &str = "good-token";
+pub(crate) const TOKEN: &str = "good-token";
 
 impl MockArbiter {
     /// Listens on `path` with an allocation limit of `limit` bytes.
-    pub fn start(path: &Path, limit: u64) -> Self {
+    pub(crate) fn start(path: &Path, limit: u64) -> Self {
         let _ = std::fs::remove_file(path);
         let listener = UnixListener::bind(path).expect("bind mock socket");
         listener.set_nonblocking(true).unwrap();
@@ -104,12 +104,12 @@ impl MockArbiter {
     }
 
     /// Bytes in use across all connections.
-    pub fn in_use(&self) -> u64 {
+    pub(crate) fn in_use(&self) -> u64 {
         self.books.lock().ledger.usage(KEY).map_or(0, |u| u.in_use)
     }
 
     /// Open connections (pressure channels are not counted: they hold nothing).
-    pub fn connections(&self) -> usize {
+    pub(crate) fn connections(&self) -> usize {
         self.books
             .lock()
             .ledger
@@ -118,18 +118,18 @@ impl MockArbiter {
     }
 
     /// Protocol violations seen so far (see [`Books::violations`]).
-    pub fn violations(&self) -> Vec<TenantRequest> {
+    pub(crate) fn violations(&self) -> Vec<TenantRequest> {
         self.books.lock().violations.clone()
     }
 
     /// Requests seen so far.
-    pub fn log(&self) -> Vec<TenantRequest> {
+    pub(crate) fn log(&self) -> Vec<TenantRequest> {
         self.books.lock().log.clone()
     }
 
     /// Presses every pressure channel with `seq` and waits for all answers; returns the bytes
     /// given back.
-    pub fn press_all(&self, seq: u64) -> u64 {
+    pub(crate) fn press_all(&self, seq: u64) -> u64 {
         let n = {
             let b = self.books.lock();
             for mut ch in b.channels.values() {
@@ -155,29 +155,29 @@ impl MockArbiter {
     }
 
     /// Answers to pressure so far: (seq, bytes).
-    pub fn relinquished(&self) -> Vec<(u64, u64)> {
+    pub(crate) fn relinquished(&self) -> Vec<(u64, u64)> {
         self.books.lock().relinquished.clone()
     }
 
     /// Makes the next channel's `Subscribed` come with a press (see
     /// [`Books::press_on_subscribe`]).
-    pub fn press_on_subscribe(&self, seq: u64) {
+    pub(crate) fn press_on_subscribe(&self, seq: u64) {
         self.books.lock().press_on_subscribe = Some(seq);
     }
 
     /// Makes the next grant cross a press (see [`Books::press_before_grant`]).
-    pub fn press_before_next_grant(&self, seq: u64) {
+    pub(crate) fn press_before_next_grant(&self, seq: u64) {
         self.books.lock().press_before_grant = Some(seq);
     }
 
     /// Open pressure channels.
-    pub fn channels(&self) -> usize {
+    pub(crate) fn channels(&self) -> usize {
         self.books.lock().channels.len()
     }
 
     /// Waits until `f` holds (or panics after 30 s: a deadline for a broken test only, generous
     /// so that a loaded machine never reaches it).
-    pub fn wait_for(&self, what: &str, f: impl Fn(&Self) -> bool) {
+    pub(crate) fn wait_for(&self, what: &str, f: impl Fn(&Self) -> bool) {
         let end = Instant::now() + Duration::from_secs(30);
         while !f(self) {
             assert!(Instant::now() < end, "timed out waiting for {what}");
@@ -186,7 +186,7 @@ impl MockArbiter {
     }
 
     /// Simulates a crash: stops accepting, shuts every connection, removes the socket.
-    pub fn kill(mut self) {
+    pub(crate) fn kill(mut self) {
         self.stop_now();
     }
 

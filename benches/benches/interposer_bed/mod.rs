@@ -19,7 +19,7 @@ use tessera_protocol::node;
 use tessera_testkit::{ArbiterSpec, RunningArbiter, SimGpu, allocation, artifact_with_hint};
 
 /// The folder of the benchmark's profile (`target/release`).
-pub use tessera_testkit::target_dir as profile_dir;
+pub(crate) use tessera_testkit::target_dir as profile_dir;
 
 use tessera_cuda_abi::{cuCtxSetCurrent_t, cuDeviceGet_t, cuDevicePrimaryCtxRetain_t, cuInit_t};
 
@@ -45,7 +45,7 @@ fn pin(cpu: usize) {
 }
 
 /// A simulated GPU, an arbiter, and both the raw and the intercepted driver in this process.
-pub struct Bed {
+pub(crate) struct Bed {
     // Fields drop in order: the arbiter is killed before its folder goes.
     _arbiter: RunningArbiter,
     _dir: tempfile::TempDir,
@@ -67,7 +67,7 @@ impl Bed {
     /// round trip is then two context switches on one core whatever the scheduler does, so
     /// the echo and the arbiter are measured alike (across cores, a VM's wake-up IPIs make
     /// round trips bimodal, 6 or 60 us, run to run).
-    pub fn start(memory: u64, share: u32, cap: Option<u32>, pin_cpu: Option<usize>) -> Self {
+    pub(crate) fn start(memory: u64, share: u32, cap: Option<u32>, pin_cpu: Option<usize>) -> Self {
         if let Some(cpu) = pin_cpu {
             pin(cpu);
         }
@@ -126,24 +126,24 @@ impl Bed {
     }
 
     /// A separate tenant connection of the allocation (the protocol crate's blocking client).
-    pub fn tenant_client(&self) -> TenantClient {
+    pub(crate) fn tenant_client(&self) -> TenantClient {
         TenantClient::connect(&self.socket, &self.token).unwrap()
     }
 
     /// A function of the simulated driver (raw, not intercepted).
-    pub fn raw<T: Copy>(&self, name: &str) -> T {
+    pub(crate) fn raw<T: Copy>(&self, name: &str) -> T {
         // SAFETY: callers name the C signature of the symbol they ask for.
         unsafe { *self.sim.get::<T>(name.as_bytes()).unwrap() }
     }
 
     /// A function as the interposer exports it (intercepted).
-    pub fn hooked<T: Copy>(&self, name: &str) -> T {
+    pub(crate) fn hooked<T: Copy>(&self, name: &str) -> T {
         // SAFETY: as for `raw`.
         unsafe { *self.interposer.get::<T>(name.as_bytes()).unwrap() }
     }
 
     /// Initialises the driver and makes device 0's primary context current on this thread.
-    pub fn make_context_current(&self) {
+    pub(crate) fn make_context_current(&self) {
         let mut dev = 0;
         let mut ctx = std::ptr::null_mut();
         // SAFETY: the simulated driver's entry points with their C signatures.
@@ -160,13 +160,13 @@ impl Bed {
 }
 
 /// A plain echo over a `UnixStream` pair: the machine's raw round trip, for comparison.
-pub struct Echo {
+pub(crate) struct Echo {
     client: UnixStream,
 }
 
 impl Echo {
     /// Starts the echo thread.
-    pub fn start() -> Self {
+    pub(crate) fn start() -> Self {
         let (client, mut server) = UnixStream::pair().unwrap();
         std::thread::spawn(move || {
             let mut buf = [0u8; 16];
@@ -180,7 +180,7 @@ impl Echo {
     }
 
     /// One 16-byte round trip.
-    pub fn round_trip(&mut self) {
+    pub(crate) fn round_trip(&mut self) {
         let mut buf = [7u8; 16];
         self.client.write_all(&buf).unwrap();
         self.client.read_exact(&mut buf).unwrap();
@@ -189,7 +189,11 @@ impl Echo {
 
 /// Median over `batches` of the mean time of `iters` calls of each function, interleaved so
 /// that machine noise hits every variant alike. Returns nanoseconds per call for each.
-pub fn interleaved_medians(batches: usize, iters: u32, fs: &mut [&mut dyn FnMut()]) -> Vec<f64> {
+pub(crate) fn interleaved_medians(
+    batches: usize,
+    iters: u32,
+    fs: &mut [&mut dyn FnMut()],
+) -> Vec<f64> {
     let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(batches); fs.len()];
     for _ in 0..batches {
         for (i, f) in fs.iter_mut().enumerate() {
@@ -210,7 +214,7 @@ pub fn interleaved_medians(batches: usize, iters: u32, fs: &mut [&mut dyn FnMut(
 }
 
 /// Where the benchmark's summary goes besides stdout (`target/criterion/<name>.txt`).
-pub fn write_summary(name: &str, text: &str) {
+pub(crate) fn write_summary(name: &str, text: &str) {
     let dir = profile_dir().parent().unwrap().join("criterion");
     let _ = std::fs::create_dir_all(&dir);
     let _ = std::fs::write(dir.join(format!("{name}.txt")), text);

@@ -1,7 +1,7 @@
 //! pid_reuse: the backstop's kill against a reused pid, and what its pidfd holds cost.
 //!
 //! Each round starts process A (`sleep`), takes the backstop's hold on it
-//! ([`tessera_arbiter::backstop::Held`], a pidfd) and then lets A die and be reaped, as a process
+//! ([`tessera_arbiter::Held`], a pidfd) and then lets A die and be reaped, as a process
 //! the backstop decided to kill may do between its poll and its kill. Process B is then started
 //! on A's pid (`/proc/sys/kernel/ns_last_pid`, so root is needed), and A's kill is carried out:
 //! once as the backstop did before (`kill(pid)`), once as it does now (through A's hold). Prints
@@ -15,7 +15,7 @@
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
-use tessera_arbiter::backstop::{Killer, Sigkill};
+use tessera_arbiter::{Killer, Sigkill};
 
 fn sleeper() -> Child {
     Command::new("sleep").arg("60").spawn().expect("sleep runs")

@@ -20,7 +20,7 @@ use crate::wire::{self, WireError};
 
 /// Errors of admin connections (each closes that connection only).
 #[derive(Debug, thiserror::Error)]
-pub enum AdminError {
+pub(crate) enum AdminError {
     /// Framing, handshake or transport failure.
     #[error(transparent)]
     Wire(#[from] WireError),
@@ -28,14 +28,14 @@ pub enum AdminError {
 
 /// A new admin connection: counted as pending (or closed at once over the caps) until its
 /// handshake ends, then served to its end on the runtime.
-pub fn accept(arb: Arc<Arbiter>, adm: &Arc<Admission>, stream: UnixStream) {
+pub(crate) fn accept(arb: Arc<Arbiter>, adm: &Arc<Admission>, stream: UnixStream) {
     admission::accept_pending(adm, stream, |stream, slot, timeout| {
         serve(arb, stream, slot, timeout)
     });
 }
 
 /// Serves one admin connection to its end; `slot` is released when the handshake ends.
-pub async fn serve(
+pub(crate) async fn serve(
     arb: Arc<Arbiter>,
     mut stream: UnixStream,
     slot: PendingSlot,

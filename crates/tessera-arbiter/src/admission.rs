@@ -38,9 +38,9 @@
 
 // `admission.rs` stays the module's root file (not `admission/mod.rs`): the tenant handshake
 // below is being edited alongside; the new concerns live in files of their own.
-pub mod budget;
-pub mod group;
-pub mod park;
+pub(crate) mod budget;
+pub(crate) mod group;
+pub(crate) mod park;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -59,19 +59,19 @@ use crate::peer::ProcId;
 use crate::state::{Arbiter, TenantBinding};
 use crate::wire::{self, WireError};
 
-pub use budget::BudgetParams;
+pub(crate) use budget::BudgetParams;
 use budget::Budgets;
-pub use group::Group;
+pub(crate) use group::Group;
 use group::ProcCgroups;
 use park::Parked;
-pub use park::ParkedSlot;
+pub(crate) use park::ParkedSlot;
 
 /// Handshake failures logged one by one per second; the rest are only counted.
-pub const FAILURE_LINES_PER_SEC: u32 = 20;
+pub(crate) const FAILURE_LINES_PER_SEC: u32 = 20;
 
 /// Pending places of its own a pid with an admitted connection has (for its companions), so
 /// a flood from its container cannot keep its lease connection out.
-pub const COMPANION_PENDING: usize = 4;
+pub(crate) const COMPANION_PENDING: usize = 4;
 
 /// The caps and the handshake deadline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,7 +110,7 @@ impl Default for Limits {
 
 /// Why a connection was not admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum AdmissionError {
+pub(crate) enum AdmissionError {
     /// Too many connections without a finished handshake from this pid.
     #[error("arbiter busy: {0} connections of this process are waiting for their handshake")]
     PendingPid(usize),
@@ -129,7 +129,7 @@ pub enum AdmissionError {
 
 /// Refusals and failures since start.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Counts {
+pub(crate) struct Counts {
     /// Pending connections dropped for a newer one: the global cap.
     pub evicted_pending: u64,
     /// Pending connections dropped for a newer one of their container: the per-container cap.
@@ -244,7 +244,7 @@ struct LogWindow {
 
 /// The caps of one socket and their counters.
 #[derive(Debug)]
-pub struct Admission {
+pub(crate) struct Admission {
     limits: Limits,
     pending: Mutex<Pending>,
     admitted: Mutex<Admitted>,
@@ -279,7 +279,7 @@ enum PendingKind {
 
 /// A connection counted as pending until its handshake ends (dropped).
 #[derive(Debug)]
-pub struct PendingSlot {
+pub(crate) struct PendingSlot {
     adm: Arc<Admission>,
     pid: Option<i32>,
     kind: PendingKind,
@@ -288,7 +288,7 @@ pub struct PendingSlot {
 
 impl PendingSlot {
     /// Resolves once a newer connection took this one's place (it is then no longer counted).
-    pub async fn evicted(&self) {
+    pub(crate) async fn evicted(&self) {
         self.evict.notify.notified().await;
     }
 }
@@ -325,7 +325,7 @@ enum SlotKind {
 
 /// An admitted tenant connection, counted until its thread ends (dropped).
 #[derive(Debug)]
-pub struct TenantSlot {
+pub(crate) struct TenantSlot {
     adm: Arc<Admission>,
     kind: SlotKind,
 }
@@ -352,12 +352,12 @@ impl Drop for TenantSlot {
 
 impl Admission {
     /// Caps `limits` and the default handshake budget, nothing counted yet.
-    pub fn new(limits: Limits) -> Arc<Self> {
+    pub(crate) fn new(limits: Limits) -> Arc<Self> {
         Self::with_budget(limits, BudgetParams::default())
     }
 
     /// Caps `limits`, each pod's handshake budget `budget`, nothing counted yet.
-    pub fn with_budget(limits: Limits, budget: BudgetParams) -> Arc<Self> {
+    pub(crate) fn with_budget(limits: Limits, budget: BudgetParams) -> Arc<Self> {
         Arc::new(Self {
             limits,
             pending: Mutex::new(Pending::new(budget)),
@@ -379,14 +379,14 @@ impl Admission {
     }
 
     /// The caps.
-    pub fn limits(&self) -> &Limits {
+    pub(crate) fn limits(&self) -> &Limits {
         &self.limits
     }
 
     /// Spends one close from `group`'s budget at time `now` (tests pass a fake clock): true
     /// while the pod is within it (the failed or evicted connection is closed at once), false
     /// past it (the connection is held until its deadline, [`park`]; counted).
-    pub fn spend(&self, group: &Group, now: Instant) -> bool {
+    pub(crate) fn spend(&self, group: &Group, now: Instant) -> bool {
         let within = self.pending.lock().budgets.take(group, now);
         if !within {
             self.held_budget.fetch_add(1, Ordering::Relaxed);
@@ -398,7 +398,7 @@ impl Admission {
     /// per-pid cap; counted). Where the container's or the global cap is reached, the oldest
     /// pending connection of the container (globally: of the fullest container) is dropped in
     /// its favour. A pid with an admitted connection first uses its companion places.
-    pub fn begin(
+    pub(crate) fn begin(
         self: &Arc<Self>,
         group: Group,
         pid: Option<i32>,
@@ -460,7 +460,7 @@ impl Admission {
     /// Holds a connection of `group` refused for its pod's budget ([`park`]), or `None` when
     /// the pod (the pending cap per container) or everyone (the global pending cap) already
     /// has that many held: it is then closed at once.
-    pub fn park(self: &Arc<Self>, group: &Group) -> Option<ParkedSlot> {
+    pub(crate) fn park(self: &Arc<Self>, group: &Group) -> Option<ParkedSlot> {
         let l = &self.limits;
         let counted = self
             .pending
@@ -471,7 +471,8 @@ impl Admission {
     }
 
     /// Connections held for their pod's budget now.
-    pub fn parked(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn parked(&self) -> usize {
         self.pending.lock().parked.total()
     }
 
@@ -481,7 +482,7 @@ impl Admission {
 
     /// Counts an admitted connection of allocation `key` from `pid` while the arbiter holds
     /// `allocations` allocations, or says which cap refuses it (the refusal is counted).
-    pub fn admit(
+    pub(crate) fn admit(
         self: &Arc<Self>,
         key: AccountKey,
         pid: Option<i32>,
@@ -518,7 +519,10 @@ impl Admission {
 
     /// Counts a companion of memory connection `mem` (outside the caps), or refuses it when
     /// `mem` already has [`COMPANIONS_PER_CONNECTION`].
-    pub fn admit_companion(self: &Arc<Self>, mem: ConnId) -> Result<TenantSlot, AdmissionError> {
+    pub(crate) fn admit_companion(
+        self: &Arc<Self>,
+        mem: ConnId,
+    ) -> Result<TenantSlot, AdmissionError> {
         let mut a = self.admitted.lock();
         let n = a.companions.entry(mem).or_insert(0);
         if *n >= COMPANIONS_PER_CONNECTION {
@@ -533,12 +537,12 @@ impl Admission {
     }
 
     /// Connections now pending and admitted (counted ones; companions are not).
-    pub fn current(&self) -> (usize, usize) {
+    pub(crate) fn current(&self) -> (usize, usize) {
         (self.pending.lock().total, self.admitted.lock().total)
     }
 
     /// Refusals and failures since start.
-    pub fn counts(&self) -> Counts {
+    pub(crate) fn counts(&self) -> Counts {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         Counts {
             evicted_pending: get(&self.evicted_pending),
@@ -554,7 +558,7 @@ impl Admission {
 
     /// Counts a failed handshake and logs it, unless this second already had
     /// [`FAILURE_LINES_PER_SEC`] lines (a flood must not turn into a flood of log lines).
-    pub fn failed(&self, who: &str, e: &WireError) {
+    pub(crate) fn failed(&self, who: &str, e: &WireError) {
         self.failed.fetch_add(1, Ordering::Relaxed);
         let mut w = self.log.lock();
         if w.start.elapsed() >= Duration::from_secs(1) {
@@ -572,7 +576,7 @@ impl Admission {
 
     /// Logs, once per `every`, what was refused or failed since the last line (nothing when
     /// nothing was). Runs until aborted.
-    pub async fn report(self: Arc<Self>, socket: &'static str, every: Duration) {
+    pub(crate) async fn report(self: Arc<Self>, socket: &'static str, every: Duration) {
         let mut last = self.counts();
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -613,7 +617,7 @@ impl Admission {
 }
 
 /// The peer's uid and pid from `SO_PEERCRED`.
-pub fn peer(stream: &UnixStream) -> (Option<u32>, Option<i32>) {
+pub(crate) fn peer(stream: &UnixStream) -> (Option<u32>, Option<i32>) {
     match stream.peer_cred() {
         Ok(c) => (Some(c.uid()), c.pid()),
         Err(_) => (None, None),
@@ -621,14 +625,14 @@ pub fn peer(stream: &UnixStream) -> (Option<u32>, Option<i32>) {
 }
 
 /// The peer's group (its pod, read from the host's `/proc`, never from what it sends) and pid.
-pub fn peer_group(stream: &UnixStream) -> (Group, Option<i32>) {
+pub(crate) fn peer_group(stream: &UnixStream) -> (Group, Option<i32>) {
     let (_, pid) = peer(stream);
     (group::group_of(&ProcCgroups::host(), pid), pid)
 }
 
 /// Reads a `Hello` under the handshake deadline, or gives up once `slot` was evicted (a newer
 /// connection of its container took its place): `None` then.
-pub async fn read_hello_or_evicted<R: tokio::io::AsyncRead + Unpin>(
+pub(crate) async fn read_hello_or_evicted<R: tokio::io::AsyncRead + Unpin>(
     stream: &mut R,
     slot: &PendingSlot,
     timeout: Duration,
@@ -644,7 +648,7 @@ pub async fn read_hello_or_evicted<R: tokio::io::AsyncRead + Unpin>(
 ///
 /// The hello was read and is of this protocol version (a client of another version gets
 /// [`refuse_version_now`]), so the refusal carries its kind.
-pub fn refuse_now(stream: &UnixStream, kind: RefusalKind, reason: &str) {
+pub(crate) fn refuse_now(stream: &UnixStream, kind: RefusalKind, reason: &str) {
     send_now(
         stream,
         &ServerHello::refusal(kind, reason, PROTOCOL_VERSION),
@@ -652,7 +656,7 @@ pub fn refuse_now(stream: &UnixStream, kind: RefusalKind, reason: &str) {
 }
 
 /// Answers a client of another protocol version, in the form every version reads.
-pub fn refuse_version_now(stream: &UnixStream, client_version: u32, reason: &str) {
+pub(crate) fn refuse_version_now(stream: &UnixStream, client_version: u32, reason: &str) {
     let msg = ServerHello::refusal(RefusalKind::Version, reason, client_version);
     send_now(stream, &msg);
 }
@@ -667,7 +671,7 @@ fn send_now(stream: &UnixStream, msg: &ServerHello) {
 /// Reads, without waiting, what a peer whose handshake failed already sent, up to one hello's
 /// worth: a socket closed with unread bytes resets the peer's next read, and a client that sent
 /// a little junk should see a plain close.
-pub fn drain_a_little(stream: &UnixStream) {
+pub(crate) fn drain_a_little(stream: &UnixStream) {
     let mut buf = [0u8; wire::HELLO_FRAME_LIMIT];
     let _ = stream.try_read(&mut buf);
 }
@@ -675,7 +679,7 @@ pub fn drain_a_little(stream: &UnixStream) {
 /// Closes a connection refused at accept: no task, no thread, no answer. Without a `Refused`
 /// frame a client takes it for an arbiter that is not there yet and retries with its backoff
 /// (the interposer's `Refused` handling is for a bad token, and pauses much longer).
-pub fn close_refused(stream: UnixStream) {
+pub(crate) fn close_refused(stream: UnixStream) {
     drop(stream);
 }
 
@@ -699,7 +703,7 @@ where
 /// An admitted tenant connection, handed to the tenant service ([`accept_tenant`]'s
 /// `on_admitted`, which the server passes: admission knows nothing of what serves it).
 #[derive(Debug)]
-pub struct AdmittedTenant {
+pub(crate) struct AdmittedTenant {
     /// The shared state.
     pub arb: Arc<Arbiter>,
     /// The connection, its handshake done.
@@ -716,7 +720,7 @@ pub struct AdmittedTenant {
 
 /// A new tenant connection: counts it as pending (or closes it at once), runs its handshake
 /// on the runtime, and hands it to `on_admitted` once admitted (an error there detaches it).
-pub fn accept_tenant<E: std::fmt::Display + 'static>(
+pub(crate) fn accept_tenant<E: std::fmt::Display + 'static>(
     arb: Arc<Arbiter>,
     adm: &Arc<Admission>,
     stream: UnixStream,

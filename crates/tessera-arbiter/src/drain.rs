@@ -31,7 +31,7 @@ use crate::peer::{Exit, ProcId};
 use crate::state::{Arbiter, TenantBinding};
 
 /// Longest a closed connection's bytes stay counted waiting for the card.
-pub const DRAIN_BOUND: Duration = Duration::from_secs(2);
+pub(crate) const DRAIN_BOUND: Duration = Duration::from_secs(2);
 
 /// First wait between two questions to the card once the process exited; doubled after each
 /// answer that it still holds memory, up to [`LAST_LOOK`]. The simulator (and a driver that
@@ -43,7 +43,7 @@ const LAST_LOOK: Duration = Duration::from_millis(25);
 
 /// Errors of a drain's I/O (the drain goes on until its bound: the bytes are released then).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum DrainError {
+pub(crate) enum DrainError {
     /// NVML could not be loaded or asked.
     #[error("NVML: {0}")]
     Nvml(String),
@@ -57,7 +57,7 @@ impl From<nvml_wrapper::error::NvmlError> for DrainError {
 
 /// Why a drain ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Why {
+pub(crate) enum Why {
     /// The process exited and the card no longer holds memory of its pid.
     Card,
     /// The process exited, and there is no card to ask (no NVML): its exit is the best word.
@@ -71,7 +71,7 @@ pub enum Why {
 
 /// What a drain does next.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Step {
+pub(crate) enum Step {
     /// Wait for the process to exit, at most this long (then step again).
     WaitExit(Duration),
     /// Ask the card whether it still holds memory of the pid.
@@ -84,7 +84,7 @@ pub enum Step {
 
 /// The timing of one drain, pure: times are offsets from any fixed instant, passed in.
 #[derive(Debug, Clone)]
-pub struct Drain {
+pub(crate) struct Drain {
     deadline: Duration,
     has_card: bool,
     exited: bool,
@@ -95,7 +95,7 @@ pub struct Drain {
 impl Drain {
     /// A drain that began at `now`, ending at the latest `bound` later; `has_card`: whether
     /// there is a card to ask (else the process's exit ends it).
-    pub fn new(now: Duration, bound: Duration, has_card: bool) -> Self {
+    pub(crate) fn new(now: Duration, bound: Duration, has_card: bool) -> Self {
         Self {
             deadline: now.saturating_add(bound),
             has_card,
@@ -106,7 +106,7 @@ impl Drain {
     }
 
     /// What to do at `now`.
-    pub fn step(&self, now: Duration) -> Step {
+    pub(crate) fn step(&self, now: Duration) -> Step {
         if now >= self.deadline {
             return Step::Done(Why::TimedOut {
                 exited: self.exited,
@@ -131,14 +131,14 @@ impl Drain {
 
     /// The process exited at `now`: its teardown is under way, ask the card at once and
     /// soon again.
-    pub fn exited(&mut self, now: Duration) {
+    pub(crate) fn exited(&mut self, now: Duration) {
         self.exited = true;
         self.next_look = now;
         self.backoff = FIRST_LOOK;
     }
 
     /// The card answered at `now` (`holds`: it still has memory of the pid, or could not say).
-    pub fn card(&mut self, holds: bool, now: Duration) -> Option<Why> {
+    pub(crate) fn card(&mut self, holds: bool, now: Duration) -> Option<Why> {
         if !holds {
             return Some(Why::Card);
         }
@@ -149,7 +149,7 @@ impl Drain {
 }
 
 /// Time for a drain: a monotonic offset, and a way to let it pass.
-pub trait Clock {
+pub(crate) trait Clock {
     /// Now, as an offset from a fixed instant.
     fn now(&self) -> Duration;
     /// Lets `d` pass.
@@ -158,11 +158,11 @@ pub trait Clock {
 
 /// The real clock, from the instant it was made.
 #[derive(Debug)]
-pub struct RealClock(Instant);
+pub(crate) struct RealClock(Instant);
 
 impl RealClock {
     /// A clock starting now.
-    pub fn start() -> Self {
+    pub(crate) fn start() -> Self {
         Self(Instant::now())
     }
 }
@@ -178,7 +178,7 @@ impl Clock for RealClock {
 }
 
 /// The end of a process, to wait for.
-pub trait ExitWatch {
+pub(crate) trait ExitWatch {
     /// Waits up to `timeout`; true once the process has exited.
     fn wait(&self, timeout: Duration) -> bool;
 }
@@ -190,14 +190,14 @@ impl ExitWatch for Exit {
 }
 
 /// The card's word on a process.
-pub trait CardView: Send + Sync {
+pub(crate) trait CardView: Send + Sync {
     /// Whether any GPU still holds device memory of `pid` (listed with more than 0 bytes, or
     /// with an amount it cannot tell).
     fn holds(&self, pid: i32) -> Result<bool, DrainError>;
 }
 
 /// [`CardView`] over NVML: the processes each GPU lists, compute and graphics.
-pub struct NvmlCard(Mutex<nvml_wrapper::Nvml>);
+pub(crate) struct NvmlCard(Mutex<nvml_wrapper::Nvml>);
 
 impl std::fmt::Debug for NvmlCard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -207,7 +207,7 @@ impl std::fmt::Debug for NvmlCard {
 
 impl NvmlCard {
     /// Loads NVML from `lib`.
-    pub fn load(lib: &std::ffi::OsStr) -> Result<Self, DrainError> {
+    pub(crate) fn load(lib: &std::ffi::OsStr) -> Result<Self, DrainError> {
         let nvml = nvml_wrapper::Nvml::builder().lib_path(lib).init()?;
         Ok(Self(Mutex::new(nvml)))
     }
@@ -238,13 +238,13 @@ impl CardView for NvmlCard {
 static CARD: OnceLock<Arc<dyn CardView>> = OnceLock::new();
 
 /// Installs the card drains ask (at start-up; a second call changes nothing).
-pub fn install_card(card: Arc<dyn CardView>) {
+pub(crate) fn install_card(card: Arc<dyn CardView>) {
     let _ = CARD.set(card);
 }
 
 /// Runs `drain` to its end for process `pid`; returns why it ended and the last error of the
 /// card, if it had any.
-pub fn run(
+pub(crate) fn run(
     drain: &mut Drain,
     clock: &dyn Clock,
     exit: &dyn ExitWatch,
@@ -281,7 +281,7 @@ pub fn run(
 /// the card let it go (see the module notes), then returns; the caller detaches it. A
 /// connection holding nothing, or of no known process, returns at once. Its compute lease and
 /// lease wait go at once (GPU time is not held by a dead process).
-pub fn after_close(arb: &Arbiter, b: &TenantBinding, conn: ConnId, proc: Option<ProcId>) {
+pub(crate) fn after_close(arb: &Arbiter, b: &TenantBinding, conn: ConnId, proc: Option<ProcId>) {
     let Some(id) = proc else {
         return;
     };
@@ -338,7 +338,7 @@ const CHANNEL_EXIT_GRACE: Duration = Duration::from_millis(5);
 /// process that lives on or a card that has not let go yet. The process is the memory
 /// connection's (the kernel's name for it, not the channel's), so a channel that another
 /// process subscribed with a ticket it was handed frees nothing by closing.
-pub fn after_channel_close(arb: &Arbiter, b: &TenantBinding, mem: ConnId) {
+pub(crate) fn after_channel_close(arb: &Arbiter, b: &TenantBinding, mem: ConnId) {
     let Some(id) = arb.conn_process(b.key, mem) else {
         return;
     };

@@ -48,7 +48,7 @@ pub enum GpusError {
 }
 
 /// Where MIG device indexes start (above any NVML index of a whole GPU).
-pub const MIG_INDEX_BASE: u32 = 1000;
+pub(crate) const MIG_INDEX_BASE: u32 = 1000;
 
 /// The index of slot `k` (0..8) of GPU `parent`'s MIG devices.
 pub fn mig_index(parent: u32, k: u32) -> u32 {
@@ -56,7 +56,7 @@ pub fn mig_index(parent: u32, k: u32) -> u32 {
 }
 
 /// `(parent, k)` of a MIG device index; `None` for a whole GPU's.
-pub fn mig_position(index: u32) -> Option<(u32, u32)> {
+pub(crate) fn mig_position(index: u32) -> Option<(u32, u32)> {
     let i = index.checked_sub(MIG_INDEX_BASE)?;
     Some((i / 8, i % 8))
 }
@@ -95,8 +95,10 @@ pub trait GpuDiscovery: std::fmt::Debug {
 
 /// A fixed list (tests, and tools that already know the GPUs).
 #[derive(Debug, Clone, Default)]
-pub struct FixedGpus(pub Vec<GpuInfo>);
+#[cfg(test)]
+pub(crate) struct FixedGpus(pub Vec<GpuInfo>);
 
+#[cfg(test)]
 impl GpuDiscovery for FixedGpus {
     fn discover(&self) -> Result<Vec<GpuInfo>, GpusError> {
         Ok(self.0.clone())
@@ -139,7 +141,7 @@ pub(crate) fn discover_with(nvml: &nvml_wrapper::Nvml) -> Result<Vec<GpuInfo>, G
 /// instance's index is not given to the next one while an allocation still names it; with
 /// every slot taken (an allocation outliving its instance on a full GPU), the lowest slot no
 /// present device uses. Whole GPUs keep NVML's index. In `found`'s order.
-pub fn keep_indexes(
+pub(crate) fn keep_indexes(
     current: &[GpuInfo],
     found: Vec<GpuInfo>,
     held: &[(String, u32)],

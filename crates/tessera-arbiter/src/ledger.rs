@@ -2,4 +2,4 @@
 //! `tessera-ledger` crate's, pure and without a runtime, so the interposer's test arbiter
 //! checks its sessions against these very rules and not a copy.
 
-pub use tessera_ledger::*;
+pub(crate) use tessera_ledger::*;

@@ -33,27 +33,45 @@
 //!   kernel names) and what a user may do there.
 //! - [`server`]: start-up and shutdown wiring.
 //!
-//! The daemon (`src/main.rs`) parses a [`config::Config`], discovers GPUs and runs a
-//! [`server::Server`] until SIGTERM or SIGINT. Logs go through `tracing` (levels from
+//! Every module is private and its items `pub(crate)`. The public surface, re-exported at
+//! the root for the daemon, the integration tests and the benchmarks: [`Config`], [`Server`],
+//! [`Arbiter`] (its constructor, `create`, `gpus`, and the device refresh the MIG tests
+//! drive), [`Store`], GPU discovery ([`GpuDiscovery`], [`NvmlDiscovery`], [`mig_index`]), the
+//! backstop's device reader and killer ([`GpuSource`], [`NvmlSource`], [`Killer`], [`Sigkill`],
+//! [`Held`]), [`SchedulerParams`] and [`STILL_PRESSED`], with their errors.
+//!
+//! The daemon (`src/main.rs`) parses a [`Config`], discovers GPUs and runs a [`Server`] until
+//! SIGTERM or SIGINT. Logs go through `tracing` (levels from
 //! `RUST_LOG`, `--log-format text|json`; set up by `tessera-log`).
 
-pub mod admin;
-pub mod admission;
-pub mod backstop;
-pub mod config;
-pub mod drain;
-pub mod gpus;
-pub mod ledger;
-pub mod metrics;
-pub mod owner;
-pub mod peer;
-pub mod pressure;
-pub mod reaper;
-pub mod scheduler;
-pub mod server;
-pub mod state;
-pub mod stats;
-pub mod store;
-pub mod tenant;
-pub mod users;
-pub mod wire;
+mod admin;
+mod admission;
+mod backstop;
+mod config;
+mod drain;
+mod gpus;
+mod ledger;
+mod metrics;
+mod owner;
+mod peer;
+mod pressure;
+mod reaper;
+mod scheduler;
+mod server;
+mod state;
+mod stats;
+mod store;
+mod tenant;
+mod users;
+mod wire;
+
+// The public surface: what the daemon's `main.rs`, the integration tests and the benchmarks
+// use. Everything else is `pub(crate)`, so the compiler reports what nothing uses.
+pub use backstop::{GpuSource, Held, Killer, NvmlSource, Sigkill};
+pub use config::{Config, ConfigError, DEFAULT_ADMIN_SOCKET, DEFAULT_SOCKET, DEFAULT_STATE_DIR};
+pub use gpus::{GpuDiscovery, GpusError, NvmlDiscovery, mig_index};
+pub use pressure::STILL_PRESSED;
+pub use scheduler::SchedulerParams;
+pub use server::{Server, ServerError};
+pub use state::{Arbiter, StateError};
+pub use store::{Store, StoreError};

@@ -16,11 +16,11 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use tessera_arbiter::config::{Config, ConfigError};
-use tessera_arbiter::gpus::{GpuDiscovery, GpusError, NvmlDiscovery};
-use tessera_arbiter::server::{Server, ServerError};
-use tessera_arbiter::state::StateError;
-use tessera_arbiter::store::StoreError;
+use tessera_arbiter::StateError;
+use tessera_arbiter::StoreError;
+use tessera_arbiter::{Config, ConfigError};
+use tessera_arbiter::{GpuDiscovery, GpusError, NvmlDiscovery};
+use tessera_arbiter::{Server, ServerError};
 use tessera_protocol::GpuInfo;
 use tokio::signal::unix::{SignalKind, signal};
 

@@ -34,7 +34,7 @@ use crate::state::Arbiter;
 use crate::stats::{AllocSample, EnforceReason, GpuSample, RequestKind, RequestStats, Snapshot};
 
 /// Default address of the metrics endpoint (dcgm-exporter uses 9400).
-pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
+pub(crate) const DEFAULT_METRICS_ADDR: &str = "127.0.0.1:9464";
 
 /// Errors of the metrics endpoint.
 #[derive(Debug, thiserror::Error)]
@@ -75,7 +75,7 @@ impl FromStr for MetricsAddr {
 
 /// The arbiter's metrics, read from its state at every scrape.
 #[derive(Debug)]
-pub struct ArbiterCollector {
+pub(crate) struct ArbiterCollector {
     arb: Arc<Arbiter>,
     tenant_admission: Option<Arc<Admission>>,
     backstop: Option<Arc<crate::backstop::Counters>>,
@@ -83,7 +83,7 @@ pub struct ArbiterCollector {
 
 impl ArbiterCollector {
     /// A collector of `arb`; `tenant_admission` gives the connection count (absent: 0).
-    pub fn new(arb: Arc<Arbiter>, tenant_admission: Option<Arc<Admission>>) -> Self {
+    pub(crate) fn new(arb: Arc<Arbiter>, tenant_admission: Option<Arc<Admission>>) -> Self {
         Self {
             arb,
             tenant_admission,
@@ -93,7 +93,7 @@ impl ArbiterCollector {
 
     /// Also exposes the backstop's `counters` (its polls: a test waits for them before it
     /// says the backstop left something alone).
-    pub fn with_backstop(mut self, counters: Arc<crate::backstop::Counters>) -> Self {
+    pub(crate) fn with_backstop(mut self, counters: Arc<crate::backstop::Counters>) -> Self {
         self.backstop = Some(counters);
         self
     }
@@ -148,7 +148,7 @@ where
 }
 
 /// Encodes `snap` and the request statistics (the whole exposition but the build info).
-pub fn encode_snapshot(
+pub(crate) fn encode_snapshot(
     enc: &mut DescriptorEncoder,
     snap: &Snapshot,
     requests: &RequestStats,
@@ -409,19 +409,20 @@ impl Collector for ArbiterCollector {
 }
 
 /// The registry of an arbiter's metrics.
-pub fn registry(arb: Arc<Arbiter>, tenant_admission: Option<Arc<Admission>>) -> Registry {
+#[cfg(test)]
+pub(crate) fn registry(arb: Arc<Arbiter>, tenant_admission: Option<Arc<Admission>>) -> Registry {
     registry_of(ArbiterCollector::new(arb, tenant_admission))
 }
 
 /// The registry of `collector`.
-pub fn registry_of(collector: ArbiterCollector) -> Registry {
+pub(crate) fn registry_of(collector: ArbiterCollector) -> Registry {
     let mut r = Registry::default();
     r.register_collector(Box::new(collector));
     r
 }
 
 /// The whole exposition of `registry`, Prometheus text format 0.0.4.
-pub fn render(registry: &Registry) -> String {
+pub(crate) fn render(registry: &Registry) -> String {
     let mut out = String::with_capacity(64 * 1024);
     if prometheus_client::encoding::prometheus_text::encode(&mut out, registry).is_err() {
         // Only a formatter error gets here (never with a String); say so rather than serve
@@ -433,7 +434,7 @@ pub fn render(registry: &Registry) -> String {
 }
 
 /// Binds `addr` for [`serve`].
-pub async fn bind(addr: SocketAddr) -> Result<TcpListener, MetricsError> {
+pub(crate) async fn bind(addr: SocketAddr) -> Result<TcpListener, MetricsError> {
     TcpListener::bind(addr)
         .await
         .map_err(|source| MetricsError::Bind { addr, source })
@@ -441,7 +442,7 @@ pub async fn bind(addr: SocketAddr) -> Result<TcpListener, MetricsError> {
 
 /// Serves `GET /metrics` on `listener` until `shutdown` completes (`tessera_exporter::serve`:
 /// bounded scrapers, a deadline per connection).
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     registry: Arc<Registry>,
     shutdown: impl std::future::Future<Output = ()>,

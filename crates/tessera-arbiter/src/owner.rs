@@ -16,22 +16,22 @@ use std::collections::{HashMap, HashSet};
 
 use tessera_protocol::ProcessOwner;
 
-pub use tessera_protocol::process::{alive, start_time, this_process};
+pub(crate) use tessera_protocol::process::{alive, start_time};
 
 /// The members the backstop found, per allocation id.
 #[derive(Debug, Default)]
-pub struct Members {
+pub(crate) struct Members {
     by_id: HashMap<String, HashSet<ProcessOwner>>,
 }
 
 impl Members {
     /// `p` is a process of allocation `id`.
-    pub fn note(&mut self, id: &str, p: ProcessOwner) {
+    pub(crate) fn note(&mut self, id: &str, p: ProcessOwner) {
         self.by_id.entry(id.to_owned()).or_default().insert(p);
     }
 
     /// The allocation `p` is a member of.
-    pub fn of(&self, p: ProcessOwner) -> Option<&str> {
+    pub(crate) fn of(&self, p: ProcessOwner) -> Option<&str> {
         self.by_id
             .iter()
             .find(|(_, m)| m.contains(&p))
@@ -39,7 +39,7 @@ impl Members {
     }
 
     /// Drops members that exited (`alive` says which run); returns how many of `id`'s live.
-    pub fn prune(&mut self, id: &str, alive: impl Fn(ProcessOwner) -> bool) -> usize {
+    pub(crate) fn prune(&mut self, id: &str, alive: impl Fn(ProcessOwner) -> bool) -> usize {
         let Some(m) = self.by_id.get_mut(id) else {
             return 0;
         };
@@ -52,12 +52,12 @@ impl Members {
     }
 
     /// Forgets allocation `id`.
-    pub fn forget(&mut self, id: &str) {
+    pub(crate) fn forget(&mut self, id: &str) {
         self.by_id.remove(id);
     }
 
     /// Forgets every allocation `keep` does not name (deleted ones).
-    pub fn retain(&mut self, keep: impl Fn(&str) -> bool) {
+    pub(crate) fn retain(&mut self, keep: impl Fn(&str) -> bool) {
         self.by_id.retain(|id, _| keep(id));
     }
 }
@@ -65,7 +65,7 @@ impl Members {
 /// The allocation (index into `owners`) whose owner is `pid` or its nearest ancestor that is
 /// an owner; `parent` and `start` read `/proc` (fakes in tests). An owner counts only with its
 /// recorded start time.
-pub fn owned_ancestor(
+pub(crate) fn owned_ancestor(
     pid: i32,
     owners: &[ProcessOwner],
     parent: &dyn Fn(i32) -> Option<i32>,
@@ -88,7 +88,7 @@ pub fn owned_ancestor(
 }
 
 /// What the reaper decides for one owned allocation.
-pub fn gone(owner_alive: bool, connected: usize, members_alive: usize) -> bool {
+pub(crate) fn gone(owner_alive: bool, connected: usize, members_alive: usize) -> bool {
     !owner_alive && connected == 0 && members_alive == 0
 }
 

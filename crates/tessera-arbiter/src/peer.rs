@@ -11,7 +11,7 @@ use std::sync::Arc;
 /// processes holding one pid in turn cannot share a start time unless the kernel recycles
 /// the pid within one tick, a full pass over `pid_max` in 10 ms).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ProcId {
+pub(crate) struct ProcId {
     /// Host pid (in the arbiter's pid namespace).
     pub pid: i32,
     /// Start time, clock ticks after boot.
@@ -20,7 +20,7 @@ pub struct ProcId {
 
 /// The start time of `pid`, clock ticks after boot, from `/proc/<pid>/stat` (field 22; the
 /// protocol's parser, the one allocation owners are named with too).
-pub fn proc_start(pid: i32) -> Option<u64> {
+pub(crate) fn proc_start(pid: i32) -> Option<u64> {
     tessera_protocol::process::start_time(std::path::Path::new("/proc"), pid)
 }
 
@@ -32,7 +32,7 @@ const SO_PEERPIDFD: libc::c_int = 77;
 /// process still lives (a pid reused at once, within the tick of its start time, cannot fool
 /// it); the start time still names it to the pure rules.
 #[derive(Debug, Clone)]
-pub struct Peer {
+pub(crate) struct Peer {
     /// Pid and start time.
     pub id: ProcId,
     pidfd: Option<Arc<OwnedFd>>,
@@ -40,20 +40,20 @@ pub struct Peer {
 
 impl Peer {
     /// A peer known by pid and start time alone (kernels without `SO_PEERPIDFD`, tests).
-    pub fn without_pidfd(id: ProcId) -> Self {
+    pub(crate) fn without_pidfd(id: ProcId) -> Self {
         Self { id, pidfd: None }
     }
 
     /// False once the process exited (known only with a pidfd; without one, true, and the
     /// start time checked at every use decides).
-    pub fn is_alive(&self) -> bool {
+    pub(crate) fn is_alive(&self) -> bool {
         self.pidfd.as_ref().is_none_or(|fd| pidfd_alive(fd))
     }
 
     /// True once the process has exited, a zombie not yet reaped included (its files, sockets
     /// and driver handles are closed): its pidfd is readable, or without one its pid is gone or
     /// names a later process. False while it runs, and when this kernel cannot tell.
-    pub fn has_exited(&self) -> bool {
+    pub(crate) fn has_exited(&self) -> bool {
         match &self.pidfd {
             Some(fd) => Exit::readable(fd, 0),
             None => match Exit::of(self.id) {
@@ -86,7 +86,7 @@ fn pidfd_alive(fd: &OwnedFd) -> bool {
 /// alive (its pid cannot be reused before it is reaped). On kernels without `SO_PEERPIDFD` the
 /// start time is read alone (a process that connects and exits at once, its pid reused before
 /// this runs, could then be mistaken for the new process).
-pub fn peer_process(socket: std::os::fd::BorrowedFd<'_>, pid: i32) -> Option<Peer> {
+pub(crate) fn peer_process(socket: std::os::fd::BorrowedFd<'_>, pid: i32) -> Option<Peer> {
     if pid <= 0 {
         return None;
     }
@@ -116,7 +116,7 @@ pub fn peer_process(socket: std::os::fd::BorrowedFd<'_>, pid: i32) -> Option<Pee
 
 /// A connected process's end, to wait for after its connection closed.
 #[derive(Debug)]
-pub enum Exit {
+pub(crate) enum Exit {
     /// A pidfd of the very process (checked against its start time after it was opened): it
     /// becomes readable when the process exited, its files (sockets, driver handles) closed.
     Pidfd(OwnedFd),
@@ -130,7 +130,7 @@ impl Exit {
     /// The end of process `id`. The pidfd is opened on the pid first and the start time read
     /// after: if it still matches, the pidfd's process is the one that connected (its pid
     /// could not have been reused while it was alive or a zombie).
-    pub fn of(id: ProcId) -> Self {
+    pub(crate) fn of(id: ProcId) -> Self {
         // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, id.pid, 0) };
         if fd < 0 {
@@ -150,7 +150,7 @@ impl Exit {
 
     /// Waits up to `timeout` for the process to exit; true once it has (at once when gone or
     /// unknown).
-    pub fn wait(&self, timeout: std::time::Duration) -> bool {
+    pub(crate) fn wait(&self, timeout: std::time::Duration) -> bool {
         let Exit::Pidfd(fd) = self else {
             return true;
         };

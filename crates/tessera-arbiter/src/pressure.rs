@@ -24,14 +24,14 @@ use std::time::{Duration, Instant};
 use crate::ledger::{AccountKey, ConnId};
 
 /// Where a pressure frame goes: the write side of a process's pressure channel.
-pub trait PressureSink: Send + Sync {
+pub(crate) trait PressureSink: Send + Sync {
     /// Sends `Pressure { seq }` without blocking; false if it could not be sent.
     fn press(&self, seq: u64) -> bool;
 }
 
 /// Errors of the pressure registry (each closes the offending connection).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PressureError {
+pub(crate) enum PressureError {
     /// `Subscribe` with a ticket that was never issued, already used, or whose connection
     /// closed.
     #[error("unknown or used pressure ticket")]
@@ -89,7 +89,7 @@ impl Inner {
 
 /// Registry of pressure channels and the rendezvous between pressing and answering.
 #[derive(Default)]
-pub struct PressureHub {
+pub(crate) struct PressureHub {
     inner: Mutex<Inner>,
     answered: Condvar,
     /// Counts ledger frees (any allocation), so a reservation that does not fit can wait for
@@ -112,7 +112,7 @@ impl std::fmt::Debug for PressureHub {
 
 /// A pressure round in progress: wait for it with [`PressureHub::wait`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Round {
+pub(crate) struct Round {
     seq: u64,
     /// Channels the pressure reached.
     pub sent: usize,
@@ -126,7 +126,7 @@ pub struct Round {
 /// on its way, serves both rounds, and is waited for like a fresh one (seen: a round 0.2 ms old
 /// made a sibling late, its channel thread was not run for 70 ms, and a waiter that would have
 /// fitted with its answer was refused at the memory wait).
-pub const SILENT_AFTER: Duration = Duration::from_millis(50);
+pub(crate) const SILENT_AFTER: Duration = Duration::from_millis(50);
 
 /// How long after a `Pressure` was written to a channel that has answered it the channel is
 /// not pressed again: the process read the frame after it was written, and from its reading
@@ -140,7 +140,7 @@ pub const STILL_PRESSED: Duration =
 
 impl PressureHub {
     /// An empty registry.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
@@ -152,7 +152,7 @@ impl PressureHub {
     /// A one-use ticket for memory connection `conn` of account `key`. `ticket` is the
     /// caller's random number (so tests can choose it). At most [`TICKETS_PER_CONN`] of a
     /// connection's tickets are outstanding: past that its oldest is dropped.
-    pub fn issue_ticket(&self, key: AccountKey, conn: ConnId, ticket: u64) {
+    pub(crate) fn issue_ticket(&self, key: AccountKey, conn: ConnId, ticket: u64) {
         let mut i = self.lock();
         let mine: Vec<(u64, u64)> = i
             .tickets
@@ -173,7 +173,7 @@ impl PressureHub {
     /// Uses up `ticket` for a companion connection (a lease connection, see
     /// [`tessera_protocol::Role::Companion`]) of account `key`; returns the memory connection it
     /// was issued on, which the companion is tied to.
-    pub fn redeem(&self, ticket: u64, key: AccountKey) -> Result<ConnId, PressureError> {
+    pub(crate) fn redeem(&self, ticket: u64, key: AccountKey) -> Result<ConnId, PressureError> {
         let mut i = self.lock();
         let (tkey, mem, _) = *i.tickets.get(&ticket).ok_or(PressureError::UnknownTicket)?;
         if tkey != key {
@@ -185,7 +185,7 @@ impl PressureHub {
 
     /// Makes connection `ctl` of account `key` the pressure channel of the memory connection
     /// that was given `ticket`; returns that connection. The ticket is used up.
-    pub fn subscribe(
+    pub(crate) fn subscribe(
         &self,
         ticket: u64,
         key: AccountKey,
@@ -220,7 +220,7 @@ impl PressureHub {
     }
 
     /// The pressure channel `ctl` of memory connection `mem` closed.
-    pub fn channel_closed(&self, mem: ConnId, ctl: ConnId) {
+    pub(crate) fn channel_closed(&self, mem: ConnId, ctl: ConnId) {
         let mut i = self.lock();
         if i.channels.get(&mem).is_some_and(|c| c.ctl == ctl) {
             let ch = i.channels.remove(&mem).expect("present");
@@ -233,7 +233,7 @@ impl PressureHub {
 
     /// Memory connection `mem` closed: its channel and tickets go (its ledger entry, credit
     /// included, was freed by the caller).
-    pub fn conn_closed(&self, mem: ConnId) {
+    pub(crate) fn conn_closed(&self, mem: ConnId) {
         let mut i = self.lock();
         i.tickets.retain(|_, (_, c, _)| *c != mem);
         if let Some(ch) = i.channels.remove(&mem) {
@@ -247,12 +247,12 @@ impl PressureHub {
     /// Presses the channels of `targets` (memory connections of account `key`). Targets with
     /// no channel, whose channel cannot take the frame, or that answered a press written less
     /// than [`STILL_PRESSED`] ago, are skipped.
-    pub fn press(&self, key: AccountKey, targets: &[ConnId]) -> Round {
+    pub(crate) fn press(&self, key: AccountKey, targets: &[ConnId]) -> Round {
         self.press_at(key, targets, Instant::now())
     }
 
     /// [`PressureHub::press`] at `now` (a test's instant).
-    pub fn press_at(&self, key: AccountKey, targets: &[ConnId], now: Instant) -> Round {
+    pub(crate) fn press_at(&self, key: AccountKey, targets: &[ConnId], now: Instant) -> Round {
         let mut i = self.lock();
         // Seq 0 is never used: a `Relinquish` with seq 0 answers nothing (credit given back
         // unasked).
@@ -291,7 +291,7 @@ impl PressureHub {
 
     /// Waits until every channel pressed in `round` that owed nothing before it answered (the
     /// [`Round::late`] ones aside), or `deadline`. True when they all answered.
-    pub fn wait_fresh(&self, round: Round, deadline: Instant) -> bool {
+    pub(crate) fn wait_fresh(&self, round: Round, deadline: Instant) -> bool {
         let mut i = self.lock();
         loop {
             let left = i.outstanding.get(&round.seq).copied().unwrap_or(0);
@@ -309,7 +309,7 @@ impl PressureHub {
     /// the bytes). Any answer settles every round the channel owes: it gave back all it had
     /// (a round joined after the process read its frame just tries again). Seq 0 (credit given
     /// back unasked) answers nothing. A channel that is not `ctl`'s is an error.
-    pub fn answered(&self, mem: ConnId, ctl: ConnId, seq: u64) -> Result<(), PressureError> {
+    pub(crate) fn answered(&self, mem: ConnId, ctl: ConnId, seq: u64) -> Result<(), PressureError> {
         let mut i = self.lock();
         let ch = i
             .channels
@@ -331,41 +331,41 @@ impl PressureHub {
 
     /// `Relinquish` frames handled on the pressure channel of memory connection `mem` (None
     /// without a channel).
-    pub fn channel_frames(&self, mem: ConnId) -> Option<u64> {
+    pub(crate) fn channel_frames(&self, mem: ConnId) -> Option<u64> {
         self.lock().channels.get(&mem).map(|c| c.frames)
     }
 
     /// A reservation begins waiting for room ([`PressureHub::wait_ended`] when it ends).
-    pub fn wait_began(&self) {
+    pub(crate) fn wait_began(&self) {
         self.waiters
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// A reservation waits for room no more.
-    pub fn wait_ended(&self) {
+    pub(crate) fn wait_ended(&self) {
         self.waiters
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Reservations waiting for room now, in any allocation: one atomic load, so a request can
     /// tell whether it must be careful of a waiter before it takes the ledger's lock.
-    pub fn waiters(&self) -> usize {
+    pub(crate) fn waiters(&self) -> usize {
         self.waiters.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The count of frees so far (see [`PressureHub::wait_freed`]).
-    pub fn freed_count(&self) -> u64 {
+    pub(crate) fn freed_count(&self) -> u64 {
         *self.freed.lock()
     }
 
     /// Something was freed in the ledger: wakes reservations waiting for room.
-    pub fn note_freed(&self) {
+    pub(crate) fn note_freed(&self) {
         *self.freed.lock() += 1;
         self.freed_cv.notify_all();
     }
 
     /// Waits until a free after `seen` (a [`PressureHub::freed_count`]) or `deadline`.
-    pub fn wait_freed(&self, seen: u64, deadline: Instant) {
+    pub(crate) fn wait_freed(&self, seen: u64, deadline: Instant) {
         let mut n = self.freed.lock();
         while *n == seen {
             if Instant::now() >= deadline {
@@ -377,7 +377,7 @@ impl PressureHub {
 
     /// Waits until every channel pressed in `round` answered, or `deadline`. True when all
     /// answered.
-    pub fn wait(&self, round: Round, deadline: Instant) -> bool {
+    pub(crate) fn wait(&self, round: Round, deadline: Instant) -> bool {
         let mut i = self.lock();
         loop {
             let left = i.outstanding.get(&round.seq).copied().unwrap_or(0);

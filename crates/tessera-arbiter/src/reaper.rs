@@ -12,16 +12,16 @@ use crate::owner::{alive, gone};
 use crate::state::Arbiter;
 
 /// How often the reaper looks at owned allocations.
-pub const REAP_EVERY: Duration = Duration::from_millis(250);
+pub(crate) const REAP_EVERY: Duration = Duration::from_millis(250);
 
 /// An allocation restored from the state file is not reaped this soon after the arbiter
 /// started: its processes need a moment to reconnect (an interposer retries for up to 5 s), and
 /// until they have, it would look empty.
-pub const RECONNECT_GRACE: Duration = Duration::from_secs(10);
+pub(crate) const RECONNECT_GRACE: Duration = Duration::from_secs(10);
 
 /// One look at every owned allocation: deletes those whose owner is gone and whose processes
 /// all ended.
-pub async fn reap(arb: &Arc<Arbiter>, proc: &Path) {
+pub(crate) async fn reap(arb: &Arc<Arbiter>, proc: &Path) {
     let owned = arb.owned();
     arb.members()
         .retain(|id| owned.iter().any(|(o, ..)| o == id));
@@ -50,7 +50,7 @@ pub async fn reap(arb: &Arc<Arbiter>, proc: &Path) {
 }
 
 /// Runs [`reap`] every [`REAP_EVERY`] until aborted.
-pub async fn reap_loop(arb: Arc<Arbiter>) {
+pub(crate) async fn reap_loop(arb: Arc<Arbiter>) {
     let mut tick = tokio::time::interval(REAP_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

@@ -72,9 +72,6 @@ pub struct Server {
     admin_socket: PathBuf,
     /// The user socket, when `--users-group` serves one.
     user_socket: Option<PathBuf>,
-    tenant_admission: Arc<Admission>,
-    admin_admission: Arc<Admission>,
-    metrics_addr: Option<std::net::SocketAddr>,
     /// The metrics endpoint and what stops it.
     metrics: Option<(tokio::sync::oneshot::Sender<()>, JoinHandle<()>)>,
     backstop: Option<BackstopThread>,
@@ -301,33 +298,10 @@ impl Server {
             socket: config.socket.clone(),
             admin_socket: config.admin_socket.clone(),
             user_socket,
-            tenant_admission,
-            admin_admission,
-            metrics_addr,
             metrics,
             backstop,
             tasks,
         })
-    }
-
-    /// The shared state.
-    pub fn arbiter(&self) -> &Arc<Arbiter> {
-        &self.arbiter
-    }
-
-    /// The address `/metrics` is served on (`None`: `--metrics-addr none`).
-    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
-        self.metrics_addr
-    }
-
-    /// The tenant socket's caps and refusal counters.
-    pub fn tenant_admission(&self) -> &Arc<Admission> {
-        &self.tenant_admission
-    }
-
-    /// The admin socket's caps and refusal counters.
-    pub fn admin_admission(&self) -> &Arc<Admission> {
-        &self.admin_admission
     }
 
     /// Stops every task and the backstop, removes the sockets and persists the allocations.

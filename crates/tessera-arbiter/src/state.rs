@@ -40,7 +40,7 @@ mod devices;
 mod kills;
 mod observe;
 mod tenants;
-pub use access::{By, Quota};
+pub(crate) use access::{By, Quota};
 
 /// How long a reservation that does not fit waits, by default, while other processes of its
 /// allocation hold memory, for them to give back unused credit (they answer a `Pressure` as
@@ -48,7 +48,7 @@ pub use access::{By, Quota};
 /// its allocation and its free holds the bytes for a time slice or more on a busy node; this
 /// wait turns that into a short delay instead of a false out-of-memory. With nothing held by
 /// other processes, a reservation that does not fit is refused at once.
-pub const DEFAULT_MEMORY_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
+pub(crate) const DEFAULT_MEMORY_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// Errors of admin operations, each mapped to an [`AdminErrorKind`] for the wire.
 #[derive(Debug, thiserror::Error)]
@@ -78,7 +78,7 @@ pub enum StateError {
 
 impl StateError {
     /// The wire class of this error.
-    pub fn kind(&self) -> AdminErrorKind {
+    pub(crate) fn kind(&self) -> AdminErrorKind {
         match self {
             StateError::Invalid(_) => AdminErrorKind::InvalidArgument,
             StateError::NotFound(_) => AdminErrorKind::NotFound,
@@ -93,7 +93,7 @@ impl StateError {
 
 /// One allocation as the backstop sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Watched {
+pub(crate) struct Watched {
     /// Public id.
     pub id: String,
     /// Memory limit, bytes.
@@ -122,7 +122,7 @@ pub struct Watched {
 
 /// What a tenant connection learns at its handshake.
 #[derive(Debug, Clone)]
-pub struct TenantBinding {
+pub(crate) struct TenantBinding {
     /// Ledger account of its allocation.
     pub key: AccountKey,
     /// The allocation, as told to the tenant.
@@ -396,12 +396,12 @@ impl Arbiter {
     }
 
     /// Origin of the schedulers' clock.
-    pub fn epoch(&self) -> Instant {
+    pub(crate) fn epoch(&self) -> Instant {
         self.epoch
     }
 
     /// Nanoseconds since this arbiter started (the schedulers' clock).
-    pub fn now_ns(&self) -> u64 {
+    pub(crate) fn now_ns(&self) -> u64 {
         self.epoch.elapsed().as_nanos() as u64
     }
 
@@ -411,7 +411,8 @@ impl Arbiter {
     }
 
     /// Every scheduler.
-    pub fn schedulers(&self) -> Vec<SchedulerHandle> {
+    #[cfg(test)]
+    pub(crate) fn schedulers(&self) -> Vec<SchedulerHandle> {
         self.schedulers.lock().values().cloned().collect()
     }
 
@@ -459,7 +460,7 @@ impl Arbiter {
 
     /// Allocations the arbiter holds now (each is guaranteed room on the tenant socket, see
     /// [`crate::admission`]).
-    pub fn allocation_count(&self) -> usize {
+    pub(crate) fn allocation_count(&self) -> usize {
         self.live().by_id.len()
     }
 }

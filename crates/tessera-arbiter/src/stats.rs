@@ -15,7 +15,7 @@ use crate::scheduler::AllocStats;
 
 /// Why the backstop acted on a process of an allocation (label `reason`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EnforceReason {
+pub(crate) enum EnforceReason {
     /// Its allocation's processes held more device memory than the limit plus tolerance.
     MemoryOverLimit,
     /// Its allocation used too much GPU time outside its leases.
@@ -24,10 +24,10 @@ pub enum EnforceReason {
 
 impl EnforceReason {
     /// Every reason, in the order of [`AllocCounters`]' slots.
-    pub const ALL: [EnforceReason; 2] = [Self::MemoryOverLimit, Self::ComputeBypass];
+    pub(crate) const ALL: [EnforceReason; 2] = [Self::MemoryOverLimit, Self::ComputeBypass];
 
     /// The label value.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::MemoryOverLimit => "memory_over_limit",
             Self::ComputeBypass => "compute_bypass",
@@ -38,7 +38,7 @@ impl EnforceReason {
 /// Counters of one allocation kept outside the schedulers, shared by its tenant connections
 /// (lock-free: they are bumped on the tenant path).
 #[derive(Debug, Default)]
-pub struct AllocCounters {
+pub(crate) struct AllocCounters {
     oom_refusals: AtomicU64,
     enforced: [AtomicU64; 2],
     /// GPU time of its processes by NVML, as the backstop reads it.
@@ -47,46 +47,46 @@ pub struct AllocCounters {
 
 impl AllocCounters {
     /// A reservation was refused at the limit (the tenant sees an out-of-memory error).
-    pub fn refused(&self) {
+    pub(crate) fn refused(&self) {
         self.oom_refusals.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Reservations refused so far.
-    pub fn oom_refusals(&self) -> u64 {
+    pub(crate) fn oom_refusals(&self) -> u64 {
         self.oom_refusals.load(Ordering::Relaxed)
     }
 
     /// The backstop acted on one of its processes.
-    pub fn enforced(&self, why: EnforceReason) {
+    pub(crate) fn enforced(&self, why: EnforceReason) {
         self.enforced[why as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     /// The backstop read `ns` of GPU time used by the allocation's processes (NVML's
     /// per-process utilisation over one poll interval).
-    pub fn add_gpu_busy(&self, ns: u64) {
+    pub(crate) fn add_gpu_busy(&self, ns: u64) {
         self.gpu_busy_ns.fetch_add(ns, Ordering::Relaxed);
     }
 
     /// GPU time read from NVML so far, ns.
-    pub fn gpu_busy_ns(&self) -> u64 {
+    pub(crate) fn gpu_busy_ns(&self) -> u64 {
         self.gpu_busy_ns.load(Ordering::Relaxed)
     }
 
     /// Backstop actions so far, per reason (in [`EnforceReason::ALL`]'s order).
-    pub fn enforcements(&self) -> [u64; 2] {
+    pub(crate) fn enforcements(&self) -> [u64; 2] {
         [0, 1].map(|i| self.enforced[i].load(Ordering::Relaxed))
     }
 }
 
 /// Upper bounds of the request-duration buckets, seconds: a `Reserve` round trip takes a few
 /// microseconds, one that presses other processes up to the 50 ms memory wait.
-pub const DURATION_BUCKETS: [f64; 12] = [
+pub(crate) const DURATION_BUCKETS: [f64; 12] = [
     5e-6, 10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 50e-3, 250e-3,
 ];
 
 /// The kind of a tenant request (label `type` of the request metrics).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RequestKind {
+pub(crate) enum RequestKind {
     /// `Reserve`.
     Reserve,
     /// `Release`.
@@ -113,7 +113,7 @@ pub enum RequestKind {
 
 impl RequestKind {
     /// Every kind, in the order of [`RequestStats`]' slots.
-    pub const ALL: [RequestKind; 11] = [
+    pub(crate) const ALL: [RequestKind; 11] = [
         Self::Reserve,
         Self::Release,
         Self::Redeclare,
@@ -128,7 +128,7 @@ impl RequestKind {
     ];
 
     /// The kind of `req`.
-    pub fn of(req: &TenantRequest) -> Self {
+    pub(crate) fn of(req: &TenantRequest) -> Self {
         match req {
             TenantRequest::Reserve { .. } => Self::Reserve,
             TenantRequest::Release { .. } => Self::Release,
@@ -145,7 +145,7 @@ impl RequestKind {
     }
 
     /// The label value.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Self::Reserve => "reserve",
             Self::Release => "release",
@@ -173,13 +173,13 @@ struct KindStats {
 /// Tenant requests handled, by kind, with a histogram of the time each took: three relaxed
 /// atomic additions per request.
 #[derive(Debug, Default)]
-pub struct RequestStats {
+pub(crate) struct RequestStats {
     kinds: [KindStats; RequestKind::ALL.len()],
 }
 
 impl RequestStats {
     /// Counts one request of kind `kind` that took `took`.
-    pub fn observe(&self, kind: RequestKind, took: Duration) {
+    pub(crate) fn observe(&self, kind: RequestKind, took: Duration) {
         let k = &self.kinds[kind as usize];
         let secs = took.as_secs_f64();
         let slot = DURATION_BUCKETS
@@ -193,13 +193,13 @@ impl RequestStats {
     }
 
     /// Requests of kind `kind` so far.
-    pub fn count(&self, kind: RequestKind) -> u64 {
+    pub(crate) fn count(&self, kind: RequestKind) -> u64 {
         self.kinds[kind as usize].count.load(Ordering::Relaxed)
     }
 
     /// The duration histogram of `kind`: (upper bound in seconds, requests in that bucket, not
     /// cumulative) for each of [`DURATION_BUCKETS`] and then infinity, and the sum in ns.
-    pub fn histogram(&self, kind: RequestKind) -> (Vec<(f64, u64)>, u64) {
+    pub(crate) fn histogram(&self, kind: RequestKind) -> (Vec<(f64, u64)>, u64) {
         let k = &self.kinds[kind as usize];
         let buckets = DURATION_BUCKETS
             .iter()
@@ -213,7 +213,7 @@ impl RequestStats {
 
 /// One allocation at scrape time.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct AllocSample {
+pub(crate) struct AllocSample {
     /// Public id.
     pub id: String,
     /// GPU index.
@@ -246,7 +246,7 @@ pub struct AllocSample {
 
 /// One GPU at scrape time.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct GpuSample {
+pub(crate) struct GpuSample {
     /// Index (the last known one for a GPU that is gone).
     pub index: u32,
     /// UUID.
@@ -265,7 +265,7 @@ pub struct GpuSample {
 
 /// What one scrape reports.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Snapshot {
+pub(crate) struct Snapshot {
     /// Live allocations.
     pub allocs: Vec<AllocSample>,
     /// GPUs: the discovered ones, then any an allocation names that is not present.

@@ -23,11 +23,11 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 /// Name of the state file inside the state directory.
-pub const STATE_FILE: &str = "allocations.json";
+pub(crate) const STATE_FILE: &str = "allocations.json";
 /// Name of the lock file inside the state directory.
-pub const LOCK_FILE: &str = "lock";
+pub(crate) const LOCK_FILE: &str = "lock";
 /// Format version of the state file.
-pub const STATE_VERSION: u32 = 1;
+pub(crate) const STATE_VERSION: u32 = 1;
 
 /// Errors of the store.
 #[derive(Debug, thiserror::Error)]
@@ -74,7 +74,7 @@ pub enum StoreError {
 
 /// One allocation as persisted.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AllocationRecord {
+pub(crate) struct AllocationRecord {
     /// Public id (8 hex digits).
     pub id: String,
     /// Secret tenant token (64 hex digits).
@@ -182,12 +182,12 @@ impl Store {
     }
 
     /// Path of the state file.
-    pub fn path(&self) -> PathBuf {
+    pub(crate) fn path(&self) -> PathBuf {
         self.dir.join(STATE_FILE)
     }
 
     /// Loads every persisted allocation; an absent file means none.
-    pub fn load(&self) -> Result<Vec<AllocationRecord>, StoreError> {
+    pub(crate) fn load(&self) -> Result<Vec<AllocationRecord>, StoreError> {
         let path = self.path();
         let text = match fs::read_to_string(&path) {
             Ok(t) => t,
@@ -212,7 +212,7 @@ impl Store {
 
     /// A version for the next [`Store::save_version`]: taken where the allocations change
     /// (under the state's admin lock), so versions follow the order of the changes.
-    pub fn next_version(&self) -> u64 {
+    pub(crate) fn next_version(&self) -> u64 {
         self.versions
             .next
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
@@ -222,7 +222,7 @@ impl Store {
     /// [`Store::save`] of the allocations as of `version`, unless a newer version was written
     /// already: a write that finishes late (written behind, see `state/admin.rs`) never puts
     /// back an older list.
-    pub fn save_version(
+    pub(crate) fn save_version(
         &self,
         version: u64,
         allocations: &[AllocationRecord],
@@ -237,7 +237,7 @@ impl Store {
     }
 
     /// Replaces the persisted allocations atomically.
-    pub fn save(&self, allocations: &[AllocationRecord]) -> Result<(), StoreError> {
+    pub(crate) fn save(&self, allocations: &[AllocationRecord]) -> Result<(), StoreError> {
         let path = self.path();
         let tmp = self.dir.join(format!(".{STATE_FILE}.tmp"));
         let io_err = |source| StoreError::Io {
@@ -297,12 +297,12 @@ fn random_hex(bytes: usize) -> Result<String, StoreError> {
 }
 
 /// A new secret token: 256 random bits, 64 hex digits.
-pub fn new_token() -> Result<String, StoreError> {
+pub(crate) fn new_token() -> Result<String, StoreError> {
     random_hex(32)
 }
 
 /// A new public id: 32 random bits, 8 hex digits (callers re-draw on a collision).
-pub fn new_id() -> Result<String, StoreError> {
+pub(crate) fn new_id() -> Result<String, StoreError> {
     random_hex(4)
 }
 

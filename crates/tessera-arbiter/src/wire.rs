@@ -19,18 +19,18 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// How long a new connection may take to send its whole `Hello` (one deadline, not per read:
 /// a peer that trickles a byte at a time is dropped all the same).
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(1);
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Largest `Hello` payload read. A tenant's is about 75 bytes (magic, version, a 64-hex-digit
 /// token); an unauthenticated peer makes the arbiter buffer at most this much.
-pub const HELLO_FRAME_LIMIT: usize = 512;
+pub(crate) const HELLO_FRAME_LIMIT: usize = 512;
 
 /// Bytes read per `read` call.
-pub const READ_CHUNK: usize = 4096;
+pub(crate) const READ_CHUNK: usize = 4096;
 
 /// Why a connection is being closed.
 #[derive(Debug, thiserror::Error)]
-pub enum WireError {
+pub(crate) enum WireError {
     /// The peer closed (normal end).
     #[error("closed by peer")]
     Closed,
@@ -66,7 +66,7 @@ enum Take {
 
 /// Gives `chunk`, the result of one `read`, to `dec`. An empty chunk is the peer's end of
 /// stream: a clean close between frames, a truncated frame otherwise.
-pub fn feed(dec: &mut FrameDecoder, chunk: &[u8]) -> Result<(), WireError> {
+pub(crate) fn feed(dec: &mut FrameDecoder, chunk: &[u8]) -> Result<(), WireError> {
     if chunk.is_empty() {
         return Err(if dec.buffered() == 0 {
             WireError::Closed
@@ -103,7 +103,7 @@ where
 }
 
 /// Reads into `dec` until one whole message is decoded.
-pub async fn read_msg<R, T>(r: &mut R, dec: &mut FrameDecoder) -> Result<T, WireError>
+pub(crate) async fn read_msg<R, T>(r: &mut R, dec: &mut FrameDecoder) -> Result<T, WireError>
 where
     R: AsyncRead + Unpin,
     T: DeserializeOwned,
@@ -113,7 +113,7 @@ where
 }
 
 /// Checks a `Hello`'s magic and version.
-pub fn check_hello(hello: Hello) -> Result<Role, WireError> {
+pub(crate) fn check_hello(hello: Hello) -> Result<Role, WireError> {
     if hello.magic != MAGIC {
         return Err(WireError::BadMagic(hello.magic));
     }
@@ -126,7 +126,7 @@ pub fn check_hello(hello: Hello) -> Result<Role, WireError> {
 /// Reads exactly the first frame and decodes it as a `Hello`, refusing a length over
 /// [`HELLO_FRAME_LIMIT`] from the header. Bytes after the frame stay in the socket for whoever
 /// serves the connection next (a tenant may pipeline requests behind its hello).
-pub async fn read_small_hello<R: AsyncRead + Unpin>(r: &mut R) -> Result<Hello, WireError> {
+pub(crate) async fn read_small_hello<R: AsyncRead + Unpin>(r: &mut R) -> Result<Hello, WireError> {
     let mut dec = FrameDecoder::with_limit(HELLO_FRAME_LIMIT);
     let mut buf = [0u8; HEADER_LEN + HELLO_FRAME_LIMIT];
     read_with(r, &mut dec, &mut buf, Take::Exact)
@@ -140,7 +140,7 @@ pub async fn read_small_hello<R: AsyncRead + Unpin>(r: &mut R) -> Result<Hello, 
 }
 
 /// Reads and checks the `Hello` (magic, version); the whole handshake gets `timeout`.
-pub async fn read_hello<R: AsyncRead + Unpin>(
+pub(crate) async fn read_hello<R: AsyncRead + Unpin>(
     r: &mut R,
     timeout: Duration,
 ) -> Result<Role, WireError> {
@@ -151,7 +151,7 @@ pub async fn read_hello<R: AsyncRead + Unpin>(
 }
 
 /// Appends `msg` as one frame to `out`.
-pub fn push_frame<T: Serialize>(out: &mut Vec<u8>, msg: &T) -> Result<(), FrameError> {
+pub(crate) fn push_frame<T: Serialize>(out: &mut Vec<u8>, msg: &T) -> Result<(), FrameError> {
     let start = out.len();
     out.extend_from_slice(&[0u8; HEADER_LEN]);
     *out = postcard::to_extend(msg, std::mem::take(out))?;

@@ -5,11 +5,9 @@
 //!
 //! The one test of this binary (it sets the environment the simulated NVML reads).
 
-use tessera_arbiter::backstop::{GpuSource, NvmlSource};
-use tessera_arbiter::gpus::{GpuDiscovery, NvmlDiscovery, mig_index};
-use tessera_arbiter::scheduler::SchedulerParams;
-use tessera_arbiter::state::Arbiter;
-use tessera_arbiter::store::Store;
+use tessera_arbiter::{
+    Arbiter, GpuDiscovery, GpuSource, NvmlDiscovery, NvmlSource, SchedulerParams, Store, mig_index,
+};
 use tessera_protocol::{CreateAllocation, GpuInfo, GpuSelector};
 use tessera_sim_state::mig::{GpuModel, store};
 use tessera_sim_state::{ENV_DIR, ENV_GPUS, Ledger, SimSpec};

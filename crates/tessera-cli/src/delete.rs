@@ -12,7 +12,7 @@ use crate::CliError;
 
 /// Arguments of `tessera delete`.
 #[derive(Debug, clap::Args)]
-pub struct DeleteArgs {
+pub(crate) struct DeleteArgs {
     /// The allocation's id (as `tessera status` shows it).
     pub id: String,
     /// Delete even while processes of it are connected.
@@ -24,7 +24,7 @@ pub struct DeleteArgs {
 }
 
 /// Runs `tessera delete`; returns the exit code.
-pub fn main(args: DeleteArgs) -> Result<u8, CliError> {
+pub(crate) fn main(args: DeleteArgs) -> Result<u8, CliError> {
     let endpoint = args.sockets.endpoint();
     let sock = &endpoint.path;
     let mut admin = AdminClient::connect(sock).map_err(|e| CliError::arbiter(e, sock))?;

@@ -13,7 +13,7 @@ use tessera_protocol::node;
 
 /// The socket flags of the admin commands.
 #[derive(Debug, Clone, clap::Args)]
-pub struct SocketArgs {
+pub(crate) struct SocketArgs {
     /// Arbiter admin socket (root's) [default: /run/tessera/admin.sock when run as root].
     #[arg(long, value_name = "PATH", env = node::ENV_ADMIN_SOCKET)]
     pub admin_socket: Option<PathBuf>,
@@ -25,7 +25,7 @@ pub struct SocketArgs {
 
 /// The socket to use.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Endpoint {
+pub(crate) struct Endpoint {
     /// Its path.
     pub path: PathBuf,
     /// True for the user socket.
@@ -34,7 +34,7 @@ pub struct Endpoint {
 
 impl SocketArgs {
     /// The socket by the rule in the module docs.
-    pub fn endpoint(&self) -> Endpoint {
+    pub(crate) fn endpoint(&self) -> Endpoint {
         choose(
             self.admin_socket.clone(),
             self.user_socket.clone(),
@@ -59,13 +59,13 @@ fn choose(admin: Option<PathBuf>, user: Option<PathBuf>, root: bool) -> Endpoint
 }
 
 /// True when this process runs as root (effective uid 0).
-pub fn is_root() -> bool {
+pub(crate) fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
     unsafe { libc::geteuid() == 0 }
 }
 
 /// The name of user `uid` (through the C library, so NSS sources count), if it has one.
-pub fn user_name(uid: u32) -> Option<String> {
+pub(crate) fn user_name(uid: u32) -> Option<String> {
     let mut size = 16 * 1024;
     loop {
         let mut buf = vec![0u8; size];

@@ -6,15 +6,15 @@
 
 use std::ffi::{CStr, c_void};
 
-pub use tessera_cuda_abi::*;
+pub(crate) use tessera_cuda_abi::*;
 
 /// A library opened with `dlopen`, never closed: the driver does not support being unloaded.
 #[derive(Debug)]
-pub struct Lib(*mut c_void);
+pub(crate) struct Lib(*mut c_void);
 
 impl Lib {
     /// Opens `name` (searched like the CUDA runtime searches it); `Err` carries `dlerror()`.
-    pub fn open(name: &CStr) -> Result<Self, String> {
+    pub(crate) fn open(name: &CStr) -> Result<Self, String> {
         // SAFETY: `name` is NUL-terminated; loading runs the library's initialisers, which is
         // what any CUDA program does.
         let h = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
@@ -36,7 +36,7 @@ impl Lib {
     ///
     /// # Safety
     /// `F` must be the C function pointer type of `name`.
-    pub unsafe fn sym<F: Copy>(&self, name: &CStr) -> Result<F, String> {
+    pub(crate) unsafe fn sym<F: Copy>(&self, name: &CStr) -> Result<F, String> {
         assert_eq!(
             size_of::<F>(),
             size_of::<*mut c_void>(),

@@ -48,18 +48,18 @@ use tessera_protocol::{CreateAllocation, GpuSelector};
 use crate::CliError;
 
 /// Default admin socket (same as the arbiter's).
-pub const DEFAULT_ADMIN_SOCKET: &str = node::DEFAULT_ADMIN_SOCKET;
+pub(crate) const DEFAULT_ADMIN_SOCKET: &str = node::DEFAULT_ADMIN_SOCKET;
 /// Default tenant socket (same as the arbiter's).
-pub const DEFAULT_SOCKET: &str = node::DEFAULT_TENANT_SOCKET;
+pub(crate) const DEFAULT_SOCKET: &str = node::DEFAULT_TENANT_SOCKET;
 /// File name of the interposer, looked for next to the `tessera` executable.
-pub const INTERPOSER_FILE: &str = "libtessera_interpose.so";
+pub(crate) const INTERPOSER_FILE: &str = "libtessera_interpose.so";
 /// Share given when `--share` is not: weights are relative and WFQ hands idle time to whoever
 /// is busy, so a lone command gets the whole GPU; 10 lets ten default runs share one GPU.
-pub const DEFAULT_SHARE: u32 = 10;
+pub(crate) const DEFAULT_SHARE: u32 = 10;
 
 /// Arguments of `tessera run`.
 #[derive(Debug, clap::Args)]
-pub struct RunArgs {
+pub(crate) struct RunArgs {
     /// GPU by index or UUID; several, comma-separated (0,1), make one allocation spanning them,
     /// with --memory, --share and --cap applying to each GPU.
     #[arg(long, default_value = "0", value_name = "INDEX|UUID[,...]", value_parser = parse_gpu_arg,
@@ -107,14 +107,14 @@ pub struct RunArgs {
 }
 
 // One size parser for every command and message (`tessera sim --gpus`, the arbiter's refusals).
-pub use tessera_protocol::size::parse_size;
+pub(crate) use tessera_protocol::size::parse_size;
 
 fn parse_size_arg(text: &str) -> Result<u64, String> {
     parse_size(text).map_err(|e| e.to_string())
 }
 
 /// `--gpu`: a plain number is an index, anything else a UUID.
-pub fn parse_gpu(text: &str) -> GpuSelector {
+pub(crate) fn parse_gpu(text: &str) -> GpuSelector {
     match text.trim().parse::<u32>() {
         Ok(i) => GpuSelector::Index(i),
         Err(_) => GpuSelector::Uuid(text.trim().to_owned()),
@@ -173,7 +173,7 @@ fn interposer_path(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
 }
 
 /// `LD_PRELOAD` for the command: the interposer first, then whatever was there.
-pub fn ld_preload(interposer: &Path, existing: Option<OsString>) -> OsString {
+pub(crate) fn ld_preload(interposer: &Path, existing: Option<OsString>) -> OsString {
     let mut v = interposer.as_os_str().to_owned();
     if let Some(e) = existing.filter(|e| !e.is_empty()) {
         v.push(":");
@@ -223,7 +223,7 @@ fn install_forwarding() -> anyhow::Result<()> {
 }
 
 /// Runs `tessera run`; returns the process exit code.
-pub fn main(args: RunArgs) -> Result<u8, CliError> {
+pub(crate) fn main(args: RunArgs) -> Result<u8, CliError> {
     if args.gpu.len() > 1 && args.tier != tessera_protocol::Tier::BestEffort {
         // Refused before anything is created: a group's slices have no tier yet.
         return Err(CliError::usage(

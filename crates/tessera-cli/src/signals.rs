@@ -8,14 +8,14 @@ use std::time::Duration;
 
 /// SIGINT and SIGTERM, blocked for the calling thread from [`StopSignals::block`] on.
 #[derive(Debug)]
-pub struct StopSignals {
+pub(crate) struct StopSignals {
     set: libc::sigset_t,
 }
 
 impl StopSignals {
     /// Blocks SIGINT and SIGTERM in this thread (the CLI's only one), so they stay pending
     /// until [`StopSignals::wait`] takes them.
-    pub fn block() -> std::io::Result<Self> {
+    pub(crate) fn block() -> std::io::Result<Self> {
         // SAFETY: an all-zero sigset_t is a valid value to hand to sigemptyset, which then
         // initialises it; the pointers are to this local.
         let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
@@ -37,7 +37,7 @@ impl StopSignals {
     }
 
     /// Sleeps up to `timeout`; returns the stop signal that ended the sleep, if one did.
-    pub fn wait(&self, timeout: Duration) -> Option<libc::c_int> {
+    pub(crate) fn wait(&self, timeout: Duration) -> Option<libc::c_int> {
         let deadline = std::time::Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(std::time::Instant::now());

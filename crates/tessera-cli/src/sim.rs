@@ -30,7 +30,7 @@ use tessera_sim_state::{
 
 /// Arguments of `tessera sim`.
 #[derive(Debug, clap::Args)]
-pub struct SimArgs {
+pub(crate) struct SimArgs {
     /// GPUs to simulate, e.g. `2x80GiB` or `1x16GiB,1x24GiB`; must match the machine already
     /// running in the state folder, if any [env: TESSERA_SIM_GPUS] [default: the running
     /// machine's, else 1x80GiB].
@@ -61,7 +61,7 @@ pub struct SimArgs {
 }
 
 /// Runs `tessera sim`; returns the process exit code.
-pub fn main(args: SimArgs) -> Result<u8, CliError> {
+pub(crate) fn main(args: SimArgs) -> Result<u8, CliError> {
     // The user's spec, a flag over the environment; without one, the running machine's.
     let requested = match &args.gpus {
         Some(g) => Some((g.clone(), "--gpus")),

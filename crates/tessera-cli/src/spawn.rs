@@ -6,13 +6,13 @@ use std::ffi::OsStr;
 use std::io;
 
 /// Exit code when the command does not exist (as shells do).
-pub const NOT_FOUND: u8 = 127;
+pub(crate) const NOT_FOUND: u8 = 127;
 /// Exit code when it exists but cannot be run (not executable, not a program).
-pub const CANNOT_RUN: u8 = 126;
+pub(crate) const CANNOT_RUN: u8 = 126;
 
 /// Says on stderr why `program` did not start (`context`: `tessera run`, `tessera sim`) and
 /// returns the exit code: 127 when it is not there, 126 when it cannot be run.
-pub fn not_started(context: &str, program: &OsStr, e: &io::Error) -> u8 {
+pub(crate) fn not_started(context: &str, program: &OsStr, e: &io::Error) -> u8 {
     let program = program.to_string_lossy();
     let (code, why) = match e.kind() {
         io::ErrorKind::NotFound => (NOT_FOUND, "command not found".to_owned()),

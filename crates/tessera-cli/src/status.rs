@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Duration;
 use tessera_protocol::Tier;
-pub use tessera_protocol::size::human_fixed as human;
+pub(crate) use tessera_protocol::size::human_fixed as human;
 
 use serde::Serialize;
 use tessera_protocol::client::{AdminClient, ClientError};
@@ -38,7 +38,7 @@ use crate::signals::StopSignals;
 
 /// Arguments of `tessera status`.
 #[derive(Debug, clap::Args)]
-pub struct StatusArgs {
+pub(crate) struct StatusArgs {
     /// Print JSON instead of a table.
     #[arg(long, conflicts_with = "watch")]
     pub json: bool,
@@ -55,7 +55,7 @@ const WINDOW_NS: f64 = 10e9;
 
 /// One allocation in the JSON output.
 #[derive(Debug, Serialize, PartialEq)]
-pub struct AllocationJson {
+pub(crate) struct AllocationJson {
     /// Public id.
     pub id: String,
     /// GPU UUID (only for `unplaced` entries).
@@ -102,7 +102,7 @@ pub struct AllocationJson {
 
 /// One GPU in the JSON output.
 #[derive(Debug, Serialize, PartialEq)]
-pub struct GpuJson {
+pub(crate) struct GpuJson {
     /// NVML index.
     pub index: u32,
     /// UUID.
@@ -121,7 +121,7 @@ pub struct GpuJson {
 
 /// The whole JSON document.
 #[derive(Debug, Serialize, PartialEq)]
-pub struct StatusJson {
+pub(crate) struct StatusJson {
     /// Every GPU of the node.
     pub gpus: Vec<GpuJson>,
     /// Allocations on GPUs the node no longer has.
@@ -130,7 +130,7 @@ pub struct StatusJson {
 
 /// `namespace/pod/container` from the allocation's labels; `None` until the pod is known.
 /// Parts the labels lack are left out.
-pub fn pod_name(labels: &BTreeMap<String, String>) -> Option<String> {
+pub(crate) fn pod_name(labels: &BTreeMap<String, String>) -> Option<String> {
     labels.get(LABEL_POD).filter(|p| !p.is_empty())?;
     let parts: Vec<&str> = [LABEL_NAMESPACE, LABEL_POD, LABEL_CONTAINER]
         .iter()
@@ -168,7 +168,7 @@ fn alloc_json(a: &AllocationStatus, with_gpu: bool) -> AllocationJson {
 }
 
 /// Groups allocations under their GPUs.
-pub fn build(gpus: &[GpuInfo], allocs: &[AllocationStatus]) -> StatusJson {
+pub(crate) fn build(gpus: &[GpuInfo], allocs: &[AllocationStatus]) -> StatusJson {
     let gpus_json = gpus
         .iter()
         .map(|g| {
@@ -220,7 +220,7 @@ fn row(out: &mut String, cols: &[usize], cells: &[String]) {
 
 /// How the GPU time column is shown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TimeColumn {
+pub(crate) enum TimeColumn {
     /// Seconds over the last 10 s and the percentage (plain `tessera status`).
     SecondsAndPercent,
     /// The rate only, as a percentage of the GPU (`--watch`).
@@ -228,12 +228,12 @@ pub enum TimeColumn {
 }
 
 /// Renders the table.
-pub fn table(s: &StatusJson) -> String {
+pub(crate) fn table(s: &StatusJson) -> String {
     table_with(s, TimeColumn::SecondsAndPercent)
 }
 
 /// Renders the table with the chosen GPU time column.
-pub fn table_with(s: &StatusJson, time: TimeColumn) -> String {
+pub(crate) fn table_with(s: &StatusJson, time: TimeColumn) -> String {
     let cols = [10, 25, 7, 7, 6, 16];
     let mut out = String::new();
     rule(&mut out, &[WIDTH - 2]);
@@ -418,11 +418,11 @@ fn fetch(sock: &std::path::Path) -> Result<StatusJson, ClientError> {
 }
 
 /// Clears the screen and moves the cursor home, as `watch` does before each frame.
-pub const CLEAR: &str = "\x1b[H\x1b[2J";
+pub(crate) const CLEAR: &str = "\x1b[H\x1b[2J";
 /// Hides the cursor while frames are drawn.
 const HIDE_CURSOR: &str = "\x1b[?25l";
 /// Shows it again: the terminal as it was.
-pub const SHOW_CURSOR: &str = "\x1b[?25h";
+pub(crate) const SHOW_CURSOR: &str = "\x1b[?25h";
 
 /// `HH:MM:SS` (UTC) of a Unix time.
 fn clock(unix: u64) -> String {
@@ -432,7 +432,7 @@ fn clock(unix: u64) -> String {
 
 /// One `--watch` frame: the header line and the table (or why there is none), starting with
 /// [`CLEAR`]. `now_unix` is a parameter so frames can be checked.
-pub fn frame(status: Result<&StatusJson, String>, every: Duration, now_unix: u64) -> String {
+pub(crate) fn frame(status: Result<&StatusJson, String>, every: Duration, now_unix: u64) -> String {
     let mut out = String::from(CLEAR);
     let _ = writeln!(
         out,
@@ -484,7 +484,7 @@ fn watch(sock: &std::path::Path, every: Duration) -> Result<u8, CliError> {
 }
 
 /// Runs `tessera status`; returns the process exit code.
-pub fn main(args: StatusArgs) -> Result<u8, CliError> {
+pub(crate) fn main(args: StatusArgs) -> Result<u8, CliError> {
     let endpoint = args.sockets.endpoint();
     let sock = &endpoint.path;
     if let Some(secs) = args.watch {

@@ -29,16 +29,18 @@ use tessera_node::install::Installed;
 
 /// The environment variables carrying into the container the allocation's secret token, the
 /// tenant socket's path inside it and the public allocation id(s): the node contract's.
-pub use tessera_protocol::node::{ENV_ALLOCATION_ID as ENV_ALLOCATION, ENV_SOCKET, ENV_TOKEN};
+pub(crate) use tessera_protocol::node::{
+    ENV_ALLOCATION_ID as ENV_ALLOCATION, ENV_SOCKET, ENV_TOKEN,
+};
 /// The NVIDIA container runtime's GPU selection (legacy mode; kept with CDI devices too).
-pub const ENV_VISIBLE: &str = "NVIDIA_VISIBLE_DEVICES";
+pub(crate) const ENV_VISIBLE: &str = "NVIDIA_VISIBLE_DEVICES";
 /// Where glibc's loader reads libraries to preload.
-pub const CONTAINER_PRELOAD: &str = "/etc/ld.so.preload";
-pub use tessera_protocol::identity::CONTAINER_IDENTITY_FILE;
+pub(crate) const CONTAINER_PRELOAD: &str = "/etc/ld.so.preload";
+pub(crate) use tessera_protocol::identity::CONTAINER_IDENTITY_FILE;
 
 /// Why an `Allocate` was refused.
 #[derive(Debug, thiserror::Error)]
-pub enum AllocateError {
+pub(crate) enum AllocateError {
     /// Unit ids that are malformed, repeated, or spread over GPUs that are not whole.
     #[error(transparent)]
     Units(#[from] UnitsError),
@@ -63,7 +65,7 @@ pub enum AllocateError {
 
 /// Where things are on the host and in containers.
 #[derive(Debug, Clone)]
-pub struct Mounts {
+pub(crate) struct Mounts {
     /// Host path of the arbiter's tenant socket; its folder is mounted into containers.
     pub tenant_socket: PathBuf,
     /// Folder the tenant socket's folder appears as in containers.
@@ -90,7 +92,7 @@ impl Mounts {
 
 /// The fixed settings `Allocate` works with.
 #[derive(Debug, Clone)]
-pub struct Settings {
+pub(crate) struct Settings {
     /// Units per GPU.
     pub per_gpu: u32,
     /// Extended resource name (also stored in allocation labels).
@@ -111,7 +113,7 @@ pub struct Settings {
 
 /// One arbiter allocation to make.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Planned {
+pub(crate) struct Planned {
     /// Index of the container request it serves.
     pub container: usize,
     /// The GPU.
@@ -122,7 +124,7 @@ pub struct Planned {
 
 /// What one `Allocate` will create.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Plan {
+pub(crate) struct Plan {
     /// Number of container requests (one response each).
     pub containers: usize,
     /// The allocations, in container order.
@@ -134,7 +136,7 @@ pub struct Plan {
 /// Plans the allocations for each container's unit ids (`requests`, in request order) against
 /// the node's GPUs, for a resource advertising `pool` of each GPU's units: a unit outside it
 /// is refused before anything else. Makes no call.
-pub fn plan_in(
+pub(crate) fn plan_in(
     requests: &[Vec<String>],
     snapshot: &[GpuState],
     per_gpu: u32,
@@ -188,7 +190,7 @@ pub fn plan_in(
 }
 
 /// Makes the planned allocations (all or none) and answers one response per container.
-pub fn execute<A: Arbiter + ?Sized>(
+pub(crate) fn execute<A: Arbiter + ?Sized>(
     arbiter: &mut A,
     plan: &Plan,
     settings: &Settings,

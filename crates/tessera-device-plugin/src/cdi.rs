@@ -18,7 +18,10 @@ use tessera_node::cdi::CdiKind;
 use crate::proto::deviceplugin::CdiDevice;
 
 /// One CDI device of `kind` per GPU (by UUID), in the order given.
-pub fn devices<'a>(kind: &CdiKind, uuids: impl IntoIterator<Item = &'a str>) -> Vec<CdiDevice> {
+pub(crate) fn devices<'a>(
+    kind: &CdiKind,
+    uuids: impl IntoIterator<Item = &'a str>,
+) -> Vec<CdiDevice> {
     uuids
         .into_iter()
         .map(|u| CdiDevice {

@@ -46,7 +46,7 @@ impl From<ConnectError> for KubeletError {
 }
 
 /// Registers the plugin served at `<folder of kubelet_socket>/<endpoint>`.
-pub async fn register(
+pub(crate) async fn register(
     kubelet_socket: &Path,
     endpoint: &str,
     resource_name: &str,
@@ -86,7 +86,7 @@ pub async fn register(
 /// alone is not enough (a file system may hand the freed number to the new file at once), so
 /// the change time is part of it; a spurious change only costs a re-registration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FileId {
+pub(crate) struct FileId {
     dev: u64,
     ino: u64,
     ctime: i64,
@@ -94,7 +94,7 @@ pub struct FileId {
 }
 
 /// The identity of `path`, or `None` if it does not exist.
-pub fn file_id(path: &Path) -> Option<FileId> {
+pub(crate) fn file_id(path: &Path) -> Option<FileId> {
     std::fs::symlink_metadata(path).ok().map(|m| FileId {
         dev: m.dev(),
         ino: m.ino(),

@@ -46,7 +46,7 @@ pub fn parse_addr(text: &str) -> Result<Option<SocketAddr>, MetricsError> {
 /// Why `Allocate` was refused: the `reason` label of `tessera_plugin_allocation_refusals_total`.
 /// A closed set, so the series stay few.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refusal {
+pub(crate) enum Refusal {
     /// Unit ids that are malformed, repeated or spread over GPUs that are not whole.
     BadUnits,
     /// A GPU that is not on this node (any more).
@@ -63,7 +63,7 @@ pub enum Refusal {
 
 impl Refusal {
     /// The label value.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Refusal::BadUnits => "bad_units",
             Refusal::UnknownGpu => "unknown_gpu",
@@ -78,7 +78,7 @@ impl Refusal {
 type Labels = [(&'static str, &'static str); 1];
 
 /// The plugin's metrics. Cheap to share (`Arc`); every handle is atomic.
-pub struct PluginMetrics {
+pub(crate) struct PluginMetrics {
     registry: Registry,
     registrations: Counter,
     allocations: Counter,
@@ -104,7 +104,7 @@ impl Default for PluginMetrics {
 impl PluginMetrics {
     /// Every metric registered, at zero. The registered names leave out the `_total` and
     /// `_info` suffixes, which the encoder adds.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let mut registry = Registry::default();
         let registrations = Counter::default();
         registry.register(
@@ -169,24 +169,24 @@ impl PluginMetrics {
     }
 
     /// One successful registration.
-    pub fn registered(&self) {
+    pub(crate) fn registered(&self) {
         self.registrations.inc();
     }
 
     /// `n` container requests of one `Allocate` served.
-    pub fn allocated(&self, n: usize) {
+    pub(crate) fn allocated(&self, n: usize) {
         self.allocations.inc_by(n as u64);
     }
 
     /// One refused `Allocate`.
-    pub fn refused(&self, why: Refusal) {
+    pub(crate) fn refused(&self, why: Refusal) {
         self.refusals
             .get_or_create(&[("reason", why.as_str())])
             .inc();
     }
 
     /// The units now advertised.
-    pub fn set_units(&self, healthy: usize, unhealthy: usize) {
+    pub(crate) fn set_units(&self, healthy: usize, unhealthy: usize) {
         self.units
             .get_or_create(&[("state", "healthy")])
             .set(i64::try_from(healthy).unwrap_or(i64::MAX));
@@ -196,22 +196,22 @@ impl PluginMetrics {
     }
 
     /// `n` stale allocations deleted.
-    pub fn cleaned_up(&self, n: usize) {
+    pub(crate) fn cleaned_up(&self, n: usize) {
         self.stale_cleanups.inc_by(n as u64);
     }
 
     /// One allocation of a container holding both resources deleted.
-    pub fn mixed_tier_deleted(&self) {
+    pub(crate) fn mixed_tier_deleted(&self) {
         self.mixed_tiers.inc();
     }
 
     /// One allocation's pod labels written.
-    pub fn labelled(&self) {
+    pub(crate) fn labelled(&self) {
         self.pod_labels.inc();
     }
 
     /// The exposition text (Prometheus text format 0.0.4).
-    pub fn render(&self) -> String {
+    pub(crate) fn render(&self) -> String {
         let mut out = String::with_capacity(2048);
         // Writing into a String cannot fail.
         let _ = prometheus_text::encode(&mut out, &self.registry);
@@ -220,7 +220,7 @@ impl PluginMetrics {
 }
 
 /// Binds the metrics address; `None` when the endpoint is off.
-pub async fn bind(addr: Option<SocketAddr>) -> Result<Option<TcpListener>, MetricsError> {
+pub(crate) async fn bind(addr: Option<SocketAddr>) -> Result<Option<TcpListener>, MetricsError> {
     let Some(addr) = addr else {
         return Ok(None);
     };
@@ -232,7 +232,7 @@ pub async fn bind(addr: Option<SocketAddr>) -> Result<Option<TcpListener>, Metri
 
 /// Serves `/metrics` on `listener` until `stop` turns true (`tessera_exporter::serve`:
 /// bounded scrapers, a deadline per connection).
-pub async fn serve(
+pub(crate) async fn serve(
     listener: TcpListener,
     metrics: Arc<PluginMetrics>,
     mut stop: watch::Receiver<bool>,

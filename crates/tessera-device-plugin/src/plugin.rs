@@ -29,7 +29,7 @@ use tessera_node::install::{self, InstallError};
 use tessera_protocol::Tier;
 
 /// File name of the kubelet's registration socket in the device-plugins folder.
-pub const KUBELET_SOCKET: &str = "kubelet.sock";
+pub(crate) const KUBELET_SOCKET: &str = "kubelet.sock";
 
 /// Errors that stop the plugin. Each maps to an exit code of the binary.
 #[derive(Debug, thiserror::Error)]

@@ -35,7 +35,7 @@ use tessera_node::grpc::{ConnectError, connect_unix, error_chain};
 
 /// Errors of the clean-up.
 #[derive(Debug, thiserror::Error)]
-pub enum PodResourcesError {
+pub(crate) enum PodResourcesError {
     /// The PodResources socket could not be reached.
     #[error(transparent)]
     Connect(#[from] ConnectError),
@@ -69,7 +69,7 @@ pub struct StaleConfig {
 
 /// The container holding a unit, per the kubelet.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Holder {
+pub(crate) struct Holder {
     /// Pod namespace.
     pub namespace: String,
     /// Pod name.
@@ -79,7 +79,7 @@ pub struct Holder {
 }
 
 /// The kubelet's `List`: every pod with its containers' devices.
-pub async fn list(
+pub(crate) async fn list(
     socket: &std::path::Path,
     timeout: Duration,
 ) -> Result<Vec<PodResources>, PodResourcesError> {
@@ -93,7 +93,7 @@ pub async fn list(
 }
 
 /// The containers holding devices of both `resource` and `other`.
-pub fn mixed_in(pods: &[PodResources], resource: &str, other: &str) -> HashSet<Holder> {
+pub(crate) fn mixed_in(pods: &[PodResources], resource: &str, other: &str) -> HashSet<Holder> {
     let mut out = HashSet::new();
     for pod in pods {
         for c in &pod.containers {
@@ -115,7 +115,7 @@ pub fn mixed_in(pods: &[PodResources], resource: &str, other: &str) -> HashSet<H
 }
 
 /// The container holding each unit id of `resource` in a `List` answer.
-pub fn holders_in(pods: &[PodResources], resource: &str) -> HashMap<String, Holder> {
+pub(crate) fn holders_in(pods: &[PodResources], resource: &str) -> HashMap<String, Holder> {
     let mut held = HashMap::new();
     for pod in pods {
         for c in &pod.containers {
@@ -138,7 +138,7 @@ pub fn holders_in(pods: &[PodResources], resource: &str) -> HashMap<String, Hold
 /// as `(allocation id, labels to merge)`; allocations already named right, not held, or not
 /// ours are left out, so an unchanged node costs no admin call. Were a unit set ever split
 /// between containers, the container holding most of it (then the first by name) wins.
-pub fn pod_label_updates(
+pub(crate) fn pod_label_updates(
     allocations: &[AllocationStatus],
     held: &HashMap<String, Holder>,
     resource: &str,
@@ -178,13 +178,13 @@ pub fn pod_label_updates(
 
 /// Remembers since when each of our allocations has been orphaned.
 #[derive(Debug, Default, Clone)]
-pub struct StaleTracker {
+pub(crate) struct StaleTracker {
     orphan_since: HashMap<String, Instant>,
 }
 
 impl StaleTracker {
     /// Updates the record from one look and returns the ids of allocations to delete now.
-    pub fn review(
+    pub(crate) fn review(
         &mut self,
         allocations: &[AllocationStatus],
         held: &HashMap<String, Holder>,
@@ -215,7 +215,7 @@ impl StaleTracker {
 
 /// What one look did.
 #[derive(Debug, Default, PartialEq, Eq)]
-pub struct Swept {
+pub(crate) struct Swept {
     /// Allocations whose pod labels were written.
     pub labelled: Vec<String>,
     /// Allocations deleted as stale.
@@ -225,7 +225,7 @@ pub struct Swept {
 }
 
 /// Our allocations any of whose units a container in `mixed` holds.
-pub fn mixed_allocations(
+pub(crate) fn mixed_allocations(
     allocations: &[AllocationStatus],
     held: &HashMap<String, Holder>,
     mixed: &HashSet<Holder>,
@@ -250,7 +250,7 @@ pub fn mixed_allocations(
 /// when clean-up is on, deletes what has been orphaned for the grace period at `now`. An
 /// allocation deleted in between is skipped; any other admin failure ends the look (what was
 /// done so far is counted in `metrics`).
-pub fn reconcile<A: Arbiter + ?Sized>(
+pub(crate) fn reconcile<A: Arbiter + ?Sized>(
     arbiter: &mut A,
     held: &HashMap<String, Holder>,
     mixed: &HashSet<Holder>,
@@ -317,7 +317,7 @@ pub fn reconcile<A: Arbiter + ?Sized>(
 }
 
 /// One look: ask the kubelet, then [`reconcile`] over one admin connection.
-pub async fn sweep(
+pub(crate) async fn sweep(
     cfg: &StaleConfig,
     tracker: &mut StaleTracker,
     metrics: &Arc<PluginMetrics>,
@@ -344,7 +344,11 @@ pub async fn sweep(
 
 /// Sweeps every interval until `stop` turns true. Errors are logged once per change, never
 /// fatal: a kubelet or arbiter restart only delays the clean-up.
-pub async fn run(cfg: StaleConfig, metrics: Arc<PluginMetrics>, mut stop: watch::Receiver<bool>) {
+pub(crate) async fn run(
+    cfg: StaleConfig,
+    metrics: Arc<PluginMetrics>,
+    mut stop: watch::Receiver<bool>,
+) {
     let mut tracker = StaleTracker::default();
     let mut last_err: Option<String> = None;
     loop {

@@ -33,7 +33,7 @@ use tessera_node::health::Snapshot;
 
 /// Errors of the server.
 #[derive(Debug, thiserror::Error)]
-pub enum ServerError {
+pub(crate) enum ServerError {
     /// The gRPC server failed.
     #[error("device plugin gRPC server failed: {0}")]
     Transport(#[from] tonic::transport::Error),
@@ -41,7 +41,7 @@ pub enum ServerError {
 
 /// Everything `Allocate` needs.
 #[derive(Debug, Clone)]
-pub struct AllocContext {
+pub(crate) struct AllocContext {
     /// Units per GPU, resource name, container wiring.
     pub settings: Settings,
     /// Arbiter admin socket.
@@ -52,7 +52,7 @@ pub struct AllocContext {
 
 /// The service; cheap to clone per server generation.
 #[derive(Clone)]
-pub struct PluginService {
+pub(crate) struct PluginService {
     ctx: Arc<AllocContext>,
     gpus: watch::Receiver<Snapshot>,
     stop: watch::Receiver<bool>,
@@ -60,7 +60,7 @@ pub struct PluginService {
 
 impl PluginService {
     /// A service over the GPU snapshot channel; streams end when `stop` turns true.
-    pub fn new(
+    pub(crate) fn new(
         ctx: Arc<AllocContext>,
         gpus: watch::Receiver<Snapshot>,
         stop: watch::Receiver<bool>,
@@ -71,12 +71,12 @@ impl PluginService {
 
 /// The device list for a snapshot. GPUs whose ids would be too long are left out (logged
 /// once by the caller that validates the snapshot).
-pub fn device_list(snapshot: &Snapshot, per_gpu: u32) -> Vec<Device> {
+pub(crate) fn device_list(snapshot: &Snapshot, per_gpu: u32) -> Vec<Device> {
     device_list_in(snapshot, per_gpu, Pool::all(per_gpu))
 }
 
 /// [`device_list`] for the units of `pool`.
-pub fn device_list_in(snapshot: &Snapshot, per_gpu: u32, pool: Pool) -> Vec<Device> {
+pub(crate) fn device_list_in(snapshot: &Snapshot, per_gpu: u32, pool: Pool) -> Vec<Device> {
     let mut out = Vec::new();
     for gpu in snapshot.iter() {
         if units::check_id_len(&gpu.uuid, per_gpu).is_err() {
@@ -265,7 +265,7 @@ impl PluginService {
 }
 
 /// Serves the plugin on `listener` until `stop` turns true.
-pub async fn serve(
+pub(crate) async fn serve(
     listener: UnixListener,
     service: PluginService,
     mut stop: watch::Receiver<bool>,

@@ -12,14 +12,14 @@ use std::fmt;
 use tessera_node::labels::{LABEL_OWNER, OWNER_DEVICE_PLUGIN};
 
 /// The kubelet's limit on a device id's length.
-pub const MAX_ID_LEN: usize = 63;
+pub(crate) const MAX_ID_LEN: usize = 63;
 
 /// Label key holding the extended resource name the units belong to.
-pub const LABEL_RESOURCE: &str = "tessera.dev/resource";
+pub(crate) const LABEL_RESOURCE: &str = "tessera.dev/resource";
 /// Label key holding the GPU UUID of the units.
-pub const LABEL_GPU: &str = "tessera.dev/gpu";
+pub(crate) const LABEL_GPU: &str = "tessera.dev/gpu";
 /// Label key holding the unit numbers in compact form (`0-29,40`).
-pub const LABEL_UNITS: &str = "tessera.dev/units";
+pub(crate) const LABEL_UNITS: &str = "tessera.dev/units";
 
 /// Errors of the unit rules. Their messages reach the user through the kubelet's events.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -188,7 +188,7 @@ impl Pool {
 
 /// One unit: GPU UUID plus unit number.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct UnitId {
+pub(crate) struct UnitId {
     /// GPU UUID, `GPU-...`.
     pub uuid: String,
     /// Unit number on that GPU.
@@ -197,7 +197,7 @@ pub struct UnitId {
 
 impl UnitId {
     /// Parses `<uuid>-<n>`; the UUID itself contains dashes, so the number is the last part.
-    pub fn parse(id: &str) -> Result<Self, UnitsError> {
+    pub(crate) fn parse(id: &str) -> Result<Self, UnitsError> {
         let bad = || UnitsError::BadId(id.to_owned());
         let (uuid, n) = id.rsplit_once('-').ok_or_else(bad)?;
         if uuid.is_empty() || n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
@@ -234,12 +234,12 @@ impl fmt::Display for UnitId {
 }
 
 /// The ids of every unit of one GPU, in order.
-pub fn unit_ids(uuid: &str, per_gpu: u32) -> Vec<String> {
+pub(crate) fn unit_ids(uuid: &str, per_gpu: u32) -> Vec<String> {
     (0..per_gpu).map(|n| format!("{uuid}-{n}")).collect()
 }
 
 /// Checks that the GPU's longest unit id fits the kubelet's limit.
-pub fn check_id_len(uuid: &str, per_gpu: u32) -> Result<(), UnitsError> {
+pub(crate) fn check_id_len(uuid: &str, per_gpu: u32) -> Result<(), UnitsError> {
     let id = format!("{uuid}-{}", per_gpu.saturating_sub(1));
     if id.len() > MAX_ID_LEN {
         return Err(UnitsError::TooLong { len: id.len(), id });
@@ -249,7 +249,7 @@ pub fn check_id_len(uuid: &str, per_gpu: u32) -> Result<(), UnitsError> {
 
 /// What a set of units amounts to.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Claim {
+pub(crate) enum Claim {
     /// Units of one GPU (possibly all of them).
     Fraction {
         /// The GPU.
@@ -278,7 +278,7 @@ fn group(ids: &[String], per_gpu: u32) -> Result<BTreeMap<String, BTreeSet<u32>>
 
 /// Classifies the units the kubelet chose for one container. Units spread over several GPUs
 /// are accepted only as whole GPUs.
-pub fn classify(ids: &[String], per_gpu: u32) -> Result<Claim, UnitsError> {
+pub(crate) fn classify(ids: &[String], per_gpu: u32) -> Result<Claim, UnitsError> {
     if ids.is_empty() {
         return Err(UnitsError::BadSize(0));
     }
@@ -313,7 +313,7 @@ pub fn classify(ids: &[String], per_gpu: u32) -> Result<Claim, UnitsError> {
 /// - `size > per_gpu`: a multiple of `per_gpu`, as that many completely free GPUs.
 ///
 /// Units in `must_include` are always part of the answer (the kubelet requires it).
-pub fn preferred(
+pub(crate) fn preferred(
     available: &[String],
     must_include: &[String],
     size: i64,
@@ -404,7 +404,7 @@ pub fn preferred(
 
 /// Compact text for a set of unit numbers: `0-29,40,42-43`. Keeps labels small (the admin
 /// protocol has a frame limit, and a fraction may hold a hundred units).
-pub fn encode_units(units: &BTreeSet<u32>) -> String {
+pub(crate) fn encode_units(units: &BTreeSet<u32>) -> String {
     let mut parts = Vec::new();
     let mut iter = units.iter().copied().peekable();
     while let Some(start) = iter.next() {
@@ -423,7 +423,7 @@ pub fn encode_units(units: &BTreeSet<u32>) -> String {
 }
 
 /// Inverse of [`encode_units`].
-pub fn decode_units(text: &str) -> Result<BTreeSet<u32>, UnitsError> {
+pub(crate) fn decode_units(text: &str) -> Result<BTreeSet<u32>, UnitsError> {
     let bad = || UnitsError::BadLabel(text.to_owned());
     let mut out = BTreeSet::new();
     if text.is_empty() {
@@ -443,7 +443,7 @@ pub fn decode_units(text: &str) -> Result<BTreeSet<u32>, UnitsError> {
 }
 
 /// Labels for an allocation holding `units` of GPU `uuid` for resource `resource`.
-pub fn allocation_labels(
+pub(crate) fn allocation_labels(
     resource: &str,
     uuid: &str,
     units: &BTreeSet<u32>,
@@ -458,7 +458,10 @@ pub fn allocation_labels(
 
 /// The unit ids of an allocation made by this plugin for `resource`; `None` for allocations
 /// made by anyone else (or for another resource), which the plugin never touches.
-pub fn units_from_labels(labels: &BTreeMap<String, String>, resource: &str) -> Option<Vec<String>> {
+pub(crate) fn units_from_labels(
+    labels: &BTreeMap<String, String>,
+    resource: &str,
+) -> Option<Vec<String>> {
     if labels.get(LABEL_OWNER).map(String::as_str) != Some(OWNER_DEVICE_PLUGIN)
         || labels.get(LABEL_RESOURCE).map(String::as_str) != Some(resource)
     {
@@ -471,13 +474,13 @@ pub fn units_from_labels(labels: &BTreeMap<String, String>, resource: &str) -> O
 
 /// Memory limit for `units` of a card with `memory_total` bytes: the same fraction, rounded
 /// down so the parts never add up to more than the card.
-pub fn memory_for(units: u32, per_gpu: u32, memory_total: u64) -> u64 {
+pub(crate) fn memory_for(units: u32, per_gpu: u32, memory_total: u64) -> u64 {
     (u128::from(memory_total) * u128::from(units) / u128::from(per_gpu.max(1))) as u64
 }
 
 /// Compute weight (1..=100) for `units`: the same fraction of 100, rounded up so one unit is
 /// never weightless.
-pub fn share_for(units: u32, per_gpu: u32) -> u32 {
+pub(crate) fn share_for(units: u32, per_gpu: u32) -> u32 {
     let per_gpu = per_gpu.max(1);
     (units.saturating_mul(100).div_ceil(per_gpu)).clamp(1, 100)
 }

@@ -26,7 +26,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 
 /// How long one API call may take to connect, and then to answer.
-pub const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Errors of an API call.
 #[derive(Debug, thiserror::Error)]
@@ -86,7 +86,7 @@ impl ApiError {
 
 /// What the plugin asks of the API server. [`KubeClient`] in the binary; tests may fake it.
 #[tonic::async_trait]
-pub trait KubeApi: Send + Sync {
+pub(crate) trait KubeApi: Send + Sync {
     /// The ResourceClaim `namespace/name`.
     async fn get_claim(&self, namespace: &str, name: &str) -> Result<ResourceClaim, ApiError>;
     /// The ResourceSlices of `driver` on `node`.
@@ -120,14 +120,14 @@ pub enum Connection {
 /// How often a token file is read again: client-go's `NewCachedFileTokenSource` period
 /// (k8s.io/client-go `transport/token_source.go`; half the time between the kubelet's refresh
 /// of a projected service account token and its expiry).
-pub const TOKEN_REREAD: Duration = Duration::from_secs(60);
+pub(crate) const TOKEN_REREAD: Duration = Duration::from_secs(60);
 
 /// A bearer token kept in a file, read the way client-go reads one (k8s.io/client-go v0.36.3
 /// `transport/token_source.go`, `fileTokenSource.Token`: `strings.TrimSpace`, an empty token is
 /// an error; `cachingTokenSource` and `round_trippers.go` `bearerAuthRoundTripper`: re-read
 /// when the cached one is [`TOKEN_REREAD`] old, and a failed re-read keeps the last token).
 #[derive(Debug)]
-pub struct FileToken {
+pub(crate) struct FileToken {
     path: PathBuf,
     every: Duration,
     /// The `Authorization` value and when the file was last read.
@@ -137,7 +137,7 @@ pub struct FileToken {
 impl FileToken {
     /// Reads `path` now (an unreadable or empty file is an error, as in client-go), and again
     /// when the token is `every` old.
-    pub fn new(path: &Path, every: Duration) -> Result<Self, ApiError> {
+    pub(crate) fn new(path: &Path, every: Duration) -> Result<Self, ApiError> {
         let header = Self::read(path).map_err(ApiError::Config)?;
         Ok(Self {
             path: path.to_path_buf(),
@@ -164,7 +164,7 @@ impl FileToken {
     }
 
     /// The `Authorization` value to send now.
-    pub fn header(&self) -> HeaderValue {
+    pub(crate) fn header(&self) -> HeaderValue {
         let mut cached = self.cached.lock().unwrap_or_else(|e| e.into_inner());
         if cached.1.elapsed() >= self.every {
             match Self::read(&self.path) {
@@ -194,7 +194,7 @@ fn take_token_file(config: &mut kube::Config) -> Result<Option<Arc<FileToken>>, 
 
 /// The kube-rs client.
 #[derive(Clone)]
-pub struct KubeClient {
+pub(crate) struct KubeClient {
     client: kube::Client,
     what: String,
 }
@@ -208,7 +208,7 @@ impl std::fmt::Debug for KubeClient {
 impl KubeClient {
     /// A client for `conn`. Must run inside a Tokio runtime (kube-rs starts its connection
     /// pool there).
-    pub async fn connect(conn: &Connection) -> Result<Self, ApiError> {
+    pub(crate) async fn connect(conn: &Connection) -> Result<Self, ApiError> {
         let cfg_err =
             |e: &dyn std::error::Error| ApiError::Config(tessera_node::grpc::error_chain(e));
         let config = match conn {
@@ -244,7 +244,7 @@ impl KubeClient {
 
     /// A client for `config` (what [`KubeClient::connect`] made of a [`Connection`]): the call
     /// timeouts, and a token file read as a [`FileToken`].
-    pub fn from_config(mut config: kube::Config) -> Result<Self, ApiError> {
+    pub(crate) fn from_config(mut config: kube::Config) -> Result<Self, ApiError> {
         let cfg_err =
             |e: &dyn std::error::Error| ApiError::Config(tessera_node::grpc::error_chain(e));
         config.connect_timeout = Some(CALL_TIMEOUT);

@@ -37,7 +37,7 @@ const MAX_BLOCK: usize = 1 << 20;
 
 /// Why a relayed connection was closed.
 #[derive(Debug, thiserror::Error)]
-pub enum RelayError {
+pub(crate) enum RelayError {
     /// Reading or writing a side failed.
     #[error("registration connection: {0}")]
     Io(#[from] std::io::Error),
@@ -202,7 +202,7 @@ fn push_frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, payload: &[u8
 /// Relays one connection: `client` (the kubelet's socket) to `server` (tonic's end of a pipe),
 /// rewriting header blocks; the server's bytes go back as they are. Returns when either side
 /// closes or the client breaks the protocol.
-pub async fn relay<C, S>(client: C, server: S) -> Result<(), RelayError>
+pub(crate) async fn relay<C, S>(client: C, server: S) -> Result<(), RelayError>
 where
     C: AsyncRead + AsyncWrite + Unpin,
     S: AsyncRead + AsyncWrite + Unpin,
@@ -257,7 +257,7 @@ where
 }
 
 /// The server's end of one relayed connection (what tonic serves).
-pub struct Relayed(tokio::io::DuplexStream);
+pub(crate) struct Relayed(tokio::io::DuplexStream);
 
 impl tonic::transport::server::Connected for Relayed {
     type ConnectInfo = ();
@@ -297,7 +297,7 @@ impl AsyncWrite for Relayed {
 }
 
 /// The connections of `listener`, each relayed (a task per connection) to the stream's item.
-pub fn incoming(
+pub(crate) fn incoming(
     listener: tokio::net::UnixListener,
 ) -> impl tokio_stream::Stream<Item = std::io::Result<Relayed>> {
     tokio_stream::StreamExt::map(

@@ -21,15 +21,15 @@ use serde::Serialize;
 use crate::claim::Planned;
 
 /// CDI kind (`vendor/class`) of Tessera's claim specs.
-pub const CDI_KIND: &str = "tessera.dev/claim";
+pub(crate) const CDI_KIND: &str = "tessera.dev/claim";
 /// CDI spec version written (mount options and env, nothing newer needed).
-pub const CDI_VERSION: &str = "0.6.0";
+pub(crate) const CDI_VERSION: &str = "0.6.0";
 /// Where glibc's loader reads libraries to preload.
-pub const CONTAINER_PRELOAD: &str = "/etc/ld.so.preload";
+pub(crate) const CONTAINER_PRELOAD: &str = "/etc/ld.so.preload";
 
 /// Errors writing or removing a spec.
 #[derive(Debug, thiserror::Error)]
-pub enum CdiError {
+pub(crate) enum CdiError {
     /// File system.
     #[error("CDI spec {path}: {source}")]
     Io {
@@ -45,7 +45,7 @@ pub enum CdiError {
 
 /// Host and container paths a fraction's edits use.
 #[derive(Debug, Clone)]
-pub struct Wiring {
+pub(crate) struct Wiring {
     /// Host path of the installed interposer.
     pub host_lib: PathBuf,
     /// Host path of the matching preload file.
@@ -123,18 +123,23 @@ fn bind(host: &Path, container: &Path, read_only: bool) -> Mount {
 }
 
 /// The CDI device name of result `i` of claim `uid`.
-pub fn device_name(uid: &str, i: usize) -> String {
+pub(crate) fn device_name(uid: &str, i: usize) -> String {
     format!("{uid}-{i}")
 }
 
 /// The fully qualified CDI id of result `i` of claim `uid`.
-pub fn device_id(uid: &str, i: usize) -> String {
+pub(crate) fn device_id(uid: &str, i: usize) -> String {
     format!("{CDI_KIND}={}", device_name(uid, i))
 }
 
 /// The spec for claim `uid`: `results` with their allocation ids, `identity` the host path of
 /// the claim's identity file.
-pub fn spec(uid: &str, results: &[(Planned, String)], identity: &Path, wiring: &Wiring) -> Spec {
+pub(crate) fn spec(
+    uid: &str,
+    results: &[(Planned, String)],
+    identity: &Path,
+    wiring: &Wiring,
+) -> Spec {
     let uuids: Vec<&str> = results.iter().map(|(p, _)| p.uuid.as_str()).collect();
     let ids: Vec<&str> = results.iter().map(|(_, id)| id.as_str()).collect();
     let visible = uuids.join(",");
@@ -190,12 +195,12 @@ pub fn spec(uid: &str, results: &[(Planned, String)], identity: &Path, wiring: &
 
 /// Path of claim `uid`'s spec in `dir` (one file per claim, named by the CDI convention
 /// `<vendor>-<class>_<name>.json`).
-pub fn path(dir: &Path, uid: &str) -> PathBuf {
+pub(crate) fn path(dir: &Path, uid: &str) -> PathBuf {
     dir.join(format!("tessera.dev-claim_{uid}.json"))
 }
 
 /// Writes `spec` for `uid` into `dir`, atomically (a runtime never reads half a spec).
-pub fn write(dir: &Path, uid: &str, spec: &Spec) -> Result<PathBuf, CdiError> {
+pub(crate) fn write(dir: &Path, uid: &str, spec: &Spec) -> Result<PathBuf, CdiError> {
     let dest = path(dir, uid);
     let io = |p: &Path| {
         let p = p.to_owned();
@@ -218,7 +223,7 @@ pub fn write(dir: &Path, uid: &str, spec: &Spec) -> Result<PathBuf, CdiError> {
 }
 
 /// Reads claim `uid`'s spec, `None` if there is none.
-pub fn read(dir: &Path, uid: &str) -> Result<Option<Spec>, CdiError> {
+pub(crate) fn read(dir: &Path, uid: &str) -> Result<Option<Spec>, CdiError> {
     let p = path(dir, uid);
     match std::fs::read(&p) {
         Ok(b) => Ok(Some(serde_json::from_slice(&b)?)),
@@ -228,7 +233,7 @@ pub fn read(dir: &Path, uid: &str) -> Result<Option<Spec>, CdiError> {
 }
 
 /// Removes claim `uid`'s spec; absent is fine (unprepare is idempotent).
-pub fn remove(dir: &Path, uid: &str) -> Result<(), CdiError> {
+pub(crate) fn remove(dir: &Path, uid: &str) -> Result<(), CdiError> {
     let p = path(dir, uid);
     match std::fs::remove_file(&p) {
         Ok(()) => Ok(()),

@@ -26,19 +26,19 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use crate::quantity::{self, QuantityError};
 
 /// The DRA driver name.
-pub const DRIVER: &str = "gpu.tessera.dev";
+pub(crate) const DRIVER: &str = "gpu.tessera.dev";
 /// Capacity name of the compute share (percent of the GPU's time).
-pub const CAPACITY_SHARES: &str = "shares";
+pub(crate) const CAPACITY_SHARES: &str = "shares";
 /// Capacity name of the memory limit (bytes).
-pub const CAPACITY_MEMORY: &str = "memory";
+pub(crate) const CAPACITY_MEMORY: &str = "memory";
 /// Shares a whole GPU has.
-pub const SHARES_PER_GPU: u64 = 100;
+pub(crate) const SHARES_PER_GPU: u64 = 100;
 /// Shares of a claim that names none (the slice's `requestPolicy.default` for `shares`): a
 /// claim that asks only for memory is a fraction with this compute weight (as `tessera run
 /// --share` defaults to 10), and a whole GPU is asked for as `shares: 100`. Below 100 on
 /// purpose: with a default of 100 the scheduler reserves every share of the card for a
 /// memory-only claim, and nothing else can be placed on it.
-pub const DEFAULT_SHARES: u64 = 10;
+pub(crate) const DEFAULT_SHARES: u64 = 10;
 
 /// A GPU of this node as the claims name it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -71,13 +71,13 @@ pub enum Kind {
 }
 
 /// The device name of GPU `index` (a DNS label, as the API requires).
-pub fn device_name(index: u32) -> String {
+pub(crate) fn device_name(index: u32) -> String {
     format!("gpu-{index}")
 }
 
 /// One arbiter allocation a claim needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Planned {
+pub(crate) struct Planned {
     /// The claim's request this result serves.
     pub request: String,
     /// Pool (this node's).
@@ -102,7 +102,7 @@ pub struct Planned {
 
 /// Why a claim cannot be prepared on this node.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ClaimError {
+pub(crate) enum ClaimError {
     /// The API server's object is another claim than the kubelet's (deleted and re-created).
     #[error("claim {namespace}/{name} has uid {found}, the kubelet asked for {wanted}")]
     UidMismatch {
@@ -183,14 +183,14 @@ pub enum ClaimError {
 /// True when the claim's results are fractions of two or more distinct GPUs: they become one
 /// multi-GPU allocation (see [`tessera_protocol::group`]; [`crate::prepare`] creates it). Whole GPUs keep one allocation
 /// each (the container runs without limits on them), and so do several fractions of one GPU.
-pub fn spans_gpus(plans: &[Planned]) -> bool {
+pub(crate) fn spans_gpus(plans: &[Planned]) -> bool {
     let uuids: HashSet<&str> = plans.iter().map(|p| p.uuid.as_str()).collect();
     plans.len() >= 2 && uuids.len() == plans.len() && plans.iter().all(|p| !p.whole)
 }
 
 /// Checks the kubelet's `(namespace, name, uid)`: lower-case DNS characters only (names are
 /// DNS subdomains, uids UUIDs), at most 253 bytes, so none can leave a folder or a URL path.
-pub fn check_ref(namespace: &str, name: &str, uid: &str) -> Result<(), ClaimError> {
+pub(crate) fn check_ref(namespace: &str, name: &str, uid: &str) -> Result<(), ClaimError> {
     for part in [namespace, name, uid] {
         let ok = !part.is_empty()
             && part.len() <= 253
@@ -208,7 +208,7 @@ pub fn check_ref(namespace: &str, name: &str, uid: &str) -> Result<(), ClaimErro
 /// The allocations `claim` (as read from the API server) needs on this node: its results for
 /// [`DRIVER`], in order. `uid` is the kubelet's; `pool` this node's; `default_memory` the
 /// memory of a fraction whose result names no memory (the slice's documented default).
-pub fn plan(
+pub(crate) fn plan(
     claim: &ResourceClaim,
     uid: &str,
     pool: &str,
@@ -294,7 +294,7 @@ pub fn plan(
 /// driver from the claim's DeviceClass (`source: FromClass`, written by the cluster's
 /// operator) applying to it says `{"tier": "latency"}`. The same configuration in the claim
 /// itself (`FromClaim`) is the workload's own and is ignored: a tenant never picks its tier.
-pub fn tier_of(
+pub(crate) fn tier_of(
     config: &[k8s_openapi::api::resource::v1::DeviceAllocationConfiguration],
     request: &str,
 ) -> tessera_protocol::Tier {

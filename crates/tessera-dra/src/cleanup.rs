@@ -27,7 +27,7 @@ use crate::prepare::{LABEL_CLAIM, LABEL_CLAIM_UID};
 
 /// A claim this plugin prepared, as its allocations record it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PreparedClaim {
+pub(crate) struct PreparedClaim {
     /// Namespace.
     pub namespace: String,
     /// Name.
@@ -38,7 +38,7 @@ pub struct PreparedClaim {
 
 /// The claims behind this plugin's allocations in `all`, one per uid, in uid order. An
 /// allocation without a readable `namespace/name` label is skipped (it cannot be looked up).
-pub fn prepared_claims(all: &[AllocationStatus]) -> Vec<PreparedClaim> {
+pub(crate) fn prepared_claims(all: &[AllocationStatus]) -> Vec<PreparedClaim> {
     let mut out: BTreeMap<String, PreparedClaim> = BTreeMap::new();
     for a in all {
         if a.labels.get(LABEL_OWNER).map(String::as_str) != Some(OWNER_DRA) {
@@ -62,7 +62,7 @@ pub fn prepared_claims(all: &[AllocationStatus]) -> Vec<PreparedClaim> {
 
 /// What the API server said about a prepared claim.
 #[derive(Debug)]
-pub enum Lookup<'a> {
+pub(crate) enum Lookup<'a> {
     /// The claim of that namespace and name.
     Found(&'a ResourceClaim),
     /// 404: no claim of that name.
@@ -73,7 +73,7 @@ pub enum Lookup<'a> {
 
 /// Why a prepared claim is released.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Release {
+pub(crate) enum Release {
     /// The claim was deleted.
     Deleted,
     /// A claim of the same name with another uid replaced it.
@@ -101,7 +101,7 @@ impl std::fmt::Display for Release {
 }
 
 /// Whether prepared claim `uid` is released, given `lookup`; `None` keeps it.
-pub fn verdict(uid: &str, lookup: Lookup<'_>) -> Option<Release> {
+pub(crate) fn verdict(uid: &str, lookup: Lookup<'_>) -> Option<Release> {
     let claim = match lookup {
         Lookup::Found(c) => c,
         Lookup::NotFound => return Some(Release::Deleted),

@@ -31,11 +31,11 @@ use serde::{Deserialize, Serialize};
 use crate::mig::Placement;
 
 /// The checkpoint's file name in the state folder.
-pub const CHECKPOINT: &str = "mig.json";
+pub(crate) const CHECKPOINT: &str = "mig.json";
 
 /// Errors of MIG control or of the checkpoint.
 #[derive(Debug, thiserror::Error)]
-pub enum MigError {
+pub(crate) enum MigError {
     /// An NVML call failed.
     #[error("NVML {call} on {gpu}: {message}")]
     Nvml {
@@ -71,7 +71,7 @@ pub enum MigError {
 
 /// An instance NVML shows on a GPU.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LiveInstance {
+pub(crate) struct LiveInstance {
     /// GPU instance id.
     pub gpu_instance: u32,
     /// GPU-instance profile id.
@@ -83,7 +83,7 @@ pub struct LiveInstance {
 }
 
 /// MIG control of the node's GPUs (parents named by UUID).
-pub trait MigControl {
+pub(crate) trait MigControl {
     /// Whether MIG mode is on (current mode).
     fn mig_enabled(&mut self, parent: &str) -> Result<bool, MigError>;
     /// Turns MIG mode on or off.
@@ -104,7 +104,7 @@ pub trait MigControl {
 
 /// The node's [`MigControl`], shared by the prepares (which run one at a time).
 #[derive(Clone)]
-pub struct MigHandle(pub std::sync::Arc<std::sync::Mutex<Box<dyn MigControl + Send>>>);
+pub(crate) struct MigHandle(pub std::sync::Arc<std::sync::Mutex<Box<dyn MigControl + Send>>>);
 
 impl std::fmt::Debug for MigHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -114,13 +114,13 @@ impl std::fmt::Debug for MigHandle {
 
 impl MigHandle {
     /// Wraps `ctl`.
-    pub fn new(ctl: impl MigControl + Send + 'static) -> Self {
+    pub(crate) fn new(ctl: impl MigControl + Send + 'static) -> Self {
         Self(std::sync::Arc::new(std::sync::Mutex::new(Box::new(ctl))))
     }
 
     /// Runs `f` with the control (a poisoned lock is taken over: the checkpoint, not memory,
     /// is the state).
-    pub fn with<T>(&self, f: impl FnOnce(&mut dyn MigControl) -> T) -> T {
+    pub(crate) fn with<T>(&self, f: impl FnOnce(&mut dyn MigControl) -> T) -> T {
         let mut g = self
             .0
             .lock()
@@ -132,7 +132,7 @@ impl MigHandle {
 /// A node without MIG control: every call is refused (nothing asks for one when no GPU is
 /// published with dynamic MIG).
 #[derive(Debug, Clone, Copy)]
-pub struct NoMig;
+pub(crate) struct NoMig;
 
 impl MigControl for NoMig {
     fn mig_enabled(&mut self, _: &str) -> Result<bool, MigError> {
@@ -218,7 +218,7 @@ fn nvml_err(gpu: &str, e: tessera_node::nvml_mig::MigNvmlError) -> MigError {
 
 /// A record's crash-recovery state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum State {
+pub(crate) enum State {
     /// About to create: nothing answered with it yet.
     PrepareStarted,
     /// Created; claims use it.
@@ -228,7 +228,7 @@ pub enum State {
 /// One instance this plugin made.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct Record {
+pub(crate) struct Record {
     /// The parent GPU's UUID.
     pub parent: String,
     /// Profile name (`1g.18gb`).
@@ -251,14 +251,14 @@ pub struct Record {
 
 /// The checkpoint: the instances this plugin made.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Checkpoint {
+pub(crate) struct Checkpoint {
     /// Records.
     pub records: Vec<Record>,
 }
 
 impl Checkpoint {
     /// Reads `path`; a missing file is an empty checkpoint.
-    pub fn load(path: &Path) -> Result<Self, MigError> {
+    pub(crate) fn load(path: &Path) -> Result<Self, MigError> {
         let err = |message: String| MigError::Checkpoint {
             path: path.to_path_buf(),
             message,
@@ -271,7 +271,7 @@ impl Checkpoint {
     }
 
     /// Writes `path` whole or not at all (a temporary file renamed over it, synced first).
-    pub fn save(&self, path: &Path) -> Result<(), MigError> {
+    pub(crate) fn save(&self, path: &Path) -> Result<(), MigError> {
         let err = |message: String| MigError::Checkpoint {
             path: path.to_path_buf(),
             message,
@@ -308,7 +308,7 @@ pub struct Want {
 /// Gives claim `uid` the instance `want` describes, creating it (and turning MIG on) if no
 /// claim uses one there yet; returns its MIG UUID. Repeating it for the same claim is
 /// harmless.
-pub fn acquire<C: MigControl + ?Sized>(
+pub(crate) fn acquire<C: MigControl + ?Sized>(
     ctl: &mut C,
     checkpoint: &Path,
     uid: &str,
@@ -434,7 +434,7 @@ fn mig_off_if_unused<C: MigControl + ?Sized>(ctl: &mut C, ck: &Checkpoint, paren
 
 /// Drops claim `uid` from every instance; destroys those no claim uses any more and turns MIG
 /// off on a GPU left with none. Returns the MIG UUIDs destroyed. Repeating it is harmless.
-pub fn release<C: MigControl + ?Sized>(
+pub(crate) fn release<C: MigControl + ?Sized>(
     ctl: &mut C,
     checkpoint: &Path,
     uid: &str,
@@ -472,7 +472,7 @@ pub fn release<C: MigControl + ?Sized>(
 
 /// What [`reconcile`] did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct Reconciled {
+pub(crate) struct Reconciled {
     /// MIG UUIDs adopted (checkpointed and alive).
     pub adopted: Vec<String>,
     /// GPU instances destroyed `(parent, gpu instance id)`: unknown, or a started create.
@@ -485,7 +485,7 @@ pub struct Reconciled {
 /// claim in `prepared` (uids the arbiter still has allocations for) uses; destroys started
 /// creates, instances no prepared claim uses, and the unknown instances of the dynamic GPUs
 /// `parents`; turns MIG off on a dynamic GPU left with none.
-pub fn reconcile<C: MigControl + ?Sized>(
+pub(crate) fn reconcile<C: MigControl + ?Sized>(
     ctl: &mut C,
     checkpoint: &Path,
     parents: &[String],
@@ -534,7 +534,7 @@ pub fn reconcile<C: MigControl + ?Sized>(
 /// Before a whole GPU of a dynamic GPU is prepared: MIG must be off, or CUDA shows no device.
 /// The scheduler's counters keep MIG claims off a GPU whose whole device is allocated, so
 /// nothing of this plugin's can be on it; an instance someone else made is refused.
-pub fn ensure_whole<C: MigControl + ?Sized>(
+pub(crate) fn ensure_whole<C: MigControl + ?Sized>(
     ctl: &mut C,
     checkpoint: &Path,
     parent: &str,

@@ -40,7 +40,7 @@ pub enum InventoryError {
 }
 
 /// Reads every GPU's attributes through NVML loaded from `lib`; `sysfs` is `/sys` on a node.
-pub fn read(lib: &Path, sysfs: &Path) -> Result<Vec<GpuAttrs>, InventoryError> {
+pub(crate) fn read(lib: &Path, sysfs: &Path) -> Result<Vec<GpuAttrs>, InventoryError> {
     let nvml = Nvml::builder()
         .lib_path(lib.as_os_str())
         .init()
@@ -74,7 +74,7 @@ pub fn read(lib: &Path, sysfs: &Path) -> Result<Vec<GpuAttrs>, InventoryError> {
 /// The GPUs of `all` that `gpus` (`--gpus`) admits. A GPU of the node that `--mig-dynamic` or
 /// `--mig-static` names by index and `gpus` leaves out is refused (the reason, naming both
 /// flags): MIG cannot be published for a GPU the plugin does not offer.
-pub fn offered(
+pub(crate) fn offered(
     all: Vec<GpuAttrs>,
     gpus: &GpuFilter,
     mig: &MigConfig,
@@ -99,7 +99,11 @@ pub fn offered(
 /// its profiles and placements (a GPU without MIG profiles stays whole, with a warning); a
 /// static GPU gets its existing instances (profile names from its profiles). A GPU NVML
 /// cannot answer for keeps no MIG devices, and the error is logged: the rest still publish.
-pub fn read_mig(lib: &Path, gpus: &mut [GpuAttrs], cfg: &MigConfig) -> Result<(), InventoryError> {
+pub(crate) fn read_mig(
+    lib: &Path,
+    gpus: &mut [GpuAttrs],
+    cfg: &MigConfig,
+) -> Result<(), InventoryError> {
     if gpus.iter().all(|g| cfg.wanted(g.index) == Wanted::Off) {
         return Ok(());
     }
@@ -183,7 +187,7 @@ fn mig_mode(nvml: &MigNvml, uuid: &str, wanted: Wanted) -> Result<MigMode, Strin
 }
 
 /// The NUMA node of PCI device `bus`, `None` if the platform has none or sysfs says nothing.
-pub fn numa_node(sysfs: &Path, bus: &str) -> Option<i64> {
+pub(crate) fn numa_node(sysfs: &Path, bus: &str) -> Option<i64> {
     let p = sysfs.join("bus/pci/devices").join(bus).join("numa_node");
     let n: i64 = std::fs::read_to_string(p).ok()?.trim().parse().ok()?;
     (n >= 0).then_some(n)
@@ -194,7 +198,7 @@ pub fn numa_node(sysfs: &Path, bus: &str) -> Option<i64> {
 /// `<sysfs>/devices/`, and the first folder of its target is the root bridge
 /// (`devices/pci0000:00/0000:00:01.0/0000:01:00.0`). `None` when the link does not resolve
 /// there (no sysfs, a virtual device, the simulated GPUs).
-pub fn pcie_root(sysfs: &Path, bus: &str) -> Option<String> {
+pub(crate) fn pcie_root(sysfs: &Path, bus: &str) -> Option<String> {
     let devices = std::fs::canonicalize(sysfs.join("devices")).ok()?;
     let dev = std::fs::canonicalize(sysfs.join("bus/pci/devices").join(bus)).ok()?;
     let first = dev.strip_prefix(&devices).ok()?.components().next()?;
@@ -213,7 +217,7 @@ fn is_root_bridge(name: &str) -> bool {
 
 /// `gpus` with health from the watcher's `snapshot`: a GPU the watcher marks unhealthy is
 /// marked so; one it no longer lists is left out (withdrawn).
-pub fn merge_health(gpus: &[GpuAttrs], snapshot: &[GpuState]) -> Vec<GpuAttrs> {
+pub(crate) fn merge_health(gpus: &[GpuAttrs], snapshot: &[GpuState]) -> Vec<GpuAttrs> {
     gpus.iter()
         .filter_map(|g| {
             let s = snapshot.iter().find(|s| s.uuid == g.uuid)?;

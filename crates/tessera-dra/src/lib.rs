@@ -31,25 +31,36 @@
 //!   HTTP/2 server takes (the kubelet's plugin watcher sends the socket's path).
 //! - [`service`]: the `DRAPlugin` (v1, v1beta1) and `Registration` gRPC services.
 //! - [`plugin`]: configuration and life cycle.
+//!
+//! Public: [`proto`], [`quantity`], [`slices`] and [`mig`] (the integration tests check the
+//! plugin against them), [`run`] with its [`Config`], [`Connection`] and [`PluginError`], the
+//! CDI spec's type ([`CdiSpec`]) and the labels a prepare leaves ([`LABEL_CLAIM`],
+//! [`LABEL_CLAIM_UID`]). The other modules are private, their items `pub(crate)`.
 
 #![forbid(unsafe_code)]
 
-pub mod apiserver;
-pub mod authority;
-pub mod cdi;
-pub mod claim;
-pub mod cleanup;
-pub mod instances;
-pub mod inventory;
+mod apiserver;
+mod authority;
+mod cdi;
+mod claim;
+mod cleanup;
+mod instances;
+mod inventory;
 pub mod mig;
 #[cfg(test)]
 mod mig_tests;
-pub mod plugin;
-pub mod prepare;
+mod plugin;
+mod prepare;
 pub mod proto;
-pub mod publish;
+mod publish;
 pub mod quantity;
-pub mod service;
+mod service;
 pub mod slices;
 
+// The public surface: the plugin (`main.rs`), and what the integration tests check it against
+// (the generated protocol, the pure rules for slices, partitions and quantities, the CDI spec
+// and the arbiter labels a prepare leaves). Everything else is `pub(crate)`.
+pub use apiserver::Connection;
+pub use cdi::Spec as CdiSpec;
 pub use plugin::{Config, PluginError, run};
+pub use prepare::{LABEL_CLAIM, LABEL_CLAIM_UID};

@@ -12,8 +12,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use tessera_dra::apiserver::Connection;
-use tessera_dra::{Config, PluginError};
+use tessera_dra::{Config, Connection, PluginError};
 use tessera_node::NodeArgs;
 use tessera_node::cdi::CdiKind;
 

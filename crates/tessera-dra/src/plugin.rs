@@ -83,7 +83,7 @@ pub struct Config {
 }
 
 /// File name of the plugin socket in [`Config::plugin_dir`].
-pub const PLUGIN_SOCKET: &str = "dra.sock";
+pub(crate) const PLUGIN_SOCKET: &str = "dra.sock";
 
 impl Config {
     /// The checks made before anything is opened (and all that `--check-config` runs).

@@ -35,14 +35,14 @@ pub const LABEL_CLAIM_UID: &str = "tessera.dev/claim-uid";
 /// `namespace/name` of the claim (what `tessera status` shows).
 pub use tessera_protocol::LABEL_CLAIM;
 /// The result's index in the claim's results for this driver.
-pub const LABEL_RESULT: &str = "tessera.dev/claim-result";
+pub(crate) const LABEL_RESULT: &str = "tessera.dev/claim-result";
 /// The result's device in the ResourceSlice (what [`crate::publish`] must not change the
 /// counters of while the allocation lives).
-pub const LABEL_DEVICE: &str = "tessera.dev/claim-device";
+pub(crate) const LABEL_DEVICE: &str = "tessera.dev/claim-device";
 
 /// Why a claim could not be prepared or unprepared.
 #[derive(Debug, thiserror::Error)]
-pub enum PrepareError {
+pub(crate) enum PrepareError {
     /// An admin call failed.
     #[error("arbiter: {0}")]
     Arbiter(#[from] ClientError),
@@ -59,7 +59,7 @@ pub enum PrepareError {
 
 /// Fixed settings.
 #[derive(Debug, Clone)]
-pub struct Settings {
+pub(crate) struct Settings {
     /// Folder of the CDI specs the runtime reads (`/var/run/cdi`).
     pub cdi_dir: PathBuf,
     /// Host folder of the identity files.
@@ -76,7 +76,7 @@ pub struct Settings {
 
 /// One prepared device, as the response lists it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PreparedDevice {
+pub(crate) struct PreparedDevice {
     /// The claim's request.
     pub request: String,
     /// Pool.
@@ -91,7 +91,7 @@ pub struct PreparedDevice {
 
 /// Namespace and name of a claim.
 #[derive(Debug, Clone, Copy)]
-pub struct ClaimRef<'a> {
+pub(crate) struct ClaimRef<'a> {
     /// Namespace.
     pub namespace: &'a str,
     /// Name.
@@ -162,7 +162,7 @@ fn delete_tolerant<A: Arbiter + ?Sized>(a: &mut A, id: &str) -> Result<(), Clien
 /// Prepares claim `c` whose results for this node are `plans` (from [`crate::claim::plan`]):
 /// first the MIG side ([`mig_side`]), then [`prepare_resolved`]; a failure after a MIG
 /// instance was taken gives the claim's instances back.
-pub fn prepare<A: Arbiter + ?Sized>(
+pub(crate) fn prepare<A: Arbiter + ?Sized>(
     arbiter: &mut A,
     c: ClaimRef<'_>,
     plans: &[Planned],
@@ -351,7 +351,7 @@ fn prepare_resolved<A: Arbiter + ?Sized>(
 
 /// Unprepares claim `uid`: its allocations, identity file and spec go. Returns how many
 /// allocations were deleted.
-pub fn unprepare<A: Arbiter + ?Sized>(
+pub(crate) fn unprepare<A: Arbiter + ?Sized>(
     arbiter: &mut A,
     uid: &str,
     s: &Settings,

@@ -37,7 +37,7 @@ use crate::slices::{self, GpuAttrs};
 
 /// What this process last wrote and what the API server stored of it, per slice.
 #[derive(Debug, Default, Clone)]
-pub struct Written {
+pub(crate) struct Written {
     slices: BTreeMap<String, (ResourceSliceSpec, ResourceSliceSpec)>,
 }
 
@@ -61,7 +61,7 @@ impl Written {
 
 /// What one [`sync`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// There was none: created at this generation.
     Created(i64),
     /// The existing slice is what we publish: left as it is, at its generation.
@@ -104,7 +104,7 @@ fn canonical(spec: &ResourceSliceSpec) -> ResourceSliceSpec {
 }
 
 /// Upstream's equality of two slice specs (see the module documentation).
-pub fn same(a: &ResourceSliceSpec, b: &ResourceSliceSpec) -> bool {
+pub(crate) fn same(a: &ResourceSliceSpec, b: &ResourceSliceSpec) -> bool {
     a == b || canonical(a) == canonical(b)
 }
 
@@ -134,7 +134,8 @@ fn keep_taint_times(want: &mut ResourceSliceSpec, cur: &ResourceSliceSpec) {
 
 /// One reconciliation: makes the API server's slices of this node what `gpus` says.
 /// `written` carries what this process wrote last from one call to the next.
-pub async fn sync(
+#[cfg(test)]
+pub(crate) async fn sync(
     api: &dyn KubeApi,
     node: &str,
     gpus: &[GpuAttrs],
@@ -144,11 +145,13 @@ pub async fn sync(
     sync_pool(api, node, gpus, default_memory, &BTreeSet::new(), written).await
 }
 
-/// [`sync`], keeping the published definition of every GPU with a device in `allocated` whose
-/// counters would change ([`mig::hold_allocated`]). The pool is all of this node's slices of
-/// the driver ([`slices::pool`]): all written at one generation when any changes, strays
-/// (names the pool no longer has) deleted.
-pub async fn sync_pool(
+/// One reconciliation: makes the API server's slices of this node what `gpus` says, keeping
+/// the published definition of every GPU with a device in `allocated` whose counters would
+/// change ([`mig::hold_allocated`]). `written` carries what this process wrote last from one
+/// call to the next. The pool is all of this node's slices of the driver ([`slices::pool`]):
+/// all written at one generation when any changes, strays (names the pool no longer has)
+/// deleted.
+pub(crate) async fn sync_pool(
     api: &dyn KubeApi,
     node: &str,
     gpus: &[GpuAttrs],
@@ -229,12 +232,12 @@ pub async fn sync_pool(
 /// The devices prepared claims hold (read before each reconciliation, off the async threads);
 /// `None` when that cannot be known, and then nothing is written that round (a slice change
 /// could otherwise alter the counters of a device a claim holds).
-pub type Allocated = Arc<dyn Fn() -> Option<BTreeSet<String>> + Send + Sync>;
+pub(crate) type Allocated = Arc<dyn Fn() -> Option<BTreeSet<String>> + Send + Sync>;
 
 /// Reconciles on every change of `gpus` and every `resync` (a slice deleted by someone else
 /// comes back), until `stop`; then deletes the node's slices only if `remove_on_exit`.
 #[allow(clippy::too_many_arguments)]
-pub async fn run(
+pub(crate) async fn run(
     api: Arc<dyn KubeApi>,
     node: String,
     mut gpus: watch::Receiver<Arc<Vec<GpuAttrs>>>,

@@ -34,7 +34,7 @@ use crate::proto::{DRA_V1_SERVICE, DRA_V1BETA1_SERVICE, PLUGIN_TYPE};
 use crate::slices::GpuAttrs;
 
 /// What the DRA service works with.
-pub struct DraService {
+pub(crate) struct DraService {
     /// The API server.
     pub api: Arc<dyn KubeApi>,
     /// The arbiter's admin socket.
@@ -110,7 +110,7 @@ impl DraService {
     /// Unprepares every claim this plugin prepared that nothing uses any more (deleted,
     /// re-created, or reserved by no pod: [`cleanup::verdict`]); claims the API server gives
     /// no definite answer about are kept. Returns the released claims' uids with the reason.
-    pub async fn release_unused(&self) -> Result<Vec<(String, Release)>, String> {
+    pub(crate) async fn release_unused(&self) -> Result<Vec<(String, Release)>, String> {
         // The API reads run without the lock (an API server that times out must not hold up
         // the kubelet's prepares); a claim found unreserved is read again under it, since a
         // new pod may reserve and prepare it in between. Deleted or re-created claims stay so.
@@ -258,7 +258,7 @@ impl DraPlugin for DraService {
 
 /// `dra/v1beta1`: the same calls as `v1` (which was copied from it), without `share_id` in
 /// the answer; each request is converted and served by the `v1` implementation.
-pub struct DraV1beta1(pub Arc<DraService>);
+pub(crate) struct DraV1beta1(pub Arc<DraService>);
 
 fn claims_v1(claims: Vec<beta::Claim>) -> Vec<Claim> {
     claims
@@ -329,7 +329,7 @@ impl beta::dra_plugin_server::DraPlugin for DraV1beta1 {
 }
 
 /// The `Registration` service on the registration socket.
-pub struct RegistrationService {
+pub(crate) struct RegistrationService {
     /// The plugin socket's absolute path (the kubelet dials it).
     pub endpoint: PathBuf,
     /// The kubelet's verdict, once it sends one.

@@ -369,10 +369,10 @@ mod tempfile_free {
     use std::path::PathBuf;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    pub struct Dir(pub PathBuf);
+    pub(crate) struct Dir(pub PathBuf);
 
     impl Dir {
-        pub fn new() -> Self {
+        pub(crate) fn new() -> Self {
             static N: AtomicUsize = AtomicUsize::new(0);
             let p = std::env::temp_dir().join(format!(
                 "tessera-import-cycles-{}-{}",

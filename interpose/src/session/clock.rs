@@ -84,7 +84,7 @@ mod fake {
     /// once the fake time has reached its end (a wait on fds also returns when one becomes
     /// readable, as the real one does).
     #[derive(Debug)]
-    pub struct FakeClock {
+    pub(crate) struct FakeClock {
         origin: Instant,
         state: Mutex<State>,
         moved: Condvar,
@@ -102,7 +102,7 @@ mod fake {
 
     impl FakeClock {
         /// A clock at a fixed origin, leaked as sessions are (they live as long as a process).
-        pub fn leaked() -> &'static Self {
+        pub(crate) fn leaked() -> &'static Self {
             Box::leak(Box::new(Self {
                 origin: Instant::now(),
                 state: Mutex::new(State::default()),
@@ -111,24 +111,24 @@ mod fake {
         }
 
         /// Fake time since the clock was made.
-        pub fn elapsed(&self) -> Duration {
+        pub(crate) fn elapsed(&self) -> Duration {
             self.state.lock().now
         }
 
         /// Sleeps and timed waits begun so far: unchanged across a call means it never waited.
-        pub fn waits(&self) -> u64 {
+        pub(crate) fn waits(&self) -> u64 {
             self.state.lock().waits
         }
 
         /// True while a thread is blocked in a sleep or a timed wait that ends `d` from now
         /// (which tells a test what the session waits for before it moves the time).
-        pub fn waiting_for(&self, d: Duration) -> bool {
+        pub(crate) fn waiting_for(&self, d: Duration) -> bool {
             let s = self.state.lock();
             s.wakes.contains(&(s.now + d))
         }
 
         /// Moves the time on by `d`, waking whoever's wait ends by then.
-        pub fn advance(&self, d: Duration) {
+        pub(crate) fn advance(&self, d: Duration) {
             self.state.lock().now += d;
             self.moved.notify_all();
         }
@@ -136,7 +136,7 @@ mod fake {
         /// When a thread is blocked in a sleep or a timed wait that has not ended yet, moves
         /// the time to the earliest end and returns true; else false. Driving a thread with this
         /// makes every wait it does last exactly as long as it asked, however slow the machine.
-        pub fn advance_to_next_wake(&self) -> bool {
+        pub(crate) fn advance_to_next_wake(&self) -> bool {
             let mut s = self.state.lock();
             let now = s.now;
             let Some(next) = s.wakes.iter().copied().filter(|&w| w > now).min() else {

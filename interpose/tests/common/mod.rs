@@ -14,29 +14,29 @@ use tessera_protocol::client::AdminClient;
 use tessera_testkit::arbiter::read_log;
 use tessera_testkit::{ArbiterSpec, KillOnDrop, RunningArbiter, SimGpu};
 
-pub use tessera_testkit::{GIB, MIB, artifact, code, python, target_dir, wait_until};
+pub(crate) use tessera_testkit::{GIB, MIB, artifact, code, python, target_dir, wait_until};
 
 /// What the interposer reserves per context (the primary one of each process, each created
 /// one): contexts count against the limit.
-pub const CONTEXT: u64 = tessera_interpose::contexts::CONTEXT_RESERVE;
+pub(crate) const CONTEXT: u64 = tessera_interpose::contexts::CONTEXT_RESERVE;
 
 /// The simulated card of these tests.
-pub const SIM_GPUS: &str = "1x80GiB";
+pub(crate) const SIM_GPUS: &str = "1x80GiB";
 
 /// The interposer library.
-pub fn interposer() -> PathBuf {
+pub(crate) fn interposer() -> PathBuf {
     artifact("libtessera_interpose.so")
 }
 
 /// A test script's path.
-pub fn script(name: &str) -> PathBuf {
+pub(crate) fn script(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/python")
         .join(name)
 }
 
 /// A simulated GPU and an arbiter serving it, all in one temp folder.
-pub struct Bed {
+pub(crate) struct Bed {
     pub dir: tempfile::TempDir,
     pub sim_dir: PathBuf,
     pub lib_dir: PathBuf,
@@ -51,24 +51,24 @@ pub struct Bed {
 
 impl Bed {
     /// Prepares the simulated GPU and starts the arbiter.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::with_arbiter_args(&[])
     }
 
     /// As [`Bed::new`], with extra arguments for the arbiter (e.g. `--enforce report`).
-    pub fn with_arbiter_args(args: &[&str]) -> Self {
+    pub(crate) fn with_arbiter_args(args: &[&str]) -> Self {
         Self::with_gpus(SIM_GPUS, args)
     }
 
     /// As [`Bed::with_arbiter_args`] on other simulated GPUs (e.g. `1x16GiB`, a card that a
     /// few allocations fill).
-    pub fn with_gpus(gpus: &str, args: &[&str]) -> Self {
+    pub(crate) fn with_gpus(gpus: &str, args: &[&str]) -> Self {
         Self::with_sim(gpus, None, args)
     }
 
     /// As [`Bed::with_arbiter_args`] on a simulated card whose contexts cost `context_memory`
     /// (e.g. `500MiB`, a context bigger than the interposer's estimate).
-    pub fn with_context_memory(context_memory: &str, args: &[&str]) -> Self {
+    pub(crate) fn with_context_memory(context_memory: &str, args: &[&str]) -> Self {
         Self::with_sim(SIM_GPUS, Some(context_memory), args)
     }
 
@@ -98,7 +98,7 @@ impl Bed {
     }
 
     /// Starts the arbiter (again, after [`Bed::kill_arbiter`]: allocations persist).
-    pub fn start_arbiter(&mut self) {
+    pub(crate) fn start_arbiter(&mut self) {
         assert!(self.arbiter.is_none(), "already running");
         self.starts += 1;
         let spec = ArbiterSpec::in_dir(
@@ -116,12 +116,12 @@ impl Bed {
     }
 
     /// SIGKILLs the arbiter (no clean-up on its side).
-    pub fn kill_arbiter(&mut self) {
+    pub(crate) fn kill_arbiter(&mut self) {
         self.arbiter.take().expect("running").kill();
     }
 
     /// Every arbiter log so far.
-    pub fn arbiter_log(&self) -> String {
+    pub(crate) fn arbiter_log(&self) -> String {
         (1..=self.starts)
             .map(|n| read_log(&self.log_path(n)))
             .collect()
@@ -130,7 +130,7 @@ impl Bed {
     /// Waits until the running arbiter's backstop has polled `more` times after this call: it
     /// looked at the card, so what it left alone it chose to leave.
     #[track_caller]
-    pub fn wait_backstop_polls(&self, more: u64) {
+    pub(crate) fn wait_backstop_polls(&self, more: u64) {
         let a = self.arbiter.as_ref().expect("running");
         a.wait_backstop_polls(
             a.metrics_addr(Duration::from_secs(10)),
@@ -139,17 +139,22 @@ impl Bed {
         );
     }
 
-    pub fn admin(&self) -> AdminClient {
+    pub(crate) fn admin(&self) -> AdminClient {
         AdminClient::connect(&self.admin_socket).unwrap()
     }
 
     /// Creates an allocation on GPU 0; returns (token, id).
-    pub fn create(&self, memory: u64) -> (String, String) {
+    pub(crate) fn create(&self, memory: u64) -> (String, String) {
         self.create_with(memory, 50, None)
     }
 
     /// Creates an allocation with a compute share and cap.
-    pub fn create_with(&self, memory: u64, share: u32, cap: Option<u32>) -> (String, String) {
+    pub(crate) fn create_with(
+        &self,
+        memory: u64,
+        share: u32,
+        cap: Option<u32>,
+    ) -> (String, String) {
         let (token, status) = self
             .admin()
             .create(tessera_testkit::allocation(0, memory, share, cap))
@@ -158,7 +163,7 @@ impl Bed {
     }
 
     /// The arbiter's view of an allocation.
-    pub fn status(&self, id: &str) -> AllocationStatus {
+    pub(crate) fn status(&self, id: &str) -> AllocationStatus {
         self.admin()
             .list()
             .unwrap()
@@ -168,12 +173,12 @@ impl Bed {
     }
 
     /// Bytes the arbiter counts for an allocation.
-    pub fn used(&self, id: &str) -> u64 {
+    pub(crate) fn used(&self, id: &str) -> u64 {
         self.status(id).memory_used
     }
 
     /// A command on the simulated GPU, without the interposer.
-    pub fn sim_command(&self, program: &Path) -> Command {
+    pub(crate) fn sim_command(&self, program: &Path) -> Command {
         let mut cmd = Command::new(program);
         self.sim
             .apply(&mut cmd)
@@ -186,7 +191,7 @@ impl Bed {
 
     /// A command on the simulated GPU under the interposer with `token` (what `tessera run`
     /// sets up, done by hand so a test controls every variable).
-    pub fn tenant_command(&self, program: &Path, token: &str) -> Command {
+    pub(crate) fn tenant_command(&self, program: &Path, token: &str) -> Command {
         let mut cmd = self.sim_command(program);
         cmd.env("LD_PRELOAD", interposer())
             .env("TESSERA_SOCKET", &self.socket)
@@ -195,25 +200,25 @@ impl Bed {
     }
 
     /// The Python client under the interposer.
-    pub fn py_tenant(&self, token: &str, args: &[&str]) -> Command {
+    pub(crate) fn py_tenant(&self, token: &str, args: &[&str]) -> Command {
         let mut cmd = self.tenant_command(&python(), token);
         cmd.arg(script("mem_client.py")).args(args);
         cmd
     }
 
     /// Device memory each process's context costs on the bed's simulated GPU.
-    pub fn context_bytes(&self) -> u64 {
+    pub(crate) fn context_bytes(&self) -> u64 {
         self.sim.context_bytes()
     }
 
     /// Bytes the simulated GPU 0 really has in use (all processes, contexts included).
-    pub fn sim_used(&self) -> u64 {
+    pub(crate) fn sim_used(&self) -> u64 {
         tessera_sim_state::device_memory_used(&self.sim_dir, 0).unwrap()
     }
 
     /// Bytes the processes' allocations hold on the simulated GPU 0, without their contexts
     /// (what a limit on allocations bounds, however many processes come and go).
-    pub fn sim_allocated(&self) -> u64 {
+    pub(crate) fn sim_allocated(&self) -> u64 {
         tessera_sim_state::read_processes(&self.sim_dir)
             .unwrap()
             .iter()
@@ -224,13 +229,13 @@ impl Bed {
 
 /// Builds `tests/c/NAME.c` against the simulated driver (C clients reach what cuda-bindings
 /// never asks for, such as per-thread variants, `pthread_cancel` or glibc's own `dlsym`).
-pub fn build_c(bed: &Bed, name: &str) -> PathBuf {
+pub(crate) fn build_c(bed: &Bed, name: &str) -> PathBuf {
     cc(bed, name, name, &[])
 }
 
 /// Builds `tests/c/NAME.c` as `libNAME.so`, linked against the simulated driver (a library that
 /// calls the driver itself, e.g. one loaded with `RTLD_DEEPBIND`).
-pub fn build_c_lib(bed: &Bed, name: &str) -> PathBuf {
+pub(crate) fn build_c_lib(bed: &Bed, name: &str) -> PathBuf {
     cc(bed, name, &format!("lib{name}.so"), &["-shared", "-fPIC"])
 }
 
@@ -255,7 +260,7 @@ fn cc(bed: &Bed, name: &str, output: &str, flags: &[&str]) -> PathBuf {
 }
 
 /// True while `pid` exists and is not a zombie.
-pub fn alive(pid: u32) -> bool {
+pub(crate) fn alive(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .map(|s| {
             !s.rsplit(')')
@@ -266,7 +271,7 @@ pub fn alive(pid: u32) -> bool {
 }
 
 /// Runs a command to completion; returns (status, stdout, stderr).
-pub fn run(cmd: &mut Command) -> (ExitStatus, String, String) {
+pub(crate) fn run(cmd: &mut Command) -> (ExitStatus, String, String) {
     let out = cmd.stdin(Stdio::null()).output().unwrap();
     (
         out.status,
@@ -276,7 +281,7 @@ pub fn run(cmd: &mut Command) -> (ExitStatus, String, String) {
 }
 
 /// The last JSON line of a program's output.
-pub fn last_json(stdout: &str, stderr: &str) -> serde_json::Value {
+pub(crate) fn last_json(stdout: &str, stderr: &str) -> serde_json::Value {
     let line = stdout
         .lines()
         .rev()
@@ -286,7 +291,7 @@ pub fn last_json(stdout: &str, stderr: &str) -> serde_json::Value {
 }
 
 /// A long-running `mem_client.py serve` process driven line by line.
-pub struct Served {
+pub(crate) struct Served {
     /// Killed if the test ends without [`Served::exit`].
     pub child: KillOnDrop,
     stdin: ChildStdin,
@@ -295,13 +300,13 @@ pub struct Served {
 }
 
 impl Served {
-    pub fn start(cmd: Command) -> Self {
+    pub(crate) fn start(cmd: Command) -> Self {
         Self::start_script(cmd, "mem_client.py", &["serve"])
     }
 
     /// Starts another client script that answers `{"ready": PID}` first, then one JSON line a
     /// command.
-    pub fn start_script(mut cmd: Command, name: &str, args: &[&str]) -> Self {
+    pub(crate) fn start_script(mut cmd: Command, name: &str, args: &[&str]) -> Self {
         let mut child = cmd
             .arg(script(name))
             .args(args)
@@ -324,7 +329,7 @@ impl Served {
     }
 
     /// Reads one JSON answer.
-    pub fn read(&mut self) -> serde_json::Value {
+    pub(crate) fn read(&mut self) -> serde_json::Value {
         let mut line = String::new();
         let n = self.stdout.read_line(&mut line).unwrap();
         assert!(
@@ -336,7 +341,7 @@ impl Served {
     }
 
     /// Sends a command and reads its answer.
-    pub fn ask(&mut self, cmd: &str) -> serde_json::Value {
+    pub(crate) fn ask(&mut self, cmd: &str) -> serde_json::Value {
         writeln!(self.stdin, "{cmd}").unwrap();
         self.stdin.flush().unwrap();
         self.read()
@@ -345,7 +350,7 @@ impl Served {
     /// Sends `fork_child BYTES`: returns the parent's answer (`forked`, `release_fd`) and the
     /// child's (`child_alloc`, `child_pid`). The two processes print at the same time, so the
     /// lines are told apart by what they say, not by their order.
-    pub fn fork_child(&mut self, bytes: u64) -> (serde_json::Value, serde_json::Value) {
+    pub(crate) fn fork_child(&mut self, bytes: u64) -> (serde_json::Value, serde_json::Value) {
         let first = self.ask(&format!("fork_child {bytes}"));
         let second = self.read();
         if first.get("forked").is_some() {
@@ -356,7 +361,7 @@ impl Served {
     }
 
     /// Sends `exit` and waits.
-    pub fn exit(mut self) -> ExitStatus {
+    pub(crate) fn exit(mut self) -> ExitStatus {
         let _ = writeln!(self.stdin, "exit");
         let _ = self.stdin.flush();
         self.child.wait().unwrap()

@@ -26,7 +26,7 @@ use super::group::Group;
 
 /// The budget of every group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BudgetParams {
+pub(crate) struct BudgetParams {
     /// Failed or evicted handshakes a group may have closed at once (a full bucket).
     pub burst: u32,
     /// Closes a group's bucket gains per second.

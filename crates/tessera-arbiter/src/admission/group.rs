@@ -29,7 +29,7 @@ use std::path::PathBuf;
 
 /// Whom the per-container caps and budgets count a peer with.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum Group {
+pub(crate) enum Group {
     /// The peer's pod-level cgroup path (see the module docs).
     Cgroup(String),
     /// A peer whose cgroup could not be read (see the module docs): one shared group.

@@ -57,6 +57,7 @@ impl Parked {
         }
     }
 
+    #[cfg(test)]
     pub(crate) fn total(&self) -> usize {
         self.total
     }
@@ -64,7 +65,7 @@ impl Parked {
 
 /// A held connection's place, given back when dropped.
 #[derive(Debug)]
-pub struct ParkedSlot {
+pub(crate) struct ParkedSlot {
     adm: Arc<Admission>,
     group: Group,
 }

@@ -4,11 +4,11 @@
 use super::*;
 
 /// A file by device and inode: what a bind mount of it shows too, whatever its path.
-pub type FileKey = (u64, u64);
+pub(crate) type FileKey = (u64, u64);
 
 /// Where a process runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Origin {
+pub(crate) enum Origin {
     /// In the host's mount namespace.
     Host,
     /// In a container; `token` from its identity file, if it has a valid one.
@@ -19,7 +19,7 @@ pub enum Origin {
 }
 
 /// What the backstop learns about processes from the system (`/proc` in production).
-pub trait ProcView {
+pub(crate) trait ProcView {
     /// The parent of `pid`.
     fn parent(&self, pid: i32) -> Option<i32>;
     /// Where `pid` runs.
@@ -48,7 +48,7 @@ pub trait ProcView {
 /// The executables of NVIDIA's MPS: the control daemon and the server it starts per GPU and
 /// user. The server holds GPU memory of its own (and, before Volta, its clients') and belongs
 /// to no allocation; killing it breaks every client on that GPU until MPS restarts.
-pub const MPS_DAEMONS: [&str; 2] = ["nvidia-cuda-mps-server", "nvidia-cuda-mps-control"];
+pub(crate) const MPS_DAEMONS: [&str; 2] = ["nvidia-cuda-mps-server", "nvidia-cuda-mps-control"];
 
 /// The identity files the kubelet plugins wrote, by inode, each with the allocation it was
 /// written for (the file name's prefix): only one of them proves a container's identity. A
@@ -56,18 +56,18 @@ pub const MPS_DAEMONS: [&str; 2] = ["nvidia-cuda-mps-server", "nvidia-cuda-mps-c
 /// own) shows another inode, whatever the file names. `any()`: no folder to check against
 /// (no plugin on this node); a read-only file naming a live allocation counts.
 #[derive(Debug, Default)]
-pub struct IdentityFiles {
+pub(crate) struct IdentityFiles {
     index: Option<HashMap<FileKey, String>>,
 }
 
 impl IdentityFiles {
     /// No folder: the file's inode is not checked.
-    pub fn any() -> Self {
+    pub(crate) fn any() -> Self {
         Self { index: None }
     }
 
     /// The files of one folder: (inode, allocation id) pairs.
-    pub fn from_entries(entries: impl IntoIterator<Item = (FileKey, String)>) -> Self {
+    pub(crate) fn from_entries(entries: impl IntoIterator<Item = (FileKey, String)>) -> Self {
         Self {
             index: Some(entries.into_iter().collect()),
         }
@@ -83,13 +83,13 @@ impl IdentityFiles {
 }
 
 /// True when `id` still names a live process: the process at its pid started when it did.
-pub fn is_live(id: &ProcId, view: &dyn ProcView) -> bool {
+pub(crate) fn is_live(id: &ProcId, view: &dyn ProcView) -> bool {
     view.start_time(id.pid) == Some(id.start)
 }
 
 /// Drops, from every allocation's connected processes, those that exited (or whose pid names
 /// another process now), so the rules after attribution see only live connected processes.
-pub fn forget_exited(watched: &mut [Watched], view: &dyn ProcView) {
+pub(crate) fn forget_exited(watched: &mut [Watched], view: &dyn ProcView) {
     for w in watched {
         w.pids.retain(|p| is_live(p, view));
     }
@@ -99,7 +99,7 @@ pub fn forget_exited(watched: &mut [Watched], view: &dyn ProcView) {
 /// its first attributed process showed (see the module map, rule 2). Bounded; an entry goes
 /// with its allocation.
 #[derive(Debug, Default)]
-pub struct Cgroups {
+pub(crate) struct Cgroups {
     by_path: HashMap<String, CgroupOwner>,
     /// Cgroups never learnt: the root, and the arbiter's own (processes a container shares
     /// with the host, e.g. without a cgroup namespace or on cgroup v1's `0::/`).
@@ -115,11 +115,11 @@ enum CgroupOwner {
 }
 
 /// Most cgroups remembered at once (a node runs far fewer containers).
-pub const CGROUPS_MAX: usize = 4096;
+pub(crate) const CGROUPS_MAX: usize = 4096;
 
 impl Cgroups {
     /// A book that never learns `never` (nor the root cgroup).
-    pub fn new(never: impl IntoIterator<Item = String>) -> Self {
+    pub(crate) fn new(never: impl IntoIterator<Item = String>) -> Self {
         let mut never: HashSet<String> = never.into_iter().collect();
         never.insert("/".to_owned());
         Self {
@@ -158,7 +158,7 @@ impl Cgroups {
     }
 
     /// Forgets the cgroups of allocations no longer live.
-    pub fn retain(&mut self, live: &HashSet<&str>) {
+    pub(crate) fn retain(&mut self, live: &HashSet<&str>) {
         self.by_path.retain(|_, o| match o {
             CgroupOwner::Allocation(id) => live.contains(id.as_str()),
             CgroupOwner::Shared => true,
@@ -166,19 +166,21 @@ impl Cgroups {
     }
 
     /// Cgroups remembered.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.by_path.len()
     }
 
     /// True when none is remembered.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.by_path.is_empty()
     }
 }
 
 /// Whom a GPU process belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Owner {
+pub(crate) enum Owner {
     /// The allocation at this index of the watched list.
     Allocation(usize),
     /// Nobody, and it runs on the host.
@@ -197,7 +199,8 @@ pub enum Owner {
 }
 
 /// [`attribute_with`] where any read-only identity file naming a live allocation counts.
-pub fn attribute(
+#[cfg(test)]
+pub(crate) fn attribute(
     watched: &[Watched],
     pids: &[i32],
     view: &dyn ProcView,
@@ -208,7 +211,7 @@ pub fn attribute(
 
 /// Attributes every pid in `pids` (see the module map for the order), learning container
 /// cgroups into `cgroups` on the way; `files` says which identity files prove anything.
-pub fn attribute_with(
+pub(crate) fn attribute_with(
     watched: &[Watched],
     pids: &[i32],
     view: &dyn ProcView,

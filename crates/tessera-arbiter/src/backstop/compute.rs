@@ -12,7 +12,7 @@ const LONG_DECAY: f64 = 0.975;
 /// Per allocation: GPU time its processes used against the leases it was granted; per GPU:
 /// one slack budget that all its allocations draw on.
 #[derive(Debug, Default)]
-pub struct ComputeBook {
+pub(crate) struct ComputeBook {
     per: HashMap<String, Debt>,
 }
 
@@ -46,7 +46,7 @@ struct Debt {
 
 /// One allocation's GPU time over the last interval, for [`ComputeBook::observe_gpu`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ComputeUse<'a> {
+pub(crate) struct ComputeUse<'a> {
     /// Its public id.
     pub id: &'a str,
     /// GPU time its processes used during the interval, ns.
@@ -57,7 +57,7 @@ pub struct ComputeUse<'a> {
 
 /// What one observation of an allocation's GPU time calls for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ComputeVerdict {
+pub(crate) struct ComputeVerdict {
     /// GPU time to charge to its virtual time (used beyond its leases and its part of the
     /// GPU's slack), ns.
     pub charge_ns: u64,
@@ -110,7 +110,7 @@ impl ComputeBook {
     /// a revoked lease, local leases while the arbiter restarted) charged to its share, never
     /// punished, and nothing is acted on unless `may_act` (the caller's warm-up after an
     /// arbiter start is over).
-    pub fn observe_gpu(
+    pub(crate) fn observe_gpu(
         &mut self,
         uses: &[ComputeUse<'_>],
         elapsed_ns: u64,
@@ -225,14 +225,17 @@ impl ComputeBook {
     }
 
     /// Forgets allocations no longer live.
-    pub fn retain(&mut self, live: &HashSet<&str>) {
+    pub(crate) fn retain(&mut self, live: &HashSet<&str>) {
         self.per.retain(|id, _| live.contains(id.as_str()));
     }
 }
 
 /// The process of `group` (pid, GPU ns) to kill for a compute breach: one that never
 /// connected first, then the one with the most GPU time.
-pub fn compute_culprit(group: &[(i32, u64)], connected: &HashSet<i32>) -> Option<(i32, u64)> {
+pub(crate) fn compute_culprit(
+    group: &[(i32, u64)],
+    connected: &HashSet<i32>,
+) -> Option<(i32, u64)> {
     group
         .iter()
         .filter(|(_, ns)| *ns > 0)

@@ -6,7 +6,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 /// Why a process is acted on, with the evidence.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Reason {
+pub(crate) enum Reason {
     /// Its allocation's processes held too much device memory.
     Memory {
         /// Device memory the process held.
@@ -40,7 +40,7 @@ pub enum Reason {
 
 /// One enforcement decision, with its evidence.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Action {
+pub(crate) struct Action {
     /// The process.
     pub pid: i32,
     /// Its allocation, if it has one.
@@ -109,12 +109,12 @@ pub struct Held {
 
 impl Held {
     /// A hold without a descriptor (fakes; kernels before 5.3, where the kill goes by pid).
-    pub fn unchecked(pid: i32) -> Self {
+    pub(crate) fn unchecked(pid: i32) -> Self {
         Self { pid, fd: None }
     }
 
     /// Opens a pidfd on the process `pid` names now; `None` when there is none.
-    pub fn open(pid: i32) -> Option<Self> {
+    pub(crate) fn open(pid: i32) -> Option<Self> {
         // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
         let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
         if fd < 0 {
@@ -132,7 +132,8 @@ impl Held {
     }
 
     /// The pid it was taken on.
-    pub fn pid(&self) -> i32 {
+    #[cfg(test)]
+    pub(crate) fn pid(&self) -> i32 {
         self.pid
     }
 

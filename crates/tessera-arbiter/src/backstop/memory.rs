@@ -5,7 +5,7 @@
 use super::*;
 
 /// Device memory per pid (one pid may appear on several GPUs).
-pub fn memory_per_pid(procs: &[GpuProcess]) -> HashMap<i32, u64> {
+pub(crate) fn memory_per_pid(procs: &[GpuProcess]) -> HashMap<i32, u64> {
     let mut per_pid: HashMap<i32, u64> = HashMap::new();
     for p in procs {
         *per_pid.entry(p.pid).or_default() += p.used;
@@ -21,7 +21,8 @@ fn on_own_whole_card(watched: &[Watched], owner: Option<&Owner>, gpu: u32) -> bo
 
 /// Device memory per pid that the memory rule polices: all of it, less what a process of a
 /// whole-card allocation holds on the cards that allocation holds wholly.
-pub fn policed_memory(
+#[cfg(test)]
+pub(crate) fn policed_memory(
     watched: &[Watched],
     procs: &[GpuProcess],
     owners: &HashMap<i32, Owner>,
@@ -37,7 +38,8 @@ pub fn policed_memory(
 
 /// GPU time per pid over all GPUs, and the part the compute rule polices (the same, less a
 /// whole-card allocation's time on the cards it holds wholly), from time per (pid, GPU).
-pub fn policed_gpu_time(
+#[cfg(test)]
+pub(crate) fn policed_gpu_time(
     watched: &[Watched],
     per_gpu: &HashMap<(i32, u32), u64>,
     owners: &HashMap<i32, Owner>,
@@ -56,7 +58,7 @@ pub fn policed_gpu_time(
 /// allocation, what the process holds on that slice's card, or (`outside`) on the cards
 /// outside its group; for any other owner, what it holds on all cards together.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Charge {
+pub(crate) struct Charge {
     /// The process.
     pub pid: i32,
     /// Whom the memory is charged to.
@@ -105,7 +107,7 @@ fn card_owner(watched: &[Watched], owner: Owner, gpu: u32) -> (Owner, bool) {
 /// memory per owner (see [`Charge`]), less what a process of a whole-card allocation holds
 /// on the cards that allocation holds wholly. Memory on a card is charged to that card's
 /// slice of a multi-GPU allocation, never summed into another card's.
-pub fn card_charges(
+pub(crate) fn card_charges(
     watched: &[Watched],
     procs: &[GpuProcess],
     owners: &HashMap<i32, Owner>,
@@ -136,7 +138,7 @@ pub fn card_charges(
 
 /// One process's GPU time over an interval, charged to one allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TimeRow {
+pub(crate) struct TimeRow {
     /// The process.
     pub pid: i32,
     /// Index in the watched list of the allocation charged.
@@ -155,7 +157,7 @@ pub struct TimeRow {
 /// except that a process of a multi-GPU allocation is charged per card, to that card's slice
 /// (whose leases cover it), and time on a card outside the allocation (its group's, or its
 /// one card) is apart, in `outside_ns`.
-pub fn gpu_time_rows(
+pub(crate) fn gpu_time_rows(
     watched: &[Watched],
     per_gpu: &HashMap<(i32, u32), u64>,
     owners: &HashMap<i32, Owner>,
@@ -196,7 +198,8 @@ pub fn gpu_time_rows(
 /// The memory rule and the unknown-process rule: which processes to act on, given the
 /// allocations, each pid's device memory (all GPUs together) and its owner. Unknown host
 /// processes come back as actions too (the caller reports them; it never kills them).
-pub fn decide(
+#[cfg(test)]
+pub(crate) fn decide(
     watched: &[Watched],
     memory: &HashMap<i32, u64>,
     owners: &HashMap<i32, Owner>,
@@ -219,7 +222,7 @@ pub fn decide(
 
 /// [`decide`] over charges (see [`card_charges`]): each allocation's charges against its
 /// limit, and a multi-GPU allocation's memory on cards outside its group against nothing.
-pub fn decide_charges(
+pub(crate) fn decide_charges(
     watched: &[Watched],
     charges: &[Charge],
     tolerance: impl Into<Tolerance>,
@@ -312,7 +315,7 @@ pub fn decide_charges(
 /// it follows the card down as well as up (the unused part of a reservation is never given
 /// back: the process may still use it without asking).
 #[derive(Debug)]
-pub struct ExcessBook<K = ProcId> {
+pub(crate) struct ExcessBook<K = ProcId> {
     last: HashMap<K, u64>,
 }
 
@@ -326,12 +329,12 @@ impl<K> Default for ExcessBook<K> {
 
 /// What the backstop's [`ExcessBook`] is keyed by: the process and, for a slice of a
 /// multi-GPU allocation, the slice's card.
-pub type ExcessKey = (ProcId, Option<u32>);
+pub(crate) type ExcessKey = (ProcId, Option<u32>);
 
 impl<K: Copy + Eq + std::hash::Hash> ExcessBook<K> {
     /// This poll's figures; returns the excess to charge per process (absent: none). Forgets
     /// processes not listed.
-    pub fn observe(&mut self, seen: &[(K, u64, u64)]) -> HashMap<K, u64> {
+    pub(crate) fn observe(&mut self, seen: &[(K, u64, u64)]) -> HashMap<K, u64> {
         let now: HashMap<K, u64> = seen
             .iter()
             .map(|&(id, card, held)| (id, card.saturating_sub(held)))

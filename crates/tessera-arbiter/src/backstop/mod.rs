@@ -79,21 +79,21 @@ mod procfs;
 #[cfg(test)]
 mod tests;
 
-pub use attribution::*;
-pub use compute::*;
+pub(crate) use attribution::*;
+pub(crate) use compute::*;
 pub use gpu::*;
 pub use kill::*;
-pub use memory::*;
-pub use policy::*;
-pub use procfs::*;
+pub(crate) use memory::*;
+pub(crate) use policy::*;
+pub(crate) use procfs::*;
 
-pub use crate::peer::{Peer, ProcId};
+pub(crate) use crate::peer::ProcId;
 use crate::state::{Arbiter, Watched};
 use crate::stats::EnforceReason;
 
 /// Counters of the backstop, for the log and tests.
 #[derive(Debug, Default)]
-pub struct Counters {
+pub(crate) struct Counters {
     /// Polls done.
     pub polls: AtomicU64,
     /// Processes killed.
@@ -109,7 +109,7 @@ pub struct Counters {
 }
 
 /// The backstop's thread: GPU readings in, kills out.
-pub struct Backstop {
+pub(crate) struct Backstop {
     gpus: Box<dyn GpuSource>,
     killer: Box<dyn Killer>,
     arb: Arc<Arbiter>,
@@ -153,10 +153,10 @@ impl std::fmt::Debug for Backstop {
 
 /// After the backstop starts (an arbiter restart), tenants may still run on the local leases
 /// their interposer grants itself while the arbiter is away: no compute kill before this.
-pub const COMPUTE_WARMUP: Duration = Duration::from_secs(2);
+pub(crate) const COMPUTE_WARMUP: Duration = Duration::from_secs(2);
 
 /// How long a host process may use a GPU unattributed before it is reported.
-pub const HOST_GRACE: Duration = Duration::from_secs(1);
+pub(crate) const HOST_GRACE: Duration = Duration::from_secs(1);
 
 fn now_us() -> u64 {
     SystemTime::now()
@@ -167,7 +167,7 @@ fn now_us() -> u64 {
 impl Backstop {
     /// Loads NVML (`lib`, or `libnvidia-ml.so.1` from the loader's search path); `host_ns`
     /// names the host's mount namespace. Kills with `SIGKILL`.
-    pub fn new(
+    pub(crate) fn new(
         arb: Arc<Arbiter>,
         policy: Policy,
         lib: Option<&std::ffi::OsStr>,
@@ -184,7 +184,7 @@ impl Backstop {
     }
 
     /// A backstop reading `gpus` and stopping processes with `killer` (fakes in tests).
-    pub fn with_io(
+    pub(crate) fn with_io(
         arb: Arc<Arbiter>,
         policy: Policy,
         gpus: Box<dyn GpuSource>,
@@ -225,7 +225,7 @@ impl Backstop {
     /// Takes only the identity files in `dir` (the kubelet plugins' `--host-identity-dir`) as
     /// proof of a container's identity; without one, any read-only file naming a live
     /// allocation is.
-    pub fn with_identity_dir(mut self, dir: Option<std::path::PathBuf>) -> Self {
+    pub(crate) fn with_identity_dir(mut self, dir: Option<std::path::PathBuf>) -> Self {
         if dir.is_none() {
             tracing::info!(
                 "backstop: no --identity-dir: a container's identity file counts when it is \
@@ -286,7 +286,7 @@ impl Backstop {
     }
 
     /// One poll: read, decide, act. Returns the actions taken.
-    pub fn poll(&mut self) -> Vec<Action> {
+    pub(crate) fn poll(&mut self) -> Vec<Action> {
         self.counters.polls.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
         let elapsed = self
@@ -407,7 +407,7 @@ impl Backstop {
 
     /// Polls every interval until `stop` gets a message or its sender is dropped (run it on its
     /// own thread; the server does).
-    pub fn run(mut self, stop: std::sync::mpsc::Receiver<()>) {
+    pub(crate) fn run(mut self, stop: std::sync::mpsc::Receiver<()>) {
         use std::sync::mpsc::RecvTimeoutError;
         while let Err(RecvTimeoutError::Timeout) = stop.recv_timeout(self.policy.interval) {
             self.poll();

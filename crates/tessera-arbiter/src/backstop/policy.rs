@@ -53,7 +53,7 @@ pub struct Policy {
 /// tenants 0.3-1.3 s of 8-10 s (the 30/70 split of work came out 22.5/77.5 and 32/68; with
 /// the backstop off, 30.0/70.0). Measured with examples/gpu-check (docs/benchmarks.md,
 /// "gpu-check on an H200").
-pub const DEFAULT_COMPUTE_TOLERANCE: Duration = Duration::from_millis(500);
+pub(crate) const DEFAULT_COMPUTE_TOLERANCE: Duration = Duration::from_millis(500);
 
 /// What an allocation's processes may hold beyond its limit, by NVML: one slack per allocation
 /// for the driver's own rounding (its contexts are inside the limit: the interposer reserves
@@ -68,7 +68,7 @@ pub struct Tolerance {
 }
 
 /// Default [`Tolerance::per_allocation`]: 64 MiB, the driver's rounding of what it holds.
-pub const DEFAULT_MEMORY_SLACK: u64 = 64 << 20;
+pub(crate) const DEFAULT_MEMORY_SLACK: u64 = 64 << 20;
 
 impl From<u64> for Tolerance {
     /// A per-allocation slack only.

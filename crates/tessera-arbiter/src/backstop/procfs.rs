@@ -7,6 +7,7 @@ use std::os::unix::fs::MetadataExt;
 
 /// Field `n` (1-based, `n` > 2) of `/proc/<pid>/stat`, counted after the parenthesised name,
 /// which may itself contain spaces and parentheses (so the last `)` ends it).
+#[cfg(test)]
 fn stat_field<T: std::str::FromStr>(pid: i32, n: usize) -> Option<T> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     tessera_protocol::process::stat_fields(&stat)?
@@ -16,12 +17,13 @@ fn stat_field<T: std::str::FromStr>(pid: i32, n: usize) -> Option<T> {
 }
 
 /// The parent of `pid` from `/proc/<pid>/stat` (field 4).
-pub fn proc_parent(pid: i32) -> Option<i32> {
+#[cfg(test)]
+pub(crate) fn proc_parent(pid: i32) -> Option<i32> {
     stat_field(pid, 4)
 }
 
 /// The cgroup v2 path of `pid`: the `0::` line of `/proc/<pid>/cgroup`.
-pub fn proc_cgroup(pid: &str) -> Option<String> {
+pub(crate) fn proc_cgroup(pid: &str) -> Option<String> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
     text.lines()
         .find_map(|l| l.strip_prefix("0::"))
@@ -41,7 +43,7 @@ struct Shown {
 
 /// [`ProcView`] over `/proc`.
 #[derive(Debug)]
-pub struct ProcFs {
+pub(crate) struct ProcFs {
     /// The host's mount namespace (`readlink` of it), e.g. of `/proc/1/ns/mnt` with `hostPID`.
     host_mnt: Option<std::path::PathBuf>,
     /// What the identity path shows per mount namespace, for one poll (the processes of a
@@ -69,7 +71,7 @@ impl ProcFs {
     /// still recognised by their identity file, but a process without one is taken for a
     /// host process (reported, never killed): failing closed there would kill the host's own
     /// GPU tools. The error is returned for the log.
-    pub fn new(host_ns: &std::path::Path) -> (Self, Option<std::io::Error>) {
+    pub(crate) fn new(host_ns: &std::path::Path) -> (Self, Option<std::io::Error>) {
         let (host_mnt, err) = match std::fs::read_link(host_ns) {
             Ok(l) => (Some(l), None),
             Err(e) => (None, Some(e)),
@@ -85,7 +87,7 @@ impl ProcFs {
     }
 
     /// Clears the per-poll cache (a pid and a namespace may be reused between polls).
-    pub fn clear(&self) {
+    pub(crate) fn clear(&self) {
         self.cache.borrow_mut().clear();
         self.stats.borrow_mut().clear();
     }
@@ -191,7 +193,8 @@ fn identity_mounted(pid: i32) -> bool {
 
 /// Reads a container's identity file through `/proc/<pid>/root` (no symlink followed);
 /// only a read-only one.
-pub fn read_identity(pid: i32) -> Option<Identity> {
+#[cfg(test)]
+pub(crate) fn read_identity(pid: i32) -> Option<Identity> {
     let (file, read_only) = open_identity(pid)?;
     if !read_only {
         return None;
@@ -254,7 +257,7 @@ const IDENTITY_FILES_MAX: usize = 65_536;
 /// The identity files in `dir` (each named `<allocation id>.<random>`, see the device plugin's
 /// `identity` module), by inode. A folder that cannot be read vouches for nothing: fail
 /// closed, every container's identity then proves nothing and the other rules decide.
-pub fn read_identity_files(dir: &std::path::Path) -> IdentityFiles {
+pub(crate) fn read_identity_files(dir: &std::path::Path) -> IdentityFiles {
     let entries = std::fs::read_dir(dir)
         .into_iter()
         .flatten()

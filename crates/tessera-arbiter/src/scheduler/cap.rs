@@ -289,7 +289,7 @@ impl GpuScheduler {
     /// Counts `ns` of GPU time against `key`'s cap (bucket and cap window) only: for time the
     /// backstop saw its processes use outside leases and forgave from the GPU's slack (not
     /// charged to its share, but a cap is a ceiling on GPU time). No-op when uncapped.
-    pub fn count_for_cap(&mut self, key: AccountKey, ns: u64, now: u64) {
+    pub(crate) fn count_for_cap(&mut self, key: AccountKey, ns: u64, now: u64) {
         let p = self.params;
         if let Some(a) = self.allocs.get_mut(&key) {
             a.meter.note(&p, ns, now);

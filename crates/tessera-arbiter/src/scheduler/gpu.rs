@@ -15,7 +15,7 @@ use super::{SchedulerParams, Tier};
 
 /// Errors of scheduler operations.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum SchedulerError {
+pub(crate) enum SchedulerError {
     /// The allocation is not known to this GPU's scheduler.
     #[error("allocation {0} is not scheduled on this GPU")]
     UnknownAllocation(AccountKey),
@@ -23,7 +23,7 @@ pub enum SchedulerError {
 
 /// A lease handed to a connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Grant {
+pub(crate) struct Grant {
     /// The connection that asked.
     pub conn: ConnId,
     /// Lease id, echoed by the tenant in `LeaseRelease`.
@@ -37,7 +37,7 @@ pub struct Grant {
 
 /// Lease scheduler of one GPU. Pure: every method takes the current time.
 #[derive(Debug)]
-pub struct GpuScheduler {
+pub(crate) struct GpuScheduler {
     pub(super) params: SchedulerParams,
     pub(super) allocs: HashMap<AccountKey, Alloc>,
     /// Waiting requests in arrival order (ties in vtime go to the earliest).
@@ -61,7 +61,7 @@ pub struct GpuScheduler {
 
 impl GpuScheduler {
     /// An idle scheduler.
-    pub fn new(params: SchedulerParams) -> Self {
+    pub(crate) fn new(params: SchedulerParams) -> Self {
         Self {
             params,
             allocs: HashMap::new(),
@@ -77,13 +77,19 @@ impl GpuScheduler {
     }
 
     /// Registers an allocation (share 1..=100, cap percent).
-    pub fn add_allocation(&mut self, key: AccountKey, share: u32, cap: Option<u32>, now: u64) {
+    pub(crate) fn add_allocation(
+        &mut self,
+        key: AccountKey,
+        share: u32,
+        cap: Option<u32>,
+        now: u64,
+    ) {
         self.allocs
             .insert(key, Alloc::new(share, cap, &self.params, now));
     }
 
     /// Forgets an allocation (its processes are gone); drops any waiter or lease it had.
-    pub fn remove_allocation(&mut self, key: AccountKey, now: u64) -> Vec<Grant> {
+    pub(crate) fn remove_allocation(&mut self, key: AccountKey, now: u64) -> Vec<Grant> {
         self.allocs.remove(&key);
         self.waiting.retain(|w| w.key != key);
         self.draining.forget(|d| d.key == key);
@@ -98,7 +104,7 @@ impl GpuScheduler {
     }
 
     /// A connection asks for a lease. Returns the grants this causes (possibly its own).
-    pub fn acquire(
+    pub(crate) fn acquire(
         &mut self,
         key: AccountKey,
         conn: ConnId,
@@ -128,7 +134,7 @@ impl GpuScheduler {
     }
 
     /// The holder returns its lease. A stale or foreign lease id is ignored.
-    pub fn release(
+    pub(crate) fn release(
         &mut self,
         conn: ConnId,
         lease_id: u64,
@@ -155,7 +161,7 @@ impl GpuScheduler {
     }
 
     /// A connection closed: its waiter is dropped and its lease released.
-    pub fn connection_closed(&mut self, conn: ConnId, now: u64) -> Vec<Grant> {
+    pub(crate) fn connection_closed(&mut self, conn: ConnId, now: u64) -> Vec<Grant> {
         self.stop_waiting(|w| w.conn == conn, now);
         if let Some(l) = self.current
             && l.conn == conn
@@ -167,7 +173,7 @@ impl GpuScheduler {
     }
 
     /// Revokes an overdue lease and grants what has become eligible.
-    pub fn tick(&mut self, now: u64) -> Vec<Grant> {
+    pub(crate) fn tick(&mut self, now: u64) -> Vec<Grant> {
         if let Some(l) = self.current
             && now >= l.granted_at + l.duration_ns + self.params.grace_ns
         {
@@ -182,7 +188,7 @@ impl GpuScheduler {
 
     /// When [`tick`](Self::tick) must next run: the revocation time of the current lease, or
     /// the time the first capped waiter becomes eligible when the GPU is free.
-    pub fn next_wakeup(&self, now: u64) -> Option<u64> {
+    pub(crate) fn next_wakeup(&self, now: u64) -> Option<u64> {
         if let Some(l) = self.current {
             return Some(l.granted_at + l.duration_ns + self.params.grace_ns);
         }
@@ -207,12 +213,14 @@ impl GpuScheduler {
     }
 
     /// The lease outstanding, as (connection, lease id).
-    pub fn current(&self) -> Option<(ConnId, u64)> {
+    #[cfg(test)]
+    pub(crate) fn current(&self) -> Option<(ConnId, u64)> {
         self.current.map(|l| (l.conn, l.id))
     }
 
     /// Number of waiting requests.
-    pub fn waiting(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn waiting(&self) -> usize {
         self.waiting.len()
     }
 }

@@ -14,7 +14,7 @@ use super::{AllocStats, GpuScheduler, Grant, SchedulerError, SchedulerParams, Ti
 
 /// Where a grant goes: the waiting connection. Called with the scheduler locked, so it must
 /// not block (the tenant connection writes the reply with a non-blocking send).
-pub trait GrantSink: Send + Sync {
+pub(crate) trait GrantSink: Send + Sync {
     /// Tells the holder its lease `lease_id` is revoked (a latency request); false when the
     /// connection cannot take it (it is then closed, which stops its launches too).
     fn revoke(&self, lease_id: u64) -> bool;
@@ -79,11 +79,11 @@ struct Shared {
 
 /// The daemon's handle on one GPU's scheduler (cheap to clone).
 #[derive(Debug, Clone)]
-pub struct SchedulerHandle(Arc<Shared>);
+pub(crate) struct SchedulerHandle(Arc<Shared>);
 
 impl SchedulerHandle {
     /// A scheduler for the GPU `uuid`.
-    pub fn new(uuid: String, params: SchedulerParams) -> Self {
+    pub(crate) fn new(uuid: String, params: SchedulerParams) -> Self {
         Self(Arc::new(Shared {
             uuid,
             inner: Mutex::new(Inner {
@@ -96,7 +96,7 @@ impl SchedulerHandle {
     }
 
     /// The GPU's UUID.
-    pub fn uuid(&self) -> &str {
+    pub(crate) fn uuid(&self) -> &str {
         &self.0.uuid
     }
 
@@ -113,23 +113,23 @@ impl SchedulerHandle {
     }
 
     /// Registers an allocation.
-    pub fn add_allocation(&self, key: AccountKey, share: u32, cap: Option<u32>, now: u64) {
+    pub(crate) fn add_allocation(&self, key: AccountKey, share: u32, cap: Option<u32>, now: u64) {
         self.lock().sched.add_allocation(key, share, cap, now);
     }
 
     /// Sets a registered allocation's tier (see [`GpuScheduler::set_tier`]).
-    pub fn set_tier(&self, key: AccountKey, tier: Tier) {
+    pub(crate) fn set_tier(&self, key: AccountKey, tier: Tier) {
         // Registered just before by the caller: an unknown key cannot happen here.
         let _ = self.lock().sched.set_tier(key, tier);
     }
 
     /// Forgets an allocation.
-    pub fn remove_allocation(&self, key: AccountKey, now: u64) {
+    pub(crate) fn remove_allocation(&self, key: AccountKey, now: u64) {
         self.apply(now, |s| s.remove_allocation(key, now));
     }
 
     /// Asks for a lease; `sink` receives it when granted (possibly before this returns).
-    pub fn acquire(
+    pub(crate) fn acquire(
         &self,
         key: AccountKey,
         conn: ConnId,
@@ -153,12 +153,12 @@ impl SchedulerHandle {
     }
 
     /// Returns a lease.
-    pub fn release(&self, conn: ConnId, lease_id: u64, busy_ns: u64, early: bool, now: u64) {
+    pub(crate) fn release(&self, conn: ConnId, lease_id: u64, busy_ns: u64, early: bool, now: u64) {
         self.apply(now, |s| s.release(conn, lease_id, busy_ns, early, now));
     }
 
     /// A connection closed.
-    pub fn connection_closed(&self, conn: ConnId, now: u64) {
+    pub(crate) fn connection_closed(&self, conn: ConnId, now: u64) {
         let mut inner = self.lock();
         inner.pending.remove(&conn);
         inner.holders.remove(&conn);
@@ -169,12 +169,12 @@ impl SchedulerHandle {
     }
 
     /// See [`GpuScheduler::leased_total`].
-    pub fn leased_total(&self, key: AccountKey, now: u64) -> Option<u64> {
+    pub(crate) fn leased_total(&self, key: AccountKey, now: u64) -> Option<u64> {
         self.lock().sched.leased_total(key, now)
     }
 
     /// See [`GpuScheduler::charge_unleased`].
-    pub fn charge_unleased(&self, key: AccountKey, ns: u64, now: u64) {
+    pub(crate) fn charge_unleased(&self, key: AccountKey, ns: u64, now: u64) {
         self.apply(now, |s| {
             s.charge_unleased(key, ns, now);
             Vec::new()
@@ -182,7 +182,7 @@ impl SchedulerHandle {
     }
 
     /// See [`GpuScheduler::count_for_cap`].
-    pub fn count_for_cap(&self, key: AccountKey, ns: u64, now: u64) {
+    pub(crate) fn count_for_cap(&self, key: AccountKey, ns: u64, now: u64) {
         self.apply(now, |s| {
             s.count_for_cap(key, ns, now);
             Vec::new()
@@ -190,17 +190,17 @@ impl SchedulerHandle {
     }
 
     /// GPU time charged to `key` over the last 10 s, ns.
-    pub fn gpu_time_10s(&self, key: AccountKey, now: u64) -> u64 {
+    pub(crate) fn gpu_time_10s(&self, key: AccountKey, now: u64) -> u64 {
         self.lock().sched.gpu_time(key, now)
     }
 
     /// See [`GpuScheduler::alloc_stats`].
-    pub fn alloc_stats(&self, key: AccountKey, now: u64) -> Option<AllocStats> {
+    pub(crate) fn alloc_stats(&self, key: AccountKey, now: u64) -> Option<AllocStats> {
         self.lock().sched.alloc_stats(key, now)
     }
 
     /// The GPU's busy total and the counters of `keys` (in order), under one lock.
-    pub fn stats(&self, keys: &[AccountKey], now: u64) -> (u64, Vec<Option<AllocStats>>) {
+    pub(crate) fn stats(&self, keys: &[AccountKey], now: u64) -> (u64, Vec<Option<AllocStats>>) {
         let inner = self.lock();
         let per = keys
             .iter()

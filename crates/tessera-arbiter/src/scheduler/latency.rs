@@ -9,7 +9,7 @@ use super::{GpuScheduler, SchedulerError, Tier};
 /// A lease taken back before its end (a latency request became eligible): the holder must
 /// stop launching at once; its lease is already over in the scheduler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Revocation {
+pub(crate) struct Revocation {
     /// The holder.
     pub conn: ConnId,
     /// The lease revoked.
@@ -21,7 +21,7 @@ impl GpuScheduler {
     /// Sets `key`'s tier (before its first request; the operator's choice, stored with the
     /// allocation). A latency allocation's share becomes its ceiling too: its cap is its share
     /// (or its own cap, if lower) over the cap window.
-    pub fn set_tier(&mut self, key: AccountKey, tier: Tier) -> Result<(), SchedulerError> {
+    pub(crate) fn set_tier(&mut self, key: AccountKey, tier: Tier) -> Result<(), SchedulerError> {
         let a = self
             .allocs
             .get_mut(&key)
@@ -40,12 +40,12 @@ impl GpuScheduler {
 
     /// Whether a latency allocation is registered on this GPU (best-effort grants are then
     /// bounded in flight).
-    pub fn latency_registered(&self) -> bool {
+    pub(crate) fn latency_registered(&self) -> bool {
         self.allocs.values().any(|a| a.tier == Tier::Latency)
     }
 
     /// The leases revoked since the last call, for their holders to be told.
-    pub fn take_revocations(&mut self) -> Vec<Revocation> {
+    pub(crate) fn take_revocations(&mut self) -> Vec<Revocation> {
         std::mem::take(&mut self.revoked)
     }
 

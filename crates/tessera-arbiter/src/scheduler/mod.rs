@@ -87,9 +87,8 @@ mod usage;
 #[cfg(test)]
 mod tests;
 
-pub use gpu::{GpuScheduler, Grant, SchedulerError};
-pub use handle::{GrantSink, SchedulerHandle};
-pub use latency::Revocation;
+pub(crate) use gpu::{GpuScheduler, Grant, SchedulerError};
+pub(crate) use handle::{GrantSink, SchedulerHandle};
 pub use params::SchedulerParams;
-pub use tessera_protocol::Tier;
-pub use usage::AllocStats;
+pub(crate) use tessera_protocol::Tier;
+pub(crate) use usage::AllocStats;

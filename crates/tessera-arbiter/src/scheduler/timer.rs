@@ -9,7 +9,7 @@ use super::SchedulerHandle;
 impl SchedulerHandle {
     /// Revokes overdue leases and wakes capped waiters on time; runs until the task is
     /// dropped. `epoch` is the origin of the `now` values given to the other methods.
-    pub async fn run_timer(self, epoch: Instant) {
+    pub(crate) async fn run_timer(self, epoch: Instant) {
         loop {
             let now = epoch.elapsed().as_nanos() as u64;
             match self.tick(now) {

@@ -10,7 +10,7 @@ use super::alloc::Alloc;
 
 /// Counters of one allocation, read at scrape time ([`GpuScheduler::alloc_stats`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct AllocStats {
+pub(crate) struct AllocStats {
     /// GPU time charged so far, ns, the running lease's elapsed part included.
     pub gpu_ns: u64,
     /// Time its processes waited for a lease, ns, the waits in progress included.
@@ -32,7 +32,7 @@ pub(super) fn prune(history: &mut VecDeque<(u64, u64)>, now: u64, window: u64) {
 /// Charges and counters.
 impl GpuScheduler {
     /// GPU time charged to `key` over the last window, ns.
-    pub fn gpu_time(&mut self, key: AccountKey, now: u64) -> u64 {
+    pub(crate) fn gpu_time(&mut self, key: AccountKey, now: u64) -> u64 {
         let window = self.params.window_ns;
         match self.allocs.get_mut(&key) {
             Some(a) => {
@@ -45,7 +45,7 @@ impl GpuScheduler {
 
     /// GPU time granted to `key` since it was added, ns: every lease charged so far plus the
     /// part of its current lease already elapsed. `None` for an unknown allocation.
-    pub fn leased_total(&self, key: AccountKey, now: u64) -> Option<u64> {
+    pub(crate) fn leased_total(&self, key: AccountKey, now: u64) -> Option<u64> {
         let a = self.allocs.get(&key)?;
         let running = self
             .current
@@ -57,7 +57,7 @@ impl GpuScheduler {
     /// The counters of `key` at `now` (`None`: unknown allocation). Each only grows: the running
     /// lease's elapsed part is at most what its end charges, a wait in progress at most what
     /// its end adds.
-    pub fn alloc_stats(&self, key: AccountKey, now: u64) -> Option<AllocStats> {
+    pub(crate) fn alloc_stats(&self, key: AccountKey, now: u64) -> Option<AllocStats> {
         let a = self.allocs.get(&key)?;
         let running = self
             .current
@@ -78,7 +78,7 @@ impl GpuScheduler {
     }
 
     /// GPU time charged on this GPU so far, ns, the running lease's elapsed part included.
-    pub fn busy_total(&self, now: u64) -> u64 {
+    pub(crate) fn busy_total(&self, now: u64) -> u64 {
         let running = self.current.map_or(0, |l| now.saturating_sub(l.granted_at))
             + self.drained(|_| true, now);
         self.charged_total_ns.saturating_add(running)
@@ -87,7 +87,7 @@ impl GpuScheduler {
     /// Charges GPU time that `key`'s processes used outside any lease (seen by the backstop):
     /// its virtual time and cap bucket pay for it as for a lease, so the fair queue gives the
     /// others that time back.
-    pub fn charge_unleased(&mut self, key: AccountKey, ns: u64, now: u64) {
+    pub(crate) fn charge_unleased(&mut self, key: AccountKey, ns: u64, now: u64) {
         self.charge(key, ns, now);
     }
 

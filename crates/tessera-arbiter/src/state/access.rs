@@ -22,7 +22,7 @@ pub struct Quota {
 
 /// Who asks.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct By {
+pub(crate) struct By {
     /// The peer's uid: what it creates is recorded as this uid's.
     pub uid: Option<u32>,
     /// `Some` for a user (the user socket): only allocations of `uid` may be touched, and its
@@ -32,18 +32,18 @@ pub struct By {
 
 impl By {
     /// The operator, uid unknown (the arbiter's own work: the reaper, tests).
-    pub const OPERATOR: By = By {
+    pub(crate) const OPERATOR: By = By {
         uid: None,
         quota: None,
     };
 
     /// The operator as the admin socket's peer `uid`.
-    pub fn operator(uid: Option<u32>) -> Self {
+    pub(crate) fn operator(uid: Option<u32>) -> Self {
         Self { uid, quota: None }
     }
 
     /// User `uid` with `quota`.
-    pub fn user(uid: u32, quota: Quota) -> Self {
+    pub(crate) fn user(uid: u32, quota: Quota) -> Self {
         Self {
             uid: Some(uid),
             quota: Some(quota),

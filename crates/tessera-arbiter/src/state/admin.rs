@@ -135,7 +135,7 @@ impl Arbiter {
 
     /// Validates, persists and registers an allocation owned by `owner` (see
     /// [`crate::owner`]); returns its token and status.
-    pub async fn create_owned(
+    pub(crate) async fn create_owned(
         &self,
         req: CreateAllocation,
         owner: Option<tessera_protocol::ProcessOwner>,
@@ -146,7 +146,7 @@ impl Arbiter {
 
     /// [`Arbiter::create_owned`] in a service tier (admin socket only: the tier is the
     /// operator's, never the tenant's).
-    pub async fn create_tiered(
+    pub(crate) async fn create_tiered(
         &self,
         req: CreateAllocation,
         owner: Option<tessera_protocol::ProcessOwner>,
@@ -156,7 +156,7 @@ impl Arbiter {
     }
 
     /// [`Arbiter::create_tiered`] for `by`: recorded as theirs, within their quota.
-    pub async fn create_tiered_by(
+    pub(crate) async fn create_tiered_by(
         &self,
         req: CreateAllocation,
         owner: Option<tessera_protocol::ProcessOwner>,
@@ -186,7 +186,8 @@ impl Arbiter {
     /// one write or none. Every slice is labelled with the group id (the first slice's id);
     /// the first slice's token is the group token, the others' are derived from it. Returns the
     /// group token and the slices' statuses in the order asked.
-    pub async fn create_group(
+    #[cfg(test)]
+    pub(crate) async fn create_group(
         &self,
         slices: Vec<CreateAllocation>,
         owner: Option<tessera_protocol::ProcessOwner>,
@@ -196,7 +197,7 @@ impl Arbiter {
 
     /// [`Arbiter::create_group`] for `by`: every slice recorded as theirs, all within their
     /// quota together.
-    pub async fn create_group_by(
+    pub(crate) async fn create_group_by(
         &self,
         slices: Vec<CreateAllocation>,
         owner: Option<tessera_protocol::ProcessOwner>,
@@ -266,12 +267,12 @@ impl Arbiter {
     /// Deletes and persists. Live processes of the allocation keep their connection: their
     /// Reserves are denied from now on, Releases are still served, and the memory is counted
     /// until they exit.
-    pub async fn delete(&self, id: &str) -> Result<(), StateError> {
+    pub(crate) async fn delete(&self, id: &str) -> Result<(), StateError> {
         self.delete_by(id, &By::OPERATOR).await
     }
 
     /// [`Arbiter::delete`] if `by` may touch the allocation.
-    pub async fn delete_by(&self, id: &str, by: &By) -> Result<(), StateError> {
+    pub(crate) async fn delete_by(&self, id: &str, by: &By) -> Result<(), StateError> {
         let mut records = self.admin.lock().await;
         let mut owned = false;
         if let Some(r) = records.iter().find(|r| r.id == id) {
@@ -300,17 +301,9 @@ impl Arbiter {
     }
 
     /// Merges `labels` into an allocation's labels (an empty value removes the key) and
-    /// persists; nothing changes if the result breaks the label bounds or cannot be written.
-    pub async fn update_labels(
-        &self,
-        id: &str,
-        labels: BTreeMap<String, String>,
-    ) -> Result<AllocationStatus, StateError> {
-        self.update_labels_by(id, labels, &By::OPERATOR).await
-    }
-
-    /// [`Arbiter::update_labels`] if `by` may touch the allocation.
-    pub async fn update_labels_by(
+    /// persists, if `by` may touch the allocation; nothing changes if the result breaks the
+    /// label bounds or cannot be written.
+    pub(crate) async fn update_labels_by(
         &self,
         id: &str,
         labels: BTreeMap<String, String>,
@@ -378,7 +371,7 @@ impl Arbiter {
     }
 
     /// Writes the current allocations again (at shutdown).
-    pub async fn persist_all(&self) -> Result<(), StateError> {
+    pub(crate) async fn persist_all(&self) -> Result<(), StateError> {
         let records = self.admin.lock().await;
         self.persist(records.clone()).await
     }
@@ -418,7 +411,7 @@ impl Arbiter {
     }
 
     /// Every allocation with its use, ordered by GPU then creation.
-    pub async fn list(&self) -> Vec<AllocationStatus> {
+    pub(crate) async fn list(&self) -> Vec<AllocationStatus> {
         let records = self.admin.lock().await;
         let mut out: Vec<_> = records
             .iter()

@@ -17,7 +17,7 @@ impl Arbiter {
 
     /// Marks the timers started on `rt` and returns the schedulers there are now, for the
     /// caller to start theirs; a scheduler made later starts its own there.
-    pub fn start_timers(&self, rt: tokio::runtime::Handle) -> Vec<SchedulerHandle> {
+    pub(crate) fn start_timers(&self, rt: tokio::runtime::Handle) -> Vec<SchedulerHandle> {
         // The schedulers' lock first, as `scheduler_for` takes them: none is made between.
         let all = self.schedulers.lock();
         *self.timers.lock() = Some(rt);

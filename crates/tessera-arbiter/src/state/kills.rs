@@ -14,7 +14,12 @@ impl Arbiter {
     /// business: this layer keeps text). Called just before the signal: the command's parent
     /// (`tessera run`) asks as soon as it sees the command gone, so the record must be there
     /// first.
-    pub fn record_kill(&self, id: &str, pid: i32, describe: impl FnOnce(u32, u64) -> String) {
+    pub(crate) fn record_kill(
+        &self,
+        id: &str,
+        pid: i32,
+        describe: impl FnOnce(u32, u64) -> String,
+    ) {
         let live = self.live();
         let Some(a) = live.by_id.get(id) else {
             return;
@@ -31,7 +36,7 @@ impl Arbiter {
     }
 
     /// The last kill recorded for allocation `id`, if `by` may see it.
-    pub fn last_kill(&self, id: &str, by: &By) -> Result<Option<KillRecord>, StateError> {
+    pub(crate) fn last_kill(&self, id: &str, by: &By) -> Result<Option<KillRecord>, StateError> {
         let live = self.live();
         let a = live
             .by_id

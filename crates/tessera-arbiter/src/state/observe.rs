@@ -8,27 +8,27 @@ use super::*;
 impl Arbiter {
     /// The backstop acted on a process of allocation `id` (shown by `List`, counted by
     /// reason in the metrics).
-    pub fn note_enforced(&self, id: &str, why: EnforceReason) {
+    pub(crate) fn note_enforced(&self, id: &str, why: EnforceReason) {
         if let Some(a) = self.live().by_id.get(id) {
             a.counters.enforced(why);
         }
     }
 
     /// The backstop read `ns` of GPU time used by allocation `id`'s processes (from NVML).
-    pub fn note_gpu_busy(&self, id: &str, ns: u64) {
+    pub(crate) fn note_gpu_busy(&self, id: &str, ns: u64) {
         if let Some(a) = self.live().by_id.get(id) {
             a.counters.add_gpu_busy(ns);
         }
     }
 
     /// Tenant requests by kind (the tenant connections count them).
-    pub fn requests(&self) -> &RequestStats {
+    pub(crate) fn requests(&self) -> &RequestStats {
         &self.requests
     }
 
     /// Every live allocation and GPU with its counters, for a scrape. The live lock is held
     /// only to copy the allocations out; each scheduler is then locked once.
-    pub fn snapshot(&self) -> Snapshot {
+    pub(crate) fn snapshot(&self) -> Snapshot {
         let now = self.now_ns();
         let mut rows: Vec<(AllocSample, AccountKey, SchedulerHandle)> = {
             let live = self.live();
@@ -114,7 +114,7 @@ impl Arbiter {
     }
 
     /// Every live allocation with the processes connected for it (for the backstop).
-    pub fn watched(&self) -> Vec<Watched> {
+    pub(crate) fn watched(&self) -> Vec<Watched> {
         let devices = self.gpus();
         let live = self.live();
         let index_of = |uuid: &str| {
@@ -192,7 +192,7 @@ impl Arbiter {
     /// Owned allocations: id, owner, how many processes of it are connected, and whether it
     /// was restored from the state file (created before this arbiter started; for the reaper,
     /// see [`crate::owner`]).
-    pub fn owned(&self) -> Vec<(String, tessera_protocol::ProcessOwner, usize, bool)> {
+    pub(crate) fn owned(&self) -> Vec<(String, tessera_protocol::ProcessOwner, usize, bool)> {
         let started_unix = now_unix().saturating_sub(self.epoch.elapsed().as_secs());
         let live = self.live();
         live.by_id
@@ -207,13 +207,13 @@ impl Arbiter {
     }
 
     /// The processes the backstop attributed to owned allocations through their owner.
-    pub fn members(&self) -> MutexGuard<'_, crate::owner::Members> {
+    pub(crate) fn members(&self) -> MutexGuard<'_, crate::owner::Members> {
         self.members.lock()
     }
 
     /// The GPU (UUID) allocation `id` is scheduled on and the GPU time granted to it in leases
     /// so far, ns (for the backstop, which keeps one slack budget per GPU).
-    pub fn leased_total(&self, id: &str) -> Option<(String, u64)> {
+    pub(crate) fn leased_total(&self, id: &str) -> Option<(String, u64)> {
         let (key, sched) = self
             .live()
             .by_id
@@ -225,7 +225,7 @@ impl Arbiter {
 
     /// Counts GPU time allocation `id` used outside its leases, forgiven from its GPU's slack,
     /// against its cap (not its share).
-    pub fn count_for_cap(&self, id: &str, ns: u64) {
+    pub(crate) fn count_for_cap(&self, id: &str, ns: u64) {
         let found = self
             .live()
             .by_id
@@ -237,7 +237,7 @@ impl Arbiter {
     }
 
     /// Charges GPU time allocation `id` used outside its leases (seen by the backstop).
-    pub fn charge_unleased(&self, id: &str, ns: u64) {
+    pub(crate) fn charge_unleased(&self, id: &str, ns: u64) {
         let found = self
             .live()
             .by_id
@@ -254,7 +254,9 @@ impl Arbiter {
     /// when it is one slice of a multi-GPU allocation (such a process's card memory is compared
     /// per card; other accounts' over all cards). The backstop's one caller: the peak covers
     /// the card figures it read before this call, however long it was descheduled between.
-    pub fn connected_processes(&self) -> Vec<(AccountKey, ProcId, ConnId, u64, Option<u32>)> {
+    pub(crate) fn connected_processes(
+        &self,
+    ) -> Vec<(AccountKey, ProcId, ConnId, u64, Option<u32>)> {
         let devices = self.gpus();
         let mut guard = self.live();
         let live = &mut *guard;
@@ -297,7 +299,7 @@ impl Arbiter {
     }
 
     /// See [`Ledger::set_excess`]; a connection gone since is ignored.
-    pub fn set_excess(&self, key: AccountKey, conn: ConnId, bytes: u64) {
+    pub(crate) fn set_excess(&self, key: AccountKey, conn: ConnId, bytes: u64) {
         let _ = self.live().ledger.set_excess(key, conn, bytes);
     }
 }

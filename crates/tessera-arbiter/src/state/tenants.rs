@@ -8,23 +8,23 @@ impl Arbiter {
     /// How long a reservation that does not fit may wait, while other processes of its
     /// allocation hold memory, for them to give back unused credit or free what they hold
     /// (`--memory-wait-ms`, [`DEFAULT_MEMORY_WAIT`] by default).
-    pub fn memory_wait(&self) -> std::time::Duration {
+    pub(crate) fn memory_wait(&self) -> std::time::Duration {
         std::time::Duration::from_nanos(self.memory_wait_ns.load(Ordering::Relaxed))
     }
 
     /// Sets [`Arbiter::memory_wait`] (at start-up, from the configuration).
-    pub fn set_memory_wait(&self, wait: std::time::Duration) {
+    pub(crate) fn set_memory_wait(&self, wait: std::time::Duration) {
         self.memory_wait_ns
             .store(wait.as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// A new connection number.
-    pub fn next_conn(&self) -> ConnId {
+    pub(crate) fn next_conn(&self) -> ConnId {
         self.next_conn.fetch_add(1, Ordering::Relaxed)
     }
 
     /// Handshake of a tenant: finds the allocation of `token` and attaches `conn` to it.
-    pub fn attach_tenant(
+    pub(crate) fn attach_tenant(
         &self,
         token: &str,
         conn: ConnId,
@@ -66,7 +66,7 @@ impl Arbiter {
     /// A tenant connection of allocation `id` broke the protocol (released more than it held,
     /// redeclared out of turn, ...) and is being closed; returns the allocation's count of such
     /// closings since the arbiter started (0 once the allocation is deleted), for the log.
-    pub fn note_violation(&self, id: &str) -> u64 {
+    pub(crate) fn note_violation(&self, id: &str) -> u64 {
         self.live().by_id.get_mut(id).map_or(0, |a| {
             a.violations += 1;
             a.violations
@@ -74,18 +74,18 @@ impl Arbiter {
     }
 
     /// The registry of tenant processes' pressure channels.
-    pub fn pressure(&self) -> &PressureHub {
+    pub(crate) fn pressure(&self) -> &PressureHub {
         &self.pressure
     }
 
     /// Runs `f` on the ledger under the live lock (the tenant hot path).
-    pub fn with_ledger<R>(&self, f: impl FnOnce(&mut Ledger) -> R) -> R {
+    pub(crate) fn with_ledger<R>(&self, f: impl FnOnce(&mut Ledger) -> R) -> R {
         f(&mut self.live().ledger)
     }
 
     /// The process that made tenant connection `conn` of account `key` (as the kernel named
     /// it at the connection), if known.
-    pub fn conn_process(&self, key: AccountKey, conn: ConnId) -> Option<ProcId> {
+    pub(crate) fn conn_process(&self, key: AccountKey, conn: ConnId) -> Option<ProcId> {
         let live = self.live();
         live.procs.get(&key)?.iter().find_map(|(pk, e)| match pk {
             ProcKey::Proc(id) if e.conn_ids.contains(&conn) => Some(*id),
@@ -98,7 +98,7 @@ impl Arbiter {
     /// thread on a loaded host can take longer than the memory wait), so they will drain and
     /// be released within [`crate::drain::DRAIN_BOUND`]. Each process is asked (a poll of its
     /// pidfd) under the live lock: called only by a reservation about to be refused.
-    pub fn exited_held(&self, key: AccountKey) -> u64 {
+    pub(crate) fn exited_held(&self, key: AccountKey) -> u64 {
         let live = self.live();
         let Some(procs) = live.procs.get(&key) else {
             return 0;
@@ -112,7 +112,7 @@ impl Arbiter {
     }
 
     /// A tenant connection closed: frees what it held. Returns the bytes freed.
-    pub fn detach_tenant(
+    pub(crate) fn detach_tenant(
         &self,
         binding: &TenantBinding,
         conn: ConnId,

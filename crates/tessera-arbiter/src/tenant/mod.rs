@@ -50,7 +50,7 @@ const THREAD_STACK: usize = 256 * 1024;
 
 /// Errors of tenant connections (each closes that connection only).
 #[derive(Debug, thiserror::Error)]
-pub enum TenantError {
+pub(crate) enum TenantError {
     /// Framing, handshake or transport failure.
     #[error(transparent)]
     Wire(#[from] WireError),
@@ -78,18 +78,18 @@ fn io_err(e: std::io::Error) -> TenantError {
 /// Largest request frame an admitted tenant may send. Every `TenantRequest` is under 40 bytes;
 /// the margin is for new variants. It bounds what one connection buffers (one frame plus one
 /// read) and so the arbiter's memory per connection (see docs/arbiter.md).
-pub const TENANT_FRAME_LIMIT: usize = 1024;
+pub(crate) const TENANT_FRAME_LIMIT: usize = 1024;
 
 /// Serves an admitted connection on its own thread ([`spawn`]): what the server hands
 /// [`crate::admission::accept_tenant`].
-pub fn serve_admitted(a: AdmittedTenant) -> Result<(), TenantError> {
+pub(crate) fn serve_admitted(a: AdmittedTenant) -> Result<(), TenantError> {
     spawn(a.arb, a.stream, a.conn, a.proc, a.binding, a.slot)
 }
 
 /// Serves an admitted connection (its `Hello` was read and its token accepted on the runtime,
 /// see [`crate::admission`]) on its own thread, which first sends the `Welcome`. `slot` counts
 /// the connection against the caps until the thread ends.
-pub fn spawn(
+pub(crate) fn spawn(
     arb: Arc<Arbiter>,
     stream: tokio::net::UnixStream,
     conn: ConnId,

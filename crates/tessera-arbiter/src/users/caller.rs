@@ -11,7 +11,7 @@ use crate::peer::{self, ProcId};
 
 /// Why a peer could not be named (its connection is refused).
 #[derive(Debug, thiserror::Error)]
-pub enum CallerError {
+pub(crate) enum CallerError {
     /// The kernel gave no credentials.
     #[error("no peer credentials: {0}")]
     Cred(#[source] std::io::Error),
@@ -25,7 +25,7 @@ pub enum CallerError {
 
 /// The user socket's peer.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Caller {
+pub(crate) struct Caller {
     /// Its uid when it connected.
     pub uid: u32,
     /// Its primary gid when it connected.
@@ -38,7 +38,7 @@ pub struct Caller {
 
 impl Caller {
     /// The peer of `stream`, read now (at the handshake).
-    pub fn of(stream: &tokio::net::UnixStream) -> Result<Self, CallerError> {
+    pub(crate) fn of(stream: &tokio::net::UnixStream) -> Result<Self, CallerError> {
         let cred = stream.peer_cred().map_err(CallerError::Cred)?;
         let pid = cred.pid().filter(|p| *p > 0).ok_or(CallerError::NoPid)?;
         // The pidfd (where the kernel has SO_PEERPIDFD) is the very process that connected: the
@@ -60,18 +60,18 @@ impl Caller {
     }
 
     /// True when it is in group `gid` (primary or supplementary), or is root.
-    pub fn in_group(&self, gid: u32) -> bool {
+    pub(crate) fn in_group(&self, gid: u32) -> bool {
         self.uid == 0 || self.gid == gid || self.groups.contains(&gid)
     }
 
     /// True when `owner` names this very process (the only owner a user may give).
-    pub fn is(&self, owner: &tessera_protocol::ProcessOwner) -> bool {
+    pub(crate) fn is(&self, owner: &tessera_protocol::ProcessOwner) -> bool {
         owner.pid == self.process.pid && owner.start_time == self.process.start
     }
 }
 
 /// The `Groups:` line of a `/proc/<pid>/status` (empty when absent).
-pub fn supplementary_groups(status: &str) -> Vec<u32> {
+pub(crate) fn supplementary_groups(status: &str) -> Vec<u32> {
     status
         .lines()
         .find_map(|l| l.strip_prefix("Groups:"))

@@ -20,9 +20,9 @@
 //! Modules: [`names`] (user and group names to ids), [`caller`] (the peer's identity),
 //! [`socket`] (the socket's server).
 
-pub mod caller;
-pub mod names;
-pub mod socket;
+pub(crate) mod caller;
+pub(crate) mod names;
+pub(crate) mod socket;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -31,7 +31,7 @@ use tessera_protocol::node;
 
 /// What one user's allocations may hold together (defined with the state's access rules,
 /// which enforce it).
-pub use crate::state::Quota;
+pub(crate) use crate::state::Quota;
 
 /// One user's quota in place of the default (`--user-quota-for`): the keys it gives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,7 +46,7 @@ pub struct QuotaOverride {
 
 /// Errors of the quota flags (clap prints them, exit 2).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum QuotaError {
+pub(crate) enum QuotaError {
     /// An item that is not `key=value`, or an unknown key.
     #[error("{0:?}: expected memory=SIZE,shares=N (e.g. memory=16GiB,shares=50)")]
     Item(String),
@@ -97,7 +97,7 @@ fn parse_items(text: &str) -> Result<(Option<u64>, Option<u32>), QuotaError> {
 }
 
 /// `--user-quota`: `memory=SIZE,shares=N`, both given.
-pub fn parse_quota(text: &str) -> Result<Quota, QuotaError> {
+pub(crate) fn parse_quota(text: &str) -> Result<Quota, QuotaError> {
     match parse_items(text)? {
         (Some(memory), Some(shares)) => Ok(Quota { memory, shares }),
         _ => Err(QuotaError::Incomplete(text.into())),
@@ -105,7 +105,7 @@ pub fn parse_quota(text: &str) -> Result<Quota, QuotaError> {
 }
 
 /// `--user-quota-for`: `USER:memory=SIZE,shares=N`, USER a name (looked up now) or a uid.
-pub fn parse_override(text: &str) -> Result<QuotaOverride, QuotaError> {
+pub(crate) fn parse_override(text: &str) -> Result<QuotaOverride, QuotaError> {
     let (user, items) = text
         .split_once(':')
         .ok_or_else(|| QuotaError::NoUser(text.into()))?;

@@ -5,7 +5,7 @@ use std::ffi::CString;
 
 /// A name the system does not know.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum NameError {
+pub(crate) enum NameError {
     /// No such user.
     #[error("no user {0:?} on this system (give a name or a numeric uid)")]
     User(String),
@@ -47,7 +47,7 @@ unsafe fn lookup<T>(
 }
 
 /// `--users-group`: a gid, or a group name looked up now.
-pub fn parse_group(text: &str) -> Result<u32, NameError> {
+pub(crate) fn parse_group(text: &str) -> Result<u32, NameError> {
     let t = text.trim();
     if let Ok(gid) = t.parse::<u32>() {
         return Ok(gid);
@@ -64,7 +64,7 @@ pub fn parse_group(text: &str) -> Result<u32, NameError> {
 }
 
 /// A uid, or a user name looked up now.
-pub fn uid_of(text: &str) -> Result<u32, NameError> {
+pub(crate) fn uid_of(text: &str) -> Result<u32, NameError> {
     let t = text.trim();
     if let Ok(uid) = t.parse::<u32>() {
         return Ok(uid);

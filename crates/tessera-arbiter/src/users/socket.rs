@@ -25,7 +25,7 @@ const RESERVED_LABELS: &str = "tessera.dev/";
 
 /// Errors of user connections (each closes that connection only).
 #[derive(Debug, thiserror::Error)]
-pub enum UserSocketError {
+pub(crate) enum UserSocketError {
     /// Framing, handshake or transport failure.
     #[error(transparent)]
     Wire(#[from] WireError),
@@ -36,7 +36,12 @@ pub enum UserSocketError {
 
 /// A new user-socket connection: counted as pending (or closed at once over the caps) until
 /// its handshake ends, then served to its end on the runtime.
-pub fn accept(arb: Arc<Arbiter>, adm: &Arc<Admission>, users: Arc<Users>, stream: UnixStream) {
+pub(crate) fn accept(
+    arb: Arc<Arbiter>,
+    adm: &Arc<Admission>,
+    users: Arc<Users>,
+    stream: UnixStream,
+) {
     admission::accept_pending(adm, stream, |stream, slot, timeout| {
         serve(arb, stream, slot, timeout, users)
     });
@@ -121,7 +126,7 @@ async fn serve_inner(
 /// What a user may not ask whatever the allocation: an owner other than their own process
 /// (it would tie someone else's processes to their allocation), a tier (the operator's), a
 /// reserved label. Whose allocation it is, and the quota, the state checks under its lock.
-pub fn authorize(caller: &Caller, req: &AdminRequest) -> Result<(), String> {
+pub(crate) fn authorize(caller: &Caller, req: &AdminRequest) -> Result<(), String> {
     let owner_ok = |owner: &Option<ProcessOwner>| match owner {
         Some(o) if !caller.is(o) => Err(format!(
             "an allocation on the user socket may be owned only by the process that asks (pid \

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use tessera_arbiter::config::{DEFAULT_ADMIN_SOCKET, DEFAULT_SOCKET, DEFAULT_STATE_DIR};
+use tessera_arbiter::{DEFAULT_ADMIN_SOCKET, DEFAULT_SOCKET, DEFAULT_STATE_DIR};
 
 fn unit() -> (PathBuf, String) {
     let p =

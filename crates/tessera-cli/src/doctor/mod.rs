@@ -55,15 +55,15 @@ mod report;
 
 use checks::*;
 use inputs::*;
-pub use probe::probe_main;
+pub(crate) use probe::probe_main;
 use probe::*;
-pub use report::{Check, Report, Status, render};
+pub(crate) use report::{Check, Report, Status, render};
 
 /// The loader's system-wide preload list (what the device plugin mounts into pods).
-pub const LD_SO_PRELOAD: &str = "/etc/ld.so.preload";
+pub(crate) const LD_SO_PRELOAD: &str = "/etc/ld.so.preload";
 /// Arguments of `tessera doctor`.
 #[derive(Debug, clap::Args)]
-pub struct DoctorArgs {
+pub(crate) struct DoctorArgs {
     /// Print one JSON object with every check instead of the checklist.
     #[arg(long)]
     pub json: bool,
@@ -102,7 +102,7 @@ pub struct DoctorArgs {
 
 /// Arguments of the hidden `doctor-probe` subcommand: the probe's child process.
 #[derive(Debug, clap::Args)]
-pub struct ProbeArgs {
+pub(crate) struct ProbeArgs {
     /// The allocation's limit, bytes.
     #[arg(long)]
     pub limit: u64,
@@ -120,7 +120,7 @@ pub enum DoctorError {
 }
 
 /// Runs `tessera doctor`; returns the process exit code.
-pub fn main(args: DoctorArgs) -> Result<u8, CliError> {
+pub(crate) fn main(args: DoctorArgs) -> Result<u8, CliError> {
     if args.identity_file.as_os_str() != CONTAINER_IDENTITY_FILE && !args.identity_file.exists() {
         return Err(CliError::usage(format!(
             "--identity-file {}: no such file",

@@ -18,7 +18,7 @@ pub(super) const SPIN_PTX: &CStr =
 
 /// What the probe child reports (one JSON line on its stdout).
 #[derive(Debug, Serialize, Deserialize)]
-pub struct ProbeReport {
+pub(super) struct ProbeReport {
     /// A step that failed before the checks could be made.
     pub error: Option<String>,
     /// `cuMemGetInfo_v2` total before the first block.
@@ -196,7 +196,7 @@ pub(super) fn judge_probe(a: &AllocationView, p: &ProbeReport) -> Vec<Check> {
 }
 
 /// The hidden `doctor-probe` subcommand: runs under the interposer, prints a [`ProbeReport`].
-pub fn probe_main(args: ProbeArgs) -> Result<u8, CliError> {
+pub(crate) fn probe_main(args: ProbeArgs) -> Result<u8, CliError> {
     let report = probe(&args).unwrap_or_else(|e| ProbeReport {
         error: Some(e),
         ..Default::default()

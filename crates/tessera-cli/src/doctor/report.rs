@@ -5,7 +5,7 @@ use super::*;
 /// A check's verdict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Status {
+pub(crate) enum Status {
     /// Passed.
     Ok,
     /// Failed: `fix` says what to do.
@@ -16,7 +16,7 @@ pub enum Status {
 
 /// One line of the checklist.
 #[derive(Debug, Clone, Serialize)]
-pub struct Check {
+pub(crate) struct Check {
     /// Short stable name (`driver`, `arbiter`, ...).
     pub name: &'static str,
     /// Verdict.
@@ -60,7 +60,7 @@ impl Check {
 
 /// The whole report (`--json`).
 #[derive(Debug, Serialize)]
-pub struct Report {
+pub(crate) struct Report {
     /// True when no check failed.
     pub ok: bool,
     /// Every check, in order.
@@ -68,7 +68,7 @@ pub struct Report {
 }
 
 /// The checklist for people.
-pub fn render(r: &Report) -> String {
+pub(crate) fn render(r: &Report) -> String {
     let mut out = String::new();
     for c in &r.checks {
         let verdict = match c.status {

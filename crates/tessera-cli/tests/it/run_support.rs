@@ -7,14 +7,14 @@ use std::process::{Command, Stdio};
 use tessera_protocol::client::AdminClient;
 use tessera_testkit::{ArbiterSpec, RunningArbiter, SimGpu, artifact};
 
-pub use tessera_testkit::{GIB, MIB};
+pub(crate) use tessera_testkit::{GIB, MIB};
 
 /// The `tessera` binary.
-pub fn tessera() -> PathBuf {
+pub(crate) fn tessera() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_tessera"))
 }
 
-pub struct Arbiter {
+pub(crate) struct Arbiter {
     pub dir: tempfile::TempDir,
     pub socket: PathBuf,
     pub admin_socket: PathBuf,
@@ -23,7 +23,7 @@ pub struct Arbiter {
 }
 
 impl Arbiter {
-    pub fn start() -> Self {
+    pub(crate) fn start() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let sim = SimGpu::prepare(&dir.path().join("sim"), "2x80GiB");
         let spec = ArbiterSpec::in_dir(artifact("tessera-arbiter"), dir.path(), sim.clone())
@@ -38,22 +38,22 @@ impl Arbiter {
         }
     }
 
-    pub fn admin(&self) -> AdminClient {
+    pub(crate) fn admin(&self) -> AdminClient {
         self.process.admin()
     }
 
     /// The arbiter's log so far.
-    pub fn process_log(&self) -> String {
+    pub(crate) fn process_log(&self) -> String {
         self.process.log_text()
     }
 
     /// `tessera <args>` pointed at this arbiter (through the environment).
-    pub fn tessera(&self, args: &[&str]) -> Command {
+    pub(crate) fn tessera(&self, args: &[&str]) -> Command {
         self.tessera_at(&tessera(), args)
     }
 
     /// The same with another copy of the `tessera` executable.
-    pub fn tessera_at(&self, exe: &Path, args: &[&str]) -> Command {
+    pub(crate) fn tessera_at(&self, exe: &Path, args: &[&str]) -> Command {
         let mut c = Command::new(exe);
         c.args(args)
             .env("TESSERA_ADMIN_SOCKET", &self.admin_socket)
@@ -68,14 +68,14 @@ impl Arbiter {
 /// A copy of the built interposer in `dir` (`tessera run` checks that it loads and exports its
 /// hooks). Programs that do not use CUDA run under it untouched: it connects to the arbiter
 /// only at the first intercepted CUDA call.
-pub fn interposer_in(dir: &Path) -> PathBuf {
+pub(crate) fn interposer_in(dir: &Path) -> PathBuf {
     let p = dir.join("libtessera_interpose.so");
     std::fs::copy(artifact("libtessera_interpose.so"), &p).unwrap();
     p
 }
 
 /// The UUID of the simulated GPU `index` of [`Arbiter`]'s machine.
-pub fn gpu_uuid(index: usize) -> String {
+pub(crate) fn gpu_uuid(index: usize) -> String {
     tessera_sim_state::SimSpec::parse("2x80GiB").unwrap().gpus[index]
         .uuid
         .clone()

@@ -1,6 +1,7 @@
 //! A poll end to end (fake NVML readings, a recording killer), `/proc`, identities, kills.
 
 use super::*;
+use crate::peer::Peer;
 
 #[test]
 fn proc_parent_reads_this_process() {

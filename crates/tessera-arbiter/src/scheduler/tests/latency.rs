@@ -1,6 +1,7 @@
 //! The latency tier: revocation, priority, the ceiling, the linger.
 
 use super::*;
+use crate::scheduler::latency::Revocation;
 
 /// A best-effort tenant (1, conn 10) holding a lease and a latency tenant (2, conn 20,
 /// share 40) registered.

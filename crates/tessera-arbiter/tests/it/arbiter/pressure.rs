@@ -88,7 +88,7 @@ fn pressure_takes_credit_back_before_a_refusal_and_forged_channel_frames_close_o
     // A process that really holds its bytes cannot be pressed out of them: refused after a
     // bounded wait (A's channel answers with nothing to give). A was pressed just now: it is
     // pressed again once it may keep credit again (before that it has nothing to give).
-    std::thread::sleep(tessera_arbiter::pressure::STILL_PRESSED);
+    std::thread::sleep(tessera_arbiter::STILL_PRESSED);
     let answer = answer_pressure(a_ch, Duration::ZERO, 0);
     let t = std::time::Instant::now();
     assert_eq!(

@@ -19,14 +19,13 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use tessera_dra::cdi::Spec;
-use tessera_dra::prepare::{LABEL_CLAIM, LABEL_CLAIM_UID};
 use tessera_dra::proto::dra::dra_plugin_client::DraPluginClient;
 use tessera_dra::proto::dra::{
     Claim, NodePrepareResourceResponse, NodePrepareResourcesRequest, NodeUnprepareResourcesRequest,
 };
 use tessera_dra::proto::registration::registration_client::RegistrationClient;
 use tessera_dra::proto::registration::{InfoRequest, RegistrationStatus};
+use tessera_dra::{CdiSpec as Spec, LABEL_CLAIM, LABEL_CLAIM_UID};
 use tessera_node::grpc::connect_unix;
 use tessera_protocol::AllocationStatus;
 use tessera_protocol::client::AdminClient;

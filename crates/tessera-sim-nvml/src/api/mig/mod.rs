@@ -18,53 +18,18 @@
 
 use std::ffi::c_char;
 
+use tessera_sim_state::GpuInfo;
 use tessera_sim_state::mig::{self, GiProfile, GpuModel, MigDevice, MigError, MigState};
-use tessera_sim_state::{GpuInfo, MAX_GPUS};
 
 use super::{Res, copy_str, guard, handle_of, put, state};
 use crate::ffi::*;
+pub(crate) use handles::mig_handle_parent;
+use handles::{ci_handle, gi_handle, mig_handle};
 
-/// Instance ids per level the handle tables cover (an H100/H200 has at most 7 of each).
-const IDS: usize = 8;
-static MIG_DEVICES: [u8; MAX_GPUS * IDS * IDS] = [0; MAX_GPUS * IDS * IDS];
-static GPU_INSTANCES: [u8; MAX_GPUS * IDS] = [0; MAX_GPUS * IDS];
-static COMPUTE_INSTANCES: [u8; MAX_GPUS * IDS * IDS] = [0; MAX_GPUS * IDS * IDS];
+mod handles;
+
 /// Environment variable by which a root process gives up NVML's MIG privilege.
 pub const ENV_UNPRIVILEGED: &str = "TESSERA_SIM_NVML_UNPRIVILEGED";
-
-fn slot_of(table: &'static [u8], h: *mut std::ffi::c_void) -> Option<usize> {
-    let off = (h as usize).wrapping_sub(table.as_ptr() as usize);
-    (off < table.len()).then_some(off)
-}
-
-fn mig_handle(gpu: u32, gi: u32, ci: u32) -> Result<nvmlDevice_t, nvmlReturn_t> {
-    let (g, i, c) = (gpu as usize, gi as usize, ci as usize);
-    if g >= MAX_GPUS || i >= IDS || c >= IDS {
-        return Err(NVML_ERROR_UNKNOWN);
-    }
-    Ok(&MIG_DEVICES[(g * IDS + i) * IDS + c] as *const u8 as nvmlDevice_t)
-}
-
-fn gi_handle(gpu: u32, gi: u32) -> Result<nvmlGpuInstance_t, nvmlReturn_t> {
-    let (g, i) = (gpu as usize, gi as usize);
-    if g >= MAX_GPUS || i >= IDS {
-        return Err(NVML_ERROR_UNKNOWN);
-    }
-    Ok(&GPU_INSTANCES[g * IDS + i] as *const u8 as nvmlGpuInstance_t)
-}
-
-fn ci_handle(gpu: u32, gi: u32, ci: u32) -> Result<nvmlComputeInstance_t, nvmlReturn_t> {
-    let (g, i, c) = (gpu as usize, gi as usize, ci as usize);
-    if g >= MAX_GPUS || i >= IDS || c >= IDS {
-        return Err(NVML_ERROR_UNKNOWN);
-    }
-    Ok(&COMPUTE_INSTANCES[(g * IDS + i) * IDS + c] as *const u8 as nvmlComputeInstance_t)
-}
-
-/// The parent GPU of a MIG device handle; `None` for any other value.
-pub(crate) fn mig_handle_parent(h: nvmlDevice_t) -> Option<u32> {
-    slot_of(&MIG_DEVICES, h).map(|s| (s / (IDS * IDS)) as u32)
-}
 
 fn load() -> Result<MigState, nvmlReturn_t> {
     mig::store::load(&state()?.dir).map_err(code)
@@ -85,14 +50,9 @@ fn code(e: MigError) -> nvmlReturn_t {
 /// The MIG device behind `h`: `Ok(None)` when `h` is no MIG handle, `NOT_FOUND` when its
 /// instance is gone.
 pub(crate) fn mig_of(h: nvmlDevice_t) -> Result<Option<MigDevice>, nvmlReturn_t> {
-    let Some(slot) = slot_of(&MIG_DEVICES, h) else {
+    let Some((gpu, gi, ci)) = handles::mig_ids(h) else {
         return Ok(None);
     };
-    let (gpu, gi, ci) = (
-        (slot / (IDS * IDS)) as u32,
-        ((slot / IDS) % IDS) as u32,
-        (slot % IDS) as u32,
-    );
     let st = state()?;
     let g = st
         .spec
@@ -488,8 +448,7 @@ pub unsafe extern "C" fn nvmlDeviceCreateGpuInstanceWithPlacement(
 /// The GPU, its model and the GPU instance id behind a GPU-instance handle (which must still
 /// exist).
 fn gi_of(h: nvmlGpuInstance_t) -> Result<(&'static GpuInfo, GpuModel, u32), nvmlReturn_t> {
-    let slot = slot_of(&GPU_INSTANCES, h).ok_or(NVML_ERROR_INVALID_ARGUMENT)?;
-    let (gpu, id) = ((slot / IDS) as u32, (slot % IDS) as u32);
+    let (gpu, id) = handles::gi_ids(h).ok_or(NVML_ERROR_INVALID_ARGUMENT)?;
     let g = state()?
         .spec
         .gpus
@@ -710,12 +669,7 @@ pub unsafe extern "C" fn nvmlGpuInstanceCreateComputeInstance(
 /// The GPU, GPU instance id and compute instance id behind a compute-instance handle (which
 /// must still exist).
 fn ci_of(h: nvmlComputeInstance_t) -> Result<(&'static GpuInfo, u32, u32), nvmlReturn_t> {
-    let slot = slot_of(&COMPUTE_INSTANCES, h).ok_or(NVML_ERROR_INVALID_ARGUMENT)?;
-    let (gpu, gi, ci) = (
-        (slot / (IDS * IDS)) as u32,
-        ((slot / IDS) % IDS) as u32,
-        (slot % IDS) as u32,
-    );
+    let (gpu, gi, ci) = handles::ci_ids(h).ok_or(NVML_ERROR_INVALID_ARGUMENT)?;
     let g = state()?
         .spec
         .gpus
