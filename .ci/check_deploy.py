@@ -169,7 +169,10 @@ def render(chart: Path, namespace: str, values: dict) -> list[dict]:
     import helm_sdkpy
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeApi)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # serve_forever looks for shutdown() every poll_interval (0.5 s by default): at 15 renders
+    # a run, the default was 7 of its 10 seconds.
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.01},
+                     daemon=True).start()
     FakeApi.created = []
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -188,6 +191,7 @@ def render(chart: Path, namespace: str, values: dict) -> list[dict]:
                 "tessera", str(chart), values=values or None, wait=False, timeout=60))
     finally:
         server.shutdown()
+        server.server_close()
     if FakeApi.unexpected:
         raise RuntimeError(f"helm made unexpected calls: {FakeApi.unexpected}")
     return list(FakeApi.created)
