@@ -5,23 +5,6 @@
 use super::*;
 use std::os::unix::fs::MetadataExt;
 
-/// Field `n` (1-based, `n` > 2) of `/proc/<pid>/stat`, counted after the parenthesised name,
-/// which may itself contain spaces and parentheses (so the last `)` ends it).
-#[cfg(test)]
-fn stat_field<T: std::str::FromStr>(pid: i32, n: usize) -> Option<T> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    tessera_protocol::process::stat_fields(&stat)?
-        .nth(n - 3)?
-        .parse()
-        .ok()
-}
-
-/// The parent of `pid` from `/proc/<pid>/stat` (field 4).
-#[cfg(test)]
-pub(crate) fn proc_parent(pid: i32) -> Option<i32> {
-    stat_field(pid, 4)
-}
-
 /// The cgroup v2 path of `pid`: the `0::` line of `/proc/<pid>/cgroup`.
 pub(crate) fn proc_cgroup(pid: &str) -> Option<String> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;

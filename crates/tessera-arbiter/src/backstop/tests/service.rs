@@ -6,21 +6,20 @@ use crate::peer::Peer;
 #[test]
 fn proc_parent_reads_this_process() {
     let me = std::process::id() as i32;
-    let parent = proc_parent(me).expect("own stat");
+    // The view reads parent and start time from one read of the file.
+    let (view, _) = ProcFs::new(std::path::Path::new("/proc/self/ns/mnt"));
+    let parent = view.parent(me).expect("own stat");
     // SAFETY: getppid has no preconditions.
     assert_eq!(parent, unsafe { libc::getppid() });
-    assert_eq!(proc_parent(-5), None);
-    // We started after our parent, and a start time does not change.
+    assert_eq!((view.parent(-5), view.start_time(-5)), (None, None));
+    // We started after our parent, and a start time does not change; the view's agrees with
+    // the protocol's reader (`proc_start`).
     let (mine, theirs) = (proc_start(me).unwrap(), proc_start(parent).unwrap());
     assert!(mine >= theirs, "{mine} {theirs}");
     assert_eq!(proc_start(me), Some(mine));
     assert_eq!(proc_start(-5), None);
-    assert!(proc_cgroup("self").is_some_and(|c| c.starts_with('/')));
-    // The view reads both from one read of the file, the same as the two readers above.
-    let (view, _) = ProcFs::new(std::path::Path::new("/proc/self/ns/mnt"));
-    assert_eq!(view.parent(me), Some(parent));
     assert_eq!(view.start_time(me), Some(mine));
-    assert_eq!((view.parent(-5), view.start_time(-5)), (None, None));
+    assert!(proc_cgroup("self").is_some_and(|c| c.starts_with('/')));
 }
 
 #[test]
