@@ -19,18 +19,9 @@ impl MigNvml {
     ) -> Result<InstanceInfo, MigNvmlError> {
         let dev = self.handle(uuid)?;
         let lib = self.nvml.lib();
-        let create_fn = *lib
-            .nvmlDeviceCreateGpuInstanceWithPlacement
-            .as_ref()
-            .map_err(|_| MigNvmlError::Missing("nvmlDeviceCreateGpuInstanceWithPlacement"))?;
-        let info_fn = *lib
-            .nvmlGpuInstanceGetInfo
-            .as_ref()
-            .map_err(|_| MigNvmlError::Missing("nvmlGpuInstanceGetInfo"))?;
-        let destroy_fn = *lib
-            .nvmlGpuInstanceDestroy
-            .as_ref()
-            .map_err(|_| MigNvmlError::Missing("nvmlGpuInstanceDestroy"))?;
+        let create_fn = symbol!(lib, nvmlDeviceCreateGpuInstanceWithPlacement);
+        let info_fn = symbol!(lib, nvmlGpuInstanceGetInfo);
+        let destroy_fn = symbol!(lib, nvmlGpuInstanceDestroy);
         let placement = sys::nvmlGpuInstancePlacement_t { start, size };
         let mut gi: sys::nvmlGpuInstance_t = ptr::null_mut();
         // SAFETY: `dev` is live; `placement` is read, `gi` written by NVML.
@@ -69,14 +60,8 @@ impl MigNvml {
     /// slices it offers (the shared-engine profile).
     fn fill(&self, gi: sys::nvmlGpuInstance_t) -> Result<(), MigNvmlError> {
         let lib = self.nvml.lib();
-        let info_fn = *lib
-            .nvmlGpuInstanceGetComputeInstanceProfileInfo
-            .as_ref()
-            .map_err(|_| MigNvmlError::Missing("nvmlGpuInstanceGetComputeInstanceProfileInfo"))?;
-        let create_fn = *lib
-            .nvmlGpuInstanceCreateComputeInstance
-            .as_ref()
-            .map_err(|_| MigNvmlError::Missing("nvmlGpuInstanceCreateComputeInstance"))?;
+        let info_fn = symbol!(lib, nvmlGpuInstanceGetComputeInstanceProfileInfo);
+        let create_fn = symbol!(lib, nvmlGpuInstanceCreateComputeInstance);
         let mut best: Option<(u32, u32)> = None;
         for p in 0..sys::NVML_COMPUTE_INSTANCE_PROFILE_COUNT {
             let mut info = sys::nvmlComputeInstanceProfileInfo_t {
@@ -118,22 +103,10 @@ impl MigNvml {
     pub fn destroy(&self, uuid: &str, id: u32) -> Result<(), MigNvmlError> {
         let dev = self.handle(uuid)?;
         let lib = self.nvml.lib();
-        let by_id = *lib
-            .nvmlDeviceGetGpuInstanceById
-            .as_ref()
-            .map_err(|_| MigNvmlError::Missing("nvmlDeviceGetGpuInstanceById"))?;
-        let list_ci = *lib
-            .nvmlGpuInstanceGetComputeInstances
-            .as_ref()
-            .map_err(|_| MigNvmlError::Missing("nvmlGpuInstanceGetComputeInstances"))?;
-        let destroy_ci = *lib
-            .nvmlComputeInstanceDestroy
-            .as_ref()
-            .map_err(|_| MigNvmlError::Missing("nvmlComputeInstanceDestroy"))?;
-        let destroy_gi = *lib
-            .nvmlGpuInstanceDestroy
-            .as_ref()
-            .map_err(|_| MigNvmlError::Missing("nvmlGpuInstanceDestroy"))?;
+        let by_id = symbol!(lib, nvmlDeviceGetGpuInstanceById);
+        let list_ci = symbol!(lib, nvmlGpuInstanceGetComputeInstances);
+        let destroy_ci = symbol!(lib, nvmlComputeInstanceDestroy);
+        let destroy_gi = symbol!(lib, nvmlGpuInstanceDestroy);
         let mut gi: sys::nvmlGpuInstance_t = ptr::null_mut();
         // SAFETY: `dev` is live; `gi` is written by NVML.
         call("nvmlDeviceGetGpuInstanceById", unsafe {

@@ -21,6 +21,18 @@ use nvml_wrapper::Nvml;
 use nvml_wrapper::error::{NvmlError, nvml_try};
 use nvml_wrapper_sys::bindings as sys;
 
+/// The raw symbol `$name` of the loaded library, or [`MigNvmlError::Missing`] naming it:
+/// nvml-wrapper's generated bindings keep a `Result` per symbol, and calling one that is
+/// missing through their wrappers would panic.
+macro_rules! symbol {
+    ($lib:expr, $name:ident) => {
+        *$lib
+            .$name
+            .as_ref()
+            .map_err(|_| MigNvmlError::Missing(stringify!($name)))?
+    };
+}
+
 mod instances;
 
 /// Errors of the MIG calls.
@@ -129,14 +141,8 @@ impl MigNvml {
     pub fn profiles(&self, uuid: &str) -> Result<Vec<ProfileInfo>, MigNvmlError> {
         let dev = self.handle(uuid)?;
         let lib = self.nvml.lib();
-        let info_fn = *lib
-            .nvmlDeviceGetGpuInstanceProfileInfoV
-            .as_ref()
-            .map_err(|_| MigNvmlError::Missing("nvmlDeviceGetGpuInstanceProfileInfoV"))?;
-        let place_fn = *lib
-            .nvmlDeviceGetGpuInstancePossiblePlacements_v2
-            .as_ref()
-            .map_err(|_| MigNvmlError::Missing("nvmlDeviceGetGpuInstancePossiblePlacements_v2"))?;
+        let info_fn = symbol!(lib, nvmlDeviceGetGpuInstanceProfileInfoV);
+        let place_fn = symbol!(lib, nvmlDeviceGetGpuInstancePossiblePlacements_v2);
         let mut out = Vec::new();
         for p in 0..sys::NVML_GPU_INSTANCE_PROFILE_COUNT {
             let mut info = sys::nvmlGpuInstanceProfileInfo_v2_t {
@@ -204,14 +210,8 @@ impl MigNvml {
         }
         let dev = self.handle(uuid)?;
         let lib = self.nvml.lib();
-        let list_fn = *lib
-            .nvmlDeviceGetGpuInstances
-            .as_ref()
-            .map_err(|_| MigNvmlError::Missing("nvmlDeviceGetGpuInstances"))?;
-        let info_fn = *lib
-            .nvmlGpuInstanceGetInfo
-            .as_ref()
-            .map_err(|_| MigNvmlError::Missing("nvmlGpuInstanceGetInfo"))?;
+        let list_fn = symbol!(lib, nvmlDeviceGetGpuInstances);
+        let info_fn = symbol!(lib, nvmlGpuInstanceGetInfo);
         let uuids = self.mig_uuids(uuid)?;
         let mut out = Vec::new();
         for p in self.profiles(uuid)? {
@@ -252,12 +252,7 @@ impl MigNvml {
             .nvml
             .device_by_uuid(uuid)
             .map_err(wrap("nvmlDeviceGetHandleByUUID"))?;
-        let gi_fn = *self
-            .nvml
-            .lib()
-            .nvmlDeviceGetGpuInstanceId
-            .as_ref()
-            .map_err(|_| MigNvmlError::Missing("nvmlDeviceGetGpuInstanceId"))?;
+        let gi_fn = symbol!(self.nvml.lib(), nvmlDeviceGetGpuInstanceId);
         let max = dev
             .mig_device_count()
             .map_err(wrap("nvmlDeviceGetMaxMigDeviceCount"))?;
