@@ -53,6 +53,9 @@ pub(crate) struct ComputeUse<'a> {
     pub used_ns: u64,
     /// Its lease total so far (the scheduler's), ns.
     pub leased_total: u64,
+    /// It has a cap: lease time it held idle while alone on the GPU is returned to the cap
+    /// (see [`ComputeVerdict::refund_ns`]).
+    pub capped: bool,
 }
 
 /// What one observation of an allocation's GPU time calls for.
@@ -69,6 +72,13 @@ pub(crate) struct ComputeVerdict {
     /// True when the GPU's unleased time passed the threshold and this allocation is one to act
     /// on (its debt is then cleared: the caller acts).
     pub over: bool,
+    /// Capped allocations only: lease time it held in the interval without using it, as the
+    /// card measured, to be returned to its cap (not its share), ns. Only while it is the only
+    /// allocation on the GPU that used GPU time or held a lease: its idle is then its own,
+    /// whereas beside others NVML's per-process attribution comes in lumps (on the H200, 200
+    /// ms periods given to one process; see `DEFAULT_COMPUTE_TOLERANCE`), so one tenant's
+    /// idle could not be told from a neighbour's use.
+    pub refund_ns: u64,
 }
 
 /// Splits `budget` over `needs` max-min fairly: a need below the fair part is met in full and
@@ -122,13 +132,18 @@ impl ComputeBook {
             unleased_ns: 0,
             forgiven_ns: 0,
             over: false,
+            refund_ns: 0,
         };
         let mut verdicts = vec![nothing; uses.len()];
-        // (index, debt before, debt before the slack, leased this interval) of the allocations
-        // seen before.
+        // (index, debt before, debt before the slack, leased this interval, no tolerance) of
+        // the allocations seen before.
         let mut rows = Vec::new();
+        // Allocations that used GPU time or held a lease in the interval (or whose first
+        // sight says nothing yet): a capped one is refunded its idle only when it is the one.
+        let mut active = 0usize;
         for (i, u) in uses.iter().enumerate() {
             let Some(d) = self.per.get_mut(u.id) else {
+                active += 1;
                 self.per.insert(
                     u.id.to_owned(),
                     Debt {
@@ -145,6 +160,9 @@ impl ComputeBook {
             };
             let leased = u.leased_total.saturating_sub(d.leased_seen);
             d.leased_seen = u.leased_total;
+            if leased > 0 || u.used_ns > 0 {
+                active += 1;
+            }
             let pre = d.debt_ns + i128::from(u.used_ns) - i128::from(leased);
             // Whether it takes part in leasing (at least half its GPU time leased over the
             // recent intervals, this one included): only such an allocation's excursions can
@@ -178,7 +196,20 @@ impl ComputeBook {
         for (&(i, before, pre, leased, no_tolerance), slack) in rows.iter().zip(given) {
             let t = if no_tolerance { 0 } else { tolerance };
             let beyond = |x: i128| (x - t).max(0);
-            let debt = (pre - slack).max(floor);
+            let mut debt = (pre - slack).max(floor);
+            // Alone and capped, the lease time it held idle in this interval goes back to its
+            // cap at once, and its time beyond its leases is not forgiven from the slack (it
+            // is the only one on the GPU; forgiven, kernel time reported a poll late would be
+            // refunded as idle in one poll and forgiven in the next). Refunded time leaves the
+            // balance, so it cannot also pay for unleased time later; late kernel time is debt
+            // that the next idle pays off before anything is refunded again.
+            if uses[i].capped && active == 1 {
+                debt = pre.max(floor);
+                let idle = i128::from(leased) - i128::from(uses[i].used_ns);
+                let back = (-debt).min(idle).max(0);
+                verdicts[i].refund_ns = back as u64;
+                debt += back;
+            }
             // Only debt that grows beyond the tolerance is charged: kernel time reported a
             // poll late first pays back lease time it was granted earlier.
             verdicts[i].charge_ns = (beyond(debt) - beyond(before)).max(0) as u64;
@@ -196,7 +227,8 @@ impl ComputeBook {
                 continue;
             };
             d.debt_ns = kept;
-            d.spent = (d.spent || debt > t) && debt >= 0;
+            // A refund means it was below zero (held idle) before the refund.
+            d.spent = (d.spent || debt > t) && debt >= 0 && verdicts[i].refund_ns == 0;
             d.recent_used = d.recent_used * RECENT_DECAY + used as f64;
             // At most an interval's worth: one GPU holds one lease at a time, and leases held
             // idle must not buy a bypass later.
@@ -263,13 +295,13 @@ impl Backstop {
         let live: HashSet<&str> = watched.iter().map(|w| w.id.as_str()).collect();
         self.book.retain(&live);
         // Policed allocations by GPU: each GPU has one slack budget.
-        let mut per_gpu: HashMap<String, Vec<(usize, u64, u64)>> = HashMap::new();
+        let mut per_gpu: HashMap<String, Vec<(usize, u64, u64, bool)>> = HashMap::new();
         for (i, (w, group)) in watched.iter().zip(&groups).enumerate() {
             if busy[i] > 0 {
                 self.arb.note_gpu_busy(&w.id, busy[i]);
             }
             let used: u64 = group.iter().map(|(_, ns)| ns).sum();
-            let (gpu, leased) = if w.share < 100 {
+            let (gpu, leased, capped) = if w.share < 100 {
                 let Some(at) = self.arb.leased_total(&w.id) else {
                     continue;
                 };
@@ -277,9 +309,12 @@ impl Backstop {
             } else {
                 // A whole-card allocation is policed only on cards it does not own, where no
                 // lease of its covers anything; that time draws on a budget of its own.
-                (format!("whole-card {}", w.id), 0)
+                (format!("whole-card {}", w.id), 0, false)
             };
-            per_gpu.entry(gpu).or_default().push((i, used, leased));
+            per_gpu
+                .entry(gpu)
+                .or_default()
+                .push((i, used, leased, capped));
         }
         let may_act = self.started.elapsed() >= COMPUTE_WARMUP;
         let mut actions = Vec::new();
@@ -300,17 +335,21 @@ impl Backstop {
         for rows in per_gpu.values() {
             let uses: Vec<ComputeUse<'_>> = rows
                 .iter()
-                .map(|&(i, used_ns, leased_total)| ComputeUse {
+                .map(|&(i, used_ns, leased_total, capped)| ComputeUse {
                     id: &watched[i].id,
                     used_ns,
                     leased_total,
+                    capped,
                 })
                 .collect();
             let verdicts = self.book.observe_gpu(&uses, elapsed, &self.policy, may_act);
-            for (&(i, _, _), v) in rows.iter().zip(verdicts) {
+            for (&(i, _, _, _), v) in rows.iter().zip(verdicts) {
                 let w = &watched[i];
                 if v.forgiven_ns > 0 {
                     self.arb.count_for_cap(&w.id, v.forgiven_ns);
+                }
+                if v.refund_ns > 0 {
+                    self.arb.refund_cap(&w.id, v.refund_ns);
                 }
                 if v.charge_ns > 0 {
                     self.arb.charge_unleased(&w.id, v.charge_ns);

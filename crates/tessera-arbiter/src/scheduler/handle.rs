@@ -169,8 +169,17 @@ impl SchedulerHandle {
     }
 
     /// See [`GpuScheduler::leased_total`].
-    pub(crate) fn leased_total(&self, key: AccountKey, now: u64) -> Option<u64> {
-        self.lock().sched.leased_total(key, now)
+    pub(crate) fn leased_total(&self, key: AccountKey, now: u64) -> Option<(u64, bool)> {
+        let s = self.lock();
+        Some((s.sched.leased_total(key, now)?, s.sched.capped(key)))
+    }
+
+    /// See [`GpuScheduler::refund_cap`].
+    pub(crate) fn refund_cap(&self, key: AccountKey, ns: u64, now: u64) {
+        self.apply(now, |s| {
+            s.refund_cap(key, ns, now);
+            Vec::new()
+        });
     }
 
     /// See [`GpuScheduler::charge_unleased`].

@@ -211,16 +211,30 @@ impl Arbiter {
         self.members.lock()
     }
 
-    /// The GPU (UUID) allocation `id` is scheduled on and the GPU time granted to it in leases
-    /// so far, ns (for the backstop, which keeps one slack budget per GPU).
-    pub(crate) fn leased_total(&self, id: &str) -> Option<(String, u64)> {
+    /// The GPU (UUID) allocation `id` is scheduled on, the GPU time granted to it in leases
+    /// so far, ns, and whether it is capped (for the backstop, which keeps one slack budget
+    /// per GPU and returns a capped allocation's idle lease time to its cap).
+    pub(crate) fn leased_total(&self, id: &str) -> Option<(String, u64, bool)> {
         let (key, sched) = self
             .live()
             .by_id
             .get(id)
             .map(|a| (a.key, a.scheduler.clone()))?;
-        let leased = sched.leased_total(key, self.now_ns())?;
-        Some((sched.uuid().to_owned(), leased))
+        let (leased, capped) = sched.leased_total(key, self.now_ns())?;
+        Some((sched.uuid().to_owned(), leased, capped))
+    }
+
+    /// Returns `ns` of lease time allocation `id` held without using it (the card's
+    /// measure, read by the backstop) to its cap, not its share.
+    pub(crate) fn refund_cap(&self, id: &str, ns: u64) {
+        let found = self
+            .live()
+            .by_id
+            .get(id)
+            .map(|a| (a.key, a.scheduler.clone()));
+        if let Some((key, sched)) = found {
+            sched.refund_cap(key, ns, self.now_ns());
+        }
     }
 
     /// Counts GPU time allocation `id` used outside its leases, forgiven from its GPU's slack,

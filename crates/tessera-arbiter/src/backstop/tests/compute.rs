@@ -28,6 +28,7 @@ fn observe1(
         id,
         used_ns,
         leased_total,
+        capped: false,
     };
     book.observe_gpu(&[u], elapsed, pol, may_act)[0]
 }
@@ -156,12 +157,14 @@ fn beside_honest(ids: &[String], bypass: u64, used: u64, leased: u64) -> Vec<Com
             id,
             used_ns: bypass,
             leased_total: 0,
+            capped: false,
         })
         .collect();
     u.push(ComputeUse {
         id: "honest",
         used_ns: used,
         leased_total: leased,
+        capped: false,
     });
     u
 }
@@ -364,11 +367,13 @@ fn a_leasing_tenant_is_never_acted_on_for_a_neighbour_that_bypasses() {
                 id: "drifter",
                 used_ns: 250 * MS,
                 leased_total: leased,
+                capped: false,
             },
             ComputeUse {
                 id: "bypasser",
                 used_ns: 50 * MS,
                 leased_total: 0,
+                capped: false,
             },
         ]
     };
@@ -486,11 +491,13 @@ fn replay(pol: &Policy) -> (u64, u64) {
                 id: "a",
                 used_ns: poll * a / 100,
                 leased_total: leased_a,
+                capped: false,
             },
             ComputeUse {
                 id: "b",
                 used_ns: poll * b / 100,
                 leased_total: leased_b,
+                capped: false,
             },
         ];
         let v = book.observe_gpu(&uses, poll, pol, true);
@@ -526,6 +533,7 @@ fn a_bypass_gets_no_tolerance_and_is_acted_on_as_before() {
             id: "x",
             used_ns: poll * 96 / 100,
             leased_total: 0,
+            capped: false,
         };
         let v = book.observe_gpu(&[u], poll, &pol, true);
         charged += v[0].charge_ns;
@@ -539,4 +547,98 @@ fn a_bypass_gets_no_tolerance_and_is_acted_on_as_before() {
     // It never leased, so it gets no tolerance: everything beyond the slack is charged,
     // 11 polls of 240 ms less the slack's 12.5 ms each (as with no tolerance at all).
     assert_eq!(charged, 11 * 2275 * MS / 10);
+}
+
+/// One observation of allocations on one GPU, `(id, used, leased_total, capped)` each.
+fn observe_all(
+    book: &mut ComputeBook,
+    rows: &[(&str, u64, u64, bool)],
+    pol: &Policy,
+) -> Vec<ComputeVerdict> {
+    let uses: Vec<ComputeUse<'_>> = rows
+        .iter()
+        .map(|&(id, used_ns, leased_total, capped)| ComputeUse {
+            id,
+            used_ns,
+            leased_total,
+            capped,
+        })
+        .collect();
+    book.observe_gpu(&uses, 250 * MS, pol, true)
+}
+
+#[test]
+fn a_capped_tenant_alone_gets_back_the_lease_time_it_left_idle_and_no_more() {
+    let mut book = ComputeBook::default();
+    let pol = policy_tolerating(Duration::from_millis(500));
+    observe_all(&mut book, &[("capped", 0, 0, true)], &pol);
+    // 75 ms leased per poll, 69 used (its own synchronises idle the GPU), reported as kernels
+    // end: 60 in one poll, 78 in the next.
+    let (mut leased, mut refunded, mut owed) = (0, 0, 0);
+    for i in 0..40u64 {
+        leased += 75 * MS;
+        let used = if i % 2 == 0 { 60 * MS } else { 78 * MS };
+        let v = observe_all(&mut book, &[("capped", used, leased, true)], &pol)[0];
+        assert_eq!((v.charge_ns, v.over), (0, false), "poll {i}: {v:?}");
+        refunded += v.refund_ns;
+        owed = v.unleased_ns;
+    }
+    // 40 polls x 6 ms of idle: every ms of it back, none of the late kernels' time (the last
+    // poll's 3 ms late is owed, to be paid from the next idle).
+    assert_eq!((refunded, owed), (40 * 6 * MS + 3 * MS, 3 * MS));
+}
+
+#[test]
+fn no_refund_beside_another_active_tenant_nor_to_an_uncapped_one() {
+    let mut book = ComputeBook::default();
+    let pol = policy();
+    let first = [("capped", 0, 0, true), ("other", 0, 0, false)];
+    observe_all(&mut book, &first, &pol);
+    // The other tenant holds a lease in the interval: the capped one's idle may be NVML's
+    // lumps giving its time to the other, so nothing is refunded.
+    let v = observe_all(
+        &mut book,
+        &[
+            ("capped", 10 * MS, 75 * MS, true),
+            ("other", 100 * MS, 100 * MS, false),
+        ],
+        &pol,
+    );
+    assert_eq!((v[0].refund_ns, v[1].refund_ns), (0, 0));
+    // The other goes quiet (no lease, no GPU time): the capped one is alone again.
+    let v = observe_all(
+        &mut book,
+        &[
+            ("capped", 10 * MS, 150 * MS, true),
+            ("other", 0, 100 * MS, false),
+        ],
+        &pol,
+    );
+    assert_eq!(
+        v[0].refund_ns,
+        65 * MS,
+        "this interval's idle only, not the 65 ms banked beside the other"
+    );
+    // An uncapped tenant alone banks its idle (one interval at most), as before.
+    let mut book = ComputeBook::default();
+    observe_all(&mut book, &[("free", 0, 0, false)], &pol);
+    let v = observe_all(&mut book, &[("free", 0, 75 * MS, false)], &pol)[0];
+    assert_eq!(v.refund_ns, 0);
+}
+
+#[test]
+fn idle_refunded_to_a_cap_does_not_also_pay_for_a_bypass_later() {
+    // Uncapped, 250 ms of idle lease is banked and pays for 250 ms outside leases; refunded
+    // to a cap, it pays for nothing: the same bypass is charged whole.
+    let charged = |capped: bool| {
+        let mut book = ComputeBook::default();
+        let pol = policy();
+        observe_all(&mut book, &[("a", 0, 0, capped)], &pol);
+        let idle = observe_all(&mut book, &[("a", 0, 250 * MS, capped)], &pol)[0];
+        let bypass = observe_all(&mut book, &[("a", 250 * MS, 250 * MS, capped)], &pol)[0];
+        (idle.refund_ns, bypass.charge_ns + bypass.forgiven_ns)
+    };
+    assert_eq!(charged(false), (0, 0));
+    // 5% of 250 ms is the GPU's slack (forgiven, but counted against the cap): 250 ms in all.
+    assert_eq!(charged(true), (250 * MS, 250 * MS));
 }
