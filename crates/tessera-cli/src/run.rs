@@ -42,8 +42,8 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use tessera_protocol::node;
 
 use anyhow::{Context, bail};
-use tessera_protocol::client::AdminClient;
-use tessera_protocol::{CreateAllocation, GpuSelector};
+use tessera_protocol::client::{AdminClient, ClientError};
+use tessera_protocol::{AdminReply, AdminRequest, CreateAllocation, GpuSelector};
 
 use crate::CliError;
 
@@ -137,8 +137,8 @@ fn parse_gpu_arg(text: &str) -> Result<GpuSelector, String> {
 }
 
 /// The interposer to preload: the flag (or `TESSERA_INTERPOSER`), else the file next to the
-/// running `tessera`. Refuses to go on without one, or with a file that does not load as the
-/// interposer: the command would run unlimited.
+/// running `tessera`. Refuses to go on without one (the command would run unlimited); whether
+/// it loads as the interposer is [`check_interposer`]'s.
 fn interposer_path(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
     let path = match explicit {
         Some(p) => p.to_path_buf(),
@@ -159,9 +159,6 @@ fn interposer_path(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
     // LD_PRELOAD entries are separated by ':' and spaces, and a relative one is searched
     // for like a library name, so hand the loader an absolute path.
     let path = std::fs::canonicalize(&path).unwrap_or(path);
-    tessera_preload::check(&path).map_err(|e| {
-        anyhow::anyhow!("{e} (without the interposer the limits would not be enforced)")
-    })?;
     let text = path.to_string_lossy();
     if text.contains([':', ' ']) {
         bail!(
@@ -170,6 +167,15 @@ fn interposer_path(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
         );
     }
     Ok(path)
+}
+
+/// Refuses a file that does not load as the interposer: the loader would skip it with a
+/// warning and the command would run unlimited. (It loads the file: `tessera run` does this
+/// while the arbiter creates the allocation.)
+fn check_interposer(path: &Path) -> anyhow::Result<()> {
+    tessera_preload::check(path).map_err(|e| {
+        anyhow::anyhow!("{e} (without the interposer the limits would not be enforced)")
+    })
 }
 
 /// `LD_PRELOAD` for the command: the interposer first, then whatever was there.
@@ -241,7 +247,6 @@ pub(crate) fn main(args: RunArgs) -> Result<u8, CliError> {
         .context("cannot read this process's start time from /proc/self/stat")?;
     let endpoint = args.sockets.endpoint();
     let sock = &endpoint.path;
-    let mut admin = AdminClient::connect(sock).map_err(|e| CliError::arbiter(e, sock))?;
     let mut labels = std::collections::BTreeMap::new();
     labels.insert("created-by".to_owned(), "tessera run".to_owned());
     labels.insert("pid".to_owned(), std::process::id().to_string());
@@ -262,28 +267,73 @@ pub(crate) fn main(args: RunArgs) -> Result<u8, CliError> {
         .collect();
     // One GPU: a plain allocation in its tier; several: one group, all or nothing, under one
     // token (best-effort: a group has no tier yet).
-    let (token, allocs) = match <[CreateAllocation; 1]>::try_from(slices) {
-        Ok([create]) => admin
-            .create_tiered(create, Some(owner), args.tier)
-            .map(|(t, a)| (t, vec![a])),
-        Err(slices) => admin.create_group(slices, Some(owner)),
-    }
-    .map_err(|e| CliError::arbiter(e, sock))?;
+    let owner = Some(owner);
+    let req = match <[CreateAllocation; 1]>::try_from(slices) {
+        Ok([create]) => AdminRequest::CreateTiered {
+            create,
+            owner,
+            tier: args.tier,
+        },
+        Err(slices) => AdminRequest::CreateGroup { slices, owner },
+    };
+    // The create goes out with the handshake, and the interposer is loaded and checked while
+    // the arbiter works on it (two round trips and the check were a tenth of `tessera run`'s
+    // added start-up, docs/benchmarks.md).
+    let sent = AdminClient::connect_pipelined(sock).and_then(|mut a| a.send(&req).map(|()| a));
+    let checked = check_interposer(&interposer);
+    let created = sent.and_then(|mut admin| {
+        let reply = admin.recv()?;
+        Ok((admin, reply))
+    });
+    let (admin, reply) = match (created, checked) {
+        (Ok(c), Ok(())) => c,
+        // The interposer's error first: it is the caller's to fix, whatever the arbiter said.
+        (Ok((mut admin, reply)), Err(e)) => {
+            for id in created_ids(&reply) {
+                if let Err(d) = admin.delete(&id) {
+                    eprintln!("tessera run: could not delete allocation {id}: {d}");
+                }
+            }
+            return Err(e.into());
+        }
+        (Err(_), Err(e)) => return Err(e.into()),
+        (Err(e), Ok(())) => return Err(CliError::arbiter(e, sock)),
+    };
+    let (token, allocs) = match reply {
+        AdminReply::Created { token, allocation } => (token, vec![allocation]),
+        AdminReply::CreatedGroup { token, allocations } => (token, allocations),
+        other => {
+            let e = ClientError::Unexpected(format!("{other:?}"));
+            return Err(CliError::arbiter(e, sock));
+        }
+    };
     drop(admin);
     // The command sees exactly its GPUs, in the order asked (ordinal 0 is the first).
     let visible: Vec<&str> = allocs.iter().map(|a| a.gpu_uuid.as_str()).collect();
     let status = run_command(&args, &interposer, &token, &visible.join(","));
-    // Its own connection: an arbiter that does not know the question hangs up on it. One that
-    // answered every question serves the deletes too (a connection and its handshake less).
-    let mut after = AdminClient::connect(sock).ok();
+    // The kill questions and the deletes go out together with the handshake (one round trip),
+    // answered in order: the questions before the deletes. An arbiter that does not know the
+    // question hangs up at it, before the deletes: they are then sent again, each on a
+    // connection of its own.
+    let mut after = AdminClient::connect_pipelined(sock).ok();
+    let questions = allocs
+        .iter()
+        .map(|a| AdminRequest::LastKill { id: a.id.clone() });
+    let deletes = allocs
+        .iter()
+        .map(|a| AdminRequest::Delete { id: a.id.clone() });
+    let mut sent = questions.chain(deletes);
     if let Some(admin) = after.as_mut()
-        && !say_kills(admin, &allocs)
+        && (sent.any(|req| admin.send(&req).is_err()) || !say_kills(admin, &allocs))
     {
         after = None;
     }
     for id in allocs.iter().map(|a| &a.id) {
         let deleted = match after.as_mut() {
-            Some(admin) => admin.delete(id),
+            Some(admin) => admin.recv().and_then(|reply| match reply {
+                AdminReply::Deleted => Ok(()),
+                other => Err(ClientError::Unexpected(format!("{other:?}"))),
+            }),
             None => AdminClient::connect(sock).and_then(|mut a| a.delete(id)),
         };
         if deleted.is_err() {
@@ -313,12 +363,28 @@ pub(crate) fn main(args: RunArgs) -> Result<u8, CliError> {
     })
 }
 
+/// The allocations a create's reply names (none for any other reply).
+fn created_ids(reply: &AdminReply) -> Vec<String> {
+    match reply {
+        AdminReply::Created { allocation, .. } => vec![allocation.id.clone()],
+        AdminReply::CreatedGroup { allocations, .. } => {
+            allocations.iter().map(|a| a.id.clone()).collect()
+        }
+        _ => Vec::new(),
+    }
+}
+
 /// Says on stderr which process of `allocs` the backstop killed and why, as the arbiter
-/// recorded it (an exit status of 137 alone does not say who sent the SIGKILL, or why).
-/// True when the arbiter answered every question (the connection can serve more).
+/// recorded it (an exit status of 137 alone does not say who sent the SIGKILL, or why): reads
+/// the answers to the `LastKill` questions sent for them, in order. True when the arbiter
+/// answered every question (the connection can serve more).
 fn say_kills(admin: &mut AdminClient, allocs: &[tessera_protocol::AllocationStatus]) -> bool {
     for a in allocs {
-        match admin.last_kill(&a.id) {
+        let answer = admin.recv().and_then(|reply| match reply {
+            AdminReply::LastKill(k) => Ok(k),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        });
+        match answer {
             Ok(Some(k)) => eprintln!(
                 "tessera: the backstop killed pid {} of allocation {}: {}",
                 k.pid, a.id, k.reason

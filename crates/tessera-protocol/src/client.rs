@@ -127,28 +127,84 @@ impl TenantClient {
 #[derive(Debug)]
 pub struct AdminClient {
     stream: UnixStream,
+    /// A connection from [`AdminClient::connect_pipelined`] whose `Hello` went out with its
+    /// first request and whose answer is still to be read (before the first reply).
+    welcome_due: bool,
+    /// The `Hello`, not yet written: it goes out in the same write as the first request.
+    hello_due: Option<Vec<u8>>,
 }
 
+/// A wedged arbiter must not hang the CLI or the device plugin forever.
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(30);
+
 impl AdminClient {
-    /// Connects to the admin socket.
+    /// Connects to the admin socket and completes the handshake.
     pub fn connect(path: &Path) -> Result<Self, ClientError> {
         let (stream, hello) = connect(path, Role::Admin)?;
-        // A wedged arbiter must not hang the CLI or the device plugin forever.
-        let timeout = Some(Duration::from_secs(30));
-        let _ = stream.set_read_timeout(timeout);
-        let _ = stream.set_write_timeout(timeout);
+        let _ = stream.set_read_timeout(Some(ADMIN_TIMEOUT));
+        let _ = stream.set_write_timeout(Some(ADMIN_TIMEOUT));
         match hello {
-            ServerHello::Welcome { .. } => Ok(Self { stream }),
+            ServerHello::Welcome { .. } => Ok(Self {
+                stream,
+                welcome_due: false,
+                hello_due: None,
+            }),
             refused => Err(ClientError::refused(&refused)),
         }
     }
 
-    fn call(&mut self, req: &AdminRequest) -> Result<AdminReply, ClientError> {
-        frame::write_frame(&mut self.stream, req)?;
+    /// Connects to the admin socket without waiting for the handshake: the `Hello` goes out
+    /// with the first request, in one write, and the arbiter's answer to it is read before the
+    /// first reply (a refusal is then that request's error). One round trip less than
+    /// [`AdminClient::connect`] (`tessera run`'s start-up): the arbiter reads exactly the
+    /// `Hello` frame and leaves what follows in the socket for after its `Welcome`.
+    pub fn connect_pipelined(path: &Path) -> Result<Self, ClientError> {
+        let stream = UnixStream::connect(path).map_err(|source| ClientError::Connect {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let _ = stream.set_read_timeout(Some(ADMIN_TIMEOUT));
+        let _ = stream.set_write_timeout(Some(ADMIN_TIMEOUT));
+        Ok(Self {
+            stream,
+            welcome_due: false,
+            hello_due: Some(frame::encode(&Hello::new(Role::Admin))?),
+        })
+    }
+
+    /// Sends a request without reading its reply ([`AdminClient::recv`] reads it; replies
+    /// come in the order the requests were sent).
+    pub fn send(&mut self, req: &AdminRequest) -> Result<(), ClientError> {
+        let mut out = match self.hello_due.take() {
+            Some(hello) => {
+                self.welcome_due = true;
+                hello
+            }
+            None => Vec::new(),
+        };
+        out.extend(frame::encode(req)?);
+        std::io::Write::write_all(&mut self.stream, &out).map_err(FrameError::Io)?;
+        Ok(())
+    }
+
+    /// Reads the reply to the oldest request not answered yet; an `Error` reply is
+    /// [`ClientError::Admin`], a refused handshake [`ClientError::Refused`].
+    pub fn recv(&mut self) -> Result<AdminReply, ClientError> {
+        if self.welcome_due {
+            match frame::read_frame(&mut self.stream)? {
+                ServerHello::Welcome { .. } => self.welcome_due = false,
+                refused => return Err(ClientError::refused(&refused)),
+            }
+        }
         match frame::read_frame(&mut self.stream)? {
             AdminReply::Error { kind, message } => Err(ClientError::Admin { kind, message }),
             reply => Ok(reply),
         }
+    }
+
+    fn call(&mut self, req: &AdminRequest) -> Result<AdminReply, ClientError> {
+        self.send(req)?;
+        self.recv()
     }
 
     /// The node's GPUs.

@@ -1,6 +1,7 @@
 //! Versions, bad input, labels, deleted allocations and restarts.
 
 use super::*;
+use tessera_protocol::AdminReply;
 
 pub(super) fn expect_closed(mut s: UnixStream) {
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
@@ -52,6 +53,39 @@ fn a_client_of_another_version_reads_why_it_was_refused() {
         Some(RefusalKind::UnknownToken),
         "{r:?}"
     );
+}
+
+/// A pipelined admin connection (`tessera run`'s: the hello and the requests in one write)
+/// gets its welcome and then its replies in order; requests the arbiter reads before its
+/// welcome are not lost. A refused one (the tenant socket takes no admin) reads the refusal
+/// as its first request's error, and nothing it sent was done.
+#[test]
+fn a_pipelined_admin_connection_is_answered_in_order_and_a_refusal_does_nothing() {
+    let arb = Arbiter::start();
+    let (_, id) = create(&mut arb.admin(), 0, GIB, 10);
+    let mut admin = AdminClient::connect_pipelined(&arb.admin_socket).unwrap();
+    admin
+        .send(&AdminRequest::LastKill { id: id.clone() })
+        .unwrap();
+    admin
+        .send(&AdminRequest::Delete { id: id.clone() })
+        .unwrap();
+    admin.send(&AdminRequest::List).unwrap();
+    assert!(matches!(admin.recv().unwrap(), AdminReply::LastKill(None)));
+    assert!(matches!(admin.recv().unwrap(), AdminReply::Deleted));
+    assert!(matches!(admin.recv().unwrap(), AdminReply::Allocations(a) if a.is_empty()));
+    // The same connection goes on as any other.
+    let (_, id) = create(&mut admin, 0, GIB, 10);
+    let mut wrong = AdminClient::connect_pipelined(&arb.socket).unwrap();
+    wrong
+        .send(&AdminRequest::Delete { id: id.clone() })
+        .unwrap();
+    match wrong.recv() {
+        Err(ClientError::Refused { kind, .. }) => assert_eq!(kind, RefusalKind::WrongSocket),
+        other => panic!("{other:?}"),
+    }
+    let left = arb.admin().list().unwrap();
+    assert_eq!(left.iter().map(|a| &a.id).collect::<Vec<_>>(), [&id]);
 }
 
 pub(super) fn hello_bytes(magic: u32, version: u32, role: Role) -> Vec<u8> {
