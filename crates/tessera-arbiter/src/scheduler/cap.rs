@@ -87,7 +87,7 @@ impl CapMeter {
         // in its leases would otherwise bank refunds without end). The depth is compared with
         // what the bucket holds net of the running lease: its tokens before that lease's use
         // are over the depth for most of a lease, and compared with them every refund that
-        // came during a lease was lost (28.8% at a cap of 30 instead of 29.5).
+        // came during a lease was lost.
         let net = self.bucket(p, now);
         let add = (ns as f64).min((p.bucket_depth_ns as f64 - net).max(0.0));
         self.bucket_ns = self.tokens_before_use(p, now) + add;

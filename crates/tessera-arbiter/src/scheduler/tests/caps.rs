@@ -215,6 +215,64 @@ fn gpu_time_forgiven_outside_leases_counts_against_the_cap() {
 }
 
 #[test]
+fn idle_lease_time_refunded_gives_a_capped_tenant_its_cap_in_gpu_time_and_no_more() {
+    // A tenant capped at 30% alone runs kernels for the first 90% of each lease and leaves
+    // the GPU idle for the rest (its synchronises); the backstop refunds the idle it measured
+    // every 250 ms. Counted on time held it got 27% of GPU time; refunded, it gets its cap,
+    // and no 1 s window of its GPU time passes the cap window's bound.
+    let run = |refund: bool| {
+        let mut s = GpuScheduler::new(SchedulerParams::default());
+        s.add_allocation(1, 30, Some(30), 0);
+        let (mut now, mut next_poll, mut idle) = (0, 250 * MS, 0);
+        // (end time, ns) of the GPU time it used.
+        let mut used: Vec<(u64, u64)> = Vec::new();
+        let mut lease = s.acquire(1, 10, 0).unwrap().pop();
+        while now < 10 * S {
+            if now >= next_poll {
+                if refund && idle > 0 {
+                    s.refund_cap(1, idle, now);
+                }
+                idle = 0;
+                next_poll += 250 * MS;
+            }
+            match lease.take() {
+                Some(g) => {
+                    let ran = g.duration_ns * 9 / 10;
+                    used.push((now + ran, ran));
+                    idle += g.duration_ns - ran;
+                    now += g.duration_ns;
+                    s.release(10, g.lease_id, g.duration_ns, false, now);
+                    lease = s.acquire(1, 10, now).unwrap().pop();
+                }
+                None => {
+                    let wake = s.next_wakeup(now).expect("a capped waiter");
+                    now = wake.max(now + 1).min(next_poll.max(now + 1));
+                    lease = s.tick(now).pop();
+                }
+            }
+        }
+        let window = |from: u64| -> f64 {
+            let ns: u64 = used
+                .iter()
+                .map(|&(t, ns)| t.min(from + S).saturating_sub((t - ns).max(from)))
+                .sum();
+            ns as f64 / S as f64 * 100.0
+        };
+        // Every window from the first second on, 50 ms apart, inside the run.
+        let worst = (0..=(8 * S) / (50 * MS))
+            .map(|k| window(S + k * 50 * MS))
+            .fold(0.0, f64::max);
+        let total: u64 = used.iter().map(|(_, ns)| ns).sum();
+        (total as f64 / (10 * S) as f64 * 100.0, worst)
+    };
+    let (held, _) = run(false);
+    let (got, worst) = run(true);
+    assert!(held < 28.0, "counted on time held: {held:.1}%");
+    assert!((29.0..=30.5).contains(&got), "refunded: {got:.1}%");
+    assert!(worst <= 30.5 + 0.5, "worst 1 s window: {worst:.1}%");
+}
+
+#[test]
 fn capped_waiter_is_woken_when_its_bucket_refills() {
     let mut s = GpuScheduler::new(SchedulerParams::default());
     s.add_allocation(1, 50, Some(10), 0);
