@@ -15,7 +15,10 @@
 //!   process (exponential gaps of mean MEAN_MS, fixed by a seed), each K kernels then a
 //!   synchronise; a request that arrives while the previous one runs waits for it. Prints
 //!   `latency <ns>` per request, from its arrival to its completion, and `issue <ns>`, the time
-//!   its launches took to return (under Tessera: the wait for a lease and launch credits).
+//!   its launches took to return (under Tessera: the wait for a lease and launch credits),
+//!   and `request <arrival> <issue> <done>` (monotonic ns: its nominal arrival, when its
+//!   launches began, its completion), to lay beside the simulator's engine trace
+//!   (`TESSERA_SIM_ENGINE_TRACE`, docs/simulator.md).
 //!
 //! `--kernel-us-max X`: each kernel's length is drawn uniformly between N and X us.
 //!
@@ -174,7 +177,10 @@ fn main() {
                 // The launches' own time: under Tessera, the wait for the lease and credits.
                 events.push(format!("issue {}", monotonic_ns() - issue));
                 check("cuStreamSynchronize", stream_sync(stream));
-                events.push(format!("latency {}", monotonic_ns() - arrival));
+                let done = monotonic_ns();
+                events.push(format!("latency {}", done - arrival));
+                // For timelines beside the simulator's engine trace (monotonic ns).
+                events.push(format!("request {arrival} {issue} {done}"));
             }
         }
         while args.requests_ms.is_none() && Instant::now() < end {

@@ -93,7 +93,13 @@ pub struct Engine {
     words: *const AtomicU64,
     /// Time-slicing between contexts; `None`: each kernel runs whole, in turn.
     slicing: Option<crate::timeslice::Params>,
+    /// `TESSERA_SIM_ENGINE_TRACE`: a file each run on the engine is appended to, one line
+    /// `pid start_ns end_ns ran_ns` (monotonic clock), for timelines.
+    trace: Option<File>,
 }
+
+/// Environment variable naming the engine's trace file (see [`Engine`]'s `trace`).
+pub const ENV_ENGINE_TRACE: &str = "TESSERA_SIM_ENGINE_TRACE";
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -148,11 +154,20 @@ impl Engine {
         if map == libc::MAP_FAILED {
             return Err(err(std::io::Error::last_os_error()));
         }
+        let trace = std::env::var_os(ENV_ENGINE_TRACE).and_then(|p| {
+            OpenOptions::new()
+                .create(true)
+                .append(true)
+                .custom_flags(libc::O_CLOEXEC)
+                .open(p)
+                .ok()
+        });
         Ok(Engine {
             dir: dir.to_owned(),
             file,
             words: map as *const AtomicU64,
             slicing: None,
+            trace,
         })
     }
 
@@ -260,6 +275,12 @@ impl Engine {
         // The running kernel's length as far as it ran (a reader caps the running part by it).
         self.word(KERNEL_NS_AT).store(ran, Ordering::SeqCst);
         self.account(start, end.min(start + ran));
+        if let Some(mut f) = self.trace.as_ref() {
+            // One write of a short line to a file opened for appending: lines of several
+            // processes never interleave.
+            let line = format!("{} {start} {end} {ran}\n", self.me());
+            let _ = std::io::Write::write_all(&mut f, line.as_bytes());
+        }
         self.word(1).store(0, Ordering::SeqCst);
         self.word(3).fetch_add(1, Ordering::SeqCst);
         (start, end)

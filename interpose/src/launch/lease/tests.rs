@@ -663,6 +663,29 @@ fn a_bounded_holder_queues_the_next_kernel_before_the_running_one_ends() {
     s.total += 1;
     s.look(600 * US);
     assert_eq!(s.credits, 0);
+    // Past its estimate the running kernel is not taken for done: with a 0.55 ms estimate
+    // the next still fits beside it, ...
+    s.loads = vec![load(900_000.0)];
+    s.total += 1;
+    s.look(1_400 * US);
+    assert_eq!(s.credits, 1, "a short next kernel fits the bound");
+    // ... but a 5.5 ms one (1-10 ms kernels) waits for the running one to end: a latency
+    // request arriving then meets one kernel's remainder, not two kernels.
+    s.loads = vec![Load {
+        in_flight: 1,
+        est_ns: 5.5e6,
+        running_ns: 7e6,
+    }];
+    s.total += 1;
+    s.look(8 * MS);
+    assert_eq!(
+        s.credits, 0,
+        "a long kernel past its estimate: nothing queued behind"
+    );
+    s.loads = vec![];
+    s.total += 1;
+    s.look(9 * MS);
+    assert_eq!(s.credits, 1, "it ended: the next runs alone");
     assert_eq!(bounded_credits(550_000.0, 1e6, 250_000.0, 0), 1);
     assert_eq!(bounded_credits(0.0, 1e6, 0.0, 0), 1, "one probe");
     assert_eq!(bounded_credits(5e6, 1e6, 0.0, 0), 1, "a long kernel alone");
