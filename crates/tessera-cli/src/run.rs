@@ -336,8 +336,10 @@ pub(crate) fn main(args: RunArgs) -> Result<u8, CliError> {
             }),
             None => AdminClient::connect(sock).and_then(|mut a| a.delete(id)),
         };
-        if deleted.is_err() {
-            // Whatever broke, the next delete starts from a fresh connection.
+        if deleted.is_err() && !matches!(deleted, Err(ClientError::Admin { .. })) {
+            // The connection broke (or answered out of turn): the next delete starts from a
+            // fresh one. An arbiter that refused this delete answered it, and the next delete,
+            // already sent on it, is answered there too.
             after = None;
         }
         if let Err(e) = &deleted {
