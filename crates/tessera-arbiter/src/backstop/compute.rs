@@ -196,15 +196,15 @@ impl ComputeBook {
         for (&(i, before, pre, leased, no_tolerance), slack) in rows.iter().zip(given) {
             let t = if no_tolerance { 0 } else { tolerance };
             let beyond = |x: i128| (x - t).max(0);
-            let mut debt = (pre - slack).max(floor);
             // Alone and capped, the lease time it held idle in this interval goes back to its
             // cap at once, and its time beyond its leases is not forgiven from the slack (it
             // is the only one on the GPU; forgiven, kernel time reported a poll late would be
             // refunded as idle in one poll and forgiven in the next). Refunded time leaves the
             // balance, so it cannot also pay for unleased time later; late kernel time is debt
             // that the next idle pays off before anything is refunded again.
-            if uses[i].capped && active == 1 {
-                debt = pre.max(floor);
+            let refunding = uses[i].capped && active == 1;
+            let mut debt = if refunding { pre } else { pre - slack }.max(floor);
+            if refunding {
                 let idle = i128::from(leased) - i128::from(uses[i].used_ns);
                 let back = (-debt).min(idle).max(0);
                 verdicts[i].refund_ns = back as u64;

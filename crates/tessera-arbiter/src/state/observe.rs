@@ -211,15 +211,20 @@ impl Arbiter {
         self.members.lock()
     }
 
+    /// Allocation `id`'s account and its GPU's scheduler (`None`: no such live allocation),
+    /// taken out of the live lock so the scheduler is locked without it.
+    fn scheduler_of(&self, id: &str) -> Option<(AccountKey, SchedulerHandle)> {
+        self.live()
+            .by_id
+            .get(id)
+            .map(|a| (a.key, a.scheduler.clone()))
+    }
+
     /// The GPU (UUID) allocation `id` is scheduled on, the GPU time granted to it in leases
     /// so far, ns, and whether it is capped (for the backstop, which keeps one slack budget
     /// per GPU and returns a capped allocation's idle lease time to its cap).
     pub(crate) fn leased_total(&self, id: &str) -> Option<(String, u64, bool)> {
-        let (key, sched) = self
-            .live()
-            .by_id
-            .get(id)
-            .map(|a| (a.key, a.scheduler.clone()))?;
+        let (key, sched) = self.scheduler_of(id)?;
         let (leased, capped) = sched.leased_total(key, self.now_ns())?;
         Some((sched.uuid().to_owned(), leased, capped))
     }
@@ -227,12 +232,7 @@ impl Arbiter {
     /// Returns `ns` of lease time allocation `id` held without using it (the card's
     /// measure, read by the backstop) to its cap, not its share.
     pub(crate) fn refund_cap(&self, id: &str, ns: u64) {
-        let found = self
-            .live()
-            .by_id
-            .get(id)
-            .map(|a| (a.key, a.scheduler.clone()));
-        if let Some((key, sched)) = found {
+        if let Some((key, sched)) = self.scheduler_of(id) {
             sched.refund_cap(key, ns, self.now_ns());
         }
     }
@@ -240,24 +240,14 @@ impl Arbiter {
     /// Counts GPU time allocation `id` used outside its leases, forgiven from its GPU's slack,
     /// against its cap (not its share).
     pub(crate) fn count_for_cap(&self, id: &str, ns: u64) {
-        let found = self
-            .live()
-            .by_id
-            .get(id)
-            .map(|a| (a.key, a.scheduler.clone()));
-        if let Some((key, sched)) = found {
+        if let Some((key, sched)) = self.scheduler_of(id) {
             sched.count_for_cap(key, ns, self.now_ns());
         }
     }
 
     /// Charges GPU time allocation `id` used outside its leases (seen by the backstop).
     pub(crate) fn charge_unleased(&self, id: &str, ns: u64) {
-        let found = self
-            .live()
-            .by_id
-            .get(id)
-            .map(|a| (a.key, a.scheduler.clone()));
-        if let Some((key, sched)) = found {
+        if let Some((key, sched)) = self.scheduler_of(id) {
             sched.charge_unleased(key, ns, self.now_ns());
         }
     }
