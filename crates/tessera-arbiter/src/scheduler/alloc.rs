@@ -1,7 +1,9 @@
 //! One allocation's state on a GPU: its place in the fair queue, its cap meter, its lease
 //! length, and its counters.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, VecDeque};
+
+use crate::ledger::ConnId;
 
 use super::cap::CapMeter;
 use super::lease::LeaseLength;
@@ -30,6 +32,10 @@ pub(super) struct Alloc {
     pub(super) waited_total_ns: u64,
     /// Leases granted.
     pub(super) leases: u64,
+    /// Its connections that have asked for a lease and are still open (a latency allocation
+    /// bounds best-effort work only while it has one: see
+    /// [`GpuScheduler::latency_in_use`](super::GpuScheduler::latency_in_use)).
+    pub(super) asked: BTreeSet<ConnId>,
 }
 
 impl Alloc {
@@ -47,6 +53,7 @@ impl Alloc {
             charged_total_ns: 0,
             waited_total_ns: 0,
             leases: 0,
+            asked: BTreeSet::new(),
         }
     }
 }

@@ -31,7 +31,8 @@ pub(crate) struct Grant {
     /// Lease length, ns.
     pub duration_ns: u64,
     /// The predicted kernel time the holder may keep in flight, ns (`None`: unbounded): set
-    /// for a best-effort holder while a latency allocation is registered.
+    /// for a best-effort holder while a latency allocation is in use (see
+    /// [`GpuScheduler::latency_in_use`]).
     pub max_inflight_ns: Option<u64>,
 }
 
@@ -110,9 +111,10 @@ impl GpuScheduler {
         conn: ConnId,
         now: u64,
     ) -> Result<Vec<Grant>, SchedulerError> {
-        if !self.allocs.contains_key(&key) {
+        let Some(a) = self.allocs.get_mut(&key) else {
             return Err(SchedulerError::UnknownAllocation(key));
-        }
+        };
+        a.asked.insert(conn);
         // Asking again while holding a lease ends the old one (charged as held); a holder
         // asking again has drained a lease the scheduler ended (its release may be lost).
         if let Some(l) = self.current
@@ -162,6 +164,9 @@ impl GpuScheduler {
 
     /// A connection closed: its waiter is dropped and its lease released.
     pub(crate) fn connection_closed(&mut self, conn: ConnId, now: u64) -> Vec<Grant> {
+        for a in self.allocs.values_mut() {
+            a.asked.remove(&conn);
+        }
         self.stop_waiting(|w| w.conn == conn, now);
         if let Some(l) = self.current
             && l.conn == conn

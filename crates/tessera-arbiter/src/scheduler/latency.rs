@@ -38,10 +38,16 @@ impl GpuScheduler {
         Ok(())
     }
 
-    /// Whether a latency allocation is registered on this GPU (best-effort grants are then
-    /// bounded in flight).
-    pub(crate) fn latency_registered(&self) -> bool {
-        self.allocs.values().any(|a| a.tier == Tier::Latency)
+    /// Whether a latency allocation on this GPU is in use: one of its connections has asked
+    /// for a lease and is still open (best-effort grants are then bounded in flight). An
+    /// allocation that no process of it uses bounds nobody: the bound cost best-effort work
+    /// 1-1.6 points of GPU time with 1-10 ms kernels (docs/benchmarks.md), for a service
+    /// that was not there. Its first request then meets the best-effort lease in progress
+    /// unbounded; the lease is revoked at that request, and every later grant is bounded.
+    pub(crate) fn latency_in_use(&self) -> bool {
+        self.allocs
+            .values()
+            .any(|a| a.tier == Tier::Latency && !a.asked.is_empty())
     }
 
     /// The leases revoked since the last call, for their holders to be told.

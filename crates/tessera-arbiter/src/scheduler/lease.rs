@@ -120,9 +120,8 @@ impl GpuScheduler {
             a.meter.start_lease(&p, now);
         }
         self.sync_backlog(now);
-        let max_inflight_ns = (self.allocs[&w.key].tier != Tier::Latency
-            && self.latency_registered())
-        .then_some(self.params.best_effort_inflight_ns);
+        let max_inflight_ns = (self.allocs[&w.key].tier != Tier::Latency && self.latency_in_use())
+            .then_some(self.params.best_effort_inflight_ns);
         let id = self.next_lease;
         self.next_lease += 1;
         self.current = Some(Lease {

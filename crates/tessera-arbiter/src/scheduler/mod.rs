@@ -40,7 +40,8 @@
 //!   its ceiling over the cap window (no bucket: its requests come in bursts); within that
 //!   budget its requests are served before every best-effort one, and a best-effort lease
 //!   outstanding when one becomes eligible is revoked at once ([`GpuScheduler::take_revocations`]
-//!   names it for the holder). While a latency allocation is registered, best-effort grants
+//!   names it for the holder). While a latency allocation is in use (a connection of it has asked for a lease and is
+//!   open: [`GpuScheduler::latency_in_use`]), best-effort grants
 //!   carry a bound on the predicted kernel time their holder keeps in flight
 //!   ([`SchedulerParams::best_effort_inflight_ns`]), so a latency request waits about that long
 //!   for the GPU, not a lease. Best-effort allocations get every other moment (work-conserving).

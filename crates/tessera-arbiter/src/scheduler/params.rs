@@ -37,7 +37,7 @@ pub struct SchedulerParams {
     /// just after its release, and without this wait the waiter would win every time
     /// (strict alternation instead of the weighted split).
     pub rerequest_window_ns: u64,
-    /// While a latency allocation is registered on the GPU: the predicted kernel time a
+    /// While a latency allocation is in use on the GPU: the predicted kernel time a
     /// best-effort holder may keep in flight (what a latency request waits for at most, beside
     /// the revocation's round trip), ns.
     pub best_effort_inflight_ns: u64,

@@ -338,12 +338,35 @@ fn tiered(arb: &Arbiter) -> ([String; 2], [String; 2]) {
     ([tb, tl], [b.id, l.id])
 }
 
+/// A process of the latency allocation `tl` that has asked for a lease once and handed it
+/// back: while its connection (returned) is open, best-effort grants are bounded.
+fn latency_process(arb: &Arbiter, tl: &str) -> TenantClient {
+    let mut c = arb.tenant(tl);
+    let (id, _) = lease(&mut c);
+    c.send(&TenantRequest::LeaseRelease {
+        lease_id: id,
+        busy_ns: 0,
+        early: true,
+    })
+    .unwrap();
+    c
+}
+
 #[test]
 fn a_latency_request_revokes_the_best_effort_lease_at_once_and_best_effort_is_bounded() {
     let arb = Arbiter::start();
     let ([tb, tl], [b, l]) = tiered(&arb);
     let mut cb = arb.tenant(&tb);
-    // With a latency tenant registered, a best-effort grant bounds its work in flight.
+    // With no process of the latency allocation there, a best-effort grant is unbounded.
+    let (first, _) = lease(&mut cb);
+    cb.send(&TenantRequest::LeaseRelease {
+        lease_id: first,
+        busy_ns: 0,
+        early: true,
+    })
+    .unwrap();
+    // With one there, a best-effort grant bounds its work in flight.
+    let _service = latency_process(&arb, &tl);
     let (lb, dur) = match cb.call(&TenantRequest::LeaseAcquire).unwrap() {
         TenantReply::LeaseGrantedBounded {
             lease_id,
@@ -384,7 +407,8 @@ fn a_latency_request_revokes_the_best_effort_lease_at_once_and_best_effort_is_bo
 #[test]
 fn a_best_effort_tenant_cannot_make_itself_latency_from_its_socket() {
     let arb = Arbiter::start();
-    let ([tb, _], [b, _]) = tiered(&arb);
+    let ([tb, tl], [b, _]) = tiered(&arb);
+    let _service = latency_process(&arb, &tl);
     // The attack: the admin request that creates latency allocations, sent on the tenant
     // socket (the only socket a container has). It is not a tenant request: the connection
     // is closed, nothing is created, and the tier stays.

@@ -18,9 +18,8 @@ fn best_effort_holding() -> (GpuScheduler, Grant) {
 fn a_latency_request_revokes_the_best_effort_lease_at_once() {
     let (mut s, be) = best_effort_holding();
     assert_eq!(
-        be.max_inflight_ns,
-        Some(MS),
-        "best-effort is bounded in flight while a latency tenant is registered"
+        be.max_inflight_ns, None,
+        "no process of the latency allocation has asked yet"
     );
     assert!(s.take_revocations().is_empty());
     // 5 ms into a 20 ms lease the latency tenant asks: it is granted now, not at 20 ms.
@@ -57,7 +56,8 @@ fn a_latency_request_revokes_the_best_effort_lease_at_once() {
 }
 
 #[test]
-fn best_effort_is_unbounded_without_a_latency_tenant_and_a_best_effort_request_revokes_nothing() {
+fn best_effort_is_bounded_only_while_a_latency_process_is_there_and_a_best_effort_request_revokes_nothing()
+ {
     let mut s = GpuScheduler::new(SchedulerParams::default());
     s.add_allocation(1, 50, None, 0);
     s.add_allocation(2, 50, None, 0);
@@ -65,15 +65,44 @@ fn best_effort_is_unbounded_without_a_latency_tenant_and_a_best_effort_request_r
     assert_eq!(g.max_inflight_ns, None);
     assert!(s.acquire(2, 20, MS).unwrap().is_empty(), "waits its turn");
     assert!(s.take_revocations().is_empty());
-    // Registering a latency tenant bounds the next best-effort grant; removing it lifts it.
+    // A latency allocation that no process of it uses bounds nobody.
     s.add_allocation(3, 10, None, MS);
     s.set_tier(3, Tier::Latency).unwrap();
     let g2 = s.release(10, g.lease_id, 20 * MS, false, 20 * MS);
-    assert_eq!(g2[0].max_inflight_ns, Some(MS));
-    s.remove_allocation(3, 21 * MS);
-    s.acquire(1, 10, 21 * MS).unwrap();
-    let g3 = s.release(g2[0].conn, g2[0].lease_id, MS, true, 22 * MS);
-    assert_eq!(g3[0].max_inflight_ns, None);
+    assert_eq!(g2[0].conn, 20);
+    assert_eq!(
+        g2[0].max_inflight_ns, None,
+        "the latency allocation is unused"
+    );
+    // Its process asks (revoking 20's lease) and hands back early: from then on, while its
+    // connection is open, every best-effort grant is bounded.
+    assert!(s.acquire(1, 10, 21 * MS).unwrap().is_empty());
+    let lat = s.acquire(3, 30, 22 * MS).unwrap();
+    assert_eq!(lat[0].conn, 30);
+    assert_eq!(s.take_revocations()[0].conn, 20);
+    let g3 = s.release(30, lat[0].lease_id, MS, true, 23 * MS);
+    assert_eq!(g3[0].conn, 10);
+    assert_eq!(
+        g3[0].max_inflight_ns,
+        Some(MS),
+        "a latency process is there"
+    );
+    // Its connection closes: the next grant is unbounded again.
+    assert!(s.acquire(2, 20, 24 * MS).unwrap().is_empty());
+    assert!(s.connection_closed(30, 25 * MS).is_empty());
+    let g4 = s.release(10, g3[0].lease_id, MS, true, 26 * MS);
+    assert_eq!(g4[0].conn, 20);
+    assert_eq!(g4[0].max_inflight_ns, None, "its process is gone");
+    // In use again, then removed: that lifts the bound too.
+    assert!(s.acquire(3, 31, 27 * MS).unwrap()[0].conn == 31);
+    assert!(s.acquire(1, 10, 28 * MS).unwrap().is_empty());
+    let lat2 = s.current().unwrap();
+    let g5 = s.release(lat2.0, lat2.1, MS, true, 29 * MS);
+    assert_eq!(g5[0].max_inflight_ns, Some(MS));
+    s.remove_allocation(3, 30 * MS);
+    s.acquire(2, 20, 31 * MS).unwrap();
+    let g6 = s.release(g5[0].conn, g5[0].lease_id, MS, true, 32 * MS);
+    assert_eq!(g6[0].max_inflight_ns, None);
     assert_eq!(
         s.set_tier(9, Tier::Latency),
         Err(SchedulerError::UnknownAllocation(9))
