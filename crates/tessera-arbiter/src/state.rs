@@ -247,20 +247,20 @@ const TOKEN_LEN: std::ops::RangeInclusive<usize> = 32..=256;
 const ID_LEN: usize = 8;
 
 /// Applies the rules of `create` (and of the generated ids and tokens) to persisted records;
-/// the error names the first bad record by index and id.
-fn check_records(records: &[AllocationRecord], gpus: &[GpuInfo]) -> Result<(), String> {
+/// the error names the first bad record (its index in `records`) and what is wrong, by id.
+fn check_records(records: &[AllocationRecord], gpus: &[GpuInfo]) -> Result<(), (usize, String)> {
     let is_hex = |s: &str| s.bytes().all(|b| b.is_ascii_hexdigit());
     let mut ids = HashMap::new();
     let mut tokens = HashMap::new();
     // Per GPU UUID: shares and bytes promised so far.
     let mut promised: HashMap<&str, (u32, u64)> = HashMap::new();
     for (i, r) in records.iter().enumerate() {
-        let bad = |what: String| Err(format!("allocation #{i} (id {:?}): {what}", r.id));
+        let bad = |what: String| Err((i, format!("allocation {:?}: {what}", r.id)));
         if r.id.len() != ID_LEN || !is_hex(&r.id) {
             return bad(format!("id is not {ID_LEN} hex digits"));
         }
-        if let Some(j) = ids.insert(r.id.as_str(), i) {
-            return bad(format!("same id as allocation #{j}"));
+        if ids.insert(r.id.as_str(), i).is_some() {
+            return bad("the same id is there twice".into());
         }
         if !TOKEN_LEN.contains(&r.token.len()) || !is_hex(&r.token) {
             return bad(format!(
@@ -270,7 +270,7 @@ fn check_records(records: &[AllocationRecord], gpus: &[GpuInfo]) -> Result<(), S
             ));
         }
         if let Some(j) = tokens.insert(r.token.as_str(), i) {
-            return bad(format!("same token as allocation #{j}"));
+            return bad(format!("same token as allocation {:?}", records[j].id));
         }
         if !(1..=100).contains(&r.share) {
             return bad(format!("share {} is not in 1..=100", r.share));
@@ -353,9 +353,9 @@ impl Arbiter {
         let mut records = store.load().map_err(StateError::Load)?;
         // A hand-edited or damaged file must not bring in what Create would refuse (a share
         // of 1000 blocks its GPU, an empty token lets anyone in); it is left as it is.
-        check_records(&records, &gpus).map_err(|reason| {
+        check_records(&records, &gpus).map_err(|(i, reason)| {
             StateError::Load(StoreError::Corrupt {
-                path: store.path(),
+                path: store.path_of(&records[i]),
                 reason,
             })
         })?;

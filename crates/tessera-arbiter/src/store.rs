@@ -1,9 +1,21 @@
 //! Persistence of allocations, and the random ids and tokens they carry.
 //!
-//! The state directory holds one file, `allocations.json`, rewritten whole on every Create
-//! and Delete: written to a temporary file (mode 0600), fsynced, renamed over the old one and
-//! the directory fsynced, so a crash leaves either the old or the new file, never a torn one.
-//! Reserve and Release never touch the disk.
+//! The state directory holds two files, each rewritten whole when its part changes: written to
+//! a temporary file (mode 0600) and renamed over the old one, so a crash of the arbiter leaves
+//! either the old or the new file, never a torn one.
+//!
+//! - `allocations.json`: the allocations no process owns (the operator's, the device plugin's,
+//!   DRA's). The file and its directory are fsynced before the rename counts, so they survive
+//!   the machine's crash too.
+//! - `owned.json`: those owned by a process (`tessera run`'s, see [`crate::owner`]), not
+//!   fsynced. Such an allocation lives only as long as its owner, and no owner survives the
+//!   machine: what a crash of the machine can lose there was going to be deleted anyway (an
+//!   unreadable `owned.json` is then logged and read as empty). Two fsyncs per `tessera run`
+//!   were the arbiter's largest cost in a loop of them (issue 36, docs/benchmarks.md).
+//!
+//! Files written before `owned.json` existed hold owned allocations in `allocations.json`:
+//! they are read from there, and the next write moves them. Reserve and Release never touch
+//! the disk.
 //!
 //! One arbiter per state directory: [`Store::open`] takes an exclusive `flock` on its `lock`
 //! file, held until the store is dropped (the kernel releases it when the process dies, so a
@@ -24,6 +36,8 @@ use serde::{Deserialize, Serialize};
 
 /// Name of the state file inside the state directory.
 pub(crate) const STATE_FILE: &str = "allocations.json";
+/// Name of the file of process-owned allocations inside the state directory.
+pub(crate) const OWNED_FILE: &str = "owned.json";
 /// Name of the lock file inside the state directory.
 pub(crate) const LOCK_FILE: &str = "lock";
 /// Format version of the state file.
@@ -129,7 +143,15 @@ pub struct Store {
 struct Versions {
     next: std::sync::atomic::AtomicU64,
     /// Held across a write, so two writes never interleave.
-    written: parking_lot::Mutex<u64>,
+    written: parking_lot::Mutex<Written>,
+}
+
+/// What the files hold, as far as this store wrote them (`None`: not written yet).
+#[derive(Debug, Default)]
+struct Written {
+    version: u64,
+    durable: Option<Vec<AllocationRecord>>,
+    owned: Option<Vec<AllocationRecord>>,
 }
 
 impl Store {
@@ -186,28 +208,35 @@ impl Store {
         self.dir.join(STATE_FILE)
     }
 
-    /// Loads every persisted allocation; an absent file means none.
-    pub(crate) fn load(&self) -> Result<Vec<AllocationRecord>, StoreError> {
-        let path = self.path();
-        let text = match fs::read_to_string(&path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(source) => return Err(StoreError::Io { path, source }),
-        };
-        let file: StateFile = serde_json::from_str(&text).map_err(|e| StoreError::Corrupt {
-            path: path.clone(),
-            reason: e.to_string(),
-        })?;
-        if file.version != STATE_VERSION {
-            return Err(StoreError::Corrupt {
-                path,
-                reason: format!(
-                    "version {} (this arbiter reads {STATE_VERSION})",
-                    file.version
-                ),
-            });
+    /// Path of the file that holds `r`.
+    pub(crate) fn path_of(&self, r: &AllocationRecord) -> PathBuf {
+        if r.owner.is_some() {
+            self.dir.join(OWNED_FILE)
+        } else {
+            self.path()
         }
-        Ok(file.allocations)
+    }
+
+    /// Loads every persisted allocation; an absent file means none. An unreadable
+    /// `owned.json` is logged and read as empty (see the module's docs); an id in both files
+    /// (a crash between the two writes that moved it) is read once.
+    pub(crate) fn load(&self) -> Result<Vec<AllocationRecord>, StoreError> {
+        let mut records = read_file(&self.path())?;
+        let owned = self.dir.join(OWNED_FILE);
+        match read_file(&owned) {
+            Ok(more) => {
+                for r in more {
+                    if !records.iter().any(|o| o.id == r.id) {
+                        records.push(r);
+                    }
+                }
+            }
+            Err(e) => tracing::error!(
+                "{e}: its allocations (owned by processes, which a machine's crash ends) are \
+                 not restored"
+            ),
+        }
+        Ok(records)
     }
 
     /// A version for the next [`Store::save_version`]: taken where the allocations change
@@ -228,18 +257,53 @@ impl Store {
         allocations: &[AllocationRecord],
     ) -> Result<(), StoreError> {
         let mut written = self.versions.written.lock();
-        if version <= *written {
+        if version <= written.version {
             return Ok(());
         }
-        self.save(allocations)?;
-        *written = version;
+        self.write(&mut written, allocations)?;
+        written.version = version;
         Ok(())
     }
 
     /// Replaces the persisted allocations atomically.
+    #[cfg(test)]
     pub(crate) fn save(&self, allocations: &[AllocationRecord]) -> Result<(), StoreError> {
-        let path = self.path();
-        let tmp = self.dir.join(format!(".{STATE_FILE}.tmp"));
+        self.write(&mut self.versions.written.lock(), allocations)
+    }
+
+    /// Writes the file of each part that changed since `written`: the owned part first, so a
+    /// crash between the two writes that move an allocation out of `allocations.json` (files
+    /// of older arbiters) leaves it in both, never in neither.
+    fn write(
+        &self,
+        written: &mut Written,
+        allocations: &[AllocationRecord],
+    ) -> Result<(), StoreError> {
+        let (owned, durable): (Vec<_>, Vec<_>) =
+            allocations.iter().cloned().partition(|r| r.owner.is_some());
+        if written.owned.as_ref() != Some(&owned) {
+            written.owned = None;
+            self.write_file(OWNED_FILE, &owned, false)?;
+            written.owned = Some(owned);
+        }
+        if written.durable.as_ref() != Some(&durable) {
+            written.durable = None;
+            self.write_file(STATE_FILE, &durable, true)?;
+            written.durable = Some(durable);
+        }
+        Ok(())
+    }
+
+    /// Replaces file `name` with `allocations` (temporary file, rename); `durable`: the file
+    /// and the directory are fsynced, so the rename survives the machine's crash.
+    fn write_file(
+        &self,
+        name: &str,
+        allocations: &[AllocationRecord],
+        durable: bool,
+    ) -> Result<(), StoreError> {
+        let path = self.dir.join(name);
+        let tmp = self.dir.join(format!(".{name}.tmp"));
         let io_err = |source| StoreError::Io {
             path: path.clone(),
             source,
@@ -262,15 +326,47 @@ impl Store {
                 .map_err(io_err)?;
             f.write_all(&body).map_err(io_err)?;
             f.write_all(b"\n").map_err(io_err)?;
-            f.sync_all().map_err(io_err)?;
+            if durable {
+                f.sync_all().map_err(io_err)?;
+            }
         }
         fs::rename(&tmp, &path).map_err(io_err)?;
-        // The rename is durable only once the directory entry is.
-        File::open(&self.dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io_err)?;
+        if durable {
+            // The rename is durable only once the directory entry is.
+            File::open(&self.dir)
+                .and_then(|d| d.sync_all())
+                .map_err(io_err)?;
+        }
         Ok(())
     }
+}
+
+/// The allocations in state file `path`; an absent file holds none.
+fn read_file(path: &Path) -> Result<Vec<AllocationRecord>, StoreError> {
+    let text = match fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(source) => {
+            return Err(StoreError::Io {
+                path: path.to_owned(),
+                source,
+            });
+        }
+    };
+    let file: StateFile = serde_json::from_str(&text).map_err(|e| StoreError::Corrupt {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    })?;
+    if file.version != STATE_VERSION {
+        return Err(StoreError::Corrupt {
+            path: path.to_owned(),
+            reason: format!(
+                "version {} (this arbiter reads {STATE_VERSION})",
+                file.version
+            ),
+        });
+    }
+    Ok(file.allocations)
 }
 
 /// `flock(LOCK_EX | LOCK_NB)`: true when taken, false when another open file holds it.
@@ -325,6 +421,89 @@ mod tests {
             tier: tessera_protocol::Tier::Latency,
             uid: Some(61001),
         }
+    }
+
+    fn owned(id: &str) -> AllocationRecord {
+        AllocationRecord {
+            owner: Some(tessera_protocol::ProcessOwner {
+                pid: 4242,
+                start_time: 17,
+            }),
+            ..record(id)
+        }
+    }
+
+    fn ids(path: &Path) -> Vec<String> {
+        read_file(path).unwrap().into_iter().map(|r| r.id).collect()
+    }
+
+    #[test]
+    fn owned_allocations_have_their_own_file_and_their_changes_leave_the_durable_one_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let (d, o, o2) = (record("d1"), owned("o1"), owned("o2"));
+        store.save(&[d.clone(), o.clone()]).unwrap();
+        assert_eq!(ids(&store.path()), ["d1"]);
+        assert_eq!(ids(&dir.path().join(OWNED_FILE)), ["o1"]);
+        assert_eq!(store.load().unwrap(), vec![d.clone(), o.clone()]);
+        // `tessera run`s come and go: the durable file (fsynced) is not written again. (A
+        // mark added to it by hand stays.)
+        let marked = format!("{}\n", fs::read_to_string(store.path()).unwrap());
+        fs::write(store.path(), &marked).unwrap();
+        store.save(&[d.clone(), o.clone(), o2.clone()]).unwrap();
+        store.save(&[d.clone(), o2.clone()]).unwrap();
+        assert_eq!(
+            fs::read_to_string(store.path()).unwrap(),
+            marked,
+            "rewritten"
+        );
+        assert_eq!(ids(&dir.path().join(OWNED_FILE)), ["o2"]);
+        // A durable change writes the durable file, and both files keep mode 0600.
+        store.save(std::slice::from_ref(&o2)).unwrap();
+        assert_eq!(ids(&store.path()), Vec::<String>::new());
+        for f in [STATE_FILE, OWNED_FILE] {
+            let mode = fs::metadata(dir.path().join(f))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o777, 0o600, "{f}");
+        }
+        // A new store (the arbiter restarted) reads both.
+        drop(store);
+        let again = Store::open(dir.path()).unwrap();
+        assert_eq!(again.load().unwrap(), vec![o2]);
+    }
+
+    #[test]
+    fn an_older_single_file_is_read_and_moved_and_a_torn_owned_file_loses_only_owned_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let (d, o) = (record("d1"), owned("o1"));
+        let file = |allocations: Vec<AllocationRecord>| {
+            serde_json::to_vec(&StateFile {
+                version: STATE_VERSION,
+                allocations,
+            })
+            .unwrap()
+        };
+        // An older arbiter's file: owned allocations in `allocations.json`.
+        fs::write(store.path(), file(vec![d.clone(), o.clone()])).unwrap();
+        let all = store.load().unwrap();
+        assert_eq!(all, vec![d.clone(), o.clone()]);
+        store.save(&all).unwrap();
+        assert_eq!(ids(&store.path()), ["d1"]);
+        assert_eq!(ids(&dir.path().join(OWNED_FILE)), ["o1"]);
+        // A crash between the two writes of the move: the owned one in both, read once.
+        fs::write(store.path(), file(vec![d.clone(), o.clone()])).unwrap();
+        assert_eq!(store.load().unwrap(), vec![d.clone(), o]);
+        // The machine crashed before the unsynced owned file reached the disk: the durable
+        // allocations are all there; the owned ones (their owners died with the machine) not.
+        fs::write(dir.path().join(OWNED_FILE), b"").unwrap();
+        fs::write(store.path(), file(vec![d.clone()])).unwrap();
+        assert_eq!(store.load().unwrap(), vec![d]);
+        // A torn durable file still stops the load (it is the operator's to fix).
+        fs::write(store.path(), b"{ torn").unwrap();
+        assert!(matches!(store.load(), Err(StoreError::Corrupt { .. })));
     }
 
     #[test]
@@ -393,7 +572,7 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         names.sort();
-        assert_eq!(names, [STATE_FILE, LOCK_FILE]);
+        assert_eq!(names, [STATE_FILE, LOCK_FILE, OWNED_FILE]);
     }
 
     #[test]

@@ -344,9 +344,9 @@ impl Arbiter {
     }
 
     /// [`Arbiter::persist`], or, when the change is to an allocation owned by a process (`tessera
-    /// run`'s), a write behind: the answer does not wait for the disk. Why: the write syncs the
-    /// file and its directory, 5-6 ms each on the project's VM, twice per `tessera run`
-    /// (issue 36), and such an allocation lives only as long as its owner anyway. What a crash
+    /// run`'s), a write behind: the answer does not wait for the disk. Why: such an allocation
+    /// lives only as long as its owner, and `tessera run`'s start-up waits for its create
+    /// (issue 36); its file is not even fsynced (see [`crate::store`]). What a crash
     /// before the write costs fails closed: a created allocation is unknown after the restart
     /// (its processes are refused: no memory, no launches); a deleted one comes back with its
     /// owner gone, and the owner rule deletes it (see [`crate::owner`]). Writes are versioned,

@@ -275,8 +275,9 @@ fn a_state_file_breaking_the_rules_of_create_stops_the_arbiter_with_exit_5() {
             bytes,
             "{name}: file left untouched"
         );
-        // The record is named (its index, and its id, which the duplicate case shares with #0).
-        assert!(err.contains("allocation #1"), "{name}: {err}");
+        // The file and the record are named (by its id, which the duplicate case shares with
+        // the first).
+        assert!(err.contains("allocations.json"), "{name}: {err}");
         let named = if name == "duplicate ids" { &id0 } else { &id1 };
         assert!(err.contains(named.as_str()), "{name}: {err}");
         assert!(err.contains(why), "{name}: {err}");
