@@ -4,7 +4,7 @@
 //! a while.
 //!
 //! `compute_tenant [--kernel-us N [--kernel-us-max X]] [--seconds S] [--burst K --idle-ms M]
-//! [--sync [--host-us H]] [--requests MEAN_MS --request-kernels K]`
+//! [--sync [--host-us H]] [--requests MEAN_MS --request-kernels K] [--seed N]`
 //! - continuous (default): launch kernels back to back, synchronising every few launches so
 //!   that without Tessera the queue stays short;
 //! - synchronising (`--sync`): wait for every kernel before the next, then work `H` us on the
@@ -21,6 +21,10 @@
 //!   (`TESSERA_SIM_ENGINE_TRACE`, docs/simulator.md).
 //!
 //! `--kernel-us-max X`: each kernel's length is drawn uniformly between N and X us.
+//!
+//! `--seed N`: the seed of the arrivals and lengths (default: this process's pid, another
+//! sequence per run). A benchmark that compares one tenant under several schedulers gives it
+//! the same seed in each, so the rows differ by the scheduler, not by the draw.
 //!
 //! Prints `pid <pid>` first, then at exit one line per event on the machine-wide monotonic
 //! clock: `idle <ns>` (bursty: the stream became idle) and `unblocked <ns> <waited ns>` (a
@@ -44,6 +48,7 @@ struct Args {
     kernel_max_ns: u64,
     requests_ms: Option<f64>,
     request_kernels: u32,
+    seed: Option<u64>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -57,6 +62,7 @@ fn parse_args() -> Result<Args, String> {
         kernel_max_ns: 0,
         requests_ms: None,
         request_kernels: 4,
+        seed: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -77,6 +83,7 @@ fn parse_args() -> Result<Args, String> {
             "--request-kernels" => {
                 a.request_kernels = value()?.parse().map_err(|e| format!("{e}"))?
             }
+            "--seed" => a.seed = Some(value()?.parse().map_err(|e| format!("{e}"))?),
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -130,9 +137,10 @@ fn main() {
         let mut ns = args.kernel_ns;
         let ns_at: *mut u64 = &mut ns;
         let mut params = [ns_at.cast::<c_void>()];
-        // A seeded generator (xorshift64*): the same arrivals and lengths in every run, and
-        // another sequence per tenant of a run (the pid).
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ u64::from(std::process::id()));
+        // A seeded generator (xorshift64*): `--seed`'s sequence, or another per process (the
+        // pid).
+        let seed = args.seed.unwrap_or(u64::from(std::process::id()));
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ seed);
         let (lo, hi) = (args.kernel_ns, args.kernel_max_ns.max(args.kernel_ns));
         let mut events: Vec<String> = Vec::new();
         let mut launches = 0u64;
@@ -164,7 +172,7 @@ fn main() {
         };
         let end = Instant::now() + Duration::from_secs_f64(args.seconds);
         if let Some(mean_ms) = args.requests_ms {
-            let mut gaps = Rng(0x2545_f491_4f6c_dd1d ^ u64::from(std::process::id()));
+            let mut gaps = Rng(0x2545_f491_4f6c_dd1d ^ seed);
             let mut arrival = monotonic_ns();
             while Instant::now() < end {
                 arrival += gaps.exponential_ns(mean_ms * 1e6);
