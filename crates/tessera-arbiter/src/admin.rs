@@ -148,6 +148,9 @@ async fn create(
     let (gpu, limit, share, cap) = (c.gpu.clone(), c.memory_limit, c.share, c.cap);
     match arb.create_tiered_by(c, owner, tier, by).await {
         Ok((token, allocation)) => {
+            if let Some(o) = owner {
+                crate::reaper::watch_owner(arb, o);
+            }
             let cap = cap.map_or("no cap".to_owned(), |c| format!("cap {c}%"));
             let mut owned = owner.map_or(String::new(), |o| format!(", owned by pid {}", o.pid));
             if let Some(uid) = by.uid {
@@ -185,6 +188,9 @@ async fn create_group(
     let n = slices.len();
     match arb.create_group_by(slices, owner, by).await {
         Ok((token, allocations)) => {
+            if let Some(o) = owner {
+                crate::reaper::watch_owner(arb, o);
+            }
             let parts: Vec<String> = allocations
                 .iter()
                 .map(|a| {

@@ -6,6 +6,8 @@
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
+use tokio::io::unix::AsyncFd;
+
 /// One process, named so that another process given the same pid later cannot pass for it:
 /// its pid and its start time (clock ticks after boot, field 22 of `/proc/<pid>/stat`; two
 /// processes holding one pid in turn cannot share a start time unless the kernel recycles
@@ -156,6 +158,23 @@ impl Exit {
         };
         let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
         Self::readable(fd, ms)
+    }
+
+    /// Returns once the process has exited (at once when it is gone or this kernel cannot
+    /// tell), without holding a thread: the pidfd is polled by tokio's reactor.
+    pub(crate) async fn exited(self) {
+        let Exit::Pidfd(fd) = self else {
+            return;
+        };
+        // SAFETY: the AsyncFd takes the OwnedFd itself, so the descriptor stays open and names
+        // the same pidfd until the AsyncFd is dropped.
+        let registered =
+            unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) };
+        if let Ok(fd) = registered {
+            // A pidfd reads as readable once its process has exited; an error ends the wait too
+            // (the reaper's tick is the fallback).
+            let _ = fd.readable().await;
+        }
     }
 
     /// Whether pidfd `fd` becomes readable (its process exited) within `ms` milliseconds.

@@ -1,6 +1,9 @@
 //! The reaper: deletes allocations owned by a process (`tessera run`) once the owner is gone and
 //! none of their processes is left (the rule is [`crate::owner::gone`]; this is its service,
-//! run by the server every [`REAP_EVERY`]).
+//! run by the server every [`REAP_EVERY`], and at once when an owner exits (a pidfd of it,
+//! [`watch_owner`]) or a process closes its last connection ([`Arbiter::reap_soon`]): an
+//! allocation of `tessera run --exec`, whose owner is the command itself, is gone
+//! milliseconds after the command, not up to a tick later, so the next command's shares fit).
 
 #![forbid(unsafe_code)]
 
@@ -8,7 +11,10 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tessera_protocol::ProcessOwner;
+
 use crate::owner::{alive, gone};
+use crate::peer::{Exit, ProcId};
 use crate::state::Arbiter;
 
 /// How often the reaper looks at owned allocations.
@@ -49,12 +55,80 @@ pub(crate) async fn reap(arb: &Arc<Arbiter>, proc: &Path) {
     }
 }
 
-/// Runs [`reap`] every [`REAP_EVERY`] until aborted.
+/// Runs [`reap`] every [`REAP_EVERY`], and whenever [`Arbiter::reap_soon`] asks, until
+/// aborted.
 pub(crate) async fn reap_loop(arb: Arc<Arbiter>) {
     let mut tick = tokio::time::interval(REAP_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let asked = arb.reap_signal();
     loop {
-        tick.tick().await;
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = asked.notified() => {}
+        }
         reap(&arb, Path::new("/proc")).await;
+    }
+}
+
+/// Asks the reaper to look once `owner` (of an allocation just created) has exited: a task
+/// waits on a pidfd of it, the kernel's word, not a poll. Nothing to watch on a kernel without
+/// `pidfd_open`: the reaper's tick finds the owner gone then.
+pub(crate) fn watch_owner(arb: &Arbiter, owner: ProcessOwner) {
+    let id = ProcId {
+        pid: owner.pid,
+        start: owner.start_time,
+    };
+    match Exit::of(id) {
+        exit @ Exit::Pidfd(_) => {
+            let asked = arb.reap_signal();
+            tokio::spawn(async move {
+                exit.exited().await;
+                asked.notify_one();
+            });
+        }
+        Exit::Gone => arb.reap_soon(),
+        Exit::Unknown => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The owner's exit itself asks the reaper to look (the pidfd's word), and an owner that is
+    /// already gone asks at once; while the owner runs, nothing asks.
+    #[tokio::test]
+    async fn an_owners_exit_asks_the_reaper_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let arb = Arbiter::new(
+            crate::state::test_gpus(1),
+            crate::store::Store::open(dir.path()).unwrap(),
+            Default::default(),
+        )
+        .unwrap();
+        let asked = arb.reap_signal();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        let owner = ProcessOwner {
+            pid,
+            start_time: crate::peer::proc_start(pid).unwrap(),
+        };
+        watch_owner(&arb, owner);
+        let early = tokio::time::timeout(Duration::from_millis(300), asked.notified()).await;
+        assert!(early.is_err(), "asked while the owner runs");
+        child.kill().unwrap();
+        // Not reaped by us yet: a zombie's pidfd is readable all the same.
+        tokio::time::timeout(Duration::from_secs(10), asked.notified())
+            .await
+            .expect("the owner's exit did not ask the reaper");
+        child.wait().unwrap();
+        // The same owner again, now gone: asked at once, no task.
+        watch_owner(&arb, owner);
+        tokio::time::timeout(Duration::from_secs(10), asked.notified())
+            .await
+            .expect("a gone owner did not ask the reaper");
     }
 }

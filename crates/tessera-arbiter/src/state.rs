@@ -207,6 +207,9 @@ pub struct Arbiter {
     members: Mutex<crate::owner::Members>,
     /// The last process the backstop killed per allocation, and why ([`kills`]).
     kills: Mutex<HashMap<String, tessera_protocol::KillRecord>>,
+    /// Asks the reaper to look now, not at its next tick: an owner exited, or a process of
+    /// an allocation closed its last connection ([`Arbiter::reap_soon`]).
+    reap_now: Arc<tokio::sync::Notify>,
 }
 
 fn now_unix() -> u64 {
@@ -385,6 +388,7 @@ impl Arbiter {
             requests: RequestStats::default(),
             members: Mutex::default(),
             kills: Mutex::default(),
+            reap_now: Arc::new(tokio::sync::Notify::new()),
         });
         for g in arb.gpus().iter() {
             arb.scheduler_for(&g.uuid);

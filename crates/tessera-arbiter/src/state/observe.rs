@@ -206,6 +206,17 @@ impl Arbiter {
             .collect()
     }
 
+    /// Asks the reaper ([`crate::reaper`]) to look at the owned allocations now, not at its
+    /// next tick (several asks before it looks are one look).
+    pub(crate) fn reap_soon(&self) {
+        self.reap_now.notify_one();
+    }
+
+    /// What [`Arbiter::reap_soon`] wakes: held by a task watching an owner's exit.
+    pub(crate) fn reap_signal(&self) -> Arc<tokio::sync::Notify> {
+        Arc::clone(&self.reap_now)
+    }
+
     /// The processes the backstop attributed to owned allocations through their owner.
     pub(crate) fn members(&self) -> MutexGuard<'_, crate::owner::Members> {
         self.members.lock()

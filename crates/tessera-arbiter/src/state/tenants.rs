@@ -131,6 +131,9 @@ impl Arbiter {
                     e.conn_ids.retain(|c| *c != conn);
                     if e.conns == 0 {
                         procs.remove(&pk);
+                        // Its last connection: an owned allocation may now be empty of
+                        // processes, and deleted without waiting for the reaper's tick.
+                        self.reap_soon();
                     }
                 }
             }

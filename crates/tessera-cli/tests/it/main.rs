@@ -4,7 +4,8 @@
 //! ([`nvml_alone`]).
 //!
 //! Modules: [`cli_table`] (the flags against docs/cli.md), [`doctor`], [`interposer_glibc`]
-//! (the glibc 2.17 build), [`run`] (`tessera run` on the real arbiter), [`sim`] and its
+//! (the glibc 2.17 build), [`run`] (`tessera run` on the real arbiter) and [`run_exec`] (its
+//! `--exec`), [`sim`] and its
 //! `sim_*` neighbours (the simulated GPU seen by real clients, NVML and pid namespaces),
 //! [`status`], [`users`] (a workstation's users on the user socket); [`run_support`] is the
 //! arbiter fixture `run`, `status`, `doctor` and `users` share.
@@ -14,6 +15,7 @@ mod doctor;
 mod interposer_glibc;
 mod mig;
 mod run;
+mod run_exec;
 mod run_support;
 mod sim;
 mod sim_nvml;
