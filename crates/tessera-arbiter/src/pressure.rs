@@ -116,6 +116,9 @@ pub(crate) struct Round {
     seq: u64,
     /// Channels the pressure reached.
     pub sent: usize,
+    /// Targets with a channel of this allocation, pressed now or not (pressed lately, or owing
+    /// an answer already).
+    pub channels: usize,
     /// Of those, channels that still owed an answer to a round sent at least [`SILENT_AFTER`]
     /// before (silent since: a stopped process, or one the host has not run for a while).
     pub late: usize,
@@ -258,11 +261,12 @@ impl PressureHub {
         // unasked).
         i.next_seq += 1;
         let seq = i.next_seq;
-        let (mut sent, mut late) = (0, 0);
+        let (mut sent, mut late, mut channels) = (0, 0, 0);
         for t in targets {
             let Some(ch) = i.channels.get_mut(t).filter(|c| c.key == key) else {
                 continue;
             };
+            channels += 1;
             // A channel that owes an answer already gets no second frame: its next answer
             // gives back everything it has then, which serves this round too. So a process
             // that is slow to run never has more than one `Pressure` queued.
@@ -286,7 +290,12 @@ impl PressureHub {
         if sent > 0 {
             i.outstanding.insert(seq, sent);
         }
-        Round { seq, sent, late }
+        Round {
+            seq,
+            sent,
+            late,
+            channels,
+        }
     }
 
     /// Waits until every channel pressed in `round` that owed nothing before it answered (the

@@ -13,11 +13,13 @@
 //! A connection whose reservation did not fit and that waits for room (the arbiter presses its
 //! siblings for their unused credit meanwhile) is *waiting* ([`Ledger::begin_wait`]): while any
 //! connection of an account waits, [`Ledger::reserve_credit`] gives no credit, since the room it
-//! would come from is what the waiter needs.
+//! would come from is what the waiter needs; and a connection that is not waiting gets no room a
+//! waiter could take now (it waits too): a process that gave its bytes back because a sibling
+//! waited does not take them back first with its next reservation.
 
 #![forbid(unsafe_code)]
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use tessera_protocol::size::human;
 
@@ -152,11 +154,26 @@ struct Account {
     /// Connections that closed and whose bytes stay counted until the card freed them (see
     /// [`Ledger::begin_drain`]); still in `conns` until detached.
     draining: HashSet<ConnId>,
-    /// Connections with a reservation waiting for room (see [`Ledger::begin_wait`]).
-    waiting: HashSet<ConnId>,
+    /// Connections with a reservation waiting for room, and the bytes each waits for (see
+    /// [`Ledger::begin_wait`]).
+    waiting: BTreeMap<ConnId, u64>,
 }
 
 impl Account {
+    /// Whether `conn`, not itself waiting, must leave `bytes` of room to a waiting sibling: a
+    /// waiter's request fits in the room now and would not once `conn` had `bytes` of it. (A
+    /// waiter whose request does not fit blocks nobody: it may never fit.)
+    fn yields(&self, conn: ConnId, bytes: u64) -> bool {
+        if self.waiting.contains_key(&conn) {
+            return false;
+        }
+        let room = self.limit.saturating_sub(self.in_use);
+        let left = room.saturating_sub(bytes);
+        self.waiting
+            .iter()
+            .any(|(c, need)| *c != conn && *need <= room && *need > left)
+    }
+
     /// Takes `bytes` a connection held (its excess included) off the total. The total is the
     /// sum of the connections' (and their excess), so this cannot fail unless the ledger is
     /// broken; then zero is the least wrong total, and the caller reports the overflow.
@@ -212,7 +229,7 @@ impl Ledger {
                 excess: HashMap::new(),
                 peak: HashMap::new(),
                 draining: HashSet::new(),
-                waiting: HashSet::new(),
+                waiting: BTreeMap::new(),
             });
     }
 
@@ -270,7 +287,7 @@ impl Ledger {
             .in_use
             .checked_add(bytes)
             .is_some_and(|total| total <= acct.limit);
-        if acct.closed || !fits {
+        if acct.closed || !fits || acct.yields(conn, bytes) {
             return Ok(Reservation::Denied {
                 limit: acct.limit,
                 in_use: acct.in_use,
@@ -299,7 +316,7 @@ impl Ledger {
             .in_use
             .checked_add(bytes)
             .filter(|total| *total <= acct.limit);
-        let (Some(after), false) = (after, acct.closed) else {
+        let (Some(after), false) = (after, acct.closed || acct.yields(conn, bytes)) else {
             return Ok(Credit::Denied {
                 limit: acct.limit,
                 in_use: acct.in_use,
@@ -447,11 +464,18 @@ impl Ledger {
             .ok_or(LedgerError::Overflow(key))
     }
 
-    /// Marks `conn` as waiting for room: its reservation did not fit, and it presses its
-    /// siblings for their unused credit and waits for their frees. Until [`Ledger::end_wait`]
-    /// (or its detach), no connection of the account is given credit. Idempotent.
-    pub fn begin_wait(&mut self, key: AccountKey, conn: ConnId) -> Result<(), LedgerError> {
-        self.account(key, conn)?.waiting.insert(conn);
+    /// Marks `conn` as waiting for room for `need` bytes: its reservation did not fit, and it
+    /// presses its siblings for their unused credit and waits for their frees. Until
+    /// [`Ledger::end_wait`] (or its detach), no connection of the account is given credit, and
+    /// one that is not waiting is not given room this one could take (see the module's notes).
+    /// Idempotent (the last `need` counts).
+    pub fn begin_wait(
+        &mut self,
+        key: AccountKey,
+        conn: ConnId,
+        need: u64,
+    ) -> Result<(), LedgerError> {
+        self.account(key, conn)?.waiting.insert(conn, need);
         Ok(())
     }
 
@@ -467,7 +491,7 @@ impl Ledger {
     pub fn others_waiting(&self, key: AccountKey, conn: ConnId) -> bool {
         self.accounts
             .get(&key)
-            .is_some_and(|a| a.waiting.iter().any(|c| *c != conn))
+            .is_some_and(|a| a.waiting.keys().any(|c| *c != conn))
     }
 
     /// Bytes of account `key` held by draining connections (0 for an unknown account).

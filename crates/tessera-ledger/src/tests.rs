@@ -290,7 +290,7 @@ fn no_credit_is_given_while_a_reservation_waits_for_room() {
         l.reserve_credit(1, w, 120, 32).unwrap(),
         Credit::Denied { in_use: 900, .. }
     ));
-    l.begin_wait(1, w).unwrap();
+    l.begin_wait(1, w, 120).unwrap();
     assert!(l.others_waiting(1, sibling) && !l.others_waiting(1, w));
     // Pressed: the sibling (the only one holding bytes) gives its credit back.
     assert_eq!(l.others_holding(1, w), vec![sibling]);
@@ -320,14 +320,81 @@ fn no_credit_is_given_while_a_reservation_waits_for_room() {
     );
     // A connection that goes ends its wait; ending one twice, or of a gone account, is
     // harmless; a stranger cannot wait.
-    l.begin_wait(1, sibling).unwrap();
+    l.begin_wait(1, sibling, 50).unwrap();
     l.detach(1, sibling).unwrap();
     assert!(!l.others_waiting(1, w));
     l.end_wait(1, sibling);
     l.end_wait(9, w);
     assert!(matches!(
-        l.begin_wait(1, 42),
+        l.begin_wait(1, 42, 1),
         Err(LedgerError::UnknownConnection { .. })
+    ));
+}
+
+/// A process that is not waiting gets no room a waiting sibling could take now: the process
+/// that just gave its chunk back (a sibling waited) does not take it back with its next
+/// reservation ahead of the waiter. Room a waiter cannot use, or room enough for both, is
+/// given as before; and waiters among themselves take what fits.
+#[test]
+fn a_newcomer_leaves_a_waiter_the_room_it_fits_in() {
+    let (a, b, w, small) = (1, 2, 3, 4);
+    let mut l = Ledger::new();
+    l.open(1, 1000);
+    for c in [a, b, w, small] {
+        l.attach(1, c).unwrap();
+    }
+    l.reserve(1, a, 400).unwrap();
+    l.reserve(1, b, 400).unwrap();
+    // w wants 400: 200 free, so it waits.
+    assert!(matches!(
+        l.reserve(1, w, 400).unwrap(),
+        Reservation::Denied { .. }
+    ));
+    l.begin_wait(1, w, 400).unwrap();
+    // Its need does not fit the room: it blocks nobody (a small allocation still goes in).
+    assert!(matches!(
+        l.reserve_credit(1, small, 10, 0).unwrap(),
+        Credit::Granted { bytes: 10, .. }
+    ));
+    l.release(1, small, 10).unwrap();
+    // a frees its 400 (given back because w waited) and asks again at once: refused, the
+    // room is w's now; w then gets it.
+    l.release(1, a, 400).unwrap();
+    assert!(matches!(
+        l.reserve_credit(1, a, 400, 0).unwrap(),
+        Credit::Denied { in_use: 400, .. }
+    ));
+    assert!(matches!(
+        l.reserve(1, a, 400).unwrap(),
+        Reservation::Denied { in_use: 400, .. }
+    ));
+    // Room for both the waiter and the newcomer: no yielding.
+    assert!(matches!(
+        l.reserve(1, small, 100).unwrap(),
+        Reservation::Granted { in_use: 500 }
+    ));
+    l.release(1, small, 100).unwrap();
+    // a waits too now; among waiters, whoever comes first takes what fits.
+    l.begin_wait(1, a, 400).unwrap();
+    assert!(matches!(
+        l.reserve_credit(1, a, 400, 0).unwrap(),
+        Credit::Granted { bytes: 400, .. }
+    ));
+    l.end_wait(1, a);
+    assert!(matches!(
+        l.reserve_credit(1, w, 400, 0).unwrap(),
+        Credit::Denied { .. }
+    ));
+    l.release(1, b, 400).unwrap();
+    assert!(matches!(
+        l.reserve_credit(1, w, 400, 0).unwrap(),
+        Credit::Granted { bytes: 400, .. }
+    ));
+    l.end_wait(1, w);
+    // Nobody waits: a newcomer gets room again.
+    assert!(matches!(
+        l.reserve(1, small, 200).unwrap(),
+        Reservation::Granted { in_use: 1000 }
     ));
 }
 

@@ -65,8 +65,21 @@ pub const COMPANIONS_PER_CONNECTION: usize = 2;
 /// How long a process that read a `Pressure` keeps no memory credit: it asks for none, and
 /// gives every free back at once on its pressure channel. The arbiter relies on it: a channel
 /// that answered a `Pressure` sent less than this long ago (less a margin) holds no credit
-/// worth pressing for again.
+/// worth pressing for again (a churner in its [`TURN`] gives its credit back by itself when
+/// the turn ends).
 pub const PRESSED_FOR: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// A process's *turn*: for this long after the arbiter granted it a reservation, a process that
+/// is pressed keeps the credit its frees make (its next allocations need no round trip) and
+/// gives it back when the turn ends, by itself. Eight processes hammering one full allocation
+/// then hand their chunks over once a turn rather than at every allocation (issue 36: two
+/// thirds of no control's allocation rate became nine tenths). Only a churner gets a turn: a
+/// process whose allocation came within microseconds of its last free (the interposer's
+/// `CHURN_GAP`); one that hands memory to a sibling gives its frees back at once. The arbiter
+/// relies on it: a waiter that pressed a sibling with a channel waits the memory wait from the
+/// end of that sibling's possible turn, and a process that is not waiting is given no room a
+/// waiter could take (so a turn's end hands the chunk to a waiter, not back to the same process).
+pub const TURN: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// First frame of every connection, client to server.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -143,7 +143,8 @@ impl Session {
         }
     }
 
-    /// Answers every `Pressure` waiting on the channel: all unused credit goes back at once.
+    /// Answers every `Pressure` waiting on the channel: all unused credit goes back at once (in
+    /// the process's turn, none: it goes back when the turn ends).
     pub(super) fn answer_pressure(&'static self) {
         let mut guard = self.channel.lock();
         let Some(ch) = guard.as_mut() else { return };
@@ -160,9 +161,14 @@ impl Session {
                 }
             };
             // Marked before the credit is taken, SeqCst (see `pressed_recently`): credit added
-            // after the take goes back at once from the thread that adds it.
+            // after the take goes back at once from the thread that adds it. In its turn the
+            // process keeps it: the watcher gives it back when the turn ends.
             self.pressed_ms.store(self.now_ms(), Ordering::SeqCst);
-            let bytes = self.drop_credit();
+            let bytes = if self.in_turn() {
+                0
+            } else {
+                self.drop_credit()
+            };
             // Blocking (bounded by the connection's timeout): the answer must not be lost.
             let sent = ch.send_blocking(&TenantRequest::Relinquish { seq, bytes });
             if sent.is_ok() {

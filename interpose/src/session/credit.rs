@@ -20,6 +20,20 @@ pub fn granule(limit: u64) -> u64 {
 }
 
 impl Session {
+    fn now_us(&self) -> u64 {
+        self.clock
+            .now()
+            .saturating_duration_since(self.origin)
+            .as_micros() as u64
+            + 1
+    }
+
+    /// True when a free made credit while pressed less than [`super::CHURN_GAP`] ago.
+    fn churning(&self) -> bool {
+        let last = self.last_free_us.load(Ordering::Relaxed);
+        last != 0 && self.now_us().saturating_sub(last) <= super::CHURN_GAP.as_micros() as u64
+    }
+
     pub(super) fn now_ms(&self) -> u64 {
         self.clock
             .now()
@@ -39,16 +53,42 @@ impl Session {
         self.pressed_ms.load(Ordering::SeqCst) != 0
     }
 
+    /// True within this process's turn ([`super::TURN`] from its last grant). Reads the clock:
+    /// asked only while pressed.
+    pub(super) fn in_turn(&self) -> bool {
+        let end = self.turn_end_ms.load(Ordering::Relaxed);
+        end != 0 && self.now_ms() < end
+    }
+
+    /// How long the watcher may wait before it looks again: the tick, or less when a pressed
+    /// process's turn ends sooner (what the turn kept then goes back without a free to send it).
+    pub(super) fn watch_timeout(&self) -> std::time::Duration {
+        let tick = self.policy.tick;
+        if !self.pressed_recently() {
+            return tick;
+        }
+        let (end, now) = (self.turn_end_ms.load(Ordering::Relaxed), self.now_ms());
+        if end > now {
+            tick.min(std::time::Duration::from_millis(end - now))
+        } else {
+            tick
+        }
+    }
+
     pub(super) fn pressure_expired(&self) -> bool {
         let at = self.pressed_ms.load(Ordering::Relaxed);
         at != 0 && self.now_ms().saturating_sub(at) >= PRESSED_FOR.as_millis() as u64
     }
 
     /// Credit this process keeps after frees (more is given back after the release delay):
-    /// two granules while it has a pressure channel and was not pressed lately, else none.
+    /// two granules while it has a pressure channel and was not pressed lately; all of it while
+    /// pressed in its turn; else none.
     pub fn keep(&self) -> u64 {
-        if !self.has_channel() || self.pressed_recently() {
+        if !self.has_channel() {
             return 0;
+        }
+        if self.pressed_recently() {
+            return if self.in_turn() { u64::MAX } else { 0 };
         }
         2 * granule(self.limit.load(Ordering::Relaxed))
     }
@@ -70,6 +110,8 @@ impl Session {
             return Ok(self.last_in_use.load(Ordering::Acquire));
         }
         self.request(true, |s, conn| {
+            // Asked before the round trip, whose wait is not the process's gap.
+            let churning = s.churning();
             // All the credit goes towards this request: the arbiter is asked for the rest.
             let credit = s.credit.swap(0, Ordering::SeqCst);
             if credit >= bytes {
@@ -96,6 +138,13 @@ impl Session {
                 _ => None,
             };
             if let Some((g, in_use)) = granted {
+                let turn = s.policy.turn.as_millis() as u64;
+                if turn > 0 && churning {
+                    s.turn_end_ms.store(s.now_ms() + turn, Ordering::Relaxed);
+                    // A watcher asleep for a whole tick must wake at the turn's end, when what
+                    // the turn kept goes back: it looks again now and sees the turn.
+                    s.wake_watcher();
+                }
                 s.held.fetch_add(g, Ordering::SeqCst);
                 let credit = s.credit.fetch_add(g - need, Ordering::SeqCst) + g - need;
                 // What is allocated, as far as this process knows (its own credit is not).
@@ -164,20 +213,32 @@ impl Session {
         self.credit_added(credit);
     }
 
-    /// The credit grew to `credit` (a free, or a grant with credit): while pressed lately, it
-    /// all goes back at once; what exceeds [`Session::keep`] is announced by the watcher within
-    /// the release delay. One atomic load when neither applies.
+    /// The credit grew to `credit` (a free, or a grant with credit): while pressed lately and
+    /// past its turn, it all goes back at once; what exceeds [`Session::keep`] is announced by
+    /// the watcher within the release delay. One atomic load when neither applies.
     fn credit_added(&'static self, credit: u64) {
-        if self.pressed_recently() && self.give_back_now() {
+        let pressed = self.pressed_recently();
+        if pressed {
+            self.last_free_us.store(self.now_us(), Ordering::Relaxed);
+        }
+        if pressed && !self.in_turn() && self.give_back_now() {
             // Another process of the allocation waits for room: it gets these bytes now, not
             // after the release delay (and not this process's next allocation first).
             return;
         }
-        let fd = self.wake_fd.load(Ordering::Acquire);
-        if fd < 0 {
+        if self.wake_fd.load(Ordering::Acquire) < 0 {
             // No watcher: send now.
             self.try_flush();
-        } else if credit > self.keep() && self.armed.swap(false, Ordering::AcqRel) {
+        } else if credit > self.keep() {
+            self.wake_watcher();
+        }
+    }
+
+    /// Wakes the watcher if it waits and no wake-up is on its way (one `write` at most per
+    /// round of it).
+    fn wake_watcher(&self) {
+        let fd = self.wake_fd.load(Ordering::Acquire);
+        if fd >= 0 && self.armed.swap(false, Ordering::AcqRel) {
             let one: u64 = 1;
             // SAFETY: writing 8 bytes from a live u64 to the watcher's eventfd.
             let _ = unsafe { libc::write(fd, (&raw const one).cast(), 8) };

@@ -23,8 +23,12 @@
 //! never causes a false out-of-memory in a sibling process, each process subscribes a second
 //! connection as its *pressure channel*: before refusing anyone, the arbiter sends `Pressure`
 //! there, and the watcher thread answers at once with `Relinquish`, giving back every unused
-//! byte. A pressed process keeps no credit for a while ([`PRESSED_FOR`]); an idle one returns
-//! its credit after a quiet tick; the watcher returns credit above [`Session::keep`] after the
+//! byte. A pressed process keeps no credit for a while ([`PRESSED_FOR`]), except during its
+//! *turn* ([`TURN`], from a grant to a churner, see [`CHURN_GAP`]): then it keeps what its frees make, answers a
+//! `Pressure` with nothing, and gives it all back when the turn ends (a process that frees and
+//! allocates in a loop at a full allocation hands its chunk over once a turn, not at every
+//! allocation; the arbiter gives the chunk to the waiter, see `tessera_ledger`); an idle one
+//! returns its credit after a quiet tick; the watcher returns credit above [`Session::keep`] after the
 //! release delay.
 
 //!
@@ -81,6 +85,9 @@ pub struct Policy {
     /// How often the watcher looks at an idle process; credit untouched for a whole tick is
     /// given back.
     pub tick: Duration,
+    /// How long after a grant a pressed process keeps its frees' credit ([`TURN`]; zero: a
+    /// pressed process gives every free back at once).
+    pub turn: Duration,
 }
 
 impl Default for Policy {
@@ -94,6 +101,7 @@ impl Default for Policy {
             watch: true,
             release_delay: Duration::from_millis(1),
             tick: Duration::from_millis(100),
+            turn: TURN,
         }
     }
 }
@@ -101,6 +109,17 @@ impl Default for Policy {
 /// How long after a `Pressure` the process asks for no credit and keeps none: its siblings
 /// need the room. Part of the protocol: the arbiter presses it again only after this.
 pub const PRESSED_FOR: Duration = tessera_protocol::PRESSED_FOR;
+
+/// How long after a grant a pressed process keeps the credit its frees make (its turn; the
+/// protocol's, see [`tessera_protocol::TURN`]).
+pub const TURN: Duration = tessera_protocol::TURN;
+
+/// A reservation that comes this soon after the process's last free (while pressed) is a
+/// churner's: it frees and allocates in a loop, and its grant starts a turn. A process that
+/// hands its memory to a sibling and waits for it back (its next allocation comes after the
+/// sibling's round trip and two context switches, well over this) gets no turn: its frees go back at
+/// once, as a pressed process's do.
+pub const CHURN_GAP: Duration = Duration::from_micros(20);
 
 /// The `seq` of a `Relinquish` that answers no `Pressure` (credit given back on the process's
 /// own initiative).
@@ -150,6 +169,12 @@ pub struct Session {
     channel_wanted: AtomicBool,
     /// When the last `Pressure` came, ms since `origin` (0: never).
     pressed_ms: AtomicU64,
+    /// When this process's turn ends, ms since `origin` (0: none yet): a grant to a process
+    /// that churns starts one ([`Policy::turn`]).
+    turn_end_ms: AtomicU64,
+    /// When a free last made credit while the process was pressed, us since `origin` (0:
+    /// never): a reservation that comes within [`CHURN_GAP`] of it is a churner's.
+    last_free_us: AtomicU64,
     /// Set when an answer on the channel may or may not have reached the arbiter: the watcher
     /// then drops the memory connection, so the reconnection's `Redeclare` is exact.
     reset_memory_conn: AtomicBool,
@@ -212,6 +237,8 @@ impl Session {
             channel_fd: AtomicI32::new(-1),
             channel_wanted: AtomicBool::new(false),
             pressed_ms: AtomicU64::new(0),
+            turn_end_ms: AtomicU64::new(0),
+            last_free_us: AtomicU64::new(0),
             reset_memory_conn: AtomicBool::new(false),
             given_back: AtomicU64::new(0),
             gpu_uuid: std::sync::OnceLock::new(),

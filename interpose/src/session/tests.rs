@@ -12,6 +12,9 @@ fn policy(outage_ms: u64, watch: bool) -> Policy {
         watch,
         release_delay: Duration::from_millis(1),
         tick: Duration::from_millis(100),
+        // No turns: these tests pin what a pressed process does outside one (the turn's own
+        // test sets it).
+        turn: Duration::ZERO,
     }
 }
 
@@ -555,6 +558,102 @@ fn pressure_takes_every_unused_byte_back_at_once() {
         }
     }
     assert!(clock.elapsed() >= PRESSED_FOR, "{:?}", clock.elapsed());
+}
+
+/// A churner's turn: a pressed process that frees and at once allocates again gets a turn with
+/// the grant of that allocation. In it, it keeps what its frees make: it answers a `Pressure`
+/// with nothing, its frees are not announced and its next allocations of no more take them
+/// without a round trip; when the turn ends, the watcher gives all of it back by itself (no
+/// free, no second press), well before a sibling's wait could run out.
+#[test]
+fn in_its_turn_a_churner_keeps_its_frees_and_gives_them_back_when_the_turn_ends() {
+    let (_dir, sock, arb) = mock(GIB);
+    let clock = FakeClock::leaked();
+    let p = Policy {
+        turn: TURN,
+        ..policy(3000, true)
+    };
+    let s = session_on(Some(&sock), TOKEN, p, clock);
+    s.reserve(100 * MIB).unwrap();
+    with_channel(s, &arb);
+    s.reserve(300 * MIB).unwrap();
+    // A sibling waits: pressed, not in a turn, the process gives back its 32 MiB of credit,
+    // and its free at once.
+    assert_eq!(arb.press_all(7), 32 * MIB);
+    s.release(300 * MIB);
+    arb.wait_for("the free given back", |a| a.in_use() == 100 * MIB);
+    // Its next allocation comes at once (no time passed: a churner's): a round trip whose
+    // grant starts the turn.
+    assert_eq!(s.reserve(300 * MIB), Ok(400 * MIB));
+    let round_trips = count(&mem_log(&arb), is_reserve);
+    // Pressed again in the turn: nothing given back...
+    assert_eq!(arb.press_all(8), 0);
+    // ...and its frees stay its credit, taken again without a round trip.
+    for _ in 0..3 {
+        s.release(300 * MIB);
+        assert_eq!(s.reserve(300 * MIB), Ok(400 * MIB));
+    }
+    s.release(300 * MIB);
+    assert_eq!(count(&mem_log(&arb), is_reserve), round_trips);
+    assert_eq!(arb.in_use(), 400 * MIB);
+    assert_eq!(clock.elapsed(), Duration::ZERO);
+    // The watcher waits for the turn's end (not a whole tick): then every unused byte goes
+    // back, unasked, within the release delay. Only waits that end by then are let pass (the
+    // release delay's, and the one for the rest of the turn), never the tick's.
+    let end = Instant::now() + Duration::from_secs(30);
+    while arb.in_use() != 100 * MIB {
+        assert!(Instant::now() < end, "the turn's credit never came back");
+        let rest = TURN.saturating_sub(clock.elapsed());
+        if clock.waiting_for(p.release_delay) {
+            clock.advance(p.release_delay);
+        } else if !rest.is_zero() && clock.waiting_for(rest) {
+            clock.advance(rest);
+        } else {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    assert!(
+        clock.elapsed() <= TURN + 2 * p.release_delay,
+        "{:?}",
+        clock.elapsed()
+    );
+    assert_eq!((s.held(), s.credit()), (100 * MIB, 0));
+    let given: Vec<u64> = arb.relinquished().iter().map(|(_, b)| *b).collect();
+    assert_eq!(
+        given,
+        vec![32 * MIB, 300 * MIB, 0, 300 * MIB],
+        "{:?}",
+        arb.relinquished()
+    );
+}
+
+/// A pressed process whose next allocation comes later than [`CHURN_GAP`] after its free (one
+/// that hands memory to a sibling and waits for it back) gets no turn: its frees go back at
+/// once, so the hand-over is not held up.
+#[test]
+fn a_pressed_process_that_does_not_churn_gets_no_turn() {
+    let (_dir, sock, arb) = mock(GIB);
+    let clock = FakeClock::leaked();
+    let p = Policy {
+        turn: TURN,
+        ..policy(3000, true)
+    };
+    let s = session_on(Some(&sock), TOKEN, p, clock);
+    s.reserve(100 * MIB).unwrap();
+    with_channel(s, &arb);
+    assert_eq!(arb.press_all(7), 0);
+    for round in 1..=3u64 {
+        s.release(100 * MIB);
+        arb.wait_for("the free given back", |a| a.in_use() == 0);
+        clock.advance(CHURN_GAP * 4);
+        assert_eq!(s.reserve(100 * MIB), Ok(100 * MIB));
+        assert_eq!(
+            count(&mem_log(&arb), is_reserve),
+            1 + round as usize,
+            "every allocation a round trip"
+        );
+    }
+    assert!(clock.elapsed() < PRESSED_FOR, "still pressed throughout");
 }
 
 /// A press that crosses a grant with credit: the arbiter booked the grant (the request and a

@@ -49,7 +49,7 @@ impl Session {
             self.clock.wait_either(
                 self.wake_fd.load(Ordering::Acquire),
                 self.channel_fd.load(Ordering::Acquire),
-                self.policy.tick,
+                self.watch_timeout(),
             )
         };
         if pressed {
@@ -81,7 +81,8 @@ impl Session {
                 self.flush_locked(&mut link, self.keep());
             }
         } else if !pressed && before > 0 && self.credit.load(Ordering::SeqCst) == before {
-            // Quiet for a whole tick: an idle process holds no credit.
+            // Quiet for a whole tick (or until a pressed process's turn ended): an idle process
+            // holds no credit.
             let mut link = self.lock();
             self.flush_locked(&mut link, 0);
         }

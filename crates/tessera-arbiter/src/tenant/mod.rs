@@ -662,6 +662,8 @@ fn reserve_pressing(
     let mut waiting: Option<Waiting<'_>> = None;
     // Whether the others were pressed since the deadline was last set.
     let mut pressed = false;
+    // Whether the deadline was moved for a sibling's turn (once).
+    let mut turn_allowed = false;
     if hub.waiters() > 0 {
         // Someone waits for room: this process's own give-backs (sent on its channel before
         // this request, booked by another thread) are booked first, so that its grant takes
@@ -681,7 +683,7 @@ fn reserve_pressing(
         let open = arb.with_ledger(|l| {
             let open = l.usage(key).is_some_and(|u| !u.closed);
             if open && waiting.is_none() {
-                l.begin_wait(key, conn)?;
+                l.begin_wait(key, conn, need)?;
             }
             Ok::<_, LedgerError>(open)
         })?;
@@ -722,7 +724,15 @@ fn reserve_pressing(
             return Ok(r);
         }
         pressed = true;
-        if !press_others(arb, b, conn, deadline) {
+        let pressing = press_others(arb, b, conn, deadline);
+        if pressing == Pressing::Channels && !turn_allowed {
+            // A sibling pressed in its turn keeps its credit until the turn ends
+            // (`tessera_protocol::TURN`) and gives it back then: the memory wait counts from
+            // there, so a sibling's turn never shortens it. Once per request: the wait ends.
+            turn_allowed = true;
+            deadline = deadline.max(Instant::now() + tessera_protocol::TURN + arb.memory_wait());
+        }
+        if pressing == Pressing::Nobody {
             // Nobody else holds anything (now): once more, then the request alone does not fit
             // (unless closed connections' bytes, still on the card, are what it waits for).
             let seen = hub.freed_count();
@@ -879,10 +889,10 @@ const PRESS_ANSWER_WAIT: std::time::Duration = std::time::Duration::from_secs(1)
 /// Presses every other process of the allocation that holds bytes, and waits for their
 /// answers: until `deadline`, and for those that answered the previous press, up to
 /// [`PRESS_ANSWER_WAIT`] if that is later. False when no other process holds anything.
-fn press_others(arb: &Arbiter, b: &TenantBinding, conn: ConnId, deadline: Instant) -> bool {
+fn press_others(arb: &Arbiter, b: &TenantBinding, conn: ConnId, deadline: Instant) -> Pressing {
     let targets = arb.with_ledger(|l| l.others_holding(b.key, conn));
     if targets.is_empty() {
-        return false;
+        return Pressing::Nobody;
     }
     let hub = arb.pressure();
     let round = hub.press(b.key, &targets);
@@ -890,7 +900,22 @@ fn press_others(arb: &Arbiter, b: &TenantBinding, conn: ConnId, deadline: Instan
         hub.wait_fresh(round, deadline.max(Instant::now() + PRESS_ANSWER_WAIT));
         hub.wait(round, deadline);
     }
-    true
+    if round.channels > 0 {
+        Pressing::Channels
+    } else {
+        Pressing::NoChannel
+    }
+}
+
+/// Whom [`press_others`] found holding bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pressing {
+    /// Nobody else holds anything.
+    Nobody,
+    /// Others hold bytes, none of them with a pressure channel (no credit to give back).
+    NoChannel,
+    /// Others hold bytes, some with a pressure channel (pressed now, or lately).
+    Channels,
 }
 
 #[cfg(test)]

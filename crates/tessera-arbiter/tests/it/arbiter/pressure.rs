@@ -311,3 +311,58 @@ fn mem_info_counts_what_the_process_gave_back_however_late_the_arbiter_reads_it(
     assert_eq!(mem_info(&arb, &token), (1000 * MIB, 300 * MIB));
     assert_eq!(used(&mut admin, &id), 300 * MIB);
 }
+
+/// A sibling pressed in its turn (`tessera_protocol::TURN`) answers with nothing and gives its
+/// credit back by itself when the turn ends: a waiter is granted then, even with a memory wait
+/// much shorter than the turn (the wait counts from the turn's end), not refused beside credit
+/// that is on its way.
+#[test]
+fn a_siblings_turn_does_not_shorten_the_memory_wait() {
+    let arb = Arbiter::start_with_args(&["--memory-wait-ms", "5"]);
+    let mut admin = arb.admin();
+    let (token, id) = create(&mut admin, 0, 1000 * MIB, 50);
+    let (mut a, mut a_ch) = with_channel(&arb, &token);
+    // A's 600 MiB, freed in its turn: credit it keeps.
+    assert_eq!(
+        a.call(&TenantRequest::ReserveCredit {
+            bytes: 600 * MIB,
+            extra: 0,
+            given_back: 0
+        })
+        .unwrap(),
+        TenantReply::Granted {
+            bytes: 600 * MIB,
+            in_use: 600 * MIB
+        }
+    );
+    let turn = tessera_protocol::TURN;
+    let answer = std::thread::spawn(move || {
+        let TenantReply::Pressure { seq } = frame::read_frame(&mut a_ch.stream()).unwrap() else {
+            panic!("expected a pressure");
+        };
+        a_ch.send(&TenantRequest::Relinquish { seq, bytes: 0 })
+            .unwrap();
+        // The rest of the turn (well past the 5 ms memory wait), then the credit, unasked.
+        std::thread::sleep(turn * 3 / 4);
+        a_ch.send(&TenantRequest::Relinquish {
+            seq: 0,
+            bytes: 600 * MIB,
+        })
+        .unwrap();
+        a_ch
+    });
+    let mut b = arb.tenant(&token);
+    let t = std::time::Instant::now();
+    assert_eq!(
+        b.call(&TenantRequest::Reserve { bytes: 600 * MIB })
+            .unwrap(),
+        TenantReply::Reserved { in_use: 600 * MIB }
+    );
+    assert!(
+        t.elapsed() >= turn / 2,
+        "granted before the give-back? {:?}",
+        t.elapsed()
+    );
+    let _ch = answer.join().unwrap();
+    assert_eq!(used(&mut admin, &id), 600 * MIB);
+}
