@@ -72,8 +72,8 @@ pub const PRESSED_FOR: std::time::Duration = std::time::Duration::from_millis(50
 /// A process's *turn*: for this long after the arbiter granted it a reservation, a process that
 /// is pressed keeps the credit its frees make (its next allocations need no round trip) and
 /// gives it back when the turn ends, by itself. Eight processes hammering one full allocation
-/// then hand their chunks over once a turn rather than at every allocation (issue 36: two
-/// thirds of no control's allocation rate became nine tenths). Only a churner gets a turn: a
+/// then hand their chunks over once a turn rather than at every allocation (issue 36: from half
+/// to two thirds of no control's allocation rate to nine tenths). Only a churner gets a turn: a
 /// process whose allocation came within microseconds of its last free (the interposer's
 /// `CHURN_GAP`); one that hands memory to a sibling gives its frees back at once. The arbiter
 /// relies on it: a waiter that pressed a sibling with a channel waits the memory wait from the
