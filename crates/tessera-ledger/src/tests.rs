@@ -398,6 +398,35 @@ fn a_newcomer_leaves_a_waiter_the_room_it_fits_in() {
     ));
 }
 
+/// A waiter is its own allocation's business: a process of another allocation on the same
+/// GPU is never made to leave it room (a tenant cannot get a neighbour refused by waiting).
+#[test]
+fn a_waiter_never_holds_back_another_allocation() {
+    let (w, holder, neighbour) = (1, 2, 3);
+    let mut l = Ledger::new();
+    l.open(1, 1000);
+    l.open(2, 1000);
+    l.attach(1, w).unwrap();
+    l.attach(1, holder).unwrap();
+    l.attach(2, neighbour).unwrap();
+    l.reserve(1, holder, 800).unwrap();
+    l.begin_wait(1, w, 100).unwrap();
+    // Allocation 1 has 200 free and a waiter that fits in it; allocation 2 is untouched.
+    assert_eq!(
+        l.reserve(2, neighbour, 950).unwrap(),
+        Reservation::Granted { in_use: 950 }
+    );
+    assert!(matches!(
+        l.reserve_credit(2, neighbour, 50, 0).unwrap(),
+        Credit::Granted { bytes: 50, .. }
+    ));
+    // While inside allocation 1 a newcomer does leave the waiter its room.
+    assert!(matches!(
+        l.reserve(1, holder, 150).unwrap(),
+        Reservation::Denied { in_use: 800, .. }
+    ));
+}
+
 #[test]
 fn release_of_more_than_held_is_refused_and_changes_nothing() {
     let mut l = Ledger::new();
