@@ -24,12 +24,12 @@
 //! connection as its *pressure channel*: before refusing anyone, the arbiter sends `Pressure`
 //! there, and the watcher thread answers at once with `Relinquish`, giving back every unused
 //! byte. A pressed process keeps no credit for a while ([`PRESSED_FOR`]), except during its
-//! *turn* ([`TURN`], from a grant to a churner, see [`CHURN_GAP`]): then it keeps what its frees make, answers a
-//! `Pressure` with nothing, and gives it all back when the turn ends (a process that frees and
-//! allocates in a loop at a full allocation hands its chunk over once a turn, not at every
-//! allocation; the arbiter gives the chunk to the waiter, see `tessera_ledger`); an idle one
-//! returns its credit after a quiet tick; the watcher returns credit above [`Session::keep`] after the
-//! release delay.
+//! *turn* ([`TURN`], from a grant to a churner, see [`CHURN_GAP`]): then it keeps what its
+//! frees make, answers a `Pressure` with nothing, and gives it all back when the turn ends (a
+//! process that frees and allocates in a loop at a full allocation hands its chunk over once a
+//! turn, not at every allocation; the arbiter gives the chunk to the waiter, see
+//! `tessera_ledger`); an idle one returns its credit after a quiet tick; the watcher returns
+//! credit above [`Session::keep`] after the release delay.
 
 //!
 //! Modules (one `impl Session` block each, over the fields declared here):
@@ -117,8 +117,8 @@ pub const TURN: Duration = tessera_protocol::TURN;
 /// A reservation that comes this soon after the process's last free (while pressed) is a
 /// churner's: it frees and allocates in a loop, and its grant starts a turn. A process that
 /// hands its memory to a sibling and waits for it back (its next allocation comes after the
-/// sibling's round trip and two context switches, well over this) gets no turn: its frees go back at
-/// once, as a pressed process's do.
+/// sibling's round trip and two context switches, well over this) gets no turn: its frees go
+/// back at once, as a pressed process's do.
 pub const CHURN_GAP: Duration = Duration::from_micros(20);
 
 /// The `seq` of a `Relinquish` that answers no `Pressure` (credit given back on the process's
