@@ -304,15 +304,11 @@ pub(crate) fn main(args: RunArgs) -> Result<u8, CliError> {
         let reply = admin.recv()?;
         Ok((admin, reply))
     });
-    let (admin, reply) = match (created, checked) {
+    let (mut admin, reply) = match (created, checked) {
         (Ok(c), Ok(())) => c,
         // The interposer's error first: it is the caller's to fix, whatever the arbiter said.
         (Ok((mut admin, reply)), Err(e)) => {
-            for id in created_ids(&reply) {
-                if let Err(d) = admin.delete(&id) {
-                    eprintln!("tessera run: could not delete allocation {id}: {d}");
-                }
-            }
+            delete_unused(&mut admin, &created_ids(&reply));
             return Err(e.into());
         }
         (Err(_), Err(e)) => return Err(e.into()),
@@ -333,7 +329,8 @@ pub(crate) fn main(args: RunArgs) -> Result<u8, CliError> {
         // Only returns when the command could not be started: then nothing owns the
         // allocation but this process, which deletes it on the connection it has.
         let e = command(&args, &interposer, &token, &visible).exec();
-        delete_all(Some(admin), sock, &allocs);
+        let ids: Vec<String> = allocs.iter().map(|a| a.id.clone()).collect();
+        delete_unused(&mut admin, &ids);
         return Ok(crate::spawn::not_started(
             "tessera run",
             &args.command[0],
@@ -359,47 +356,6 @@ pub(crate) fn main(args: RunArgs) -> Result<u8, CliError> {
     {
         after = None;
     }
-    receive_deletes(after, sock, &allocs);
-    let status = match status? {
-        Ok(status) => status,
-        Err(e) => {
-            return Ok(crate::spawn::not_started(
-                "tessera run",
-                &args.command[0],
-                &e,
-            ));
-        }
-    };
-    Ok(match status.code() {
-        Some(c) => c as u8,
-        None => 128u8.wrapping_add(status.signal().unwrap_or(0) as u8),
-    })
-}
-
-/// Deletes `allocs`, on `admin` when given, and says on stderr what could not be deleted.
-fn delete_all(
-    admin: Option<AdminClient>,
-    sock: &Path,
-    allocs: &[tessera_protocol::AllocationStatus],
-) {
-    let mut admin = admin;
-    if let Some(a) = admin.as_mut()
-        && allocs
-            .iter()
-            .any(|al| a.send(&AdminRequest::Delete { id: al.id.clone() }).is_err())
-    {
-        admin = None;
-    }
-    receive_deletes(admin, sock, allocs);
-}
-
-/// Reads the answers to the `Delete`s sent on `after` for `allocs`, in order; a delete whose
-/// connection broke (or that was never sent: `after` is `None`) is sent again on a fresh one.
-fn receive_deletes(
-    mut after: Option<AdminClient>,
-    sock: &Path,
-    allocs: &[tessera_protocol::AllocationStatus],
-) {
     for id in allocs.iter().map(|a| &a.id) {
         let deleted = match after.as_mut() {
             Some(admin) => admin.recv().and_then(|reply| match reply {
@@ -419,6 +375,30 @@ fn receive_deletes(
                 "tessera run: could not delete allocation {id}: {e}; it stays until deleted \
                  (see `tessera status`)"
             );
+        }
+    }
+    let status = match status? {
+        Ok(status) => status,
+        Err(e) => {
+            return Ok(crate::spawn::not_started(
+                "tessera run",
+                &args.command[0],
+                &e,
+            ));
+        }
+    };
+    Ok(match status.code() {
+        Some(c) => c as u8,
+        None => 128u8.wrapping_add(status.signal().unwrap_or(0) as u8),
+    })
+}
+
+/// Deletes allocations `ids` that no command will use (the interposer check failed, or the
+/// command could not be started), on `admin`; says on stderr what could not be deleted.
+fn delete_unused(admin: &mut AdminClient, ids: &[String]) {
+    for id in ids {
+        if let Err(d) = admin.delete(id) {
+            eprintln!("tessera run: could not delete allocation {id}: {d}");
         }
     }
 }

@@ -560,14 +560,16 @@ fn pressure_takes_every_unused_byte_back_at_once() {
     assert!(clock.elapsed() >= PRESSED_FOR, "{:?}", clock.elapsed());
 }
 
-/// A churner's turn: a pressed process that frees and at once allocates again gets a turn with
-/// the grant of that allocation. In it, it keeps what its frees make: it answers a `Pressure`
-/// with nothing, its frees are not announced and its next allocations of no more take them
-/// without a round trip; when the turn ends, the watcher gives all of it back by itself (no
-/// free, no second press), well before a sibling's wait could run out.
-#[test]
-fn in_its_turn_a_churner_keeps_its_frees_and_gives_them_back_when_the_turn_ends() {
-    let (_dir, sock, arb) = mock(GIB);
+/// A session with turns ([`TURN`]) on a fake clock, 100 MiB allocated and its pressure channel
+/// open, against a mock arbiter with 1 GiB.
+fn with_turns() -> (
+    tempfile::TempDir,
+    MockArbiter,
+    &'static Session,
+    &'static FakeClock,
+    Policy,
+) {
+    let (dir, sock, arb) = mock(GIB);
     let clock = FakeClock::leaked();
     let p = Policy {
         turn: TURN,
@@ -576,6 +578,17 @@ fn in_its_turn_a_churner_keeps_its_frees_and_gives_them_back_when_the_turn_ends(
     let s = session_on(Some(&sock), TOKEN, p, clock);
     s.reserve(100 * MIB).unwrap();
     with_channel(s, &arb);
+    (dir, arb, s, clock, p)
+}
+
+/// A churner's turn: a pressed process that frees and at once allocates again gets a turn with
+/// the grant of that allocation. In it, it keeps what its frees make: it answers a `Pressure`
+/// with nothing, its frees are not announced and its next allocations of no more take them
+/// without a round trip; when the turn ends, the watcher gives all of it back by itself (no
+/// free, no second press), well before a sibling's wait could run out.
+#[test]
+fn in_its_turn_a_churner_keeps_its_frees_and_gives_them_back_when_the_turn_ends() {
+    let (_dir, arb, s, clock, p) = with_turns();
     s.reserve(300 * MIB).unwrap();
     // A sibling waits: pressed, not in a turn, the process gives back its 32 MiB of credit,
     // and its free at once.
@@ -632,15 +645,7 @@ fn in_its_turn_a_churner_keeps_its_frees_and_gives_them_back_when_the_turn_ends(
 /// once, so the hand-over is not held up.
 #[test]
 fn a_pressed_process_that_does_not_churn_gets_no_turn() {
-    let (_dir, sock, arb) = mock(GIB);
-    let clock = FakeClock::leaked();
-    let p = Policy {
-        turn: TURN,
-        ..policy(3000, true)
-    };
-    let s = session_on(Some(&sock), TOKEN, p, clock);
-    s.reserve(100 * MIB).unwrap();
-    with_channel(s, &arb);
+    let (_dir, arb, s, clock, _) = with_turns();
     assert_eq!(arb.press_all(7), 0);
     for round in 1..=3u64 {
         s.release(100 * MIB);
