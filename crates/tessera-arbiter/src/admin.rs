@@ -146,7 +146,11 @@ async fn create(
     by: &By,
 ) -> AdminReply {
     let (gpu, limit, share, cap) = (c.gpu.clone(), c.memory_limit, c.share, c.cap);
-    match arb.create_tiered_by(c, owner, tier, by).await {
+    let mut made = arb.create_tiered_by(c.clone(), owner, tier, by).await;
+    if refused_for_room(&made) && reap_exited(arb).await {
+        made = arb.create_tiered_by(c, owner, tier, by).await;
+    }
+    match made {
         Ok((token, allocation)) => {
             if let Some(o) = owner {
                 crate::reaper::watch_owner(arb, o);
@@ -186,7 +190,11 @@ async fn create_group(
     by: &By,
 ) -> AdminReply {
     let n = slices.len();
-    match arb.create_group_by(slices, owner, by).await {
+    let mut made = arb.create_group_by(slices.clone(), owner, by).await;
+    if refused_for_room(&made) && reap_exited(arb).await {
+        made = arb.create_group_by(slices, owner, by).await;
+    }
+    match made {
         Ok((token, allocations)) => {
             if let Some(o) = owner {
                 crate::reaper::watch_owner(arb, o);
@@ -221,6 +229,25 @@ fn error(e: crate::state::StateError) -> AdminReply {
         kind: e.kind(),
         message: e.to_string(),
     }
+}
+
+/// Whether a create was refused for want of room: the GPU's memory or shares, or the caller's
+/// quota (the one `Forbidden` a create gives).
+fn refused_for_room<T>(made: &Result<T, crate::state::StateError>) -> bool {
+    use crate::state::StateError;
+    matches!(
+        made,
+        Err(StateError::Exhausted(_) | StateError::Forbidden(_))
+    )
+}
+
+/// Deletes, before a create is refused, the owned allocations whose processes have all exited
+/// (the reaper's rule, looked at now rather than when its task next runs): a command of
+/// `tessera run --exec` is its allocation's owner, and the next command a script starts the
+/// moment it exits must find that room free, not refused while the reaper's task has yet to
+/// run. True when it deleted any (the create is then tried again, once).
+async fn reap_exited(arb: &Arbiter) -> bool {
+    crate::reaper::reap(arb, std::path::Path::new("/proc")).await > 0
 }
 
 /// Serves one request for `by` (the operator on the admin socket; a user on the user socket,
@@ -266,5 +293,75 @@ pub(crate) async fn handle(arb: &Arbiter, req: AdminRequest, by: &By) -> AdminRe
                 message: e.to_string(),
             },
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tessera_protocol::{CreateAllocation, GpuSelector, ProcessOwner};
+
+    use super::*;
+
+    fn create_60gib(owner: Option<ProcessOwner>) -> AdminRequest {
+        AdminRequest::CreateTiered {
+            create: CreateAllocation {
+                gpu: GpuSelector::Index(0),
+                memory_limit: 60 << 30,
+                share: 10,
+                cap: None,
+                labels: Default::default(),
+            },
+            owner,
+            tier: Tier::BestEffort,
+        }
+    }
+
+    /// A create refused for room first deletes the owned allocations whose processes have all
+    /// exited, then tries again: no reaper task runs here, so only the create's own look can
+    /// free the room. While the owner runs, the refusal stands and nothing is deleted.
+    #[tokio::test]
+    async fn a_create_refused_for_room_first_reaps_the_owners_that_exited() {
+        let dir = tempfile::tempdir().unwrap();
+        let arb = Arbiter::new(
+            crate::state::test_gpus(1),
+            crate::store::Store::open(dir.path()).unwrap(),
+            Default::default(),
+        )
+        .unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        let owner = ProcessOwner {
+            pid,
+            start_time: crate::peer::proc_start(pid).unwrap(),
+        };
+        let first = handle(&arb, create_60gib(Some(owner)), &By::OPERATOR).await;
+        let AdminReply::Created { allocation, .. } = first else {
+            panic!("{first:?}");
+        };
+        let refused = handle(&arb, create_60gib(None), &By::OPERATOR).await;
+        assert!(
+            matches!(
+                refused,
+                AdminReply::Error {
+                    kind: tessera_protocol::AdminErrorKind::Exhausted,
+                    ..
+                }
+            ),
+            "{refused:?}"
+        );
+        assert_eq!(arb.list().await.len(), 1);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let second = handle(&arb, create_60gib(None), &By::OPERATOR).await;
+        assert!(matches!(second, AdminReply::Created { .. }), "{second:?}");
+        let ids: Vec<String> = arb.list().await.into_iter().map(|a| a.id).collect();
+        assert_eq!(ids.len(), 1);
+        assert_ne!(
+            ids[0], allocation.id,
+            "the exited owner's allocation is gone"
+        );
     }
 }

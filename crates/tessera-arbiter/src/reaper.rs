@@ -3,7 +3,10 @@
 //! run by the server every [`REAP_EVERY`], and at once when an owner exits (a pidfd of it,
 //! [`watch_owner`]) or a process closes its last connection ([`Arbiter::reap_soon`]): an
 //! allocation of `tessera run --exec`, whose owner is the command itself, is gone
-//! milliseconds after the command, not up to a tick later, so the next command's shares fit).
+//! milliseconds after the command, not up to a tick later, so the next command's shares fit.
+//! A create about to be refused for room looks too (`admin.rs`): a script's next command can
+//! ask before the reaper's task has run. An exited owner whose parent has not waited for it
+//! yet (a zombie) is gone ([`tessera_protocol::process::alive`]).
 
 #![forbid(unsafe_code)]
 
@@ -26,8 +29,9 @@ pub(crate) const REAP_EVERY: Duration = Duration::from_millis(250);
 pub(crate) const RECONNECT_GRACE: Duration = Duration::from_secs(10);
 
 /// One look at every owned allocation: deletes those whose owner is gone and whose processes
-/// all ended.
-pub(crate) async fn reap(arb: &Arc<Arbiter>, proc: &Path) {
+/// all ended; returns how many it deleted.
+pub(crate) async fn reap(arb: &Arbiter, proc: &Path) -> usize {
+    let mut deleted = 0;
     let owned = arb.owned();
     arb.members()
         .retain(|id| owned.iter().any(|(o, ..)| o == id));
@@ -43,6 +47,7 @@ pub(crate) async fn reap(arb: &Arc<Arbiter>, proc: &Path) {
         }
         match arb.delete(&id).await {
             Ok(()) => {
+                deleted += 1;
                 arb.members().forget(&id);
                 tracing::info!(
                     "deleted allocation {id}: its owner (pid {}) is gone and none of its \
@@ -53,6 +58,7 @@ pub(crate) async fn reap(arb: &Arc<Arbiter>, proc: &Path) {
             Err(e) => tracing::warn!("allocation {id}: owner gone, but not deleted: {e}"),
         }
     }
+    deleted
 }
 
 /// Runs [`reap`] every [`REAP_EVERY`], and whenever [`Arbiter::reap_soon`] asks, until

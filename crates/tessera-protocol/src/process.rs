@@ -28,9 +28,21 @@ pub fn this_process() -> Option<ProcessOwner> {
     })
 }
 
-/// Whether `p` still runs (same pid, same start time).
+/// Whether `p` still runs: same pid, same start time, and not exited. A process that has
+/// exited stays in `/proc` as a zombie (state `Z`, or `X` while it goes) until its parent waits
+/// for it, which may be never soon: it runs nothing and holds no device file, so it is gone for
+/// every rule here (an owned allocation's reaper looked at an exited `tessera run --exec`'s
+/// command, found its zombie, and kept the allocation a tick longer than the command).
 pub fn alive(proc: &Path, p: ProcessOwner) -> bool {
-    start_time(proc, p.pid) == Some(p.start_time)
+    let Ok(text) = std::fs::read_to_string(proc.join(format!("{}/stat", p.pid))) else {
+        return false;
+    };
+    let Some(mut fields) = stat_fields(&text) else {
+        return false;
+    };
+    let running = !matches!(fields.next(), Some("Z" | "X" | "x"));
+    // Field 22 is the 19th after field 3.
+    running && fields.nth(18).and_then(|f| f.parse().ok()) == Some(p.start_time)
 }
 
 #[cfg(test)]
@@ -55,5 +67,36 @@ mod tests {
             ..me
         };
         assert!(!alive(Path::new("/proc"), later));
+    }
+
+    /// A child that has exited but that nobody waited for yet (a zombie) is not alive, though
+    /// its pid and start time are still in `/proc`.
+    #[test]
+    fn an_exited_process_is_not_alive_before_its_parent_waits() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id() as i32;
+        let proc = Path::new("/proc");
+        let stat = |pid: i32| std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        let state = |text: &str| stat_fields(text).unwrap().next().unwrap().to_owned();
+        let owner = ProcessOwner {
+            pid,
+            start_time: start_time(proc, pid).unwrap(),
+        };
+        let started = std::time::Instant::now();
+        while state(&stat(pid)) != "Z" {
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(10),
+                "never exited"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(
+            start_time(proc, pid),
+            Some(owner.start_time),
+            "still listed"
+        );
+        assert!(!alive(proc, owner));
+        child.wait().unwrap();
+        assert!(!alive(proc, owner));
     }
 }
