@@ -664,6 +664,8 @@ fn reserve_pressing(
     let mut pressed = false;
     // Whether the deadline was moved for a sibling's turn (once).
     let mut turn_allowed = false;
+    // When this request last pressed the others (set by each press, before any wait).
+    let mut last_press;
     if hub.waiters() > 0 {
         // Someone waits for room: this process's own give-backs (sent on its channel before
         // this request, booked by another thread) are booked first, so that its grant takes
@@ -725,6 +727,7 @@ fn reserve_pressing(
         }
         pressed = true;
         let pressing = press_others(arb, b, conn, deadline);
+        last_press = Instant::now();
         if pressing == Pressing::Channels && !turn_allowed {
             // A sibling pressed in its turn keeps its credit until the turn ends
             // (`tessera_protocol::TURN`) and gives it back then: the memory wait counts from
@@ -757,8 +760,15 @@ fn reserve_pressing(
         // deadline this returns at once, and the next turn tries once more and then refuses,
         // or waits for bytes on their way out (draining, or of exited processes), above: one
         // place decides a refusal after a press (a return here had refused 96 MiB beside
-        // 616 MiB draining).
-        hub.wait_freed(seen, deadline);
+        // 616 MiB draining). Woken too when the press is due again: a pressed process keeps no
+        // credit for `tessera_protocol::PRESSED_FOR` only, and a request that waits longer (the
+        // memory wait and a sibling's turn) must press again before then, or a sibling whose
+        // turn began after the press keeps its credit past it (the racers: a request under a
+        // ticket refused after 70 ms without one free, beside 96 MiB of a sibling's credit).
+        hub.wait_freed(
+            seen,
+            deadline.min(last_press + crate::pressure::STILL_PRESSED),
+        );
     }
 }
 

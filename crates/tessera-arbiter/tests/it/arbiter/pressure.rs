@@ -366,3 +366,59 @@ fn a_siblings_turn_does_not_shorten_the_memory_wait() {
     let _ch = answer.join().unwrap();
     assert_eq!(used(&mut admin, &id), 600 * MIB);
 }
+
+/// A waiter presses again before its first press wears off: a pressed process keeps no credit
+/// for `tessera_protocol::PRESSED_FOR` only, and a wait that lasts longer (the memory wait
+/// after a sibling's turn) must press again, or a sibling whose turn began after the first
+/// press keeps its credit past it. Here the sibling answers the first press with nothing (its
+/// turn) and gives its credit back only when pressed again: the waiter is granted then. (Once
+/// per wait, eight racers for seventeen chunks had one refused under a ticket in half the runs,
+/// after 70 ms without a free, beside a sibling's credit.)
+#[test]
+fn a_waiter_presses_again_before_its_press_wears_off() {
+    let arb = Arbiter::start();
+    let mut admin = arb.admin();
+    let (token, id) = create(&mut admin, 0, 1000 * MIB, 50);
+    let (mut a, mut a_ch) = with_channel(&arb, &token);
+    assert_eq!(
+        a.call(&TenantRequest::ReserveCredit {
+            bytes: 600 * MIB,
+            extra: 0,
+            given_back: 0
+        })
+        .unwrap(),
+        TenantReply::Granted {
+            bytes: 600 * MIB,
+            in_use: 600 * MIB
+        }
+    );
+    let answer = std::thread::spawn(move || {
+        a_ch.stream()
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .unwrap();
+        let mut presses = 0;
+        // The first press in its turn: nothing. A second: everything.
+        while let Ok(TenantReply::Pressure { seq }) = frame::read_frame(&mut a_ch.stream()) {
+            presses += 1;
+            let bytes = if presses == 1 { 0 } else { 600 * MIB };
+            a_ch.send(&TenantRequest::Relinquish { seq, bytes })
+                .unwrap();
+            if bytes > 0 {
+                break;
+            }
+        }
+        (a_ch, presses)
+    });
+    let mut b = arb.tenant(&token);
+    let t = std::time::Instant::now();
+    assert_eq!(
+        b.call(&TenantRequest::Reserve { bytes: 600 * MIB })
+            .unwrap(),
+        TenantReply::Reserved { in_use: 600 * MIB },
+        "refused after {:?}",
+        t.elapsed()
+    );
+    let (_ch, presses) = answer.join().unwrap();
+    assert_eq!(presses, 2);
+    assert_eq!(used(&mut admin, &id), 600 * MIB);
+}
