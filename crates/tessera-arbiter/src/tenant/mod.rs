@@ -726,8 +726,9 @@ fn reserve_pressing(
             return Ok(r);
         }
         pressed = true;
-        let pressing = press_others(arb, b, conn, deadline);
+        // Taken before the press: its frames are written then, and it may wait for answers.
         last_press = Instant::now();
+        let pressing = press_others(arb, b, conn, deadline);
         if pressing == Pressing::Channels && !turn_allowed {
             // A sibling pressed in its turn keeps its credit until the turn ends
             // (`tessera_protocol::TURN`) and gives it back then: the memory wait counts from
