@@ -6,11 +6,20 @@ use std::path::Path;
 
 use crate::ProcessOwner;
 
-/// The start time of `pid` read under `proc` (normally `/proc`), if it runs.
+/// The start time of `pid` read under `proc` (normally `/proc`), if it is listed there (an
+/// exited process nobody waited for yet included).
 pub fn start_time(proc: &Path, pid: i32) -> Option<u64> {
+    stat_of(proc, pid).map(|(_, start)| start)
+}
+
+/// Whether `pid` under `proc` has not exited (its state is not `Z`, `X` or `x`), and its start
+/// time: fields 3 and 22 of its `stat`.
+fn stat_of(proc: &Path, pid: i32) -> Option<(bool, u64)> {
     let text = std::fs::read_to_string(proc.join(format!("{pid}/stat"))).ok()?;
-    // Field 22 is the 20th from field 3.
-    stat_fields(&text)?.nth(19)?.parse().ok()
+    let mut fields = stat_fields(&text)?;
+    let running = !matches!(fields.next()?, "Z" | "X" | "x");
+    // Field 22 is the 19th after field 3.
+    Some((running, fields.nth(18)?.parse().ok()?))
 }
 
 /// The fields of a `/proc/<pid>/stat` text from field 3 (the state) on. The command (field 2)
@@ -34,15 +43,7 @@ pub fn this_process() -> Option<ProcessOwner> {
 /// every rule here (an owned allocation's reaper looked at an exited `tessera run --exec`'s
 /// command, found its zombie, and kept the allocation a tick longer than the command).
 pub fn alive(proc: &Path, p: ProcessOwner) -> bool {
-    let Ok(text) = std::fs::read_to_string(proc.join(format!("{}/stat", p.pid))) else {
-        return false;
-    };
-    let Some(mut fields) = stat_fields(&text) else {
-        return false;
-    };
-    let running = !matches!(fields.next(), Some("Z" | "X" | "x"));
-    // Field 22 is the 19th after field 3.
-    running && fields.nth(18).and_then(|f| f.parse().ok()) == Some(p.start_time)
+    stat_of(proc, p.pid) == Some((true, p.start_time))
 }
 
 #[cfg(test)]
