@@ -322,21 +322,8 @@ mod tests {
     #[tokio::test]
     async fn a_create_refused_for_room_first_reaps_the_owners_that_exited() {
         let dir = tempfile::tempdir().unwrap();
-        let arb = Arbiter::new(
-            crate::state::test_gpus(1),
-            crate::store::Store::open(dir.path()).unwrap(),
-            Default::default(),
-        )
-        .unwrap();
-        let mut child = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .unwrap();
-        let pid = child.id() as i32;
-        let owner = ProcessOwner {
-            pid,
-            start_time: crate::peer::proc_start(pid).unwrap(),
-        };
+        let arb = crate::state::test_arbiter(dir.path(), 1);
+        let (mut child, owner) = crate::owner::test_owner();
         let first = handle(&arb, create_60gib(Some(owner)), &By::OPERATOR).await;
         let AdminReply::Created { allocation, .. } = first else {
             panic!("{first:?}");

@@ -92,6 +92,22 @@ pub(crate) fn gone(owner_alive: bool, connected: usize, members_alive: usize) ->
     !owner_alive && connected == 0 && members_alive == 0
 }
 
+/// A child process that sleeps until killed, and its name as an owner, for tests of what
+/// happens when an owner exits.
+#[cfg(test)]
+pub(crate) fn test_owner() -> (std::process::Child, ProcessOwner) {
+    let child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    let owner = ProcessOwner {
+        pid,
+        start_time: crate::peer::proc_start(pid).unwrap(),
+    };
+    (child, owner)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

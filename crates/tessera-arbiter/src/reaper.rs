@@ -106,22 +106,9 @@ mod tests {
     #[tokio::test]
     async fn an_owners_exit_asks_the_reaper_at_once() {
         let dir = tempfile::tempdir().unwrap();
-        let arb = Arbiter::new(
-            crate::state::test_gpus(1),
-            crate::store::Store::open(dir.path()).unwrap(),
-            Default::default(),
-        )
-        .unwrap();
+        let arb = crate::state::test_arbiter(dir.path(), 1);
         let asked = arb.reap_signal();
-        let mut child = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .unwrap();
-        let pid = child.id() as i32;
-        let owner = ProcessOwner {
-            pid,
-            start_time: crate::peer::proc_start(pid).unwrap(),
-        };
+        let (mut child, owner) = crate::owner::test_owner();
         watch_owner(&arb, owner);
         let early = tokio::time::timeout(Duration::from_millis(300), asked.notified()).await;
         assert!(early.is_err(), "asked while the owner runs");

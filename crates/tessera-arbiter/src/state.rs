@@ -482,6 +482,17 @@ pub(crate) fn test_gpus(n: u32) -> Vec<GpuInfo> {
         .collect()
 }
 
+/// An arbiter on `gpus` simulated GPUs with its state in `dir`, default scheduling, for tests.
+#[cfg(test)]
+pub(crate) fn test_arbiter(dir: &std::path::Path, gpus: u32) -> Arc<Arbiter> {
+    Arbiter::new(
+        test_gpus(gpus),
+        Store::open(dir).unwrap(),
+        SchedulerParams::default(),
+    )
+    .unwrap()
+}
+
 /// An arbiter on `gpus` simulated GPUs with its state in `dir`, and the token of one
 /// allocation of `limit` bytes and share 50 on GPU 0, for tests of what tenants do to it.
 #[cfg(test)]
@@ -490,12 +501,7 @@ pub(crate) fn test_arbiter_with_allocation(
     gpus: u32,
     limit: u64,
 ) -> (Arc<Arbiter>, String) {
-    let arb = Arbiter::new(
-        test_gpus(gpus),
-        Store::open(dir).unwrap(),
-        SchedulerParams::default(),
-    )
-    .unwrap();
+    let arb = test_arbiter(dir, gpus);
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
