@@ -18,6 +18,26 @@ fn with_channel(arb: &Arbiter, token: &str) -> (TenantClient, TenantClient) {
     (mem, ch)
 }
 
+/// The allocation's first process with a channel, holding `bytes` of credit (granted whole):
+/// the sibling a waiter presses. The connection is returned to be kept open (its close would
+/// give the credit back).
+fn first_with_credit(arb: &Arbiter, token: &str, bytes: u64) -> (TenantClient, TenantClient) {
+    let (mut a, a_ch) = with_channel(arb, token);
+    assert_eq!(
+        a.call(&TenantRequest::ReserveCredit {
+            bytes,
+            extra: 0,
+            given_back: 0
+        })
+        .unwrap(),
+        TenantReply::Granted {
+            bytes,
+            in_use: bytes
+        }
+    );
+    (a, a_ch)
+}
+
 /// On `ch`'s own thread: reads one `Pressure`, waits `after`, answers it giving back `bytes`;
 /// the join returns the channel.
 fn answer_pressure(
@@ -321,20 +341,8 @@ fn a_siblings_turn_does_not_shorten_the_memory_wait() {
     let arb = Arbiter::start_with_args(&["--memory-wait-ms", "5"]);
     let mut admin = arb.admin();
     let (token, id) = create(&mut admin, 0, 1000 * MIB, 50);
-    let (mut a, mut a_ch) = with_channel(&arb, &token);
     // A's 600 MiB, freed in its turn: credit it keeps.
-    assert_eq!(
-        a.call(&TenantRequest::ReserveCredit {
-            bytes: 600 * MIB,
-            extra: 0,
-            given_back: 0
-        })
-        .unwrap(),
-        TenantReply::Granted {
-            bytes: 600 * MIB,
-            in_use: 600 * MIB
-        }
-    );
+    let (_a, mut a_ch) = first_with_credit(&arb, &token, 600 * MIB);
     let turn = tessera_protocol::TURN;
     let answer = std::thread::spawn(move || {
         let TenantReply::Pressure { seq } = frame::read_frame(&mut a_ch.stream()).unwrap() else {
@@ -379,19 +387,7 @@ fn a_waiter_presses_again_before_its_press_wears_off() {
     let arb = Arbiter::start();
     let mut admin = arb.admin();
     let (token, id) = create(&mut admin, 0, 1000 * MIB, 50);
-    let (mut a, mut a_ch) = with_channel(&arb, &token);
-    assert_eq!(
-        a.call(&TenantRequest::ReserveCredit {
-            bytes: 600 * MIB,
-            extra: 0,
-            given_back: 0
-        })
-        .unwrap(),
-        TenantReply::Granted {
-            bytes: 600 * MIB,
-            in_use: 600 * MIB
-        }
-    );
+    let (_a, mut a_ch) = first_with_credit(&arb, &token, 600 * MIB);
     let answer = std::thread::spawn(move || {
         a_ch.stream()
             .set_read_timeout(Some(Duration::from_secs(2)))
