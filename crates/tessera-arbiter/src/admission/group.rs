@@ -71,7 +71,7 @@ impl CgroupSource for ProcCgroups {
         if pid <= 0 {
             return None;
         }
-        std::fs::read_to_string(self.root.join(format!("{pid}/cgroup")))
+        tessera_protocol::process::read_proc_file(&self.root.join(format!("{pid}/cgroup")))
             .ok()
             .filter(|t| !t.trim().is_empty())
     }

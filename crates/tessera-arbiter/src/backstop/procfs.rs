@@ -4,10 +4,12 @@
 #[allow(unused_imports)]
 use super::*;
 use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+use tessera_protocol::process::read_proc_file;
 
 /// The cgroup v2 path of `pid`: the `0::` line of `/proc/<pid>/cgroup`.
 pub(crate) fn proc_cgroup(pid: &str) -> Option<String> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    let text = read_proc_file(Path::new(&format!("/proc/{pid}/cgroup"))).ok()?;
     text.lines()
         .find_map(|l| l.strip_prefix("0::"))
         .map(str::to_owned)
@@ -40,7 +42,7 @@ pub(crate) struct ProcFs {
 
 /// Parent (field 4) and start time (field 22) of `pid` from one read of `/proc/<pid>/stat`.
 fn parent_and_start(pid: i32) -> Option<(i32, u64)> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let stat = read_proc_file(Path::new(&format!("/proc/{pid}/stat"))).ok()?;
     // From field 3 (state) on.
     let mut rest = tessera_protocol::process::stat_fields(&stat)?;
     let parent = rest.nth(1)?.parse().ok()?;

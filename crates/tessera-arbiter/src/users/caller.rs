@@ -44,9 +44,10 @@ impl Caller {
         // The pidfd (where the kernel has SO_PEERPIDFD) is the very process that connected: the
         // groups read below are its own if it is still alive after the read.
         let proc_ = peer::peer_process(stream.as_fd(), pid).ok_or(CallerError::Gone(pid))?;
-        let status =
-            std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("status"))
-                .map_err(|_| CallerError::Gone(pid))?;
+        let status = tessera_protocol::process::read_proc_file(
+            &Path::new("/proc").join(pid.to_string()).join("status"),
+        )
+        .map_err(|_| CallerError::Gone(pid))?;
         let same = proc_.is_alive() && peer::proc_start(pid) == Some(proc_.id.start);
         if !same {
             return Err(CallerError::Gone(pid));
