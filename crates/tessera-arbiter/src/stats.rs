@@ -135,7 +135,7 @@ impl RequestKind {
             TenantRequest::Redeclare { .. } => Self::Redeclare,
             TenantRequest::MemInfo | TenantRequest::MemInfoAfter { .. } => Self::MemInfo,
             TenantRequest::Ping => Self::Ping,
-            TenantRequest::LeaseAcquire => Self::LeaseAcquire,
+            TenantRequest::LeaseAcquire | TenantRequest::LeaseAcquireTiered => Self::LeaseAcquire,
             TenantRequest::LeaseRelease { .. } => Self::LeaseRelease,
             TenantRequest::ReserveCredit { .. } => Self::ReserveCredit,
             TenantRequest::Ticket => Self::Ticket,

@@ -296,6 +296,10 @@ pub enum TenantRequest {
         /// `Relinquish` frames this process has sent on its pressure channel so far.
         given_back: u64,
     },
+    /// As `LeaseAcquire`, from an interposer that reads `LeaseGrantedLatency`: a latency
+    /// allocation's grants to this connection come as that. `LeaseAcquire` is what interposers
+    /// before it send; they are granted `LeaseGranted` whatever the tier.
+    LeaseAcquireTiered,
 }
 
 /// Replies on the tenant socket.
@@ -370,6 +374,18 @@ pub enum TenantReply {
     LeaseRevoked {
         /// The lease taken back.
         lease_id: u64,
+    },
+    /// A lease for a latency holder that asked with `LeaseAcquireTiered`: as `LeaseGranted`, and
+    /// the holder hands it back as soon as
+    /// its work has drained, without learning from requests that follow a hand-back (a latency
+    /// service's next request comes when its client sends it: keeping the GPU idle for it costs
+    /// best-effort work its share of the rest; the arbiter's linger is the knob that keeps the
+    /// GPU for one). (Appended: the earlier replies keep their encodings.)
+    LeaseGrantedLatency {
+        /// Lease id, echoed in `LeaseRelease`.
+        lease_id: u64,
+        /// Lease length, ns.
+        duration_ns: u64,
     },
 }
 

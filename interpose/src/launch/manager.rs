@@ -94,6 +94,17 @@ pub(super) struct Manager<E: Events> {
 // the arbiter and hand out credits.
 unsafe impl<E: Events + Send> Send for Manager<E> {}
 
+/// What a grant from the arbiter asks of its holder, beside its id and length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Terms {
+    /// `LeaseGranted`: the lease's time left bounds the work in flight.
+    Plain,
+    /// `LeaseGrantedBounded`: at most this much predicted kernel time in flight, ns.
+    Bounded(u64),
+    /// `LeaseGrantedLatency`: see [`Leases::grant_latency`].
+    Latency,
+}
+
 /// The process's lease manager, for [`Gate`]'s constructor.
 pub(super) fn new_manager(gate: &'static Gate, events: DriverEvents) -> Box<dyn Manage> {
     Box::new(Manager::new(gate, events))
@@ -179,7 +190,7 @@ impl<E: Events> Manager<E> {
     /// the lease connection (a flood filling its caps, a handshake cut short) is retried with
     /// backoff while the launch waits: a local lease then would be GPU time outside any lease
     /// of the arbiter's, which its backstop charges and kills for.
-    fn acquire(&mut self) -> Option<(u64, u64, Option<u64>)> {
+    fn acquire(&mut self) -> Option<(u64, u64, Terms)> {
         let mut backoff = NOT_ADMITTED_BACKOFF_MIN;
         let mut warned = false;
         let mut broken = 0u32;
@@ -205,7 +216,8 @@ impl<E: Events> Manager<E> {
                 warned = false;
             }
             let conn = self.conn.as_mut().expect("connected");
-            let mut reply = conn.call(&TenantRequest::LeaseAcquire);
+            // Tiered: this interposer reads a latency holder's grant (`LeaseGrantedLatency`).
+            let mut reply = conn.call(&TenantRequest::LeaseAcquireTiered);
             // A revocation of a lease already over (sent while this process drained it) may
             // come before the answer: it is stale.
             while let Ok(TenantReply::LeaseRevoked { .. }) = reply {
@@ -215,12 +227,16 @@ impl<E: Events> Manager<E> {
                 Ok(TenantReply::LeaseGranted {
                     lease_id,
                     duration_ns,
-                }) => return Some((lease_id, duration_ns, None)),
+                }) => return Some((lease_id, duration_ns, Terms::Plain)),
                 Ok(TenantReply::LeaseGrantedBounded {
                     lease_id,
                     duration_ns,
                     max_inflight_ns,
-                }) => return Some((lease_id, duration_ns, Some(max_inflight_ns))),
+                }) => return Some((lease_id, duration_ns, Terms::Bounded(max_inflight_ns))),
+                Ok(TenantReply::LeaseGrantedLatency {
+                    lease_id,
+                    duration_ns,
+                }) => return Some((lease_id, duration_ns, Terms::Latency)),
                 Ok(other) => {
                     tlog!(Warn, "unexpected answer to LeaseAcquire: {other:?}");
                     self.drop_conn();
@@ -408,7 +424,7 @@ impl<E: Events> Manager<E> {
     /// Starts a lease (on the launcher that received it): `grant` from the arbiter, or `None`
     /// for a local one; a new epoch, and its first credits. No driver call: the context cache
     /// belongs to the manager thread.
-    fn begin(&mut self, grant: Option<(u64, u64, Option<u64>)>, asked: u64) -> Begun {
+    fn begin(&mut self, grant: Option<(u64, u64, Terms)>, asked: u64) -> Begun {
         let now = self.gate.now_ns();
         self.gate.stats.leases.fetch_add(1, Ordering::Relaxed);
         // A new epoch: streams re-register (fresh capture check, "used in this lease" mark).
@@ -418,10 +434,17 @@ impl<E: Events> Manager<E> {
             t.sampled = t.sampled.max(t.completed);
             t.lease_start = slot.launches.load(Ordering::Acquire);
         }
-        let bound = grant.and_then(|g| g.2);
-        let started = self
-            .leases
-            .grant_bounded(grant.map(|g| (g.0, g.1)), bound, asked, now);
+        let started = match grant {
+            Some((id, d, Terms::Latency)) => self.leases.grant_latency((id, d), asked, now),
+            Some((id, d, Terms::Bounded(bound))) => {
+                self.leases
+                    .grant_bounded(Some((id, d)), Some(bound), asked, now)
+            }
+            Some((id, d, Terms::Plain)) => {
+                self.leases.grant_bounded(Some((id, d)), None, asked, now)
+            }
+            None => self.leases.grant_bounded(None, None, asked, now),
+        };
         self.gate.set_credits(started.first);
         Begun { started, epoch }
     }

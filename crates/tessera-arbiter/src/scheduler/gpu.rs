@@ -34,6 +34,9 @@ pub(crate) struct Grant {
     /// for a best-effort holder while a latency allocation is in use (see
     /// [`GpuScheduler::latency_in_use`]).
     pub max_inflight_ns: Option<u64>,
+    /// The holder is a latency allocation's: it hands the lease back as soon as its work has
+    /// drained (`TenantReply::LeaseGrantedLatency`).
+    pub latency: bool,
 }
 
 /// Lease scheduler of one GPU. Pure: every method takes the current time.

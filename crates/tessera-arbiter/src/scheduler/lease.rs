@@ -120,8 +120,9 @@ impl GpuScheduler {
             a.meter.start_lease(&p, now);
         }
         self.sync_backlog(now);
-        let max_inflight_ns = (self.allocs[&w.key].tier != Tier::Latency && self.latency_in_use())
-            .then_some(self.params.best_effort_inflight_ns);
+        let latency = self.allocs[&w.key].tier == Tier::Latency;
+        let max_inflight_ns =
+            (!latency && self.latency_in_use()).then_some(self.params.best_effort_inflight_ns);
         let id = self.next_lease;
         self.next_lease += 1;
         self.current = Some(Lease {
@@ -136,6 +137,7 @@ impl GpuScheduler {
             lease_id: id,
             duration_ns: duration,
             max_inflight_ns,
+            latency,
         }]
     }
 }

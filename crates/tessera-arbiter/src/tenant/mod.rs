@@ -113,6 +113,9 @@ struct ConnWriter {
     /// True from `LeaseAcquire` until the grant was written.
     lease_pending: Mutex<bool>,
     granted: Condvar,
+    /// The connection asked with `LeaseAcquireTiered`: its interposer reads
+    /// `LeaseGrantedLatency` (an older one would take that frame for garbage).
+    tiered: std::sync::atomic::AtomicBool,
 }
 
 impl ConnWriter {
@@ -182,6 +185,12 @@ impl GrantSink for ConnWriter {
     fn grant(&self, g: Grant) -> bool {
         let mut pending = self.lock();
         let ok = self.send_now(&match g.max_inflight_ns {
+            None if g.latency && self.tiered.load(std::sync::atomic::Ordering::Relaxed) => {
+                TenantReply::LeaseGrantedLatency {
+                    lease_id: g.lease_id,
+                    duration_ns: g.duration_ns,
+                }
+            }
             None => TenantReply::LeaseGranted {
                 lease_id: g.lease_id,
                 duration_ns: g.duration_ns,
@@ -265,6 +274,7 @@ fn serve(
                 stream: w,
                 lease_pending: Mutex::new(false),
                 granted: Condvar::new(),
+                tiered: std::sync::atomic::AtomicBool::new(false),
             });
             serve_requests(
                 &arb,
@@ -334,7 +344,15 @@ fn serve_requests(
             let first = handled == 0;
             handled = handled.saturating_add(1);
             let kind = crate::stats::RequestKind::of(&req);
-            if req == TenantRequest::LeaseAcquire {
+            if matches!(
+                req,
+                TenantRequest::LeaseAcquire | TenantRequest::LeaseAcquireTiered
+            ) {
+                if req == TenantRequest::LeaseAcquireTiered {
+                    writer
+                        .tiered
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                }
                 if !leasing {
                     leasing = true;
                     normal_scheduling();
@@ -536,7 +554,7 @@ fn handle(
                 .release(conn, lease_id, busy_ns, early, arb.now_ns());
         }
         // Handled by the caller (it needs the connection's writer).
-        TenantRequest::LeaseAcquire => {}
+        TenantRequest::LeaseAcquire | TenantRequest::LeaseAcquireTiered => {}
     }
     Ok(())
 }

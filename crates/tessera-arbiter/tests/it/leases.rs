@@ -18,11 +18,30 @@ fn lease(c: &mut TenantClient) -> (u64, u64) {
     }
 }
 
+/// A latency holder's lease: granted as such (it hands back at its drain), or a panic.
+fn latency_lease(c: &mut TenantClient) -> (u64, u64) {
+    match c.call(&TenantRequest::LeaseAcquireTiered).unwrap() {
+        TenantReply::LeaseGrantedLatency {
+            lease_id,
+            duration_ns,
+        } => (lease_id, duration_ns),
+        other => panic!("{other:?}"),
+    }
+}
+
 /// Asks for a lease on another thread; the receiver yields (lease, when granted, client).
-fn lease_async(mut c: TenantClient) -> mpsc::Receiver<((u64, u64), Instant, TenantClient)> {
+fn lease_async(c: TenantClient) -> mpsc::Receiver<((u64, u64), Instant, TenantClient)> {
+    lease_async_with(c, lease)
+}
+
+/// [`lease_async`] with `ask` asking.
+fn lease_async_with(
+    mut c: TenantClient,
+    ask: fn(&mut TenantClient) -> (u64, u64),
+) -> mpsc::Receiver<((u64, u64), Instant, TenantClient)> {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
-        let l = lease(&mut c);
+        let l = ask(&mut c);
         let _ = tx.send((l, Instant::now(), c));
     });
     rx
@@ -342,7 +361,7 @@ fn tiered(arb: &Arbiter) -> ([String; 2], [String; 2]) {
 /// back: while its connection (returned) is open, best-effort grants are bounded.
 fn latency_process(arb: &Arbiter, tl: &str) -> TenantClient {
     let mut c = arb.tenant(tl);
-    let (id, _) = lease(&mut c);
+    let (id, _) = latency_lease(&mut c);
     c.send(&TenantRequest::LeaseRelease {
         lease_id: id,
         busy_ns: 0,
@@ -379,9 +398,9 @@ fn a_latency_request_revokes_the_best_effort_lease_at_once_and_best_effort_is_bo
         other => panic!("{other:?}"),
     };
     // The latency tenant asks while the best-effort one holds: it is granted (an unbounded
-    // lease), and the holder is told its lease is revoked.
+    // lease, as a latency holder's), and the holder is told its lease is revoked.
     let asked = Instant::now();
-    let rl = lease_async(arb.tenant(&tl));
+    let rl = lease_async_with(arb.tenant(&tl), latency_lease);
     cb.stream()
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
@@ -391,13 +410,25 @@ fn a_latency_request_revokes_the_best_effort_lease_at_once_and_best_effort_is_bo
         "the holder is told"
     );
     let revoked = asked.elapsed();
-    let ((ll, _), granted, _cl) = rl.recv_timeout(Duration::from_secs(10)).unwrap();
+    let ((ll, _), granted, mut cl) = rl.recv_timeout(Duration::from_secs(10)).unwrap();
     assert!(ll > lb);
     println!(
         "revoked after {revoked:?}, granted after {:?} (the lease had {} ms)",
         granted - asked,
         dur / 1_000_000
     );
+    // The request done, an interposer from before `LeaseAcquireTiered` (it asks with
+    // `LeaseAcquire`) is granted the reply it can read, latency or not (`lease` panics on any
+    // other).
+    cl.send(&TenantRequest::LeaseRelease {
+        lease_id: ll,
+        busy_ns: 0,
+        early: true,
+    })
+    .unwrap();
+    let mut old = arb.tenant(&tl);
+    let (lo, _) = lease(&mut old);
+    assert!(lo > ll);
     // Both are shown with their tier.
     let list = arb.admin().list().unwrap();
     let tier = |id: &str| list.iter().find(|x| x.id == id).unwrap().tier;

@@ -171,6 +171,7 @@ fn every_tenant_request_is_pinned() {
         TenantRequest::MemInfoAfter { given_back: 2 },
         "020000000b02",
     );
+    pinned(TenantRequest::LeaseAcquireTiered, "010000000c");
 }
 
 #[test]
@@ -227,4 +228,12 @@ fn every_tenant_reply_is_pinned() {
         "090000000a0780dac409c0843d",
     );
     pinned(TenantReply::LeaseRevoked { lease_id: 7 }, "020000000b07");
+    // A latency holder's grant (appended after them).
+    pinned(
+        TenantReply::LeaseGrantedLatency {
+            lease_id: 7,
+            duration_ns: 20_000_000,
+        },
+        "060000000c0780dac409",
+    );
 }

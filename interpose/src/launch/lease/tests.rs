@@ -203,6 +203,49 @@ fn a_re_request_soon_after_an_early_hand_back_lengthens_the_drain_wait() {
 }
 
 #[test]
+fn a_latency_lease_hands_back_at_its_drain_and_learns_no_gap_from_the_next_request() {
+    let mut s = Sim::new();
+    let g = s.m.grant_latency((LEASE_ID, 20 * MS), 0, 0);
+    s.credits = g.first;
+    s.m.take_over(g, 0);
+    assert_eq!(
+        s.m.drain_idle(),
+        Some(LATENCY_DRAIN_IDLE),
+        "a latency holder's floor"
+    );
+    // A request: launched at once, drained at 8 ms, quiet since: handed back 50 us later.
+    s.launch(4);
+    s.look(500 * US);
+    s.drained = true;
+    assert!(matches!(s.look(8 * MS), Action::Wait { .. }));
+    assert_eq!(s.look(8 * MS + 50 * US), Action::Stop(End::Idle));
+    assert_eq!(s.stop(8 * MS + 50 * US), release(8 * MS + 50 * US, true));
+    // The next request 0.5 ms after that drain: a client's timing, not the work's gap. A
+    // plain holder would learn it (the test above: 1.8 ms for a 1 ms gap); this one does not.
+    let asked = 8 * MS + 500 * US;
+    let g = s.m.grant_latency((8, 20 * MS), asked, asked);
+    s.m.take_over(g, asked);
+    assert_eq!(s.m.drain_idle(), Some(LATENCY_DRAIN_IDLE));
+    // A request in two synchronised steps, 0.3 ms of host work between them, inside the
+    // lease: that gap is learnt, so the next lease waits it out (twice it, decayed once).
+    let t = asked;
+    s.launch(1);
+    s.look(t + 100 * US);
+    s.drained = true;
+    s.look(t + 200 * US);
+    s.launch(1);
+    s.look(t + 500 * US);
+    s.drained = true;
+    s.look(t + 1500 * US);
+    assert_eq!(s.look(t + 1600 * US), Action::Stop(End::Idle));
+    s.stop(t + 1600 * US);
+    let asked = t + 10 * MS;
+    let g = s.m.grant_latency((9, 20 * MS), asked, asked);
+    s.m.take_over(g, asked);
+    assert_eq!(s.m.drain_idle(), Some(Duration::from_micros(540)));
+}
+
+#[test]
 fn launches_and_waiters_cancel_a_pending_hand_back() {
     let mut s = Sim::new();
     s.lease(20, 0);

@@ -56,6 +56,19 @@ fn a_latency_request_revokes_the_best_effort_lease_at_once() {
 }
 
 #[test]
+fn a_latency_holder_is_granted_as_one_and_a_best_effort_holder_is_not() {
+    let (mut s, be) = best_effort_holding();
+    assert!(!be.latency);
+    let g = s.acquire(2, 20, 5 * MS).unwrap();
+    assert_eq!(g[0].conn, 20);
+    assert!(g[0].latency, "tells the holder to hand back at its drain");
+    // Best-effort again once the request is done: bounded, not a latency grant.
+    assert!(s.acquire(1, 10, 6 * MS).unwrap().is_empty());
+    let next = s.release(20, g[0].lease_id, 2 * MS, true, 8 * MS);
+    assert_eq!((next[0].conn, next[0].latency), (10, false));
+}
+
+#[test]
 fn best_effort_is_bounded_only_while_a_latency_process_is_there_and_a_best_effort_request_revokes_nothing()
  {
     let mut s = GpuScheduler::new(SchedulerParams::default());
