@@ -376,11 +376,11 @@ pub enum TenantReply {
         lease_id: u64,
     },
     /// A lease for a latency holder that asked with `LeaseAcquireTiered`: as `LeaseGranted`, and
-    /// the holder hands it back as soon as
-    /// its work has drained, without learning from requests that follow a hand-back (a latency
-    /// service's next request comes when its client sends it: keeping the GPU idle for it costs
-    /// best-effort work its share of the rest; the arbiter's linger is the knob that keeps the
-    /// GPU for one). (Appended: the earlier replies keep their encodings.)
+    /// the holder hands it back as soon as its work has drained, without learning from requests
+    /// that follow a hand-back (a latency service's next request comes when its client sends
+    /// it: keeping the GPU idle for it costs best-effort work its share of the rest; the
+    /// arbiter's linger is the knob that keeps the GPU for one). (Appended: the earlier replies
+    /// keep their encodings.)
     LeaseGrantedLatency {
         /// Lease id, echoed in `LeaseRelease`.
         lease_id: u64,

@@ -376,12 +376,12 @@ impl Leases {
 
     /// [`Leases::grant`] for a latency holder's lease (the arbiter's `LeaseGrantedLatency`):
     /// its drain wait starts at [`LATENCY_DRAIN_IDLE`], and a request that follows its last
-    /// early hand-back is not taken for a premature hand-back:
-    /// a latency service's requests come when its clients send them, and a drain wait learnt
-    /// from the odd one that came soon kept the GPU idle up to 2 ms after every later request
-    /// (0.87 ms on the mean, 5 points of best-effort work beside a service sending 33 requests
-    /// a second). Gaps between a drain and a launch inside its lease are still learnt (a
-    /// request in several synchronised steps keeps its lease between them).
+    /// early hand-back is not taken for a premature hand-back: a latency service's requests
+    /// come when its clients send them, and a drain wait learnt from the odd one that came soon
+    /// kept the GPU idle up to 2 ms after every later request (0.87 ms on the mean, 5 points of
+    /// best-effort work beside a service sending 33 requests a second). Gaps between a drain
+    /// and a launch inside its lease are still learnt (a request in several synchronised steps
+    /// keeps its lease between them).
     pub fn grant_latency(&mut self, grant: (u64, u64), asked: u64, now: u64) -> Started {
         self.handed_back = None;
         let started = self.grant_bounded(Some(grant), None, asked, now);
