@@ -7,8 +7,8 @@
 //!   never exceeds the time left in the lease: launches are not GPU time (a stream buffers
 //!   about a thousand of them), so counting them alone would not bound anything.
 //! - **Slow path**: without a credit, the first such launcher asks for a lease on the process's
-//!   dedicated arbiter connection (`LeaseAcquireTiered`, once, however many threads wait; the others
-//!   wait on a condition variable), receives the grant, hands out the first credits and
+//!   dedicated arbiter connection (`LeaseAcquireTiered`, once, however many threads wait; the
+//!   others wait on a condition variable), receives the grant, hands out the first credits and
 //!   launches: the grant wakes the thread that launches. It passes the lease to the process's
 //!   manager thread, which samples every stream used with events while the lease lasts,
 //!   estimates per-launch GPU time (an EWMA of event-measured durations per stream), and
