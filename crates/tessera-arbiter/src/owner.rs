@@ -96,14 +96,10 @@ pub(crate) fn gone(owner_alive: bool, connected: usize, members_alive: usize) ->
 /// happens when an owner exits.
 #[cfg(test)]
 pub(crate) fn test_owner() -> (std::process::Child, ProcessOwner) {
-    let child = std::process::Command::new("sleep")
-        .arg("30")
-        .spawn()
-        .unwrap();
-    let pid = child.id() as i32;
+    let (child, id) = crate::peer::test_child();
     let owner = ProcessOwner {
-        pid,
-        start_time: crate::peer::proc_start(pid).unwrap(),
+        pid: id.pid,
+        start_time: id.start,
     };
     (child, owner)
 }

@@ -191,6 +191,22 @@ impl Exit {
     }
 }
 
+/// A child process that sleeps until killed, and its [`ProcId`], for tests of what happens
+/// when a process exits.
+#[cfg(test)]
+pub(crate) fn test_child() -> (std::process::Child, ProcId) {
+    let child = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    let id = ProcId {
+        pid,
+        start: proc_start(pid).unwrap(),
+    };
+    (child, id)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -215,15 +231,7 @@ mod tests {
 
     #[test]
     fn the_exit_of_a_child_is_seen_when_it_ends_and_not_before() {
-        let mut child = std::process::Command::new("sleep")
-            .arg("30")
-            .spawn()
-            .unwrap();
-        let pid = child.id() as i32;
-        let id = ProcId {
-            pid,
-            start: proc_start(pid).unwrap(),
-        };
+        let (mut child, id) = test_child();
         let exit = Exit::of(id);
         assert!(matches!(exit, Exit::Pidfd(_)), "{exit:?}");
         assert!(!exit.wait(std::time::Duration::from_millis(1)));

@@ -169,7 +169,7 @@ fn read_shown(pid: i32) -> Shown {
 /// True when `/proc/<pid>/mountinfo` lists a mount at the identity path (field 5, the mount
 /// point relative to the process's root).
 fn identity_mounted(pid: i32) -> bool {
-    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")) else {
+    let Ok(text) = read_proc_file(Path::new(&format!("/proc/{pid}/mountinfo"))) else {
         return false;
     };
     text.lines()
