@@ -694,6 +694,7 @@ mod tests {
                     start: asked,
                     first: 1,
                     max_inflight_ns: None,
+                    latency: false,
                 },
                 epoch: 1,
             }

@@ -202,6 +202,8 @@ pub struct Started {
     /// Most estimated kernel time in flight, ns (`None`: the lease's time left bounds it):
     /// a best-effort holder's bound while a latency tenant is on the GPU.
     pub max_inflight_ns: Option<u64>,
+    /// A latency holder's lease (see [`Leases::grant_latency`]).
+    pub latency: bool,
 }
 
 /// One stream used during the lease, for the refill.
@@ -327,8 +329,6 @@ pub struct Leases {
     handed_back: Option<u64>,
     /// Estimate for streams without one yet (the largest known).
     default_est: f64,
-    /// The last grant was a latency holder's (see [`Leases::grant_latency`]).
-    latency: bool,
     lease: Option<Lease>,
 }
 
@@ -350,7 +350,6 @@ impl Leases {
         asked: u64,
         now: u64,
     ) -> Started {
-        self.latency = false;
         if let Some(drained) = self.handed_back.take() {
             // Asked again soon after handing back: the gap belongs to the work, not to idleness.
             self.gap
@@ -371,6 +370,7 @@ impl Leases {
             start: now,
             first,
             max_inflight_ns,
+            latency: false,
         }
     }
 
@@ -384,9 +384,10 @@ impl Leases {
     /// keeps its lease between them).
     pub fn grant_latency(&mut self, grant: (u64, u64), asked: u64, now: u64) -> Started {
         self.handed_back = None;
-        let started = self.grant_bounded(Some(grant), None, asked, now);
-        self.latency = true;
-        started
+        Started {
+            latency: true,
+            ..self.grant_bounded(Some(grant), None, asked, now)
+        }
     }
 
     /// The manager thread takes a started lease over at `now`: its first wait.
@@ -397,7 +398,7 @@ impl Leases {
             start: s.start,
             deadline: s.start.saturating_add(s.duration_ns),
             max_inflight_ns: s.max_inflight_ns,
-            drain_idle: if self.latency {
+            drain_idle: if s.latency {
                 self.gap.drain_idle_from(LATENCY_DRAIN_IDLE)
             } else {
                 self.gap.drain_idle()

@@ -487,6 +487,7 @@ fn an_unreachable_arbiter_gets_a_local_lease() {
             start: 3 * MS,
             first: 1,
             max_inflight_ns: None,
+            latency: false,
         }
     );
     s.credits = g.first;
