@@ -436,6 +436,32 @@ fn a_latency_request_revokes_the_best_effort_lease_at_once_and_best_effort_is_bo
 }
 
 #[test]
+fn asking_as_a_tiered_interposer_does_not_make_a_best_effort_lease_a_latency_one() {
+    // The attack: a best-effort process asks with `LeaseAcquireTiered`, hoping for a latency
+    // holder's grant. The tier is the allocation's (the operator's), not the request's: it is
+    // granted as any best-effort holder, and bounded beside a latency service.
+    let arb = Arbiter::start();
+    let ([tb, tl], _) = tiered(&arb);
+    let mut cb = arb.tenant(&tb);
+    let reply = cb.call(&TenantRequest::LeaseAcquireTiered).unwrap();
+    let TenantReply::LeaseGranted { lease_id, .. } = reply else {
+        panic!("{reply:?}");
+    };
+    cb.send(&TenantRequest::LeaseRelease {
+        lease_id,
+        busy_ns: 0,
+        early: true,
+    })
+    .unwrap();
+    let _service = latency_process(&arb, &tl);
+    let reply = cb.call(&TenantRequest::LeaseAcquireTiered).unwrap();
+    assert!(
+        matches!(reply, TenantReply::LeaseGrantedBounded { .. }),
+        "{reply:?}"
+    );
+}
+
+#[test]
 fn a_best_effort_tenant_cannot_make_itself_latency_from_its_socket() {
     let arb = Arbiter::start();
     let ([tb, tl], [b, _]) = tiered(&arb);
