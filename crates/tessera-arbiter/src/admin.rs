@@ -316,6 +316,41 @@ mod tests {
         }
     }
 
+    /// An owned allocation made in the second the arbiter started is not taken for one restored
+    /// from disk once the wall clock's second has turned: the reaper deletes it when its owner
+    /// is gone (the start second was the current one less the whole seconds since, so an
+    /// allocation made at x.99 s, looked at at x+1.01 s, waited out a 10 s restart grace, and a
+    /// script's next `tessera run --exec` was refused for its room).
+    #[tokio::test]
+    async fn an_allocation_made_after_the_start_is_not_taken_for_a_restored_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let arb = crate::state::test_arbiter(dir.path(), 1);
+        let (mut child, owner) = crate::owner::test_owner();
+        let made = handle(&arb, create_60gib(Some(owner)), &By::OPERATOR).await;
+        assert!(matches!(made, AdminReply::Created { .. }), "{made:?}");
+        let created = arb.list().await[0].created_unix;
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let unix = || {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs()
+        };
+        while unix() <= created {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(
+            arb.now_ns() < crate::reaper::RECONNECT_GRACE.as_nanos() as u64,
+            "within the restart grace"
+        );
+        assert_eq!(
+            crate::reaper::reap(&arb, std::path::Path::new("/proc")).await,
+            1
+        );
+        assert!(arb.list().await.is_empty());
+    }
+
     /// A create refused for room first deletes the owned allocations whose processes have all
     /// exited, then tries again: no reaper task runs here, so only the create's own look can
     /// free the room. While the owner runs, the refusal stands and nothing is deleted.

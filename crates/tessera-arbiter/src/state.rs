@@ -199,6 +199,9 @@ pub struct Arbiter {
     memory_wait_ns: AtomicU64,
     next_conn: AtomicU64,
     epoch: Instant,
+    /// The wall-clock second this arbiter started in: an owned allocation created before it
+    /// was restored from disk (its processes may not have reconnected yet).
+    started_unix: u64,
     /// Pressure channels of tenant processes (memory credit reclaim).
     pressure: PressureHub,
     /// Tenant requests by kind (metrics).
@@ -384,6 +387,7 @@ impl Arbiter {
             memory_wait_ns: AtomicU64::new(DEFAULT_MEMORY_WAIT.as_nanos() as u64),
             next_conn: AtomicU64::new(1),
             epoch: Instant::now(),
+            started_unix: now_unix(),
             pressure: PressureHub::new(),
             requests: RequestStats::default(),
             members: Mutex::default(),

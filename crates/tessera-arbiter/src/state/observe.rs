@@ -193,14 +193,13 @@ impl Arbiter {
     /// was restored from the state file (created before this arbiter started; for the reaper,
     /// see [`crate::owner`]).
     pub(crate) fn owned(&self) -> Vec<(String, tessera_protocol::ProcessOwner, usize, bool)> {
-        let started_unix = now_unix().saturating_sub(self.epoch.elapsed().as_secs());
         let live = self.live();
         live.by_id
             .values()
             .filter_map(|a| {
                 let o = a.record.owner?;
                 let connected = live.procs.get(&a.key).map_or(0, |p| p.len());
-                let restored = a.record.created_unix < started_unix;
+                let restored = a.record.created_unix < self.started_unix;
                 Some((a.record.id.clone(), o, connected, restored))
             })
             .collect()

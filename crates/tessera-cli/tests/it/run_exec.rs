@@ -122,7 +122,11 @@ fn exec_commands_back_to_back_each_find_the_room_the_last_one_left() {
     for i in 0..20 {
         let out = run().output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "run {i} after the first: {err}");
+        assert!(
+            out.status.success(),
+            "run {i} after the first: {err}\narbiter log:\n{}",
+            arb.process_log()
+        );
     }
     let mut first = first;
     assert!(first.wait().unwrap().success());
