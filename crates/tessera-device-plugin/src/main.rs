@@ -171,6 +171,8 @@ enum MainError {
     Log(#[from] tessera_log::LogError),
     #[error("cannot start the runtime: {0}")]
     Runtime(#[source] std::io::Error),
+    #[error("cannot watch SIGTERM and SIGINT: {0}")]
+    Signals(#[source] std::io::Error),
     #[error(transparent)]
     Plugin(#[from] PluginError),
 }
@@ -180,7 +182,7 @@ impl MainError {
     fn exit_code(&self) -> u8 {
         match self {
             MainError::Usage(_) | MainError::Log(_) => 2,
-            MainError::Runtime(_) => 1,
+            MainError::Runtime(_) | MainError::Signals(_) => 1,
             MainError::Plugin(e) => match e {
                 PluginError::Config(_) => 2,
                 PluginError::Install(_) => 3,
@@ -222,15 +224,17 @@ fn run(args: Args) -> Result<(), MainError> {
         tessera_device_plugin::install_interposer(&cfg)?;
         return Ok(());
     }
-    tokio::runtime::Builder::new_multi_thread()
+    let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .map_err(MainError::Runtime)?
-        .block_on(tessera_device_plugin::run(
-            cfg,
-            tessera_node::shutdown::shutdown_signal(),
-        ))?;
+        .map_err(MainError::Runtime)?;
+    // Watched before `run` binds anything, so a SIGTERM during start-up is an orderly stop.
+    let shutdown = {
+        let _in = rt.enter();
+        tessera_node::shutdown::watch().map_err(MainError::Signals)?
+    };
+    rt.block_on(tessera_device_plugin::run(cfg, shutdown))?;
     Ok(())
 }
 

@@ -206,10 +206,19 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match rt.block_on(tessera_dra::run(
-        cfg,
-        tessera_node::shutdown::shutdown_signal(),
-    )) {
+    // Watched before `run` binds anything, so a SIGTERM during start-up is an orderly stop.
+    let shutdown = {
+        let _in = rt.enter();
+        tessera_node::shutdown::watch()
+    };
+    let shutdown = match shutdown {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!("cannot watch SIGTERM and SIGINT: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(tessera_dra::run(cfg, shutdown)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e}");

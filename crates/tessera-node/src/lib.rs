@@ -31,7 +31,7 @@
 //!   [`labels::OWNER_DEVICE_PLUGIN`], [`labels::OWNER_DRA`].
 //! - [`grpc`]: [`grpc::connect_unix`] (a gRPC channel over a Unix socket, with a deadline,
 //!   [`grpc::ConnectError`]) and [`grpc::error_chain`] (an error and its sources on one line).
-//! - [`shutdown`]: [`shutdown::shutdown_signal`], SIGTERM or SIGINT.
+//! - [`shutdown`]: [`shutdown::watch`], SIGTERM or SIGINT, watched from before the sockets are bound.
 //! - [`nvml_mig`]: NVML's MIG calls nvml-wrapper lacks (profiles and placements, GPU and
 //!   compute instances), safe over the raw symbols: [`nvml_mig::MigNvml`],
 //!   [`nvml_mig::MigNvmlError`].
