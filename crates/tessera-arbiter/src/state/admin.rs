@@ -25,11 +25,13 @@ impl Arbiter {
         // it lacks is not worth an NVML walk (a caller cannot make it walk for a typo).
         let instance = matches!(sel, GpuSelector::Uuid(u)
             if u.get(..4).is_some_and(|p| p.eq_ignore_ascii_case("MIG-")));
-        if instance
-            && self.rediscover()
-            && let Some(g) = find(&self.gpus())
-        {
-            return Ok(g);
+        if instance {
+            // Looked for whatever the walk says changed: the backstop's poll may have taken the
+            // instance in between (then this walk changes nothing, and the device is there).
+            self.rediscover();
+            if let Some(g) = find(&self.gpus()) {
+                return Ok(g);
+            }
         }
         Err(StateError::Invalid(match sel {
             GpuSelector::Index(i) => format!(

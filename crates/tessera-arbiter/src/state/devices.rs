@@ -74,17 +74,17 @@ impl Arbiter {
         true
     }
 
-    /// Reads the devices again, if a discovery was set; whether the list changed.
-    pub(super) fn rediscover(&self) -> bool {
+    /// Reads the devices again, if a discovery was set. What it changed is not the question a
+    /// caller asks: another reading (the backstop's poll) may have taken the change first.
+    pub(super) fn rediscover(&self) {
         let Some(d) = self.discovery.get() else {
-            return false;
+            return;
         };
         match d.discover() {
-            Ok(found) => self.refresh_gpus(found),
-            Err(e) => {
-                tracing::warn!("cannot read the devices again: {e}");
-                false
+            Ok(found) => {
+                self.refresh_gpus(found);
             }
+            Err(e) => tracing::warn!("cannot read the devices again: {e}"),
         }
     }
 }
@@ -137,6 +137,43 @@ mod tests {
         // Still unknown after a fresh reading: refused as before.
         let e = arb.create(create("MIG-other")).await.unwrap_err();
         assert!(e.to_string().contains("no GPU with UUID MIG-other"), "{e}");
+        arb.delete(&status.id).await.unwrap();
+    }
+
+    /// A discovery whose walk finds the arbiter already holding what it finds: the backstop's
+    /// poll took the new instance in between the create's first look and its own walk.
+    struct PolledFirst(std::sync::Weak<Arbiter>, Vec<GpuInfo>);
+
+    impl std::fmt::Debug for PolledFirst {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("PolledFirst")
+        }
+    }
+
+    impl crate::gpus::GpuDiscovery for PolledFirst {
+        fn discover(&self) -> Result<Vec<GpuInfo>, crate::gpus::GpusError> {
+            let arb = self
+                .0
+                .upgrade()
+                .expect("the arbiter outlives its discovery");
+            assert!(
+                arb.refresh_gpus(self.1.clone()),
+                "the poll takes the instance"
+            );
+            Ok(self.1.clone())
+        }
+    }
+
+    /// Seen once in a CI-like loop: the DRA driver made an instance, the backstop's poll added
+    /// it a few microseconds before the create's walk, the walk changed nothing, and the create
+    /// was refused with "no GPU with UUID MIG-...".
+    #[tokio::test]
+    async fn an_instance_the_backstop_took_in_during_the_walk_is_found() {
+        let (_dir, arb) = arbiter(vec![gpu(0, "GPU-a")]);
+        let found = vec![gpu(0, "GPU-a"), gpu(mig_index(0, 0), "MIG-new")];
+        arb.set_discovery(Box::new(PolledFirst(Arc::downgrade(&arb), found)));
+        let (_token, status) = arb.create(create("MIG-new")).await.unwrap();
+        assert_eq!(status.gpu_uuid, "MIG-new");
         arb.delete(&status.id).await.unwrap();
     }
 
