@@ -331,13 +331,7 @@ mod tests {
         let created = arb.list().await[0].created_unix;
         child.kill().unwrap();
         child.wait().unwrap();
-        let unix = || {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_secs()
-        };
-        while unix() <= created {
+        while crate::state::now_unix() <= created {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert!(

@@ -215,7 +215,8 @@ pub struct Arbiter {
     reap_now: Arc<tokio::sync::Notify>,
 }
 
-fn now_unix() -> u64 {
+/// Seconds since the Unix epoch (0 before it).
+pub(crate) fn now_unix() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())

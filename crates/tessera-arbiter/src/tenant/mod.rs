@@ -32,6 +32,7 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use std::time::Instant;
@@ -115,7 +116,7 @@ struct ConnWriter {
     granted: Condvar,
     /// The connection asked with `LeaseAcquireTiered`: its interposer reads
     /// `LeaseGrantedLatency` (an older one would take that frame for garbage).
-    tiered: std::sync::atomic::AtomicBool,
+    tiered: AtomicBool,
 }
 
 impl ConnWriter {
@@ -185,7 +186,7 @@ impl GrantSink for ConnWriter {
     fn grant(&self, g: Grant) -> bool {
         let mut pending = self.lock();
         let ok = self.send_now(&match g.max_inflight_ns {
-            None if g.latency && self.tiered.load(std::sync::atomic::Ordering::Relaxed) => {
+            None if g.latency && self.tiered.load(Ordering::Relaxed) => {
                 TenantReply::LeaseGrantedLatency {
                     lease_id: g.lease_id,
                     duration_ns: g.duration_ns,
@@ -274,7 +275,7 @@ fn serve(
                 stream: w,
                 lease_pending: Mutex::new(false),
                 granted: Condvar::new(),
-                tiered: std::sync::atomic::AtomicBool::new(false),
+                tiered: AtomicBool::new(false),
             });
             serve_requests(
                 &arb,
@@ -344,14 +345,9 @@ fn serve_requests(
             let first = handled == 0;
             handled = handled.saturating_add(1);
             let kind = crate::stats::RequestKind::of(&req);
-            if matches!(
-                req,
-                TenantRequest::LeaseAcquire | TenantRequest::LeaseAcquireTiered
-            ) {
+            if kind == crate::stats::RequestKind::LeaseAcquire {
                 if req == TenantRequest::LeaseAcquireTiered {
-                    writer
-                        .tiered
-                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                    writer.tiered.store(true, Ordering::Relaxed);
                 }
                 if !leasing {
                     leasing = true;
